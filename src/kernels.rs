@@ -1,0 +1,295 @@
+//! Inner loops of the CPU backend: dtype conversion, dequantization and dot products.
+//!
+//! Each hot loop has a portable version and an AVX2+FMA version chosen at run time
+//! (`is_x86_feature_detected!`), so one binary runs on any x86-64 and uses the vector units where
+//! they exist. Tests compare both against naive f64 sums.
+
+use crate::linear::FloatType;
+use crate::safetensors::{bf16_to_f32, f16_to_f32};
+
+#[inline]
+fn has_avx2() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::sync::OnceLock;
+        static HAS: OnceLock<bool> = OnceLock::new();
+        *HAS.get_or_init(|| {
+            std::env::var_os("LILY_NO_SIMD").is_none()
+                && is_x86_feature_detected!("avx2")
+                && is_x86_feature_detected!("fma")
+        })
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    false
+}
+
+/// Little-endian float bytes of type `ty` -> f32.
+pub fn to_f32(ty: FloatType, src: &[u8], out: &mut [f32]) {
+    match ty {
+        FloatType::F32 => {
+            for (o, c) in out.iter_mut().zip(src.chunks_exact(4)) {
+                *o = f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
+            }
+        }
+        FloatType::BF16 => {
+            for (o, c) in out.iter_mut().zip(src.chunks_exact(2)) {
+                *o = bf16_to_f32(u16::from_le_bytes([c[0], c[1]]));
+            }
+        }
+        FloatType::F16 => {
+            for (o, c) in out.iter_mut().zip(src.chunks_exact(2)) {
+                *o = f16_to_f32(u16::from_le_bytes([c[0], c[1]]));
+            }
+        }
+    }
+}
+
+#[inline]
+fn scale_at(ty: FloatType, b: &[u8], i: usize) -> f32 {
+    match ty {
+        FloatType::F32 => f32::from_le_bytes(b[4 * i..4 * i + 4].try_into().unwrap()),
+        FloatType::BF16 => bf16_to_f32(u16::from_le_bytes([b[2 * i], b[2 * i + 1]])),
+        FloatType::F16 => f16_to_f32(u16::from_le_bytes([b[2 * i], b[2 * i + 1]])),
+    }
+}
+
+/// Dequantizes one packed row: `out[c] = s[c/g]·q[c] + b[c/g]`.
+pub fn dequant_row(bits: u32, group: usize, packed: &[u8], s: &[f32], b: &[f32], out: &mut [f32]) {
+    match bits {
+        4 => {
+            for (c, o) in out.iter_mut().enumerate() {
+                let byte = packed[c / 2];
+                let q = if c % 2 == 0 { byte & 15 } else { byte >> 4 };
+                *o = s[c / group] * q as f32 + b[c / group];
+            }
+        }
+        8 => {
+            for (c, o) in out.iter_mut().enumerate() {
+                *o = s[c / group] * packed[c] as f32 + b[c / group];
+            }
+        }
+        _ => unreachable!("bits checked at load"),
+    }
+}
+
+// ---- dense dot ------------------------------------------------------------------------------
+
+pub fn dot_dense(ty: FloatType, w: &[u8], x: &[f32]) -> f32 {
+    #[cfg(target_arch = "x86_64")]
+    if has_avx2() {
+        // SAFETY: AVX2 and FMA were detected above.
+        return unsafe { avx2::dot_dense(ty, w, x) };
+    }
+    let mut acc = [0f32; 8];
+    let n = x.len();
+    for i in 0..n {
+        acc[i % 8] += scale_at(ty, w, i) * x[i];
+    }
+    acc.iter().sum()
+}
+
+/// Plain f32 dot product, 8 lanes.
+pub fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
+    #[cfg(target_arch = "x86_64")]
+    if has_avx2() {
+        // SAFETY: AVX2 and FMA were detected above.
+        return unsafe { avx2::dot_f32(a, b) };
+    }
+    let mut acc = [0f32; 8];
+    let ca = a.chunks_exact(8);
+    let cb = b.chunks_exact(8);
+    let (ra, rb) = (ca.remainder(), cb.remainder());
+    for (x, y) in ca.zip(cb) {
+        for k in 0..8 {
+            acc[k] += x[k] * y[k];
+        }
+    }
+    let mut s: f32 = acc.iter().sum();
+    for (x, y) in ra.iter().zip(rb) {
+        s += x * y;
+    }
+    s
+}
+
+// ---- quantized dot --------------------------------------------------------------------------
+
+/// `Σ_c W[c] x[c]` for one packed row, with `gsum[g] = Σ_{c in group g} x[c]`.
+#[allow(clippy::too_many_arguments)]
+pub fn dot_quant(
+    bits: u32,
+    group: usize,
+    sty: FloatType,
+    packed: &[u8],
+    scales: &[u8],
+    biases: &[u8],
+    x: &[f32],
+    gsum: &[f32],
+) -> f32 {
+    #[cfg(target_arch = "x86_64")]
+    if has_avx2() {
+        // SAFETY: AVX2 and FMA were detected above.
+        return unsafe { avx2::dot_quant(bits, group, sty, packed, scales, biases, x, gsum) };
+    }
+    let mut total = 0f32;
+    for g in 0..x.len() / group {
+        let xs = &x[g * group..(g + 1) * group];
+        let mut acc = [0f32; 8];
+        if bits == 4 {
+            let ps = &packed[g * group / 2..(g + 1) * group / 2];
+            for (i, &byte) in ps.iter().enumerate() {
+                acc[(2 * i) % 8] += (byte & 15) as f32 * xs[2 * i];
+                acc[(2 * i + 1) % 8] += (byte >> 4) as f32 * xs[2 * i + 1];
+            }
+        } else {
+            let ps = &packed[g * group..(g + 1) * group];
+            for (i, &q) in ps.iter().enumerate() {
+                acc[i % 8] += q as f32 * xs[i];
+            }
+        }
+        let sq: f32 = acc.iter().sum();
+        total += scale_at(sty, scales, g) * sq + scale_at(sty, biases, g) * gsum[g];
+    }
+    total
+}
+
+/// `out[t, i] = Σ_k tile[i, k] · x[t, k]` for a small block of dequantized rows.
+pub fn gemm_tile(tile: &[f32], nr: usize, k: usize, x: &[f32], t: usize, out: &mut [f32]) {
+    for tt in 0..t {
+        let xr = &x[tt * k..(tt + 1) * k];
+        for i in 0..nr {
+            out[tt * nr + i] = dot_f32(&tile[i * k..(i + 1) * k], xr);
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx2 {
+    use super::scale_at;
+    use crate::linear::FloatType;
+    use std::arch::x86_64::*;
+
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn hsum(v: __m256) -> f32 {
+        let lo = _mm256_castps256_ps128(v);
+        let hi = _mm256_extractf128_ps(v, 1);
+        let s = _mm_add_ps(lo, hi);
+        let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+        let s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
+        _mm_cvtss_f32(s)
+    }
+
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
+        let n = a.len().min(b.len());
+        let (pa, pb) = (a.as_ptr(), b.as_ptr());
+        let mut acc0 = _mm256_setzero_ps();
+        let mut acc1 = _mm256_setzero_ps();
+        let mut i = 0;
+        while i + 16 <= n {
+            acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(pa.add(i)), _mm256_loadu_ps(pb.add(i)), acc0);
+            acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(pa.add(i + 8)), _mm256_loadu_ps(pb.add(i + 8)), acc1);
+            i += 16;
+        }
+        if i + 8 <= n {
+            acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(pa.add(i)), _mm256_loadu_ps(pb.add(i)), acc0);
+            i += 8;
+        }
+        let mut s = hsum(_mm256_add_ps(acc0, acc1));
+        while i < n {
+            s += a[i] * b[i];
+            i += 1;
+        }
+        s
+    }
+
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn dot_dense(ty: FloatType, w: &[u8], x: &[f32]) -> f32 {
+        let n = x.len();
+        let px = x.as_ptr();
+        let pw = w.as_ptr();
+        let mut acc = _mm256_setzero_ps();
+        let mut i = 0;
+        match ty {
+            FloatType::BF16 => {
+                while i + 8 <= n {
+                    let h = _mm_loadu_si128(pw.add(2 * i) as *const __m128i);
+                    let f = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+                    acc = _mm256_fmadd_ps(f, _mm256_loadu_ps(px.add(i)), acc);
+                    i += 8;
+                }
+            }
+            FloatType::F16 => {
+                while i + 8 <= n {
+                    let h = _mm_loadu_si128(pw.add(2 * i) as *const __m128i);
+                    acc = _mm256_fmadd_ps(_mm256_cvtph_ps(h), _mm256_loadu_ps(px.add(i)), acc);
+                    i += 8;
+                }
+            }
+            FloatType::F32 => {
+                while i + 8 <= n {
+                    let f = _mm256_loadu_ps(pw.add(4 * i) as *const f32);
+                    acc = _mm256_fmadd_ps(f, _mm256_loadu_ps(px.add(i)), acc);
+                    i += 8;
+                }
+            }
+        }
+        let mut s = hsum(acc);
+        while i < n {
+            s += scale_at(ty, w, i) * x[i];
+            i += 1;
+        }
+        s
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn dot_quant(
+        bits: u32,
+        group: usize,
+        sty: FloatType,
+        packed: &[u8],
+        scales: &[u8],
+        biases: &[u8],
+        x: &[f32],
+        gsum: &[f32],
+    ) -> f32 {
+        let ng = x.len() / group;
+        let px = x.as_ptr();
+        let pp = packed.as_ptr();
+        let shifts = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28);
+        let mask = _mm256_set1_epi32(15);
+        let mut total = 0f32;
+        for g in 0..ng {
+            let mut acc0 = _mm256_setzero_ps();
+            let mut acc1 = _mm256_setzero_ps();
+            let base = g * group;
+            if bits == 4 {
+                let mut c = 0;
+                while c < group {
+                    let w0 = (pp.add((base + c) / 2) as *const u32).read_unaligned();
+                    let w1 = (pp.add((base + c + 8) / 2) as *const u32).read_unaligned();
+                    let q0 = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(w0 as i32), shifts), mask);
+                    let q1 = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(w1 as i32), shifts), mask);
+                    acc0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q0), _mm256_loadu_ps(px.add(base + c)), acc0);
+                    acc1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q1), _mm256_loadu_ps(px.add(base + c + 8)), acc1);
+                    c += 16;
+                }
+            } else {
+                let mut c = 0;
+                while c < group {
+                    let b0 = _mm_loadl_epi64(pp.add(base + c) as *const __m128i);
+                    let b1 = _mm_loadl_epi64(pp.add(base + c + 8) as *const __m128i);
+                    let q0 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(b0));
+                    let q1 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(b1));
+                    acc0 = _mm256_fmadd_ps(q0, _mm256_loadu_ps(px.add(base + c)), acc0);
+                    acc1 = _mm256_fmadd_ps(q1, _mm256_loadu_ps(px.add(base + c + 8)), acc1);
+                    c += 16;
+                }
+            }
+            let sq = hsum(_mm256_add_ps(acc0, acc1));
+            total += scale_at(sty, scales, g) * sq + scale_at(sty, biases, g) * gsum[g];
+        }
+        total
+    }
+}

@@ -1,0 +1,216 @@
+//! Weight matrices in their checkpoint form and the products the CPU computes with them.
+//!
+//! A [`Linear`] is `rows × cols` (PyTorch `[out, in]`): `y[t, r] = Σ_c W[r, c] · x[t, c]`.
+//! Storage stays packed as loaded (no dequantized copy of the model):
+//! - dense bf16 / f16 / f32, row-major;
+//! - MLX affine quantization: `packed: u32 [rows, cols·bits/32]` (element j of a word is
+//!   `(w >> bits·j) & mask`, little-endian along the row), `scales`, `biases: [rows, cols/group]`
+//!   (bf16, f16 or f32), `W[r, c] = scale[r, c/g] · q[r, c] + bias[r, c/g]`.
+//!
+//! Matrix-vector products use the affine identity per group: `Σ(s·q + b)x = s·Σqx + b·Σx`.
+//! Matrix-matrix products dequantize one block of rows into a small per-thread f32 tile and reuse it
+//! across all tokens.
+
+use crate::kernels;
+use crate::safetensors::{Bytes, Dtype};
+use anyhow::{bail, Result};
+use rayon::prelude::*;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FloatType {
+    F32,
+    F16,
+    BF16,
+}
+
+impl FloatType {
+    pub fn from_dtype(d: Dtype) -> Option<FloatType> {
+        match d {
+            Dtype::F32 => Some(FloatType::F32),
+            Dtype::F16 => Some(FloatType::F16),
+            Dtype::BF16 => Some(FloatType::BF16),
+            _ => None,
+        }
+    }
+    pub fn size(self) -> usize {
+        match self {
+            FloatType::F32 => 4,
+            _ => 2,
+        }
+    }
+}
+
+#[derive(Clone)]
+pub enum Weight {
+    Dense { ty: FloatType, data: Bytes },
+    Quant { bits: u32, group: usize, packed: Bytes, scales: Bytes, biases: Bytes, sty: FloatType },
+}
+
+#[derive(Clone)]
+pub struct Linear {
+    pub rows: usize,
+    pub cols: usize,
+    pub w: Weight,
+}
+
+impl Linear {
+    pub fn dense(rows: usize, cols: usize, ty: FloatType, data: Bytes) -> Result<Linear> {
+        if data.len() != rows * cols * ty.size() {
+            bail!("dense weight of {} bytes does not match [{rows}, {cols}]", data.len());
+        }
+        Ok(Linear { rows, cols, w: Weight::Dense { ty, data } })
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    pub fn quant(
+        rows: usize,
+        cols: usize,
+        bits: u32,
+        group: usize,
+        packed: Bytes,
+        scales: Bytes,
+        biases: Bytes,
+        sty: FloatType,
+    ) -> Result<Linear> {
+        if bits != 4 && bits != 8 {
+            bail!("{bits}-bit weights are not supported (4 or 8)");
+        }
+        if cols % group != 0 || group % 8 != 0 {
+            bail!("input width {cols} is not a multiple of the quantization group {group}");
+        }
+        let want_p = rows * cols * bits as usize / 8;
+        let want_s = rows * (cols / group) * sty.size();
+        if packed.len() != want_p || scales.len() != want_s || biases.len() != want_s {
+            bail!("quantized weight buffers do not match [{rows}, {cols}] at {bits} bits, group {group}");
+        }
+        Ok(Linear { rows, cols, w: Weight::Quant { bits, group, packed, scales, biases, sty } })
+    }
+
+    /// Rows `[r0, r0 + n)` as their own matrix (no copy).
+    pub fn row_range(&self, r0: usize, n: usize) -> Linear {
+        assert!(r0 + n <= self.rows);
+        let w = match &self.w {
+            Weight::Dense { ty, data } => {
+                let rb = self.cols * ty.size();
+                Weight::Dense { ty: *ty, data: data.slice(r0 * rb, n * rb) }
+            }
+            Weight::Quant { bits, group, packed, scales, biases, sty } => {
+                let pb = self.cols * *bits as usize / 8;
+                let sb = self.cols / group * sty.size();
+                Weight::Quant {
+                    bits: *bits,
+                    group: *group,
+                    packed: packed.slice(r0 * pb, n * pb),
+                    scales: scales.slice(r0 * sb, n * sb),
+                    biases: biases.slice(r0 * sb, n * sb),
+                    sty: *sty,
+                }
+            }
+        };
+        Linear { rows: n, cols: self.cols, w }
+    }
+
+    /// Bytes this matrix occupies (what one full pass over it streams from memory).
+    pub fn nbytes(&self) -> usize {
+        match &self.w {
+            Weight::Dense { data, .. } => data.len(),
+            Weight::Quant { packed, scales, biases, .. } => packed.len() + scales.len() + biases.len(),
+        }
+    }
+
+    /// Row `r` dequantized to f32 into `out[..cols]`.
+    pub fn row_f32(&self, r: usize, out: &mut [f32]) {
+        assert!(r < self.rows && out.len() >= self.cols);
+        let out = &mut out[..self.cols];
+        match &self.w {
+            Weight::Dense { ty, data } => {
+                let rb = self.cols * ty.size();
+                kernels::to_f32(*ty, &data.as_slice()[r * rb..(r + 1) * rb], out);
+            }
+            Weight::Quant { bits, group, packed, scales, biases, sty } => {
+                let pb = self.cols * *bits as usize / 8;
+                let ng = self.cols / group;
+                let sb = ng * sty.size();
+                let mut s = vec![0f32; ng];
+                let mut b = vec![0f32; ng];
+                kernels::to_f32(*sty, &scales.as_slice()[r * sb..(r + 1) * sb], &mut s);
+                kernels::to_f32(*sty, &biases.as_slice()[r * sb..(r + 1) * sb], &mut b);
+                kernels::dequant_row(*bits, *group, &packed.as_slice()[r * pb..(r + 1) * pb], &s, &b, out);
+            }
+        }
+    }
+
+    /// `y[r] = Σ_c W[r,c] x[c]` for one vector, parallel over rows.
+    pub fn matvec(&self, x: &[f32], y: &mut [f32]) {
+        assert_eq!(x.len(), self.cols, "matvec input width");
+        assert_eq!(y.len(), self.rows, "matvec output height");
+        let chunk = (self.rows / (4 * rayon::current_num_threads()).max(1)).clamp(16, 1024);
+        match &self.w {
+            Weight::Dense { ty, data } => {
+                let rb = self.cols * ty.size();
+                let d = data.as_slice();
+                y.par_chunks_mut(chunk).enumerate().for_each(|(ci, ys)| {
+                    for (i, yr) in ys.iter_mut().enumerate() {
+                        let r = ci * chunk + i;
+                        *yr = kernels::dot_dense(*ty, &d[r * rb..(r + 1) * rb], x);
+                    }
+                });
+            }
+            Weight::Quant { bits, group, packed, scales, biases, sty } => {
+                let gsum: Vec<f32> = x.chunks_exact(*group).map(|g| g.iter().sum()).collect();
+                let pb = self.cols * *bits as usize / 8;
+                let sb = self.cols / group * sty.size();
+                let (p, s, b) = (packed.as_slice(), scales.as_slice(), biases.as_slice());
+                y.par_chunks_mut(chunk).enumerate().for_each(|(ci, ys)| {
+                    for (i, yr) in ys.iter_mut().enumerate() {
+                        let r = ci * chunk + i;
+                        *yr = kernels::dot_quant(
+                            *bits,
+                            *group,
+                            *sty,
+                            &p[r * pb..(r + 1) * pb],
+                            &s[r * sb..(r + 1) * sb],
+                            &b[r * sb..(r + 1) * sb],
+                            x,
+                            &gsum,
+                        );
+                    }
+                });
+            }
+        }
+    }
+
+    /// `y[t, r] = Σ_c W[r,c] x[t,c]` for `t` tokens (`x: [t, cols]`, `y: [t, rows]`).
+    pub fn matmul(&self, x: &[f32], y: &mut [f32]) {
+        let t = x.len() / self.cols;
+        assert_eq!(x.len(), t * self.cols, "matmul input width");
+        assert_eq!(y.len(), t * self.rows, "matmul output shape");
+        if t == 1 {
+            return self.matvec(x, y);
+        }
+        const RB: usize = 16;
+        let nblocks = self.rows.div_ceil(RB);
+        // Each block writes a column stripe of y; collect per-block results then scatter.
+        let blocks: Vec<Vec<f32>> = (0..nblocks)
+            .into_par_iter()
+            .map(|bi| {
+                let r0 = bi * RB;
+                let nr = RB.min(self.rows - r0);
+                let mut tile = vec![0f32; nr * self.cols];
+                for i in 0..nr {
+                    self.row_f32(r0 + i, &mut tile[i * self.cols..(i + 1) * self.cols]);
+                }
+                let mut out = vec![0f32; t * nr];
+                kernels::gemm_tile(&tile, nr, self.cols, x, t, &mut out);
+                out
+            })
+            .collect();
+        for (bi, out) in blocks.iter().enumerate() {
+            let r0 = bi * RB;
+            let nr = out.len() / t;
+            for tt in 0..t {
+                y[tt * self.rows + r0..tt * self.rows + r0 + nr].copy_from_slice(&out[tt * nr..(tt + 1) * nr]);
+            }
+        }
+    }
+}

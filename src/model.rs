@@ -1,0 +1,279 @@
+//! The Qwen3.5/3.6 hybrid model: its weights and the forward pass, top to bottom.
+//!
+//! Legend: T tokens in this call, H hidden size, V vocab. Per layer:
+//! `h = x + Mixer(RMSNorm_in(x)); x' = h + FFN(RMSNorm_post(h))`, where Mixer is a Gated DeltaNet
+//! or a gated full-attention layer and FFN is the MoE (routed experts + gated shared expert) or a
+//! dense SwiGLU MLP. Then the final RMSNorm and lm_head. All activations are fp32.
+
+use crate::config::ModelConfig;
+use crate::cpu::attention::{attention, AttnDims};
+use crate::cpu::conv::causal_conv1d_silu;
+use crate::cpu::gdn::{self, GdnDims, GdnInputs};
+use crate::cpu::moe::route;
+use crate::cpu::norm::{gated_rms_norm, l2_norm, rms_norm, rms_norm_into, sigmoid, silu, softplus};
+use crate::cpu::rope::Rope;
+use crate::linear::Linear;
+use crate::state::{LayerState, State};
+use rayon::prelude::*;
+
+pub struct Mlp {
+    pub gate: Linear, // [I, H]
+    pub up: Linear,   // [I, H]
+    pub down: Linear, // [H, I]
+}
+
+pub struct Moe {
+    pub router: Linear,      // [E, H]
+    pub experts: Vec<Mlp>,   // E × (I = moe_intermediate_size)
+    pub shared: Mlp,         // I = shared_expert_intermediate_size
+    pub shared_gate: Linear, // [1, H]
+}
+
+pub enum Ffn {
+    Moe(Moe),
+    Dense(Mlp),
+}
+
+pub struct Gdn {
+    pub in_qkv: Linear,   // [2·H_k·D_k + H_v·D_v, H]
+    pub in_z: Linear,     // [H_v·D_v, H]
+    pub in_b: Linear,     // [H_v, H]
+    pub in_a: Linear,     // [H_v, H]
+    pub conv: Vec<f32>,   // [C, K]
+    pub dt_bias: Vec<f32>, // [H_v]
+    pub neg_a: Vec<f32>,  // [H_v] = −exp(A_log)
+    pub norm: Vec<f32>,   // [D_v], plain multiplier (never shifted)
+    pub out: Linear,      // [H, H_v·D_v]
+}
+
+pub struct Attention {
+    pub q: Linear,        // [H_q·D·2, H]: per head [q | gate]
+    pub k: Linear,        // [H_kv·D, H]
+    pub v: Linear,        // [H_kv·D, H]
+    pub o: Linear,        // [H, H_q·D]
+    pub q_norm: Vec<f32>, // [D]
+    pub k_norm: Vec<f32>, // [D]
+}
+
+pub enum Mixer {
+    Gdn(Gdn),
+    Attention(Attention),
+}
+
+pub struct Layer {
+    pub input_norm: Vec<f32>, // [H]
+    pub post_norm: Vec<f32>,  // [H]
+    pub mixer: Mixer,
+    pub ffn: Ffn,
+}
+
+pub struct Model {
+    pub cfg: ModelConfig,
+    pub embed: Linear, // [V, H]
+    pub layers: Vec<Layer>,
+    pub norm: Vec<f32>, // [H]
+    pub lm_head: Linear, // [V, H]
+    pub rope: Rope,
+}
+
+/// Which logits a forward call returns.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub enum Logits {
+    Last,
+    All,
+}
+
+impl Model {
+    pub fn new_state(&self) -> State {
+        State::new(&self.cfg)
+    }
+
+    /// Bytes of weights one decode step reads (active experts only), for bandwidth reports.
+    pub fn decode_bytes_per_token(&self) -> usize {
+        let k = self.cfg.num_experts_per_tok;
+        let mlp = |m: &Mlp| m.gate.nbytes() + m.up.nbytes() + m.down.nbytes();
+        let mut total = self.lm_head.nbytes() + self.embed.nbytes() / self.cfg.vocab_size;
+        for l in &self.layers {
+            total += match &l.mixer {
+                Mixer::Gdn(g) => g.in_qkv.nbytes() + g.in_z.nbytes() + g.in_b.nbytes() + g.in_a.nbytes() + g.out.nbytes(),
+                Mixer::Attention(a) => a.q.nbytes() + a.k.nbytes() + a.v.nbytes() + a.o.nbytes(),
+            };
+            total += match &l.ffn {
+                Ffn::Dense(m) => mlp(m),
+                Ffn::Moe(m) => {
+                    m.router.nbytes() + m.shared_gate.nbytes() + mlp(&m.shared) + k * mlp(&m.experts[0])
+                }
+            };
+        }
+        total
+    }
+
+    /// Runs `tokens` through the model at positions `state.pos..`, updating the caches.
+    /// Returns logits `[1, V]` (Last) or `[T, V]` (All).
+    pub fn forward(&self, tokens: &[u32], state: &mut State, which: Logits) -> Vec<f32> {
+        let cfg = &self.cfg;
+        let (t, hid) = (tokens.len(), cfg.hidden_size);
+        assert!(t > 0, "forward: no tokens");
+        let mut x = vec![0f32; t * hid]; // [T, H]
+        for (i, &tok) in tokens.iter().enumerate() {
+            self.embed.row_f32(tok as usize, &mut x[i * hid..(i + 1) * hid]);
+        }
+        let mut xn = vec![0f32; t * hid]; // [T, H]
+        for (layer, ls) in self.layers.iter().zip(state.layers.iter_mut()) {
+            rms_norm_into(&x, &layer.input_norm, cfg.rms_norm_eps, &mut xn);
+            let mixed = match (&layer.mixer, ls) {
+                (Mixer::Gdn(g), LayerState::Gdn { conv, rec }) => self.gdn(g, &xn, t, conv, rec),
+                (Mixer::Attention(a), LayerState::Attention { k, v }) => self.attention(a, &xn, t, state.pos, k, v),
+                _ => unreachable!("state built from the same config"),
+            };
+            add(&mut x, &mixed);
+            rms_norm_into(&x, &layer.post_norm, cfg.rms_norm_eps, &mut xn);
+            let ff = match &layer.ffn {
+                Ffn::Moe(m) => self.moe(m, &xn, t),
+                Ffn::Dense(m) => mlp(m, &xn, t),
+            };
+            add(&mut x, &ff);
+        }
+        state.pos += t;
+        let rows: &[f32] = match which {
+            Logits::Last => &x[(t - 1) * hid..],
+            Logits::All => &x,
+        };
+        let mut h = rows.to_vec();
+        rms_norm(&mut h, &self.norm, cfg.rms_norm_eps);
+        let n = h.len() / hid;
+        let mut logits = vec![0f32; n * cfg.vocab_size];
+        self.lm_head.matmul(&h, &mut logits);
+        logits
+    }
+
+    fn gdn(&self, g: &Gdn, xn: &[f32], t: usize, conv_state: &mut [f32], rec: &mut [f32]) -> Vec<f32> {
+        let cfg = &self.cfg;
+        let d = GdnDims {
+            hk: cfg.linear_num_key_heads,
+            hv: cfg.linear_num_value_heads,
+            dk: cfg.linear_key_head_dim,
+            dv: cfg.linear_value_head_dim,
+        };
+        let (kd, vd, cd) = (cfg.gdn_key_dim(), cfg.gdn_value_dim(), cfg.gdn_conv_dim());
+        let qkv = proj(&g.in_qkv, xn, t); // [T, C] = [q | k | v]
+        let z = proj(&g.in_z, xn, t); // [T, H_v·D_v]
+        let b = proj(&g.in_b, xn, t); // [T, H_v]
+        let a = proj(&g.in_a, xn, t); // [T, H_v]
+        let mut conv = vec![0f32; t * cd]; // [T, C]
+        causal_conv1d_silu(&qkv, t, cd, &g.conv, cfg.linear_conv_kernel_dim, conv_state, &mut conv);
+        let mut q = Vec::with_capacity(t * kd); // [T, H_k, D_k]
+        let mut k = Vec::with_capacity(t * kd); // [T, H_k, D_k]
+        let mut v = Vec::with_capacity(t * vd); // [T, H_v, D_v]
+        for row in conv.chunks_exact(cd) {
+            q.extend_from_slice(&row[..kd]);
+            k.extend_from_slice(&row[kd..2 * kd]);
+            v.extend_from_slice(&row[2 * kd..]);
+        }
+        l2_norm(&mut q, d.dk, 1e-6, 1.0 / (d.dk as f32).sqrt());
+        l2_norm(&mut k, d.dk, 1e-6, 1.0);
+        let beta: Vec<f32> = b.iter().map(|&x| sigmoid(x)).collect(); // [T, H_v]
+        let gdec: Vec<f32> = a
+            .iter()
+            .enumerate()
+            .map(|(i, &x)| g.neg_a[i % d.hv] * softplus(x + g.dt_bias[i % d.hv]))
+            .collect(); // [T, H_v]
+        let mut o = vec![0f32; t * vd]; // [T, H_v, D_v]
+        let inputs = GdnInputs { q: &q, k: &k, v: &v, g: &gdec, beta: &beta };
+        gdn::recurrent(d, t, &inputs, rec, &mut o);
+        gated_rms_norm(&mut o, &z, &g.norm, cfg.rms_norm_eps);
+        proj(&g.out, &o, t)
+    }
+
+    fn attention(&self, a: &Attention, xn: &[f32], t: usize, p0: usize, kc: &mut Vec<f32>, vc: &mut Vec<f32>) -> Vec<f32> {
+        let cfg = &self.cfg;
+        let (nh, hd, kvd) = (cfg.num_attention_heads, cfg.head_dim, cfg.kv_dim());
+        let qg = proj(&a.q, xn, t); // [T, H_q, 2, D] when gated (per head [q | gate])
+        let mut k = proj(&a.k, xn, t); // [T, H_kv, D]
+        let v = proj(&a.v, xn, t); // [T, H_kv, D]
+        let per_head = if cfg.attn_output_gate { 2 * hd } else { hd };
+        let mut q = vec![0f32; t * nh * hd]; // [T, H_q, D]
+        let mut gate = vec![0f32; if cfg.attn_output_gate { t * nh * hd } else { 0 }]; // [T, H_q, D]
+        for i in 0..t * nh {
+            let src = &qg[i * per_head..(i + 1) * per_head];
+            q[i * hd..(i + 1) * hd].copy_from_slice(&src[..hd]);
+            if cfg.attn_output_gate {
+                gate[i * hd..(i + 1) * hd].copy_from_slice(&src[hd..]);
+            }
+        }
+        rms_norm(&mut q, &a.q_norm, cfg.rms_norm_eps);
+        rms_norm(&mut k, &a.k_norm, cfg.rms_norm_eps);
+        for tt in 0..t {
+            self.rope.apply(&mut q[tt * nh * hd..(tt + 1) * nh * hd], hd, p0 + tt);
+            self.rope.apply(&mut k[tt * kvd..(tt + 1) * kvd], hd, p0 + tt);
+        }
+        kc.extend_from_slice(&k);
+        vc.extend_from_slice(&v);
+        let mut o = vec![0f32; t * nh * hd]; // [T, H_q, D]
+        let dims = AttnDims { heads: nh, kv_heads: cfg.num_key_value_heads, head_dim: hd };
+        attention(&dims, &q, t, p0, kc, vc, 1.0 / (hd as f32).sqrt(), &mut o);
+        if cfg.attn_output_gate {
+            for (ov, gv) in o.iter_mut().zip(&gate) {
+                *ov *= sigmoid(*gv);
+            }
+        }
+        proj(&a.o, &o, t)
+    }
+
+    fn moe(&self, m: &Moe, xn: &[f32], t: usize) -> Vec<f32> {
+        let cfg = &self.cfg;
+        let hid = cfg.hidden_size;
+        let logits = proj(&m.router, xn, t); // [T, E]
+        // Group tokens by expert: (token, weight) lists.
+        let mut per_expert: Vec<Vec<(usize, f32)>> = vec![Vec::new(); cfg.num_experts];
+        for tt in 0..t {
+            let l = &logits[tt * cfg.num_experts..(tt + 1) * cfg.num_experts];
+            for (e, w) in route(l, cfg.num_experts_per_tok, cfg.norm_topk_prob) {
+                per_expert[e].push((tt, w));
+            }
+        }
+        let active: Vec<(usize, &Vec<(usize, f32)>)> =
+            per_expert.iter().enumerate().filter(|(_, v)| !v.is_empty()).collect();
+        let mut y = mlp(&m.shared, xn, t); // [T, H]
+        let sg = proj(&m.shared_gate, xn, t); // [T, 1]
+        for tt in 0..t {
+            let s = sigmoid(sg[tt]);
+            y[tt * hid..(tt + 1) * hid].iter_mut().for_each(|v| *v *= s);
+        }
+        // Each active expert runs on its own tokens; results are summed in a fixed order.
+        let outs: Vec<Vec<f32>> = active
+            .par_iter()
+            .map(|(e, toks)| {
+                let xe: Vec<f32> = toks.iter().flat_map(|(tt, _)| xn[tt * hid..(tt + 1) * hid].to_vec()).collect();
+                mlp(&m.experts[*e], &xe, toks.len())
+            })
+            .collect();
+        for ((_, toks), out) in active.iter().zip(&outs) {
+            for (i, (tt, w)) in toks.iter().enumerate() {
+                for (yv, ov) in y[tt * hid..(tt + 1) * hid].iter_mut().zip(&out[i * hid..(i + 1) * hid]) {
+                    *yv += w * ov;
+                }
+            }
+        }
+        y
+    }
+}
+
+fn add(x: &mut [f32], y: &[f32]) {
+    x.iter_mut().zip(y).for_each(|(a, b)| *a += b);
+}
+
+/// `x: [T, cols] -> [T, rows]`.
+fn proj(w: &Linear, x: &[f32], t: usize) -> Vec<f32> {
+    let mut y = vec![0f32; t * w.rows];
+    w.matmul(x, &mut y);
+    y
+}
+
+/// SwiGLU: `down(silu(gate x) ⊙ up x)`.
+fn mlp(m: &Mlp, x: &[f32], t: usize) -> Vec<f32> {
+    let mut g = proj(&m.gate, x, t);
+    let u = proj(&m.up, x, t);
+    g.iter_mut().zip(&u).for_each(|(a, b)| *a = silu(*a) * b);
+    proj(&m.down, &g, t)
+}
