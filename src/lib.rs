@@ -10,3 +10,8 @@ pub mod progress;
 pub mod safetensors;
 pub mod state;
 pub mod weights;
+pub mod generate;
+pub mod loader;
+pub mod sampling;
+pub mod synthetic;
+pub mod tokenizer;

@@ -1,0 +1,67 @@
+//! Subcommands of the `lily` binary and the options they share.
+
+pub mod bench;
+pub mod perplexity;
+pub mod run;
+pub mod tokenize;
+
+use anyhow::{bail, Result};
+use clap::{Args, ValueEnum};
+use lily::generate::{CpuSession, Session};
+use lily::loader::Loaded;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum Device {
+    Cpu,
+    Cuda,
+    Auto,
+}
+
+#[derive(Args, Clone, Debug)]
+pub struct ModelArgs {
+    /// Model directory (MLX or Hugging Face layout) or `synthetic:tiny` / `synthetic:qwen3.6-35b-a3b`.
+    #[arg(long)]
+    pub model: String,
+    /// Number of layers of a synthetic model (keeps the 3:1 GDN/attention pattern).
+    #[arg(long)]
+    pub layers: Option<usize>,
+    /// Where to run.
+    #[arg(long, value_enum, default_value = "auto")]
+    pub device: Device,
+    /// CPU threads (default: all cores).
+    #[arg(long)]
+    pub threads: Option<usize>,
+}
+
+impl ModelArgs {
+    pub fn load(&self) -> Result<Loaded> {
+        if let Some(n) = self.threads {
+            if n == 0 {
+                bail!("--threads must be at least 1");
+            }
+            rayon::ThreadPoolBuilder::new().num_threads(n).build_global().ok();
+        }
+        if self.device == Device::Cuda {
+            bail!("--device cuda: this build of lily has no CUDA backend yet; use --device cpu");
+        }
+        lily::loader::load(&self.model, self.layers)
+    }
+
+    pub fn session(&self, loaded: &Loaded) -> Box<dyn Session> {
+        Box::new(CpuSession::new(loaded.model.clone()))
+    }
+}
+
+/// Parses `1,2,3` or `1 2 3` (any mix of commas and whitespace) into token ids.
+pub fn parse_token_list(s: &str) -> Result<Vec<u32>> {
+    let ids: Result<Vec<u32>> = s
+        .split(|c: char| c == ',' || c.is_whitespace())
+        .filter(|p| !p.is_empty())
+        .map(|p| p.parse::<u32>().map_err(|_| anyhow::anyhow!("`{p}` is not a token id")))
+        .collect();
+    let ids = ids?;
+    if ids.is_empty() {
+        bail!("no token ids given");
+    }
+    Ok(ids)
+}

@@ -1,0 +1,234 @@
+//! `lily run` (one prompt) and `lily chat` (interactive).
+
+use super::{parse_token_list, ModelArgs};
+use anyhow::{bail, Context, Result};
+use clap::Args;
+use lily::generate::{generate, Flow, GenerateOptions};
+use lily::sampling::SamplingParams;
+use lily::tokenizer::{StreamDecoder, Tokenizer};
+use serde_json::{json, Value};
+use std::io::{BufRead, Write};
+
+#[derive(Args, Clone, Debug)]
+pub struct SampleArgs {
+    /// Maximum tokens to generate.
+    #[arg(long, default_value_t = 256)]
+    pub max_tokens: usize,
+    /// Sampling temperature; 0 = greedy.
+    #[arg(long, default_value_t = 0.0)]
+    pub temperature: f32,
+    #[arg(long, default_value_t = 1.0)]
+    pub top_p: f32,
+    /// 0 = off.
+    #[arg(long, default_value_t = 0)]
+    pub top_k: usize,
+    /// 0 = off.
+    #[arg(long, default_value_t = 0.0)]
+    pub min_p: f32,
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Disable thinking (renders the template with enable_thinking=false).
+    #[arg(long)]
+    pub no_think: bool,
+}
+
+impl SampleArgs {
+    fn params(&self) -> SamplingParams {
+        SamplingParams {
+            temperature: self.temperature,
+            top_k: self.top_k,
+            top_p: self.top_p,
+            min_p: self.min_p,
+            seed: self.seed,
+        }
+    }
+}
+
+#[derive(Args, Debug)]
+pub struct RunArgs {
+    #[command(flatten)]
+    pub model: ModelArgs,
+    #[command(flatten)]
+    pub sample: SampleArgs,
+    /// The prompt (a user message, rendered with the chat template unless --raw).
+    #[arg(long, conflicts_with = "prompt_tokens")]
+    pub prompt: Option<String>,
+    /// Prompt as token ids, e.g. `1,2,3` (no template).
+    #[arg(long)]
+    pub prompt_tokens: Option<String>,
+    /// Feed the prompt text as is, without the chat template.
+    #[arg(long)]
+    pub raw: bool,
+    /// Optional system message.
+    #[arg(long)]
+    pub system: Option<String>,
+    /// Print one JSON object (tokens, text, timings) as the last line of stdout.
+    #[arg(long)]
+    pub json: bool,
+}
+
+fn template_kwargs(no_think: bool) -> serde_json::Map<String, Value> {
+    let mut m = serde_json::Map::new();
+    m.insert("enable_thinking".into(), Value::Bool(!no_think));
+    m
+}
+
+pub fn run(a: RunArgs) -> Result<()> {
+    a.sample.params().validate()?;
+    let loaded = a.model.load()?;
+    let tok = loaded.tokenizer.as_ref();
+    let prompt: Vec<u32> = match (&a.prompt, &a.prompt_tokens) {
+        (_, Some(ids)) => parse_token_list(ids)?,
+        (Some(text), None) => {
+            let tok = tok.context("this model has no tokenizer.json: pass --prompt-tokens instead of --prompt")?;
+            if a.raw {
+                tok.encode(text)?
+            } else {
+                let mut msgs = Vec::new();
+                if let Some(s) = &a.system {
+                    msgs.push(json!({"role": "system", "content": s}));
+                }
+                msgs.push(json!({"role": "user", "content": text}));
+                let rendered = tok.apply_chat_template(&Value::Array(msgs), None, true, &template_kwargs(a.sample.no_think))?;
+                tok.encode(&rendered)?
+            }
+        }
+        (None, None) => bail!("give --prompt TEXT or --prompt-tokens IDS"),
+    };
+    let mut session = a.model.session(&loaded);
+    let eos_ids = match tok {
+        Some(t) => t.eos_ids.clone(),
+        None => loaded.model.cfg.eos_token_ids.clone(),
+    };
+    let opts = GenerateOptions { max_tokens: a.sample.max_tokens, sampling: a.sample.params(), eos_ids };
+    let mut dec = StreamDecoder::new();
+    let mut text = String::new();
+    let stdout = std::io::stdout();
+    let gen = generate(session.as_mut(), &prompt, &opts, |id| {
+        let piece = match tok {
+            Some(t) => dec.push(t, id)?,
+            None => format!("{id} "),
+        };
+        text.push_str(&piece);
+        let mut out = stdout.lock();
+        out.write_all(piece.as_bytes())?;
+        out.flush()?;
+        Ok(Flow::Continue)
+    })?;
+    if let Some(t) = tok {
+        let rest = dec.flush(t)?;
+        print!("{rest}");
+        text.push_str(&rest);
+    }
+    println!();
+    let n = gen.tokens.len();
+    let decode_tps = if n > 1 { (n - 1) as f64 / gen.decode_secs.max(1e-9) } else { 0.0 };
+    eprintln!(
+        "[prompt {} tokens, {:.1} tok/s | generated {} tokens, {:.2} tok/s | finish: {:?}]",
+        gen.prompt_tokens,
+        gen.prompt_tokens as f64 / gen.prefill_secs.max(1e-9),
+        n,
+        decode_tps,
+        gen.finish
+    );
+    if a.json {
+        let obj = json!({
+            "tokens": gen.tokens,
+            "text": text,
+            "prompt_tokens": gen.prompt_tokens,
+            "finish_reason": match gen.finish { lily::generate::FinishReason::Eos => "stop", lily::generate::FinishReason::Length => "length", lily::generate::FinishReason::Stopped => "stop" },
+            "timings": {
+                "prefill_secs": gen.prefill_secs,
+                "decode_secs": gen.decode_secs,
+                "prefill_tokens_per_s": gen.prompt_tokens as f64 / gen.prefill_secs.max(1e-9),
+                "decode_tokens_per_s": decode_tps,
+            }
+        });
+        println!("{obj}");
+    }
+    Ok(())
+}
+
+#[derive(Args, Debug)]
+pub struct ChatArgs {
+    #[command(flatten)]
+    pub model: ModelArgs,
+    #[command(flatten)]
+    pub sample: SampleArgs,
+    /// Optional system message.
+    #[arg(long)]
+    pub system: Option<String>,
+}
+
+/// Multi-turn chat. Each turn re-renders the conversation; when the cached tokens are a prefix
+/// of the new rendering only the new suffix is prefilled, otherwise the session starts over.
+pub fn chat(a: ChatArgs) -> Result<()> {
+    a.sample.params().validate()?;
+    let loaded = a.model.load()?;
+    let tok: &Tokenizer = loaded.tokenizer.as_ref().context("chat needs a model with tokenizer.json")?;
+    let mut session = a.model.session(&loaded);
+    let mut cached: Vec<u32> = Vec::new();
+    let mut messages: Vec<Value> = Vec::new();
+    if let Some(s) = &a.system {
+        messages.push(json!({"role": "system", "content": s}));
+    }
+    let kwargs = template_kwargs(a.sample.no_think);
+    eprintln!("lily chat: type a message, /reset to start over, /quit or Ctrl-D to leave.");
+    let stdin = std::io::stdin();
+    loop {
+        eprint!("> ");
+        std::io::stderr().flush().ok();
+        let mut line = String::new();
+        if stdin.lock().read_line(&mut line)? == 0 {
+            break;
+        }
+        let line = line.trim_end_matches(['\n', '\r']);
+        match line.trim() {
+            "" => continue,
+            "/quit" | "/exit" => break,
+            "/reset" => {
+                messages.retain(|m| m["role"] == "system");
+                session = a.model.session(&loaded);
+                cached.clear();
+                continue;
+            }
+            _ => {}
+        }
+        messages.push(json!({"role": "user", "content": line}));
+        let rendered = tok.apply_chat_template(&Value::Array(messages.clone()), None, true, &kwargs)?;
+        let full = tok.encode(&rendered)?;
+        let suffix: Vec<u32> = if !cached.is_empty() && full.len() > cached.len() && full.starts_with(&cached) {
+            full[cached.len()..].to_vec()
+        } else {
+            session = a.model.session(&loaded);
+            full.clone()
+        };
+        let opts = GenerateOptions {
+            max_tokens: a.sample.max_tokens,
+            sampling: SamplingParams { seed: a.sample.seed.wrapping_add(messages.len() as u64), ..a.sample.params() },
+            eos_ids: tok.eos_ids.clone(),
+        };
+        let mut dec = StreamDecoder::new();
+        let mut reply = String::new();
+        let gen = generate(session.as_mut(), &suffix, &opts, |id| {
+            let piece = dec.push(tok, id)?;
+            reply.push_str(&piece);
+            print!("{piece}");
+            std::io::stdout().flush()?;
+            Ok(Flow::Continue)
+        })?;
+        let rest = dec.flush(tok)?;
+        reply.push_str(&rest);
+        println!("{rest}");
+        // The cache now holds the prompt and every generated token except a final EOS.
+        cached = full;
+        cached.extend(&gen.tokens);
+        if let Some(eos) = gen.eos_token {
+            // Feed the end-of-turn token so the next turn can continue from this state.
+            session.forward_last(&[eos])?;
+            cached.push(eos);
+        }
+        messages.push(json!({"role": "assistant", "content": reply}));
+    }
+    Ok(())
+}

@@ -1,0 +1,40 @@
+//! Resolves a `--model` argument (a directory or `synthetic:NAME`) to a model and its tokenizer.
+
+use crate::model::Model;
+use crate::tokenizer::Tokenizer;
+use anyhow::{bail, Context, Result};
+use std::path::Path;
+use std::sync::Arc;
+
+pub struct Loaded {
+    pub model: Arc<Model>,
+    pub tokenizer: Option<Tokenizer>,
+}
+
+/// `layers` only applies to synthetic models.
+pub fn load(spec: &str, layers: Option<usize>) -> Result<Loaded> {
+    if let Some(name) = spec.strip_prefix("synthetic:") {
+        let tok_dir = Tokenizer::find_dir(None);
+        let tokenizer = match &tok_dir {
+            Some(d) => Some(Tokenizer::load(d, None)?),
+            None => None,
+        };
+        // The real vocabulary size when the real tokenizer is here; a small one otherwise.
+        let vocab = if tokenizer.is_some() { 248_320 } else { 1024 };
+        let model = crate::synthetic::build(name, layers, vocab)?;
+        return Ok(Loaded { model: Arc::new(model), tokenizer });
+    }
+    if layers.is_some() {
+        bail!("--layers only applies to synthetic models");
+    }
+    let dir = Path::new(spec);
+    if !dir.is_dir() {
+        bail!("model directory {spec} does not exist (or use --model synthetic:tiny)");
+    }
+    let model = crate::weights::load_model(dir).with_context(|| format!("loading model from {spec}"))?;
+    let tokenizer = match Tokenizer::find_dir(Some(dir)) {
+        Some(d) if d == dir => Some(Tokenizer::load(&d, Some(dir))?),
+        _ => None,
+    };
+    Ok(Loaded { model: Arc::new(model), tokenizer })
+}
