@@ -80,6 +80,10 @@ pub fn dot_dense(ty: FloatType, w: &[u8], x: &[f32]) -> f32 {
         // SAFETY: AVX2 and FMA were detected above.
         return unsafe { avx2::dot_dense(ty, w, x) };
     }
+    dot_dense_portable(ty, w, x)
+}
+
+pub fn dot_dense_portable(ty: FloatType, w: &[u8], x: &[f32]) -> f32 {
     let mut acc = [0f32; 8];
     let n = x.len();
     for i in 0..n {
@@ -95,6 +99,10 @@ pub fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
         // SAFETY: AVX2 and FMA were detected above.
         return unsafe { avx2::dot_f32(a, b) };
     }
+    dot_f32_portable(a, b)
+}
+
+pub fn dot_f32_portable(a: &[f32], b: &[f32]) -> f32 {
     let mut acc = [0f32; 8];
     let ca = a.chunks_exact(8);
     let cb = b.chunks_exact(8);
@@ -130,6 +138,20 @@ pub fn dot_quant(
         // SAFETY: AVX2 and FMA were detected above.
         return unsafe { avx2::dot_quant(bits, group, sty, packed, scales, biases, x, gsum) };
     }
+    dot_quant_portable(bits, group, sty, packed, scales, biases, x, gsum)
+}
+
+#[allow(clippy::too_many_arguments)]
+pub fn dot_quant_portable(
+    bits: u32,
+    group: usize,
+    sty: FloatType,
+    packed: &[u8],
+    scales: &[u8],
+    biases: &[u8],
+    x: &[f32],
+    gsum: &[f32],
+) -> f32 {
     let mut total = 0f32;
     for g in 0..x.len() / group {
         let xs = &x[g * group..(g + 1) * group];

@@ -75,7 +75,7 @@ impl Linear {
         if bits != 4 && bits != 8 {
             bail!("{bits}-bit weights are not supported (4 or 8)");
         }
-        if cols % group != 0 || group % 8 != 0 {
+        if ![32, 64, 128].contains(&group) || cols % group != 0 {
             bail!("input width {cols} is not a multiple of the quantization group {group}");
         }
         let want_p = rows * cols * bits as usize / 8;
