@@ -55,6 +55,15 @@ fn scale_at(ty: FloatType, b: &[u8], i: usize) -> f32 {
 
 /// Dequantizes one packed row: `out[c] = s[c/g]·q[c] + b[c/g]`.
 pub fn dequant_row(bits: u32, group: usize, packed: &[u8], s: &[f32], b: &[f32], out: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    if has_avx2() {
+        // SAFETY: AVX2 and FMA were detected above.
+        return unsafe { avx2::dequant_row(bits, group, packed, s, b, out) };
+    }
+    dequant_row_portable(bits, group, packed, s, b, out)
+}
+
+pub fn dequant_row_portable(bits: u32, group: usize, packed: &[u8], s: &[f32], b: &[f32], out: &mut [f32]) {
     match bits {
         4 => {
             for (c, o) in out.iter_mut().enumerate() {
@@ -176,6 +185,11 @@ pub fn dot_quant_portable(
 
 /// `out[t, i] = Σ_k tile[i, k] · x[t, k]` for a small block of dequantized rows.
 pub fn gemm_tile(tile: &[f32], nr: usize, k: usize, x: &[f32], t: usize, out: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    if has_avx2() && k % 8 == 0 {
+        // SAFETY: AVX2 and FMA were detected above; k is a multiple of 8.
+        return unsafe { avx2::gemm_tile(tile, nr, k, x, t, out) };
+    }
     for tt in 0..t {
         let xr = &x[tt * k..(tt + 1) * k];
         for i in 0..nr {
@@ -199,6 +213,65 @@ mod avx2 {
         let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
         let s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
         _mm_cvtss_f32(s)
+    }
+
+    /// Dequantizes one packed row (8 elements per step).
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn dequant_row(bits: u32, group: usize, packed: &[u8], s: &[f32], b: &[f32], out: &mut [f32]) {
+        let n = out.len();
+        assert!(packed.len() * 8 >= n * bits as usize && s.len() * group >= n && b.len() * group >= n);
+        let pp = packed.as_ptr();
+        let po = out.as_mut_ptr();
+        let shifts = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28);
+        let mask = _mm256_set1_epi32(15);
+        for g in 0..n / group {
+            let sv = _mm256_set1_ps(s[g]);
+            let bv = _mm256_set1_ps(b[g]);
+            let mut c = g * group;
+            while c < (g + 1) * group {
+                let q = if bits == 4 {
+                    let w = (pp.add(c / 2) as *const u32).read_unaligned();
+                    _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(w as i32), shifts), mask)
+                } else {
+                    _mm256_cvtepu8_epi32(_mm_loadl_epi64(pp.add(c) as *const __m128i))
+                };
+                _mm256_storeu_ps(po.add(c), _mm256_fmadd_ps(_mm256_cvtepi32_ps(q), sv, bv));
+                c += 8;
+            }
+        }
+    }
+
+    /// `out[t, i] = Σ_k a[i, k] x[t, k]`, register-blocked 4 rows × 2 tokens; `k % 8 == 0`.
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn gemm_tile(a: &[f32], nr: usize, k: usize, x: &[f32], t: usize, out: &mut [f32]) {
+        assert!(a.len() >= nr * k && x.len() >= t * k && out.len() >= t * nr && k % 8 == 0);
+        let (pa, px) = (a.as_ptr(), x.as_ptr());
+        let mut i0 = 0;
+        while i0 < nr {
+            let ri = (nr - i0).min(4);
+            let mut t0 = 0;
+            while t0 < t {
+                let tj = (t - t0).min(2);
+                let mut acc = [[_mm256_setzero_ps(); 2]; 4];
+                let mut kk = 0;
+                while kk < k {
+                    let xv = [_mm256_loadu_ps(px.add(t0 * k + kk)), _mm256_loadu_ps(px.add((t0 + tj - 1) * k + kk))];
+                    for r in 0..4 {
+                        let av = _mm256_loadu_ps(pa.add((i0 + r.min(ri - 1)) * k + kk));
+                        acc[r][0] = _mm256_fmadd_ps(av, xv[0], acc[r][0]);
+                        acc[r][1] = _mm256_fmadd_ps(av, xv[1], acc[r][1]);
+                    }
+                    kk += 8;
+                }
+                for r in 0..ri {
+                    for j in 0..tj {
+                        out[(t0 + j) * nr + i0 + r] = hsum(acc[r][j]);
+                    }
+                }
+                t0 += tj;
+            }
+            i0 += ri;
+        }
     }
 
     #[target_feature(enable = "avx2,fma")]
@@ -281,7 +354,8 @@ mod avx2 {
         let pp = packed.as_ptr();
         let shifts = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28);
         let mask = _mm256_set1_epi32(15);
-        let mut total = 0f32;
+        let mut tot = _mm256_setzero_ps();
+        let mut bias_part = 0f32;
         for g in 0..ng {
             let mut acc0 = _mm256_setzero_ps();
             let mut acc1 = _mm256_setzero_ps();
@@ -309,9 +383,11 @@ mod avx2 {
                     c += 16;
                 }
             }
-            let sq = hsum(_mm256_add_ps(acc0, acc1));
-            total += scale_at(sty, scales, g) * sq + scale_at(sty, biases, g) * gsum[g];
+            // Scale the group's partial sums as vectors; one horizontal sum per row.
+            let sv = _mm256_set1_ps(scale_at(sty, scales, g));
+            tot = _mm256_fmadd_ps(_mm256_add_ps(acc0, acc1), sv, tot);
+            bias_part += scale_at(sty, biases, g) * gsum[g];
         }
-        total
+        hsum(tot) + bias_part
     }
 }
