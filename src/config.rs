@@ -98,16 +98,17 @@ impl Fields<'_> {
     fn f64_opt(&self, name: &str) -> Result<Option<f64>> {
         match self.get(name) {
             None => Ok(None),
-            Some(v) => v
-                .as_f64()
-                .map(Some)
-                .with_context(|| format!("config.json: field `{name}` must be a number, got {v}")),
+            Some(v) => {
+                v.as_f64().map(Some).with_context(|| format!("config.json: field `{name}` must be a number, got {v}"))
+            }
         }
     }
     fn bool_or(&self, name: &str, default: bool) -> Result<bool> {
         match self.get(name) {
             None => Ok(default),
-            Some(v) => v.as_bool().with_context(|| format!("config.json: field `{name}` must be true or false, got {v}")),
+            Some(v) => {
+                v.as_bool().with_context(|| format!("config.json: field `{name}` must be true or false, got {v}"))
+            }
         }
     }
 }
@@ -212,21 +213,21 @@ impl ModelConfig {
                 bail!("config.json: field `{name}` must be positive");
             }
         }
-        if self.num_attention_heads % self.num_key_value_heads != 0 {
+        if !self.num_attention_heads.is_multiple_of(self.num_key_value_heads) {
             bail!(
                 "config.json: `num_attention_heads` ({}) must be a multiple of `num_key_value_heads` ({})",
                 self.num_attention_heads,
                 self.num_key_value_heads
             );
         }
-        if self.linear_num_value_heads % self.linear_num_key_heads != 0 {
+        if !self.linear_num_value_heads.is_multiple_of(self.linear_num_key_heads) {
             bail!(
                 "config.json: `linear_num_value_heads` ({}) must be a multiple of `linear_num_key_heads` ({})",
                 self.linear_num_value_heads,
                 self.linear_num_key_heads
             );
         }
-        if self.rotary_dim % 2 != 0 || self.rotary_dim > self.head_dim {
+        if !self.rotary_dim.is_multiple_of(2) || self.rotary_dim > self.head_dim {
             bail!(
                 "config.json: `partial_rotary_factor` gives {} rotary dims for head_dim {} (must be even and ≤ head_dim)",
                 self.rotary_dim,
@@ -291,10 +292,7 @@ fn parse_layer_kinds(f: &Fields, n: usize) -> Result<Vec<LayerKind>> {
     if let Some(v) = f.get("layer_types") {
         let list = v.as_array().context("config.json: field `layer_types` must be a list")?;
         if list.len() != n {
-            bail!(
-                "config.json: `layer_types` has {} entries but `num_hidden_layers` is {n}",
-                list.len()
-            );
+            bail!("config.json: `layer_types` has {} entries but `num_hidden_layers` is {n}", list.len());
         }
         return list
             .iter()
@@ -302,7 +300,9 @@ fn parse_layer_kinds(f: &Fields, n: usize) -> Result<Vec<LayerKind>> {
             .map(|(i, t)| match t.as_str() {
                 Some("linear_attention") => Ok(LayerKind::Gdn),
                 Some("full_attention") => Ok(LayerKind::Attention),
-                _ => bail!("config.json: `layer_types[{i}]` is {t}, expected \"linear_attention\" or \"full_attention\""),
+                _ => {
+                    bail!("config.json: `layer_types[{i}]` is {t}, expected \"linear_attention\" or \"full_attention\"")
+                }
             })
             .collect();
     }
@@ -310,9 +310,7 @@ fn parse_layer_kinds(f: &Fields, n: usize) -> Result<Vec<LayerKind>> {
     if interval == 0 {
         bail!("config.json: field `full_attention_interval` must be positive");
     }
-    Ok((0..n)
-        .map(|i| if (i + 1) % interval == 0 { LayerKind::Attention } else { LayerKind::Gdn })
-        .collect())
+    Ok((0..n).map(|i| if (i + 1) % interval == 0 { LayerKind::Attention } else { LayerKind::Gdn }).collect())
 }
 
 /// rope_theta and partial_rotary_factor live in `rope_parameters` (new HF) or at the top (older).
@@ -333,7 +331,9 @@ fn parse_rope(f: &Fields) -> Result<(f64, f64)> {
     };
     let theta = match from_params("rope_theta")? {
         Some(t) => t,
-        None => f.f64_opt("rope_theta")?.context("config.json: missing field `rope_theta` (or `rope_parameters.rope_theta`)")?,
+        None => f
+            .f64_opt("rope_theta")?
+            .context("config.json: missing field `rope_theta` (or `rope_parameters.rope_theta`)")?,
     };
     let partial = match from_params("partial_rotary_factor")? {
         Some(p) => p,
@@ -361,9 +361,7 @@ pub(crate) fn parse_eos(v: Option<&Value>) -> Result<Vec<u32>> {
 
 fn parse_quant(v: Option<&Value>) -> Result<Option<QuantConfig>> {
     let Some(v) = v else { return Ok(None) };
-    let Some(m) = v.as_object() else {
-        bail!("config.json: field `quantization` must be an object")
-    };
+    let Some(m) = v.as_object() else { bail!("config.json: field `quantization` must be an object") };
     let read = |m: &Map<String, Value>, at: &str| -> Result<(u32, usize)> {
         let bits = m
             .get("bits")

@@ -140,5 +140,12 @@ pub fn generate(
         }
         logits = session.forward_last(&[next])?;
     }
-    Ok(Generation { tokens, finish, eos_token, prompt_tokens: prompt.len(), prefill_secs, decode_secs: t1.elapsed().as_secs_f64() })
+    Ok(Generation {
+        tokens,
+        finish,
+        eos_token,
+        prompt_tokens: prompt.len(),
+        prefill_secs,
+        decode_secs: t1.elapsed().as_secs_f64(),
+    })
 }

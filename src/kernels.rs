@@ -186,7 +186,7 @@ pub fn dot_quant_portable(
 /// `out[t, i] = Σ_k tile[i, k] · x[t, k]` for a small block of dequantized rows.
 pub fn gemm_tile(tile: &[f32], nr: usize, k: usize, x: &[f32], t: usize, out: &mut [f32]) {
     #[cfg(target_arch = "x86_64")]
-    if has_avx2() && k % 8 == 0 {
+    if has_avx2() && k.is_multiple_of(8) {
         // SAFETY: AVX2 and FMA were detected above; k is a multiple of 8.
         return unsafe { avx2::gemm_tile(tile, nr, k, x, t, out) };
     }
@@ -244,7 +244,7 @@ mod avx2 {
     /// `out[t, i] = Σ_k a[i, k] x[t, k]`, register-blocked 4 rows × 2 tokens; `k % 8 == 0`.
     #[target_feature(enable = "avx2,fma")]
     pub unsafe fn gemm_tile(a: &[f32], nr: usize, k: usize, x: &[f32], t: usize, out: &mut [f32]) {
-        assert!(a.len() >= nr * k && x.len() >= t * k && out.len() >= t * nr && k % 8 == 0);
+        assert!(a.len() >= nr * k && x.len() >= t * k && out.len() >= t * nr && k.is_multiple_of(8));
         let (pa, px) = (a.as_ptr(), x.as_ptr());
         let mut i0 = 0;
         while i0 < nr {

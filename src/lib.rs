@@ -3,15 +3,15 @@
 
 pub mod config;
 pub mod cpu;
+pub mod generate;
 pub mod kernels;
 pub mod linear;
+pub mod loader;
 pub mod model;
 pub mod progress;
 pub mod safetensors;
-pub mod state;
-pub mod weights;
-pub mod generate;
-pub mod loader;
 pub mod sampling;
+pub mod state;
 pub mod synthetic;
 pub mod tokenizer;
+pub mod weights;

@@ -75,7 +75,7 @@ impl Linear {
         if bits != 4 && bits != 8 {
             bail!("{bits}-bit weights are not supported (4 or 8)");
         }
-        if ![32, 64, 128].contains(&group) || cols % group != 0 {
+        if ![32, 64, 128].contains(&group) || !cols.is_multiple_of(group) {
             bail!("input width {cols} is not a multiple of the quantization group {group}");
         }
         let want_p = rows * cols * bits as usize / 8;

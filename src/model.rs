@@ -35,15 +35,15 @@ pub enum Ffn {
 }
 
 pub struct Gdn {
-    pub in_qkv: Linear,   // [2·H_k·D_k + H_v·D_v, H]
-    pub in_z: Linear,     // [H_v·D_v, H]
-    pub in_b: Linear,     // [H_v, H]
-    pub in_a: Linear,     // [H_v, H]
-    pub conv: Vec<f32>,   // [C, K]
+    pub in_qkv: Linear,    // [2·H_k·D_k + H_v·D_v, H]
+    pub in_z: Linear,      // [H_v·D_v, H]
+    pub in_b: Linear,      // [H_v, H]
+    pub in_a: Linear,      // [H_v, H]
+    pub conv: Vec<f32>,    // [C, K]
     pub dt_bias: Vec<f32>, // [H_v]
-    pub neg_a: Vec<f32>,  // [H_v] = −exp(A_log)
-    pub norm: Vec<f32>,   // [D_v], plain multiplier (never shifted)
-    pub out: Linear,      // [H, H_v·D_v]
+    pub neg_a: Vec<f32>,   // [H_v] = −exp(A_log)
+    pub norm: Vec<f32>,    // [D_v], plain multiplier (never shifted)
+    pub out: Linear,       // [H, H_v·D_v]
 }
 
 pub struct Attention {
@@ -71,7 +71,7 @@ pub struct Model {
     pub cfg: ModelConfig,
     pub embed: Linear, // [V, H]
     pub layers: Vec<Layer>,
-    pub norm: Vec<f32>, // [H]
+    pub norm: Vec<f32>,  // [H]
     pub lm_head: Linear, // [V, H]
     pub rope: Rope,
 }
@@ -95,14 +95,14 @@ impl Model {
         let mut total = self.lm_head.nbytes() + self.embed.nbytes() / self.cfg.vocab_size;
         for l in &self.layers {
             total += match &l.mixer {
-                Mixer::Gdn(g) => g.in_qkv.nbytes() + g.in_z.nbytes() + g.in_b.nbytes() + g.in_a.nbytes() + g.out.nbytes(),
+                Mixer::Gdn(g) => {
+                    g.in_qkv.nbytes() + g.in_z.nbytes() + g.in_b.nbytes() + g.in_a.nbytes() + g.out.nbytes()
+                }
                 Mixer::Attention(a) => a.q.nbytes() + a.k.nbytes() + a.v.nbytes() + a.o.nbytes(),
             };
             total += match &l.ffn {
                 Ffn::Dense(m) => mlp(m),
-                Ffn::Moe(m) => {
-                    m.router.nbytes() + m.shared_gate.nbytes() + mlp(&m.shared) + k * mlp(&m.experts[0])
-                }
+                Ffn::Moe(m) => m.router.nbytes() + m.shared_gate.nbytes() + mlp(&m.shared) + k * mlp(&m.experts[0]),
             };
         }
         total
@@ -173,11 +173,8 @@ impl Model {
         l2_norm(&mut q, d.dk, 1e-6, 1.0 / (d.dk as f32).sqrt());
         l2_norm(&mut k, d.dk, 1e-6, 1.0);
         let beta: Vec<f32> = b.iter().map(|&x| sigmoid(x)).collect(); // [T, H_v]
-        let gdec: Vec<f32> = a
-            .iter()
-            .enumerate()
-            .map(|(i, &x)| g.neg_a[i % d.hv] * softplus(x + g.dt_bias[i % d.hv]))
-            .collect(); // [T, H_v]
+        let gdec: Vec<f32> =
+            a.iter().enumerate().map(|(i, &x)| g.neg_a[i % d.hv] * softplus(x + g.dt_bias[i % d.hv])).collect(); // [T, H_v]
         let mut o = vec![0f32; t * vd]; // [T, H_v, D_v]
         let inputs = GdnInputs { q: &q, k: &k, v: &v, g: &gdec, beta: &beta };
         gdn::recurrent(d, t, &inputs, rec, &mut o);
@@ -185,7 +182,15 @@ impl Model {
         proj(&g.out, &o, t)
     }
 
-    fn attention(&self, a: &Attention, xn: &[f32], t: usize, p0: usize, kc: &mut Vec<f32>, vc: &mut Vec<f32>) -> Vec<f32> {
+    fn attention(
+        &self,
+        a: &Attention,
+        xn: &[f32],
+        t: usize,
+        p0: usize,
+        kc: &mut Vec<f32>,
+        vc: &mut Vec<f32>,
+    ) -> Vec<f32> {
         let cfg = &self.cfg;
         let (nh, hd, kvd) = (cfg.num_attention_heads, cfg.head_dim, cfg.kv_dim());
         let qg = proj(&a.q, xn, t); // [T, H_q, 2, D] when gated (per head [q | gate])
@@ -224,7 +229,7 @@ impl Model {
         let cfg = &self.cfg;
         let hid = cfg.hidden_size;
         let logits = proj(&m.router, xn, t); // [T, E]
-        // Group tokens by expert: (token, weight) lists.
+                                             // Group tokens by expert: (token, weight) lists.
         let mut per_expert: Vec<Vec<(usize, f32)>> = vec![Vec::new(); cfg.num_experts];
         for tt in 0..t {
             let l = &logits[tt * cfg.num_experts..(tt + 1) * cfg.num_experts];

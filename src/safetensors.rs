@@ -117,7 +117,9 @@ impl TensorData {
     pub fn to_i32(&self) -> Result<Vec<i32>> {
         let b = self.bytes.as_slice();
         Ok(match self.dtype {
-            Dtype::I32 | Dtype::U32 => b.chunks_exact(4).map(|c| i32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect(),
+            Dtype::I32 | Dtype::U32 => {
+                b.chunks_exact(4).map(|c| i32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect()
+            }
             Dtype::Other("I64", _) => {
                 b.chunks_exact(8).map(|c| i64::from_le_bytes(c.try_into().unwrap()) as i32).collect()
             }
@@ -191,10 +193,7 @@ impl SafeFile {
         }
         let n = u64::from_le_bytes(all[..8].try_into().unwrap());
         if n > MAX_HEADER || 8 + n > all.len() as u64 {
-            bail!(
-                "{what}: corrupt or truncated safetensors header (header length {n}, file length {})",
-                all.len()
-            );
+            bail!("{what}: corrupt or truncated safetensors header (header length {n}, file length {})", all.len());
         }
         let n = n as usize;
         let header: Value = serde_json::from_slice(&all[8..8 + n])
@@ -233,7 +232,10 @@ fn parse_entry(info: &Value, data_len: usize) -> Result<(Dtype, Vec<usize>, usiz
     let numel = shape.iter().try_fold(1usize, |a, &d| a.checked_mul(d)).context("shape overflows")?;
     let want = numel.checked_mul(dtype.size()).context("shape overflows")?;
     if end < begin || end - begin != want {
-        bail!("data_offsets [{begin}, {end}) hold {} bytes but shape {shape:?} of {dtype_s} needs {want}", end.saturating_sub(begin));
+        bail!(
+            "data_offsets [{begin}, {end}) hold {} bytes but shape {shape:?} of {dtype_s} needs {want}",
+            end.saturating_sub(begin)
+        );
     }
     if end > data_len {
         bail!("data ends at byte {end} but the file holds only {data_len} data bytes (truncated file?)");
@@ -260,9 +262,8 @@ pub fn write(path: &Path, tensors: &[(&str, Dtype, Vec<usize>, &[u8])]) -> Resul
     while (8 + h.len()) % 8 != 0 {
         h.push(b' ');
     }
-    let mut out = std::io::BufWriter::new(
-        std::fs::File::create(path).with_context(|| format!("creating {}", path.display()))?,
-    );
+    let mut out =
+        std::io::BufWriter::new(std::fs::File::create(path).with_context(|| format!("creating {}", path.display()))?);
     use std::io::Write;
     out.write_all(&(h.len() as u64).to_le_bytes())?;
     out.write_all(&h)?;

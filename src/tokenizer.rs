@@ -45,7 +45,8 @@ impl Tokenizer {
         for d in [Some(dir), model_dir].into_iter().flatten() {
             let jinja = d.join("chat_template.jinja");
             if jinja.exists() {
-                chat_template = Some(std::fs::read_to_string(&jinja).with_context(|| format!("reading {}", jinja.display()))?);
+                chat_template =
+                    Some(std::fs::read_to_string(&jinja).with_context(|| format!("reading {}", jinja.display()))?);
                 break;
             }
         }
@@ -129,7 +130,15 @@ impl Tokenizer {
         extra: &serde_json::Map<String, Value>,
     ) -> Result<String> {
         let template = self.chat_template.as_deref().context("this model has no chat template (use --raw)")?;
-        render_template(template, messages, tools, add_generation_prompt, extra, self.bos_token.as_deref(), self.eos_token.as_deref())
+        render_template(
+            template,
+            messages,
+            tools,
+            add_generation_prompt,
+            extra,
+            self.bos_token.as_deref(),
+            self.eos_token.as_deref(),
+        )
     }
 }
 
@@ -189,7 +198,8 @@ fn render_template(
     });
     env.add_filter("tojson", |v: minijinja::Value, kwargs: minijinja::value::Kwargs| -> Result<String, Error> {
         let indent: Option<usize> = kwargs.get("indent")?;
-        let json: Value = serde_json::to_value(&v).map_err(|e| Error::new(ErrorKind::InvalidOperation, e.to_string()))?;
+        let json: Value =
+            serde_json::to_value(&v).map_err(|e| Error::new(ErrorKind::InvalidOperation, e.to_string()))?;
         let mut s = String::new();
         py_json(&json, indent, 0, &mut s);
         Ok(s)

@@ -23,7 +23,8 @@ use std::path::{Path, PathBuf};
 
 /// Canonical tensor name, or None for tensors lily ignores (MTP head, vision tower).
 pub fn canonical_name(name: &str) -> Option<String> {
-    const IGNORED: [&str; 6] = ["mtp.", "model.mtp.", "model.visual.", "visual.", "vision_tower.", "model.vision_tower."];
+    const IGNORED: [&str; 6] =
+        ["mtp.", "model.mtp.", "model.visual.", "visual.", "vision_tower.", "model.vision_tower."];
     if IGNORED.iter().any(|p| name.starts_with(p)) || name.contains(".mtp.") {
         return None;
     }
@@ -82,7 +83,9 @@ fn shard_files(dir: &Path) -> Result<Vec<PathBuf>> {
             .with_context(|| format!("{}: missing object `weight_map`", index.display()))?;
         let mut files = BTreeSet::new();
         for (tensor, file) in map {
-            let f = file.as_str().with_context(|| format!("{}: `weight_map[{tensor}]` is not a file name", index.display()))?;
+            let f = file
+                .as_str()
+                .with_context(|| format!("{}: `weight_map[{tensor}]` is not a file name", index.display()))?;
             if f.contains('/') || f.contains("..") {
                 bail!("{}: shard name {f:?} must be a plain file name", index.display());
             }
@@ -146,7 +149,7 @@ impl Builder<'_> {
             let (bits, group) = self.quant_for(module)?;
             let biases_name = format!("{module}.biases");
             let biases = self.ck.get(&biases_name)?;
-            if cols % group != 0 {
+            if !cols.is_multiple_of(group) {
                 bail!("`{wname}`: input width {cols} is not a multiple of the quantization group {group}");
             }
             let mut ws = shape.clone();
@@ -291,7 +294,8 @@ pub fn build_model(cfg: ModelConfig, ck: &Checkpoint) -> Result<Model> {
 
 fn gdn(b: &Builder, cfg: &ModelConfig, p: &str) -> Result<Gdn> {
     let l = format!("{p}.linear_attn");
-    let (hid, hv, cd, k) = (cfg.hidden_size, cfg.linear_num_value_heads, cfg.gdn_conv_dim(), cfg.linear_conv_kernel_dim);
+    let (hid, hv, cd, k) =
+        (cfg.hidden_size, cfg.linear_num_value_heads, cfg.gdn_conv_dim(), cfg.linear_conv_kernel_dim);
     let conv_name = format!("{l}.conv1d.weight");
     let conv = b.ck.get(&conv_name)?;
     if conv.numel() != cd * k || conv.shape[0] != cd {
@@ -329,10 +333,6 @@ fn is_hf_layout(cfg: &ModelConfig, ck: &Checkpoint) -> Result<bool> {
 }
 
 fn canonical_quant(q: &QuantConfig) -> QuantConfig {
-    let overrides = q
-        .overrides
-        .iter()
-        .filter_map(|(k, v)| canonical_name(k).map(|c| (c, *v)))
-        .collect();
+    let overrides = q.overrides.iter().filter_map(|(k, v)| canonical_name(k).map(|c| (c, *v))).collect();
     QuantConfig { bits: q.bits, group_size: q.group_size, overrides }
 }

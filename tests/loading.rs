@@ -119,13 +119,18 @@ fn rewrite(path: &Path, edit: impl Fn(&str, Dtype, Vec<usize>, Vec<u8>) -> Optio
         }
     }
     drop(f);
-    let refs: Vec<(&str, Dtype, Vec<usize>, &[u8])> = kept.iter().map(|(n, d, s, b)| (n.as_str(), *d, s.clone(), b.as_slice())).collect();
+    let refs: Vec<(&str, Dtype, Vec<usize>, &[u8])> =
+        kept.iter().map(|(n, d, s, b)| (n.as_str(), *d, s.clone(), b.as_slice())).collect();
     safetensors::write(path, &refs).unwrap();
 }
 
 fn only_file(dir: &Path) -> PathBuf {
     std::fs::remove_file(dir.join("model.safetensors.index.json")).ok();
-    let mut files: Vec<PathBuf> = std::fs::read_dir(dir).unwrap().map(|e| e.unwrap().path()).filter(|p| p.extension().is_some_and(|e| e == "safetensors")).collect();
+    let mut files: Vec<PathBuf> = std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|e| e == "safetensors"))
+        .collect();
     assert_eq!(files.len(), 1);
     files.remove(0)
 }
@@ -158,7 +163,11 @@ fn missing_or_misshaped_tensors_are_named() {
 fn index_naming_a_missing_shard_is_an_error() {
     let d = tmpdir("shard");
     copy_dir(&fixtures().join("tiny-hf"), &d);
-    let shard = std::fs::read_dir(&d).unwrap().map(|e| e.unwrap().path()).find(|p| p.to_string_lossy().contains("00002")).unwrap();
+    let shard = std::fs::read_dir(&d)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .find(|p| p.to_string_lossy().contains("00002"))
+        .unwrap();
     std::fs::remove_file(&shard).unwrap();
     let e = err_of(lily::weights::load_model(&d));
     assert!(e.contains("does not exist"), "{e}");
@@ -168,7 +177,11 @@ fn index_naming_a_missing_shard_is_an_error() {
 fn truncated_shard_is_an_error_not_a_panic() {
     let d = tmpdir("trunc");
     copy_dir(&fixtures().join("tiny-hf"), &d);
-    let shard = std::fs::read_dir(&d).unwrap().map(|e| e.unwrap().path()).find(|p| p.to_string_lossy().contains("00001")).unwrap();
+    let shard = std::fs::read_dir(&d)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .find(|p| p.to_string_lossy().contains("00001"))
+        .unwrap();
     let bytes = std::fs::read(&shard).unwrap();
     std::fs::write(&shard, &bytes[..bytes.len() / 2]).unwrap();
     let e = err_of(lily::weights::load_model(&d));
@@ -198,7 +211,10 @@ fn ignored_and_canonical_names() {
     use lily::weights::canonical_name;
     assert_eq!(canonical_name("mtp.layers.0.mlp.gate.weight"), None);
     assert_eq!(canonical_name("model.visual.blocks.0.attn.qkv.weight"), None);
-    assert_eq!(canonical_name("model.language_model.layers.3.self_attn.q_proj.weight").unwrap(), "model.layers.3.self_attn.q_proj.weight");
+    assert_eq!(
+        canonical_name("model.language_model.layers.3.self_attn.q_proj.weight").unwrap(),
+        "model.layers.3.self_attn.q_proj.weight"
+    );
     assert_eq!(canonical_name("language_model.model.norm.weight").unwrap(), "model.norm.weight");
     assert_eq!(canonical_name("language_model.lm_head.scales").unwrap(), "lm_head.scales");
     assert_eq!(canonical_name("model.layers.0.mlp.gate.weight").unwrap(), "model.layers.0.mlp.gate.weight");

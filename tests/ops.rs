@@ -132,7 +132,10 @@ fn conv1d_with_state_matches_naive_and_chunking() {
     assert_eq!(state, state2);
 }
 
-fn gdn_inputs(r: &mut lily::sampling::Rng, d: GdnDims, t: usize) -> (Vec<f32>, Vec<f32>, Vec<f32>, Vec<f32>, Vec<f32>) {
+/// (q, k, v, g, beta)
+type GdnData = (Vec<f32>, Vec<f32>, Vec<f32>, Vec<f32>, Vec<f32>);
+
+fn gdn_inputs(r: &mut lily::sampling::Rng, d: GdnDims, t: usize) -> GdnData {
     let mut q = uniform(r, t * d.hk * d.dk, 1.0);
     let mut k = uniform(r, t * d.hk * d.dk, 1.0);
     l2_norm(&mut q, d.dk, 1e-6, 1.0 / (d.dk as f32).sqrt());

@@ -38,8 +38,17 @@ fn pack(rows: usize, cols: usize, bits: u32, group: usize, seed: u64) -> Packed 
         .collect();
     let sb: Vec<u8> = s.iter().flat_map(|x| x.to_le_bytes()).collect();
     let bb: Vec<u8> = b.iter().flat_map(|x| x.to_le_bytes()).collect();
-    let lin = Linear::quant(rows, cols, bits, group, Bytes::from_vec(words), Bytes::from_vec(sb), Bytes::from_vec(bb), FloatType::BF16)
-        .unwrap();
+    let lin = Linear::quant(
+        rows,
+        cols,
+        bits,
+        group,
+        Bytes::from_vec(words),
+        Bytes::from_vec(sb),
+        Bytes::from_vec(bb),
+        FloatType::BF16,
+    )
+    .unwrap();
     Packed { lin, dense }
 }
 
@@ -90,7 +99,11 @@ fn simd_and_portable_quant_dots_agree() {
         let pb = cols * bits as usize / 8;
         let sb = cols / group * 2;
         for row in 0..rows {
-            let args = (&packed.as_slice()[row * pb..(row + 1) * pb], &scales.as_slice()[row * sb..(row + 1) * sb], &biases.as_slice()[row * sb..(row + 1) * sb]);
+            let args = (
+                &packed.as_slice()[row * pb..(row + 1) * pb],
+                &scales.as_slice()[row * sb..(row + 1) * sb],
+                &biases.as_slice()[row * sb..(row + 1) * sb],
+            );
             let a = kernels::dot_quant(bits, group, FloatType::BF16, args.0, args.1, args.2, &x, &gsum);
             let b = kernels::dot_quant_portable(bits, group, FloatType::BF16, args.0, args.1, args.2, &x, &gsum);
             assert!((a - b).abs() <= 1e-4 * (1.0 + b.abs()), "bits={bits} row={row}: {a} vs {b}");
@@ -113,7 +126,10 @@ fn dense_products_bf16_f16_f32() {
             FloatType::F16 => {
                 // f16 of v: exact for these values after rounding through a reference encoder
                 let h: Vec<u16> = w.iter().map(|v| f32_to_f16_ref(*v)).collect();
-                (h.iter().flat_map(|v| v.to_le_bytes()).collect(), h.iter().map(|v| lily::safetensors::f16_to_f32(*v) as f64).collect())
+                (
+                    h.iter().flat_map(|v| v.to_le_bytes()).collect(),
+                    h.iter().map(|v| lily::safetensors::f16_to_f32(*v) as f64).collect(),
+                )
             }
         };
         let lin = Linear::dense(rows, cols, ty, Bytes::from_vec(bytes)).unwrap();
@@ -151,8 +167,26 @@ fn f16_decoding_known_values() {
 
 #[test]
 fn quantized_shape_mismatch_is_an_error() {
-    let e = Linear::quant(4, 64, 4, 64, Bytes::from_vec(vec![0; 10]), Bytes::from_vec(vec![0; 8]), Bytes::from_vec(vec![0; 8]), FloatType::BF16);
+    let e = Linear::quant(
+        4,
+        64,
+        4,
+        64,
+        Bytes::from_vec(vec![0; 10]),
+        Bytes::from_vec(vec![0; 8]),
+        Bytes::from_vec(vec![0; 8]),
+        FloatType::BF16,
+    );
     assert!(e.is_err());
-    let e = Linear::quant(4, 96, 4, 64, Bytes::from_vec(vec![0; 192]), Bytes::from_vec(vec![0; 8]), Bytes::from_vec(vec![0; 8]), FloatType::BF16);
+    let e = Linear::quant(
+        4,
+        96,
+        4,
+        64,
+        Bytes::from_vec(vec![0; 192]),
+        Bytes::from_vec(vec![0; 8]),
+        Bytes::from_vec(vec![0; 8]),
+        FloatType::BF16,
+    );
     assert!(e.err().unwrap().to_string().contains("group"));
 }

@@ -43,7 +43,11 @@ fn compare_rows(what: &str, got: &[f32], want: &[f32], vocab: usize) -> f32 {
         let range = w.iter().cloned().fold(f32::MIN, f32::max) - w.iter().cloned().fold(f32::MAX, f32::min);
         let d = max_abs_diff(g, w);
         worst = worst.max(d / range);
-        assert!(d <= REL_TOL * range, "{what}: position {i}: max |Δlogit| {d} exceeds {} (range {range})", REL_TOL * range);
+        assert!(
+            d <= REL_TOL * range,
+            "{what}: position {i}: max |Δlogit| {d} exceeds {} (range {range})",
+            REL_TOL * range
+        );
         assert_eq!(lily::sampling::argmax(g), lily::sampling::argmax(w), "{what}: position {i}: argmax differs");
     }
     worst

@@ -60,7 +60,10 @@ fn chat_template_follows_hf_conventions() {
         {"role": "tool", "content": "sunny"}
     ]);
     let r = tok.apply_chat_template(&conv, Some(&tools), true, &kw).unwrap();
-    assert!(r.contains("<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n</tool_call>"), "{r}");
+    assert!(
+        r.contains("<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n</tool_call>"),
+        "{r}"
+    );
     assert!(r.contains("<tool_response>\nsunny\n</tool_response>"));
 }
 
@@ -69,11 +72,20 @@ fn template_errors_are_reported() {
     let d = std::env::temp_dir().join(format!("lily-tpl-{}", std::process::id()));
     std::fs::create_dir_all(&d).unwrap();
     std::fs::copy(shared_tokenizer_dir().join("tokenizer.json"), d.join("tokenizer.json")).unwrap();
-    std::fs::write(d.join("chat_template.jinja"), "{% if messages[0].role != 'user' %}{{ raise_exception('first message must be from the user') }}{% endif %}ok").unwrap();
+    std::fs::write(
+        d.join("chat_template.jinja"),
+        "{% if messages[0].role != 'user' %}{{ raise_exception('first message must be from the user') }}{% endif %}ok",
+    )
+    .unwrap();
     let tok = Tokenizer::load(&d, None).unwrap();
-    let e = tok.apply_chat_template(&json!([{"role": "system", "content": "x"}]), None, true, &Default::default()).unwrap_err();
+    let e = tok
+        .apply_chat_template(&json!([{"role": "system", "content": "x"}]), None, true, &Default::default())
+        .unwrap_err();
     assert!(format!("{e:#}").contains("first message must be from the user"), "{e:#}");
-    assert_eq!(tok.apply_chat_template(&json!([{"role": "user", "content": "x"}]), None, true, &Default::default()).unwrap(), "ok");
+    assert_eq!(
+        tok.apply_chat_template(&json!([{"role": "user", "content": "x"}]), None, true, &Default::default()).unwrap(),
+        "ok"
+    );
     std::fs::remove_dir_all(&d).ok();
 }
 

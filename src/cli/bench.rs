@@ -74,7 +74,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
         .split(',')
         .map(|s| s.trim().parse::<usize>().map_err(|_| anyhow::anyhow!("--contexts: `{s}` is not a number")))
         .collect::<Result<_>>()?;
-    if contexts.iter().any(|&c| c == 0) {
+    if contexts.contains(&0) {
         bail!("--contexts entries must be positive");
     }
     let loaded = a.model.load()?;

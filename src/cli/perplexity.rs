@@ -78,7 +78,11 @@ pub fn run(a: PerplexityArgs) -> Result<()> {
             serde_json::json!({"tokens": tokens.len(), "scored": count, "mean_nll": mean, "perplexity": mean.exp(), "seconds": secs})
         );
     } else {
-        println!("tokens {}  scored {count}  mean NLL {mean:.6}  perplexity {:.4}  ({secs:.2}s)", tokens.len(), mean.exp());
+        println!(
+            "tokens {}  scored {count}  mean NLL {mean:.6}  perplexity {:.4}  ({secs:.2}s)",
+            tokens.len(),
+            mean.exp()
+        );
     }
     Ok(())
 }

@@ -89,7 +89,8 @@ pub fn run(a: RunArgs) -> Result<()> {
                     msgs.push(json!({"role": "system", "content": s}));
                 }
                 msgs.push(json!({"role": "user", "content": text}));
-                let rendered = tok.apply_chat_template(&Value::Array(msgs), None, true, &template_kwargs(a.sample.no_think))?;
+                let rendered =
+                    tok.apply_chat_template(&Value::Array(msgs), None, true, &template_kwargs(a.sample.no_think))?;
                 tok.encode(&rendered)?
             }
         }

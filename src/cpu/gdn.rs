@@ -35,7 +35,7 @@ fn check(d: GdnDims, t: usize, x: &GdnInputs, state: &[f32], out: &[f32]) {
     assert_eq!(x.beta.len(), t * d.hv, "gdn: beta must be [T, H_v]");
     assert_eq!(state.len(), d.hv * d.dk * d.dv, "gdn: state must be [H_v, D_k, D_v]");
     assert_eq!(out.len(), t * d.hv * d.dv, "gdn: out must be [T, H_v, D_v]");
-    assert!(d.hv % d.hk == 0, "gdn: H_v must be a multiple of H_k");
+    assert!(d.hv.is_multiple_of(d.hk), "gdn: H_v must be a multiple of H_k");
 }
 
 /// Token-by-token recurrence; parallel over value heads.

@@ -32,7 +32,7 @@ fn inv_rms(x: &[f32], eps: f32) -> f32 {
 
 /// In place over every row of width `w.len()`.
 pub fn rms_norm(x: &mut [f32], w: &[f32], eps: f32) {
-    assert!(!w.is_empty() && x.len() % w.len() == 0, "rms_norm: width mismatch");
+    assert!(!w.is_empty() && x.len().is_multiple_of(w.len()), "rms_norm: width mismatch");
     for row in x.chunks_exact_mut(w.len()) {
         let r = inv_rms(row, eps);
         for (v, g) in row.iter_mut().zip(w) {
@@ -49,7 +49,7 @@ pub fn rms_norm_into(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
 
 /// In place over every row of width `w.len()`; `z` has the same shape as `x`.
 pub fn gated_rms_norm(x: &mut [f32], z: &[f32], w: &[f32], eps: f32) {
-    assert!(x.len() == z.len() && x.len() % w.len() == 0, "gated_rms_norm: shape mismatch");
+    assert!(x.len() == z.len() && x.len().is_multiple_of(w.len()), "gated_rms_norm: shape mismatch");
     for (row, zr) in x.chunks_exact_mut(w.len()).zip(z.chunks_exact(w.len())) {
         let r = inv_rms(row, eps);
         for ((v, g), zz) in row.iter_mut().zip(w).zip(zr) {
