@@ -1,0 +1,137 @@
+//! The `lily` binary end to end on the committed tiny checkpoints.
+
+mod common;
+use common::*;
+use std::process::Command;
+
+fn lily(args: &[&str]) -> (bool, String, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_lily")).args(args).output().expect("running lily");
+    (out.status.success(), String::from_utf8_lossy(&out.stdout).into(), String::from_utf8_lossy(&out.stderr).into())
+}
+
+fn model(name: &str) -> String {
+    fixtures().join(name).to_string_lossy().into_owned()
+}
+
+#[test]
+fn run_json_gives_mlx_lm_greedy_tokens() {
+    // The reference greedy continuation of the fixture prompt, through the CLI.
+    let r = lily::safetensors::SafeFile::open(&fixtures().join("ref/tiny-mlx4.safetensors")).unwrap();
+    let prompt: Vec<String> = r.tensors["prompt"].to_i32().unwrap().iter().map(|x| x.to_string()).collect();
+    let greedy: Vec<u32> = r.tensors["greedy"].to_i32().unwrap().iter().map(|&x| x as u32).collect();
+    let (ok, out, err) = lily(&[
+        "run",
+        "--model",
+        &model("tiny-mlx4"),
+        "--prompt-tokens",
+        &prompt.join(","),
+        "--max-tokens",
+        "8",
+        "--json",
+    ]);
+    assert!(ok, "{err}");
+    let last: serde_json::Value = serde_json::from_str(out.lines().last().unwrap()).unwrap();
+    let toks: Vec<u32> = last["tokens"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap() as u32).collect();
+    // Generation stops early only at an EOS id, which the reference would also have produced.
+    assert!(!toks.is_empty() && toks.len() <= 8);
+    assert_eq!(toks[..], greedy[..toks.len()]);
+    assert!(last["timings"]["decode_tokens_per_s"].is_number());
+}
+
+#[test]
+fn seeded_sampling_is_reproducible_through_the_cli() {
+    let args = [
+        "run",
+        "--model",
+        "synthetic:tiny",
+        "--prompt-tokens",
+        "1,2,3",
+        "--max-tokens",
+        "12",
+        "--temperature",
+        "1.0",
+        "--top-p",
+        "0.9",
+        "--seed",
+        "42",
+        "--json",
+    ];
+    let (ok1, a, e) = lily(&args);
+    assert!(ok1, "{e}");
+    let (_, b, _) = lily(&args);
+    let parse = |s: &str| -> serde_json::Value { serde_json::from_str(s.lines().last().unwrap()).unwrap() };
+    let (a, b) = (parse(&a), parse(&b));
+    assert_eq!(a["tokens"], b["tokens"]);
+    assert_eq!(a["text"], b["text"]);
+}
+
+#[test]
+fn chat_template_prompt_runs() {
+    let (ok, out, err) =
+        lily(&["run", "--model", &model("tiny-hf"), "--prompt", "hello", "--max-tokens", "4", "--no-think", "--json"]);
+    assert!(ok, "{err}");
+    let last: serde_json::Value = serde_json::from_str(out.lines().last().unwrap()).unwrap();
+    assert!(last["prompt_tokens"].as_u64().unwrap() > 3, "template tokens were added");
+}
+
+#[test]
+fn perplexity_dumps_the_reference_logits() {
+    let r = lily::safetensors::SafeFile::open(&fixtures().join("ref/tiny-hf.safetensors")).unwrap();
+    let prompt: Vec<String> = r.tensors["prompt"].to_i32().unwrap().iter().map(|x| x.to_string()).collect();
+    let want = r.tensors["logits"].to_f32().unwrap();
+    let dir = std::env::temp_dir().join(format!("lily-ppl-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let toks = dir.join("tokens.txt");
+    std::fs::write(&toks, prompt.join(" ")).unwrap();
+    let dump = dir.join("logits.safetensors");
+    let (ok, out, err) = lily(&[
+        "perplexity",
+        "--model",
+        &model("tiny-hf"),
+        "--tokens-file",
+        toks.to_str().unwrap(),
+        "--dump-logits",
+        dump.to_str().unwrap(),
+        "--chunk",
+        "64",
+        "--json",
+    ]);
+    assert!(ok, "{err}");
+    let v: serde_json::Value = serde_json::from_str(out.trim()).unwrap();
+    assert_eq!(v["scored"], prompt.len() - 1);
+    assert!(v["perplexity"].as_f64().unwrap() > 1.0);
+    let f = lily::safetensors::SafeFile::open(&dump).unwrap();
+    let got = f.tensors["logits"].to_f32().unwrap();
+    assert_eq!(f.tensors["logits"].shape, vec![prompt.len(), 512]);
+    // Same bound as tests/reference.rs, against mlx-lm.
+    assert!(max_abs_diff(&got, &want) < 1e-3, "{}", max_abs_diff(&got, &want));
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+#[test]
+fn tokenize_prints_ids() {
+    let (ok, out, err) = lily(&["tokenize", "--model", &model("tiny-hf"), "--text", "hello world", "--json"]);
+    assert!(ok, "{err}");
+    let v: serde_json::Value = serde_json::from_str(out.trim()).unwrap();
+    assert!(!v["ids"].as_array().unwrap().is_empty());
+}
+
+#[test]
+fn bad_input_gives_clear_errors() {
+    let cases: Vec<(Vec<&str>, &str)> = vec![
+        (vec!["run", "--model", "/nonexistent", "--prompt", "x"], "does not exist"),
+        (vec!["run", "--model", "synthetic:nope", "--prompt-tokens", "1"], "unknown synthetic model"),
+        (vec!["run", "--model", "synthetic:tiny", "--prompt-tokens", "1,x"], "`x` is not a token id"),
+        (vec!["run", "--model", "synthetic:tiny", "--prompt-tokens", "99999999"], "out of range"),
+        (vec!["run", "--model", "synthetic:tiny", "--prompt-tokens", "1", "--temperature=-2"], "temperature"),
+        (vec!["run", "--model", "synthetic:tiny", "--prompt-tokens", "1", "--top-p", "0"], "top_p"),
+        (vec!["run", "--model", "synthetic:tiny", "--prompt-tokens", "1", "--device", "cuda"], "cuda"),
+        (vec!["perplexity", "--model", "synthetic:tiny"], "--tokens-file"),
+    ];
+    for (args, want) in cases {
+        let (ok, _, err) = lily(&args);
+        assert!(!ok, "{args:?} should fail");
+        assert!(err.contains(want), "{args:?}: stderr `{err}` should mention `{want}`");
+        assert!(!err.contains("panicked"), "{args:?} panicked: {err}");
+    }
+}
