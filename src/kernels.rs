@@ -145,6 +145,11 @@ pub fn dot_quant(
     #[cfg(target_arch = "x86_64")]
     if has_avx2() {
         // SAFETY: AVX2 and FMA were detected above.
+        if sty == FloatType::BF16 {
+            // SAFETY: AVX2 and FMA were detected above; slice lengths are checked inside.
+            return unsafe { avx2::dot_quant_bf16(bits, group, packed, scales, biases, x, gsum) };
+        }
+        // SAFETY: as above.
         return unsafe { avx2::dot_quant(bits, group, sty, packed, scales, biases, x, gsum) };
     }
     dot_quant_portable(bits, group, sty, packed, scales, biases, x, gsum)
@@ -337,6 +342,72 @@ mod avx2 {
         s
     }
 
+    /// Dispatches to a kernel monomorphised for (bits, group) with bf16 scales and biases.
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn dot_quant_bf16(
+        bits: u32,
+        group: usize,
+        packed: &[u8],
+        scales: &[u8],
+        biases: &[u8],
+        x: &[f32],
+        gsum: &[f32],
+    ) -> f32 {
+        let n = x.len();
+        assert!(packed.len() * 8 >= n * bits as usize && scales.len() * group >= 2 * n && biases.len() >= scales.len());
+        assert!(gsum.len() * group >= n);
+        let (p, s, b) = (packed.as_ptr(), scales.as_ptr() as *const u16, biases.as_ptr() as *const u16);
+        match (bits, group) {
+            (4, 32) => dot_qk::<4, 32>(p, s, b, x, gsum),
+            (4, 64) => dot_qk::<4, 64>(p, s, b, x, gsum),
+            (4, 128) => dot_qk::<4, 128>(p, s, b, x, gsum),
+            (8, 32) => dot_qk::<8, 32>(p, s, b, x, gsum),
+            (8, 64) => dot_qk::<8, 64>(p, s, b, x, gsum),
+            _ => dot_qk::<8, 128>(p, s, b, x, gsum),
+        }
+    }
+
+    #[inline(always)]
+    unsafe fn bf16_at(p: *const u16, i: usize) -> f32 {
+        f32::from_bits((p.add(i).read_unaligned() as u32) << 16)
+    }
+
+    /// One packed row · x for a fixed (BITS, GROUP): `Σ_g s_g·Σ q·x + b_g·gsum_g`.
+    #[inline(always)]
+    unsafe fn dot_qk<const BITS: usize, const GROUP: usize>(
+        pp: *const u8,
+        sp: *const u16,
+        bp: *const u16,
+        x: &[f32],
+        gsum: &[f32],
+    ) -> f32 {
+        let px = x.as_ptr();
+        let shifts = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28);
+        let mask = _mm256_set1_epi32(15);
+        let mut tot = _mm256_setzero_ps();
+        let mut bias_part = 0f32;
+        for g in 0..x.len() / GROUP {
+            let base = g * GROUP;
+            let mut acc = [_mm256_setzero_ps(); 4];
+            let mut j = 0;
+            while j < GROUP / 8 {
+                let e = base + 8 * j;
+                let q = if BITS == 4 {
+                    let w = (pp.add(e / 2) as *const u32).read_unaligned();
+                    _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(w as i32), shifts), mask)
+                } else {
+                    _mm256_cvtepu8_epi32(_mm_loadl_epi64(pp.add(e) as *const __m128i))
+                };
+                acc[j % 4] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q), _mm256_loadu_ps(px.add(e)), acc[j % 4]);
+                j += 1;
+            }
+            let sum = _mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3]));
+            tot = _mm256_fmadd_ps(sum, _mm256_set1_ps(bf16_at(sp, g)), tot);
+            bias_part += bf16_at(bp, g) * gsum[g];
+        }
+        hsum(tot) + bias_part
+    }
+
     #[allow(clippy::too_many_arguments)]
     #[target_feature(enable = "avx2,fma")]
     pub unsafe fn dot_quant(
@@ -356,36 +427,31 @@ mod avx2 {
         let mask = _mm256_set1_epi32(15);
         let mut tot = _mm256_setzero_ps();
         let mut bias_part = 0f32;
+        // Four independent accumulators per group keep the FMA latency chains off the critical path.
         for g in 0..ng {
-            let mut acc0 = _mm256_setzero_ps();
-            let mut acc1 = _mm256_setzero_ps();
+            let mut acc = [_mm256_setzero_ps(); 4];
             let base = g * group;
-            if bits == 4 {
-                let mut c = 0;
-                while c < group {
-                    let w0 = (pp.add((base + c) / 2) as *const u32).read_unaligned();
-                    let w1 = (pp.add((base + c + 8) / 2) as *const u32).read_unaligned();
-                    let q0 = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(w0 as i32), shifts), mask);
-                    let q1 = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(w1 as i32), shifts), mask);
-                    acc0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q0), _mm256_loadu_ps(px.add(base + c)), acc0);
-                    acc1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q1), _mm256_loadu_ps(px.add(base + c + 8)), acc1);
-                    c += 16;
+            let mut c = 0;
+            while c < group {
+                for j in 0..4 {
+                    let e = base + c + 8 * (j % 2) + 16 * (j / 2);
+                    if e >= base + group {
+                        break;
+                    }
+                    let q = if bits == 4 {
+                        let w = (pp.add(e / 2) as *const u32).read_unaligned();
+                        _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(w as i32), shifts), mask)
+                    } else {
+                        _mm256_cvtepu8_epi32(_mm_loadl_epi64(pp.add(e) as *const __m128i))
+                    };
+                    acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q), _mm256_loadu_ps(px.add(e)), acc[j]);
                 }
-            } else {
-                let mut c = 0;
-                while c < group {
-                    let b0 = _mm_loadl_epi64(pp.add(base + c) as *const __m128i);
-                    let b1 = _mm_loadl_epi64(pp.add(base + c + 8) as *const __m128i);
-                    let q0 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(b0));
-                    let q1 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(b1));
-                    acc0 = _mm256_fmadd_ps(q0, _mm256_loadu_ps(px.add(base + c)), acc0);
-                    acc1 = _mm256_fmadd_ps(q1, _mm256_loadu_ps(px.add(base + c + 8)), acc1);
-                    c += 16;
-                }
+                c += 32;
             }
             // Scale the group's partial sums as vectors; one horizontal sum per row.
             let sv = _mm256_set1_ps(scale_at(sty, scales, g));
-            tot = _mm256_fmadd_ps(_mm256_add_ps(acc0, acc1), sv, tot);
+            let sum = _mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3]));
+            tot = _mm256_fmadd_ps(sum, sv, tot);
             bias_part += scale_at(sty, biases, g) * gsum[g];
         }
         hsum(tot) + bias_part
