@@ -7,8 +7,9 @@
 use crate::linear::FloatType;
 use crate::safetensors::{bf16_to_f32, f16_to_f32};
 
+/// Whether the AVX2+FMA kernels run (they do where the CPU has them, unless LILY_NO_SIMD is set).
 #[inline]
-fn has_avx2() -> bool {
+pub fn has_avx2() -> bool {
     #[cfg(target_arch = "x86_64")]
     {
         use std::sync::OnceLock;

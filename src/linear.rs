@@ -131,11 +131,19 @@ impl Linear {
                 let pb = self.cols * *bits as usize / 8;
                 let ng = self.cols / group;
                 let sb = ng * sty.size();
-                let mut s = vec![0f32; ng];
-                let mut b = vec![0f32; ng];
-                kernels::to_f32(*sty, &scales.as_slice()[r * sb..(r + 1) * sb], &mut s);
-                kernels::to_f32(*sty, &biases.as_slice()[r * sb..(r + 1) * sb], &mut b);
-                kernels::dequant_row(*bits, *group, &packed.as_slice()[r * pb..(r + 1) * pb], &s, &b, out);
+                // Scales of one row fit on the stack for every real width (≤ 16384 columns).
+                let mut stack = [0f32; 1024];
+                let mut heap = Vec::new();
+                let sbuf: &mut [f32] = if 2 * ng <= stack.len() {
+                    &mut stack[..2 * ng]
+                } else {
+                    heap.resize(2 * ng, 0f32);
+                    &mut heap
+                };
+                let (s, b) = sbuf.split_at_mut(ng);
+                kernels::to_f32(*sty, &scales.as_slice()[r * sb..(r + 1) * sb], s);
+                kernels::to_f32(*sty, &biases.as_slice()[r * sb..(r + 1) * sb], b);
+                kernels::dequant_row(*bits, *group, &packed.as_slice()[r * pb..(r + 1) * pb], s, b, out);
             }
         }
     }

@@ -55,23 +55,7 @@ pub fn recurrent(d: GdnDims, t: usize, x: &GdnInputs, state: &mut [f32], out: &m
                 let v = &x.v[(tt * d.hv + h) * d.dv..][..d.dv];
                 let a = x.g[tt * d.hv + h].exp();
                 let b = x.beta[tt * d.hv + h];
-                u.fill(0.0);
-                for (i, row) in s.chunks_exact_mut(d.dv).enumerate() {
-                    for (sv, uv) in row.iter_mut().zip(u.iter_mut()) {
-                        *sv *= a;
-                        *uv += *sv * k[i];
-                    }
-                }
-                for (uv, vv) in u.iter_mut().zip(v) {
-                    *uv = b * (vv - *uv); // δ
-                }
-                let ot = &mut o[tt * d.dv..(tt + 1) * d.dv];
-                for (i, row) in s.chunks_exact_mut(d.dv).enumerate() {
-                    for ((sv, dv), ov) in row.iter_mut().zip(&u).zip(ot.iter_mut()) {
-                        *sv += k[i] * dv;
-                        *ov += *sv * q[i];
-                    }
-                }
+                step(s, q, k, v, a, b, &mut u, &mut o[tt * d.dv..(tt + 1) * d.dv]);
             }
             o
         })
@@ -81,6 +65,43 @@ pub fn recurrent(d: GdnDims, t: usize, x: &GdnInputs, state: &mut [f32], out: &m
             out[(tt * d.hv + h) * d.dv..][..d.dv].copy_from_slice(&o[tt * d.dv..(tt + 1) * d.dv]);
         }
     }
+}
+
+/// One token for one value head: `S ← aS; δ = b(v − Sᵀk); S ← S + kδᵀ; o = Sᵀq` (S is [D_k, D_v]).
+#[inline(always)]
+fn step_body(s: &mut [f32], q: &[f32], k: &[f32], v: &[f32], a: f32, b: f32, u: &mut [f32], o: &mut [f32]) {
+    let dv = v.len();
+    u.fill(0.0);
+    for (i, row) in s.chunks_exact_mut(dv).enumerate() {
+        for (sv, uv) in row.iter_mut().zip(u.iter_mut()) {
+            *sv *= a;
+            *uv += *sv * k[i];
+        }
+    }
+    for (uv, vv) in u.iter_mut().zip(v) {
+        *uv = b * (vv - *uv); // δ
+    }
+    for (i, row) in s.chunks_exact_mut(dv).enumerate() {
+        for ((sv, dl), ov) in row.iter_mut().zip(u.iter()).zip(o.iter_mut()) {
+            *sv += k[i] * dl;
+            *ov += *sv * q[i];
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn step_avx2(s: &mut [f32], q: &[f32], k: &[f32], v: &[f32], a: f32, b: f32, u: &mut [f32], o: &mut [f32]) {
+    step_body(s, q, k, v, a, b, u, o)
+}
+
+fn step(s: &mut [f32], q: &[f32], k: &[f32], v: &[f32], a: f32, b: f32, u: &mut [f32], o: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    if crate::kernels::has_avx2() {
+        // SAFETY: AVX2 and FMA were detected.
+        return unsafe { step_avx2(s, q, k, v, a, b, u, o) };
+    }
+    step_body(s, q, k, v, a, b, u, o)
 }
 
 fn dot(a: &[f32], b: &[f32]) -> f32 {
