@@ -2,11 +2,25 @@
 //! an end-of-sequence token, a stop condition or the token budget.
 
 use crate::model::{Logits, Model};
-use crate::sampling::{Sampler, SamplingParams};
+use crate::sampling::{apply_penalties, log_softmax, Sampler, SamplingParams};
 use crate::state::State;
-use anyhow::{bail, Result};
+use anyhow::{bail, Context, Result};
+use std::any::Any;
+use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Instant;
+
+/// A saved copy of a session's caches (KV, GDN conv and recurrent state) at one position, to be
+/// restored into a session of the same backend and model. The recurrent state cannot be rolled
+/// back, so a snapshot is the only way to resume from an earlier point.
+pub struct Snapshot {
+    /// Tokens the session had processed when the snapshot was taken.
+    pub pos: usize,
+    /// Bytes held (for cache budgets).
+    pub nbytes: usize,
+    /// The backend's own state type.
+    pub data: Box<dyn Any + Send + Sync>,
+}
 
 /// One sequence on one backend: owns the caches and the current position.
 pub trait Session {
@@ -18,6 +32,12 @@ pub trait Session {
     fn pos(&self) -> usize;
     fn vocab_size(&self) -> usize;
     fn max_positions(&self) -> usize;
+    /// Copies the caches at the current position.
+    fn snapshot(&self) -> Snapshot;
+    /// Replaces the caches with a snapshot taken from a session of the same backend and model.
+    fn restore(&mut self, snap: &Snapshot) -> Result<()>;
+    /// Drops everything: back to position 0.
+    fn reset(&mut self);
 }
 
 /// The CPU session: the reference model and its state.
@@ -61,13 +81,49 @@ impl Session for CpuSession {
     fn max_positions(&self) -> usize {
         self.model.cfg.max_position_embeddings
     }
+    fn snapshot(&self) -> Snapshot {
+        Snapshot { pos: self.state.pos, nbytes: self.state.nbytes(), data: Box::new(self.state.clone()) }
+    }
+    fn restore(&mut self, snap: &Snapshot) -> Result<()> {
+        let state = snap.data.downcast_ref::<State>().context("snapshot is not from a CPU session")?;
+        if state.layers.len() != self.state.layers.len() {
+            bail!("snapshot is from a different model");
+        }
+        self.state = state.clone();
+        Ok(())
+    }
+    fn reset(&mut self) {
+        self.state = self.model.new_state();
+    }
 }
 
-#[derive(Clone, Debug)]
+#[derive(Clone, Debug, Default)]
 pub struct GenerateOptions {
     pub max_tokens: usize,
     pub sampling: SamplingParams,
     pub eos_ids: Vec<u32>,
+    /// OpenAI presence penalty: subtracted once from the logit of every token already generated.
+    pub presence_penalty: f32,
+    /// OpenAI frequency penalty: subtracted per occurrence in the generated tokens.
+    pub frequency_penalty: f32,
+    /// Report the log-probability of each sampled token and this many top alternatives.
+    pub logprobs: Option<usize>,
+}
+
+/// Log-probabilities under the model (log-softmax of the raw logits, before penalties and
+/// temperature) of a sampled token and of the most likely tokens at that step.
+#[derive(Clone, Debug, PartialEq)]
+pub struct TokenLogprobs {
+    pub token: u32,
+    pub logprob: f32,
+    /// Best first.
+    pub top: Vec<(u32, f32)>,
+}
+
+/// One generated token as the callback sees it.
+pub struct Step<'a> {
+    pub token: u32,
+    pub logprobs: Option<&'a TokenLogprobs>,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -112,15 +168,38 @@ pub fn generate(
     if session.pos() + prompt.len() > limit {
         bail!("the prompt ({} tokens) exceeds the model's context of {limit} tokens", prompt.len());
     }
-    let mut sampler = Sampler::new(opts.sampling.clone());
     let t0 = Instant::now();
-    let mut logits = session.forward_last(prompt)?;
+    let logits = session.forward_last(prompt)?;
     let prefill_secs = t0.elapsed().as_secs_f64();
+    let mut gen = decode(session, logits, opts, |s| on_token(s.token))?;
+    gen.prompt_tokens = prompt.len();
+    gen.prefill_secs = prefill_secs;
+    Ok(gen)
+}
+
+/// The decode loop from the logits after an already prefilled prompt: samples (with penalties),
+/// reports each token (EOS excluded) and feeds it back, until EOS, `max_tokens`, the session's
+/// context limit or the callback says stop. `prompt_tokens`/`prefill_secs` are left 0.
+pub fn decode(
+    session: &mut dyn Session,
+    mut logits: Vec<f32>,
+    opts: &GenerateOptions,
+    mut on_step: impl FnMut(&Step) -> Result<Flow>,
+) -> Result<Generation> {
+    opts.sampling.validate()?;
+    let limit = session.max_positions();
+    let mut sampler = Sampler::new(opts.sampling.clone());
     let t1 = Instant::now();
     let mut tokens = Vec::new();
+    let mut counts: HashMap<u32, u32> = HashMap::new();
     let mut finish = FinishReason::Length;
     let mut eos_token = None;
+    let penalize = opts.presence_penalty != 0.0 || opts.frequency_penalty != 0.0;
     while tokens.len() < opts.max_tokens {
+        let lp = opts.logprobs.map(|k| (log_softmax(&logits), k));
+        if penalize {
+            apply_penalties(&mut logits, &counts, opts.presence_penalty, opts.frequency_penalty);
+        }
         let next = sampler.sample(&logits);
         if opts.eos_ids.contains(&next) {
             finish = FinishReason::Eos;
@@ -128,7 +207,9 @@ pub fn generate(
             break;
         }
         tokens.push(next);
-        if let Flow::Stop = on_token(next)? {
+        *counts.entry(next).or_insert(0) += 1;
+        let info = lp.map(|(lp, k)| TokenLogprobs { token: next, logprob: lp[next as usize], top: top_k_of(&lp, k) });
+        if let Flow::Stop = on_step(&Step { token: next, logprobs: info.as_ref() })? {
             finish = FinishReason::Stopped;
             break;
         }
@@ -144,8 +225,147 @@ pub fn generate(
         tokens,
         finish,
         eos_token,
-        prompt_tokens: prompt.len(),
-        prefill_secs,
+        prompt_tokens: 0,
+        prefill_secs: 0.0,
         decode_secs: t1.elapsed().as_secs_f64(),
     })
+}
+
+/// The `k` largest entries as (index, value), largest first (ties: lower index first).
+pub fn top_k_of(v: &[f32], k: usize) -> Vec<(u32, f32)> {
+    let mut idx: Vec<(u32, f32)> = v.iter().enumerate().map(|(i, &x)| (i as u32, x)).collect();
+    let by =
+        |a: &(u32, f32), b: &(u32, f32)| b.1.partial_cmp(&a.1).unwrap_or(std::cmp::Ordering::Equal).then(a.0.cmp(&b.0));
+    let k = k.min(idx.len());
+    if k == 0 {
+        return Vec::new();
+    }
+    if k < idx.len() {
+        idx.select_nth_unstable_by(k - 1, by);
+        idx.truncate(k);
+    }
+    idx.sort_by(by);
+    idx
+}
+
+/// Length of the longest suffix of `text` that is a proper prefix of one of `patterns` (and starts
+/// on a character boundary): the part a streamer must hold back because a pattern may be starting.
+pub fn partial_suffix_len(text: &str, patterns: &[impl AsRef<str>]) -> usize {
+    let mut best = 0;
+    for p in patterns {
+        let p = p.as_ref();
+        for n in (1..p.len().min(text.len() + 1)).rev() {
+            let start = text.len() - n;
+            if n <= best || !text.is_char_boundary(start) {
+                continue;
+            }
+            if p.as_bytes().starts_with(&text.as_bytes()[start..]) {
+                best = n;
+                break;
+            }
+        }
+    }
+    best
+}
+
+/// Stop strings over streamed text: text that may be the start of a stop string is held back, so
+/// a partial stop string is never emitted; the stop string itself and anything after it are dropped.
+#[derive(Clone, Debug, Default)]
+pub struct StopStrings {
+    stops: Vec<String>,
+    pending: String,
+    stopped: bool,
+}
+
+impl StopStrings {
+    /// Empty stop strings are ignored.
+    pub fn new(stops: &[String]) -> StopStrings {
+        StopStrings { stops: stops.iter().filter(|s| !s.is_empty()).cloned().collect(), ..Default::default() }
+    }
+
+    /// Adds generated text; returns what can be emitted now and whether a stop string was found.
+    pub fn push(&mut self, piece: &str) -> (String, bool) {
+        if self.stopped {
+            return (String::new(), true);
+        }
+        self.pending.push_str(piece);
+        let hit = self.stops.iter().filter_map(|s| self.pending.find(s.as_str())).min();
+        if let Some(i) = hit {
+            let out = self.pending[..i].to_string();
+            self.pending.clear();
+            self.stopped = true;
+            return (out, true);
+        }
+        let keep = partial_suffix_len(&self.pending, &self.stops);
+        let out = self.pending[..self.pending.len() - keep].to_string();
+        self.pending.drain(..self.pending.len() - keep);
+        (out, false)
+    }
+
+    /// The held-back text once generation ended without a stop string.
+    pub fn finish(&mut self) -> String {
+        std::mem::take(&mut self.pending)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn run(stops: &[&str], pieces: &[&str]) -> (Vec<String>, bool, String) {
+        let stops: Vec<String> = stops.iter().map(|s| s.to_string()).collect();
+        let mut s = StopStrings::new(&stops);
+        let mut out = Vec::new();
+        let mut hit = false;
+        for p in pieces {
+            let (o, h) = s.push(p);
+            out.push(o);
+            if h {
+                hit = true;
+                break;
+            }
+        }
+        let rest = if hit { String::new() } else { s.finish() };
+        (out, hit, rest)
+    }
+
+    #[test]
+    fn stop_string_split_across_pieces_is_never_emitted() {
+        let (out, hit, _) = run(&["STOP"], &["abc S", "TO", "P tail"]);
+        assert!(hit);
+        assert_eq!(out, vec!["abc ", "", ""]);
+    }
+
+    #[test]
+    fn partial_match_that_diverges_is_released() {
+        let (out, hit, rest) = run(&["STOP"], &["ST", "Ox", "y"]);
+        assert!(!hit);
+        assert_eq!(out.concat() + &rest, "STOxy");
+        assert_eq!(out, vec!["", "STOx", "y"]);
+    }
+
+    #[test]
+    fn earliest_of_several_stops_wins_and_held_text_is_flushed() {
+        let (out, hit, _) = run(&["world", "lo w"], &["hello world"]);
+        assert!(hit);
+        assert_eq!(out, vec!["hel"]);
+        let (out, hit, rest) = run(&["xyz"], &["abcx"]);
+        assert!(!hit);
+        assert_eq!((out.concat(), rest), ("abc".to_string(), "x".to_string()));
+    }
+
+    #[test]
+    fn partial_suffix_respects_char_boundaries() {
+        assert_eq!(partial_suffix_len("aé", &["é!"]), 2);
+        assert_eq!(partial_suffix_len("abc", &["abc"]), 0, "a full match is not partial");
+        assert_eq!(partial_suffix_len("xx<tool", &["<tool_call>", "<think>"]), 5);
+        assert_eq!(partial_suffix_len("", &["a"]), 0);
+    }
+
+    #[test]
+    fn top_k_orders_and_breaks_ties_by_index() {
+        assert_eq!(top_k_of(&[0.1, 0.5, 0.5, -1.0], 3), vec![(1, 0.5), (2, 0.5), (0, 0.1)]);
+        assert!(top_k_of(&[1.0], 0).is_empty());
+        assert_eq!(top_k_of(&[1.0, 2.0], 5).len(), 2);
+    }
 }

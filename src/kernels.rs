@@ -189,17 +189,22 @@ pub fn dot_quant_portable(
     total
 }
 
-/// `out[t, i] = Σ_k tile[i, k] · x[t, k]` for a small block of dequantized rows.
-pub fn gemm_tile(tile: &[f32], nr: usize, k: usize, x: &[f32], t: usize, out: &mut [f32]) {
+/// `out[t·ldo + i] = Σ_k tile[i, k] · x[t, k]` for a small block of dequantized rows.
+///
+/// # Safety
+/// `out` must be valid for writes at `t·ldo + i` for every `t < t`, `i < nr`.
+pub unsafe fn gemm_tile_strided(tile: &[f32], nr: usize, k: usize, x: &[f32], t: usize, out: *mut f32, ldo: usize) {
+    assert!(tile.len() >= nr * k && x.len() >= t * k);
     #[cfg(target_arch = "x86_64")]
     if has_avx2() && k.is_multiple_of(8) {
-        // SAFETY: AVX2 and FMA were detected above; k is a multiple of 8.
-        return unsafe { avx2::gemm_tile(tile, nr, k, x, t, out) };
+        // SAFETY: AVX2 and FMA were detected above; k is a multiple of 8; `out` per the contract.
+        return unsafe { avx2::gemm_tile(tile, nr, k, x, t, out, ldo) };
     }
     for tt in 0..t {
         let xr = &x[tt * k..(tt + 1) * k];
         for i in 0..nr {
-            out[tt * nr + i] = dot_f32(&tile[i * k..(i + 1) * k], xr);
+            // SAFETY: per the contract.
+            unsafe { *out.add(tt * ldo + i) = dot_f32(&tile[i * k..(i + 1) * k], xr) };
         }
     }
 }
@@ -249,8 +254,8 @@ mod avx2 {
 
     /// `out[t, i] = Σ_k a[i, k] x[t, k]`, register-blocked 4 rows × 2 tokens; `k % 8 == 0`.
     #[target_feature(enable = "avx2,fma")]
-    pub unsafe fn gemm_tile(a: &[f32], nr: usize, k: usize, x: &[f32], t: usize, out: &mut [f32]) {
-        assert!(a.len() >= nr * k && x.len() >= t * k && out.len() >= t * nr && k.is_multiple_of(8));
+    pub unsafe fn gemm_tile(a: &[f32], nr: usize, k: usize, x: &[f32], t: usize, out: *mut f32, ldo: usize) {
+        assert!(a.len() >= nr * k && x.len() >= t * k && k.is_multiple_of(8));
         let (pa, px) = (a.as_ptr(), x.as_ptr());
         let mut i0 = 0;
         while i0 < nr {
@@ -271,7 +276,7 @@ mod avx2 {
                 }
                 for r in 0..ri {
                     for j in 0..tj {
-                        out[(t0 + j) * nr + i0 + r] = hsum(acc[r][j]);
+                        *out.add((t0 + j) * ldo + i0 + r) = hsum(acc[r][j]);
                     }
                 }
                 t0 += tj;

@@ -11,6 +11,7 @@ pub mod model;
 pub mod progress;
 pub mod safetensors;
 pub mod sampling;
+pub mod server;
 pub mod state;
 pub mod synthetic;
 pub mod tokenizer;

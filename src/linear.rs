@@ -198,27 +198,37 @@ impl Linear {
         }
         const RB: usize = 16;
         let nblocks = self.rows.div_ceil(RB);
-        // Each block writes a column stripe of y; collect per-block results then scatter.
-        let blocks: Vec<Vec<f32>> = (0..nblocks)
-            .into_par_iter()
-            .map(|bi| {
-                let r0 = bi * RB;
-                let nr = RB.min(self.rows - r0);
-                let mut tile = vec![0f32; nr * self.cols];
+        let out = SyncPtr(y.as_mut_ptr());
+        (0..nblocks).into_par_iter().for_each(|bi| {
+            let r0 = bi * RB;
+            let nr = RB.min(self.rows - r0);
+            TILE.with(|cell| {
+                let mut tile = cell.borrow_mut();
+                tile.resize(RB * self.cols, 0.0);
                 for i in 0..nr {
                     self.row_f32(r0 + i, &mut tile[i * self.cols..(i + 1) * self.cols]);
                 }
-                let mut out = vec![0f32; t * nr];
-                kernels::gemm_tile(&tile, nr, self.cols, x, t, &mut out);
-                out
-            })
-            .collect();
-        for (bi, out) in blocks.iter().enumerate() {
-            let r0 = bi * RB;
-            let nr = out.len() / t;
-            for tt in 0..t {
-                y[tt * self.rows + r0..tt * self.rows + r0 + nr].copy_from_slice(&out[tt * nr..(tt + 1) * nr]);
-            }
-        }
+                // SAFETY: block bi writes only columns [r0, r0 + nr) of each of the t rows of y,
+                // disjoint from every other block; y outlives the parallel loop.
+                unsafe { kernels::gemm_tile_strided(&tile, nr, self.cols, x, t, out.get().add(r0), self.rows) };
+            });
+        });
+    }
+}
+
+thread_local! {
+    /// Per-thread scratch for a block of dequantized rows (reused across calls).
+    static TILE: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// A raw output pointer shared by parallel blocks that write disjoint elements.
+#[derive(Clone, Copy)]
+struct SyncPtr(*mut f32);
+// SAFETY: used only for disjoint writes (see `matmul`).
+unsafe impl Send for SyncPtr {}
+unsafe impl Sync for SyncPtr {}
+impl SyncPtr {
+    fn get(self) -> *mut f32 {
+        self.0
     }
 }

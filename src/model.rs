@@ -249,7 +249,10 @@ impl Model {
         let outs: Vec<Vec<f32>> = active
             .par_iter()
             .map(|(e, toks)| {
-                let xe: Vec<f32> = toks.iter().flat_map(|(tt, _)| xn[tt * hid..(tt + 1) * hid].to_vec()).collect();
+                let mut xe = Vec::with_capacity(toks.len() * hid); // [T_e, H]
+                for (tt, _) in toks.iter() {
+                    xe.extend_from_slice(&xn[tt * hid..(tt + 1) * hid]);
+                }
                 mlp(&m.experts[*e], &xe, toks.len())
             })
             .collect();

@@ -87,6 +87,31 @@ pub fn argmax(logits: &[f32]) -> u32 {
     best as u32
 }
 
+/// `log(softmax(logits))`, computed in f64 for the normaliser.
+pub fn log_softmax(logits: &[f32]) -> Vec<f32> {
+    let m = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let sum: f64 = logits.iter().map(|&l| ((l - m) as f64).exp()).sum();
+    let lse = m as f64 + sum.ln();
+    logits.iter().map(|&l| (l as f64 - lse) as f32).collect()
+}
+
+/// OpenAI presence/frequency penalties: `logit[t] -= presence·[count>0] + frequency·count` for
+/// every token `t` with `count` occurrences so far in the generated text.
+pub fn apply_penalties(
+    logits: &mut [f32],
+    counts: &std::collections::HashMap<u32, u32>,
+    presence: f32,
+    frequency: f32,
+) {
+    for (&t, &c) in counts {
+        if let Some(l) = logits.get_mut(t as usize) {
+            if c > 0 {
+                *l -= presence + frequency * c as f32;
+            }
+        }
+    }
+}
+
 pub struct Sampler {
     pub params: SamplingParams,
     rng: Rng,
@@ -155,5 +180,33 @@ impl Sampler {
             }
         }
         cand.last().map(|c| c.0).unwrap_or(0)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn log_softmax_normalises() {
+        let lp = log_softmax(&[1.0, 2.0, 3.0]);
+        let total: f64 = lp.iter().map(|&x| (x as f64).exp()).sum();
+        assert!((total - 1.0).abs() < 1e-6);
+        assert!((lp[2] - lp[1] - 1.0).abs() < 1e-6);
+    }
+
+    #[test]
+    fn penalties_follow_openai_formula() {
+        let mut l = vec![1.0f32, 1.0, 1.0];
+        let counts = std::collections::HashMap::from([(0u32, 2u32), (2, 1), (7, 1)]);
+        apply_penalties(&mut l, &counts, 0.5, 0.25);
+        assert_eq!(l, vec![1.0 - 0.5 - 0.5, 1.0, 1.0 - 0.5 - 0.25]);
+    }
+
+    #[test]
+    fn a_strong_penalty_changes_the_greedy_choice() {
+        let mut l = vec![2.0f32, 1.5];
+        apply_penalties(&mut l, &std::collections::HashMap::from([(0u32, 1u32)]), 1.0, 0.0);
+        assert_eq!(argmax(&l), 1);
     }
 }

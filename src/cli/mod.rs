@@ -3,6 +3,7 @@
 pub mod bench;
 pub mod perplexity;
 pub mod run;
+pub mod serve;
 pub mod tokenize;
 
 use anyhow::{bail, Result};
@@ -47,7 +48,8 @@ impl ModelArgs {
         lily::loader::load(&self.model, self.layers)
     }
 
-    pub fn session(&self, loaded: &Loaded) -> Box<dyn Session> {
+    /// A fresh session on the chosen device (Send, so a server worker thread can own it).
+    pub fn session(&self, loaded: &Loaded) -> Box<dyn Session + Send> {
         Box::new(CpuSession::new(loaded.model.clone()))
     }
 }

@@ -101,7 +101,8 @@ pub fn run(a: RunArgs) -> Result<()> {
         Some(t) => t.eos_ids.clone(),
         None => loaded.model.cfg.eos_token_ids.clone(),
     };
-    let opts = GenerateOptions { max_tokens: a.sample.max_tokens, sampling: a.sample.params(), eos_ids };
+    let opts =
+        GenerateOptions { max_tokens: a.sample.max_tokens, sampling: a.sample.params(), eos_ids, ..Default::default() };
     let mut dec = StreamDecoder::new();
     let mut text = String::new();
     let stdout = std::io::stdout();
@@ -208,6 +209,7 @@ pub fn chat(a: ChatArgs) -> Result<()> {
             max_tokens: a.sample.max_tokens,
             sampling: SamplingParams { seed: a.sample.seed.wrapping_add(messages.len() as u64), ..a.sample.params() },
             eos_ids: tok.eos_ids.clone(),
+            ..Default::default()
         };
         let mut dec = StreamDecoder::new();
         let mut reply = String::new();

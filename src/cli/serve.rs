@@ -1,0 +1,110 @@
+//! `lily serve`: the OpenAI-compatible HTTP server (see `lily::server`).
+
+use super::ModelArgs;
+use anyhow::{bail, Context, Result};
+use clap::Args;
+use lily::server::{Config, Defaults};
+use serde_json::Value;
+use std::path::Path;
+
+#[derive(Args, Debug)]
+pub struct ServeArgs {
+    #[command(flatten)]
+    pub model: ModelArgs,
+    /// Address to listen on (loopback by default; port 0 picks a free port).
+    #[arg(long, default_value = "127.0.0.1:8000")]
+    pub bind: String,
+    /// Context limit per request, prompt plus completion (default: the model's).
+    #[arg(long)]
+    pub max_seq: Option<usize>,
+    /// Require `Authorization: Bearer KEY` (everything but /health).
+    #[arg(long)]
+    pub api_key: Option<String>,
+    /// Requests that may wait while one generates; beyond that the server answers 503.
+    #[arg(long, default_value_t = 64)]
+    pub queue_size: usize,
+    /// Largest request body in bytes (larger: 413).
+    #[arg(long, default_value_t = 8 << 20)]
+    pub max_body_bytes: usize,
+    /// Memory for prefix-cache snapshots, in MiB (0 disables the cache).
+    #[arg(long, default_value_t = 2048)]
+    pub prefix_cache_mb: usize,
+    /// The model name reported by /v1/models and in responses (default: the directory name).
+    #[arg(long)]
+    pub served_model_name: Option<String>,
+}
+
+/// Sampling defaults from the checkpoint's generation_config.json, else OpenAI's.
+fn defaults(dir: &Path) -> Defaults {
+    let mut d = Defaults::default();
+    let Ok(text) = std::fs::read_to_string(dir.join("generation_config.json")) else {
+        return d;
+    };
+    let Ok(v) = serde_json::from_str::<Value>(&text) else {
+        return d;
+    };
+    let f = |k: &str| v.get(k).and_then(Value::as_f64);
+    if let Some(t) = f("temperature") {
+        d.temperature = t as f32;
+    }
+    if let Some(t) = f("top_p") {
+        d.top_p = t as f32;
+    }
+    if let Some(t) = v.get("top_k").and_then(Value::as_u64) {
+        d.top_k = t as usize;
+    }
+    if let Some(t) = f("min_p") {
+        d.min_p = t as f32;
+    }
+    if v.get("do_sample") == Some(&Value::Bool(false)) {
+        d.temperature = 0.0;
+    }
+    d
+}
+
+/// `LILY_TEST_SCRIPTS='{"trigger": "output", ...}'`: a test-only hook that makes requests whose
+/// last message contains `trigger` generate exactly `output` (see `lily::server::Config::scripts`).
+fn scripts() -> Result<Vec<(String, String)>> {
+    let Ok(s) = std::env::var("LILY_TEST_SCRIPTS") else {
+        return Ok(Vec::new());
+    };
+    let v: serde_json::Map<String, Value> =
+        serde_json::from_str(&s).context("LILY_TEST_SCRIPTS must be a JSON object")?;
+    v.into_iter()
+        .map(|(k, v)| match v {
+            Value::String(out) => Ok((k, out)),
+            _ => bail!("LILY_TEST_SCRIPTS values must be strings"),
+        })
+        .collect()
+}
+
+pub fn run(a: ServeArgs) -> Result<()> {
+    if a.queue_size == 0 {
+        bail!("--queue-size must be at least 1");
+    }
+    let scripts = scripts()?;
+    let mut loaded = a.model.load()?;
+    let tok = loaded.tokenizer.take().context("serve needs a model with tokenizer.json")?;
+    let session = a.model.session(&loaded);
+    let model_max = session.max_positions();
+    let max_seq = a.max_seq.unwrap_or(model_max);
+    if max_seq > model_max {
+        bail!("--max-seq {max_seq} exceeds the model's context of {model_max} tokens");
+    }
+    let dir = Path::new(&a.model.model);
+    let model_id = a.served_model_name.clone().unwrap_or_else(|| {
+        dir.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_else(|| a.model.model.clone())
+    });
+    let cfg = Config {
+        bind: a.bind,
+        model_id,
+        max_seq,
+        api_key: a.api_key,
+        queue_size: a.queue_size,
+        max_body_bytes: a.max_body_bytes,
+        prefix_cache_bytes: a.prefix_cache_mb << 20,
+        defaults: if dir.is_dir() { defaults(dir) } else { Defaults::default() },
+        scripts,
+    };
+    lily::server::serve(cfg, tok, session)
+}

@@ -1,0 +1,225 @@
+//! `lily serve`: an OpenAI-compatible HTTP server over any `Session` backend.
+//!
+//! Layout: `openai` (wire types and validation), `handlers` (chat and completions, streaming),
+//! `worker` (bounded queue, the one generation thread, cancellation), `prefix_cache` (hybrid-state
+//! snapshots), `parse` (reasoning / tool-call splitting), `metrics` (Prometheus text).
+
+pub mod handlers;
+pub mod metrics;
+pub mod openai;
+pub mod parse;
+pub mod prefix_cache;
+pub mod worker;
+
+use crate::generate::Session;
+use crate::tokenizer::Tokenizer;
+use anyhow::{Context, Result};
+use axum::extract::{Request, State};
+use axum::http::{header, HeaderValue, StatusCode};
+use axum::middleware::{self, Next};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::Router;
+use metrics::Metrics;
+use openai::ApiError;
+use serde_json::json;
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::Arc;
+
+/// Sampling defaults for fields a request leaves out (the checkpoint's generation_config.json).
+#[derive(Clone, Debug)]
+pub struct Defaults {
+    pub temperature: f32,
+    pub top_p: f32,
+    pub top_k: usize,
+    pub min_p: f32,
+}
+
+impl Default for Defaults {
+    /// OpenAI's: temperature 1, no truncation.
+    fn default() -> Self {
+        Defaults { temperature: 1.0, top_p: 1.0, top_k: 0, min_p: 0.0 }
+    }
+}
+
+#[derive(Clone, Debug)]
+pub struct Config {
+    pub bind: String,
+    pub model_id: String,
+    /// Prompt plus completion tokens per request.
+    pub max_seq: usize,
+    pub api_key: Option<String>,
+    /// Requests that may wait while one generates; more get 503.
+    pub queue_size: usize,
+    pub max_body_bytes: usize,
+    pub prefix_cache_bytes: usize,
+    pub defaults: Defaults,
+    /// Test hook (`LILY_TEST_SCRIPTS`): (trigger, output) pairs; a request whose last message
+    /// contains `trigger` gets `output` as its generated text.
+    pub scripts: Vec<(String, String)>,
+}
+
+pub struct App {
+    pub cfg: Config,
+    pub tok: Arc<Tokenizer>,
+    pub queue: worker::Queue,
+    pub metrics: Arc<Metrics>,
+    pub started: u64,
+    counter: AtomicU64,
+}
+
+impl App {
+    /// A process-unique pseudo-random value (ids, default seeds).
+    pub fn unique(&self) -> u64 {
+        let n = self.counter.fetch_add(1, Relaxed);
+        let t = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_nanos() as u64)
+            .unwrap_or(0);
+        crate::sampling::Rng::new(t ^ n.wrapping_mul(0x9e37_79b9_7f4a_7c15)).next_u64()
+    }
+}
+
+pub fn now_secs() -> u64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0)
+}
+
+/// A JSON body with its content type.
+pub fn json_response(status: StatusCode, v: &serde_json::Value) -> Response {
+    (status, [(header::CONTENT_TYPE, "application/json")], v.to_string()).into_response()
+}
+
+pub fn error_response(e: &ApiError) -> Response {
+    let status = StatusCode::from_u16(e.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+    let mut r = json_response(status, &e.body());
+    if e.status == 503 {
+        r.headers_mut().insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
+    }
+    r
+}
+
+/// Builds the router (exposed for tests).
+pub fn router(app: Arc<App>) -> Router {
+    Router::new()
+        .route("/v1/chat/completions", post(handlers::chat))
+        .route("/v1/completions", post(handlers::completions))
+        .route("/v1/models", get(models))
+        .route("/health", get(health))
+        .route("/metrics", get(metrics_text))
+        .fallback(not_found)
+        .layer(axum::extract::DefaultBodyLimit::max(app.cfg.max_body_bytes))
+        .layer(middleware::from_fn_with_state(app.clone(), guard))
+        .with_state(app)
+}
+
+/// Authentication (everything but /health when an API key is set) and request counting.
+async fn guard(State(app): State<Arc<App>>, req: Request, next: Next) -> Response {
+    let path = req.uri().path().to_string();
+    let endpoint = match path.as_str() {
+        "/v1/chat/completions" | "/v1/completions" | "/v1/models" | "/health" | "/metrics" => path.as_str(),
+        _ => "other",
+    };
+    let resp = match &app.cfg.api_key {
+        Some(key) if path != "/health" => {
+            let given = req
+                .headers()
+                .get(header::AUTHORIZATION)
+                .and_then(|v| v.to_str().ok())
+                .and_then(|v| v.strip_prefix("Bearer "));
+            if given.is_some_and(|g| constant_time_eq(g.trim().as_bytes(), key.as_bytes())) {
+                next.run(req).await
+            } else {
+                let mut r = error_response(&ApiError::new(
+                    401,
+                    "invalid_request_error",
+                    Some("invalid_api_key"),
+                    "missing or invalid API key: send `Authorization: Bearer KEY`",
+                ));
+                r.headers_mut().insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
+                r
+            }
+        }
+        _ => next.run(req).await,
+    };
+    app.metrics.request(endpoint, resp.status().as_u16());
+    resp
+}
+
+fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+async fn health(State(app): State<Arc<App>>) -> Response {
+    let v = json!({
+        "status": "ok",
+        "queue_depth": app.metrics.queue_depth.load(Relaxed),
+        "running": app.metrics.running.load(Relaxed),
+    });
+    json_response(StatusCode::OK, &v)
+}
+
+async fn models(State(app): State<Arc<App>>) -> Response {
+    let v = json!({"object": "list", "data": [{
+        "id": app.cfg.model_id, "object": "model", "created": app.started, "owned_by": "lily",
+        "max_model_len": app.cfg.max_seq,
+    }]});
+    json_response(StatusCode::OK, &v)
+}
+
+async fn metrics_text(State(app): State<Arc<App>>) -> Response {
+    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")], app.metrics.render()).into_response()
+}
+
+async fn not_found(req: Request) -> Response {
+    let e = ApiError::new(
+        404,
+        "invalid_request_error",
+        Some("not_found"),
+        format!("no route for {} {}", req.method(), req.uri().path()),
+    );
+    error_response(&e)
+}
+
+/// Runs the server until Ctrl-C / SIGTERM. Prints `listening on http://ADDR` on stdout once bound.
+pub fn serve(cfg: Config, tok: Tokenizer, session: Box<dyn Session + Send>) -> Result<()> {
+    if cfg.max_seq < 2 {
+        anyhow::bail!("--max-seq must be at least 2");
+    }
+    let tok = Arc::new(tok);
+    let metrics = Arc::new(Metrics::default());
+    let queue = worker::start(session, tok.clone(), metrics.clone(), cfg.queue_size, cfg.prefix_cache_bytes)?;
+    let app = Arc::new(App { cfg, tok, queue, metrics, started: now_secs(), counter: AtomicU64::new(0) });
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
+    rt.block_on(async move {
+        let listener =
+            tokio::net::TcpListener::bind(&app.cfg.bind).await.with_context(|| format!("binding {}", app.cfg.bind))?;
+        let addr = listener.local_addr()?;
+        println!("lily serve: listening on http://{addr}");
+        use std::io::Write;
+        std::io::stdout().flush().ok();
+        axum::serve(listener, router(app)).with_graceful_shutdown(shutdown()).await.context("server")?;
+        Ok::<(), anyhow::Error>(())
+    })?;
+    // Generation in flight may hold the worker; do not wait for it.
+    rt.shutdown_timeout(std::time::Duration::from_millis(100));
+    Ok(())
+}
+
+async fn shutdown() {
+    let ctrl_c = async {
+        let _ = tokio::signal::ctrl_c().await;
+    };
+    #[cfg(unix)]
+    {
+        let mut term = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(s) => s,
+            Err(_) => return ctrl_c.await,
+        };
+        tokio::select! {
+            _ = ctrl_c => {},
+            _ = term.recv() => {},
+        }
+    }
+    #[cfg(not(unix))]
+    ctrl_c.await;
+}

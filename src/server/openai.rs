@@ -1,0 +1,604 @@
+//! OpenAI wire format: request validation (every field the server cannot honour is a 400 naming
+//! it) and the error object. Requests are read from `serde_json::Value` by hand so that each
+//! error can name the exact field (`messages[2].content`, `top_logprobs`, ...).
+//!
+//! Unknown top-level fields are rejected (OpenAI's own "Unrecognized request argument"), except
+//! a few harmless ones clients send (`user`, `store`, `metadata`, `service_tier`,
+//! `parallel_tool_calls`), which are accepted and have no effect.
+
+use serde_json::{json, Map, Value};
+
+#[derive(Debug, Clone)]
+pub struct ApiError {
+    pub status: u16,
+    pub message: String,
+    pub kind: &'static str,
+    pub param: Option<String>,
+    pub code: Option<&'static str>,
+}
+
+impl ApiError {
+    pub fn new(status: u16, kind: &'static str, code: Option<&'static str>, message: impl Into<String>) -> ApiError {
+        ApiError { status, message: message.into(), kind, param: None, code }
+    }
+    /// 400 naming the offending field.
+    pub fn param(param: impl Into<String>, message: impl Into<String>) -> ApiError {
+        ApiError {
+            status: 400,
+            message: message.into(),
+            kind: "invalid_request_error",
+            param: Some(param.into()),
+            code: Some("invalid_value"),
+        }
+    }
+    pub fn bad(message: impl Into<String>) -> ApiError {
+        ApiError::new(400, "invalid_request_error", None, message)
+    }
+    pub fn body(&self) -> Value {
+        json!({"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}})
+    }
+}
+
+/// Sampling and output options shared by both endpoints.
+#[derive(Debug, Clone, Default)]
+pub struct GenParams {
+    pub max_tokens: Option<usize>,
+    pub temperature: Option<f32>,
+    pub top_p: Option<f32>,
+    pub top_k: Option<usize>,
+    pub min_p: Option<f32>,
+    pub seed: Option<u64>,
+    pub stop: Vec<String>,
+    pub presence_penalty: f32,
+    pub frequency_penalty: f32,
+    /// Some(k): report the sampled token's logprob and k alternatives.
+    pub logprobs: Option<usize>,
+    pub stream: bool,
+    pub include_usage: bool,
+}
+
+#[derive(Debug, Clone)]
+pub struct ChatRequest {
+    /// Normalised messages (content as a string) ready for the chat template.
+    pub messages: Vec<Value>,
+    /// Tool definitions for the template (None with `tool_choice: "none"`).
+    pub tools: Option<Value>,
+    pub template_kwargs: Map<String, Value>,
+    pub params: GenParams,
+}
+
+#[derive(Debug, Clone)]
+pub enum Prompt {
+    Text(String),
+    Tokens(Vec<u32>),
+}
+
+#[derive(Debug, Clone)]
+pub struct CompletionRequest {
+    pub prompt: Prompt,
+    pub params: GenParams,
+}
+
+type R<T> = Result<T, ApiError>;
+
+const HARMLESS: [&str; 5] = ["user", "store", "metadata", "service_tier", "parallel_tool_calls"];
+const SHARED: [&str; 15] = [
+    "model",
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "seed",
+    "stop",
+    "presence_penalty",
+    "frequency_penalty",
+    "logprobs",
+    "n",
+    "stream",
+    "stream_options",
+    "logit_bias",
+];
+
+fn kind(v: &Value) -> &'static str {
+    match v {
+        Value::Null => "null",
+        Value::Bool(_) => "a boolean",
+        Value::Number(_) => "a number",
+        Value::String(_) => "a string",
+        Value::Array(_) => "an array",
+        Value::Object(_) => "an object",
+    }
+}
+
+fn present<'a>(o: &'a Map<String, Value>, k: &str) -> Option<&'a Value> {
+    o.get(k).filter(|v| !v.is_null())
+}
+
+fn num(o: &Map<String, Value>, k: &str, lo: f64, hi: f64) -> R<Option<f64>> {
+    match present(o, k) {
+        None => Ok(None),
+        Some(Value::Number(n)) => {
+            let x = n.as_f64().unwrap_or(f64::NAN);
+            if !(x >= lo && x <= hi) {
+                return Err(ApiError::param(k, format!("`{k}` must be between {lo} and {hi}, got {x}")));
+            }
+            Ok(Some(x))
+        }
+        Some(v) => Err(ApiError::param(k, format!("`{k}` must be a number, got {}", kind(v)))),
+    }
+}
+
+fn int(o: &Map<String, Value>, k: &str, lo: i64, hi: i64) -> R<Option<i64>> {
+    match present(o, k) {
+        None => Ok(None),
+        Some(Value::Number(n)) => {
+            let Some(x) =
+                n.as_i64().or_else(|| n.as_f64().filter(|f| f.fract() == 0.0 && f.abs() < 9e15).map(|f| f as i64))
+            else {
+                return Err(ApiError::param(k, format!("`{k}` must be an integer, got {n}")));
+            };
+            if x < lo || x > hi {
+                return Err(ApiError::param(k, format!("`{k}` must be between {lo} and {hi}, got {x}")));
+            }
+            Ok(Some(x))
+        }
+        Some(v) => Err(ApiError::param(k, format!("`{k}` must be an integer, got {}", kind(v)))),
+    }
+}
+
+fn boolean(o: &Map<String, Value>, k: &str) -> R<Option<bool>> {
+    match present(o, k) {
+        None => Ok(None),
+        Some(Value::Bool(b)) => Ok(Some(*b)),
+        Some(v) => Err(ApiError::param(k, format!("`{k}` must be a boolean, got {}", kind(v)))),
+    }
+}
+
+fn check_fields(o: &Map<String, Value>, own: &[&str]) -> R<()> {
+    for k in o.keys() {
+        let k = k.as_str();
+        if !(SHARED.contains(&k) || HARMLESS.contains(&k) || own.contains(&k)) {
+            return Err(ApiError::param(k, format!("Unrecognized request argument supplied: {k}")));
+        }
+    }
+    if let Some(m) = present(o, "model") {
+        if !m.is_string() {
+            return Err(ApiError::param("model", format!("`model` must be a string, got {}", kind(m))));
+        }
+    }
+    if let Some(p) = present(o, "parallel_tool_calls") {
+        if !p.is_boolean() {
+            return Err(ApiError::param("parallel_tool_calls", "`parallel_tool_calls` must be a boolean"));
+        }
+    }
+    if let Some(u) = present(o, "user") {
+        if !u.is_string() {
+            return Err(ApiError::param("user", "`user` must be a string"));
+        }
+    }
+    Ok(())
+}
+
+fn object(body: &Value) -> R<&Map<String, Value>> {
+    body.as_object().ok_or_else(|| ApiError::bad(format!("the request body must be a JSON object, got {}", kind(body))))
+}
+
+/// The options both endpoints share. `max_tokens_key` is `max_tokens` or, for chat, also
+/// `max_completion_tokens`.
+fn gen_params(o: &Map<String, Value>, chat: bool) -> R<GenParams> {
+    let mut p = GenParams::default();
+    let mt = int(o, "max_tokens", 1, u32::MAX as i64)?;
+    let mct = if chat { int(o, "max_completion_tokens", 1, u32::MAX as i64)? } else { None };
+    p.max_tokens = mct.or(mt).map(|x| x as usize);
+    p.temperature = num(o, "temperature", 0.0, 2.0)?.map(|x| x as f32);
+    p.top_p = num(o, "top_p", 0.0, 1.0)?.map(|x| x as f32);
+    if p.top_p == Some(0.0) {
+        return Err(ApiError::param("top_p", "`top_p` must be in (0, 1]"));
+    }
+    // vLLM convention: -1 (or 0) disables top-k.
+    p.top_k = int(o, "top_k", -1, 1 << 30)?.map(|x| x.max(0) as usize);
+    p.min_p = num(o, "min_p", 0.0, 1.0)?.map(|x| x as f32);
+    p.seed = int(o, "seed", i64::MIN, i64::MAX)?.map(|x| x as u64);
+    p.presence_penalty = num(o, "presence_penalty", -2.0, 2.0)?.unwrap_or(0.0) as f32;
+    p.frequency_penalty = num(o, "frequency_penalty", -2.0, 2.0)?.unwrap_or(0.0) as f32;
+    p.stop = match present(o, "stop") {
+        None => Vec::new(),
+        Some(Value::String(s)) => vec![s.clone()],
+        Some(Value::Array(a)) => {
+            let mut v = Vec::new();
+            for (i, s) in a.iter().enumerate() {
+                match s {
+                    Value::String(s) => v.push(s.clone()),
+                    other => {
+                        return Err(ApiError::param(
+                            format!("stop[{i}]"),
+                            format!("`stop` must hold strings, got {}", kind(other)),
+                        ))
+                    }
+                }
+            }
+            v
+        }
+        Some(v) => {
+            return Err(ApiError::param(
+                "stop",
+                format!("`stop` must be a string or an array of strings, got {}", kind(v)),
+            ))
+        }
+    };
+    if p.stop.len() > 16 {
+        return Err(ApiError::param("stop", "at most 16 stop strings"));
+    }
+    if p.stop.iter().any(|s| s.is_empty() || s.len() > 1024) {
+        return Err(ApiError::param("stop", "stop strings must be 1 to 1024 bytes long"));
+    }
+    if let Some(n) = int(o, "n", i64::MIN, i64::MAX)? {
+        if n != 1 {
+            return Err(ApiError::param("n", format!("only `n` = 1 is supported, got {n}")));
+        }
+    }
+    p.stream = boolean(o, "stream")?.unwrap_or(false);
+    if let Some(so) = present(o, "stream_options") {
+        let Some(so) = so.as_object() else {
+            return Err(ApiError::param("stream_options", "`stream_options` must be an object"));
+        };
+        if !p.stream {
+            return Err(ApiError::param("stream_options", "`stream_options` is only allowed when `stream` is true"));
+        }
+        for k in so.keys() {
+            if k != "include_usage" && k != "continuous_usage_stats" {
+                return Err(ApiError::param(format!("stream_options.{k}"), format!("unsupported stream option `{k}`")));
+            }
+        }
+        p.include_usage = boolean(so, "include_usage")
+            .map_err(|e| ApiError { param: Some("stream_options.include_usage".into()), ..e })?
+            .unwrap_or(false);
+    }
+    if let Some(lb) = present(o, "logit_bias") {
+        match lb.as_object() {
+            Some(m) if m.is_empty() => {}
+            Some(_) => return Err(ApiError::param("logit_bias", "`logit_bias` is not supported")),
+            None => return Err(ApiError::param("logit_bias", "`logit_bias` must be an object")),
+        }
+    }
+    Ok(p)
+}
+
+/// Message content as text: a string, or an array of `{"type": "text", "text": ...}` parts.
+fn content_text(v: Option<&Value>, at: &str, nullable: bool) -> R<String> {
+    match v {
+        None | Some(Value::Null) if nullable => Ok(String::new()),
+        None | Some(Value::Null) => Err(ApiError::param(at, format!("`{at}` is required"))),
+        Some(Value::String(s)) => Ok(s.clone()),
+        Some(Value::Array(parts)) => {
+            let mut s = String::new();
+            for (j, part) in parts.iter().enumerate() {
+                let here = format!("{at}[{j}]");
+                let typ = part.get("type").and_then(Value::as_str);
+                match (typ, part.get("text")) {
+                    (Some("text"), Some(Value::String(t))) => s.push_str(t),
+                    (Some("text"), _) => return Err(ApiError::param(here, "a text part needs a string `text`")),
+                    (Some(other), _) => {
+                        return Err(ApiError::param(
+                            here,
+                            format!("content parts of type `{other}` are not supported (text only)"),
+                        ))
+                    }
+                    (None, _) => return Err(ApiError::param(here, "a content part needs a `type`")),
+                }
+            }
+            Ok(s)
+        }
+        Some(v) => {
+            Err(ApiError::param(at, format!("`{at}` must be a string or an array of text parts, got {}", kind(v))))
+        }
+    }
+}
+
+fn message(i: usize, m: &Value) -> R<Value> {
+    let at = format!("messages[{i}]");
+    let Some(o) = m.as_object() else {
+        return Err(ApiError::param(at.clone(), format!("`{at}` must be an object, got {}", kind(m))));
+    };
+    let role = match o.get("role") {
+        Some(Value::String(r)) => r.as_str(),
+        Some(v) => {
+            return Err(ApiError::param(format!("{at}.role"), format!("`role` must be a string, got {}", kind(v))))
+        }
+        None => return Err(ApiError::param(format!("{at}.role"), format!("`{at}.role` is required"))),
+    };
+    let role = match role {
+        "system" | "developer" => "system",
+        "user" | "assistant" | "tool" => role,
+        other => {
+            return Err(ApiError::param(
+                format!("{at}.role"),
+                format!("unknown role `{other}` (expected system, developer, user, assistant or tool)"),
+            ))
+        }
+    };
+    let has_calls = present(o, "tool_calls").is_some();
+    let content = content_text(o.get("content"), &format!("{at}.content"), role == "assistant")?;
+    let mut out = Map::new();
+    out.insert("role".into(), Value::String(role.into()));
+    out.insert("content".into(), Value::String(content));
+    if let Some(n) = present(o, "name") {
+        if !n.is_string() {
+            return Err(ApiError::param(format!("{at}.name"), "`name` must be a string"));
+        }
+        out.insert("name".into(), n.clone());
+    }
+    if let Some(id) = present(o, "tool_call_id") {
+        if !id.is_string() {
+            return Err(ApiError::param(format!("{at}.tool_call_id"), "`tool_call_id` must be a string"));
+        }
+        out.insert("tool_call_id".into(), id.clone());
+    }
+    if has_calls {
+        if role != "assistant" {
+            return Err(ApiError::param(format!("{at}.tool_calls"), "only assistant messages carry `tool_calls`"));
+        }
+        let Some(calls) = o.get("tool_calls").and_then(Value::as_array) else {
+            return Err(ApiError::param(format!("{at}.tool_calls"), "`tool_calls` must be an array"));
+        };
+        let mut norm = Vec::new();
+        for (j, c) in calls.iter().enumerate() {
+            let here = format!("{at}.tool_calls[{j}].function");
+            let f = c.get("function").and_then(Value::as_object);
+            let name = f.and_then(|f| f.get("name")).and_then(Value::as_str);
+            let args = f.and_then(|f| f.get("arguments"));
+            let (Some(name), Some(args)) = (name, args) else {
+                return Err(ApiError::param(here, "a tool call needs `function.name` and `function.arguments`"));
+            };
+            let args = match args {
+                Value::String(s) => match serde_json::from_str::<Value>(s) {
+                    Ok(v @ Value::Object(_)) => v,
+                    _ => {
+                        return Err(ApiError::param(
+                            format!("{here}.arguments"),
+                            "`arguments` must be a JSON object text",
+                        ))
+                    }
+                },
+                v @ Value::Object(_) => v.clone(),
+                _ => {
+                    return Err(ApiError::param(format!("{here}.arguments"), "`arguments` must be a JSON object text"))
+                }
+            };
+            let mut call = json!({"type": "function", "function": {"name": name, "arguments": args}});
+            if let Some(id) = c.get("id") {
+                call["id"] = id.clone();
+            }
+            norm.push(call);
+        }
+        out.insert("tool_calls".into(), Value::Array(norm));
+    }
+    Ok(Value::Object(out))
+}
+
+fn tools(o: &Map<String, Value>) -> R<Option<Value>> {
+    let tools = match present(o, "tools") {
+        None => None,
+        Some(Value::Array(a)) => {
+            for (i, t) in a.iter().enumerate() {
+                let at = format!("tools[{i}]");
+                if t.get("type").and_then(Value::as_str) != Some("function") {
+                    return Err(ApiError::param(at, "only tools of `type` \"function\" are supported"));
+                }
+                let name = t.get("function").and_then(|f| f.get("name")).and_then(Value::as_str);
+                if name.is_none_or(|n| n.is_empty()) {
+                    return Err(ApiError::param(
+                        format!("{at}.function.name"),
+                        "a tool needs a non-empty `function.name`",
+                    ));
+                }
+                if let Some(p) = t.get("function").and_then(|f| f.get("parameters")) {
+                    if !p.is_object() {
+                        return Err(ApiError::param(
+                            format!("{at}.function.parameters"),
+                            "`parameters` must be a JSON schema object",
+                        ));
+                    }
+                }
+            }
+            if a.is_empty() {
+                None
+            } else {
+                Some(Value::Array(a.clone()))
+            }
+        }
+        Some(v) => return Err(ApiError::param("tools", format!("`tools` must be an array, got {}", kind(v)))),
+    };
+    match present(o, "tool_choice") {
+        None => Ok(tools),
+        Some(Value::String(s)) if s == "auto" => Ok(tools),
+        Some(Value::String(s)) if s == "none" => Ok(None),
+        Some(Value::String(s)) if s == "required" => Err(ApiError::param(
+            "tool_choice",
+            "`tool_choice` \"required\" is not supported (no constrained decoding); use \"auto\"",
+        )),
+        Some(Value::Object(_)) => Err(ApiError::param(
+            "tool_choice",
+            "forcing a named function is not supported (no constrained decoding); use \"auto\"",
+        )),
+        Some(v) => Err(ApiError::param("tool_choice", format!("`tool_choice` must be \"auto\" or \"none\", got {v}"))),
+    }
+}
+
+pub fn parse_chat(body: &Value) -> R<ChatRequest> {
+    let o = object(body)?;
+    check_fields(
+        o,
+        &[
+            "messages",
+            "max_completion_tokens",
+            "top_logprobs",
+            "tools",
+            "tool_choice",
+            "chat_template_kwargs",
+            "response_format",
+        ],
+    )?;
+    let msgs = match o.get("messages") {
+        Some(Value::Array(a)) if !a.is_empty() => a,
+        Some(Value::Array(_)) => return Err(ApiError::param("messages", "`messages` must not be empty")),
+        Some(v) => return Err(ApiError::param("messages", format!("`messages` must be an array, got {}", kind(v)))),
+        None => return Err(ApiError::param("messages", "`messages` is required")),
+    };
+    let messages = msgs.iter().enumerate().map(|(i, m)| message(i, m)).collect::<R<Vec<_>>>()?;
+    let mut params = gen_params(o, true)?;
+    let logprobs = boolean(o, "logprobs")?.unwrap_or(false);
+    let top = int(o, "top_logprobs", 0, 20)?;
+    if top.is_some() && !logprobs {
+        return Err(ApiError::param("top_logprobs", "`top_logprobs` needs `logprobs` set to true"));
+    }
+    params.logprobs = logprobs.then_some(top.unwrap_or(0) as usize);
+    if let Some(rf) = present(o, "response_format") {
+        if rf.get("type").and_then(Value::as_str) != Some("text") {
+            return Err(ApiError::param("response_format", "only `response_format` {\"type\": \"text\"} is supported"));
+        }
+    }
+    let template_kwargs = match present(o, "chat_template_kwargs") {
+        None => Map::new(),
+        Some(Value::Object(m)) => {
+            if let Some(v) = m.get("enable_thinking") {
+                if !v.is_boolean() {
+                    return Err(ApiError::param(
+                        "chat_template_kwargs.enable_thinking",
+                        "`enable_thinking` must be a boolean",
+                    ));
+                }
+            }
+            m.clone()
+        }
+        Some(v) => {
+            return Err(ApiError::param(
+                "chat_template_kwargs",
+                format!("`chat_template_kwargs` must be an object, got {}", kind(v)),
+            ))
+        }
+    };
+    Ok(ChatRequest { messages, tools: tools(o)?, template_kwargs, params })
+}
+
+pub fn parse_completion(body: &Value) -> R<CompletionRequest> {
+    let o = object(body)?;
+    check_fields(o, &["prompt", "echo", "suffix", "best_of"])?;
+    let prompt = match o.get("prompt") {
+        Some(Value::String(s)) => Prompt::Text(s.clone()),
+        Some(Value::Array(a)) if a.len() == 1 && a[0].is_string() => {
+            Prompt::Text(a[0].as_str().unwrap_or("").to_string())
+        }
+        Some(Value::Array(a)) if !a.is_empty() && a.iter().all(|x| x.is_u64()) => {
+            let ids: Option<Vec<u32>> = a.iter().map(|x| x.as_u64().and_then(|v| u32::try_from(v).ok())).collect();
+            Prompt::Tokens(ids.ok_or_else(|| ApiError::param("prompt", "token ids must fit in 32 bits"))?)
+        }
+        Some(Value::Array(a)) if a.len() > 1 && a.iter().all(|x| x.is_string() || x.is_array()) => {
+            return Err(ApiError::param("prompt", "only one prompt per request is supported"))
+        }
+        Some(v) => {
+            return Err(ApiError::param(
+                "prompt",
+                format!("`prompt` must be a string or an array of token ids, got {}", kind(v)),
+            ))
+        }
+        None => return Err(ApiError::param("prompt", "`prompt` is required")),
+    };
+    if matches!(&prompt, Prompt::Text(s) if s.is_empty()) {
+        return Err(ApiError::param("prompt", "`prompt` must not be empty"));
+    }
+    let mut params = gen_params(o, false)?;
+    if params.max_tokens.is_none() {
+        params.max_tokens = Some(16); // OpenAI's default for completions
+    }
+    params.logprobs = int(o, "logprobs", 0, 20)?.map(|x| x as usize);
+    if boolean(o, "echo")? == Some(true) {
+        return Err(ApiError::param("echo", "`echo` is not supported"));
+    }
+    if present(o, "suffix").is_some_and(|s| s.as_str() != Some("")) {
+        return Err(ApiError::param("suffix", "`suffix` is not supported"));
+    }
+    if let Some(b) = int(o, "best_of", i64::MIN, i64::MAX)? {
+        if b != 1 {
+            return Err(ApiError::param("best_of", "only `best_of` = 1 is supported"));
+        }
+    }
+    Ok(CompletionRequest { prompt, params })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn err(v: Value) -> ApiError {
+        parse_chat(&v).expect_err("should fail")
+    }
+
+    #[test]
+    fn accepts_a_full_request() {
+        let r = parse_chat(&json!({
+            "model": "x", "messages": [
+                {"role": "system", "content": "s"},
+                {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+                {"role": "assistant", "content": null, "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{\"a\": 1}"}}]},
+                {"role": "tool", "content": "42", "tool_call_id": "c1"}],
+            "max_completion_tokens": 5, "temperature": 0.5, "top_p": 0.9, "top_k": 20, "min_p": 0.05, "seed": 7,
+            "stop": ["x"], "presence_penalty": 0.5, "frequency_penalty": 0.1, "logprobs": true, "top_logprobs": 3,
+            "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}],
+            "tool_choice": "auto", "chat_template_kwargs": {"enable_thinking": false}, "n": 1, "user": "u",
+            "stream": true, "stream_options": {"include_usage": true}
+        }))
+        .unwrap();
+        assert_eq!(r.messages[1]["content"], "ab");
+        assert_eq!(r.messages[2]["tool_calls"][0]["function"]["arguments"]["a"], 1);
+        assert_eq!(r.params.logprobs, Some(3));
+        assert_eq!(r.params.max_tokens, Some(5));
+        assert!(r.params.include_usage && r.tools.is_some());
+    }
+
+    #[test]
+    fn errors_name_the_field() {
+        let m = json!([{"role": "user", "content": "hi"}]);
+        let cases = [
+            (json!({"messages": m, "temperature": "hot"}), "temperature"),
+            (json!({"messages": m, "temperature": 3}), "temperature"),
+            (json!({"messages": m, "max_tokens": 0}), "max_tokens"),
+            (json!({"messages": m, "max_tokens": 1.5}), "max_tokens"),
+            (json!({"messages": m, "n": 2}), "n"),
+            (json!({"messages": m, "top_logprobs": 2}), "top_logprobs"),
+            (json!({"messages": m, "stop": [1]}), "stop[0]"),
+            (json!({"messages": m, "stop": ""}), "stop"),
+            (json!({"messages": m, "bogus": 1}), "bogus"),
+            (json!({"messages": m, "tool_choice": "required"}), "tool_choice"),
+            (json!({"messages": m, "stream_options": {"include_usage": true}}), "stream_options"),
+            (json!({"messages": m, "logit_bias": {"1": 5}}), "logit_bias"),
+            (json!({"messages": [{"role": "wizard", "content": "x"}]}), "messages[0].role"),
+            (json!({"messages": [{"role": "user"}]}), "messages[0].content"),
+            (json!({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}), "messages[0].content[0]"),
+            (json!({"messages": [{"role": "user", "content": 5}]}), "messages[0].content"),
+            (json!({"messages": []}), "messages"),
+            (json!({"messages": "hi"}), "messages"),
+            (
+                json!({"messages": m, "chat_template_kwargs": {"enable_thinking": "yes"}}),
+                "chat_template_kwargs.enable_thinking",
+            ),
+        ];
+        for (body, param) in cases {
+            let e = err(body.clone());
+            assert_eq!(e.status, 400, "{body}");
+            assert_eq!(e.param.as_deref(), Some(param), "{body}: {}", e.message);
+        }
+        assert_eq!(err(json!([1])).status, 400);
+    }
+
+    #[test]
+    fn completion_prompts() {
+        assert!(matches!(parse_completion(&json!({"prompt": "hi"})).unwrap().prompt, Prompt::Text(_)));
+        assert!(matches!(parse_completion(&json!({"prompt": [1, 2]})).unwrap().prompt, Prompt::Tokens(_)));
+        assert_eq!(parse_completion(&json!({"prompt": ["a", "b"]})).unwrap_err().param.as_deref(), Some("prompt"));
+        assert_eq!(parse_completion(&json!({"prompt": "a", "echo": true})).unwrap_err().param.as_deref(), Some("echo"));
+        assert_eq!(parse_completion(&json!({"prompt": "a"})).unwrap().params.max_tokens, Some(16));
+        assert_eq!(parse_completion(&json!({"prompt": "a", "logprobs": 2})).unwrap().params.logprobs, Some(2));
+    }
+}
