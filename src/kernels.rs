@@ -390,9 +390,13 @@ mod avx2 {
         let px = x.as_ptr();
         let shifts = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28);
         let mask = _mm256_set1_epi32(15);
+        let ng = x.len() / GROUP;
         let mut tot = _mm256_setzero_ps();
-        let mut bias_part = 0f32;
-        for g in 0..x.len() / GROUP {
+        let mut svec = _mm256_setzero_ps();
+        for g in 0..ng {
+            if g % 8 == 0 {
+                svec = load_bf16x8(sp, g, ng);
+            }
             let base = g * GROUP;
             let mut acc = [_mm256_setzero_ps(); 4];
             let mut j = 0;
@@ -408,10 +412,46 @@ mod avx2 {
                 j += 1;
             }
             let sum = _mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3]));
-            tot = _mm256_fmadd_ps(sum, _mm256_set1_ps(bf16_at(sp, g)), tot);
-            bias_part += bf16_at(bp, g) * gsum[g];
+            let s = _mm256_permutevar8x32_ps(svec, _mm256_set1_epi32((g % 8) as i32));
+            tot = _mm256_fmadd_ps(sum, s, tot);
         }
-        hsum(tot) + bias_part
+        // Bias part Σ_g b_g·gsum_g as its own vector dot product (off the main loop's chain).
+        let mut bacc = _mm256_setzero_ps();
+        let mut g = 0;
+        while g < ng {
+            bacc = _mm256_fmadd_ps(load_bf16x8(bp, g, ng), load_f32x8(gsum.as_ptr(), g, ng), bacc);
+            g += 8;
+        }
+        hsum(_mm256_add_ps(tot, bacc))
+    }
+
+    /// Eight bf16 values from `p[i..]` as f32, zero past `n`.
+    #[inline(always)]
+    unsafe fn load_bf16x8(p: *const u16, i: usize, n: usize) -> __m256 {
+        if i + 8 <= n {
+            let h = _mm_loadu_si128(p.add(i) as *const __m128i);
+            _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16))
+        } else {
+            let mut tmp = [0f32; 8];
+            for (j, t) in tmp.iter_mut().enumerate().take(n - i) {
+                *t = bf16_at(p, i + j);
+            }
+            _mm256_loadu_ps(tmp.as_ptr())
+        }
+    }
+
+    /// Eight f32 values from `p[i..]`, zero past `n`.
+    #[inline(always)]
+    unsafe fn load_f32x8(p: *const f32, i: usize, n: usize) -> __m256 {
+        if i + 8 <= n {
+            _mm256_loadu_ps(p.add(i))
+        } else {
+            let mut tmp = [0f32; 8];
+            for (j, t) in tmp.iter_mut().enumerate().take(n - i) {
+                *t = *p.add(i + j);
+            }
+            _mm256_loadu_ps(tmp.as_ptr())
+        }
     }
 
     #[allow(clippy::too_many_arguments)]
