@@ -1,0 +1,415 @@
+"""`lily serve` driven by the official `openai` Python client, on the tiny fixture checkpoint (CPU).
+
+Run after `cargo build`: `python -m pytest tests/python -q` (LILY_BIN overrides target/debug/lily).
+The fixture model has random weights (its text is gibberish), so the reasoning and tool-call
+paths use the server's test-only LILY_TEST_SCRIPTS hook: a request whose last message contains a
+trigger generates a fixed text through the real model, sampler, stop strings and parsers.
+"""
+
+import concurrent.futures as cf
+import http.client
+import json
+import os
+import pathlib
+import shutil
+import socket
+import subprocess
+import time
+import urllib.request
+
+import openai
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+BIN = os.environ.get("LILY_BIN", str(ROOT / "target" / "debug" / "lily"))
+FIXTURE = ROOT / "tests" / "fixtures" / "tiny-hf"
+KEY = "test-key"
+
+SCRIPTS = {
+    "SCRIPT_THINK": "The user greets me.\n</think>\n\nHello there!",
+    "SCRIPT_TOOL": 'Weather needed.\n</think>\n\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>',
+    "SCRIPT_AFTER_TOOL": "Done.\n</think>\n\nIt is 22C in Paris.",
+    "SCRIPT_BADTOOL": "Hmm.\n</think>\n\n<tool_call>\n{not json}\n</tool_call>",
+    "SCRIPT_STOP": "alpha beta STOP gamma delta",
+}
+
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Current weather for a city",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+        },
+    }
+]
+
+
+def model_dir(tmp: pathlib.Path) -> pathlib.Path:
+    """The tiny checkpoint with the Qwen3.6 tool-calling chat template."""
+    d = tmp / "tiny-hf-tools"
+    d.mkdir()
+    for f in FIXTURE.iterdir():
+        if f.name != "chat_template.jinja":
+            (d / f.name).symlink_to(f)
+    shutil.copy(pathlib.Path(__file__).with_name("chat_template_tools.jinja"), d / "chat_template.jinja")
+    return d
+
+
+class Server:
+    def __init__(self, model, *args, env=None):
+        e = dict(os.environ)
+        e["LILY_TEST_SCRIPTS"] = json.dumps(SCRIPTS)
+        e.update(env or {})
+        cmd = [BIN, "serve", "--model", str(model), "--bind", "127.0.0.1:0", "--threads", "2", *args]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=e)
+        line = self.proc.stdout.readline()
+        if "listening on" not in line:
+            self.proc.kill()
+            raise RuntimeError(f"server did not start: {line!r} {self.proc.stderr.read()}")
+        self.url = line.strip().split("listening on ")[1]
+        self.port = int(self.url.rsplit(":", 1)[1])
+
+    def client(self, key=KEY, retries=0):
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=key, max_retries=retries, timeout=120)
+
+    def raw(self, method, path, body=None, headers=None):
+        """(status, headers, body bytes) without any client-side validation."""
+        c = http.client.HTTPConnection("127.0.0.1", self.port, timeout=60)
+        h = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
+        h.update(headers or {})
+        c.request(method, path, body=body, headers=h)
+        r = c.getresponse()
+        data = r.read()
+        c.close()
+        return r.status, dict(r.getheaders()), data
+
+    def alive(self):
+        return self.proc.poll() is None and self.raw("GET", "/health")[0] == 200
+
+    def stop(self):
+        self.proc.terminate()
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    s = Server(model_dir(tmp_path_factory.mktemp("m")), "--api-key", KEY, "--max-seq", "1024", "--max-body-bytes", "65536")
+    yield s
+    assert s.alive(), "the server died during the tests"
+    s.stop()
+
+
+def user(text):
+    return [{"role": "user", "content": text}]
+
+
+def stream_text(stream):
+    content, reasoning, calls, finish, usage = "", "", [], None, None
+    for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage
+        if not chunk.choices:
+            continue
+        ch = chunk.choices[0]
+        d = ch.delta
+        content += d.content or ""
+        reasoning += getattr(d, "reasoning_content", None) or ""
+        for tc in d.tool_calls or []:
+            calls.append((tc.function.name, tc.function.arguments))
+        if ch.finish_reason:
+            finish = ch.finish_reason
+    return content, reasoning, calls, finish, usage
+
+
+def test_models_health_metrics(server):
+    models = server.client().models.list()
+    assert [m.id for m in models.data] == ["tiny-hf-tools"]
+    st, _, body = server.raw("GET", "/health", headers={"Authorization": ""})
+    assert st == 200 and json.loads(body)["status"] == "ok"
+    st, h, body = server.raw("GET", "/metrics")
+    assert st == 200 and "text/plain" in h["content-type"]
+    text = body.decode()
+    for name in [
+        "lily_requests_total",
+        "lily_prompt_tokens_total",
+        "lily_completion_tokens_total",
+        "lily_prefill_tokens_per_second",
+        "lily_decode_tokens_per_second",
+        "lily_time_to_first_token_seconds_bucket",
+        "lily_queue_depth",
+        "lily_prefix_cache_hits_total",
+    ]:
+        assert f"\n{name}" in text or text.startswith(name), name
+
+
+def test_streaming_equals_non_streaming(server):
+    c = server.client()
+    for kwargs in [dict(temperature=0), dict(temperature=0.9, top_p=0.9, seed=11)]:
+        full = c.chat.completions.create(model="m", messages=user("hello there"), max_tokens=12, **kwargs)
+        msg = full.choices[0].message
+        stream = c.chat.completions.create(
+            model="m", messages=user("hello there"), max_tokens=12, stream=True, stream_options={"include_usage": True}, **kwargs
+        )
+        content, reasoning, calls, finish, usage = stream_text(stream)
+        assert content == (msg.content or "")
+        assert reasoning == (getattr(msg, "reasoning_content", None) or "")
+        assert finish == full.choices[0].finish_reason
+        assert usage.completion_tokens == full.usage.completion_tokens
+        assert usage.prompt_tokens == full.usage.prompt_tokens
+    comp = c.completions.create(model="m", prompt="The sky is", max_tokens=10, temperature=0)
+    streamed = "".join(ch.choices[0].text for ch in c.completions.create(model="m", prompt="The sky is", max_tokens=10, temperature=0, stream=True) if ch.choices)
+    assert streamed == comp.choices[0].text
+    assert comp.usage.completion_tokens >= 1
+
+
+def test_seeded_sampling_is_repeatable(server):
+    c = server.client()
+    args = dict(model="m", messages=user("tell me a story"), max_tokens=16, temperature=1.0, seed=1234)
+    a = c.chat.completions.create(**args).choices[0].message
+    b = c.chat.completions.create(**args).choices[0].message
+    assert (a.content, getattr(a, "reasoning_content", None)) == (b.content, getattr(b, "reasoning_content", None))
+    ta = c.completions.create(model="m", prompt="once upon", max_tokens=16, temperature=1.0, seed=5).choices[0].text
+    tb = c.completions.create(model="m", prompt="once upon", max_tokens=16, temperature=1.0, seed=5).choices[0].text
+    assert ta == tb
+
+
+def test_stop_strings(server):
+    c = server.client()
+    msgs = user("SCRIPT_STOP please")
+    r = c.chat.completions.create(
+        model="m", messages=msgs, max_tokens=50, temperature=0, stop=["STOP", "never"], extra_body={"chat_template_kwargs": {"enable_thinking": False}}
+    )
+    assert r.choices[0].message.content == "alpha beta "
+    assert r.choices[0].finish_reason == "stop"
+    content, _, _, finish, _ = stream_text(
+        c.chat.completions.create(
+            model="m", messages=msgs, max_tokens=50, temperature=0, stop="STOP", stream=True, extra_body={"chat_template_kwargs": {"enable_thinking": False}}
+        )
+    )
+    assert content == "alpha beta " and finish == "stop"
+    # Without the stop string the whole script comes out.
+    r = c.chat.completions.create(model="m", messages=msgs, max_tokens=50, temperature=0, extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    assert r.choices[0].message.content == "alpha beta STOP gamma delta"
+    # On random-model text: a stop string taken from the greedy output truncates right before it.
+    base = c.completions.create(model="m", prompt="abc", max_tokens=12, temperature=0).choices[0].text
+    if len(base) >= 6:
+        stop = base[3:5]
+        cut = c.completions.create(model="m", prompt="abc", max_tokens=12, temperature=0, stop=[stop]).choices[0]
+        assert cut.text == base[: base.index(stop)] and cut.finish_reason == "stop"
+
+
+def test_thinking_split(server):
+    c = server.client()
+    r = c.chat.completions.create(model="m", messages=user("SCRIPT_THINK hi"), max_tokens=50, temperature=0)
+    m = r.choices[0].message
+    assert m.reasoning_content == "The user greets me.\n"
+    assert m.content == "Hello there!"
+    content, reasoning, _, finish, _ = stream_text(
+        c.chat.completions.create(model="m", messages=user("SCRIPT_THINK hi"), max_tokens=50, temperature=0, stream=True)
+    )
+    assert (reasoning, content, finish) == ("The user greets me.\n", "Hello there!", "stop")
+    # Thinking disabled: the template closes the think block in the prompt, so all text is content.
+    r = c.chat.completions.create(
+        model="m", messages=user("SCRIPT_STOP x"), max_tokens=50, temperature=0, extra_body={"chat_template_kwargs": {"enable_thinking": False}}
+    )
+    assert getattr(r.choices[0].message, "reasoning_content", None) is None
+
+
+def test_tool_call_round_trip(server):
+    c = server.client()
+    msgs = user("SCRIPT_TOOL What's the weather in Paris?")
+    r = c.chat.completions.create(model="m", messages=msgs, tools=TOOLS, max_tokens=80, temperature=0)
+    ch = r.choices[0]
+    assert ch.finish_reason == "tool_calls"
+    assert ch.message.content is None
+    assert ch.message.reasoning_content == "Weather needed.\n"
+    (call,) = ch.message.tool_calls
+    assert call.type == "function" and call.function.name == "get_weather"
+    assert json.loads(call.function.arguments) == {"city": "Paris"}
+    _, reasoning, calls, finish, _ = stream_text(
+        c.chat.completions.create(model="m", messages=msgs, tools=TOOLS, max_tokens=80, temperature=0, stream=True)
+    )
+    assert finish == "tool_calls" and calls == [("get_weather", call.function.arguments)]
+    # Send the result back: the assistant tool call and the tool message go through the template.
+    msgs2 = msgs + [
+        ch.message.model_dump(exclude_none=True, include={"role", "content", "tool_calls"}),
+        {"role": "tool", "tool_call_id": call.id, "content": "SCRIPT_AFTER_TOOL 22C"},
+    ]
+    r2 = c.chat.completions.create(model="m", messages=msgs2, tools=TOOLS, max_tokens=80, temperature=0)
+    assert r2.choices[0].message.content == "It is 22C in Paris."
+    assert r2.choices[0].finish_reason == "stop"
+    # The conversation prefix (system tools block, user turn) came from the prefix cache.
+    assert r2.usage.prompt_tokens_details.cached_tokens > 0
+    # tool_choice "none": tools are not offered, tags are plain text.
+    r3 = c.chat.completions.create(model="m", messages=msgs, tools=TOOLS, tool_choice="none", max_tokens=80, temperature=0)
+    assert r3.choices[0].message.tool_calls is None and "<tool_call>" in r3.choices[0].message.content
+
+
+def test_malformed_tool_call_falls_back_to_content(server):
+    c = server.client()
+    r = c.chat.completions.create(model="m", messages=user("SCRIPT_BADTOOL"), tools=TOOLS, max_tokens=80, temperature=0)
+    ch = r.choices[0]
+    assert ch.finish_reason == "stop" and not ch.message.tool_calls
+    assert ch.message.content == "<tool_call>\n{not json}\n</tool_call>"
+    content, _, calls, finish, _ = stream_text(
+        c.chat.completions.create(model="m", messages=user("SCRIPT_BADTOOL"), tools=TOOLS, max_tokens=80, temperature=0, stream=True)
+    )
+    assert (content, calls, finish) == (ch.message.content, [], "stop")
+
+
+def test_logprobs(server):
+    c = server.client()
+    r = c.chat.completions.create(model="m", messages=user("hi"), max_tokens=5, temperature=0, logprobs=True, top_logprobs=3)
+    lp = r.choices[0].logprobs.content
+    assert len(lp) == r.usage.completion_tokens
+    for e in lp:
+        assert len(e.top_logprobs) == 3 and e.logprob <= 0
+        # Greedy: the sampled token is the most likely one.
+        assert abs(e.logprob - e.top_logprobs[0].logprob) < 1e-5
+    comp = c.completions.create(model="m", prompt="hi", max_tokens=4, temperature=0, logprobs=2)
+    assert len(comp.choices[0].logprobs.token_logprobs) == comp.usage.completion_tokens
+
+
+def test_penalties_are_applied(server):
+    c = server.client()
+    args = dict(model="m", prompt="a a a a", max_tokens=24, temperature=0)
+    plain = c.completions.create(**args).choices[0].text
+    pen = c.completions.create(frequency_penalty=2.0, presence_penalty=2.0, **args).choices[0].text
+    assert plain != pen
+
+
+def test_prefix_cache_reuse_gives_identical_tokens(server, tmp_path):
+    c = server.client()
+    turn1 = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "first question here"}]
+    a1 = c.chat.completions.create(model="m", messages=turn1, max_tokens=8, temperature=0)
+    turn2 = turn1 + [
+        {"role": "assistant", "content": a1.choices[0].message.content or "ok"},
+        {"role": "user", "content": "and a follow-up"},
+    ]
+    # A second server with the prefix cache disabled computes the same requests from scratch.
+    d = tmp_path / "m"
+    d.mkdir()
+    cold = Server(model_dir(d), "--api-key", KEY, "--prefix-cache-mb", "0")
+    try:
+        cc = cold.client()
+        for kwargs in [dict(temperature=0), dict(temperature=1.0, seed=99)]:
+            warm = c.chat.completions.create(model="m", messages=turn2, max_tokens=12, **kwargs)
+            ref = cc.chat.completions.create(model="m", messages=turn2, max_tokens=12, **kwargs)
+            assert ref.usage.prompt_tokens_details.cached_tokens == 0
+            assert warm.usage.prompt_tokens_details.cached_tokens > 0
+            assert warm.choices[0].message == ref.choices[0].message
+            assert warm.usage.completion_tokens == ref.usage.completion_tokens
+    finally:
+        cold.stop()
+    st, _, body = server.raw("GET", "/metrics")
+    hits = [l for l in body.decode().splitlines() if l.startswith("lily_prefix_cache_hits_total")]
+    assert int(hits[0].split()[1]) > 0
+
+
+def expect_error(server, status, path, body, param=None, headers=None):
+    st, h, data = server.raw("POST", path, body=body, headers=headers)
+    assert st == status, (st, data)
+    err = json.loads(data)["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    if param is not None:
+        assert err["param"] == param, err
+    return err, h
+
+
+def test_error_paths(server):
+    chat = "/v1/chat/completions"
+    ok_msgs = user("hi")
+    expect_error(server, 400, chat, b'{"messages": [', None)
+    expect_error(server, 400, chat, b"[1, 2]")
+    expect_error(server, 400, chat, json.dumps({"messages": "hi"}), "messages")
+    expect_error(server, 400, chat, json.dumps({"messages": ok_msgs, "temperature": "hot"}), "temperature")
+    expect_error(server, 400, chat, json.dumps({"messages": ok_msgs, "max_tokens": -3}), "max_tokens")
+    expect_error(server, 400, chat, json.dumps({"messages": [{"role": "wizard", "content": "x"}]}), "messages[0].role")
+    expect_error(server, 400, chat, json.dumps({"messages": ok_msgs, "n": 3}), "n")
+    expect_error(server, 400, chat, json.dumps({"messages": ok_msgs, "frobnicate": True}), "frobnicate")
+    expect_error(server, 400, chat, json.dumps({"messages": ok_msgs, "tool_choice": "required", "tools": TOOLS}), "tool_choice")
+    expect_error(server, 400, "/v1/completions", json.dumps({"prompt": [1, 99999]}), "prompt")
+    # Context overflow (the server runs with --max-seq 1024): a clear 400.
+    err, _ = expect_error(server, 400, chat, json.dumps({"messages": user("word " * 2000)}))
+    assert err["code"] == "context_length_exceeded" and "1024" in err["message"]
+    err, _ = expect_error(server, 400, chat, json.dumps({"messages": ok_msgs, "max_tokens": 100000}), "max_tokens")
+    assert err["code"] == "context_length_exceeded"
+    # Oversized body (--max-body-bytes 65536): 413.
+    expect_error(server, 413, chat, json.dumps({"messages": user("x" * 70000)}))
+    # Authentication.
+    expect_error(server, 401, chat, json.dumps({"messages": ok_msgs}), headers={"Authorization": "Bearer wrong"})
+    expect_error(server, 401, chat, json.dumps({"messages": ok_msgs}), headers={"Authorization": ""})
+    expect_error(server, 404, "/v1/nothing", b"{}")
+    # The same through the client: typed exceptions with the right status.
+    c = server.client()
+    with pytest.raises(openai.BadRequestError):
+        c.chat.completions.create(model="m", messages=[{"role": "robot", "content": "x"}])
+    with pytest.raises(openai.AuthenticationError):
+        server.client(key="nope").chat.completions.create(model="m", messages=ok_msgs)
+    with pytest.raises(openai.BadRequestError):
+        c.chat.completions.create(model="m", messages=user("w " * 3000))
+    assert server.alive()
+
+
+def test_client_disconnect_cancels_generation(server):
+    c = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
+    body = json.dumps({"messages": user("long"), "max_tokens": 400, "temperature": 0, "stream": True})
+    c.request("POST", "/v1/chat/completions", body=body, headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"})
+    r = c.getresponse()
+    assert r.status == 200
+    r.fp.readline()  # the first event arrives: generation has started
+    c.sock.shutdown(socket.SHUT_RDWR)
+    c.close()
+    deadline = time.time() + 20
+    while time.time() < deadline:
+        text = server.raw("GET", "/metrics")[2].decode()
+        line = [l for l in text.splitlines() if l.startswith("lily_requests_cancelled_total")][0]
+        if int(line.split()[1]) >= 1:
+            break
+        time.sleep(0.1)
+    else:
+        pytest.fail("the generation was not cancelled")
+    assert server.alive()
+
+
+def test_load_48_concurrent_clients(tmp_path):
+    s = Server(model_dir(tmp_path), "--queue-size", "8")
+    try:
+        c = s.client(key="x")
+        health = []
+
+        def one(i):
+            try:
+                if i % 2:
+                    r = c.chat.completions.create(model="m", messages=user(f"client {i}"), max_tokens=8, temperature=0.7, seed=i)
+                    return "ok" if r.choices[0].finish_reason in ("stop", "length") else "bad"
+                text = "".join(ch.choices[0].delta.content or "" for ch in c.chat.completions.create(
+                    model="m", messages=user(f"client {i}"), max_tokens=8, stream=True) if ch.choices)
+                return "ok"
+            except openai.APIStatusError as e:
+                return 503 if e.status_code == 503 else f"status {e.status_code}"
+            except Exception as e:  # noqa: BLE001
+                return f"error {e!r}"
+
+        with cf.ThreadPoolExecutor(64) as ex:
+            futs = [ex.submit(one, i) for i in range(96)]
+            # Health answers while generating.
+            for _ in range(5):
+                t0 = time.time()
+                health.append((s.raw("GET", "/health")[0], time.time() - t0))
+            results = [f.result() for f in futs]
+        bad = [r for r in results if r not in ("ok", 503)]
+        assert not bad, bad
+        assert results.count("ok") >= 9  # at least the queue's worth got through
+        assert all(st == 200 and dt < 5 for st, dt in health), health
+        assert s.alive()
+        r = c.chat.completions.create(model="m", messages=user("after the storm"), max_tokens=4)
+        assert r.choices[0].finish_reason in ("stop", "length")
+        text = s.raw("GET", "/metrics")[2].decode()
+        assert "lily_queue_depth 0" in text
+    finally:
+        s.stop()
