@@ -1,0 +1,329 @@
+//! `lily serve` end to end: the real binary on a free port with the tiny fixture checkpoint,
+//! spoken to over plain HTTP/1.1 (no client library), including malformed input and overload.
+
+use serde_json::{json, Value};
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::TcpStream;
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+fn fixture() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/tiny-hf")
+}
+
+/// The tiny checkpoint with the Qwen3.6 tool-calling chat template, in a fresh temp directory.
+fn tools_model(tag: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("lily-serve-{}-{tag}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    for e in std::fs::read_dir(fixture()).unwrap() {
+        let e = e.unwrap();
+        if e.file_name() != "chat_template.jinja" {
+            std::fs::copy(e.path(), d.join(e.file_name())).unwrap();
+        }
+    }
+    let tmpl = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/python/chat_template_tools.jinja");
+    std::fs::copy(tmpl, d.join("chat_template.jinja")).unwrap();
+    d
+}
+
+struct Server {
+    child: Child,
+    addr: String,
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+const SCRIPTS: &str = r#"{
+  "SCRIPT_THINK": "The user greets me.\n</think>\n\nHello there!",
+  "SCRIPT_TOOL": "Weather needed.\n</think>\n\n<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n</tool_call>",
+  "SCRIPT_BADTOOL": "Hmm.\n</think>\n\n<tool_call>\n{not json}\n</tool_call>"
+}"#;
+
+fn start(model: &std::path::Path, args: &[&str]) -> Server {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_lily"))
+        .args(["serve", "--model", model.to_str().unwrap(), "--bind", "127.0.0.1:0", "--threads", "2"])
+        .args(args)
+        .env("LILY_TEST_SCRIPTS", SCRIPTS)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("starting lily serve");
+    let mut line = String::new();
+    BufReader::new(child.stdout.take().unwrap()).read_line(&mut line).unwrap();
+    let addr = line.trim().rsplit("http://").next().unwrap().to_string();
+    assert!(line.contains("listening on"), "{line}");
+    Server { child, addr }
+}
+
+struct Resp {
+    status: u16,
+    headers: String,
+    body: String,
+}
+
+impl Resp {
+    fn json(&self) -> Value {
+        serde_json::from_str(&self.body).unwrap_or_else(|e| panic!("{e}: {}", self.body))
+    }
+}
+
+fn dechunk(mut b: &[u8]) -> Vec<u8> {
+    let mut out = Vec::new();
+    while let Some(nl) = b.windows(2).position(|w| w == b"\r\n") {
+        let n = usize::from_str_radix(std::str::from_utf8(&b[..nl]).unwrap().trim(), 16).unwrap_or(0);
+        if n == 0 {
+            break;
+        }
+        out.extend_from_slice(&b[nl + 2..nl + 2 + n]);
+        b = &b[nl + 2 + n + 2..];
+    }
+    out
+}
+
+fn raw(addr: &str, bytes: &[u8]) -> Resp {
+    let mut c = TcpStream::connect(addr).unwrap();
+    c.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
+    c.write_all(bytes).unwrap();
+    let mut buf = Vec::new();
+    let _ = c.read_to_end(&mut buf);
+    let split = buf.windows(4).position(|w| w == b"\r\n\r\n").unwrap_or(buf.len());
+    let headers = String::from_utf8_lossy(&buf[..split]).to_string();
+    let mut body = buf.get(split + 4..).unwrap_or(&[]).to_vec();
+    if headers.to_ascii_lowercase().contains("transfer-encoding: chunked") {
+        body = dechunk(&body);
+    }
+    let status = headers.split_whitespace().nth(1).and_then(|x| x.parse().ok()).unwrap_or(0);
+    Resp { status, headers, body: String::from_utf8_lossy(&body).to_string() }
+}
+
+fn req(addr: &str, method: &str, path: &str, body: &str, auth: Option<&str>) -> Resp {
+    let auth = auth.map(|k| format!("Authorization: Bearer {k}\r\n")).unwrap_or_default();
+    let msg = format!(
+        "{method} {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Type: application/json\r\n{auth}Content-Length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    raw(addr, msg.as_bytes())
+}
+
+fn post(addr: &str, path: &str, body: &Value) -> Resp {
+    req(addr, "POST", path, &body.to_string(), None)
+}
+
+/// The JSON events of an SSE body; asserts it ends with `data: [DONE]`.
+fn events(body: &str) -> Vec<Value> {
+    let datas: Vec<&str> = body.lines().filter_map(|l| l.strip_prefix("data: ")).collect();
+    assert_eq!(datas.last(), Some(&"[DONE]"), "{body}");
+    datas[..datas.len() - 1].iter().map(|d| serde_json::from_str(d).unwrap()).collect()
+}
+
+/// (reasoning, content, tool calls, finish_reason, usage) from stream chunks.
+fn fold(ev: &[Value]) -> (String, String, Vec<Value>, String, Value) {
+    let (mut r, mut c, mut calls, mut fin, mut usage) =
+        (String::new(), String::new(), Vec::new(), String::new(), Value::Null);
+    for e in ev {
+        if !e["usage"].is_null() {
+            usage = e["usage"].clone();
+        }
+        let Some(ch) = e["choices"].get(0) else { continue };
+        r += ch["delta"]["reasoning_content"].as_str().unwrap_or("");
+        c += ch["delta"]["content"].as_str().unwrap_or("");
+        if let Some(t) = ch["delta"]["tool_calls"].as_array() {
+            calls.extend(t.iter().cloned());
+        }
+        if let Some(f) = ch["finish_reason"].as_str() {
+            fin = f.to_string();
+        }
+    }
+    (r, c, calls, fin, usage)
+}
+
+#[test]
+fn endpoints_and_streaming_equals_non_streaming() {
+    let s = start(&fixture(), &[]);
+    let h = req(&s.addr, "GET", "/health", "", None);
+    assert_eq!((h.status, h.json()["status"].clone()), (200, json!("ok")));
+    let m = req(&s.addr, "GET", "/v1/models", "", None).json();
+    assert_eq!(m["data"][0]["id"], "tiny-hf");
+    let body = json!({"messages": [{"role": "user", "content": "hello"}], "max_tokens": 10, "temperature": 0});
+    let full = post(&s.addr, "/v1/chat/completions", &body);
+    assert_eq!(full.status, 200, "{}", full.body);
+    let full = full.json();
+    let msg = &full["choices"][0]["message"];
+    let mut sb = body.clone();
+    sb["stream"] = json!(true);
+    sb["stream_options"] = json!({"include_usage": true});
+    let st = post(&s.addr, "/v1/chat/completions", &sb);
+    assert!(st.headers.contains("text/event-stream"));
+    let (r, c, _, fin, usage) = fold(&events(&st.body));
+    assert_eq!(r, msg["reasoning_content"].as_str().unwrap_or(""));
+    assert_eq!(c, msg["content"].as_str().unwrap_or(""));
+    assert_eq!(fin, full["choices"][0]["finish_reason"].as_str().unwrap());
+    assert_eq!(usage["completion_tokens"], full["usage"]["completion_tokens"]);
+    // Completions, streamed and not.
+    let cb = json!({"prompt": "The sky", "max_tokens": 6, "temperature": 0});
+    let one = post(&s.addr, "/v1/completions", &cb).json();
+    let mut cs = cb.clone();
+    cs["stream"] = json!(true);
+    let text: String = events(&post(&s.addr, "/v1/completions", &cs).body)
+        .iter()
+        .filter_map(|e| e["choices"][0]["text"].as_str().map(String::from))
+        .collect();
+    assert_eq!(text, one["choices"][0]["text"].as_str().unwrap());
+    let metrics = req(&s.addr, "GET", "/metrics", "", None);
+    assert!(
+        metrics.body.contains("lily_requests_total{endpoint=\"/v1/chat/completions\",status=\"200\"} 2"),
+        "{}",
+        metrics.body
+    );
+    assert!(metrics.body.contains("lily_time_to_first_token_seconds_count"));
+}
+
+#[test]
+fn scripted_reasoning_and_tool_calls() {
+    let dir = tools_model("script");
+    let s = start(&dir, &[]);
+    let tools = json!([{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]);
+    let think = json!({"messages": [{"role": "user", "content": "SCRIPT_THINK"}], "max_tokens": 60, "temperature": 0});
+    let m = post(&s.addr, "/v1/chat/completions", &think).json();
+    assert_eq!(m["choices"][0]["message"]["reasoning_content"], "The user greets me.\n");
+    assert_eq!(m["choices"][0]["message"]["content"], "Hello there!");
+    let tool = json!({"messages": [{"role": "user", "content": "SCRIPT_TOOL"}], "tools": tools, "max_tokens": 80, "temperature": 0});
+    let r = post(&s.addr, "/v1/chat/completions", &tool).json();
+    let ch = &r["choices"][0];
+    assert_eq!(ch["finish_reason"], "tool_calls");
+    assert_eq!(ch["message"]["content"], Value::Null);
+    assert_eq!(ch["message"]["tool_calls"][0]["function"]["name"], "get_weather");
+    assert_eq!(ch["message"]["tool_calls"][0]["function"]["arguments"], r#"{"city":"Paris"}"#);
+    let mut st = tool.clone();
+    st["stream"] = json!(true);
+    let (r, c, calls, fin, _) = fold(&events(&post(&s.addr, "/v1/chat/completions", &st).body));
+    assert_eq!((r.as_str(), c.as_str(), fin.as_str()), ("Weather needed.\n", "", "tool_calls"));
+    assert_eq!(calls.len(), 1);
+    assert_eq!(calls[0]["index"], 0);
+    assert_eq!(calls[0]["function"]["arguments"], r#"{"city":"Paris"}"#);
+    let bad = json!({"messages": [{"role": "user", "content": "SCRIPT_BADTOOL"}], "tools": tools, "max_tokens": 80, "temperature": 0});
+    let b = post(&s.addr, "/v1/chat/completions", &bad).json();
+    assert_eq!(b["choices"][0]["finish_reason"], "stop");
+    assert_eq!(b["choices"][0]["message"]["content"], "<tool_call>\n{not json}\n</tool_call>");
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+#[test]
+fn bad_input_gets_openai_errors_and_never_crashes() {
+    let s = start(&fixture(), &["--api-key", "k", "--max-seq", "64", "--max-body-bytes", "4096"]);
+    let ok = r#"{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}"#;
+    let check = |r: Resp, status: u16, param: Option<&str>| {
+        assert_eq!(r.status, status, "{}", r.body);
+        let e = r.json();
+        let e = e["error"].as_object().unwrap_or_else(|| panic!("{}", r.body));
+        assert!(e.contains_key("message") && e.contains_key("type") && e.contains_key("code"));
+        if let Some(p) = param {
+            assert_eq!(e["param"], p, "{}", r.body);
+        }
+    };
+    let chat = "/v1/chat/completions";
+    check(req(&s.addr, "POST", chat, ok, None), 401, None);
+    check(req(&s.addr, "POST", chat, ok, Some("wrong")), 401, None);
+    assert_eq!(req(&s.addr, "POST", chat, ok, Some("k")).status, 200);
+    assert_eq!(req(&s.addr, "GET", "/health", "", None).status, 200, "health needs no key");
+    check(req(&s.addr, "POST", chat, "{\"messages\": [", Some("k")), 400, None);
+    check(req(&s.addr, "POST", chat, "\u{0}\u{1}garbage", Some("k")), 400, None);
+    check(
+        req(&s.addr, "POST", chat, r#"{"messages": [{"role": "user", "content": "hi"}], "top_p": "x"}"#, Some("k")),
+        400,
+        Some("top_p"),
+    );
+    check(
+        req(&s.addr, "POST", chat, r#"{"messages": [{"role": "alien", "content": "hi"}]}"#, Some("k")),
+        400,
+        Some("messages[0].role"),
+    );
+    check(
+        req(&s.addr, "POST", chat, r#"{"messages": [{"role": "user", "content": "hi"}], "seed": "x"}"#, Some("k")),
+        400,
+        Some("seed"),
+    );
+    check(
+        req(
+            &s.addr,
+            "POST",
+            chat,
+            r#"{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 100}"#,
+            Some("k"),
+        ),
+        400,
+        Some("max_tokens"),
+    );
+    let long = json!({"messages": [{"role": "user", "content": "word ".repeat(200)}]}).to_string();
+    let r = req(&s.addr, "POST", chat, &long, Some("k"));
+    assert!(r.body.contains("context_length_exceeded"), "{}", r.body);
+    check(r, 400, None);
+    let huge = json!({"messages": [{"role": "user", "content": "x".repeat(10_000)}]}).to_string();
+    check(req(&s.addr, "POST", chat, &huge, Some("k")), 413, None);
+    check(req(&s.addr, "POST", "/v1/completions", r#"{"prompt": [1, 2, 100000]}"#, Some("k")), 400, Some("prompt"));
+    check(req(&s.addr, "GET", "/nope", "", Some("k")), 404, None);
+    // Not HTTP at all, and a truncated request: the connection is dropped, the server lives on.
+    let _ = raw(&s.addr, b"\x16\x03\x01 definitely not http\r\n\r\n");
+    {
+        let mut c = TcpStream::connect(&s.addr).unwrap();
+        c.write_all(b"POST /v1/chat/completions HTTP/1.1\r\nContent-Length: 500\r\n\r\n{\"messa").unwrap();
+    }
+    assert_eq!(req(&s.addr, "GET", "/health", "", None).status, 200);
+    assert_eq!(req(&s.addr, "POST", chat, ok, Some("k")).status, 200);
+}
+
+#[test]
+fn prefix_cache_reuses_state_with_identical_output() {
+    let warm = start(&fixture(), &[]);
+    let cold = start(&fixture(), &["--prefix-cache-mb", "0"]);
+    let turn1 = json!([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "first question"}]);
+    let a =
+        post(&warm.addr, "/v1/chat/completions", &json!({"messages": turn1, "max_tokens": 6, "temperature": 0})).json();
+    let mut turn2 = turn1.as_array().unwrap().clone();
+    turn2.push(json!({"role": "assistant", "content": a["choices"][0]["message"]["content"]}));
+    turn2.push(json!({"role": "user", "content": "second question"}));
+    for sampling in [json!({"temperature": 0}), json!({"temperature": 1.0, "seed": 3})] {
+        let mut body = json!({"messages": turn2, "max_tokens": 12, "logprobs": true});
+        body.as_object_mut().unwrap().extend(sampling.as_object().unwrap().clone());
+        let w = post(&warm.addr, "/v1/chat/completions", &body).json();
+        let c = post(&cold.addr, "/v1/chat/completions", &body).json();
+        assert!(w["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap() > 0, "{w}");
+        assert_eq!(c["usage"]["prompt_tokens_details"]["cached_tokens"], 0);
+        let toks = |v: &Value| -> Vec<Value> {
+            v["choices"][0]["logprobs"]["content"].as_array().unwrap().iter().map(|e| e["token"].clone()).collect()
+        };
+        assert_eq!(toks(&w), toks(&c));
+        assert_eq!(w["choices"][0]["message"], c["choices"][0]["message"]);
+    }
+    let m = req(&warm.addr, "GET", "/metrics", "", None).body;
+    assert!(!m.contains("lily_prefix_cache_hits_total 0\n"), "{m}");
+}
+
+#[test]
+fn full_queue_answers_503_and_recovers() {
+    let s = start(&fixture(), &["--queue-size", "1"]);
+    let addr = s.addr.clone();
+    let body = json!({"prompt": "load", "max_tokens": 300, "temperature": 0}).to_string();
+    let handles: Vec<_> = (0..12)
+        .map(|_| {
+            let (addr, body) = (addr.clone(), body.clone());
+            std::thread::spawn(move || {
+                let r = req(&addr, "POST", "/v1/completions", &body, None);
+                (r.status, r.headers.to_ascii_lowercase().contains("retry-after: 1"))
+            })
+        })
+        .collect();
+    let results: Vec<(u16, bool)> = handles.into_iter().map(|h| h.join().unwrap()).collect();
+    assert!(results.iter().all(|&(st, retry)| st == 200 || (st == 503 && retry)), "{results:?}");
+    assert!(results.iter().any(|r| r.0 == 503), "{results:?}");
+    assert!(results.iter().any(|r| r.0 == 200), "{results:?}");
+    assert_eq!(req(&s.addr, "GET", "/health", "", None).status, 200);
+    assert_eq!(post(&s.addr, "/v1/completions", &json!({"prompt": "after", "max_tokens": 2})).status, 200);
+}
