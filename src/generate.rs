@@ -362,6 +362,101 @@ mod tests {
         assert_eq!(partial_suffix_len("", &["a"]), 0);
     }
 
+    /// Logits that always favour `next[pos % len]`, with a clear margin.
+    struct Fake {
+        pos: usize,
+        next: Vec<u32>,
+        vocab: usize,
+    }
+
+    impl Session for Fake {
+        fn forward_last(&mut self, tokens: &[u32]) -> Result<Vec<f32>> {
+            self.pos += tokens.len();
+            let mut l = vec![0.0; self.vocab];
+            l[self.next[self.pos % self.next.len()] as usize] = 5.0;
+            l[1] = 4.0;
+            Ok(l)
+        }
+        fn forward_all(&mut self, tokens: &[u32]) -> Result<Vec<f32>> {
+            self.forward_last(tokens)
+        }
+        fn pos(&self) -> usize {
+            self.pos
+        }
+        fn vocab_size(&self) -> usize {
+            self.vocab
+        }
+        fn max_positions(&self) -> usize {
+            100
+        }
+        fn snapshot(&self) -> Snapshot {
+            Snapshot { pos: self.pos, nbytes: 8, data: Box::new(self.pos) }
+        }
+        fn restore(&mut self, snap: &Snapshot) -> Result<()> {
+            self.pos = *snap.data.downcast_ref::<usize>().context("not mine")?;
+            Ok(())
+        }
+        fn reset(&mut self) {
+            self.pos = 0;
+        }
+    }
+
+    #[test]
+    fn decode_reports_logprobs_and_applies_penalties() {
+        let mut s = Fake { pos: 0, next: vec![2], vocab: 4 };
+        let opts = GenerateOptions { max_tokens: 3, logprobs: Some(2), ..Default::default() };
+        let logits = s.forward_last(&[0]).unwrap();
+        let mut seen = Vec::new();
+        let g = decode(&mut s, logits, &opts, |st| {
+            seen.push(st.logprobs.cloned().unwrap());
+            Ok(Flow::Continue)
+        })
+        .unwrap();
+        assert_eq!(g.tokens, vec![2, 2, 2]);
+        assert_eq!(g.finish, FinishReason::Length);
+        assert_eq!(seen[0].top.iter().map(|t| t.0).collect::<Vec<_>>(), vec![2, 1]);
+        assert!((seen[0].logprob - seen[0].top[0].1).abs() < 1e-6 && seen[0].logprob < 0.0);
+        // A presence penalty of 2 makes token 1 win once 2 has been generated.
+        let mut s = Fake { pos: 0, next: vec![2], vocab: 4 };
+        let opts = GenerateOptions { max_tokens: 3, presence_penalty: 2.0, ..Default::default() };
+        let logits = s.forward_last(&[0]).unwrap();
+        let g = decode(&mut s, logits, &opts, |_| Ok(Flow::Continue)).unwrap();
+        assert_eq!(g.tokens, vec![2, 1, 2]);
+    }
+
+    #[test]
+    fn decode_stops_at_eos_and_on_request() {
+        let mut s = Fake { pos: 0, next: vec![3], vocab: 4 };
+        let opts = GenerateOptions { max_tokens: 9, eos_ids: vec![3], ..Default::default() };
+        let l = s.forward_last(&[0]).unwrap();
+        let g = decode(&mut s, l, &opts, |_| Ok(Flow::Continue)).unwrap();
+        assert_eq!((g.tokens.len(), g.finish, g.eos_token), (0, FinishReason::Eos, Some(3)));
+        let mut s = Fake { pos: 0, next: vec![2], vocab: 4 };
+        let l = s.forward_last(&[0]).unwrap();
+        let g =
+            decode(&mut s, l, &GenerateOptions { max_tokens: 9, ..Default::default() }, |_| Ok(Flow::Stop)).unwrap();
+        assert_eq!((g.tokens.len(), g.finish), (1, FinishReason::Stopped));
+    }
+
+    #[test]
+    fn cpu_session_snapshot_restores_exactly() {
+        let model = Arc::new(crate::synthetic::build("tiny", Some(4), 64).unwrap());
+        let mut s = CpuSession::new(model);
+        s.forward_last(&[1, 2, 3, 4, 5]).unwrap();
+        let snap = s.snapshot();
+        assert_eq!(snap.pos, 5);
+        assert!(snap.nbytes > 0);
+        let a = s.forward_last(&[6, 7]).unwrap();
+        s.reset();
+        assert_eq!(s.pos(), 0);
+        s.restore(&snap).unwrap();
+        assert_eq!(s.pos(), 5);
+        let b = s.forward_last(&[6, 7]).unwrap();
+        assert_eq!(a, b);
+        let foreign = Snapshot { pos: 1, nbytes: 1, data: Box::new(1u8) };
+        assert!(s.restore(&foreign).is_err());
+    }
+
     #[test]
     fn top_k_orders_and_breaks_ties_by_index() {
         assert_eq!(top_k_of(&[0.1, 0.5, 0.5, -1.0], 3), vec![(1, 0.5), (2, 0.5), (0, 0.1)]);

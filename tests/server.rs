@@ -40,17 +40,22 @@ impl Drop for Server {
     }
 }
 
-const SCRIPTS: &str = r#"{
-  "SCRIPT_THINK": "The user greets me.\n</think>\n\nHello there!",
-  "SCRIPT_TOOL": "Weather needed.\n</think>\n\n<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n</tool_call>",
-  "SCRIPT_BADTOOL": "Hmm.\n</think>\n\n<tool_call>\n{not json}\n</tool_call>"
-}"#;
+/// Test-only scripted outputs (`LILY_TEST_SCRIPTS`): trigger text in the last message -> output.
+fn scripts() -> String {
+    json!({
+        "SCRIPT_THINK": "The user greets me.\n</think>\n\nHello there!",
+        "SCRIPT_TOOL": "Weather needed.\n</think>\n\n<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n</tool_call>",
+        "SCRIPT_BADTOOL": "Hmm.\n</think>\n\n<tool_call>\n{not json}\n</tool_call>",
+        "SCRIPT_LONG": "word ".repeat(400),
+    })
+    .to_string()
+}
 
 fn start(model: &std::path::Path, args: &[&str]) -> Server {
     let mut child = Command::new(env!("CARGO_BIN_EXE_lily"))
         .args(["serve", "--model", model.to_str().unwrap(), "--bind", "127.0.0.1:0", "--threads", "2"])
         .args(args)
-        .env("LILY_TEST_SCRIPTS", SCRIPTS)
+        .env("LILY_TEST_SCRIPTS", scripts())
         .stdout(Stdio::piped())
         .stderr(Stdio::null())
         .spawn()
@@ -310,7 +315,8 @@ fn prefix_cache_reuses_state_with_identical_output() {
 fn full_queue_answers_503_and_recovers() {
     let s = start(&fixture(), &["--queue-size", "1"]);
     let addr = s.addr.clone();
-    let body = json!({"prompt": "load", "max_tokens": 300, "temperature": 0}).to_string();
+    // A scripted 400-token answer: no early end-of-sequence, so the queue really fills.
+    let body = json!({"prompt": "SCRIPT_LONG", "max_tokens": 300, "temperature": 0}).to_string();
     let handles: Vec<_> = (0..12)
         .map(|_| {
             let (addr, body) = (addr.clone(), body.clone());

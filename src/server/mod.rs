@@ -107,6 +107,7 @@ pub fn router(app: Arc<App>) -> Router {
         .route("/health", get(health))
         .route("/metrics", get(metrics_text))
         .fallback(not_found)
+        .method_not_allowed_fallback(method_not_allowed)
         .layer(axum::extract::DefaultBodyLimit::max(app.cfg.max_body_bytes))
         .layer(middleware::from_fn_with_state(app.clone(), guard))
         .with_state(app)
@@ -168,6 +169,16 @@ async fn models(State(app): State<Arc<App>>) -> Response {
 
 async fn metrics_text(State(app): State<Arc<App>>) -> Response {
     ([(header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")], app.metrics.render()).into_response()
+}
+
+async fn method_not_allowed(req: Request) -> Response {
+    let e = ApiError::new(
+        405,
+        "invalid_request_error",
+        Some("method_not_allowed"),
+        format!("{} is not allowed on {}", req.method(), req.uri().path()),
+    );
+    error_response(&e)
 }
 
 async fn not_found(req: Request) -> Response {

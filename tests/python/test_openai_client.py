@@ -31,6 +31,7 @@ SCRIPTS = {
     "SCRIPT_AFTER_TOOL": "Done.\n</think>\n\nIt is 22C in Paris.",
     "SCRIPT_BADTOOL": "Hmm.\n</think>\n\n<tool_call>\n{not json}\n</tool_call>",
     "SCRIPT_STOP": "alpha beta STOP gamma delta",
+    "SCRIPT_LONG": "word " * 400,
 }
 
 TOOLS = [
@@ -357,7 +358,7 @@ def test_error_paths(server):
 
 def test_client_disconnect_cancels_generation(server):
     c = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
-    body = json.dumps({"messages": user("long"), "max_tokens": 400, "temperature": 0, "stream": True})
+    body = json.dumps({"messages": user("SCRIPT_LONG"), "max_tokens": 900, "temperature": 0, "stream": True})
     c.request("POST", "/v1/chat/completions", body=body, headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"})
     r = c.getresponse()
     assert r.status == 200
