@@ -333,3 +333,24 @@ fn full_queue_answers_503_and_recovers() {
     assert_eq!(req(&s.addr, "GET", "/health", "", None).status, 200);
     assert_eq!(post(&s.addr, "/v1/completions", &json!({"prompt": "after", "max_tokens": 2})).status, 200);
 }
+
+#[test]
+fn resuming_from_a_snapshot_matches_one_shot_prefill() {
+    // What makes prefix-cache answers identical to uncached ones: prefill of a prefix, snapshot,
+    // restore into a fresh session and prefill of the rest gives the logits of one-shot prefill.
+    use lily::generate::{CpuSession, Session};
+    let model = std::sync::Arc::new(lily::weights::load_model(&fixture()).unwrap());
+    let toks: Vec<u32> = (0..150u32).map(|i| (i * 37 + 11) % 460).collect();
+    let one_shot = CpuSession::new(model.clone()).forward_last(&toks).unwrap();
+    for cut in [1, 37, 64, 149] {
+        let mut a = CpuSession::new(model.clone());
+        a.forward_last(&toks[..cut]).unwrap();
+        let snap = a.snapshot();
+        let mut b = CpuSession::new(model.clone());
+        b.restore(&snap).unwrap();
+        let resumed = b.forward_last(&toks[cut..]).unwrap();
+        let d = one_shot.iter().zip(&resumed).map(|(x, y)| (x - y).abs()).fold(0f32, f32::max);
+        assert!(d < 1e-5, "cut {cut}: max |diff| {d}");
+        assert_eq!(lily::sampling::argmax(&one_shot), lily::sampling::argmax(&resumed));
+    }
+}
