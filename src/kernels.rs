@@ -209,6 +209,44 @@ pub unsafe fn gemm_tile_strided(tile: &[f32], nr: usize, k: usize, x: &[f32], t:
     }
 }
 
+/// `tile[k·stride + col] = row[k]` for every k (builds a k-major tile one row at a time).
+pub fn scatter_column(row: &[f32], tile: &mut [f32], stride: usize, col: usize) {
+    assert!(col < stride && tile.len() >= row.len() * stride);
+    let p = tile.as_mut_ptr();
+    for (kk, v) in row.iter().enumerate() {
+        // SAFETY: kk·stride + col < row.len()·stride ≤ tile.len(), checked above.
+        unsafe { *p.add(kk * stride + col) = *v };
+    }
+}
+
+/// `out[t·ldo + i] (+)= Σ_{k<kc} tile[k·16 + i] · x[t·ldx + k]` for `i < nr ≤ 16` (k-major tile of
+/// 16 rows); with `accumulate` the sums are added to what `out` holds.
+///
+/// # Safety
+/// AVX2+FMA must be available (`has_avx2()`), and `out` valid for reads/writes at `t·ldo + i`.
+pub unsafe fn gemm_kmajor16(
+    tile: &[f32],
+    kc: usize,
+    x: &[f32],
+    ldx: usize,
+    t: usize,
+    out: *mut f32,
+    ldo: usize,
+    nr: usize,
+    accumulate: bool,
+) {
+    assert!(tile.len() >= 16 * kc && nr <= 16 && kc <= ldx);
+    assert!(t == 0 || x.len() >= (t - 1) * ldx + kc);
+    #[cfg(target_arch = "x86_64")]
+    {
+        assert!(has_avx2());
+        // SAFETY: checked above; `out` per the contract.
+        unsafe { avx2::gemm_kmajor16(tile, kc, x, ldx, t, out, ldo, nr, accumulate) }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    unreachable!("callers check has_avx2()")
+}
+
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
     use super::scale_at;
@@ -224,6 +262,69 @@ mod avx2 {
         let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
         let s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
         _mm_cvtss_f32(s)
+    }
+
+    /// 6 tokens × 16 rows per step: 12 accumulators, two tile loads and six broadcasts per k.
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn gemm_kmajor16(
+        tile: &[f32],
+        k: usize,
+        x: &[f32],
+        ldx: usize,
+        t: usize,
+        out: *mut f32,
+        ldo: usize,
+        nr: usize,
+        acc: bool,
+    ) {
+        let mut t0 = 0;
+        while t0 < t {
+            match t - t0 {
+                1 => micro16::<1>(tile, k, x, ldx, t0, out, ldo, nr, acc),
+                2 => micro16::<2>(tile, k, x, ldx, t0, out, ldo, nr, acc),
+                3 => micro16::<3>(tile, k, x, ldx, t0, out, ldo, nr, acc),
+                4 => micro16::<4>(tile, k, x, ldx, t0, out, ldo, nr, acc),
+                5 => micro16::<5>(tile, k, x, ldx, t0, out, ldo, nr, acc),
+                _ => micro16::<6>(tile, k, x, ldx, t0, out, ldo, nr, acc),
+            }
+            t0 += (t - t0).min(6);
+        }
+    }
+
+    #[inline(always)]
+    unsafe fn micro16<const NT: usize>(
+        tile: &[f32],
+        k: usize,
+        x: &[f32],
+        ldx: usize,
+        t0: usize,
+        out: *mut f32,
+        ldo: usize,
+        nr: usize,
+        accumulate: bool,
+    ) {
+        let (pt, px) = (tile.as_ptr(), x.as_ptr().add(t0 * ldx));
+        let mut acc = [[_mm256_setzero_ps(); 2]; NT];
+        for kk in 0..k {
+            let w0 = _mm256_loadu_ps(pt.add(kk * 16));
+            let w1 = _mm256_loadu_ps(pt.add(kk * 16 + 8));
+            for j in 0..NT {
+                let xv = _mm256_broadcast_ss(&*px.add(j * ldx + kk));
+                acc[j][0] = _mm256_fmadd_ps(w0, xv, acc[j][0]);
+                acc[j][1] = _mm256_fmadd_ps(w1, xv, acc[j][1]);
+            }
+        }
+        for j in 0..NT {
+            let o = out.add((t0 + j) * ldo);
+            let mut tmp = [0f32; 16];
+            if accumulate {
+                std::ptr::copy_nonoverlapping(o, tmp.as_mut_ptr(), nr);
+            }
+            let prev = [_mm256_loadu_ps(tmp.as_ptr()), _mm256_loadu_ps(tmp.as_ptr().add(8))];
+            _mm256_storeu_ps(tmp.as_mut_ptr(), _mm256_add_ps(prev[0], acc[j][0]));
+            _mm256_storeu_ps(tmp.as_mut_ptr().add(8), _mm256_add_ps(prev[1], acc[j][1]));
+            std::ptr::copy_nonoverlapping(tmp.as_ptr(), o, nr);
+        }
     }
 
     /// Dequantizes one packed row (8 elements per step).

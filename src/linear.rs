@@ -199,6 +199,52 @@ impl Linear {
         const RB: usize = 16;
         let nblocks = self.rows.div_ceil(RB);
         let out = SyncPtr(y.as_mut_ptr());
+        if t >= 3 && kernels::has_avx2() && std::env::var_os("LILY_GEMM_OLD").is_none() {
+            // 16 rows dequantized into a k-major tile, then a 6-token × 16-row register-blocked GEMM.
+            (0..nblocks).into_par_iter().for_each(|bi| {
+                let r0 = bi * RB;
+                let nr = RB.min(self.rows - r0);
+                TILE.with(|cell| {
+                    // Dequantize the 16 rows once, then walk k in L1-sized chunks: each chunk is
+                    // transposed to k-major and multiplied, accumulating into y.
+                    const KC: usize = 256;
+                    let mut buf = cell.borrow_mut();
+                    buf.resize(RB * self.cols + RB * KC, 0.0);
+                    let (rows_buf, km) = buf.split_at_mut(RB * self.cols);
+                    for i in 0..RB {
+                        let row = &mut rows_buf[i * self.cols..(i + 1) * self.cols];
+                        if i < nr {
+                            self.row_f32(r0 + i, row);
+                        } else {
+                            row.fill(0.0);
+                        }
+                    }
+                    let mut k0 = 0;
+                    while k0 < self.cols {
+                        let kc = KC.min(self.cols - k0);
+                        for i in 0..RB {
+                            kernels::scatter_column(&rows_buf[i * self.cols + k0..i * self.cols + k0 + kc], km, RB, i);
+                        }
+                        // SAFETY: as below; the kernel writes only the first nr of the 16 columns.
+                        unsafe {
+                            kernels::gemm_kmajor16(
+                                km,
+                                kc,
+                                &x[k0..],
+                                self.cols,
+                                t,
+                                out.get().add(r0),
+                                self.rows,
+                                nr,
+                                k0 > 0,
+                            )
+                        };
+                        k0 += kc;
+                    }
+                });
+            });
+            return;
+        }
         (0..nblocks).into_par_iter().for_each(|bi| {
             let r0 = bi * RB;
             let nr = RB.min(self.rows - r0);

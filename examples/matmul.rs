@@ -1,0 +1,40 @@
+//! Micro-benchmark of the CPU quantized matrix-matrix product (prefill), best-of-N GFLOP/s.
+//! `cargo run --release --example matmul [threads] [tokens]`.
+
+use lily::linear::{FloatType, Linear};
+use lily::safetensors::Bytes;
+use std::time::Instant;
+
+fn main() {
+    let threads: usize = std::env::args().nth(1).and_then(|s| s.parse().ok()).unwrap_or(2);
+    let t: usize = std::env::args().nth(2).and_then(|s| s.parse().ok()).unwrap_or(64);
+    rayon::ThreadPoolBuilder::new().num_threads(threads).build_global().unwrap();
+    let (rows, cols, group) = (4096usize, 2048usize, 64usize);
+    let packed: Vec<u8> = (0..rows * cols / 2).map(|i| (i * 2654435761usize >> 7) as u8).collect();
+    let ng = rows * cols / group;
+    let scales: Vec<u8> = (0..ng).flat_map(|_| 0x3c00u16.to_le_bytes()).collect();
+    let lin = Linear::quant(
+        rows,
+        cols,
+        4,
+        group,
+        Bytes::from_vec(packed),
+        Bytes::from_vec(scales.clone()),
+        Bytes::from_vec(scales),
+        FloatType::BF16,
+    )
+    .unwrap();
+    let x: Vec<f32> = (0..t * cols).map(|i| (i as f32 * 0.01).sin()).collect();
+    let mut y = vec![0f32; t * rows];
+    let mut best = f64::MAX;
+    for _ in 0..10 {
+        let s = Instant::now();
+        lin.matmul(&x, &mut y);
+        best = best.min(s.elapsed().as_secs_f64());
+    }
+    println!(
+        "threads {threads}: matmul {rows}x{cols} 4-bit × {t} tokens: best {:.2} ms, {:.1} GFLOP/s",
+        best * 1e3,
+        2.0 * (rows * cols * t) as f64 / best / 1e9
+    );
+}
