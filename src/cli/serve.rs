@@ -83,6 +83,9 @@ pub fn run(a: ServeArgs) -> Result<()> {
         bail!("--queue-size must be at least 1");
     }
     let scripts = scripts()?;
+    if !scripts.is_empty() {
+        eprintln!("lily serve: LILY_TEST_SCRIPTS is set: {} scripted test outputs are active", scripts.len());
+    }
     let mut loaded = a.model.load()?;
     let tok = loaded.tokenizer.take().context("serve needs a model with tokenizer.json")?;
     let session = a.model.session(&loaded);

@@ -14,6 +14,10 @@ use std::sync::Arc;
 use std::time::Instant;
 use tokio::sync::mpsc::UnboundedSender;
 
+/// Prefill granularity: the worker checks for a departed client between chunks. (The CPU
+/// backend's prefill is split-invariant, so chunking does not change any logit.)
+const PREFILL_CHUNK: usize = 512;
+
 pub struct Job {
     pub prompt: Vec<u32>,
     /// Extra point (tokens) to snapshot for the prefix cache: the end of the conversation before
@@ -177,11 +181,15 @@ impl Worker {
         let mut pos = start;
         let mut logits = Vec::new();
         for end in ends {
-            logits = self.session.forward_last(&prompt[pos..end])?;
-            pos = end;
-            if job.events.is_closed() {
-                self.metrics.cancelled.fetch_add(1, Relaxed);
-                return Ok(());
+            // In chunks, so that a client who leaves during a long prefill frees the worker soon.
+            while pos < end {
+                let e = (pos + PREFILL_CHUNK).min(end);
+                logits = self.session.forward_last(&prompt[pos..e])?;
+                pos = e;
+                if job.events.is_closed() {
+                    self.metrics.cancelled.fetch_add(1, Relaxed);
+                    return Ok(());
+                }
             }
             self.save(&prompt[..end]);
         }
