@@ -274,7 +274,7 @@ async fn chat_inner(app: Arc<App>, body: Result<Bytes, BytesRejection>) -> R<Res
     let id = new_id(&app, "chatcmpl");
     let created = now_secs();
     if req.params.stream {
-        return Ok(stream_chat(app, rx, prep, req.params, id, created));
+        return Ok(stream_chat(app, rx, prep, req.params, req.parallel_tool_calls, id, created));
     }
     let (text, lps, summary) = collect(rx).await?;
     let pieces = parse::parse_all(&text, prep.in_think, prep.tools);
@@ -285,7 +285,11 @@ async fn chat_inner(app: Arc<App>, body: Result<Bytes, BytesRejection>) -> R<Res
         match p {
             Piece::Reasoning(r) => reasoning.get_or_insert_with(String::new).push_str(&r),
             Piece::Content(c) => content.push_str(&c),
-            Piece::ToolCall(tc) => calls.push(tool_call_json(&app, &tc, None)),
+            Piece::ToolCall(tc) => {
+                if req.parallel_tool_calls || calls.is_empty() {
+                    calls.push(tool_call_json(&app, &tc, None))
+                }
+            }
         }
     }
     let mut message = json!({"role": "assistant", "content": content});
@@ -353,6 +357,7 @@ fn stream_chat(
     rx: UnboundedReceiver<Event>,
     prep: Prepared,
     p: GenParams,
+    parallel_tool_calls: bool,
     id: String,
     created: u64,
 ) -> Response {
@@ -381,6 +386,7 @@ fn stream_chat(
                 let delta = match piece {
                     Piece::Reasoning(r) => json!({"reasoning_content": r}),
                     Piece::Content(c) => json!({"content": c}),
+                    Piece::ToolCall(_) if !parallel_tool_calls && *ncalls > 0 => continue,
                     Piece::ToolCall(tc) => {
                         *ncalls += 1;
                         json!({"tool_calls": [tool_call_json(&app, &tc, Some(*ncalls - 1))]})

@@ -3,8 +3,8 @@
 //! error can name the exact field (`messages[2].content`, `top_logprobs`, ...).
 //!
 //! Unknown top-level fields are rejected (OpenAI's own "Unrecognized request argument"), except
-//! a few harmless ones clients send (`user`, `store`, `metadata`, `service_tier`,
-//! `parallel_tool_calls`), which are accepted and have no effect.
+//! a few harmless ones clients send (`user`, `store`, `metadata`, `service_tier`), which are
+//! accepted and have no effect. `parallel_tool_calls: false` is honoured by keeping the first call.
 
 use serde_json::{json, Map, Value};
 
@@ -64,6 +64,8 @@ pub struct ChatRequest {
     /// Tool definitions for the template (None with `tool_choice: "none"`).
     pub tools: Option<Value>,
     pub template_kwargs: Map<String, Value>,
+    /// false: at most one tool call per answer.
+    pub parallel_tool_calls: bool,
     pub params: GenParams,
 }
 
@@ -81,7 +83,7 @@ pub struct CompletionRequest {
 
 type R<T> = Result<T, ApiError>;
 
-const HARMLESS: [&str; 5] = ["user", "store", "metadata", "service_tier", "parallel_tool_calls"];
+const HARMLESS: [&str; 4] = ["user", "store", "metadata", "service_tier"];
 const SHARED: [&str; 15] = [
     "model",
     "max_tokens",
@@ -247,7 +249,7 @@ fn gen_params(o: &Map<String, Value>, chat: bool) -> R<GenParams> {
             return Err(ApiError::param("stream_options", "`stream_options` is only allowed when `stream` is true"));
         }
         for k in so.keys() {
-            if k != "include_usage" && k != "continuous_usage_stats" {
+            if k != "include_usage" {
                 return Err(ApiError::param(format!("stream_options.{k}"), format!("unsupported stream option `{k}`")));
             }
         }
@@ -438,6 +440,7 @@ pub fn parse_chat(body: &Value) -> R<ChatRequest> {
             "tool_choice",
             "chat_template_kwargs",
             "response_format",
+            "parallel_tool_calls",
         ],
     )?;
     let msgs = match o.get("messages") {
@@ -479,7 +482,8 @@ pub fn parse_chat(body: &Value) -> R<ChatRequest> {
             ))
         }
     };
-    Ok(ChatRequest { messages, tools: tools(o)?, template_kwargs, params })
+    let parallel_tool_calls = boolean(o, "parallel_tool_calls")?.unwrap_or(true);
+    Ok(ChatRequest { messages, tools: tools(o)?, template_kwargs, parallel_tool_calls, params })
 }
 
 pub fn parse_completion(body: &Value) -> R<CompletionRequest> {

@@ -32,6 +32,7 @@ SCRIPTS = {
     "SCRIPT_BADTOOL": "Hmm.\n</think>\n\n<tool_call>\n{not json}\n</tool_call>",
     "SCRIPT_STOP": "alpha beta STOP gamma delta",
     "SCRIPT_LONG": "word " * 400,
+    "SCRIPT_TWO_TOOLS": 'Two.\n</think>\n\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>',
 }
 
 TOOLS = [
@@ -248,6 +249,23 @@ def test_tool_call_round_trip(server):
     # tool_choice "none": tools are not offered, tags are plain text.
     r3 = c.chat.completions.create(model="m", messages=msgs, tools=TOOLS, tool_choice="none", max_tokens=80, temperature=0)
     assert r3.choices[0].message.tool_calls is None and "<tool_call>" in r3.choices[0].message.content
+
+
+def test_parallel_tool_calls(server):
+    c = server.client()
+    msgs = user("SCRIPT_TWO_TOOLS")
+    r = c.chat.completions.create(model="m", messages=msgs, tools=TOOLS, max_tokens=120, temperature=0)
+    cities = [json.loads(t.function.arguments)["city"] for t in r.choices[0].message.tool_calls]
+    assert cities == ["Paris", "Oslo"] and r.choices[0].finish_reason == "tool_calls"
+    assert len({t.id for t in r.choices[0].message.tool_calls}) == 2
+    _, _, calls, _, _ = stream_text(c.chat.completions.create(model="m", messages=msgs, tools=TOOLS, max_tokens=120, temperature=0, stream=True))
+    assert [json.loads(a)["city"] for _, a in calls] == ["Paris", "Oslo"]
+    one = c.chat.completions.create(model="m", messages=msgs, tools=TOOLS, max_tokens=120, temperature=0, parallel_tool_calls=False)
+    assert len(one.choices[0].message.tool_calls) == 1
+    _, _, calls, _, _ = stream_text(
+        c.chat.completions.create(model="m", messages=msgs, tools=TOOLS, max_tokens=120, temperature=0, stream=True, parallel_tool_calls=False)
+    )
+    assert len(calls) == 1
 
 
 def test_malformed_tool_call_falls_back_to_content(server):
