@@ -191,7 +191,8 @@ async fn not_found(req: Request) -> Response {
     error_response(&e)
 }
 
-/// Runs the server until Ctrl-C / SIGTERM. Prints `listening on http://ADDR` on stdout once bound.
+/// Runs the server until Ctrl-C / SIGTERM (open streams get 5 s to finish). Prints
+/// `listening on http://ADDR` on stdout once bound.
 pub fn serve(cfg: Config, tok: Tokenizer, session: Box<dyn Session + Send>) -> Result<()> {
     if cfg.max_seq < 2 {
         anyhow::bail!("--max-seq must be at least 2");
@@ -217,6 +218,16 @@ pub fn serve(cfg: Config, tok: Tokenizer, session: Box<dyn Session + Send>) -> R
 }
 
 async fn shutdown() {
+    signal().await;
+    eprintln!("lily serve: shutting down");
+    // In-flight responses get a moment to finish; a long generation does not hold the exit.
+    std::thread::spawn(|| {
+        std::thread::sleep(std::time::Duration::from_secs(5));
+        std::process::exit(0);
+    });
+}
+
+async fn signal() {
     let ctrl_c = async {
         let _ = tokio::signal::ctrl_c().await;
     };

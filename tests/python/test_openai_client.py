@@ -1,6 +1,7 @@
 """`lily serve` driven by the official `openai` Python client, on the tiny fixture checkpoint (CPU).
 
-Run after `cargo build`: `python -m pytest tests/python -q` (LILY_BIN overrides target/debug/lily).
+Run after `cargo build`: `python -m pytest tests/python -q` (LILY_BIN overrides target/debug/lily;
+LILY_SERVE_ARGS adds server options, e.g. `--device cuda`).
 The fixture model has random weights (its text is gibberish), so the reasoning and tool-call
 paths use the server's test-only LILY_TEST_SCRIPTS hook: a request whose last message contains a
 trigger generates a fixed text through the real model, sampler, stop strings and parsers.
@@ -63,7 +64,9 @@ class Server:
         e = dict(os.environ)
         e["LILY_TEST_SCRIPTS"] = json.dumps(SCRIPTS)
         e.update(env or {})
-        cmd = [BIN, "serve", "--model", str(model), "--bind", "127.0.0.1:0", "--threads", "2", *args]
+        # LILY_SERVE_ARGS adds options to every server, e.g. `--device cuda` on a GPU machine.
+        extra = os.environ.get("LILY_SERVE_ARGS", "").split()
+        cmd = [BIN, "serve", "--model", str(model), "--bind", "127.0.0.1:0", "--threads", "2", *extra, *args]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=e)
         line = self.proc.stdout.readline()
         if "listening on" not in line:
