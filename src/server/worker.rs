@@ -139,10 +139,10 @@ impl Worker {
         self.cache_budget_bytes
     }
 
-    fn save(&mut self, tokens: &[u32]) {
-        if !self.cache.contains(tokens) {
+    fn save(&mut self, tokens: &[u32], logits: Option<&[f32]>) {
+        if !self.cache.contains(tokens, logits.is_some()) {
             let snap: Snapshot = self.session.snapshot();
-            self.cache.insert(tokens.to_vec(), snap);
+            self.cache.insert(tokens.to_vec(), snap, logits.map(<[f32]>::to_vec));
             self.metrics.cache_bytes.store(self.cache.bytes() as u64, Relaxed);
             self.metrics.cache_entries.store(self.cache.len() as u64, Relaxed);
         }
@@ -153,10 +153,14 @@ impl Worker {
         if prompt.is_empty() {
             bail!("the prompt is empty");
         }
+        let mut logits = Vec::new();
         let start = match self.cache.lookup(prompt) {
-            Some((n, snap)) => {
-                self.session.restore(snap)?;
-                n
+            Some(hit) => {
+                self.session.restore(hit.snap)?;
+                if let Some(l) = hit.logits {
+                    logits = l.to_vec();
+                }
+                hit.len
             }
             None => {
                 self.session.reset();
@@ -177,9 +181,11 @@ impl Worker {
         // Prefill in segments ending at the reusable points, saving a snapshot at each.
         let mut ends: Vec<usize> = job.boundary.into_iter().filter(|&b| b > start && b < prompt.len()).collect();
         ends.push(prompt.len());
+        if start == prompt.len() {
+            ends.clear(); // the whole prompt and its logits came from the cache
+        }
         let t0 = Instant::now();
         let mut pos = start;
-        let mut logits = Vec::new();
         for end in ends {
             // In chunks, so that a client who leaves during a long prefill frees the worker soon.
             while pos < end {
@@ -191,7 +197,8 @@ impl Worker {
                     return Ok(());
                 }
             }
-            self.save(&prompt[..end]);
+            let last = end == prompt.len();
+            self.save(&prompt[..end], last.then_some(&logits[..]));
         }
         self.metrics.prefill(prompt.len() - start, t0.elapsed().as_secs_f64());
 
@@ -257,7 +264,7 @@ impl Worker {
             let mut all = prompt.clone();
             all.extend(&generated);
             if fed <= all.len() {
-                self.save(&all[..fed]);
+                self.save(&all[..fed], None);
             }
         }
         let finish = if stop_hit { FinishReason::Stopped } else { gen.finish };

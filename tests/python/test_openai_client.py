@@ -327,6 +327,12 @@ def test_prefix_cache_reuse_gives_identical_tokens(server, tmp_path):
             assert warm.usage.completion_tokens == ref.usage.completion_tokens
     finally:
         cold.stop()
+    # An exact repeat reuses the whole prompt (the logits after it are cached too).
+    args = dict(model="m", prompt="repeat me exactly", max_tokens=8, temperature=0)
+    first, again = c.completions.create(**args), c.completions.create(**args)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert again.usage.prompt_tokens_details.cached_tokens == again.usage.prompt_tokens
+    assert again.choices[0].text == first.choices[0].text
     st, _, body = server.raw("GET", "/metrics")
     hits = [l for l in body.decode().splitlines() if l.startswith("lily_prefix_cache_hits_total")]
     assert int(hits[0].split()[1]) > 0
