@@ -55,6 +55,8 @@ fn start(model: &std::path::Path, args: &[&str]) -> Server {
     let mut child = Command::new(env!("CARGO_BIN_EXE_lily"))
         .args(["serve", "--model", model.to_str().unwrap(), "--bind", "127.0.0.1:0", "--threads", "2"])
         .args(args)
+        // e.g. `--device cuda` to run these tests on a GPU backend.
+        .args(std::env::var("LILY_SERVE_ARGS").unwrap_or_default().split_whitespace())
         .env("LILY_TEST_SCRIPTS", scripts())
         .stdout(Stdio::piped())
         .stderr(Stdio::null())
