@@ -441,3 +441,42 @@ def test_load_48_concurrent_clients(tmp_path):
         assert "lily_queue_depth 0" in text
     finally:
         s.stop()
+
+
+def test_fuzzed_requests_never_crash(server):
+    """Seeded random mutations of valid requests: every answer is 200 or an OpenAI error object."""
+    import random
+
+    rng = random.Random(2024)
+    weird = [None, -1, 0, 1, 2.5, 1e308, -1e308, "", "x", "\ud800", [], {}, [1, "a"], [[]], True, False, {"a": {"b": [None]}}, "0" * 300]
+    fields = [
+        "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop",
+        "presence_penalty", "frequency_penalty", "logprobs", "top_logprobs", "tools", "tool_choice", "n", "stream",
+        "stream_options", "chat_template_kwargs", "response_format", "logit_bias", "user", "model", "bogus",
+    ]
+    msg_fields = ["role", "content", "tool_calls", "name", "tool_call_id"]
+    statuses = {}
+    for i in range(300):
+        body = {"messages": [{"role": "user", "content": f"fuzz {i}"}], "max_tokens": 3}
+        for _ in range(rng.randint(1, 3)):
+            msgs = body.get("messages")
+            if rng.random() < 0.3 and isinstance(msgs, list) and msgs and isinstance(msgs[0], dict):
+                m = dict(msgs[0])
+                m[rng.choice(msg_fields)] = rng.choice(weird)
+                body["messages"] = [m]
+            else:
+                body[rng.choice(fields)] = rng.choice(weird)
+        if body.get("max_completion_tokens") not in weird[:3] + [None]:
+            body["max_completion_tokens"] = 3
+        raw = json.dumps(body)
+        if rng.random() < 0.1:  # truncated or corrupted JSON
+            cut = rng.randint(0, len(raw))
+            raw = raw[:cut] + rng.choice(["", "\x00", "}", "ÿ"])
+        path = rng.choice(["/v1/chat/completions", "/v1/completions"])
+        st, _, data = server.raw("POST", path, body=raw.encode("utf-8", "surrogatepass"))
+        statuses[st] = statuses.get(st, 0) + 1
+        assert st in (200, 400), (st, raw, data)
+        if st == 400:
+            assert set(json.loads(data)["error"]) == {"message", "type", "param", "code"}
+    assert statuses.get(400, 0) > 100 and statuses.get(200, 0) > 0, statuses
+    assert server.alive()
