@@ -3,6 +3,7 @@
 
 pub mod config;
 pub mod cpu;
+pub mod cuda;
 pub mod generate;
 pub mod kernels;
 pub mod linear;

@@ -93,6 +93,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
         rows.push(Row { context: ctx, prefill_tps: ctx as f64 / pf, decode_tps: a.decode_steps as f64 / dec });
     }
     let threads = rayon::current_num_threads();
+    let device = a.model.device_name(&loaded);
     if a.json {
         let r: Vec<_> = rows
             .iter()
@@ -100,12 +101,12 @@ pub fn run(a: BenchArgs) -> Result<()> {
             .collect();
         println!(
             "{}",
-            serde_json::json!({"device": "cpu", "threads": threads, "commit": env!("LILY_GIT_COMMIT"), "model": a.model.model, "layers": model.cfg.num_hidden_layers, "decode_weight_bytes_per_token": bytes, "memory_read_gb_per_s": membw, "rows": r})
+            serde_json::json!({"device": device, "threads": threads, "commit": env!("LILY_GIT_COMMIT"), "model": a.model.model, "layers": model.cfg.num_hidden_layers, "decode_weight_bytes_per_token": bytes, "memory_read_gb_per_s": membw, "rows": r})
         );
         return Ok(());
     }
     println!(
-        "lily bench | device cpu ({threads} threads) | commit {} | model {} ({} layers) | weights read per decode token {:.1} MB{}",
+        "lily bench | device {device} | commit {} | model {} ({} layers) | weights read per decode token {:.1} MB{}",
         env!("LILY_GIT_COMMIT"),
         a.model.model,
         model.cfg.num_hidden_layers,

@@ -42,15 +42,37 @@ impl ModelArgs {
             }
             rayon::ThreadPoolBuilder::new().num_threads(n).build_global().ok();
         }
-        if self.device == Device::Cuda {
-            bail!("--device cuda: this build of lily has no CUDA backend yet; use --device cpu");
+        // Check for a GPU before loading (a clear error instead of a long load, then a failure).
+        let use_cuda = match self.device {
+            Device::Cpu => false,
+            Device::Cuda => {
+                lily::cuda::gpu().map_err(|e| anyhow::anyhow!("--device cuda: {e:#}"))?;
+                true
+            }
+            Device::Auto => lily::cuda::gpu().is_ok(),
+        };
+        let loaded = lily::loader::load(&self.model, self.layers)?;
+        if use_cuda {
+            lily::cuda::upload_cached(&loaded.model)?;
         }
-        lily::loader::load(&self.model, self.layers)
+        Ok(loaded)
     }
 
-    /// A fresh session on the chosen device (Send, so a server worker thread can own it).
+    /// A fresh session on the chosen device (Send, so a server worker thread can own it): the
+    /// GPU when `load` uploaded the model there, else the CPU.
     pub fn session(&self, loaded: &Loaded) -> Box<dyn Session + Send> {
-        Box::new(CpuSession::new(loaded.model.clone()))
+        match lily::cuda::uploaded(&loaded.model) {
+            Some(m) => Box::new(lily::cuda::CudaSession::new(m)),
+            None => Box::new(CpuSession::new(loaded.model.clone())),
+        }
+    }
+
+    /// The device sessions of this model run on, for reports.
+    pub fn device_name(&self, loaded: &Loaded) -> String {
+        match lily::cuda::uploaded(&loaded.model) {
+            Some(m) => format!("cuda ({})", m.gpu.name),
+            None => format!("cpu ({} threads)", rayon::current_num_threads()),
+        }
     }
 }
 

@@ -1,0 +1,122 @@
+/*
+ * attention.cu: gated full attention for one new token over an fp32 KV cache.
+ *
+ * attn_prep: grid (H_q + H_kv), block = head dim D threads (D <= 256, multiple of 32).
+ *   Block b < H_q: q = qg[b, 0:D] (qg per head [q | gate] when gated, else [q]), RMSNorm with
+ *   q_norm, partial NeoX RoPE on dims [0, R): for i < R/2, theta = pos * base^(-2i/R) (double),
+ *   x[i] <- x[i] cos - x[i+R/2] sin, x[i+R/2] <- x[i+R/2] cos + x[i] sin. Writes q_out[b].
+ *   Block H_q + h: k head h likewise with k_norm, written to kc[pos, h]; v copied to vc[pos, h].
+ *   Caches kc, vc: [capacity, H_kv, D] fp32.
+ *
+ * attn_decode: grid (H_q), block 256 = 8 warps. Query head h reads KV head h / (H_q/H_kv).
+ *   Warp w takes positions 8w..8w+7, then +64, ... < L (8 independent warp dot products per round;
+ *   each lane holds D/32 <= 8 dims, coalesced), then one online-softmax update per round (running
+ *   max m, sum l, output o).
+ *   The 8 partial (m, l, o) are merged through shared memory: o = sum_w o_w e^{m_w - M} / sum_w l_w e^{m_w - M}.
+ *   out[h] = o * sigmoid(gate[h]) when gated. scale = 1/sqrt(D).
+ */
+extern "C" __global__ void attn_prep(const float* qg, const float* kin, const float* vin, const float* qn,
+                                     const float* kn, float* q_out, float* kc, float* vc, int nh, int hkv, int hd,
+                                     int gated, int rot, int pos, double theta, float eps) {
+    __shared__ float xs[256], sh[33];
+    int b = blockIdx.x, j = threadIdx.x;
+    bool isq = b < nh;
+    int h = isq ? b : b - nh;
+    const float* src = isq ? qg + (long long)h * hd * (gated ? 2 : 1) : kin + (long long)h * hd;
+    const float* nw = isq ? qn : kn;
+    float v = j < hd ? src[j] : 0.f;
+    float ss = block_sum(v * v, sh);
+    float r = 1.f / sqrtf(ss / (float)hd + eps);
+    if (j < hd) xs[j] = v * (r * nw[j]);
+    __syncthreads();
+    float outv = j < hd ? xs[j] : 0.f;
+    int half = rot / 2;
+    if (j < rot) {
+        int i = j < half ? j : j - half;
+        double ang = (double)pos * pow(theta, -(2.0 * i) / (double)rot);
+        float c = (float)cos(ang), s = (float)sin(ang);
+        if (j < half) outv = xs[j] * c - xs[j + half] * s;
+        else outv = xs[j] * c + xs[j - half] * s;
+    }
+    if (j < hd) {
+        if (isq) q_out[(long long)h * hd + j] = outv;
+        else {
+            long long off = ((long long)pos * hkv + h) * hd + j;
+            kc[off] = outv;
+            vc[off] = vin[(long long)h * hd + j];
+        }
+    }
+}
+
+extern "C" __global__ void attn_decode(const float* q, const float* kc, const float* vc, const float* qg,
+                                       float* out, int nh, int hkv, int hd, int L, float scale, int gated) {
+    __shared__ float so[8][256];
+    __shared__ float sm[8], sl[8];
+    int h = blockIdx.x, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    int kvh = h / (nh / hkv);
+    int nd = hd / 32;
+    float qv[8], o[8];
+    for (int i = 0; i < 8; i++) {
+        qv[i] = i < nd ? q[(long long)h * hd + lane + 32 * i] : 0.f;
+        o[i] = 0.f;
+    }
+    float m = -INFINITY, l = 0.f;
+    /* Each warp takes 8 consecutive positions per round (rounds stride 64): the 8 dot products
+       load independently, then one online-softmax update covers all 8. */
+    for (int p0 = warp * 8; p0 < L; p0 += 64) {
+        float d[8];
+#pragma unroll
+        for (int u = 0; u < 8; u++) {
+            int p = p0 + u;
+            float acc = 0.f;
+            if (p < L) {
+                const float* kp = kc + ((long long)p * hkv + kvh) * hd;
+#pragma unroll
+                for (int i = 0; i < 8; i++)
+                    if (i < nd) acc += qv[i] * kp[lane + 32 * i];
+            }
+            d[u] = acc;
+        }
+        float mx = m;
+#pragma unroll
+        for (int u = 0; u < 8; u++) {
+            d[u] = p0 + u < L ? warp_sum(d[u]) * scale : -INFINITY;
+            mx = fmaxf(mx, d[u]);
+        }
+        float corr = expf(m - mx);
+        l *= corr;
+#pragma unroll
+        for (int i = 0; i < 8; i++) o[i] *= corr;
+#pragma unroll
+        for (int u = 0; u < 8; u++) {
+            int p = p0 + u;
+            if (p < L) {
+                float pw = expf(d[u] - mx);
+                l += pw;
+                const float* vp = vc + ((long long)p * hkv + kvh) * hd;
+#pragma unroll
+                for (int i = 0; i < 8; i++)
+                    if (i < nd) o[i] += pw * vp[lane + 32 * i];
+            }
+        }
+        m = mx;
+    }
+    for (int i = 0; i < nd; i++) so[warp][lane + 32 * i] = o[i];
+    if (lane == 0) {
+        sm[warp] = m;
+        sl[warp] = l;
+    }
+    __syncthreads();
+    float M = -INFINITY;
+    for (int w = 0; w < 8; w++) M = fmaxf(M, sm[w]);
+    float Lsum = 0.f;
+    for (int w = 0; w < 8; w++) Lsum += sm[w] == -INFINITY ? 0.f : sl[w] * expf(sm[w] - M);
+    for (int d = threadIdx.x; d < hd; d += blockDim.x) {
+        float acc = 0.f;
+        for (int w = 0; w < 8; w++)
+            if (sm[w] != -INFINITY) acc += so[w][d] * expf(sm[w] - M);
+        float r = acc / Lsum;
+        if (gated) r *= sigmoid_f(qg[(long long)h * 2 * hd + hd + d]);
+        out[(long long)h * hd + d] = r;
+    }
+}

@@ -1,0 +1,93 @@
+/*
+ * gdn.cu: one decode step of a Gated DeltaNet layer (fp32 state), after the input projections.
+ *
+ * conv_step: causal depthwise conv1d (K taps) with carried state, then SiLU, for one token.
+ *   x [C] = qkv projection; state [K-1, C] raw past inputs; w [C, K] (tap K-1 = current token).
+ *   y[c] = silu(sum_j w[c, j] * X[j, c]) with X = [state; x]; then state <- last K-1 rows of X.
+ *   grid ceil(C/256), block 256, one thread per channel.
+ *
+ * gdn_step: per value head h (key head kh = h / (H_v/H_k)), from y = [q | k | v] ([H_k*D_k | H_k*D_k | H_v*D_v]):
+ *   q <- q / sqrt(|q|^2 + 1e-6) / sqrt(D_k);  k <- k / sqrt(|k|^2 + 1e-6)
+ *   beta = sigmoid(b[h]);  alpha = exp(neg_a[h] * softplus(a[h] + dt_bias[h]))
+ *   S <- alpha S;  delta = beta (v - S^T k);  S <- S + k delta^T;  o = S^T q     (S [D_k, D_v], fp32)
+ *   o <- w * o * rsqrt(mean(o^2) + eps) * silu(z[h])                           (gated RMSNorm)
+ *   State S: [H_v, D_k, D_v] (key-major, same as the CPU State). Output o: [H_v, D_v].
+ *   grid (H_v), block D_v threads (multiple of 32, <= 1024); thread j owns column j of S and walks
+ *   its D_k entries twice (u = S^T k, then the update and o) in unrolled chunks of 32 rows,
+ *   coalesced across the block.
+ *   Shared: q, k [D_k] (D_k <= 256).
+ */
+extern "C" __global__ void conv_step(const float* x, float* state, const float* w, float* y, int C, int K) {
+    int c = blockIdx.x * blockDim.x + threadIdx.x;
+    if (c >= C) return;
+    float acc = 0.f;
+    for (int j = 0; j < K; j++) {
+        float v = j < K - 1 ? state[(long long)j * C + c] : x[c];
+        acc += w[(long long)c * K + j] * v;
+    }
+    y[c] = silu_f(acc);
+    for (int j = 0; j < K - 2; j++) state[(long long)j * C + c] = state[(long long)(j + 1) * C + c];
+    if (K >= 2) state[(long long)(K - 2) * C + c] = x[c];
+}
+
+extern "C" __global__ void gdn_step(const float* y, const float* bproj, const float* aproj, const float* z,
+                                    const float* dt_bias, const float* neg_a, const float* normw, float* S,
+                                    float* out, int hk, int hv, int dk, int dv, float eps) {
+    __shared__ float qs[256], ks[256], sh[33];
+    int h = blockIdx.x, j = threadIdx.x;
+    int kh = h / (hv / hk);
+    int kd = hk * dk;
+    float sq = 0.f, sk = 0.f;
+    for (int i = j; i < dk; i += blockDim.x) {
+        float q = y[kh * dk + i], k = y[kd + kh * dk + i];
+        qs[i] = q;
+        ks[i] = k;
+        sq += q * q;
+        sk += k * k;
+    }
+    sq = block_sum(sq, sh);
+    sk = block_sum(sk, sh);
+    float rq = (1.f / sqrtf((float)dk)) / sqrtf(sq + 1e-6f);
+    float rk = 1.f / sqrtf(sk + 1e-6f);
+    for (int i = j; i < dk; i += blockDim.x) {
+        qs[i] *= rq;
+        ks[i] *= rk;
+    }
+    __syncthreads();
+    float beta = sigmoid_f(bproj[h]);
+    float alpha = expf(neg_a[h] * softplus_f(aproj[h] + dt_bias[h]));
+    float* Sh = S + (long long)h * dk * dv;
+    float o = 0.f;
+    if (j < dv) {
+        /* Rows are visited in chunks of 32 with the loads unrolled, so 32 independent loads are in
+           flight per thread instead of one dependent load per row. */
+        float u = 0.f;
+        for (int i0 = 0; i0 < dk; i0 += 32) {
+            float sv[32];
+#pragma unroll
+            for (int ii = 0; ii < 32; ii++) sv[ii] = i0 + ii < dk ? Sh[(i0 + ii) * dv + j] : 0.f;
+#pragma unroll
+            for (int ii = 0; ii < 32; ii++)
+                if (i0 + ii < dk) u += (alpha * sv[ii]) * ks[i0 + ii];
+        }
+        float delta = beta * (y[2 * kd + h * dv + j] - u);
+        for (int i0 = 0; i0 < dk; i0 += 32) {
+            float sv[32];
+#pragma unroll
+            for (int ii = 0; ii < 32; ii++) sv[ii] = i0 + ii < dk ? Sh[(i0 + ii) * dv + j] : 0.f;
+#pragma unroll
+            for (int ii = 0; ii < 32; ii++) {
+                if (i0 + ii < dk) {
+                    float s = alpha * sv[ii] + ks[i0 + ii] * delta;
+                    Sh[(i0 + ii) * dv + j] = s;
+                    o += s * qs[i0 + ii];
+                }
+            }
+        }
+    }
+    float ss = block_sum(j < dv ? o * o : 0.f, sh);
+    if (j < dv) {
+        float r = 1.f / sqrtf(ss / (float)dv + eps);
+        out[h * dv + j] = o * r * normw[j] * silu_f(z[h * dv + j]);
+    }
+}

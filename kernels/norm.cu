@@ -1,0 +1,28 @@
+/*
+ * norm.cu: RMSNorm and small elementwise steps (fp32).
+ *
+ * rms_norm:  y[r, :] = x[r, :] * rsqrt(mean(x[r, :]^2) + eps) * w      x, y: [rows, d], w: [d]
+ *            grid (rows), block 256; one block per row, block_sum over d. y may alias x.
+ * silu_mul:  h[i] = silu(g[i]) * u[i] for i < n                         grid ceil(n/256), block 256
+ * add:       x[i] += y[i]                                                grid ceil(n/256), block 256
+ */
+extern "C" __global__ void rms_norm(const float* x, const float* w, float* y, int d, float eps) {
+    __shared__ float sh[33];
+    const float* xr = x + (long long)blockIdx.x * d;
+    float* yr = y + (long long)blockIdx.x * d;
+    float ss = 0.f;
+    for (int i = threadIdx.x; i < d; i += blockDim.x) ss += xr[i] * xr[i];
+    ss = block_sum(ss, sh);
+    float r = 1.f / sqrtf(ss / (float)d + eps);
+    for (int i = threadIdx.x; i < d; i += blockDim.x) yr[i] = xr[i] * (r * w[i]);
+}
+
+extern "C" __global__ void silu_mul(const float* g, const float* u, float* h, int n) {
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) h[i] = silu_f(g[i]) * u[i];
+}
+
+extern "C" __global__ void add_inplace(float* x, const float* y, int n) {
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) x[i] += y[i];
+}

@@ -1,0 +1,420 @@
+//! The CUDA backend: our own kernels (`kernels/*.cu`), compiled at run time with NVRTC for the
+//! device's architecture and launched through the CUDA driver API (`cudarc`, dynamically loaded).
+//!
+//! Nothing here needs CUDA at build time, and nothing panics when it is absent: [`probe`] dlopens
+//! `libcuda` and `libnvrtc` first (cudarc itself panics when a library is missing), so
+//! `--device cuda` on a machine without a GPU is a clear error and `--device auto` falls back to
+//! the CPU.
+//!
+//! Layout: [`Gpu`] (context, compiled module, launch helper, device buffers); `ops` (one typed
+//! wrapper per kernel); `model` (weights uploaded once, [`CudaSession`] running the forward pass).
+//! Activations are fp32 on the device; weights stay in their checkpoint format.
+
+mod model;
+mod ops;
+
+pub use model::{upload_cached, uploaded, CudaModel, CudaSession};
+pub use ops::{AttnPrep, GdnStep, GpuLinear};
+
+use anyhow::{anyhow, bail, Context, Result};
+use cudarc::driver::{result as drv, sys, CudaContext};
+use std::collections::HashMap;
+use std::ffi::{c_void, CString};
+use std::path::PathBuf;
+use std::sync::{Arc, OnceLock};
+
+/// Every kernel source, in compile order (the prelude first). One NVRTC program, one module.
+pub const SOURCES: [(&str, &str); 7] = [
+    ("common.cuh", include_str!("../../kernels/common.cuh")),
+    ("norm.cu", include_str!("../../kernels/norm.cu")),
+    ("linear.cu", include_str!("../../kernels/linear.cu")),
+    ("gdn.cu", include_str!("../../kernels/gdn.cu")),
+    ("attention.cu", include_str!("../../kernels/attention.cu")),
+    ("moe.cu", include_str!("../../kernels/moe.cu")),
+    ("sampling.cu", include_str!("../../kernels/sampling.cu")),
+];
+
+/// Kernel entry points loaded from the module.
+pub const KERNELS: [&str; 13] = [
+    "rms_norm",
+    "silu_mul",
+    "add_inplace",
+    "linear_gemv",
+    "linear_gemm",
+    "embed_row",
+    "conv_step",
+    "gdn_step",
+    "attn_prep",
+    "attn_decode",
+    "moe_topk",
+    "moe_combine",
+    "argmax",
+];
+
+/// The concatenated program text.
+pub fn kernel_source() -> String {
+    let mut s = String::new();
+    for (name, src) in SOURCES {
+        s.push_str(&format!("// ---- {name} ----\n"));
+        s.push_str(src);
+        s.push('\n');
+    }
+    s
+}
+
+fn try_dlopen(names: &[String]) -> bool {
+    names.iter().any(|n| {
+        // SAFETY: loading the CUDA driver / NVRTC runs only their library initialisers.
+        unsafe { libloading::Library::new(n.as_str()) }.is_ok()
+    })
+}
+
+/// Whether libnvrtc (the CUDA 13 runtime compiler) can be loaded.
+pub fn nvrtc_available() -> bool {
+    try_dlopen(&cudarc::get_lib_name_candidates("nvrtc"))
+}
+
+/// Checks that the CUDA driver and NVRTC libraries exist, without touching cudarc (which panics
+/// when they are missing). Err carries a message for the user.
+pub fn probe() -> Result<()> {
+    if !try_dlopen(&cudarc::get_lib_name_candidates("cuda")) {
+        bail!("no CUDA GPU/driver found (libcuda.so.1 could not be loaded); use --device cpu");
+    }
+    if !nvrtc_available() {
+        bail!(
+            "CUDA driver found but NVRTC (libnvrtc.so.13) could not be loaded; install the CUDA 13 \
+             runtime compiler or put its lib folder on LD_LIBRARY_PATH"
+        );
+    }
+    Ok(())
+}
+
+/// NVRTC architecture name for a compute capability (`a` variants where they exist).
+pub fn arch_name(major: i32, minor: i32) -> &'static str {
+    match (major, minor) {
+        (9, 0) => "sm_90a",
+        (10, 0) => "sm_100a",
+        (12, 0) => "sm_120a",
+        (8, 9) => "sm_89",
+        (8, 6) => "sm_86",
+        (8, 0) => "sm_80",
+        (8, _) => "sm_80",
+        _ => "sm_90",
+    }
+}
+
+/// Folders passed to NVRTC with `-I` (only those that exist; our kernels include no headers, so
+/// this is for future ones): `$LILY_CUDA_INCLUDE`, `/usr/local/cuda/include`.
+fn include_paths() -> Vec<String> {
+    let mut v: Vec<String> = std::env::var("LILY_CUDA_INCLUDE").ok().into_iter().collect();
+    v.push("/usr/local/cuda/include".into());
+    v.into_iter().filter(|p| std::path::Path::new(p).is_dir()).collect()
+}
+
+fn fnv1a(parts: &[&str]) -> u64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for p in parts {
+        for b in p.bytes().chain([0u8]) {
+            h ^= b as u64;
+            h = h.wrapping_mul(0x0000_0100_0000_01b3);
+        }
+    }
+    h
+}
+
+fn cache_dir() -> Option<PathBuf> {
+    if let Ok(d) = std::env::var("LILY_KERNEL_CACHE") {
+        return Some(PathBuf::from(d));
+    }
+    let base = std::env::var("XDG_CACHE_HOME")
+        .map(PathBuf::from)
+        .ok()
+        .or_else(|| std::env::var("HOME").ok().map(|h| PathBuf::from(h).join(".cache")))?;
+    Some(base.join("lily").join("kernels"))
+}
+
+/// Compiles every kernel for `arch` (PTX text), through an on-disk cache keyed by the source
+/// hash, the architecture and the flags. Returns (ptx, whether it came from the cache).
+pub fn compile(arch: &'static str) -> Result<(String, bool)> {
+    let src = kernel_source();
+    let includes = include_paths();
+    let flags = ["--std=c++17".to_string()];
+    let key = fnv1a(&[&src, arch, &flags.join(" "), &includes.join(":")]);
+    let path = cache_dir().map(|d| d.join(format!("lily-{arch}-{key:016x}.ptx")));
+    if let Some(p) = &path {
+        if let Ok(ptx) = std::fs::read_to_string(p) {
+            return Ok((ptx, true));
+        }
+    }
+    let opts = cudarc::nvrtc::CompileOptions {
+        arch: Some(arch),
+        include_paths: includes,
+        options: flags.to_vec(),
+        name: Some("lily.cu".into()),
+        ..Default::default()
+    };
+    let ptx = cudarc::nvrtc::compile_ptx_with_opts(&src, opts).map_err(|e| match e {
+        cudarc::nvrtc::CompileError::CompileError { log, .. } => {
+            anyhow!("NVRTC failed to compile the kernels for {arch}:\n{}", log.to_string_lossy())
+        }
+        other => anyhow!("NVRTC error: {other:?}"),
+    })?;
+    let text = ptx.to_src();
+    if let Some(p) = &path {
+        if let Some(dir) = p.parent() {
+            let _ = std::fs::create_dir_all(dir);
+            let tmp = p.with_extension(format!("tmp{}", std::process::id()));
+            if std::fs::write(&tmp, &text).is_ok() {
+                let _ = std::fs::rename(&tmp, p);
+            }
+        }
+    }
+    Ok((text, false))
+}
+
+/// One device with the compiled kernels. All work goes to the legacy default stream, in order;
+/// copies to the host synchronize.
+pub struct Gpu {
+    pub ctx: Arc<CudaContext>,
+    pub name: String,
+    pub arch: &'static str,
+    pub total_mem: usize,
+    funcs: HashMap<&'static str, sys::CUfunction>,
+}
+
+// SAFETY: CUfunction handles are immutable after load and valid in every thread that has the
+// context current (every entry point binds it).
+unsafe impl Send for Gpu {}
+unsafe impl Sync for Gpu {}
+
+/// `LILY_CUDA_PROFILE=1`: time every launch with device events (synchronizing after each, so
+/// the totals are kernel times without overlap) and print a table when a session is dropped.
+pub fn profiling() -> bool {
+    static P: OnceLock<bool> = OnceLock::new();
+    *P.get_or_init(|| std::env::var("LILY_CUDA_PROFILE").is_ok_and(|v| v == "1"))
+}
+
+static PROFILE: std::sync::Mutex<Vec<(String, (u64, f64))>> = std::sync::Mutex::new(Vec::new());
+
+/// Prints and clears the per-kernel totals gathered under `LILY_CUDA_PROFILE=1`.
+pub fn profile_report() {
+    let mut p = PROFILE.lock().unwrap();
+    if p.is_empty() {
+        return;
+    }
+    p.sort_by(|a, b| b.1 .1.total_cmp(&a.1 .1));
+    let total: f64 = p.iter().map(|e| e.1 .1).sum();
+    eprintln!("| kernel | launches | total ms | share | µs per launch |");
+    eprintln!("|---|---:|---:|---:|---:|");
+    for (name, (n, ms)) in p.iter() {
+        eprintln!("| {name} | {n} | {ms:.2} | {:.1}% | {:.2} |", 100.0 * ms / total, 1000.0 * ms / *n as f64);
+    }
+    p.clear();
+}
+
+static GPU: OnceLock<std::result::Result<Arc<Gpu>, String>> = OnceLock::new();
+
+/// The process-wide GPU (device 0), initialised on first use.
+pub fn gpu() -> Result<Arc<Gpu>> {
+    GPU.get_or_init(|| Gpu::init().map(Arc::new).map_err(|e| format!("{e:#}"))).clone().map_err(|e| anyhow!(e))
+}
+
+/// A kernel argument: every value travels in an 8-byte slot (the kernel reads its low bytes).
+#[derive(Clone, Copy, Debug)]
+pub enum Arg {
+    /// A device pointer (0 = null).
+    P(u64),
+    I(i32),
+    L(i64),
+    F(f32),
+    D(f64),
+}
+
+impl Gpu {
+    fn init() -> Result<Gpu> {
+        probe()?;
+        let n = CudaContext::device_count().map_err(|e| anyhow!("no CUDA GPU/driver found: {e:?}"))?;
+        if n < 1 {
+            bail!("no CUDA GPU/driver found (the driver reports no devices)");
+        }
+        let ctx = CudaContext::new(0).map_err(|e| anyhow!("CUDA context on device 0: {e:?}"))?;
+        let name = ctx.name().unwrap_or_else(|_| "unknown GPU".into());
+        let (maj, min) = ctx.compute_capability().map_err(|e| anyhow!("{e:?}"))?;
+        let arch = arch_name(maj, min);
+        let total_mem = ctx.total_mem().unwrap_or(0);
+        let (ptx, _) = compile(arch)?;
+        ctx.bind_to_thread().map_err(|e| anyhow!("{e:?}"))?;
+        let c = CString::new(ptx).context("PTX contains a NUL")?;
+        // SAFETY: c is a NUL-terminated PTX image; the module lives as long as the process.
+        let module = unsafe { drv::module::load_data(c.as_ptr() as *const c_void) }
+            .map_err(|e| anyhow!("loading the compiled kernels: {e:?}"))?;
+        let mut funcs = HashMap::new();
+        for k in KERNELS {
+            // SAFETY: module is loaded and never unloaded.
+            let f = unsafe { drv::module::get_function(module, CString::new(k).unwrap()) }
+                .map_err(|e| anyhow!("kernel {k} missing from the module: {e:?}"))?;
+            funcs.insert(k, f);
+        }
+        Ok(Gpu { ctx, name, arch, total_mem, funcs })
+    }
+
+    /// Makes the context current on this thread (sessions may move between threads).
+    pub fn bind(&self) -> Result<()> {
+        self.ctx.bind_to_thread().map_err(|e| anyhow!("binding the CUDA context: {e:?}"))
+    }
+
+    /// Launches `name` on the default stream with a 1-D block.
+    pub fn launch(&self, name: &str, grid: (u32, u32, u32), block: u32, args: &[Arg]) -> Result<()> {
+        let f = *self.funcs.get(name).ok_or_else(|| anyhow!("unknown kernel {name}"))?;
+        let mut slots: Vec<u64> = args
+            .iter()
+            .map(|a| match *a {
+                Arg::P(p) => p,
+                Arg::I(i) => i as u32 as u64,
+                Arg::L(l) => l as u64,
+                Arg::F(f) => f.to_bits() as u64,
+                Arg::D(d) => d.to_bits(),
+            })
+            .collect();
+        let mut ptrs: Vec<*mut c_void> = slots.iter_mut().map(|s| s as *mut u64 as *mut c_void).collect();
+        let prof = profiling();
+        let t0 = if prof { Some(self.event_now()?) } else { None };
+        // SAFETY: the argument list matches the kernel's signature (checked by the typed wrappers
+        // in ops.rs); every pointer is a live device allocation of the size the kernel reads.
+        unsafe { drv::launch_kernel(f, grid, (block, 1, 1), 0, drv::stream::null(), &mut ptrs) }
+            .map_err(|e| anyhow!("launching {name}: {e:?}"))?;
+        if let Some(t0) = t0 {
+            let t1 = self.event_now()?;
+            // SAFETY: both events were recorded on the default stream and are destroyed once.
+            let ms = unsafe {
+                drv::event::synchronize(t1).map_err(|e| anyhow!("{e:?}"))?;
+                let ms = drv::event::elapsed(t0, t1).map_err(|e| anyhow!("{e:?}"))?;
+                let _ = drv::event::destroy(t0);
+                let _ = drv::event::destroy(t1);
+                ms
+            };
+            let mut p = PROFILE.lock().unwrap();
+            match p.iter_mut().find(|e| e.0 == name) {
+                Some(e) => {
+                    e.1 .0 += 1;
+                    e.1 .1 += ms as f64;
+                }
+                None => p.push((name.to_string(), (1, ms as f64))),
+            }
+        }
+        Ok(())
+    }
+
+    fn event_now(&self) -> Result<sys::CUevent> {
+        let e = drv::event::create(sys::CUevent_flags::CU_EVENT_DEFAULT).map_err(|e| anyhow!("{e:?}"))?;
+        // SAFETY: e is a fresh event, recorded on the default stream.
+        unsafe { drv::event::record(e, drv::stream::null()) }.map_err(|e| anyhow!("{e:?}"))?;
+        Ok(e)
+    }
+
+    /// Waits for all queued work and reports any asynchronous kernel error.
+    pub fn sync(&self) -> Result<()> {
+        drv::ctx::synchronize().map_err(|e| anyhow!("CUDA error while running kernels: {e:?}"))
+    }
+
+    pub fn alloc(self: &Arc<Self>, bytes: usize) -> Result<DevBuf> {
+        self.bind()?;
+        let n = bytes.max(4);
+        // SAFETY: a plain device allocation, freed in Drop.
+        let ptr = unsafe { drv::malloc_sync(n) }
+            .map_err(|e| anyhow!("cudaMalloc of {:.1} MB failed: {e:?}", n as f64 / 1e6))?;
+        Ok(DevBuf { ptr, bytes, gpu: self.clone() })
+    }
+
+    pub fn zeros(self: &Arc<Self>, bytes: usize) -> Result<DevBuf> {
+        let b = self.alloc(bytes)?;
+        // SAFETY: b is a live allocation of at least `bytes` bytes.
+        unsafe { drv::memset_d8_sync(b.ptr, 0, bytes.max(4)) }.map_err(|e| anyhow!("{e:?}"))?;
+        Ok(b)
+    }
+
+    pub fn upload_bytes(self: &Arc<Self>, data: &[u8]) -> Result<DevBuf> {
+        let b = self.alloc(data.len())?;
+        b.write_bytes(0, data)?;
+        Ok(b)
+    }
+
+    pub fn upload_f32(self: &Arc<Self>, data: &[f32]) -> Result<DevBuf> {
+        self.upload_bytes(f32_bytes(data))
+    }
+}
+
+pub fn f32_bytes(v: &[f32]) -> &[u8] {
+    // SAFETY: f32 has no padding and any byte pattern read back is only copied.
+    unsafe { std::slice::from_raw_parts(v.as_ptr() as *const u8, std::mem::size_of_val(v)) }
+}
+
+/// A device allocation (freed on drop).
+pub struct DevBuf {
+    pub ptr: u64,
+    pub bytes: usize,
+    gpu: Arc<Gpu>,
+}
+
+impl DevBuf {
+    /// Device address `off` bytes in.
+    pub fn at(&self, off: usize) -> u64 {
+        self.ptr + off as u64
+    }
+
+    pub fn write_bytes(&self, off: usize, data: &[u8]) -> Result<()> {
+        assert!(off + data.len() <= self.bytes, "DevBuf write out of bounds");
+        if data.is_empty() {
+            return Ok(());
+        }
+        self.gpu.bind()?;
+        // SAFETY: the destination range lies inside this allocation (asserted above).
+        unsafe { drv::memcpy_htod_sync(self.ptr + off as u64, data) }.map_err(|e| anyhow!("upload: {e:?}"))
+    }
+
+    pub fn write_f32(&self, off_elems: usize, data: &[f32]) -> Result<()> {
+        self.write_bytes(4 * off_elems, f32_bytes(data))
+    }
+
+    /// Copies `n` f32 values starting at element `off` back to the host (synchronizes).
+    pub fn read_f32(&self, off: usize, n: usize) -> Result<Vec<f32>> {
+        assert!(4 * (off + n) <= self.bytes, "DevBuf read out of bounds");
+        let mut v = vec![0f32; n];
+        if n == 0 {
+            return Ok(v);
+        }
+        self.gpu.bind()?;
+        // SAFETY: the source range lies inside this allocation (asserted above).
+        unsafe { drv::memcpy_dtoh_sync(&mut v, self.ptr + 4 * off as u64) }
+            .map_err(|e| anyhow!("CUDA error (reported at a copy back): {e:?}"))?;
+        Ok(v)
+    }
+
+    pub fn read_i32(&self, n: usize) -> Result<Vec<i32>> {
+        assert!(4 * n <= self.bytes);
+        let mut v = vec![0i32; n];
+        self.gpu.bind()?;
+        // SAFETY: as in read_f32.
+        unsafe { drv::memcpy_dtoh_sync(&mut v, self.ptr) }.map_err(|e| anyhow!("CUDA error: {e:?}"))?;
+        Ok(v)
+    }
+
+    /// Device-to-device copy of `bytes` from `src` into this buffer at `off`.
+    pub fn copy_from(&self, off: usize, src: u64, bytes: usize) -> Result<()> {
+        assert!(off + bytes <= self.bytes);
+        if bytes == 0 {
+            return Ok(());
+        }
+        // SAFETY: both ranges are live device memory of at least `bytes` bytes.
+        unsafe { drv::memcpy_dtod_sync(self.ptr + off as u64, src, bytes) }.map_err(|e| anyhow!("{e:?}"))
+    }
+}
+
+impl Drop for DevBuf {
+    fn drop(&mut self) {
+        if self.gpu.bind().is_ok() {
+            // SAFETY: ptr came from malloc_sync and is freed once.
+            let _ = unsafe { drv::free_sync(self.ptr) };
+        }
+    }
+}

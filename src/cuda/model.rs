@@ -1,0 +1,577 @@
+//! The model on the GPU: weights uploaded once ([`CudaModel`]) and a [`CudaSession`] that runs
+//! the forward pass of `src/model.rs` step by step with our kernels, activations in fp32.
+//!
+//! Per token (batch 1): embed → per layer {RMSNorm → mixer (GDN or gated attention) → + residual
+//! (fused into the out-projection) → RMSNorm → MoE (router, device top-k, expert GEMVs that read
+//! the expert ids from device memory, shared expert with sigmoid gate, combine + residual)} →
+//! final RMSNorm → lm_head. Prefill currently runs this decode path token by token (correct, not
+//! yet fast); `docs/perf-log.md` says so next to the numbers.
+
+use super::ops::{AttnPrep, GdnStep, GpuLinear};
+use super::{gpu, DevBuf, Gpu};
+use crate::config::ModelConfig;
+use crate::generate::{Session, Snapshot};
+use crate::model::{Ffn, Logits, Mixer, Mlp, Model};
+use crate::progress::Progress;
+use crate::state::{LayerState, State};
+use anyhow::{bail, Context, Result};
+use std::sync::{Arc, Mutex, Weak};
+
+struct GMlp {
+    gate: GpuLinear,
+    up: GpuLinear,
+    down: GpuLinear,
+}
+
+enum GMixer {
+    Gdn {
+        in_qkv: GpuLinear,
+        in_z: GpuLinear,
+        in_b: GpuLinear,
+        in_a: GpuLinear,
+        conv: DevBuf,
+        dt_bias: DevBuf,
+        neg_a: DevBuf,
+        norm: DevBuf,
+        out: GpuLinear,
+    },
+    Attn {
+        q: GpuLinear,
+        k: GpuLinear,
+        v: GpuLinear,
+        o: GpuLinear,
+        q_norm: DevBuf,
+        k_norm: DevBuf,
+    },
+}
+
+enum GFfn {
+    Moe {
+        router: GpuLinear,
+        /// All experts stacked: gate/up `[E·I, H]`, down `[E·H, I]`.
+        experts: GMlp,
+        shared: GMlp,
+        shared_gate: GpuLinear,
+    },
+    Dense(GMlp),
+}
+
+struct GLayer {
+    input_norm: DevBuf,
+    post_norm: DevBuf,
+    mixer: GMixer,
+    ffn: GFfn,
+}
+
+/// Weights in device memory, shared by every session of one model.
+pub struct CudaModel {
+    pub gpu: Arc<Gpu>,
+    pub cfg: ModelConfig,
+    embed: GpuLinear,
+    lm_head: GpuLinear,
+    norm: DevBuf,
+    layers: Vec<GLayer>,
+    /// Bytes of weights in device memory.
+    pub weight_bytes: usize,
+}
+
+fn mlp(g: &Arc<Gpu>, m: &Mlp) -> Result<GMlp> {
+    Ok(GMlp {
+        gate: GpuLinear::upload(g, &m.gate)?,
+        up: GpuLinear::upload(g, &m.up)?,
+        down: GpuLinear::upload(g, &m.down)?,
+    })
+}
+
+impl CudaModel {
+    /// Uploads every weight of `model` to the GPU.
+    pub fn upload(model: &Model) -> Result<CudaModel> {
+        let g = gpu()?;
+        g.bind()?;
+        let cfg = model.cfg.clone();
+        if cfg.attn_output_gate && cfg.q_proj_dim() != 2 * cfg.num_attention_heads * cfg.head_dim {
+            bail!("unexpected q_proj layout");
+        }
+        let up = |l: &crate::linear::Linear| GpuLinear::upload(&g, l);
+        let mut progress = Progress::new("uploading weights to the GPU", model.layers.len());
+        let mut layers = Vec::new();
+        for l in &model.layers {
+            let mixer = match &l.mixer {
+                Mixer::Gdn(x) => GMixer::Gdn {
+                    in_qkv: up(&x.in_qkv)?,
+                    in_z: up(&x.in_z)?,
+                    in_b: up(&x.in_b)?,
+                    in_a: up(&x.in_a)?,
+                    conv: g.upload_f32(&x.conv)?,
+                    dt_bias: g.upload_f32(&x.dt_bias)?,
+                    neg_a: g.upload_f32(&x.neg_a)?,
+                    norm: g.upload_f32(&x.norm)?,
+                    out: up(&x.out)?,
+                },
+                Mixer::Attention(a) => GMixer::Attn {
+                    q: up(&a.q)?,
+                    k: up(&a.k)?,
+                    v: up(&a.v)?,
+                    o: up(&a.o)?,
+                    q_norm: g.upload_f32(&a.q_norm)?,
+                    k_norm: g.upload_f32(&a.k_norm)?,
+                },
+            };
+            let ffn = match &l.ffn {
+                Ffn::Moe(m) => {
+                    let gates: Vec<_> = m.experts.iter().map(|e| &e.gate).collect();
+                    let ups: Vec<_> = m.experts.iter().map(|e| &e.up).collect();
+                    let downs: Vec<_> = m.experts.iter().map(|e| &e.down).collect();
+                    GFfn::Moe {
+                        router: up(&m.router)?,
+                        experts: GMlp {
+                            gate: GpuLinear::stack(&g, &gates)?,
+                            up: GpuLinear::stack(&g, &ups)?,
+                            down: GpuLinear::stack(&g, &downs)?,
+                        },
+                        shared: mlp(&g, &m.shared)?,
+                        shared_gate: up(&m.shared_gate)?,
+                    }
+                }
+                Ffn::Dense(m) => GFfn::Dense(mlp(&g, m)?),
+            };
+            layers.push(GLayer {
+                input_norm: g.upload_f32(&l.input_norm)?,
+                post_norm: g.upload_f32(&l.post_norm)?,
+                mixer,
+                ffn,
+            });
+            progress.tick();
+        }
+        progress.finish();
+        let embed = up(&model.embed)?;
+        let lm_head = up(&model.lm_head)?;
+        let norm = g.upload_f32(&model.norm)?;
+        let mut weight_bytes = embed.nbytes() + lm_head.nbytes();
+        for l in &layers {
+            weight_bytes += match &l.mixer {
+                GMixer::Gdn { in_qkv, in_z, in_b, in_a, out, .. } => {
+                    in_qkv.nbytes() + in_z.nbytes() + in_b.nbytes() + in_a.nbytes() + out.nbytes()
+                }
+                GMixer::Attn { q, k, v, o, .. } => q.nbytes() + k.nbytes() + v.nbytes() + o.nbytes(),
+            };
+            let m3 = |m: &GMlp| m.gate.nbytes() + m.up.nbytes() + m.down.nbytes();
+            weight_bytes += match &l.ffn {
+                GFfn::Moe { router, experts, shared, shared_gate } => {
+                    router.nbytes() + m3(experts) + m3(shared) + shared_gate.nbytes()
+                }
+                GFfn::Dense(m) => m3(m),
+            };
+        }
+        g.sync()?;
+        Ok(CudaModel { gpu: g, cfg, embed, lm_head, norm, layers, weight_bytes })
+    }
+}
+
+type Registry = Vec<(Weak<Model>, Arc<CudaModel>)>;
+static UPLOADED: Mutex<Registry> = Mutex::new(Vec::new());
+
+/// Uploads `model` once per process (later calls return the same device copy).
+pub fn upload_cached(model: &Arc<Model>) -> Result<Arc<CudaModel>> {
+    if let Some(m) = uploaded(model) {
+        return Ok(m);
+    }
+    let m = Arc::new(CudaModel::upload(model)?);
+    let mut reg = UPLOADED.lock().unwrap();
+    reg.retain(|(w, _)| w.strong_count() > 0);
+    reg.push((Arc::downgrade(model), m.clone()));
+    Ok(m)
+}
+
+/// The device copy of `model`, when [`upload_cached`] made one.
+pub fn uploaded(model: &Arc<Model>) -> Option<Arc<CudaModel>> {
+    let reg = UPLOADED.lock().unwrap();
+    reg.iter().find(|(w, _)| w.as_ptr() == Arc::as_ptr(model)).map(|(_, m)| m.clone())
+}
+
+/// Activation scratch of one session (fp32 unless noted).
+struct Scratch {
+    x: DevBuf,
+    xn: DevBuf,
+    p0: DevBuf, // qkv / qg / gate-out
+    p1: DevBuf, // z / k
+    p2: DevBuf, // b / v
+    p3: DevBuf, // a
+    conv: DevBuf,
+    o: DevBuf,
+    q: DevBuf,
+    router: DevBuf,
+    ids: DevBuf, // i32 [K]
+    wts: DevBuf,
+    eg: DevBuf, // [K, I]
+    eu: DevBuf,
+    eh: DevBuf,
+    ye: DevBuf, // [K, H]
+    sg_: DevBuf,
+    su: DevBuf,
+    sh: DevBuf,
+    ys: DevBuf,
+    sgate: DevBuf,
+    logits: DevBuf,
+    amax: DevBuf,
+}
+
+enum GState {
+    Gdn {
+        conv: DevBuf,
+        rec: DevBuf,
+    },
+    /// `k, v: [cap, H_kv, D]`.
+    Attn {
+        k: DevBuf,
+        v: DevBuf,
+        cap: usize,
+    },
+}
+
+/// One sequence on the GPU (implements [`Session`]).
+pub struct CudaSession {
+    pub model: Arc<CudaModel>,
+    pos: usize,
+    scratch: Option<Scratch>,
+    states: Vec<GState>,
+}
+
+impl CudaSession {
+    pub fn new(model: Arc<CudaModel>) -> CudaSession {
+        CudaSession { model, pos: 0, scratch: None, states: Vec::new() }
+    }
+
+    fn ensure(&mut self) -> Result<()> {
+        if self.scratch.is_some() {
+            return Ok(());
+        }
+        let g = &self.model.gpu;
+        g.bind()?;
+        let c = &self.model.cfg;
+        let f = |n: usize| g.zeros(4 * n.max(1));
+        let (h, k) = (c.hidden_size, c.num_experts_per_tok.max(1));
+        let inter = c.moe_intermediate_size.max(c.intermediate_size);
+        let sinter = c.shared_expert_intermediate_size.max(c.intermediate_size);
+        let big = c.gdn_conv_dim().max(c.q_proj_dim()).max(inter * k);
+        let mid = c.gdn_value_dim().max(c.kv_dim());
+        self.scratch = Some(Scratch {
+            x: f(h)?,
+            xn: f(h)?,
+            p0: f(big)?,
+            p1: f(mid)?,
+            p2: f(mid.max(c.linear_num_value_heads))?,
+            p3: f(c.linear_num_value_heads)?,
+            conv: f(c.gdn_conv_dim())?,
+            o: f(c.gdn_value_dim().max(c.num_attention_heads * c.head_dim))?,
+            q: f(c.num_attention_heads * c.head_dim)?,
+            router: f(c.num_experts)?,
+            ids: f(k)?,
+            wts: f(k)?,
+            eg: f(k * inter)?,
+            eu: f(k * inter)?,
+            eh: f(k * inter)?,
+            ye: f(k * h)?,
+            sg_: f(sinter)?,
+            su: f(sinter)?,
+            sh: f(sinter)?,
+            ys: f(h)?,
+            sgate: f(1)?,
+            logits: f(c.vocab_size)?,
+            amax: f(1)?,
+        });
+        self.states = self.fresh_states()?;
+        Ok(())
+    }
+
+    fn fresh_states(&self) -> Result<Vec<GState>> {
+        let g = &self.model.gpu;
+        let c = &self.model.cfg;
+        let st = State::new(c);
+        st.layers
+            .iter()
+            .map(|l| match l {
+                LayerState::Gdn { conv, rec } => {
+                    Ok(GState::Gdn { conv: g.zeros(4 * conv.len())?, rec: g.zeros(4 * rec.len())? })
+                }
+                LayerState::Attention { .. } => {
+                    let cap = 256;
+                    let n = cap * c.kv_dim();
+                    Ok(GState::Attn { k: g.zeros(4 * n)?, v: g.zeros(4 * n)?, cap })
+                }
+            })
+            .collect()
+    }
+
+    fn check(&self, tokens: &[u32]) -> Result<()> {
+        let v = self.model.cfg.vocab_size;
+        if tokens.is_empty() {
+            bail!("no input tokens");
+        }
+        if let Some(t) = tokens.iter().find(|&&t| t as usize >= v) {
+            bail!("token id {t} is out of range for this model (vocab_size {v})");
+        }
+        Ok(())
+    }
+
+    /// Runs one token through the model at `self.pos`; leaves the final normed hidden in `xn`
+    /// and, when `logits`, the logits in the scratch `logits` buffer.
+    fn step(&mut self, tok: u32, logits: bool) -> Result<()> {
+        let m = self.model.clone();
+        let g = &m.gpu;
+        let c = &m.cfg;
+        let pos = self.pos;
+        let h = c.hidden_size;
+        let eps = c.rms_norm_eps;
+        // Grow the KV caches before borrowing the scratch.
+        for st in self.states.iter_mut() {
+            if let GState::Attn { k, v, cap } = st {
+                if pos + 1 > *cap {
+                    let ncap = (*cap * 2).max(pos + 1);
+                    let (nk, nv) = (g.zeros(4 * ncap * c.kv_dim())?, g.zeros(4 * ncap * c.kv_dim())?);
+                    nk.copy_from(0, k.ptr, k.bytes)?;
+                    nv.copy_from(0, v.ptr, v.bytes)?;
+                    *k = nk;
+                    *v = nv;
+                    *cap = ncap;
+                }
+            }
+        }
+        let s = self.scratch.as_ref().context("session scratch")?;
+        g.embed(&m.embed, tok as usize, s.x.ptr)?;
+        for (layer, st) in m.layers.iter().zip(self.states.iter()) {
+            g.rms_norm(s.x.ptr, layer.input_norm.ptr, s.xn.ptr, 1, h, eps)?;
+            match (&layer.mixer, st) {
+                (
+                    GMixer::Gdn { in_qkv, in_z, in_b, in_a, conv, dt_bias, neg_a, norm, out },
+                    GState::Gdn { conv: cs, rec },
+                ) => {
+                    g.gemv(in_qkv, s.xn.ptr, 0, s.p0.ptr, 1, 0, false)?;
+                    g.gemv(in_z, s.xn.ptr, 0, s.p1.ptr, 1, 0, false)?;
+                    g.gemv(in_b, s.xn.ptr, 0, s.p2.ptr, 1, 0, false)?;
+                    g.gemv(in_a, s.xn.ptr, 0, s.p3.ptr, 1, 0, false)?;
+                    g.conv_step(s.p0.ptr, cs.ptr, conv.ptr, s.conv.ptr, c.gdn_conv_dim(), c.linear_conv_kernel_dim)?;
+                    g.gdn_step(&GdnStep {
+                        y: s.conv.ptr,
+                        b: s.p2.ptr,
+                        a: s.p3.ptr,
+                        z: s.p1.ptr,
+                        dt_bias: dt_bias.ptr,
+                        neg_a: neg_a.ptr,
+                        norm: norm.ptr,
+                        state: rec.ptr,
+                        out: s.o.ptr,
+                        hk: c.linear_num_key_heads,
+                        hv: c.linear_num_value_heads,
+                        dk: c.linear_key_head_dim,
+                        dv: c.linear_value_head_dim,
+                        eps,
+                    })?;
+                    g.gemv(out, s.o.ptr, 0, s.x.ptr, 1, 0, true)?;
+                }
+                (GMixer::Attn { q, k, v, o, q_norm, k_norm }, GState::Attn { k: kc, v: vc, .. }) => {
+                    g.gemv(q, s.xn.ptr, 0, s.p0.ptr, 1, 0, false)?;
+                    g.gemv(k, s.xn.ptr, 0, s.p1.ptr, 1, 0, false)?;
+                    g.gemv(v, s.xn.ptr, 0, s.p2.ptr, 1, 0, false)?;
+                    let (nh, hkv, hd) = (c.num_attention_heads, c.num_key_value_heads, c.head_dim);
+                    g.attn_prep(&AttnPrep {
+                        qg: s.p0.ptr,
+                        k: s.p1.ptr,
+                        v: s.p2.ptr,
+                        q_norm: q_norm.ptr,
+                        k_norm: k_norm.ptr,
+                        q_out: s.q.ptr,
+                        kc: kc.ptr,
+                        vc: vc.ptr,
+                        nh,
+                        hkv,
+                        hd,
+                        gated: c.attn_output_gate,
+                        rot: c.rotary_dim,
+                        pos,
+                        theta: c.rope_theta,
+                        eps,
+                    })?;
+                    g.attn_decode(
+                        s.q.ptr,
+                        kc.ptr,
+                        vc.ptr,
+                        s.p0.ptr,
+                        s.o.ptr,
+                        nh,
+                        hkv,
+                        hd,
+                        pos + 1,
+                        c.attn_output_gate,
+                    )?;
+                    g.gemv(o, s.o.ptr, 0, s.x.ptr, 1, 0, true)?;
+                }
+                _ => bail!("layer state does not match the layer kind"),
+            }
+            g.rms_norm(s.x.ptr, layer.post_norm.ptr, s.xn.ptr, 1, h, eps)?;
+            match &layer.ffn {
+                GFfn::Moe { router, experts, shared, shared_gate } => {
+                    let (e, k) = (c.num_experts, c.num_experts_per_tok);
+                    let inter = experts.gate.rows;
+                    g.gemv(router, s.xn.ptr, 0, s.router.ptr, 1, 0, false)?;
+                    g.moe_topk(s.router.ptr, e, k, c.norm_topk_prob, s.ids.ptr, s.wts.ptr)?;
+                    g.gemv(&experts.gate, s.xn.ptr, 0, s.eg.ptr, k, s.ids.ptr, false)?;
+                    g.gemv(&experts.up, s.xn.ptr, 0, s.eu.ptr, k, s.ids.ptr, false)?;
+                    g.silu_mul(s.eg.ptr, s.eu.ptr, s.eh.ptr, k * inter)?;
+                    g.gemv(&experts.down, s.eh.ptr, inter, s.ye.ptr, k, s.ids.ptr, false)?;
+                    let si = shared.gate.rows;
+                    g.gemv(&shared.gate, s.xn.ptr, 0, s.sg_.ptr, 1, 0, false)?;
+                    g.gemv(&shared.up, s.xn.ptr, 0, s.su.ptr, 1, 0, false)?;
+                    g.silu_mul(s.sg_.ptr, s.su.ptr, s.sh.ptr, si)?;
+                    g.gemv(&shared.down, s.sh.ptr, 0, s.ys.ptr, 1, 0, false)?;
+                    g.gemv(shared_gate, s.xn.ptr, 0, s.sgate.ptr, 1, 0, false)?;
+                    g.moe_combine(s.x.ptr, s.ye.ptr, s.wts.ptr, s.ys.ptr, s.sgate.ptr, h, k)?;
+                }
+                GFfn::Dense(mm) => {
+                    let i = mm.gate.rows;
+                    g.gemv(&mm.gate, s.xn.ptr, 0, s.sg_.ptr, 1, 0, false)?;
+                    g.gemv(&mm.up, s.xn.ptr, 0, s.su.ptr, 1, 0, false)?;
+                    g.silu_mul(s.sg_.ptr, s.su.ptr, s.sh.ptr, i)?;
+                    g.gemv(&mm.down, s.sh.ptr, 0, s.x.ptr, 1, 0, true)?;
+                }
+            }
+        }
+        self.pos += 1;
+        if logits {
+            g.rms_norm(s.x.ptr, m.norm.ptr, s.xn.ptr, 1, h, eps)?;
+            g.gemv(&m.lm_head, s.xn.ptr, 0, s.logits.ptr, 1, 0, false)?;
+        }
+        Ok(())
+    }
+
+    fn forward(&mut self, tokens: &[u32], which: Logits) -> Result<Vec<f32>> {
+        self.check(tokens)?;
+        self.ensure()?;
+        self.model.gpu.bind()?;
+        let v = self.model.cfg.vocab_size;
+        let mut out = Vec::with_capacity(if which == Logits::All { tokens.len() * v } else { v });
+        for (i, &t) in tokens.iter().enumerate() {
+            let want = which == Logits::All || i + 1 == tokens.len();
+            self.step(t, want)?;
+            if want {
+                out.extend(self.scratch.as_ref().unwrap().logits.read_f32(0, v)?);
+            }
+        }
+        Ok(out)
+    }
+
+    /// Appends `tokens` and returns the greedy next token, picked on the GPU (only 4 bytes come
+    /// back instead of the logits).
+    pub fn forward_greedy(&mut self, tokens: &[u32]) -> Result<u32> {
+        self.check(tokens)?;
+        self.ensure()?;
+        self.model.gpu.bind()?;
+        for (i, &t) in tokens.iter().enumerate() {
+            self.step(t, i + 1 == tokens.len())?;
+        }
+        let s = self.scratch.as_ref().unwrap();
+        self.model.gpu.argmax(s.logits.ptr, self.model.cfg.vocab_size, s.amax.ptr)?;
+        Ok(s.amax.read_i32(1)?[0] as u32)
+    }
+
+    /// The session's caches as a CPU [`State`] (same layouts).
+    pub fn to_state(&self) -> Result<State> {
+        let c = &self.model.cfg;
+        let mut st = State::new(c);
+        st.pos = self.pos;
+        for (l, g) in st.layers.iter_mut().zip(&self.states) {
+            match (l, g) {
+                (LayerState::Gdn { conv, rec }, GState::Gdn { conv: gc, rec: gr }) => {
+                    *conv = gc.read_f32(0, conv.len())?;
+                    *rec = gr.read_f32(0, rec.len())?;
+                }
+                (LayerState::Attention { k, v }, GState::Attn { k: gk, v: gv, .. }) => {
+                    let n = self.pos * c.kv_dim();
+                    *k = gk.read_f32(0, n)?;
+                    *v = gv.read_f32(0, n)?;
+                }
+                _ => bail!("state kinds differ"),
+            }
+        }
+        Ok(st)
+    }
+
+    fn load_state(&mut self, st: &State) -> Result<()> {
+        self.ensure()?;
+        let c = self.model.cfg.clone();
+        let g = self.model.gpu.clone();
+        if st.layers.len() != self.states.len() {
+            bail!("snapshot is from a different model");
+        }
+        for (l, gs) in st.layers.iter().zip(self.states.iter_mut()) {
+            match (l, gs) {
+                (LayerState::Gdn { conv, rec }, GState::Gdn { conv: gc, rec: gr }) => {
+                    if 4 * conv.len() != gc.bytes || 4 * rec.len() != gr.bytes {
+                        bail!("snapshot is from a different model");
+                    }
+                    gc.write_f32(0, conv)?;
+                    gr.write_f32(0, rec)?;
+                }
+                (LayerState::Attention { k, v }, GState::Attn { k: gk, v: gv, cap }) => {
+                    let need = k.len() / c.kv_dim().max(1);
+                    if need > *cap {
+                        let ncap = need.next_power_of_two().max(256);
+                        *gk = g.zeros(4 * ncap * c.kv_dim())?;
+                        *gv = g.zeros(4 * ncap * c.kv_dim())?;
+                        *cap = ncap;
+                    }
+                    gk.write_f32(0, k)?;
+                    gv.write_f32(0, v)?;
+                }
+                _ => bail!("snapshot is from a different model"),
+            }
+        }
+        self.pos = st.pos;
+        Ok(())
+    }
+}
+
+impl Drop for CudaSession {
+    fn drop(&mut self) {
+        if super::profiling() {
+            eprintln!("LILY_CUDA_PROFILE: kernel times of a session that ran {} positions", self.pos);
+            super::profile_report();
+        }
+    }
+}
+
+impl Session for CudaSession {
+    fn forward_last(&mut self, tokens: &[u32]) -> Result<Vec<f32>> {
+        self.forward(tokens, Logits::Last)
+    }
+    fn forward_all(&mut self, tokens: &[u32]) -> Result<Vec<f32>> {
+        self.forward(tokens, Logits::All)
+    }
+    fn pos(&self) -> usize {
+        self.pos
+    }
+    fn vocab_size(&self) -> usize {
+        self.model.cfg.vocab_size
+    }
+    fn max_positions(&self) -> usize {
+        self.model.cfg.max_position_embeddings
+    }
+    fn snapshot(&self) -> Snapshot {
+        // The caches come back to the host as a CPU State (a failed copy gives an empty one,
+        // which restore then rejects).
+        let st = self.to_state().unwrap_or_else(|_| State { pos: 0, layers: Vec::new() });
+        Snapshot { pos: st.pos, nbytes: st.nbytes(), data: Box::new(st) }
+    }
+    fn restore(&mut self, snap: &Snapshot) -> Result<()> {
+        let st = snap.data.downcast_ref::<State>().context("snapshot is not from a lily session")?;
+        self.load_state(st)
+    }
+    fn reset(&mut self) {
+        self.pos = 0;
+        if self.scratch.is_some() {
+            if let Ok(s) = self.fresh_states() {
+                self.states = s;
+            }
+        }
+    }
+}

@@ -1,0 +1,371 @@
+//! Each CUDA kernel against the CPU reference (src/cpu, src/linear.rs) on random and structured
+//! inputs with odd sizes. Skips (and passes, saying so) when no GPU/driver is present.
+//!
+//! Bounds: both sides compute in fp32 from identical inputs and differ only in summation order
+//! (and expf/sqrtf ulps), so the relative error of a dot product of n terms is about n·6e-8 in the
+//! worst case, i.e. NMSE ≲ 1e-11 for the widths here; we allow 1e-9 (1e-8 where errors compound
+//! through a recurrence), far below what any indexing or formula mistake gives (NMSE ≳ 1e-3).
+
+mod common;
+use common::*;
+use lily::cpu::attention::{attention, AttnDims};
+use lily::cpu::conv::causal_conv1d_silu;
+use lily::cpu::gdn::{self, GdnDims, GdnInputs};
+use lily::cpu::norm::{gated_rms_norm, l2_norm, rms_norm, sigmoid, softplus};
+use lily::cpu::rope::Rope;
+use lily::cuda::{Gpu, GpuLinear};
+use lily::linear::{FloatType, Linear};
+use lily::safetensors::{f32_to_bf16, Bytes};
+use lily::sampling::Rng;
+use std::sync::Arc;
+
+const TOL: f64 = 1e-9;
+
+fn gpu() -> Option<Arc<Gpu>> {
+    if let Err(e) = lily::cuda::probe() {
+        eprintln!("SKIPPED (no GPU): {e:#}");
+        return None;
+    }
+    Some(lily::cuda::gpu().unwrap_or_else(|e| panic!("CUDA libraries present but the GPU failed: {e:#}")))
+}
+
+fn rand_bytes(r: &mut Rng, n: usize) -> Vec<u8> {
+    (0..n).map(|_| r.next_u64() as u8).collect()
+}
+
+fn bf16_bytes(v: &[f32]) -> Vec<u8> {
+    v.iter().flat_map(|x| f32_to_bf16(*x).to_le_bytes()).collect()
+}
+
+/// Random f16 bit patterns with magnitudes in about [2^-6, 2^2].
+fn f16_bytes(r: &mut Rng, n: usize) -> Vec<u8> {
+    (0..n)
+        .flat_map(|_| {
+            let s = (r.next_u64() & 1) as u16;
+            let e = 9 + (r.next_u64() % 8) as u16;
+            let m = (r.next_u64() & 0x3ff) as u16;
+            ((s << 15) | (e << 10) | m).to_le_bytes()
+        })
+        .collect()
+}
+
+fn quant(r: &mut Rng, rows: usize, cols: usize, bits: u32, group: usize) -> Linear {
+    let packed = rand_bytes(r, rows * cols * bits as usize / 8);
+    let ng = rows * cols / group;
+    let s = bf16_bytes(&uniform(r, ng, 0.05));
+    let b = bf16_bytes(&uniform(r, ng, 0.2));
+    Linear::quant(
+        rows,
+        cols,
+        bits,
+        group,
+        Bytes::from_vec(packed),
+        Bytes::from_vec(s),
+        Bytes::from_vec(b),
+        FloatType::BF16,
+    )
+    .unwrap()
+}
+
+fn dense(r: &mut Rng, rows: usize, cols: usize, ty: FloatType) -> Linear {
+    let data = match ty {
+        FloatType::F32 => uniform(r, rows * cols, 1.0).iter().flat_map(|x| x.to_le_bytes()).collect(),
+        FloatType::BF16 => bf16_bytes(&uniform(r, rows * cols, 1.0)),
+        FloatType::F16 => f16_bytes(r, rows * cols),
+    };
+    Linear::dense(rows, cols, ty, Bytes::from_vec(data)).unwrap()
+}
+
+fn check(what: &str, got: &[f32], want: &[f32], tol: f64) {
+    assert!(got.iter().all(|v| v.is_finite()), "{what}: non-finite output");
+    let e = nmse(got, want);
+    eprintln!("{what}: nmse {e:.2e}");
+    assert!(e <= tol, "{what}: nmse {e:.3e} > {tol:.0e}");
+}
+
+#[test]
+fn rms_norm_matches_cpu() {
+    let Some(g) = gpu() else { return };
+    let mut r = rng(1);
+    for (rows, d) in [(1, 2048), (3, 1000), (5, 37)] {
+        let x = uniform(&mut r, rows * d, 3.0);
+        let w = uniform(&mut r, d, 1.5);
+        let (xb, wb, yb) =
+            (g.upload_f32(&x).unwrap(), g.upload_f32(&w).unwrap(), g.upload_f32(&vec![f32::NAN; rows * d]).unwrap());
+        g.rms_norm(xb.ptr, wb.ptr, yb.ptr, rows, d, 1e-6).unwrap();
+        let mut want = x.clone();
+        rms_norm(&mut want, &w, 1e-6);
+        check(&format!("rms_norm {rows}x{d}"), &yb.read_f32(0, rows * d).unwrap(), &want, TOL);
+    }
+}
+
+#[test]
+fn gemv_quantized_and_dense_match_cpu() {
+    let Some(g) = gpu() else { return };
+    let mut r = rng(2);
+    let mut cases: Vec<(String, Linear)> = Vec::new();
+    for bits in [4u32, 8] {
+        for group in [32usize, 64, 128] {
+            cases.push((format!("q{bits} g{group} 37x{}", 3 * group), quant(&mut r, 37, 3 * group, bits, group)));
+        }
+    }
+    cases.push(("q4 g64 256x2048 (router-like)".into(), quant(&mut r, 256, 2048, 4, 64)));
+    cases.push(("q8 g64 1x2048 (shared gate)".into(), quant(&mut r, 1, 2048, 8, 64)));
+    for ty in [FloatType::F32, FloatType::F16, FloatType::BF16] {
+        cases.push((format!("dense {ty:?} 29x203"), dense(&mut r, 29, 203, ty)));
+    }
+    for (name, l) in &cases {
+        let x = uniform(&mut r, l.cols, 1.0);
+        let mut want = vec![0f32; l.rows];
+        l.matvec(&x, &mut want);
+        let gl = GpuLinear::upload(&g, l).unwrap();
+        let (xb, yb) = (g.upload_f32(&x).unwrap(), g.upload_f32(&vec![f32::NAN; l.rows]).unwrap());
+        g.gemv(&gl, xb.ptr, 0, yb.ptr, 1, 0, false).unwrap();
+        check(&format!("gemv {name}"), &yb.read_f32(0, l.rows).unwrap(), &want, TOL);
+        // accumulate: y += W x on top of the previous result.
+        g.gemv(&gl, xb.ptr, 0, yb.ptr, 1, 0, true).unwrap();
+        let twice: Vec<f32> = want.iter().map(|v| 2.0 * v).collect();
+        check(&format!("gemv accumulate {name}"), &yb.read_f32(0, l.rows).unwrap(), &twice, TOL);
+        // Embedding row gather (dequantization) of a middle row.
+        let row = l.rows / 2;
+        let mut wrow = vec![0f32; l.cols];
+        l.row_f32(row, &mut wrow);
+        let ob = g.upload_f32(&vec![f32::NAN; l.cols]).unwrap();
+        g.embed(&gl, row, ob.ptr).unwrap();
+        check(&format!("embed_row {name}"), &ob.read_f32(0, l.cols).unwrap(), &wrow, 1e-12);
+    }
+}
+
+#[test]
+fn gemv_with_device_expert_ids_matches_cpu() {
+    let Some(g) = gpu() else { return };
+    let mut r = rng(3);
+    for (bits, rows, cols) in [(4u32, 40usize, 256usize), (8, 24, 128)] {
+        let mats: Vec<Linear> = (0..6).map(|_| quant(&mut r, rows, cols, bits, 64)).collect();
+        let refs: Vec<&Linear> = mats.iter().collect();
+        let gl = GpuLinear::stack(&g, &refs).unwrap();
+        let ids = [4i32, 0, 5, 2];
+        let idb = g.upload_bytes(&ids.iter().flat_map(|i| i.to_le_bytes()).collect::<Vec<u8>>()).unwrap();
+        // Per-slot inputs (stride cols) and one shared input (stride 0).
+        let x = uniform(&mut r, ids.len() * cols, 1.0);
+        let xb = g.upload_f32(&x).unwrap();
+        let yb = g.upload_f32(&vec![f32::NAN; ids.len() * rows]).unwrap();
+        for stride in [cols, 0] {
+            g.gemv(&gl, xb.ptr, stride, yb.ptr, ids.len(), idb.ptr, false).unwrap();
+            let mut want = Vec::new();
+            for (z, &e) in ids.iter().enumerate() {
+                let mut y = vec![0f32; rows];
+                mats[e as usize].matvec(&x[z * stride..z * stride + cols], &mut y);
+                want.extend(y);
+            }
+            check(
+                &format!("expert gemv q{bits} stride {stride}"),
+                &yb.read_f32(0, ids.len() * rows).unwrap(),
+                &want,
+                TOL,
+            );
+        }
+    }
+}
+
+#[test]
+fn gemm_matches_cpu() {
+    let Some(g) = gpu() else { return };
+    let mut r = rng(4);
+    for (name, l) in [("q4 g64", quant(&mut r, 45, 192, 4, 64)), ("bf16", dense(&mut r, 33, 100, FloatType::BF16))] {
+        let t = 13;
+        let x = uniform(&mut r, t * l.cols, 1.0);
+        let mut want = vec![0f32; t * l.rows];
+        l.matmul(&x, &mut want);
+        let gl = GpuLinear::upload(&g, &l).unwrap();
+        let (xb, yb) = (g.upload_f32(&x).unwrap(), g.upload_f32(&vec![f32::NAN; t * l.rows]).unwrap());
+        g.gemm(&gl, xb.ptr, yb.ptr, t, false).unwrap();
+        check(&format!("gemm {name} T={t}"), &yb.read_f32(0, t * l.rows).unwrap(), &want, TOL);
+    }
+}
+
+/// conv_step + gdn_step for several tokens (state carried) against the CPU ops of model.rs.
+#[test]
+fn gdn_decode_steps_match_cpu() {
+    let Some(g) = gpu() else { return };
+    let mut r = rng(5);
+    for (hk, hv, dk, dv) in [(2usize, 4usize, 32usize, 32usize), (16, 32, 128, 128), (3, 3, 64, 96)] {
+        let d = GdnDims { hk, hv, dk, dv };
+        let (kd, vd) = (hk * dk, hv * dv);
+        let c = 2 * kd + vd;
+        let k = 4;
+        let conv_w = uniform(&mut r, c * k, 0.5);
+        let dt_bias = uniform(&mut r, hv, 1.0);
+        let neg_a: Vec<f32> = uniform(&mut r, hv, 1.0).iter().map(|v| -(v.abs() + 0.1)).collect();
+        let normw = uniform(&mut r, dv, 1.5);
+        let mut cstate = vec![0f32; (k - 1) * c];
+        let mut rec = vec![0f32; hv * dk * dv];
+        let gb = |v: &[f32]| g.upload_f32(v).unwrap();
+        let (cw, dtb, nab, nwb) = (gb(&conv_w), gb(&dt_bias), gb(&neg_a), gb(&normw));
+        let (gcs, grec) = (gb(&cstate), gb(&rec));
+        let (yb, ob) = (gb(&vec![f32::NAN; c]), gb(&vec![f32::NAN; vd]));
+        for step in 0..5 {
+            let qkv = uniform(&mut r, c, 2.0);
+            let z = uniform(&mut r, vd, 2.0);
+            let b = uniform(&mut r, hv, 3.0);
+            let a = uniform(&mut r, hv, 3.0);
+            // CPU reference: the same steps as Model::gdn for one token.
+            let mut conv = vec![0f32; c];
+            causal_conv1d_silu(&qkv, 1, c, &conv_w, k, &mut cstate, &mut conv);
+            let mut q = conv[..kd].to_vec();
+            let mut kk = conv[kd..2 * kd].to_vec();
+            let v = conv[2 * kd..].to_vec();
+            l2_norm(&mut q, dk, 1e-6, 1.0 / (dk as f32).sqrt());
+            l2_norm(&mut kk, dk, 1e-6, 1.0);
+            let beta: Vec<f32> = b.iter().map(|&x| sigmoid(x)).collect();
+            let gd: Vec<f32> = a.iter().enumerate().map(|(i, &x)| neg_a[i] * softplus(x + dt_bias[i])).collect();
+            let mut o = vec![0f32; vd];
+            gdn::recurrent(d, 1, &GdnInputs { q: &q, k: &kk, v: &v, g: &gd, beta: &beta }, &mut rec, &mut o);
+            gated_rms_norm(&mut o, &z, &normw, 1e-6);
+            // GPU.
+            let (xq, zb, bb, ab) = (gb(&qkv), gb(&z), gb(&b), gb(&a));
+            g.conv_step(xq.ptr, gcs.ptr, cw.ptr, yb.ptr, c, k).unwrap();
+            g.gdn_step(&lily::cuda::GdnStep {
+                y: yb.ptr,
+                b: bb.ptr,
+                a: ab.ptr,
+                z: zb.ptr,
+                dt_bias: dtb.ptr,
+                neg_a: nab.ptr,
+                norm: nwb.ptr,
+                state: grec.ptr,
+                out: ob.ptr,
+                hk,
+                hv,
+                dk,
+                dv,
+                eps: 1e-6,
+            })
+            .unwrap();
+            let name = format!("gdn H_k{hk} H_v{hv} D_k{dk} D_v{dv} step {step}");
+            check(&format!("{name} conv"), &yb.read_f32(0, c).unwrap(), &conv, TOL);
+            check(&format!("{name} out"), &ob.read_f32(0, vd).unwrap(), &o, 1e-8);
+            check(&format!("{name} state"), &grec.read_f32(0, rec.len()).unwrap(), &rec, 1e-8);
+            check(&format!("{name} conv state"), &gcs.read_f32(0, cstate.len()).unwrap(), &cstate, 0.0);
+        }
+    }
+}
+
+/// attn_prep + attn_decode token by token against Model::attention's CPU steps.
+#[test]
+fn attention_decode_matches_cpu() {
+    let Some(g) = gpu() else { return };
+    let mut r = rng(6);
+    for (nh, hkv, hd, rot, steps) in
+        [(4usize, 2usize, 64usize, 16usize, 9usize), (16, 2, 256, 64, 300), (3, 1, 32, 32, 17)]
+    {
+        let theta = 1e7;
+        let rope = Rope::new(rot, theta);
+        let qn = uniform(&mut r, hd, 1.5);
+        let kn = uniform(&mut r, hd, 1.5);
+        let kvd = hkv * hd;
+        let (mut kc, mut vc) = (Vec::new(), Vec::new());
+        let gb = |v: &[f32]| g.upload_f32(v).unwrap();
+        let (qnb, knb) = (gb(&qn), gb(&kn));
+        let (gkc, gvc) = (gb(&vec![0f32; steps * kvd]), gb(&vec![0f32; steps * kvd]));
+        let (qo, out) = (gb(&vec![f32::NAN; nh * hd]), gb(&vec![f32::NAN; nh * hd]));
+        for pos in 0..steps {
+            let qg = uniform(&mut r, nh * 2 * hd, 2.0);
+            let k = uniform(&mut r, kvd, 2.0);
+            let v = uniform(&mut r, kvd, 2.0);
+            // CPU
+            let mut q = vec![0f32; nh * hd];
+            let mut gate = vec![0f32; nh * hd];
+            for h in 0..nh {
+                q[h * hd..(h + 1) * hd].copy_from_slice(&qg[h * 2 * hd..h * 2 * hd + hd]);
+                gate[h * hd..(h + 1) * hd].copy_from_slice(&qg[h * 2 * hd + hd..(h + 1) * 2 * hd]);
+            }
+            let mut kk = k.clone();
+            rms_norm(&mut q, &qn, 1e-6);
+            rms_norm(&mut kk, &kn, 1e-6);
+            rope.apply(&mut q, hd, pos);
+            rope.apply(&mut kk, hd, pos);
+            kc.extend_from_slice(&kk);
+            vc.extend_from_slice(&v);
+            let mut o = vec![0f32; nh * hd];
+            attention(
+                &AttnDims { heads: nh, kv_heads: hkv, head_dim: hd },
+                &q,
+                1,
+                pos,
+                &kc,
+                &vc,
+                1.0 / (hd as f32).sqrt(),
+                &mut o,
+            );
+            o.iter_mut().zip(&gate).for_each(|(a, b)| *a *= sigmoid(*b));
+            // GPU
+            let (qgb, kb, vb) = (gb(&qg), gb(&k), gb(&v));
+            g.attn_prep(&lily::cuda::AttnPrep {
+                qg: qgb.ptr,
+                k: kb.ptr,
+                v: vb.ptr,
+                q_norm: qnb.ptr,
+                k_norm: knb.ptr,
+                q_out: qo.ptr,
+                kc: gkc.ptr,
+                vc: gvc.ptr,
+                nh,
+                hkv,
+                hd,
+                gated: true,
+                rot,
+                pos,
+                theta,
+                eps: 1e-6,
+            })
+            .unwrap();
+            g.attn_decode(qo.ptr, gkc.ptr, gvc.ptr, qgb.ptr, out.ptr, nh, hkv, hd, pos + 1, true).unwrap();
+            if pos < 3 || pos + 1 == steps {
+                let name = format!("attention H{nh} H_kv{hkv} D{hd} R{rot} pos {pos}");
+                check(&format!("{name} q"), &qo.read_f32(0, nh * hd).unwrap(), &q, TOL);
+                check(&format!("{name} k cache"), &gkc.read_f32(0, (pos + 1) * kvd).unwrap(), &kc, TOL);
+                check(&format!("{name} out"), &out.read_f32(0, nh * hd).unwrap(), &o, TOL);
+            }
+        }
+    }
+}
+
+#[test]
+fn moe_topk_and_argmax_match_cpu() {
+    let Some(g) = gpu() else { return };
+    let mut r = rng(7);
+    let mut cases: Vec<(String, Vec<f32>, usize)> = Vec::new();
+    for (e, k) in [(256usize, 8usize), (16, 4), (100, 1), (513, 10)] {
+        cases.push((format!("random E{e} K{k}"), uniform(&mut r, e, 4.0), k));
+    }
+    // Structured: ties resolve to the lower index; a constant row.
+    let mut ties = vec![0.5f32; 64];
+    ties[10] = 2.0;
+    ties[40] = 2.0;
+    ties[3] = 1.0;
+    cases.push(("ties".into(), ties, 5));
+    cases.push(("constant".into(), vec![1.0; 32], 4));
+    let idb = g.zeros(4 * 64).unwrap();
+    let wb = g.zeros(4 * 64).unwrap();
+    for (name, logits, k) in &cases {
+        let lb = g.upload_f32(logits).unwrap();
+        for renorm in [true, false] {
+            g.moe_topk(lb.ptr, logits.len(), *k, renorm, idb.ptr, wb.ptr).unwrap();
+            let want = lily::cpu::moe::route(logits, *k, renorm);
+            let ids = idb.read_i32(*k).unwrap();
+            let w = wb.read_f32(0, *k).unwrap();
+            let want_ids: Vec<i32> = want.iter().map(|(e, _)| *e as i32).collect();
+            let want_w: Vec<f32> = want.iter().map(|(_, w)| *w).collect();
+            assert_eq!(ids, want_ids, "moe_topk {name}: ids");
+            check(&format!("moe_topk {name} renorm {renorm}"), &w, &want_w, 1e-12);
+        }
+        g.argmax(lb.ptr, logits.len(), idb.ptr).unwrap();
+        assert_eq!(idb.read_i32(1).unwrap()[0] as u32, lily::sampling::argmax(logits), "argmax {name}");
+    }
+    // A vocabulary-sized argmax.
+    let big = uniform(&mut r, 248_320, 10.0);
+    let bb = g.upload_f32(&big).unwrap();
+    g.argmax(bb.ptr, big.len(), idb.ptr).unwrap();
+    assert_eq!(idb.read_i32(1).unwrap()[0] as u32, lily::sampling::argmax(&big), "argmax 248320");
+}

@@ -1,0 +1,133 @@
+//! The whole model on the GPU (fp32 activations) against mlx-lm's fp32 logits on the reference
+//! fixtures: the same checks as tests/reference.rs, plus GPU-vs-CPU on a synthetic model.
+//! Skips (and passes, saying so) when no GPU/driver is present.
+//!
+//! Bound: as in tests/reference.rs, both sides are fp32 from identical dequantized weights and
+//! differ only in summation order (a few 1e-6 of the logit range); 3e-5 of the per-row range is an
+//! order of magnitude above that and far below the fixtures' smallest top-1 margin (2e-3).
+
+mod common;
+use common::*;
+use lily::cuda::CudaSession;
+use lily::generate::{CpuSession, Session};
+use lily::safetensors::SafeFile;
+use std::sync::Arc;
+
+const REL_TOL: f32 = 3e-5;
+
+/// The fixtures folder; `LILY_REPO` overrides the build-time checkout path (test executables
+/// carried to the GPU machine run from another folder).
+fn fixtures() -> std::path::PathBuf {
+    match std::env::var_os("LILY_REPO") {
+        Some(r) => std::path::PathBuf::from(r).join("tests/fixtures"),
+        None => common::fixtures(),
+    }
+}
+
+fn have_gpu() -> bool {
+    if let Err(e) = lily::cuda::probe() {
+        eprintln!("SKIPPED (no GPU): {e:#}");
+        return false;
+    }
+    lily::cuda::gpu().unwrap_or_else(|e| panic!("CUDA libraries present but the GPU failed: {e:#}"));
+    true
+}
+
+fn compare_rows(what: &str, got: &[f32], want: &[f32], vocab: usize) -> f32 {
+    assert_eq!(got.len(), want.len(), "{what}: logits shape");
+    let mut worst = 0f32;
+    for (i, (g, w)) in got.chunks(vocab).zip(want.chunks(vocab)).enumerate() {
+        let range = w.iter().cloned().fold(f32::MIN, f32::max) - w.iter().cloned().fold(f32::MAX, f32::min);
+        let d = max_abs_diff(g, w);
+        worst = worst.max(d / range);
+        assert!(
+            d <= REL_TOL * range,
+            "{what}: position {i}: max |Δlogit| {d} exceeds {} (range {range})",
+            REL_TOL * range
+        );
+        assert_eq!(lily::sampling::argmax(g), lily::sampling::argmax(w), "{what}: position {i}: argmax differs");
+    }
+    worst
+}
+
+fn check_model(dir: &str, reference_name: &str) {
+    if !have_gpu() {
+        return;
+    }
+    let path = fixtures().join("ref").join(format!("{reference_name}.safetensors"));
+    let f = SafeFile::open(&path).unwrap();
+    let get = |n: &str| f.tensors.get(n).unwrap();
+    let prompt: Vec<u32> = get("prompt").to_i32().unwrap().into_iter().map(|x| x as u32).collect();
+    let logits = get("logits").to_f32().unwrap();
+    let greedy: Vec<u32> = get("greedy").to_i32().unwrap().into_iter().map(|x| x as u32).collect();
+    let model = Arc::new(lily::weights::load_model(&fixtures().join(dir)).unwrap());
+    let gm = lily::cuda::upload_cached(&model).unwrap_or_else(|e| panic!("upload {dir}: {e:#}"));
+    let vocab = model.cfg.vocab_size;
+
+    let mut s = CudaSession::new(gm.clone());
+    let got = s.forward_all(&prompt).unwrap();
+    let worst = compare_rows(&format!("{dir} cuda one-shot"), &got, &logits, vocab);
+    eprintln!("{dir}: cuda worst |Δ|/range vs mlx-lm = {worst:.2e}");
+
+    let split = 100;
+    let mut s2 = CudaSession::new(gm.clone());
+    let mut inc = s2.forward_all(&prompt[..split]).unwrap();
+    for &t in &prompt[split..] {
+        inc.extend(s2.forward_last(&[t]).unwrap());
+    }
+    compare_rows(&format!("{dir} cuda prefill-then-decode"), &inc, &logits, vocab);
+
+    // Greedy continuation with the argmax on the GPU.
+    let mut s3 = CudaSession::new(gm.clone());
+    let mut next = s3.forward_greedy(&prompt).unwrap();
+    let mut out = Vec::new();
+    for _ in 0..greedy.len() {
+        out.push(next);
+        next = s3.forward_greedy(&[next]).unwrap();
+    }
+    assert_eq!(out, greedy, "{dir}: cuda greedy continuation differs from mlx-lm");
+
+    // Snapshot / restore round trip: the restored session continues identically.
+    let snap = s2.snapshot();
+    let a = s2.forward_last(&[1]).unwrap();
+    let mut s4 = CudaSession::new(gm);
+    s4.restore(&snap).unwrap();
+    let b = s4.forward_last(&[1]).unwrap();
+    assert_eq!(a, b, "{dir}: restored session differs");
+}
+
+#[test]
+fn cuda_hf_bf16_matches_mlx_lm() {
+    check_model("tiny-hf", "tiny-hf");
+}
+
+#[test]
+fn cuda_hf_bf16_per_expert_layout_matches_mlx_lm() {
+    check_model("tiny-hf-split", "tiny-hf");
+}
+
+#[test]
+fn cuda_mlx_4bit_matches_mlx_lm() {
+    check_model("tiny-mlx4", "tiny-mlx4");
+}
+
+#[test]
+fn cuda_mlx_8bit_group32_matches_mlx_lm() {
+    check_model("tiny-mlx8-g32", "tiny-mlx8-g32");
+}
+
+/// synthetic:tiny (4-bit, vocab 1024) GPU against CPU over a longer sequence (> 256 positions,
+/// so the KV cache grows once).
+#[test]
+fn cuda_synthetic_tiny_matches_cpu() {
+    if !have_gpu() {
+        return;
+    }
+    let model = Arc::new(lily::synthetic::build("tiny", None, 1024).unwrap());
+    let gm = lily::cuda::upload_cached(&model).unwrap();
+    let prompt: Vec<u32> = (0..300u32).map(|i| (i * 7919 + 13) % 1024).collect();
+    let want = CpuSession::new(model.clone()).forward_all(&prompt).unwrap();
+    let got = CudaSession::new(gm).forward_all(&prompt).unwrap();
+    let worst = compare_rows("synthetic:tiny cuda vs cpu", &got, &want, 1024);
+    eprintln!("synthetic:tiny: cuda vs cpu worst |Δ|/range = {worst:.2e}");
+}
