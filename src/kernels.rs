@@ -156,6 +156,40 @@ pub fn dot_quant(
     dot_quant_portable(bits, group, sty, packed, scales, biases, x, gsum)
 }
 
+/// `out[t] = Σ_c W[c] x[t, c]` for `out.len() ≤ 4` tokens of width `cols` sharing one decode of
+/// the packed row (`gsum: [t, cols/group]`).
+pub fn dot_quant_multi(
+    bits: u32,
+    group: usize,
+    sty: FloatType,
+    packed: &[u8],
+    scales: &[u8],
+    biases: &[u8],
+    x: &[f32],
+    cols: usize,
+    gsum: &[f32],
+    out: &mut [f32],
+) {
+    let ng = cols / group;
+    #[cfg(target_arch = "x86_64")]
+    if has_avx2() && sty == FloatType::BF16 && out.len() <= 4 {
+        // SAFETY: AVX2 and FMA were detected above; lengths are checked inside.
+        return unsafe { avx2::dot_quant_bf16_multi(bits, group, packed, scales, biases, x, cols, gsum, out) };
+    }
+    for (t, o) in out.iter_mut().enumerate() {
+        *o = dot_quant(
+            bits,
+            group,
+            sty,
+            packed,
+            scales,
+            biases,
+            &x[t * cols..(t + 1) * cols],
+            &gsum[t * ng..(t + 1) * ng],
+        );
+    }
+}
+
 #[allow(clippy::too_many_arguments)]
 pub fn dot_quant_portable(
     bits: u32,
@@ -488,18 +522,41 @@ mod avx2 {
         x: &[f32],
         gsum: &[f32],
     ) -> f32 {
-        let px = x.as_ptr();
+        let ng = x.len() / GROUP;
+        dot_qk_n::<BITS, GROUP, 1>(pp, sp, bp, x.as_ptr(), 0, gsum.as_ptr(), 0, ng)[0]
+    }
+
+    /// One packed row against NT token vectors at once (`x + j·ldx`, group sums at `gsum + j·ldg`):
+    /// each weight is decoded once and multiplied into NT accumulators.
+    #[inline(always)]
+    unsafe fn dot_qk_n<const BITS: usize, const GROUP: usize, const NT: usize>(
+        pp: *const u8,
+        sp: *const u16,
+        bp: *const u16,
+        px: *const f32,
+        ldx: usize,
+        pg: *const f32,
+        ldg: usize,
+        ng: usize,
+    ) -> [f32; NT] {
         let shifts = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28);
         let mask = _mm256_set1_epi32(15);
-        let ng = x.len() / GROUP;
-        let mut tot = _mm256_setzero_ps();
+        let mut tot = [_mm256_setzero_ps(); NT];
         let mut svec = _mm256_setzero_ps();
+        // With one token, four accumulators hide the FMA latency; with more, the tokens do.
+        const fn lanes(nt: usize) -> usize {
+            if nt == 1 {
+                4
+            } else {
+                2
+            }
+        }
         for g in 0..ng {
             if g % 8 == 0 {
                 svec = load_bf16x8(sp, g, ng);
             }
             let base = g * GROUP;
-            let mut acc = [_mm256_setzero_ps(); 4];
+            let mut acc = [[_mm256_setzero_ps(); 4]; NT];
             let mut j = 0;
             while j < GROUP / 8 {
                 let e = base + 8 * j;
@@ -509,21 +566,71 @@ mod avx2 {
                 } else {
                     _mm256_cvtepu8_epi32(_mm_loadl_epi64(pp.add(e) as *const __m128i))
                 };
-                acc[j % 4] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q), _mm256_loadu_ps(px.add(e)), acc[j % 4]);
+                let qf = _mm256_cvtepi32_ps(q);
+                let l = j % lanes(NT);
+                for t in 0..NT {
+                    acc[t][l] = _mm256_fmadd_ps(qf, _mm256_loadu_ps(px.add(t * ldx + e)), acc[t][l]);
+                }
                 j += 1;
             }
-            let sum = _mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3]));
             let s = _mm256_permutevar8x32_ps(svec, _mm256_set1_epi32((g % 8) as i32));
-            tot = _mm256_fmadd_ps(sum, s, tot);
+            for t in 0..NT {
+                let sum = _mm256_add_ps(_mm256_add_ps(acc[t][0], acc[t][1]), _mm256_add_ps(acc[t][2], acc[t][3]));
+                tot[t] = _mm256_fmadd_ps(sum, s, tot[t]);
+            }
         }
         // Bias part Σ_g b_g·gsum_g as its own vector dot product (off the main loop's chain).
-        let mut bacc = _mm256_setzero_ps();
-        let mut g = 0;
-        while g < ng {
-            bacc = _mm256_fmadd_ps(load_bf16x8(bp, g, ng), load_f32x8(gsum.as_ptr(), g, ng), bacc);
-            g += 8;
+        let mut out = [0f32; NT];
+        for t in 0..NT {
+            let mut bacc = _mm256_setzero_ps();
+            let mut g = 0;
+            while g < ng {
+                bacc = _mm256_fmadd_ps(load_bf16x8(bp, g, ng), load_f32x8(pg.add(t * ldg), g, ng), bacc);
+                g += 8;
+            }
+            out[t] = hsum(_mm256_add_ps(tot[t], bacc));
         }
-        hsum(_mm256_add_ps(tot, bacc))
+        out
+    }
+
+    /// `out[t] = row · x_t` for t < NT ≤ 4 tokens (`x: [NT, cols]`, `gsum: [NT, cols/group]`),
+    /// bf16 scales and biases.
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn dot_quant_bf16_multi(
+        bits: u32,
+        group: usize,
+        packed: &[u8],
+        scales: &[u8],
+        biases: &[u8],
+        x: &[f32],
+        cols: usize,
+        gsum: &[f32],
+        out: &mut [f32],
+    ) {
+        let nt = out.len();
+        let ng = cols / group;
+        assert!((1..=4).contains(&nt) && x.len() >= nt * cols && gsum.len() >= nt * ng);
+        assert!(packed.len() * 8 >= cols * bits as usize && scales.len() >= 2 * ng && biases.len() >= 2 * ng);
+        let (p, s, b) = (packed.as_ptr(), scales.as_ptr() as *const u16, biases.as_ptr() as *const u16);
+        let (px, pg) = (x.as_ptr(), gsum.as_ptr());
+        macro_rules! go {
+            ($bits:literal, $group:literal) => {
+                match nt {
+                    1 => out.copy_from_slice(&dot_qk_n::<$bits, $group, 1>(p, s, b, px, cols, pg, ng, ng)),
+                    2 => out.copy_from_slice(&dot_qk_n::<$bits, $group, 2>(p, s, b, px, cols, pg, ng, ng)),
+                    3 => out.copy_from_slice(&dot_qk_n::<$bits, $group, 3>(p, s, b, px, cols, pg, ng, ng)),
+                    _ => out.copy_from_slice(&dot_qk_n::<$bits, $group, 4>(p, s, b, px, cols, pg, ng, ng)),
+                }
+            };
+        }
+        match (bits, group) {
+            (4, 32) => go!(4, 32),
+            (4, 64) => go!(4, 64),
+            (4, 128) => go!(4, 128),
+            (8, 32) => go!(8, 32),
+            (8, 64) => go!(8, 64),
+            _ => go!(8, 128),
+        }
     }
 
     /// Eight bf16 values from `p[i..]` as f32, zero past `n`.

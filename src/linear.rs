@@ -196,6 +196,32 @@ impl Linear {
         if t == 1 {
             return self.matvec(x, y);
         }
+        if t <= 4 {
+            if let Weight::Quant { bits, group, packed, scales, biases, sty } = &self.w {
+                // Few tokens (MoE experts in prefill): decode each weight once for all of them.
+                let (bits, group, sty) = (*bits, *group, *sty);
+                let ng = self.cols / group;
+                let gsum: Vec<f32> = x.chunks_exact(group).map(|g| g.iter().sum()).collect(); // [t, ng]
+                let pb = self.cols * bits as usize / 8;
+                let sb = ng * sty.size();
+                let (p, s, b) = (packed.as_slice(), scales.as_slice(), biases.as_slice());
+                let out = SyncPtr(y.as_mut_ptr());
+                let chunk = (self.rows / (4 * rayon::current_num_threads()).max(1)).clamp(16, 1024);
+                (0..self.rows.div_ceil(chunk)).into_par_iter().for_each(|ci| {
+                    let mut o = [0f32; 4];
+                    for r in ci * chunk..((ci + 1) * chunk).min(self.rows) {
+                        let (pr, sr, br) =
+                            (&p[r * pb..(r + 1) * pb], &s[r * sb..(r + 1) * sb], &b[r * sb..(r + 1) * sb]);
+                        kernels::dot_quant_multi(bits, group, sty, pr, sr, br, x, self.cols, &gsum, &mut o[..t]);
+                        for (tt, v) in o[..t].iter().enumerate() {
+                            // SAFETY: row r of each token is written by this chunk only; y outlives the loop.
+                            unsafe { *out.get().add(tt * self.rows + r) = *v };
+                        }
+                    }
+                });
+                return;
+            }
+        }
         const RB: usize = 16;
         let nblocks = self.rows.div_ceil(RB);
         let out = SyncPtr(y.as_mut_ptr());

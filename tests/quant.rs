@@ -76,7 +76,7 @@ fn dequant_and_products_every_bits_and_group() {
                 assert!(max_abs_diff(&row, &want) < 1e-6, "row_f32 bits={bits} group={group}");
             }
             let mut r = rng(9);
-            for t in [1usize, 3, 17] {
+            for t in [1usize, 2, 3, 4, 5, 17] {
                 let x = uniform(&mut r, t * cols, 1.0);
                 let mut y = vec![0f32; t * rows];
                 p.lin.matmul(&x, &mut y);
