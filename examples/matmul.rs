@@ -10,7 +10,7 @@ fn main() {
     let t: usize = std::env::args().nth(2).and_then(|s| s.parse().ok()).unwrap_or(64);
     rayon::ThreadPoolBuilder::new().num_threads(threads).build_global().unwrap();
     let (rows, cols, group) = (4096usize, 2048usize, 64usize);
-    let packed: Vec<u8> = (0..rows * cols / 2).map(|i| (i * 2654435761usize >> 7) as u8).collect();
+    let packed: Vec<u8> = (0..rows * cols / 2).map(|i| ((i * 2654435761usize) >> 7) as u8).collect();
     let ng = rows * cols / group;
     let scales: Vec<u8> = (0..ng).flat_map(|_| 0x3c00u16.to_le_bytes()).collect();
     let lin = Linear::quant(
