@@ -287,6 +287,30 @@ fn bad_input_gets_openai_errors_and_never_crashes() {
 }
 
 #[test]
+fn slow_clients_are_cut_off() {
+    let s = start(&fixture(), &["--read-timeout-secs", "1"]);
+    let t0 = std::time::Instant::now();
+    // A request head that never ends: the server closes the connection.
+    let mut c = TcpStream::connect(&s.addr).unwrap();
+    c.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+    c.write_all(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n").unwrap();
+    let mut buf = Vec::new();
+    let _ = c.read_to_end(&mut buf);
+    assert!(t0.elapsed() < Duration::from_secs(10), "header timeout");
+    // A body that stops short of its Content-Length: 408.
+    let t0 = std::time::Instant::now();
+    let mut c = TcpStream::connect(&s.addr).unwrap();
+    c.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+    c.write_all(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{\"prompt\"").unwrap();
+    let mut buf = Vec::new();
+    let _ = c.read_to_end(&mut buf);
+    let head = String::from_utf8_lossy(&buf);
+    assert!(head.starts_with("HTTP/1.1 408"), "{head}");
+    assert!(t0.elapsed() < Duration::from_secs(10));
+    assert_eq!(req(&s.addr, "GET", "/health", "", None).status, 200);
+}
+
+#[test]
 fn prefix_cache_reuses_state_with_identical_output() {
     let warm = start(&fixture(), &[]);
     let cold = start(&fixture(), &["--prefix-cache-mb", "0"]);

@@ -26,6 +26,10 @@ pub struct ServeArgs {
     /// Largest request body in bytes (larger: 413).
     #[arg(long, default_value_t = 8 << 20)]
     pub max_body_bytes: usize,
+    /// Seconds a client has to send its request head, and then its body (else the connection
+    /// closes, or 408).
+    #[arg(long, default_value_t = 30)]
+    pub read_timeout_secs: u64,
     /// Memory for prefix-cache snapshots, in MiB (0 disables the cache).
     #[arg(long, default_value_t = 2048)]
     pub prefix_cache_mb: usize,
@@ -105,6 +109,7 @@ pub fn run(a: ServeArgs) -> Result<()> {
         api_key: a.api_key,
         queue_size: a.queue_size,
         max_body_bytes: a.max_body_bytes,
+        read_timeout: std::time::Duration::from_secs(a.read_timeout_secs.max(1)),
         prefix_cache_bytes: a.prefix_cache_mb << 20,
         defaults: if dir.is_dir() { defaults(dir) } else { Defaults::default() },
         scripts,

@@ -7,9 +7,7 @@ use super::worker::{Event, Job, SubmitError, Summary};
 use super::{error_response, json_response, now_secs, App};
 use crate::generate::{FinishReason, GenerateOptions, TokenLogprobs};
 use crate::sampling::SamplingParams;
-use axum::body::Bytes;
-use axum::extract::rejection::BytesRejection;
-use axum::extract::State;
+use axum::extract::{Request, State};
 use axum::http::StatusCode;
 use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
@@ -22,26 +20,30 @@ use tokio_stream::wrappers::ReceiverStream;
 
 type R<T> = Result<T, ApiError>;
 
-fn body_json(body: Result<Bytes, BytesRejection>, limit: usize) -> R<Value> {
-    let bytes = body.map_err(|rej| {
-        let status = rej.status().as_u16();
-        if status == 413 {
-            ApiError::new(
+/// Reads the body within the read timeout and the byte limit, and parses it as JSON.
+async fn read_json(app: &App, req: Request) -> R<Value> {
+    let limit = app.cfg.max_body_bytes;
+    let read = axum::body::to_bytes(req.into_body(), limit);
+    let bytes = match tokio::time::timeout(app.cfg.read_timeout, read).await {
+        Err(_) => {
+            return Err(ApiError::new(408, "invalid_request_error", Some("timeout"), "the request body took too long"))
+        }
+        Ok(Err(e)) if e.to_string().contains("length limit") => {
+            return Err(ApiError::new(
                 413,
                 "invalid_request_error",
                 Some("request_too_large"),
                 format!("the request body exceeds {limit} bytes"),
-            )
-        } else {
-            ApiError::new(
-                status,
-                "invalid_request_error",
-                None,
-                format!("could not read the request body: {}", rej.body_text()),
-            )
+            ))
         }
-    })?;
-    serde_json::from_slice(&bytes).map_err(|e| {
+        Ok(Err(e)) => return Err(ApiError::bad(format!("could not read the request body: {e}"))),
+        Ok(Ok(b)) => b,
+    };
+    body_json(&bytes)
+}
+
+fn body_json(bytes: &[u8]) -> R<Value> {
+    serde_json::from_slice(bytes).map_err(|e| {
         ApiError::new(400, "invalid_request_error", Some("invalid_json"), format!("malformed JSON body: {e}"))
     })
 }
@@ -256,15 +258,15 @@ fn prepare_chat(app: &App, req: &openai::ChatRequest) -> R<Prepared> {
     })
 }
 
-pub async fn chat(State(app): State<Arc<App>>, body: Result<Bytes, BytesRejection>) -> Response {
-    match chat_inner(app, body).await {
+pub async fn chat(State(app): State<Arc<App>>, req: Request) -> Response {
+    match chat_inner(app, req).await {
         Ok(r) => r,
         Err(e) => error_response(&e),
     }
 }
 
-async fn chat_inner(app: Arc<App>, body: Result<Bytes, BytesRejection>) -> R<Response> {
-    let v = body_json(body, app.cfg.max_body_bytes)?;
+async fn chat_inner(app: Arc<App>, req: Request) -> R<Response> {
+    let v = read_json(&app, req).await?;
     let req = openai::parse_chat(&v)?;
     let a = app.clone();
     let (prep, req) =
@@ -443,15 +445,15 @@ fn prepare_completion(app: &App, req: &openai::CompletionRequest) -> R<Prepared>
     Ok(Prepared { prompt, boundary: None, in_think: false, tools: false, script_trigger_text: text })
 }
 
-pub async fn completions(State(app): State<Arc<App>>, body: Result<Bytes, BytesRejection>) -> Response {
-    match completions_inner(app, body).await {
+pub async fn completions(State(app): State<Arc<App>>, req: Request) -> Response {
+    match completions_inner(app, req).await {
         Ok(r) => r,
         Err(e) => error_response(&e),
     }
 }
 
-async fn completions_inner(app: Arc<App>, body: Result<Bytes, BytesRejection>) -> R<Response> {
-    let v = body_json(body, app.cfg.max_body_bytes)?;
+async fn completions_inner(app: Arc<App>, req: Request) -> R<Response> {
+    let v = read_json(&app, req).await?;
     let req = openai::parse_completion(&v)?;
     let a = app.clone();
     let (prep, req) = tokio::task::spawn_blocking(move || prepare_completion(&a, &req).map(|p| (p, req)))

@@ -52,6 +52,8 @@ pub struct Config {
     /// Requests that may wait while one generates; more get 503.
     pub queue_size: usize,
     pub max_body_bytes: usize,
+    /// A client has this long to send its request head, and then its body (slow-client guard).
+    pub read_timeout: std::time::Duration,
     pub prefix_cache_bytes: usize,
     pub defaults: Defaults,
     /// Test hook (`LILY_TEST_SCRIPTS`): (trigger, output) pairs; a request whose last message
@@ -108,7 +110,6 @@ pub fn router(app: Arc<App>) -> Router {
         .route("/metrics", get(metrics_text))
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
-        .layer(axum::extract::DefaultBodyLimit::max(app.cfg.max_body_bytes))
         .layer(middleware::from_fn_with_state(app.clone(), guard))
         .with_state(app)
 }
@@ -209,12 +210,39 @@ pub fn serve(cfg: Config, tok: Tokenizer, session: Box<dyn Session + Send>) -> R
         println!("lily serve: listening on http://{addr}");
         use std::io::Write;
         std::io::stdout().flush().ok();
-        axum::serve(listener, router(app)).with_graceful_shutdown(shutdown()).await.context("server")?;
+        let timeout = app.cfg.read_timeout;
+        accept_loop(listener, router(app), timeout).await;
         Ok::<(), anyhow::Error>(())
     })?;
     // Generation in flight may hold the worker; do not wait for it.
     rt.shutdown_timeout(std::time::Duration::from_millis(100));
     Ok(())
+}
+
+/// HTTP/1.1 connections (keep-alive) until a shutdown signal. hyper drops a handler whose client
+/// has gone, which is what cancels a queued or running generation.
+async fn accept_loop(listener: tokio::net::TcpListener, router: Router, read_timeout: std::time::Duration) {
+    let mut stop = std::pin::pin!(shutdown());
+    loop {
+        let stream = tokio::select! {
+            r = listener.accept() => match r {
+                Ok((stream, _)) => stream,
+                Err(e) => {
+                    // Out of file descriptors and the like: back off instead of spinning.
+                    eprintln!("lily serve: accept: {e}");
+                    tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+                    continue;
+                }
+            },
+            _ = &mut stop => return,
+        };
+        let svc = hyper_util::service::TowerToHyperService::new(router.clone());
+        tokio::spawn(async move {
+            let mut b = hyper::server::conn::http1::Builder::new();
+            b.timer(hyper_util::rt::TokioTimer::new()).header_read_timeout(read_timeout);
+            let _ = b.serve_connection(hyper_util::rt::TokioIo::new(stream), svc).await;
+        });
+    }
 }
 
 async fn shutdown() {
