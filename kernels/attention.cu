@@ -1,6 +1,9 @@
 /*
  * attention.cu: gated full attention for one new token over an fp32 KV cache.
  *
+ * The position is read from device memory (pos_p[0]; L = pos + 1 cached positions) so that a
+ * captured CUDA graph replays every decode step unchanged.
+ *
  * attn_prep: grid (H_q + H_kv), block = head dim D threads (D <= 256, multiple of 32).
  *   Block b < H_q: q = qg[b, 0:D] (qg per head [q | gate] when gated, else [q]), RMSNorm with
  *   q_norm, partial NeoX RoPE on dims [0, R): for i < R/2, theta = pos * base^(-2i/R) (double),
@@ -17,7 +20,8 @@
  */
 extern "C" __global__ void attn_prep(const float* qg, const float* kin, const float* vin, const float* qn,
                                      const float* kn, float* q_out, float* kc, float* vc, int nh, int hkv, int hd,
-                                     int gated, int rot, int pos, double theta, float eps) {
+                                     int gated, int rot, const int* pos_p, double theta, float eps) {
+    int pos = pos_p[0];
     __shared__ float xs[256], sh[33];
     int b = blockIdx.x, j = threadIdx.x;
     bool isq = b < nh;
@@ -49,7 +53,8 @@ extern "C" __global__ void attn_prep(const float* qg, const float* kin, const fl
 }
 
 extern "C" __global__ void attn_decode(const float* q, const float* kc, const float* vc, const float* qg,
-                                       float* out, int nh, int hkv, int hd, int L, float scale, int gated) {
+                                       float* out, int nh, int hkv, int hd, const int* pos_p, float scale, int gated) {
+    int L = pos_p[0] + 1;
     __shared__ float so[8][256];
     __shared__ float sm[8], sl[8];
     int h = blockIdx.x, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;

@@ -21,7 +21,8 @@
  *   each warp owns one row and keeps 8 token accumulators, so each weight element is decoded
  *   once per 8 tokens. grid (ceil(rows/8), ceil(T/8)).
  *
- * embed_row: out[c] = W[row, c] dequantized (embedding gather), grid ceil(cols/256), block 256.
+ * embed_row: out[c] = W[row[0], c] dequantized (embedding gather; the token id is read from device
+ *   memory so a captured CUDA graph can replay it), grid ceil(cols/256), block 256.
  */
 __device__ __forceinline__ float dequant_elem(const void* w, const void* sc, const void* bi, int bits, int group,
                                               int ty, long long r, int cols, int c) {
@@ -123,7 +124,7 @@ extern "C" __global__ void linear_gemm(const void* w, const void* sc, const void
 }
 
 extern "C" __global__ void embed_row(const void* w, const void* sc, const void* bi, int bits, int group, int ty,
-                                     int row, int cols, float* out) {
+                                     const int* row, int cols, float* out) {
     int c = blockIdx.x * blockDim.x + threadIdx.x;
-    if (c < cols) out[c] = dequant_elem(w, sc, bi, bits, group, ty, row, cols, c);
+    if (c < cols) out[c] = dequant_elem(w, sc, bi, bits, group, ty, row[0], cols, c);
 }

@@ -55,6 +55,12 @@ for t in $TESTS; do
   if ! .gpu/x/bin/$t --test-threads=1 --nocapture >"$OUTDIR/$t.log" 2>&1; then status=1; fi
   grep -E "^test |test result|SKIPPED|worst|panicked|nmse .*e-0[0-8]" "$OUTDIR/$t.log" | head -60 || true
 done
+if [ -n "${PROFILE_LAYERS:-}" ]; then
+  echo "== per-kernel profile (LILY_CUDA_PROFILE=1, $PROFILE_LAYERS layers, context 256, 16 decode steps)"
+  LILY_CUDA_PROFILE=1 timeout 180 .gpu/x/bin/lily bench --device cuda --model synthetic:qwen3.6-35b-a3b \
+    --layers "$PROFILE_LAYERS" --contexts 256 --warmup 0 --decode-steps 16 >"$OUTDIR/profile.txt" 2>&1 || status=1
+  grep -E "^\|" "$OUTDIR/profile.txt" | head -24 || true
+fi
 echo "== bench"
 BENCH_CONTEXTS=${BENCH_CONTEXTS:-256,4096}
 timeout "${BENCH_TIMEOUT:-420}" .gpu/x/bin/lily bench --device cuda --model synthetic:qwen3.6-35b-a3b \

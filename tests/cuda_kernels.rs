@@ -131,7 +131,8 @@ fn gemv_quantized_and_dense_match_cpu() {
         let mut wrow = vec![0f32; l.cols];
         l.row_f32(row, &mut wrow);
         let ob = g.upload_f32(&vec![f32::NAN; l.cols]).unwrap();
-        g.embed(&gl, row, ob.ptr).unwrap();
+        let rowb = g.upload_bytes(&(row as i32).to_le_bytes()).unwrap();
+        g.embed(&gl, rowb.ptr, ob.ptr).unwrap();
         check(&format!("embed_row {name}"), &ob.read_f32(0, l.cols).unwrap(), &wrow, 1e-12);
     }
 }
@@ -301,6 +302,7 @@ fn attention_decode_matches_cpu() {
             o.iter_mut().zip(&gate).for_each(|(a, b)| *a *= sigmoid(*b));
             // GPU
             let (qgb, kb, vb) = (gb(&qg), gb(&k), gb(&v));
+            let posb = g.upload_bytes(&(pos as i32).to_le_bytes()).unwrap();
             g.attn_prep(&lily::cuda::AttnPrep {
                 qg: qgb.ptr,
                 k: kb.ptr,
@@ -315,12 +317,12 @@ fn attention_decode_matches_cpu() {
                 hd,
                 gated: true,
                 rot,
-                pos,
+                pos: posb.ptr,
                 theta,
                 eps: 1e-6,
             })
             .unwrap();
-            g.attn_decode(qo.ptr, gkc.ptr, gvc.ptr, qgb.ptr, out.ptr, nh, hkv, hd, pos + 1, true).unwrap();
+            g.attn_decode(qo.ptr, gkc.ptr, gvc.ptr, qgb.ptr, out.ptr, nh, hkv, hd, posb.ptr, true).unwrap();
             if pos < 3 || pos + 1 == steps {
                 let name = format!("attention H{nh} H_kv{hkv} D{hd} R{rot} pos {pos}");
                 check(&format!("{name} q"), &qo.read_f32(0, nh * hd).unwrap(), &q, TOL);

@@ -127,7 +127,14 @@ fn cuda_synthetic_tiny_matches_cpu() {
     let gm = lily::cuda::upload_cached(&model).unwrap();
     let prompt: Vec<u32> = (0..300u32).map(|i| (i * 7919 + 13) % 1024).collect();
     let want = CpuSession::new(model.clone()).forward_all(&prompt).unwrap();
-    let got = CudaSession::new(gm).forward_all(&prompt).unwrap();
+    let mut graphs = CudaSession::new(gm.clone());
+    graphs.use_graphs = true;
+    let got = graphs.forward_all(&prompt).unwrap();
     let worst = compare_rows("synthetic:tiny cuda vs cpu", &got, &want, 1024);
-    eprintln!("synthetic:tiny: cuda vs cpu worst |Δ|/range = {worst:.2e}");
+    eprintln!("synthetic:tiny: cuda (graphs) vs cpu worst |Δ|/range = {worst:.2e}");
+    // The same kernels launched eagerly give bit-identical logits.
+    let mut eager = CudaSession::new(gm);
+    eager.use_graphs = false;
+    let got_eager = eager.forward_all(&prompt).unwrap();
+    assert!(got_eager == got, "graph replay and eager launches differ");
 }

@@ -16,6 +16,19 @@ mod ops;
 pub use model::{upload_cached, uploaded, CudaModel, CudaSession};
 pub use ops::{AttnPrep, GdnStep, GpuLinear};
 
+/// A captured CUDA graph, ready to replay on [`Gpu::stream`].
+pub struct Graph(sys::CUgraphExec);
+
+// SAFETY: a graph exec handle may be launched from any thread with the context current.
+unsafe impl Send for Graph {}
+
+impl Drop for Graph {
+    fn drop(&mut self) {
+        // SAFETY: the handle came from instantiate and is destroyed once.
+        let _ = unsafe { drv::graph::exec_destroy(self.0) };
+    }
+}
+
 use anyhow::{anyhow, bail, Context, Result};
 use cudarc::driver::{result as drv, sys, CudaContext};
 use std::collections::HashMap;
@@ -180,6 +193,9 @@ pub struct Gpu {
     pub arch: &'static str,
     pub total_mem: usize,
     funcs: HashMap<&'static str, sys::CUfunction>,
+    /// The stream every kernel runs on: a blocking stream (it synchronizes with the legacy
+    /// default stream, which the synchronous copies use) that CUDA graphs can capture.
+    pub stream: sys::CUstream,
 }
 
 // SAFETY: CUfunction handles are immutable after load and valid in every thread that has the
@@ -255,7 +271,8 @@ impl Gpu {
                 .map_err(|e| anyhow!("kernel {k} missing from the module: {e:?}"))?;
             funcs.insert(k, f);
         }
-        Ok(Gpu { ctx, name, arch, total_mem, funcs })
+        let stream = drv::stream::create(drv::stream::StreamKind::Default).map_err(|e| anyhow!("{e:?}"))?;
+        Ok(Gpu { ctx, name, arch, total_mem, funcs, stream })
     }
 
     /// Makes the context current on this thread (sessions may move between threads).
@@ -281,7 +298,7 @@ impl Gpu {
         let t0 = if prof { Some(self.event_now()?) } else { None };
         // SAFETY: the argument list matches the kernel's signature (checked by the typed wrappers
         // in ops.rs); every pointer is a live device allocation of the size the kernel reads.
-        unsafe { drv::launch_kernel(f, grid, (block, 1, 1), 0, drv::stream::null(), &mut ptrs) }
+        unsafe { drv::launch_kernel(f, grid, (block, 1, 1), 0, self.stream, &mut ptrs) }
             .map_err(|e| anyhow!("launching {name}: {e:?}"))?;
         if let Some(t0) = t0 {
             let t1 = self.event_now()?;
@@ -308,8 +325,31 @@ impl Gpu {
     fn event_now(&self) -> Result<sys::CUevent> {
         let e = drv::event::create(sys::CUevent_flags::CU_EVENT_DEFAULT).map_err(|e| anyhow!("{e:?}"))?;
         // SAFETY: e is a fresh event, recorded on the default stream.
-        unsafe { drv::event::record(e, drv::stream::null()) }.map_err(|e| anyhow!("{e:?}"))?;
+        unsafe { drv::event::record(e, self.stream) }.map_err(|e| anyhow!("{e:?}"))?;
         Ok(e)
+    }
+
+    /// Records the launches `f` makes on the stream into a graph (nothing runs yet).
+    pub fn capture(&self, f: impl FnOnce() -> Result<()>) -> Result<Graph> {
+        self.bind()?;
+        // SAFETY: the stream is ours; capture ends below on every path.
+        unsafe {
+            drv::stream::begin_capture(self.stream, sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)
+                .map_err(|e| anyhow!("begin capture: {e:?}"))?;
+            let r = f();
+            let g = drv::stream::end_capture(self.stream).map_err(|e| anyhow!("end capture: {e:?}"));
+            r?;
+            let g = g?;
+            let exec = drv::graph::instantiate(g, sys::CUgraphInstantiate_flags(0));
+            let _ = drv::graph::destroy(g);
+            Ok(Graph(exec.map_err(|e| anyhow!("instantiate graph: {e:?}"))?))
+        }
+    }
+
+    /// Replays a captured graph on the stream.
+    pub fn replay(&self, g: &Graph) -> Result<()> {
+        // SAFETY: g is a live graph exec of this context.
+        unsafe { drv::graph::launch(g.0, self.stream) }.map_err(|e| anyhow!("graph launch: {e:?}"))
     }
 
     /// Waits for all queued work and reports any asynchronous kernel error.

@@ -8,7 +8,7 @@
 //! yet fast); `docs/perf-log.md` says so next to the numbers.
 
 use super::ops::{AttnPrep, GdnStep, GpuLinear};
-use super::{gpu, DevBuf, Gpu};
+use super::{gpu, DevBuf, Gpu, Graph};
 use crate::config::ModelConfig;
 use crate::generate::{Session, Snapshot};
 use crate::model::{Ffn, Logits, Mixer, Mlp, Model};
@@ -214,6 +214,8 @@ struct Scratch {
     sgate: DevBuf,
     logits: DevBuf,
     amax: DevBuf,
+    /// i32 [token, position] of the step being run (read by the kernels, so graphs replay).
+    io: DevBuf,
 }
 
 enum GState {
@@ -235,11 +237,17 @@ pub struct CudaSession {
     pos: usize,
     scratch: Option<Scratch>,
     states: Vec<GState>,
+    /// Replay each step as a captured CUDA graph (default; `LILY_CUDA_GRAPHS=0` or profiling
+    /// turns it off). Graphs are captured lazily, one without and one with the lm_head, and
+    /// dropped whenever a cache buffer moves.
+    pub use_graphs: bool,
+    graphs: [Option<Graph>; 2],
 }
 
 impl CudaSession {
     pub fn new(model: Arc<CudaModel>) -> CudaSession {
-        CudaSession { model, pos: 0, scratch: None, states: Vec::new() }
+        let use_graphs = !super::profiling() && std::env::var("LILY_CUDA_GRAPHS").map_or(true, |v| v != "0");
+        CudaSession { model, pos: 0, scratch: None, states: Vec::new(), use_graphs, graphs: [None, None] }
     }
 
     fn ensure(&mut self) -> Result<()> {
@@ -279,8 +287,10 @@ impl CudaSession {
             sgate: f(1)?,
             logits: f(c.vocab_size)?,
             amax: f(1)?,
+            io: f(2)?,
         });
         self.states = self.fresh_states()?;
+        self.graphs = [None, None];
         Ok(())
     }
 
@@ -314,31 +324,54 @@ impl CudaSession {
         Ok(())
     }
 
-    /// Runs one token through the model at `self.pos`; leaves the final normed hidden in `xn`
-    /// and, when `logits`, the logits in the scratch `logits` buffer.
+    /// Runs one token through the model at `self.pos`; when `logits`, leaves the logits in the
+    /// scratch `logits` buffer.
     fn step(&mut self, tok: u32, logits: bool) -> Result<()> {
-        let m = self.model.clone();
-        let g = &m.gpu;
-        let c = &m.cfg;
+        let g = self.model.gpu.clone();
+        let kvd = self.model.cfg.kv_dim();
         let pos = self.pos;
-        let h = c.hidden_size;
-        let eps = c.rms_norm_eps;
-        // Grow the KV caches before borrowing the scratch.
+        // Grow the KV caches (outside any graph; the graphs hold the old addresses).
         for st in self.states.iter_mut() {
             if let GState::Attn { k, v, cap } = st {
                 if pos + 1 > *cap {
                     let ncap = (*cap * 2).max(pos + 1);
-                    let (nk, nv) = (g.zeros(4 * ncap * c.kv_dim())?, g.zeros(4 * ncap * c.kv_dim())?);
+                    let (nk, nv) = (g.zeros(4 * ncap * kvd)?, g.zeros(4 * ncap * kvd)?);
                     nk.copy_from(0, k.ptr, k.bytes)?;
                     nv.copy_from(0, v.ptr, v.bytes)?;
                     *k = nk;
                     *v = nv;
                     *cap = ncap;
+                    self.graphs = [None, None];
                 }
             }
         }
         let s = self.scratch.as_ref().context("session scratch")?;
-        g.embed(&m.embed, tok as usize, s.x.ptr)?;
+        let io = [tok as i32, pos as i32];
+        s.io.write_bytes(0, &io.iter().flat_map(|v| v.to_le_bytes()).collect::<Vec<u8>>())?;
+        if self.use_graphs {
+            let i = logits as usize;
+            if self.graphs[i].is_none() {
+                let graph = g.capture(|| self.record(logits))?;
+                self.graphs[i] = Some(graph);
+            }
+            g.replay(self.graphs[i].as_ref().unwrap())?;
+        } else {
+            self.record(logits)?;
+        }
+        self.pos += 1;
+        Ok(())
+    }
+
+    /// Queues every kernel of one step (token and position come from the `io` buffer).
+    fn record(&self, logits: bool) -> Result<()> {
+        let m = &self.model;
+        let g = &m.gpu;
+        let c = &m.cfg;
+        let h = c.hidden_size;
+        let eps = c.rms_norm_eps;
+        let s = self.scratch.as_ref().context("session scratch")?;
+        let (tok_p, pos_p) = (s.io.ptr, s.io.at(4));
+        g.embed(&m.embed, tok_p, s.x.ptr)?;
         for (layer, st) in m.layers.iter().zip(self.states.iter()) {
             g.rms_norm(s.x.ptr, layer.input_norm.ptr, s.xn.ptr, 1, h, eps)?;
             match (&layer.mixer, st) {
@@ -388,22 +421,11 @@ impl CudaSession {
                         hd,
                         gated: c.attn_output_gate,
                         rot: c.rotary_dim,
-                        pos,
+                        pos: pos_p,
                         theta: c.rope_theta,
                         eps,
                     })?;
-                    g.attn_decode(
-                        s.q.ptr,
-                        kc.ptr,
-                        vc.ptr,
-                        s.p0.ptr,
-                        s.o.ptr,
-                        nh,
-                        hkv,
-                        hd,
-                        pos + 1,
-                        c.attn_output_gate,
-                    )?;
+                    g.attn_decode(s.q.ptr, kc.ptr, vc.ptr, s.p0.ptr, s.o.ptr, nh, hkv, hd, pos_p, c.attn_output_gate)?;
                     g.gemv(o, s.o.ptr, 0, s.x.ptr, 1, 0, true)?;
                 }
                 _ => bail!("layer state does not match the layer kind"),
@@ -436,7 +458,6 @@ impl CudaSession {
                 }
             }
         }
-        self.pos += 1;
         if logits {
             g.rms_norm(s.x.ptr, m.norm.ptr, s.xn.ptr, 1, h, eps)?;
             g.gemv(&m.lm_head, s.xn.ptr, 0, s.logits.ptr, 1, 0, false)?;
@@ -519,6 +540,7 @@ impl CudaSession {
                         *gk = g.zeros(4 * ncap * c.kv_dim())?;
                         *gv = g.zeros(4 * ncap * c.kv_dim())?;
                         *cap = ncap;
+                        self.graphs = [None, None];
                     }
                     gk.write_f32(0, k)?;
                     gv.write_f32(0, v)?;
@@ -571,6 +593,7 @@ impl Session for CudaSession {
         if self.scratch.is_some() {
             if let Ok(s) = self.fresh_states() {
                 self.states = s;
+                self.graphs = [None, None];
             }
         }
     }

@@ -181,10 +181,10 @@ impl Gpu {
         self.launch("linear_gemm", (blocks(w.rows, 8), blocks(t, 8), 1), 256, &a)
     }
 
-    /// `out = W[row, :]` dequantized to f32.
-    pub fn embed(&self, w: &GpuLinear, row: usize, out: u64) -> Result<()> {
+    /// `out = W[row, :]` dequantized to f32, `row` read from the device i32 at `row_p`.
+    pub fn embed(&self, w: &GpuLinear, row_p: u64, out: u64) -> Result<()> {
         let mut a = w.wargs().to_vec();
-        a.extend([Arg::I(row as i32), Arg::I(w.cols as i32), Arg::P(out)]);
+        a.extend([Arg::P(row_p), Arg::I(w.cols as i32), Arg::P(out)]);
         self.launch("embed_row", (blocks(w.cols, 256), 1, 1), 256, &a)
     }
 
@@ -249,14 +249,15 @@ impl Gpu {
                 Arg::I(p.hd as i32),
                 Arg::I(p.gated as i32),
                 Arg::I(p.rot as i32),
-                Arg::I(p.pos as i32),
+                Arg::P(p.pos),
                 Arg::D(p.theta),
                 Arg::F(p.eps),
             ],
         )
     }
 
-    /// Attention of one query token over `l` cached positions, output gate applied.
+    /// Attention of one query token over `pos + 1` cached positions (`pos`: device i32), output
+    /// gate applied.
     pub fn attn_decode(
         &self,
         q: u64,
@@ -267,7 +268,7 @@ impl Gpu {
         nh: usize,
         hkv: usize,
         hd: usize,
-        l: usize,
+        pos: u64,
         gated: bool,
     ) -> Result<()> {
         let scale = 1.0 / (hd as f32).sqrt();
@@ -284,7 +285,7 @@ impl Gpu {
                 Arg::I(nh as i32),
                 Arg::I(hkv as i32),
                 Arg::I(hd as i32),
-                Arg::I(l as i32),
+                Arg::P(pos),
                 Arg::F(scale),
                 Arg::I(gated as i32),
             ],
@@ -355,7 +356,8 @@ pub struct AttnPrep {
     pub hd: usize,
     pub gated: bool,
     pub rot: usize,
-    pub pos: usize,
+    /// Device i32: the position of this token.
+    pub pos: u64,
     pub theta: f64,
     pub eps: f32,
 }
