@@ -11,12 +11,17 @@
  *   Block H_q + h: k head h likewise with k_norm, written to kc[pos, h]; v copied to vc[pos, h].
  *   Caches kc, vc: [capacity, H_kv, D] fp32.
  *
- * attn_decode: grid (H_q), block 256 = 8 warps. Query head h reads KV head h / (H_q/H_kv).
+ * attn_decode (flash-decoding): grid (H_q, S splits), block 256 = 8 warps. Query head h reads KV
+ *   head h / (H_q/H_kv); split s covers positions [s*ceil(L/S), (s+1)*ceil(L/S)) ∩ [0, L).
  *   Warp w takes positions 8w..8w+7, then +64, ... < L (8 independent warp dot products per round;
  *   each lane holds D/32 <= 8 dims, coalesced), then one online-softmax update per round (running
  *   max m, sum l, output o).
- *   The 8 partial (m, l, o) are merged through shared memory: o = sum_w o_w e^{m_w - M} / sum_w l_w e^{m_w - M}.
- *   out[h] = o * sigmoid(gate[h]) when gated. scale = 1/sqrt(D).
+ *   The 8 warps' (m, l, o) are merged through shared memory and written unnormalized as the split's
+ *   partial: part[h, s] = (M_s, l_s = sum_w l_w e^{m_w - M_s}, o_s = sum_w o_w e^{m_w - M_s}) [D + 2].
+ *   An empty split writes M = -inf. scale = 1/sqrt(D).
+ *
+ * attn_combine: grid (H_q), block 256: M = max_s M_s; out[h] = sum_s o_s e^{M_s - M} / sum_s l_s e^{M_s - M},
+ *   times sigmoid(gate[h]) when gated.
  */
 extern "C" __global__ void attn_prep(const float* qg, const float* kin, const float* vin, const float* qn,
                                      const float* kn, float* q_out, float* kc, float* vc, int nh, int hkv, int hd,
@@ -52,14 +57,17 @@ extern "C" __global__ void attn_prep(const float* qg, const float* kin, const fl
     }
 }
 
-extern "C" __global__ void attn_decode(const float* q, const float* kc, const float* vc, const float* qg,
-                                       float* out, int nh, int hkv, int hd, const int* pos_p, float scale, int gated) {
-    int L = pos_p[0] + 1;
+extern "C" __global__ void attn_decode(const float* q, const float* kc, const float* vc, float* part, int nh,
+                                       int hkv, int hd, const int* pos_p, float scale) {
     __shared__ float so[8][256];
     __shared__ float sm[8], sl[8];
-    int h = blockIdx.x, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    int L = pos_p[0] + 1;
+    int h = blockIdx.x, split = blockIdx.y, S = gridDim.y;
+    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     int kvh = h / (nh / hkv);
     int nd = hd / 32;
+    int chunk = (L + S - 1) / S;
+    int lo = split * chunk, hi = min(L, lo + chunk);
     float qv[8], o[8];
     for (int i = 0; i < 8; i++) {
         qv[i] = i < nd ? q[(long long)h * hd + lane + 32 * i] : 0.f;
@@ -68,13 +76,13 @@ extern "C" __global__ void attn_decode(const float* q, const float* kc, const fl
     float m = -INFINITY, l = 0.f;
     /* Each warp takes 8 consecutive positions per round (rounds stride 64): the 8 dot products
        load independently, then one online-softmax update covers all 8. */
-    for (int p0 = warp * 8; p0 < L; p0 += 64) {
+    for (int p0 = lo + warp * 8; p0 < hi; p0 += 64) {
         float d[8];
 #pragma unroll
         for (int u = 0; u < 8; u++) {
             int p = p0 + u;
             float acc = 0.f;
-            if (p < L) {
+            if (p < hi) {
                 const float* kp = kc + ((long long)p * hkv + kvh) * hd;
 #pragma unroll
                 for (int i = 0; i < 8; i++)
@@ -85,7 +93,7 @@ extern "C" __global__ void attn_decode(const float* q, const float* kc, const fl
         float mx = m;
 #pragma unroll
         for (int u = 0; u < 8; u++) {
-            d[u] = p0 + u < L ? warp_sum(d[u]) * scale : -INFINITY;
+            d[u] = p0 + u < hi ? warp_sum(d[u]) * scale : -INFINITY;
             mx = fmaxf(mx, d[u]);
         }
         float corr = expf(m - mx);
@@ -95,7 +103,7 @@ extern "C" __global__ void attn_decode(const float* q, const float* kc, const fl
 #pragma unroll
         for (int u = 0; u < 8; u++) {
             int p = p0 + u;
-            if (p < L) {
+            if (p < hi) {
                 float pw = expf(d[u] - mx);
                 l += pw;
                 const float* vp = vc + ((long long)p * hkv + kvh) * hd;
@@ -114,13 +122,39 @@ extern "C" __global__ void attn_decode(const float* q, const float* kc, const fl
     __syncthreads();
     float M = -INFINITY;
     for (int w = 0; w < 8; w++) M = fmaxf(M, sm[w]);
-    float Lsum = 0.f;
-    for (int w = 0; w < 8; w++) Lsum += sm[w] == -INFINITY ? 0.f : sl[w] * expf(sm[w] - M);
+    float* pp = part + ((long long)h * S + split) * (hd + 2);
+    if (threadIdx.x == 0) {
+        float Lsum = 0.f;
+        for (int w = 0; w < 8; w++) Lsum += sm[w] == -INFINITY ? 0.f : sl[w] * expf(sm[w] - M);
+        pp[0] = M;
+        pp[1] = Lsum;
+    }
     for (int d = threadIdx.x; d < hd; d += blockDim.x) {
         float acc = 0.f;
         for (int w = 0; w < 8; w++)
             if (sm[w] != -INFINITY) acc += so[w][d] * expf(sm[w] - M);
-        float r = acc / Lsum;
+        pp[2 + d] = acc;
+    }
+}
+
+extern "C" __global__ void attn_combine(const float* part, const float* qg, float* out, int nh, int hd, int S,
+                                        int gated) {
+    int h = blockIdx.x;
+    const float* ph = part + (long long)h * S * (hd + 2);
+    float M = -INFINITY;
+    for (int s = 0; s < S; s++) M = fmaxf(M, ph[s * (hd + 2)]);
+    float den = 0.f;
+    for (int s = 0; s < S; s++) {
+        float ms = ph[s * (hd + 2)];
+        if (ms != -INFINITY) den += ph[s * (hd + 2) + 1] * expf(ms - M);
+    }
+    for (int d = threadIdx.x; d < hd; d += blockDim.x) {
+        float acc = 0.f;
+        for (int s = 0; s < S; s++) {
+            float ms = ph[s * (hd + 2)];
+            if (ms != -INFINITY) acc += ph[s * (hd + 2) + 2 + d] * expf(ms - M);
+        }
+        float r = acc / den;
         if (gated) r *= sigmoid_f(qg[(long long)h * 2 * hd + hd + d]);
         out[(long long)h * hd + d] = r;
     }

@@ -4,13 +4,15 @@
  * moe_topk: logits [E] (E <= 1024) -> ids [K] (int), weights [K] (f32), all on the device.
  *   p_e = exp(l_e - max l); top-K by logit (ties: lower index), w_k = p_k / (renorm ? sum_topk p : sum_all p)
  *   (fp32 softmax, renormalized over the K chosen). grid 1, block 32 (one warp): K rounds of a
- *   warp argmax over a shared copy, the winner masked out each round.
+ *   warp argmax over a shared copy, the winner masked out each round. ids2 (nullable) gets
+ *   [2e, 2e+1] per choice: the rows of expert e's gate and up in an interleaved gate/up stack.
  *
  * moe_combine: x[r] += sum_k w_k * ye[k, r] + g * ys[r], g = sigmoid(sg[0]) when sg, else 1
  *   (shared expert gate); ye [K, H] expert outputs, ys [H] shared expert output (ys may be null).
  *   grid ceil(H/256), block 256.
  */
-extern "C" __global__ void moe_topk(const float* logits, int E, int K, int renorm, int* ids, float* wout) {
+extern "C" __global__ void moe_topk(const float* logits, int E, int K, int renorm, int* ids, float* wout,
+                                    int* ids2) {
     __shared__ float ls[1024];
     __shared__ int chosen[64];
     int lane = threadIdx.x;
@@ -50,6 +52,10 @@ extern "C" __global__ void moe_topk(const float* logits, int E, int K, int renor
         for (int k = 0; k < K; k++) {
             ids[k] = chosen[k];
             wout[k] = expf(logits[chosen[k]] - mx) / den;
+            if (ids2) {
+                ids2[2 * k] = 2 * chosen[k];
+                ids2[2 * k + 1] = 2 * chosen[k] + 1;
+            }
         }
     }
 }

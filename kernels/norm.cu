@@ -4,6 +4,8 @@
  * rms_norm:  y[r, :] = x[r, :] * rsqrt(mean(x[r, :]^2) + eps) * w      x, y: [rows, d], w: [d]
  *            grid (rows), block 256; one block per row, block_sum over d. y may alias x.
  * silu_mul:  h[i] = silu(g[i]) * u[i] for i < n                         grid ceil(n/256), block 256
+ * silu_mul_pairs: h[k, i] = silu(gu[2k, i]) * gu[2k+1, i], i < n, k < pairs (fused gate/up GEMV
+ *            output, gate and up of one expert side by side)     grid ceil(n*pairs/256), block 256
  * add:       x[i] += y[i]                                                grid ceil(n/256), block 256
  */
 extern "C" __global__ void rms_norm(const float* x, const float* w, float* y, int d, float eps) {
@@ -20,6 +22,13 @@ extern "C" __global__ void rms_norm(const float* x, const float* w, float* y, in
 extern "C" __global__ void silu_mul(const float* g, const float* u, float* h, int n) {
     int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) h[i] = silu_f(g[i]) * u[i];
+}
+
+extern "C" __global__ void silu_mul_pairs(const float* gu, float* h, int n, int pairs) {
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n * pairs) return;
+    int k = i / n, j = i - k * n;
+    h[i] = silu_f(gu[(long long)(2 * k) * n + j]) * gu[(long long)(2 * k + 1) * n + j];
 }
 
 extern "C" __global__ void add_inplace(float* x, const float* y, int n) {

@@ -270,6 +270,9 @@ fn attention_decode_matches_cpu() {
         let (qnb, knb) = (gb(&qn), gb(&kn));
         let (gkc, gvc) = (gb(&vec![0f32; steps * kvd]), gb(&vec![0f32; steps * kvd]));
         let (qo, out) = (gb(&vec![f32::NAN; nh * hd]), gb(&vec![f32::NAN; nh * hd]));
+        // More splits than positions early on: empty splits must merge as nothing.
+        let splits = 32;
+        let part = gb(&vec![f32::NAN; nh * splits * (hd + 2)]);
         for pos in 0..steps {
             let qg = uniform(&mut r, nh * 2 * hd, 2.0);
             let k = uniform(&mut r, kvd, 2.0);
@@ -322,7 +325,8 @@ fn attention_decode_matches_cpu() {
                 eps: 1e-6,
             })
             .unwrap();
-            g.attn_decode(qo.ptr, gkc.ptr, gvc.ptr, qgb.ptr, out.ptr, nh, hkv, hd, posb.ptr, true).unwrap();
+            g.attn_decode(qo.ptr, gkc.ptr, gvc.ptr, qgb.ptr, out.ptr, (nh, hkv, hd), posb.ptr, true, part.ptr, splits)
+                .unwrap();
             if pos < 3 || pos + 1 == steps {
                 let name = format!("attention H{nh} H_kv{hkv} D{hd} R{rot} pos {pos}");
                 check(&format!("{name} q"), &qo.read_f32(0, nh * hd).unwrap(), &q, TOL);
@@ -350,16 +354,20 @@ fn moe_topk_and_argmax_match_cpu() {
     cases.push(("constant".into(), vec![1.0; 32], 4));
     let idb = g.zeros(4 * 64).unwrap();
     let wb = g.zeros(4 * 64).unwrap();
+    let id2b = g.zeros(4 * 128).unwrap();
     for (name, logits, k) in &cases {
         let lb = g.upload_f32(logits).unwrap();
         for renorm in [true, false] {
-            g.moe_topk(lb.ptr, logits.len(), *k, renorm, idb.ptr, wb.ptr).unwrap();
+            g.moe_topk(lb.ptr, logits.len(), *k, renorm, idb.ptr, wb.ptr, id2b.ptr).unwrap();
             let want = lily::cpu::moe::route(logits, *k, renorm);
             let ids = idb.read_i32(*k).unwrap();
             let w = wb.read_f32(0, *k).unwrap();
             let want_ids: Vec<i32> = want.iter().map(|(e, _)| *e as i32).collect();
             let want_w: Vec<f32> = want.iter().map(|(_, w)| *w).collect();
             assert_eq!(ids, want_ids, "moe_topk {name}: ids");
+            let ids2 = id2b.read_i32(2 * k).unwrap();
+            let want2: Vec<i32> = want_ids.iter().flat_map(|&e| [2 * e, 2 * e + 1]).collect();
+            assert_eq!(ids2, want2, "moe_topk {name}: interleaved gate/up ids");
             check(&format!("moe_topk {name} renorm {renorm}"), &w, &want_w, 1e-12);
         }
         g.argmax(lb.ptr, logits.len(), idb.ptr).unwrap();

@@ -48,9 +48,10 @@ pub const SOURCES: [(&str, &str); 7] = [
 ];
 
 /// Kernel entry points loaded from the module.
-pub const KERNELS: [&str; 13] = [
+pub const KERNELS: [&str; 15] = [
     "rms_norm",
     "silu_mul",
+    "silu_mul_pairs",
     "add_inplace",
     "linear_gemv",
     "linear_gemm",
@@ -59,6 +60,7 @@ pub const KERNELS: [&str; 13] = [
     "gdn_step",
     "attn_prep",
     "attn_decode",
+    "attn_combine",
     "moe_topk",
     "moe_combine",
     "argmax",

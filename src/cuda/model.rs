@@ -17,18 +17,66 @@ use crate::state::{LayerState, State};
 use anyhow::{bail, Context, Result};
 use std::sync::{Arc, Mutex, Weak};
 
+/// Several projections of the same input written side by side into one output buffer: one
+/// GEMV over the concatenated rows when the formats allow, else one GEMV per part.
+struct Proj {
+    fused: Option<GpuLinear>,
+    parts: Vec<GpuLinear>,
+    /// Output offset (f32 elements) of each part.
+    offs: Vec<usize>,
+}
+
+impl Proj {
+    fn new(g: &Arc<Gpu>, parts: &[&crate::linear::Linear]) -> Result<Proj> {
+        let mut offs = Vec::new();
+        let mut o = 0;
+        for p in parts {
+            offs.push(o);
+            o += p.rows;
+        }
+        Ok(match GpuLinear::concat(g, parts)? {
+            Some(f) => Proj { fused: Some(f), parts: Vec::new(), offs },
+            None => {
+                Proj { fused: None, parts: parts.iter().map(|p| GpuLinear::upload(g, p)).collect::<Result<_>>()?, offs }
+            }
+        })
+    }
+
+    fn run(&self, g: &Gpu, x: u64, out: u64) -> Result<()> {
+        match &self.fused {
+            Some(f) => g.gemv(f, x, 0, out, 1, 0, false),
+            None => {
+                for (p, o) in self.parts.iter().zip(&self.offs) {
+                    g.gemv(p, x, 0, out + 4 * *o as u64, 1, 0, false)?;
+                }
+                Ok(())
+            }
+        }
+    }
+
+    fn nbytes(&self) -> usize {
+        self.fused.as_ref().map_or(0, |f| f.nbytes()) + self.parts.iter().map(|p| p.nbytes()).sum::<usize>()
+    }
+}
+
+/// A SwiGLU MLP: gate and up side by side (`[gate | up]` output), then down.
 struct GMlp {
-    gate: GpuLinear,
-    up: GpuLinear,
+    gate_up: Proj,
+    inter: usize,
+    down: GpuLinear,
+}
+
+/// All experts of a layer: gate and up interleaved per expert (`[E·2, I, H]`, so expert e's gate
+/// is matrix 2e and its up 2e+1), down stacked `[E, H, I]`.
+struct GExperts {
+    gate_up: GpuLinear,
     down: GpuLinear,
 }
 
 enum GMixer {
     Gdn {
-        in_qkv: GpuLinear,
-        in_z: GpuLinear,
-        in_b: GpuLinear,
-        in_a: GpuLinear,
+        /// `[qkv | z | b | a]`.
+        proj: Proj,
         conv: DevBuf,
         dt_bias: DevBuf,
         neg_a: DevBuf,
@@ -36,9 +84,8 @@ enum GMixer {
         out: GpuLinear,
     },
     Attn {
-        q: GpuLinear,
-        k: GpuLinear,
-        v: GpuLinear,
+        /// `[q (with gate) | k | v]`.
+        proj: Proj,
         o: GpuLinear,
         q_norm: DevBuf,
         k_norm: DevBuf,
@@ -47,11 +94,10 @@ enum GMixer {
 
 enum GFfn {
     Moe {
-        router: GpuLinear,
-        /// All experts stacked: gate/up `[E·I, H]`, down `[E·H, I]`.
-        experts: GMlp,
+        /// `[router logits (E) | shared-expert gate (1)]`.
+        router: Proj,
+        experts: GExperts,
         shared: GMlp,
-        shared_gate: GpuLinear,
     },
     Dense(GMlp),
 }
@@ -76,11 +122,7 @@ pub struct CudaModel {
 }
 
 fn mlp(g: &Arc<Gpu>, m: &Mlp) -> Result<GMlp> {
-    Ok(GMlp {
-        gate: GpuLinear::upload(g, &m.gate)?,
-        up: GpuLinear::upload(g, &m.up)?,
-        down: GpuLinear::upload(g, &m.down)?,
-    })
+    Ok(GMlp { gate_up: Proj::new(g, &[&m.gate, &m.up])?, inter: m.gate.rows, down: GpuLinear::upload(g, &m.down)? })
 }
 
 impl CudaModel {
@@ -98,10 +140,7 @@ impl CudaModel {
         for l in &model.layers {
             let mixer = match &l.mixer {
                 Mixer::Gdn(x) => GMixer::Gdn {
-                    in_qkv: up(&x.in_qkv)?,
-                    in_z: up(&x.in_z)?,
-                    in_b: up(&x.in_b)?,
-                    in_a: up(&x.in_a)?,
+                    proj: Proj::new(&g, &[&x.in_qkv, &x.in_z, &x.in_b, &x.in_a])?,
                     conv: g.upload_f32(&x.conv)?,
                     dt_bias: g.upload_f32(&x.dt_bias)?,
                     neg_a: g.upload_f32(&x.neg_a)?,
@@ -109,9 +148,7 @@ impl CudaModel {
                     out: up(&x.out)?,
                 },
                 Mixer::Attention(a) => GMixer::Attn {
-                    q: up(&a.q)?,
-                    k: up(&a.k)?,
-                    v: up(&a.v)?,
+                    proj: Proj::new(&g, &[&a.q, &a.k, &a.v])?,
                     o: up(&a.o)?,
                     q_norm: g.upload_f32(&a.q_norm)?,
                     k_norm: g.upload_f32(&a.k_norm)?,
@@ -119,18 +156,15 @@ impl CudaModel {
             };
             let ffn = match &l.ffn {
                 Ffn::Moe(m) => {
-                    let gates: Vec<_> = m.experts.iter().map(|e| &e.gate).collect();
-                    let ups: Vec<_> = m.experts.iter().map(|e| &e.up).collect();
+                    let gate_up: Vec<_> = m.experts.iter().flat_map(|e| [&e.gate, &e.up]).collect();
                     let downs: Vec<_> = m.experts.iter().map(|e| &e.down).collect();
                     GFfn::Moe {
-                        router: up(&m.router)?,
-                        experts: GMlp {
-                            gate: GpuLinear::stack(&g, &gates)?,
-                            up: GpuLinear::stack(&g, &ups)?,
+                        router: Proj::new(&g, &[&m.router, &m.shared_gate])?,
+                        experts: GExperts {
+                            gate_up: GpuLinear::stack(&g, &gate_up)?,
                             down: GpuLinear::stack(&g, &downs)?,
                         },
                         shared: mlp(&g, &m.shared)?,
-                        shared_gate: up(&m.shared_gate)?,
                     }
                 }
                 Ffn::Dense(m) => GFfn::Dense(mlp(&g, m)?),
@@ -150,23 +184,24 @@ impl CudaModel {
         let mut weight_bytes = embed.nbytes() + lm_head.nbytes();
         for l in &layers {
             weight_bytes += match &l.mixer {
-                GMixer::Gdn { in_qkv, in_z, in_b, in_a, out, .. } => {
-                    in_qkv.nbytes() + in_z.nbytes() + in_b.nbytes() + in_a.nbytes() + out.nbytes()
-                }
-                GMixer::Attn { q, k, v, o, .. } => q.nbytes() + k.nbytes() + v.nbytes() + o.nbytes(),
+                GMixer::Gdn { proj, out, .. } => proj.nbytes() + out.nbytes(),
+                GMixer::Attn { proj, o, .. } => proj.nbytes() + o.nbytes(),
             };
-            let m3 = |m: &GMlp| m.gate.nbytes() + m.up.nbytes() + m.down.nbytes();
+            let m2 = |m: &GMlp| m.gate_up.nbytes() + m.down.nbytes();
             weight_bytes += match &l.ffn {
-                GFfn::Moe { router, experts, shared, shared_gate } => {
-                    router.nbytes() + m3(experts) + m3(shared) + shared_gate.nbytes()
+                GFfn::Moe { router, experts, shared } => {
+                    router.nbytes() + experts.gate_up.nbytes() + experts.down.nbytes() + m2(shared)
                 }
-                GFfn::Dense(m) => m3(m),
+                GFfn::Dense(m) => m2(m),
             };
         }
         g.sync()?;
         Ok(CudaModel { gpu: g, cfg, embed, lm_head, norm, layers, weight_bytes })
     }
 }
+
+/// Blocks per query head in attention decode (16 heads × 32 = 512 blocks on 132 SMs).
+const ATTN_SPLITS: usize = 32;
 
 type Registry = Vec<(Weak<Model>, Arc<CudaModel>)>;
 static UPLOADED: Mutex<Registry> = Mutex::new(Vec::new());
@@ -193,27 +228,26 @@ pub fn uploaded(model: &Arc<Model>) -> Option<Arc<CudaModel>> {
 struct Scratch {
     x: DevBuf,
     xn: DevBuf,
-    p0: DevBuf, // qkv / qg / gate-out
-    p1: DevBuf, // z / k
-    p2: DevBuf, // b / v
-    p3: DevBuf, // a
+    /// Mixer input projections side by side: GDN `[qkv | z | b | a]`, attention `[q+gate | k | v]`.
+    proj: DevBuf,
     conv: DevBuf,
     o: DevBuf,
     q: DevBuf,
+    /// `[router logits (E) | shared-expert gate (1)]`.
     router: DevBuf,
-    ids: DevBuf, // i32 [K]
+    ids: DevBuf,  // i32 [K]
+    ids2: DevBuf, // i32 [2K]: gate/up matrices of the chosen experts
     wts: DevBuf,
-    eg: DevBuf, // [K, I]
-    eu: DevBuf,
-    eh: DevBuf,
-    ye: DevBuf, // [K, H]
-    sg_: DevBuf,
-    su: DevBuf,
+    egu: DevBuf, // [2K, I] gate/up outputs
+    eh: DevBuf,  // [K, I]
+    ye: DevBuf,  // [K, H]
+    sgu: DevBuf, // [2, I_shared] (or the dense MLP's)
     sh: DevBuf,
     ys: DevBuf,
-    sgate: DevBuf,
     logits: DevBuf,
     amax: DevBuf,
+    /// Attention split partials `[H_q, ATTN_SPLITS, D + 2]`.
+    part: DevBuf,
     /// i32 [token, position] of the step being run (read by the kernels, so graphs replay).
     io: DevBuf,
 }
@@ -261,32 +295,28 @@ impl CudaSession {
         let (h, k) = (c.hidden_size, c.num_experts_per_tok.max(1));
         let inter = c.moe_intermediate_size.max(c.intermediate_size);
         let sinter = c.shared_expert_intermediate_size.max(c.intermediate_size);
-        let big = c.gdn_conv_dim().max(c.q_proj_dim()).max(inter * k);
-        let mid = c.gdn_value_dim().max(c.kv_dim());
+        let proj =
+            (c.gdn_conv_dim() + c.gdn_value_dim() + 2 * c.linear_num_value_heads).max(c.q_proj_dim() + 2 * c.kv_dim());
         self.scratch = Some(Scratch {
             x: f(h)?,
             xn: f(h)?,
-            p0: f(big)?,
-            p1: f(mid)?,
-            p2: f(mid.max(c.linear_num_value_heads))?,
-            p3: f(c.linear_num_value_heads)?,
+            proj: f(proj)?,
             conv: f(c.gdn_conv_dim())?,
             o: f(c.gdn_value_dim().max(c.num_attention_heads * c.head_dim))?,
             q: f(c.num_attention_heads * c.head_dim)?,
-            router: f(c.num_experts)?,
+            router: f(c.num_experts + 1)?,
             ids: f(k)?,
+            ids2: f(2 * k)?,
             wts: f(k)?,
-            eg: f(k * inter)?,
-            eu: f(k * inter)?,
+            egu: f(2 * k * inter)?,
             eh: f(k * inter)?,
             ye: f(k * h)?,
-            sg_: f(sinter)?,
-            su: f(sinter)?,
+            sgu: f(2 * sinter)?,
             sh: f(sinter)?,
             ys: f(h)?,
-            sgate: f(1)?,
             logits: f(c.vocab_size)?,
             amax: f(1)?,
+            part: f(c.num_attention_heads * ATTN_SPLITS * (c.head_dim + 2))?,
             io: f(2)?,
         });
         self.states = self.fresh_states()?;
@@ -375,42 +405,37 @@ impl CudaSession {
         for (layer, st) in m.layers.iter().zip(self.states.iter()) {
             g.rms_norm(s.x.ptr, layer.input_norm.ptr, s.xn.ptr, 1, h, eps)?;
             match (&layer.mixer, st) {
-                (
-                    GMixer::Gdn { in_qkv, in_z, in_b, in_a, conv, dt_bias, neg_a, norm, out },
-                    GState::Gdn { conv: cs, rec },
-                ) => {
-                    g.gemv(in_qkv, s.xn.ptr, 0, s.p0.ptr, 1, 0, false)?;
-                    g.gemv(in_z, s.xn.ptr, 0, s.p1.ptr, 1, 0, false)?;
-                    g.gemv(in_b, s.xn.ptr, 0, s.p2.ptr, 1, 0, false)?;
-                    g.gemv(in_a, s.xn.ptr, 0, s.p3.ptr, 1, 0, false)?;
-                    g.conv_step(s.p0.ptr, cs.ptr, conv.ptr, s.conv.ptr, c.gdn_conv_dim(), c.linear_conv_kernel_dim)?;
+                (GMixer::Gdn { proj, conv, dt_bias, neg_a, norm, out }, GState::Gdn { conv: cs, rec }) => {
+                    let (cd, vd, hv) = (c.gdn_conv_dim(), c.gdn_value_dim(), c.linear_num_value_heads);
+                    let at = |off: usize| s.proj.at(4 * off);
+                    proj.run(g, s.xn.ptr, s.proj.ptr)?;
+                    g.conv_step(s.proj.ptr, cs.ptr, conv.ptr, s.conv.ptr, cd, c.linear_conv_kernel_dim)?;
                     g.gdn_step(&GdnStep {
                         y: s.conv.ptr,
-                        b: s.p2.ptr,
-                        a: s.p3.ptr,
-                        z: s.p1.ptr,
+                        b: at(cd + vd),
+                        a: at(cd + vd + hv),
+                        z: at(cd),
                         dt_bias: dt_bias.ptr,
                         neg_a: neg_a.ptr,
                         norm: norm.ptr,
                         state: rec.ptr,
                         out: s.o.ptr,
                         hk: c.linear_num_key_heads,
-                        hv: c.linear_num_value_heads,
+                        hv,
                         dk: c.linear_key_head_dim,
                         dv: c.linear_value_head_dim,
                         eps,
                     })?;
                     g.gemv(out, s.o.ptr, 0, s.x.ptr, 1, 0, true)?;
                 }
-                (GMixer::Attn { q, k, v, o, q_norm, k_norm }, GState::Attn { k: kc, v: vc, .. }) => {
-                    g.gemv(q, s.xn.ptr, 0, s.p0.ptr, 1, 0, false)?;
-                    g.gemv(k, s.xn.ptr, 0, s.p1.ptr, 1, 0, false)?;
-                    g.gemv(v, s.xn.ptr, 0, s.p2.ptr, 1, 0, false)?;
+                (GMixer::Attn { proj, o, q_norm, k_norm }, GState::Attn { k: kc, v: vc, .. }) => {
                     let (nh, hkv, hd) = (c.num_attention_heads, c.num_key_value_heads, c.head_dim);
+                    let (qd, kvd) = (c.q_proj_dim(), c.kv_dim());
+                    proj.run(g, s.xn.ptr, s.proj.ptr)?;
                     g.attn_prep(&AttnPrep {
-                        qg: s.p0.ptr,
-                        k: s.p1.ptr,
-                        v: s.p2.ptr,
+                        qg: s.proj.ptr,
+                        k: s.proj.at(4 * qd),
+                        v: s.proj.at(4 * (qd + kvd)),
                         q_norm: q_norm.ptr,
                         k_norm: k_norm.ptr,
                         q_out: s.q.ptr,
@@ -425,35 +450,40 @@ impl CudaSession {
                         theta: c.rope_theta,
                         eps,
                     })?;
-                    g.attn_decode(s.q.ptr, kc.ptr, vc.ptr, s.p0.ptr, s.o.ptr, nh, hkv, hd, pos_p, c.attn_output_gate)?;
+                    g.attn_decode(
+                        s.q.ptr,
+                        kc.ptr,
+                        vc.ptr,
+                        s.proj.ptr,
+                        s.o.ptr,
+                        (nh, hkv, hd),
+                        pos_p,
+                        c.attn_output_gate,
+                        s.part.ptr,
+                        ATTN_SPLITS,
+                    )?;
                     g.gemv(o, s.o.ptr, 0, s.x.ptr, 1, 0, true)?;
                 }
                 _ => bail!("layer state does not match the layer kind"),
             }
             g.rms_norm(s.x.ptr, layer.post_norm.ptr, s.xn.ptr, 1, h, eps)?;
             match &layer.ffn {
-                GFfn::Moe { router, experts, shared, shared_gate } => {
+                GFfn::Moe { router, experts, shared } => {
                     let (e, k) = (c.num_experts, c.num_experts_per_tok);
-                    let inter = experts.gate.rows;
-                    g.gemv(router, s.xn.ptr, 0, s.router.ptr, 1, 0, false)?;
-                    g.moe_topk(s.router.ptr, e, k, c.norm_topk_prob, s.ids.ptr, s.wts.ptr)?;
-                    g.gemv(&experts.gate, s.xn.ptr, 0, s.eg.ptr, k, s.ids.ptr, false)?;
-                    g.gemv(&experts.up, s.xn.ptr, 0, s.eu.ptr, k, s.ids.ptr, false)?;
-                    g.silu_mul(s.eg.ptr, s.eu.ptr, s.eh.ptr, k * inter)?;
+                    let inter = experts.down.cols;
+                    router.run(g, s.xn.ptr, s.router.ptr)?;
+                    g.moe_topk(s.router.ptr, e, k, c.norm_topk_prob, s.ids.ptr, s.wts.ptr, s.ids2.ptr)?;
+                    g.gemv(&experts.gate_up, s.xn.ptr, 0, s.egu.ptr, 2 * k, s.ids2.ptr, false)?;
+                    g.silu_mul_pairs(s.egu.ptr, s.eh.ptr, inter, k)?;
                     g.gemv(&experts.down, s.eh.ptr, inter, s.ye.ptr, k, s.ids.ptr, false)?;
-                    let si = shared.gate.rows;
-                    g.gemv(&shared.gate, s.xn.ptr, 0, s.sg_.ptr, 1, 0, false)?;
-                    g.gemv(&shared.up, s.xn.ptr, 0, s.su.ptr, 1, 0, false)?;
-                    g.silu_mul(s.sg_.ptr, s.su.ptr, s.sh.ptr, si)?;
+                    shared.gate_up.run(g, s.xn.ptr, s.sgu.ptr)?;
+                    g.silu_mul_pairs(s.sgu.ptr, s.sh.ptr, shared.inter, 1)?;
                     g.gemv(&shared.down, s.sh.ptr, 0, s.ys.ptr, 1, 0, false)?;
-                    g.gemv(shared_gate, s.xn.ptr, 0, s.sgate.ptr, 1, 0, false)?;
-                    g.moe_combine(s.x.ptr, s.ye.ptr, s.wts.ptr, s.ys.ptr, s.sgate.ptr, h, k)?;
+                    g.moe_combine(s.x.ptr, s.ye.ptr, s.wts.ptr, s.ys.ptr, s.router.at(4 * e), h, k)?;
                 }
                 GFfn::Dense(mm) => {
-                    let i = mm.gate.rows;
-                    g.gemv(&mm.gate, s.xn.ptr, 0, s.sg_.ptr, 1, 0, false)?;
-                    g.gemv(&mm.up, s.xn.ptr, 0, s.su.ptr, 1, 0, false)?;
-                    g.silu_mul(s.sg_.ptr, s.su.ptr, s.sh.ptr, i)?;
+                    mm.gate_up.run(g, s.xn.ptr, s.sgu.ptr)?;
+                    g.silu_mul_pairs(s.sgu.ptr, s.sh.ptr, mm.inter, 1)?;
                     g.gemv(&mm.down, s.sh.ptr, 0, s.x.ptr, 1, 0, true)?;
                 }
             }

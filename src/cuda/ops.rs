@@ -37,58 +37,74 @@ impl GpuLinear {
 
     /// Uploads equal-format matrices back to back (expert e's rows start at `e · rows`).
     pub fn stack(gpu: &Arc<Gpu>, parts: &[&Linear]) -> Result<GpuLinear> {
+        if parts.iter().any(|p| p.rows != parts[0].rows) {
+            bail!("stacked matrices differ in shape");
+        }
+        Self::join(gpu, parts, true)
+    }
+
+    /// One matrix whose rows are those of `parts` in order (one GEMV instead of several), or None
+    /// when the parts differ in width or format.
+    pub fn concat(gpu: &Arc<Gpu>, parts: &[&Linear]) -> Result<Option<GpuLinear>> {
+        let f = |l: &Linear| match &l.w {
+            Weight::Dense { ty, .. } => (0, 0, ty_code(*ty)),
+            Weight::Quant { bits, group, sty, .. } => (*bits, *group, ty_code(*sty)),
+        };
+        if parts.iter().any(|p| p.cols != parts[0].cols || f(p) != f(parts[0])) {
+            return Ok(None);
+        }
+        Self::join(gpu, parts, false).map(Some)
+    }
+
+    fn join(gpu: &Arc<Gpu>, parts: &[&Linear], stacked: bool) -> Result<GpuLinear> {
         let first = parts[0];
-        let (rows, cols) = (first.rows, first.cols);
-        for p in parts {
-            if p.rows != rows || p.cols != cols {
-                bail!("stacked matrices differ in shape");
-            }
+        let cols = first.cols;
+        let total_rows: usize = parts.iter().map(|p| p.rows).sum();
+        let (rows, count) = if stacked { (first.rows, parts.len()) } else { (total_rows, 1) };
+        if parts.iter().any(|p| p.cols != cols) {
+            bail!("joined matrices differ in width");
         }
         match &first.w {
             Weight::Dense { ty, .. } => {
-                let rb = rows * cols * ty.size();
-                let w = gpu.alloc(rb * parts.len())?;
-                for (i, p) in parts.iter().enumerate() {
+                let w = gpu.alloc(total_rows * cols * ty.size())?;
+                let mut off = 0;
+                for p in parts {
                     match &p.w {
-                        Weight::Dense { ty: t2, data } if t2 == ty => w.write_bytes(i * rb, data.as_slice())?,
-                        _ => bail!("stacked matrices differ in format"),
+                        Weight::Dense { ty: t2, data } if t2 == ty => {
+                            w.write_bytes(off, data.as_slice())?;
+                            off += data.len();
+                        }
+                        _ => bail!("joined matrices differ in format"),
                     }
                 }
-                Ok(GpuLinear {
-                    rows,
-                    cols,
-                    count: parts.len(),
-                    bits: 0,
-                    group: 0,
-                    ty: ty_code(*ty),
-                    w,
-                    s: None,
-                    b: None,
-                })
+                Ok(GpuLinear { rows, cols, count, bits: 0, group: 0, ty: ty_code(*ty), w, s: None, b: None })
             }
-            Weight::Quant { bits, group, sty, packed, scales, .. } => {
+            Weight::Quant { bits, group, sty, .. } => {
                 if !cols.is_multiple_of(32) {
                     bail!("quantized width {cols} is not a multiple of 32");
                 }
-                let (pb, sb) = (packed.len(), scales.len());
-                let n = parts.len();
-                let (w, s, b) = (gpu.alloc(pb * n)?, gpu.alloc(sb * n)?, gpu.alloc(sb * n)?);
-                for (i, p) in parts.iter().enumerate() {
+                let pb = total_rows * cols * *bits as usize / 8;
+                let sb = total_rows * (cols / group) * sty.size();
+                let (w, s, b) = (gpu.alloc(pb)?, gpu.alloc(sb)?, gpu.alloc(sb)?);
+                let (mut po, mut so) = (0, 0);
+                for p in parts {
                     match &p.w {
                         Weight::Quant { bits: b2, group: g2, sty: t2, packed, scales, biases }
-                            if b2 == bits && g2 == group && t2 == sty && packed.len() == pb =>
+                            if b2 == bits && g2 == group && t2 == sty =>
                         {
-                            w.write_bytes(i * pb, packed.as_slice())?;
-                            s.write_bytes(i * sb, scales.as_slice())?;
-                            b.write_bytes(i * sb, biases.as_slice())?;
+                            w.write_bytes(po, packed.as_slice())?;
+                            s.write_bytes(so, scales.as_slice())?;
+                            b.write_bytes(so, biases.as_slice())?;
+                            po += packed.len();
+                            so += scales.len();
                         }
-                        _ => bail!("stacked matrices differ in format"),
+                        _ => bail!("joined matrices differ in format"),
                     }
                 }
                 Ok(GpuLinear {
                     rows,
                     cols,
-                    count: n,
+                    count,
                     bits: *bits as i32,
                     group: *group as i32,
                     ty: ty_code(*sty),
@@ -134,6 +150,16 @@ impl Gpu {
     /// `h = silu(g) ⊙ u` over n elements.
     pub fn silu_mul(&self, g: u64, u: u64, h: u64, n: usize) -> Result<()> {
         self.launch("silu_mul", (blocks(n, 256), 1, 1), 256, &[Arg::P(g), Arg::P(u), Arg::P(h), Arg::I(n as i32)])
+    }
+
+    /// `h[k, i] = silu(gu[2k, i]) · gu[2k+1, i]` for k < pairs, i < n (gate/up pairs side by side).
+    pub fn silu_mul_pairs(&self, gu: u64, h: u64, n: usize, pairs: usize) -> Result<()> {
+        self.launch(
+            "silu_mul_pairs",
+            (blocks(n * pairs, 256), 1, 1),
+            256,
+            &[Arg::P(gu), Arg::P(h), Arg::I(n as i32), Arg::I(pairs as i32)],
+        )
     }
 
     /// `x += y` over n elements.
@@ -256,8 +282,9 @@ impl Gpu {
         )
     }
 
-    /// Attention of one query token over `pos + 1` cached positions (`pos`: device i32), output
-    /// gate applied.
+    /// Attention of one query token over `pos + 1` cached positions (`pos`: device i32), split
+    /// over `splits` blocks per head (partials in `part`: `[H_q, splits, D + 2]` f32), merged by
+    /// a second kernel that also applies the output gate.
     pub fn attn_decode(
         &self,
         q: u64,
@@ -265,35 +292,49 @@ impl Gpu {
         vc: u64,
         qg: u64,
         out: u64,
-        nh: usize,
-        hkv: usize,
-        hd: usize,
+        dims: (usize, usize, usize),
         pos: u64,
         gated: bool,
+        part: u64,
+        splits: usize,
     ) -> Result<()> {
+        let (nh, hkv, hd) = dims;
         let scale = 1.0 / (hd as f32).sqrt();
         self.launch(
             "attn_decode",
-            (nh as u32, 1, 1),
+            (nh as u32, splits as u32, 1),
             256,
             &[
                 Arg::P(q),
                 Arg::P(kc),
                 Arg::P(vc),
-                Arg::P(qg),
-                Arg::P(out),
+                Arg::P(part),
                 Arg::I(nh as i32),
                 Arg::I(hkv as i32),
                 Arg::I(hd as i32),
                 Arg::P(pos),
                 Arg::F(scale),
+            ],
+        )?;
+        self.launch(
+            "attn_combine",
+            (nh as u32, 1, 1),
+            256,
+            &[
+                Arg::P(part),
+                Arg::P(qg),
+                Arg::P(out),
+                Arg::I(nh as i32),
+                Arg::I(hd as i32),
+                Arg::I(splits as i32),
                 Arg::I(gated as i32),
             ],
         )
     }
 
-    /// Softmax + top-k of E router logits into device ids (i32) and weights (f32).
-    pub fn moe_topk(&self, logits: u64, e: usize, k: usize, renorm: bool, ids: u64, w: u64) -> Result<()> {
+    /// Softmax + top-k of E router logits into device ids (i32) and weights (f32); when `ids2` is
+    /// not 0 it also gets `[2·id, 2·id + 1]` per choice (rows of an interleaved gate/up stack).
+    pub fn moe_topk(&self, logits: u64, e: usize, k: usize, renorm: bool, ids: u64, w: u64, ids2: u64) -> Result<()> {
         if e > 1024 || k > 64 || k > e {
             bail!("moe_topk: {e} experts / top-{k} unsupported");
         }
@@ -301,7 +342,15 @@ impl Gpu {
             "moe_topk",
             (1, 1, 1),
             32,
-            &[Arg::P(logits), Arg::I(e as i32), Arg::I(k as i32), Arg::I(renorm as i32), Arg::P(ids), Arg::P(w)],
+            &[
+                Arg::P(logits),
+                Arg::I(e as i32),
+                Arg::I(k as i32),
+                Arg::I(renorm as i32),
+                Arg::P(ids),
+                Arg::P(w),
+                Arg::P(ids2),
+            ],
         )
     }
 
