@@ -10,8 +10,9 @@
  *   need no host sync), y[z*rows + r] (+)= sum_c W[e*rows + r, c] * x[z*xstride + c].
  *   Quantized rows use the affine identity per 128-bit load (32 4-bit or 16 8-bit codes, always
  *   inside one group since group >= 32): s * sum(q x) + b * sum(x).
- *   Geometry: block 256 = 8 warps, one warp per output row, grid (ceil(rows/8), slots). Lanes
- *   stride the row in uint4 loads (16 B), so a warp reads 512 contiguous bytes per step.
+ *   Geometry: block 256 = 8 warps, each warp owns 4 consecutive output rows (GEMV_NR), grid
+ *   (ceil(rows/32), slots). Lanes stride the rows in uint4 loads (16 B, a warp reads 512
+ *   contiguous bytes of each row per step); the x chunk is loaded once per step for all 4 rows.
  *   Requires cols % 32 == 0 for quantized weights (true: cols is a multiple of the group) and
  *   x + z*xstride 16-byte aligned (x is read as float4).
  *   accumulate != 0 adds into y (residual connections).
@@ -35,64 +36,85 @@ __device__ __forceinline__ float dequant_elem(const void* w, const void* sc, con
     return load_elem(sc, gi, ty) * (float)q + load_elem(bi, gi, ty);
 }
 
-/* Affine dot of one quantized row with x, for this lane's share of 128-bit loads. BITS is a
- * compile-time constant so the unpacking unrolls into constant shifts; x is read as float4. */
-template <int BITS>
-__device__ __forceinline__ float quant_row_dot(const uint4* wr, int n4, const void* sc, const void* bi,
-                                               long long sbase, int group, int ty, const float* xs, int lane) {
+/* Affine dots of NR consecutive quantized rows with x, for this lane's share of 128-bit loads.
+ * BITS is a compile-time constant so the unpacking unrolls into constant shifts. Each step loads
+ * the x chunk (float4) once for all NR rows and issues the NR weight loads together. */
+template <int BITS, int NR>
+__device__ __forceinline__ void quant_rows_dot(const u32* w, long long R0, int nvalid, long long wpr, int n4,
+                                               const void* sc, const void* bi, int ng, int group, int ty,
+                                               const float* xs, int lane, float* acc) {
     constexpr int PER = 32 / BITS, EPV = 4 * PER;
     constexpr u32 MASK = (1u << BITS) - 1u;
-    float acc = 0.f;
     for (int i = lane; i < n4; i += 32) {
-        uint4 q4 = wr[i];
         int c0 = i * EPV;
         int gi = c0 / group;
-        float s = load_elem(sc, sbase + gi, ty), b = load_elem(bi, sbase + gi, ty);
-        u32 words[4] = {q4.x, q4.y, q4.z, q4.w};
+        uint4 q4[NR];
+#pragma unroll
+        for (int r = 0; r < NR; r++)
+            if (r < nvalid) q4[r] = ((const uint4*)(w + (R0 + r) * wpr))[i];
+        float xr[EPV];
         const float4* xv = (const float4*)(xs + c0);
-        float qx = 0.f, sx = 0.f;
 #pragma unroll
-        for (int k = 0; k < 4; k++) {
+        for (int j = 0; j < EPV / 4; j++) {
+            float4 x4 = xv[j];
+            xr[4 * j] = x4.x;
+            xr[4 * j + 1] = x4.y;
+            xr[4 * j + 2] = x4.z;
+            xr[4 * j + 3] = x4.w;
+        }
+        float sx = 0.f;
 #pragma unroll
-            for (int j = 0; j < PER; j += 4) {
-                float4 x4 = xv[(k * PER + j) / 4];
-                u32 w = words[k] >> (BITS * j);
-                qx += (float)(w & MASK) * x4.x;
-                qx += (float)((w >> BITS) & MASK) * x4.y;
-                qx += (float)((w >> (2 * BITS)) & MASK) * x4.z;
-                qx += (float)((w >> (3 * BITS)) & MASK) * x4.w;
-                sx += (x4.x + x4.y) + (x4.z + x4.w);
+        for (int j = 0; j < EPV; j++) sx += xr[j];
+#pragma unroll
+        for (int r = 0; r < NR; r++) {
+            if (r < nvalid) {
+                long long g = (R0 + r) * ng + gi;
+                float s = load_elem(sc, g, ty), b = load_elem(bi, g, ty);
+                u32 words[4] = {q4[r].x, q4[r].y, q4[r].z, q4[r].w};
+                float qx = 0.f;
+#pragma unroll
+                for (int k = 0; k < 4; k++)
+#pragma unroll
+                    for (int j = 0; j < PER; j++) qx += (float)((words[k] >> (BITS * j)) & MASK) * xr[k * PER + j];
+                acc[r] += s * qx + b * sx;
             }
         }
-        acc += s * qx + b * sx;
     }
-    return acc;
 }
 
+#define GEMV_NR 4
 extern "C" __global__ void linear_gemv(const void* w, const void* sc, const void* bi, int bits, int group, int ty,
                                        const float* x, long long xstride, float* y, int rows, int cols,
                                        const int* ids, int accumulate) {
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    int r = blockIdx.x * (blockDim.x >> 5) + warp;
-    if (r >= rows) return;
+    int r0 = (blockIdx.x * (blockDim.x >> 5) + warp) * GEMV_NR;
+    if (r0 >= rows) return;
+    int nvalid = min(GEMV_NR, rows - r0);
     int z = blockIdx.y;
-    long long R = (long long)(ids ? ids[z] : 0) * rows + r;
+    long long R0 = (long long)(ids ? ids[z] : 0) * rows + r0;
     const float* xs = x + (long long)z * xstride;
-    float acc = 0.f;
+    float acc[GEMV_NR];
+#pragma unroll
+    for (int r = 0; r < GEMV_NR; r++) acc[r] = 0.f;
     if (bits == 0) {
-        for (int c = lane; c < cols; c += 32) acc += load_elem(w, R * cols + c, ty) * xs[c];
+        for (int r = 0; r < nvalid; r++)
+            for (int c = lane; c < cols; c += 32) acc[r] += load_elem(w, (R0 + r) * cols + c, ty) * xs[c];
     } else {
         long long wpr = (long long)cols * bits / 32; /* u32 words per row */
-        const uint4* wr = (const uint4*)((const u32*)w + R * wpr);
         int n4 = (int)(wpr / 4);
-        long long sbase = R * (cols / group);
-        acc = bits == 4 ? quant_row_dot<4>(wr, n4, sc, bi, sbase, group, ty, xs, lane)
-                        : quant_row_dot<8>(wr, n4, sc, bi, sbase, group, ty, xs, lane);
+        int ng = cols / group;
+        if (bits == 4)
+            quant_rows_dot<4, GEMV_NR>((const u32*)w, R0, nvalid, wpr, n4, sc, bi, ng, group, ty, xs, lane, acc);
+        else
+            quant_rows_dot<8, GEMV_NR>((const u32*)w, R0, nvalid, wpr, n4, sc, bi, ng, group, ty, xs, lane, acc);
     }
-    acc = warp_sum(acc);
-    if (lane == 0) {
-        float* o = y + (long long)z * rows + r;
-        *o = accumulate ? *o + acc : acc;
+#pragma unroll
+    for (int r = 0; r < GEMV_NR; r++) {
+        float a = warp_sum(acc[r]);
+        if (lane == 0 && r < nvalid) {
+            float* o = y + (long long)z * rows + r0 + r;
+            *o = accumulate ? *o + a : a;
+        }
     }
 }
 

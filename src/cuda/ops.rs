@@ -190,7 +190,7 @@ impl Gpu {
             Arg::P(ids),
             Arg::I(accumulate as i32),
         ]);
-        self.launch("linear_gemv", (blocks(w.rows, 8), slots as u32, 1), 256, &a)
+        self.launch("linear_gemv", (blocks(w.rows, 32), slots as u32, 1), 256, &a)
     }
 
     /// `y[t, :] (+)= W x[t, :]` for t tokens (matrix 0 of the stack).
