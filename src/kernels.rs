@@ -145,7 +145,6 @@ pub fn dot_quant(
 ) -> f32 {
     #[cfg(target_arch = "x86_64")]
     if has_avx2() {
-        // SAFETY: AVX2 and FMA were detected above.
         if sty == FloatType::BF16 {
             // SAFETY: AVX2 and FMA were detected above; slice lengths are checked inside.
             return unsafe { avx2::dot_quant_bf16(bits, group, packed, scales, biases, x, gsum) };

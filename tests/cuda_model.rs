@@ -10,10 +10,7 @@ mod common;
 use common::*;
 use lily::cuda::CudaSession;
 use lily::generate::{CpuSession, Session};
-use lily::safetensors::SafeFile;
 use std::sync::Arc;
-
-const REL_TOL: f32 = 3e-5;
 
 /// The fixtures folder; `LILY_REPO` overrides the build-time checkout path (test executables
 /// carried to the GPU machine run from another folder).
@@ -33,33 +30,11 @@ fn have_gpu() -> bool {
     true
 }
 
-fn compare_rows(what: &str, got: &[f32], want: &[f32], vocab: usize) -> f32 {
-    assert_eq!(got.len(), want.len(), "{what}: logits shape");
-    let mut worst = 0f32;
-    for (i, (g, w)) in got.chunks(vocab).zip(want.chunks(vocab)).enumerate() {
-        let range = w.iter().cloned().fold(f32::MIN, f32::max) - w.iter().cloned().fold(f32::MAX, f32::min);
-        let d = max_abs_diff(g, w);
-        worst = worst.max(d / range);
-        assert!(
-            d <= REL_TOL * range,
-            "{what}: position {i}: max |Δlogit| {d} exceeds {} (range {range})",
-            REL_TOL * range
-        );
-        assert_eq!(lily::sampling::argmax(g), lily::sampling::argmax(w), "{what}: position {i}: argmax differs");
-    }
-    worst
-}
-
 fn check_model(dir: &str, reference_name: &str) {
     if !have_gpu() {
         return;
     }
-    let path = fixtures().join("ref").join(format!("{reference_name}.safetensors"));
-    let f = SafeFile::open(&path).unwrap();
-    let get = |n: &str| f.tensors.get(n).unwrap();
-    let prompt: Vec<u32> = get("prompt").to_i32().unwrap().into_iter().map(|x| x as u32).collect();
-    let logits = get("logits").to_f32().unwrap();
-    let greedy: Vec<u32> = get("greedy").to_i32().unwrap().into_iter().map(|x| x as u32).collect();
+    let Reference { prompt, logits, greedy } = reference(reference_name);
     let model = Arc::new(lily::weights::load_model(&fixtures().join(dir)).unwrap());
     let gm = lily::cuda::upload_cached(&model).unwrap_or_else(|e| panic!("upload {dir}: {e:#}"));
     let vocab = model.cfg.vocab_size;

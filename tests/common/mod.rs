@@ -40,3 +40,48 @@ pub fn shared_tokenizer_dir() -> PathBuf {
     );
     d
 }
+
+/// Bound on logits against the stored mlx-lm fp32 references, as a fraction of each row's logit
+/// range. Both sides compute in fp32 from identical (dequantized) weights and differ only in
+/// summation order: measured differences are a few 1e-6 of the range; 3e-5 leaves an order of
+/// magnitude of margin and stays far below the fixtures' smallest top-1 margin (2e-3 of the
+/// scale), so a semantic mistake (norm, head map, RoPE, routing) fails.
+pub const REL_TOL: f32 = 3e-5;
+
+/// One stored mlx-lm reference: prompt ids, fp32 logits `[N, vocab]`, greedy continuation.
+pub struct Reference {
+    pub prompt: Vec<u32>,
+    pub logits: Vec<f32>,
+    pub greedy: Vec<u32>,
+}
+
+pub fn reference(name: &str) -> Reference {
+    let path = fixtures().join("ref").join(format!("{name}.safetensors"));
+    let f = lily::safetensors::SafeFile::open(&path)
+        .unwrap_or_else(|e| panic!("reference fixture {}: {e:#}", path.display()));
+    let get = |n: &str| f.tensors.get(n).unwrap_or_else(|| panic!("{}: no tensor `{n}`", path.display()));
+    Reference {
+        prompt: get("prompt").to_i32().unwrap().into_iter().map(|x| x as u32).collect(),
+        logits: get("logits").to_f32().unwrap(),
+        greedy: get("greedy").to_i32().unwrap().into_iter().map(|x| x as u32).collect(),
+    }
+}
+
+/// Per position: max |Δ| within REL_TOL of that row's logit range, and the same argmax.
+/// Returns the worst |Δ|/range.
+pub fn compare_rows(what: &str, got: &[f32], want: &[f32], vocab: usize) -> f32 {
+    assert_eq!(got.len(), want.len(), "{what}: logits shape");
+    let mut worst = 0f32;
+    for (i, (g, w)) in got.chunks(vocab).zip(want.chunks(vocab)).enumerate() {
+        let range = w.iter().cloned().fold(f32::MIN, f32::max) - w.iter().cloned().fold(f32::MAX, f32::min);
+        let d = max_abs_diff(g, w);
+        worst = worst.max(d / range);
+        assert!(
+            d <= REL_TOL * range,
+            "{what}: position {i}: max |Δlogit| {d} exceeds {} (range {range})",
+            REL_TOL * range
+        );
+        assert_eq!(lily::sampling::argmax(g), lily::sampling::argmax(w), "{what}: position {i}: argmax differs");
+    }
+    worst
+}
