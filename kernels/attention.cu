@@ -4,7 +4,9 @@
  * The position is read from device memory (pos_p[0]; L = pos + 1 cached positions) so that a
  * captured CUDA graph replays every decode step unchanged.
  *
- * attn_prep: grid (H_q + H_kv), block = head dim D threads (D <= 256, multiple of 32).
+ * attn_prep: grid (H_q + H_kv, T), block = head dim D threads (D <= 256, multiple of 32).
+ *   Token t = blockIdx.y sits at position pos_p[0] + t; its inputs are at qg/k/v + t*ld and its
+ *   query goes to q_out + t*H_q*D (decode: T = 1).
  *   Block b < H_q: q = qg[b, 0:D] (qg per head [q | gate] when gated, else [q]), RMSNorm with
  *   q_norm, partial NeoX RoPE on dims [0, R): for i < R/2, theta = pos * base^(-2i/R) (double),
  *   x[i] <- x[i] cos - x[i+R/2] sin, x[i+R/2] <- x[i+R/2] cos + x[i] sin. Writes q_out[b].
@@ -25,8 +27,13 @@
  */
 extern "C" __global__ void attn_prep(const float* qg, const float* kin, const float* vin, const float* qn,
                                      const float* kn, float* q_out, float* kc, float* vc, int nh, int hkv, int hd,
-                                     int gated, int rot, const int* pos_p, double theta, float eps) {
-    int pos = pos_p[0];
+                                     int gated, int rot, const int* pos_p, double theta, float eps,
+                                     long long ld) {
+    int pos = pos_p[0] + blockIdx.y;
+    qg += blockIdx.y * ld;
+    kin += blockIdx.y * ld;
+    vin += blockIdx.y * ld;
+    q_out += (long long)blockIdx.y * nh * hd;
     __shared__ float xs[256], sh[33];
     int b = blockIdx.x, j = threadIdx.x;
     bool isq = b < nh;

@@ -17,13 +17,10 @@
  *   x + z*xstride 16-byte aligned (x is read as float4).
  *   accumulate != 0 adds into y (residual connections).
  *
- * linear_gemm: the same product for T tokens (prefill), x [T, cols], y [T, rows] (+)=.
- *   Simple tiled version for correctness: block 256 = 8 warps, 8 rows x 8 tokens per block;
- *   each warp owns one row and keeps 8 token accumulators, so each weight element is decoded
- *   once per 8 tokens. grid (ceil(rows/8), ceil(T/8)).
+ * embed_row: out[t, c] = W[row[t], c] dequantized (embedding gather; the token ids are read from
+ *   device memory so a captured CUDA graph can replay it), grid (ceil(cols/256), tokens), block 256.
  *
- * embed_row: out[c] = W[row[0], c] dequantized (embedding gather; the token id is read from device
- *   memory so a captured CUDA graph can replay it), grid ceil(cols/256), block 256.
+ * Many-token products (prefill) are in gemm.cu.
  */
 __device__ __forceinline__ float dequant_elem(const void* w, const void* sc, const void* bi, int bits, int group,
                                               int ty, long long r, int cols, int c) {
@@ -118,35 +115,8 @@ extern "C" __global__ void linear_gemv(const void* w, const void* sc, const void
     }
 }
 
-#define GEMM_TT 8
-extern "C" __global__ void linear_gemm(const void* w, const void* sc, const void* bi, int bits, int group, int ty,
-                                       const float* x, float* y, int rows, int cols, int T, int accumulate) {
-    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    int r = blockIdx.x * (blockDim.x >> 5) + warp;
-    int t0 = blockIdx.y * GEMM_TT;
-    if (r >= rows) return;
-    int nt = min(GEMM_TT, T - t0);
-    float acc[GEMM_TT];
-#pragma unroll
-    for (int t = 0; t < GEMM_TT; t++) acc[t] = 0.f;
-    for (int c = lane; c < cols; c += 32) {
-        float wv = dequant_elem(w, sc, bi, bits, group, ty, r, cols, c);
-#pragma unroll
-        for (int t = 0; t < GEMM_TT; t++)
-            if (t < nt) acc[t] += wv * x[(long long)(t0 + t) * cols + c];
-    }
-#pragma unroll
-    for (int t = 0; t < GEMM_TT; t++) {
-        float a = warp_sum(acc[t]);
-        if (lane == 0 && t < nt) {
-            float* o = y + (long long)(t0 + t) * rows + r;
-            *o = accumulate ? *o + a : a;
-        }
-    }
-}
-
 extern "C" __global__ void embed_row(const void* w, const void* sc, const void* bi, int bits, int group, int ty,
                                      const int* row, int cols, float* out) {
     int c = blockIdx.x * blockDim.x + threadIdx.x;
-    if (c < cols) out[c] = dequant_elem(w, sc, bi, bits, group, ty, row[0], cols, c);
+    if (c < cols) out[(long long)blockIdx.y * cols + c] = dequant_elem(w, sc, bi, bits, group, ty, row[blockIdx.y], cols, c);
 }

@@ -1,19 +1,34 @@
 /*
  * moe.cu: routing and combination for the MoE block (batch 1).
  *
- * moe_topk: logits [E] (E <= 1024) -> ids [K] (int), weights [K] (f32), all on the device.
+ * moe_topk: for each token t = blockIdx.x: logits + t*lstride [E] (E <= 1024) -> ids + t*K (int),
+ *   weights + t*K (f32), all on the device.
  *   p_e = exp(l_e - max l); top-K by logit (ties: lower index), w_k = p_k / (renorm ? sum_topk p : sum_all p)
  *   (fp32 softmax, renormalized over the K chosen). grid 1, block 32 (one warp): K rounds of a
- *   warp argmax over a shared copy, the winner masked out each round. ids2 (nullable) gets
- *   [2e, 2e+1] per choice: the rows of expert e's gate and up in an interleaved gate/up stack.
+ *   warp argmax over a shared copy, the winner masked out each round. ids2 (nullable, decode
+ *   only) gets [2e, 2e+1] per choice: expert e's gate and up in an interleaved gate/up stack.
+ *   grid (T), block 32.
+ *
+ * moe_align (prefill): P = T*K routed pairs i (pair i = token i/K, choice i%K, expert ids[i]) are
+ *   grouped by expert for the grouped GEMM: cnt[e] by shared atomics, an exclusive scan off[e],
+ *   perm[off[e] + rank] = i and inv[i] = its slot (the rank within an expert comes from an
+ *   atomic, so the order inside a segment varies run to run; every row is computed on its own,
+ *   so results do not). tiles = [count, (e, m0, m1) x count] with tiles of at most bm rows that
+ *   never span two experts (count <= P/bm + E). grid 1, block 1024, E <= 1024.
+ *
+ * moe_combine_rows (prefill): x[t, r] += sum_k w[t, k] ye[inv[t*K + k], r] + sigmoid(sg[t*sgs]) ys[t, r].
+ *   grid (ceil(H/256), T), block 256.
  *
  * moe_combine: x[r] += sum_k w_k * ye[k, r] + g * ys[r], g = sigmoid(sg[0]) when sg, else 1
  *   (shared expert gate); ye [K, H] expert outputs, ys [H] shared expert output (ys may be null).
  *   grid ceil(H/256), block 256.
  */
 extern "C" __global__ void moe_topk(const float* logits, int E, int K, int renorm, int* ids, float* wout,
-                                    int* ids2) {
+                                    int* ids2, long long lstride) {
     __shared__ float ls[1024];
+    logits += blockIdx.x * lstride;
+    ids += blockIdx.x * K;
+    wout += blockIdx.x * K;
     __shared__ int chosen[64];
     int lane = threadIdx.x;
     float mx = -INFINITY;
@@ -68,4 +83,46 @@ extern "C" __global__ void moe_combine(float* x, const float* ye, const float* w
     if (ys) acc = (sg ? sigmoid_f(sg[0]) : 1.f) * ys[r];
     for (int k = 0; k < K; k++) acc += w[k] * ye[(long long)k * H + r];
     x[r] += acc;
+}
+
+extern "C" __global__ void moe_align(const int* ids, int P, int E, int bm, int* perm, int* inv, int* tiles) {
+    __shared__ int cnt[1024], off[1024], cur[1024];
+    for (int e = threadIdx.x; e < E; e += blockDim.x) {
+        cnt[e] = 0;
+        cur[e] = 0;
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < P; i += blockDim.x) atomicAdd(&cnt[ids[i]], 1);
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        int o = 0, nt = 0;
+        for (int e = 0; e < E; e++) {
+            off[e] = o;
+            for (int m0 = o; m0 < o + cnt[e]; m0 += bm) {
+                tiles[1 + 3 * nt] = e;
+                tiles[2 + 3 * nt] = m0;
+                tiles[3 + 3 * nt] = min(o + cnt[e], m0 + bm);
+                nt++;
+            }
+            o += cnt[e];
+        }
+        tiles[0] = nt;
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < P; i += blockDim.x) {
+        int e = ids[i];
+        int p = off[e] + atomicAdd(&cur[e], 1);
+        perm[p] = i;
+        inv[i] = p;
+    }
+}
+
+extern "C" __global__ void moe_combine_rows(float* x, const float* ye, const int* inv, const float* w, const float* ys,
+                                            const float* sg, long long sgs, int H, int K) {
+    int r = blockIdx.x * blockDim.x + threadIdx.x, t = blockIdx.y;
+    if (r >= H) return;
+    float acc = 0.f;
+    if (ys) acc = (sg ? sigmoid_f(sg[t * sgs]) : 1.f) * ys[(long long)t * H + r];
+    for (int k = 0; k < K; k++) acc += w[t * K + k] * ye[(long long)inv[t * K + k] * H + r];
+    x[(long long)t * H + r] += acc;
 }

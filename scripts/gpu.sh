@@ -11,7 +11,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-TESTS="cuda_compile cuda_kernels cuda_model"
+TESTS="cuda_compile cuda_kernels cuda_prefill cuda_model"
 
 if [ "${1:-build}" = build ]; then
   cargo build --release

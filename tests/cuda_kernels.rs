@@ -7,81 +7,17 @@
 //! through a recurrence), far below what any indexing or formula mistake gives (NMSE ≳ 1e-3).
 
 mod common;
+use common::gpu::*;
 use common::*;
 use lily::cpu::attention::{attention, AttnDims};
 use lily::cpu::conv::causal_conv1d_silu;
 use lily::cpu::gdn::{self, GdnDims, GdnInputs};
 use lily::cpu::norm::{gated_rms_norm, l2_norm, rms_norm, sigmoid, softplus};
 use lily::cpu::rope::Rope;
-use lily::cuda::{Gpu, GpuLinear};
+use lily::cuda::GpuLinear;
 use lily::linear::{FloatType, Linear};
-use lily::safetensors::{f32_to_bf16, Bytes};
-use lily::sampling::Rng;
-use std::sync::Arc;
 
 const TOL: f64 = 1e-9;
-
-fn gpu() -> Option<Arc<Gpu>> {
-    if let Err(e) = lily::cuda::probe() {
-        eprintln!("SKIPPED (no GPU): {e:#}");
-        return None;
-    }
-    Some(lily::cuda::gpu().unwrap_or_else(|e| panic!("CUDA libraries present but the GPU failed: {e:#}")))
-}
-
-fn rand_bytes(r: &mut Rng, n: usize) -> Vec<u8> {
-    (0..n).map(|_| r.next_u64() as u8).collect()
-}
-
-fn bf16_bytes(v: &[f32]) -> Vec<u8> {
-    v.iter().flat_map(|x| f32_to_bf16(*x).to_le_bytes()).collect()
-}
-
-/// Random f16 bit patterns with magnitudes in about [2^-6, 2^2].
-fn f16_bytes(r: &mut Rng, n: usize) -> Vec<u8> {
-    (0..n)
-        .flat_map(|_| {
-            let s = (r.next_u64() & 1) as u16;
-            let e = 9 + (r.next_u64() % 8) as u16;
-            let m = (r.next_u64() & 0x3ff) as u16;
-            ((s << 15) | (e << 10) | m).to_le_bytes()
-        })
-        .collect()
-}
-
-fn quant(r: &mut Rng, rows: usize, cols: usize, bits: u32, group: usize) -> Linear {
-    let packed = rand_bytes(r, rows * cols * bits as usize / 8);
-    let ng = rows * cols / group;
-    let s = bf16_bytes(&uniform(r, ng, 0.05));
-    let b = bf16_bytes(&uniform(r, ng, 0.2));
-    Linear::quant(
-        rows,
-        cols,
-        bits,
-        group,
-        Bytes::from_vec(packed),
-        Bytes::from_vec(s),
-        Bytes::from_vec(b),
-        FloatType::BF16,
-    )
-    .unwrap()
-}
-
-fn dense(r: &mut Rng, rows: usize, cols: usize, ty: FloatType) -> Linear {
-    let data = match ty {
-        FloatType::F32 => uniform(r, rows * cols, 1.0).iter().flat_map(|x| x.to_le_bytes()).collect(),
-        FloatType::BF16 => bf16_bytes(&uniform(r, rows * cols, 1.0)),
-        FloatType::F16 => f16_bytes(r, rows * cols),
-    };
-    Linear::dense(rows, cols, ty, Bytes::from_vec(data)).unwrap()
-}
-
-fn check(what: &str, got: &[f32], want: &[f32], tol: f64) {
-    assert!(got.iter().all(|v| v.is_finite()), "{what}: non-finite output");
-    let e = nmse(got, want);
-    eprintln!("{what}: nmse {e:.2e}");
-    assert!(e <= tol, "{what}: nmse {e:.3e} > {tol:.0e}");
-}
 
 #[test]
 fn rms_norm_matches_cpu() {
@@ -132,7 +68,7 @@ fn gemv_quantized_and_dense_match_cpu() {
         l.row_f32(row, &mut wrow);
         let ob = g.upload_f32(&vec![f32::NAN; l.cols]).unwrap();
         let rowb = g.upload_bytes(&(row as i32).to_le_bytes()).unwrap();
-        g.embed(&gl, rowb.ptr, ob.ptr).unwrap();
+        g.embed(&gl, rowb.ptr, ob.ptr, 1).unwrap();
         check(&format!("embed_row {name}"), &ob.read_f32(0, l.cols).unwrap(), &wrow, 1e-12);
     }
 }
@@ -166,22 +102,6 @@ fn gemv_with_device_expert_ids_matches_cpu() {
                 TOL,
             );
         }
-    }
-}
-
-#[test]
-fn gemm_matches_cpu() {
-    let Some(g) = gpu() else { return };
-    let mut r = rng(4);
-    for (name, l) in [("q4 g64", quant(&mut r, 45, 192, 4, 64)), ("bf16", dense(&mut r, 33, 100, FloatType::BF16))] {
-        let t = 13;
-        let x = uniform(&mut r, t * l.cols, 1.0);
-        let mut want = vec![0f32; t * l.rows];
-        l.matmul(&x, &mut want);
-        let gl = GpuLinear::upload(&g, &l).unwrap();
-        let (xb, yb) = (g.upload_f32(&x).unwrap(), g.upload_f32(&vec![f32::NAN; t * l.rows]).unwrap());
-        g.gemm(&gl, xb.ptr, yb.ptr, t, false).unwrap();
-        check(&format!("gemm {name} T={t}"), &yb.read_f32(0, t * l.rows).unwrap(), &want, TOL);
     }
 }
 
@@ -306,24 +226,28 @@ fn attention_decode_matches_cpu() {
             // GPU
             let (qgb, kb, vb) = (gb(&qg), gb(&k), gb(&v));
             let posb = g.upload_bytes(&(pos as i32).to_le_bytes()).unwrap();
-            g.attn_prep(&lily::cuda::AttnPrep {
-                qg: qgb.ptr,
-                k: kb.ptr,
-                v: vb.ptr,
-                q_norm: qnb.ptr,
-                k_norm: knb.ptr,
-                q_out: qo.ptr,
-                kc: gkc.ptr,
-                vc: gvc.ptr,
-                nh,
-                hkv,
-                hd,
-                gated: true,
-                rot,
-                pos: posb.ptr,
-                theta,
-                eps: 1e-6,
-            })
+            g.attn_prep(
+                &lily::cuda::AttnPrep {
+                    qg: qgb.ptr,
+                    k: kb.ptr,
+                    v: vb.ptr,
+                    q_norm: qnb.ptr,
+                    k_norm: knb.ptr,
+                    q_out: qo.ptr,
+                    kc: gkc.ptr,
+                    vc: gvc.ptr,
+                    nh,
+                    hkv,
+                    hd,
+                    gated: true,
+                    rot,
+                    pos: posb.ptr,
+                    theta,
+                    eps: 1e-6,
+                },
+                1,
+                0,
+            )
             .unwrap();
             g.attn_decode(qo.ptr, gkc.ptr, gvc.ptr, qgb.ptr, out.ptr, (nh, hkv, hd), posb.ptr, true, part.ptr, splits)
                 .unwrap();

@@ -8,7 +8,7 @@
 
 mod common;
 use common::*;
-use lily::cuda::CudaSession;
+use lily::cuda::{CudaSession, Precision};
 use lily::generate::{CpuSession, Session};
 use std::sync::Arc;
 
@@ -39,13 +39,30 @@ fn check_model(dir: &str, reference_name: &str) {
     let gm = lily::cuda::upload_cached(&model).unwrap_or_else(|e| panic!("upload {dir}: {e:#}"));
     let vocab = model.cfg.vocab_size;
 
-    let mut s = CudaSession::new(gm.clone());
-    let got = s.forward_all(&prompt).unwrap();
-    let worst = compare_rows(&format!("{dir} cuda one-shot"), &got, &logits, vocab);
-    eprintln!("{dir}: cuda worst |Δ|/range vs mlx-lm = {worst:.2e}");
+    // The exact mode: batched prefill with fp32 products, and the token-by-token decode path.
+    let session = |prefill: Option<Precision>| {
+        let mut s = CudaSession::new(gm.clone());
+        s.prefill = prefill;
+        s
+    };
+    for (mode, prefill) in [("batched fp32", Some(Precision::F32)), ("token by token", None)] {
+        let got = session(prefill).forward_all(&prompt).unwrap();
+        let worst = compare_rows(&format!("{dir} cuda one-shot {mode}"), &got, &logits, vocab);
+        eprintln!("{dir}: cuda {mode} worst |Δ|/range vs mlx-lm = {worst:.2e}");
+    }
+    // Prompt chunks of 48 tokens (state carried between chunks) give the same logits.
+    let mut chunked = session(Some(Precision::F32));
+    chunked.chunk = 48;
+    let got = chunked.forward_all(&prompt).unwrap();
+    compare_rows(&format!("{dir} cuda batched fp32, 48-token chunks"), &got, &logits, vocab);
+    // The bf16 tensor-core prefill is not held to the fp32 bound (see the issue: end-to-end
+    // bf16 comparisons on random MoE weights are not meaningful); its distance is reported.
+    let got = session(Some(Precision::Bf16)).forward_all(&prompt).unwrap();
+    let worst = rows_worst(&got, &logits, vocab);
+    eprintln!("{dir}: cuda batched bf16 (information only) worst |Δ|/range vs mlx-lm = {worst:.2e}");
 
     let split = 100;
-    let mut s2 = CudaSession::new(gm.clone());
+    let mut s2 = session(Some(Precision::F32));
     let mut inc = s2.forward_all(&prompt[..split]).unwrap();
     for &t in &prompt[split..] {
         inc.extend(s2.forward_last(&[t]).unwrap());
@@ -53,7 +70,7 @@ fn check_model(dir: &str, reference_name: &str) {
     compare_rows(&format!("{dir} cuda prefill-then-decode"), &inc, &logits, vocab);
 
     // Greedy continuation with the argmax on the GPU.
-    let mut s3 = CudaSession::new(gm.clone());
+    let mut s3 = session(Some(Precision::F32));
     let mut next = s3.forward_greedy(&prompt).unwrap();
     let mut out = Vec::new();
     for _ in 0..greedy.len() {
@@ -104,12 +121,21 @@ fn cuda_synthetic_tiny_matches_cpu() {
     let want = CpuSession::new(model.clone()).forward_all(&prompt).unwrap();
     let mut graphs = CudaSession::new(gm.clone());
     graphs.use_graphs = true;
+    graphs.prefill = None;
     let got = graphs.forward_all(&prompt).unwrap();
     let worst = compare_rows("synthetic:tiny cuda vs cpu", &got, &want, 1024);
     eprintln!("synthetic:tiny: cuda (graphs) vs cpu worst |Δ|/range = {worst:.2e}");
     // The same kernels launched eagerly give bit-identical logits.
-    let mut eager = CudaSession::new(gm);
+    let mut eager = CudaSession::new(gm.clone());
     eager.use_graphs = false;
+    eager.prefill = None;
     let got_eager = eager.forward_all(&prompt).unwrap();
     assert!(got_eager == got, "graph replay and eager launches differ");
+    // Batched fp32 prefill in chunks of 128 (the KV cache grows between chunks).
+    let mut batched = CudaSession::new(gm);
+    batched.prefill = Some(Precision::F32);
+    batched.chunk = 128;
+    let got = batched.forward_all(&prompt).unwrap();
+    let worst = compare_rows("synthetic:tiny cuda batched fp32 vs cpu", &got, &want, 1024);
+    eprintln!("synthetic:tiny: cuda batched fp32 vs cpu worst |Δ|/range = {worst:.2e}");
 }

@@ -14,7 +14,7 @@ mod model;
 mod ops;
 
 pub use model::{upload_cached, uploaded, CudaModel, CudaSession};
-pub use ops::{AttnPrep, GdnStep, GpuLinear};
+pub use ops::{AttnPrep, GdnPrefill, GdnStep, GpuLinear, Precision};
 
 /// A captured CUDA graph, ready to replay on [`Gpu::stream`].
 pub struct Graph(sys::CUgraphExec);
@@ -37,32 +37,43 @@ use std::path::PathBuf;
 use std::sync::{Arc, OnceLock};
 
 /// Every kernel source, in compile order (the prelude first). One NVRTC program, one module.
-pub const SOURCES: [(&str, &str); 7] = [
+pub const SOURCES: [(&str, &str); 10] = [
     ("common.cuh", include_str!("../../kernels/common.cuh")),
     ("norm.cu", include_str!("../../kernels/norm.cu")),
     ("linear.cu", include_str!("../../kernels/linear.cu")),
+    ("gemm.cu", include_str!("../../kernels/gemm.cu")),
     ("gdn.cu", include_str!("../../kernels/gdn.cu")),
+    ("gdn_prefill.cu", include_str!("../../kernels/gdn_prefill.cu")),
     ("attention.cu", include_str!("../../kernels/attention.cu")),
+    ("attention_prefill.cu", include_str!("../../kernels/attention_prefill.cu")),
     ("moe.cu", include_str!("../../kernels/moe.cu")),
     ("sampling.cu", include_str!("../../kernels/sampling.cu")),
 ];
 
 /// Kernel entry points loaded from the module.
-pub const KERNELS: [&str; 15] = [
+pub const KERNELS: [&str; 23] = [
     "rms_norm",
     "silu_mul",
     "silu_mul_pairs",
     "add_inplace",
     "linear_gemv",
-    "linear_gemm",
+    "gemm_f32",
+    "gemm_bf16",
     "embed_row",
     "conv_step",
     "gdn_step",
+    "conv_prefill",
+    "gdn_qk_prep",
+    "gdn_scan",
+    "gdn_out_norm",
     "attn_prep",
     "attn_decode",
     "attn_combine",
+    "attn_prefill",
     "moe_topk",
+    "moe_align",
     "moe_combine",
+    "moe_combine_rows",
     "argmax",
 ];
 

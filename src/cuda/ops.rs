@@ -193,25 +193,288 @@ impl Gpu {
         self.launch("linear_gemv", (blocks(w.rows, 32), slots as u32, 1), 256, &a)
     }
 
-    /// `y[t, :] (+)= W x[t, :]` for t tokens (matrix 0 of the stack).
-    pub fn gemm(&self, w: &GpuLinear, x: u64, y: u64, t: usize, accumulate: bool) -> Result<()> {
+    /// `y[m, :] (+)= W x[m, :]` for m rows (matrix 0 of the stack); row strides ldx, ldy (f32
+    /// elements).
+    #[allow(clippy::too_many_arguments)]
+    pub fn gemm(
+        &self,
+        w: &GpuLinear,
+        prec: Precision,
+        x: u64,
+        ldx: usize,
+        y: u64,
+        ldy: usize,
+        m: usize,
+        accumulate: bool,
+    ) -> Result<()> {
+        let tiles = m.div_ceil(prec.bm());
+        self.gemm_raw(w, prec, w.rows, (x, ldx, 0, 1), (y, ldy), m, (0, tiles), accumulate)
+    }
+
+    /// The routed-expert product: rows grouped by expert through `tiles` (from [`Gpu::moe_align`],
+    /// built for `prec.bm()`, at most `max_tiles`); row m reads x row `gather[m] / gdiv` (or m
+    /// when gather is 0) and uses matrix e of the stack seen as matrices of `n` rows.
+    #[allow(clippy::too_many_arguments)]
+    pub fn gemm_grouped(
+        &self,
+        w: &GpuLinear,
+        prec: Precision,
+        n: usize,
+        x: (u64, usize, u64, usize),
+        y: (u64, usize),
+        tiles: u64,
+        max_tiles: usize,
+    ) -> Result<()> {
+        if !(w.rows * w.count).is_multiple_of(n) {
+            bail!("gemm_grouped: {n} rows per matrix do not divide the stack");
+        }
+        self.gemm_raw(w, prec, n, x, y, 0, (tiles, max_tiles), false)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn gemm_raw(
+        &self,
+        w: &GpuLinear,
+        prec: Precision,
+        n: usize,
+        (x, ldx, gather, gdiv): (u64, usize, u64, usize),
+        (y, ldy): (u64, usize),
+        m: usize,
+        (tiles, ntiles): (u64, usize),
+        accumulate: bool,
+    ) -> Result<()> {
+        if w.bits != 0 && !w.cols.is_multiple_of(32) {
+            bail!("gemm: quantized width {} is not a multiple of 32", w.cols);
+        }
+        if prec == Precision::Bf16 && (!w.cols.is_multiple_of(32) || !ldx.is_multiple_of(4) || !x.is_multiple_of(16)) {
+            bail!("gemm_bf16: width {} / row stride {ldx} not aligned for the tensor-core path", w.cols);
+        }
+        if ntiles == 0 {
+            return Ok(());
+        }
         let mut a = w.wargs().to_vec();
         a.extend([
             Arg::P(x),
+            Arg::L(ldx as i64),
+            Arg::P(gather),
+            Arg::I(gdiv.max(1) as i32),
             Arg::P(y),
-            Arg::I(w.rows as i32),
+            Arg::L(ldy as i64),
+            Arg::I(m as i32),
+            Arg::I(n as i32),
             Arg::I(w.cols as i32),
-            Arg::I(t as i32),
+            Arg::P(tiles),
             Arg::I(accumulate as i32),
         ]);
-        self.launch("linear_gemm", (blocks(w.rows, 8), blocks(t, 8), 1), 256, &a)
+        match prec {
+            Precision::F32 => self.launch("gemm_f32", (blocks(n, 8), ntiles as u32, 1), 256, &a),
+            Precision::Bf16 => self.launch("gemm_bf16", (blocks(n, 128), ntiles as u32, 1), 256, &a),
+        }
     }
 
-    /// `out = W[row, :]` dequantized to f32, `row` read from the device i32 at `row_p`.
-    pub fn embed(&self, w: &GpuLinear, row_p: u64, out: u64) -> Result<()> {
+    /// Groups `p` routed pairs (expert ids[i], i32) by expert: `perm`, `inv` (i32 [p]) and the
+    /// tile list for [`Gpu::gemm_grouped`] with tiles of at most `bm` rows (`tiles`: i32
+    /// [1 + 3·(p/bm + e + 1)]).
+    pub fn moe_align(&self, ids: u64, p: usize, e: usize, bm: usize, perm: u64, inv: u64, tiles: u64) -> Result<()> {
+        if e > 1024 {
+            bail!("moe_align: {e} experts unsupported");
+        }
+        self.launch(
+            "moe_align",
+            (1, 1, 1),
+            1024,
+            &[
+                Arg::P(ids),
+                Arg::I(p as i32),
+                Arg::I(e as i32),
+                Arg::I(bm as i32),
+                Arg::P(perm),
+                Arg::P(inv),
+                Arg::P(tiles),
+            ],
+        )
+    }
+
+    /// `x[t] += Σ_k w[t,k] ye[inv[t·K+k]] + sigmoid(sg[t·sgs]) ys[t]` for t tokens.
+    #[allow(clippy::too_many_arguments)]
+    pub fn moe_combine_rows(
+        &self,
+        x: u64,
+        ye: u64,
+        inv: u64,
+        w: u64,
+        ys: u64,
+        (sg, sgs): (u64, usize),
+        h: usize,
+        k: usize,
+        t: usize,
+    ) -> Result<()> {
+        self.launch(
+            "moe_combine_rows",
+            (blocks(h, 256), t as u32, 1),
+            256,
+            &[
+                Arg::P(x),
+                Arg::P(ye),
+                Arg::P(inv),
+                Arg::P(w),
+                Arg::P(ys),
+                Arg::P(sg),
+                Arg::L(sgs as i64),
+                Arg::I(h as i32),
+                Arg::I(k as i32),
+            ],
+        )
+    }
+
+    /// Causal conv1d + SiLU over t tokens (input rows of stride ldx), updating the state.
+    #[allow(clippy::too_many_arguments)]
+    pub fn conv_prefill(
+        &self,
+        x: u64,
+        ldx: usize,
+        state: u64,
+        w: u64,
+        y: u64,
+        c: usize,
+        k: usize,
+        t: usize,
+    ) -> Result<()> {
+        if !(1..=8).contains(&k) {
+            bail!("conv_prefill: {k} taps unsupported (at most 8)");
+        }
+        self.launch(
+            "conv_prefill",
+            (blocks(c, 64), 1, 1),
+            64,
+            &[
+                Arg::P(x),
+                Arg::L(ldx as i64),
+                Arg::P(state),
+                Arg::P(w),
+                Arg::P(y),
+                Arg::I(c as i32),
+                Arg::I(k as i32),
+                Arg::I(t as i32),
+            ],
+        )
+    }
+
+    /// The gated delta rule over t tokens (see kernels/gdn_prefill.cu): q/k normalization, the
+    /// scan with the state in registers, and the gated RMSNorm (output `p.out`: `[t, H_v·D_v]`).
+    pub fn gdn_prefill(&self, p: &GdnPrefill) -> Result<()> {
+        let s = &p.step;
+        if !s.dk.is_multiple_of(32)
+            || s.dk > 256
+            || !s.dv.is_multiple_of(32)
+            || s.dv > 1024
+            || !s.hv.is_multiple_of(s.hk)
+        {
+            bail!("gdn_prefill: unsupported head dims (D_v {} D_k {})", s.dv, s.dk);
+        }
+        let t = p.t;
+        self.launch(
+            "gdn_qk_prep",
+            (s.hk as u32, t as u32, 1),
+            128,
+            &[
+                Arg::P(s.y),
+                Arg::L(p.ldy as i64),
+                Arg::P(p.qn),
+                Arg::P(p.kn),
+                Arg::P(p.kq),
+                Arg::I(s.hk as i32),
+                Arg::I(s.dk as i32),
+            ],
+        )?;
+        self.launch(
+            "gdn_scan",
+            (s.hv as u32, s.dv.div_ceil(32) as u32, 1),
+            128,
+            &[
+                Arg::P(p.qn),
+                Arg::P(p.kn),
+                Arg::P(p.kq),
+                Arg::P(s.y),
+                Arg::L(p.ldy as i64),
+                Arg::P(s.b),
+                Arg::P(s.a),
+                Arg::L(p.ldp as i64),
+                Arg::P(s.dt_bias),
+                Arg::P(s.neg_a),
+                Arg::P(s.state),
+                Arg::P(s.out),
+                Arg::I(s.hk as i32),
+                Arg::I(s.hv as i32),
+                Arg::I(s.dk as i32),
+                Arg::I(s.dv as i32),
+                Arg::I(t as i32),
+            ],
+        )?;
+        self.launch(
+            "gdn_out_norm",
+            ((t * s.hv) as u32, 1, 1),
+            s.dv as u32,
+            &[
+                Arg::P(s.out),
+                Arg::P(s.z),
+                Arg::L(p.ldp as i64),
+                Arg::P(s.norm),
+                Arg::I(s.hv as i32),
+                Arg::I(s.dv as i32),
+                Arg::F(s.eps),
+            ],
+        )
+    }
+
+    /// Causal attention of t new tokens (queries `q: [t, H_q, D]`, K/V already in the caches at
+    /// positions pos0.., pos0 read from the device) with the output gate read from `qg` rows of
+    /// stride ldg; out `[t, H_q·D]`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn attn_prefill(
+        &self,
+        q: u64,
+        kc: u64,
+        vc: u64,
+        (qg, ldg): (u64, usize),
+        out: u64,
+        dims: (usize, usize, usize),
+        t: usize,
+        pos0: u64,
+        gated: bool,
+    ) -> Result<()> {
+        let (nh, hkv, hd) = dims;
+        if !hd.is_multiple_of(32) || hd > 256 || !nh.is_multiple_of(hkv) {
+            bail!("attn_prefill: head dim {hd} / heads {nh}:{hkv} unsupported");
+        }
+        self.launch(
+            "attn_prefill",
+            (blocks(t * (nh / hkv), 8), hkv as u32, 1),
+            256,
+            &[
+                Arg::P(q),
+                Arg::P(kc),
+                Arg::P(vc),
+                Arg::P(qg),
+                Arg::L(ldg as i64),
+                Arg::P(out),
+                Arg::I(nh as i32),
+                Arg::I(hkv as i32),
+                Arg::I(hd as i32),
+                Arg::I(t as i32),
+                Arg::P(pos0),
+                Arg::F(1.0 / (hd as f32).sqrt()),
+                Arg::I(gated as i32),
+            ],
+        )
+    }
+
+    /// `out[t] = W[rows[t], :]` dequantized to f32 for t < n, the row ids read from the device
+    /// i32 array at `rows`.
+    pub fn embed(&self, w: &GpuLinear, rows: u64, out: u64, n: usize) -> Result<()> {
         let mut a = w.wargs().to_vec();
-        a.extend([Arg::P(row_p), Arg::I(w.cols as i32), Arg::P(out)]);
-        self.launch("embed_row", (blocks(w.cols, 256), 1, 1), 256, &a)
+        a.extend([Arg::P(rows), Arg::I(w.cols as i32), Arg::P(out)]);
+        self.launch("embed_row", (blocks(w.cols, 256), n as u32, 1), 256, &a)
     }
 
     /// One token of the causal conv1d + SiLU over C channels with K taps.
@@ -252,14 +515,15 @@ impl Gpu {
         )
     }
 
-    /// q/k RMSNorm + partial RoPE for one token; writes q and the cache row `pos`.
-    pub fn attn_prep(&self, p: &AttnPrep) -> Result<()> {
+    /// q/k RMSNorm + partial RoPE for `t` tokens at positions `pos`.. (inputs in rows of stride
+    /// `ld`); writes the queries and the cache rows.
+    pub fn attn_prep(&self, p: &AttnPrep, t: usize, ld: usize) -> Result<()> {
         if !p.hd.is_multiple_of(32) || p.hd > 256 || p.rot > p.hd {
             bail!("attention: head dim {} unsupported (multiple of 32, at most 256)", p.hd);
         }
         self.launch(
             "attn_prep",
-            ((p.nh + p.hkv) as u32, 1, 1),
+            ((p.nh + p.hkv) as u32, t as u32, 1),
             p.hd as u32,
             &[
                 Arg::P(p.qg),
@@ -278,6 +542,7 @@ impl Gpu {
                 Arg::P(p.pos),
                 Arg::D(p.theta),
                 Arg::F(p.eps),
+                Arg::L(ld as i64),
             ],
         )
     }
@@ -335,12 +600,29 @@ impl Gpu {
     /// Softmax + top-k of E router logits into device ids (i32) and weights (f32); when `ids2` is
     /// not 0 it also gets `[2·id, 2·id + 1]` per choice (rows of an interleaved gate/up stack).
     pub fn moe_topk(&self, logits: u64, e: usize, k: usize, renorm: bool, ids: u64, w: u64, ids2: u64) -> Result<()> {
+        self.moe_topk_rows(logits, 0, 1, e, k, renorm, ids, w, ids2)
+    }
+
+    /// [`Gpu::moe_topk`] for t tokens (logit rows of stride `ld`; ids and weights `[t, k]`).
+    #[allow(clippy::too_many_arguments)]
+    pub fn moe_topk_rows(
+        &self,
+        logits: u64,
+        ld: usize,
+        t: usize,
+        e: usize,
+        k: usize,
+        renorm: bool,
+        ids: u64,
+        w: u64,
+        ids2: u64,
+    ) -> Result<()> {
         if e > 1024 || k > 64 || k > e {
             bail!("moe_topk: {e} experts / top-{k} unsupported");
         }
         self.launch(
             "moe_topk",
-            (1, 1, 1),
+            (t as u32, 1, 1),
             32,
             &[
                 Arg::P(logits),
@@ -350,6 +632,7 @@ impl Gpu {
                 Arg::P(ids),
                 Arg::P(w),
                 Arg::P(ids2),
+                Arg::L(ld as i64),
             ],
         )
     }
@@ -388,6 +671,40 @@ pub struct GdnStep {
     pub dk: usize,
     pub dv: usize,
     pub eps: f32,
+}
+
+/// Arguments of [`Gpu::gdn_prefill`]: the one-token arguments (with `y`, `z`, `b`, `a` now the
+/// first of `t` rows and `out` a `[t, H_v·D_v]` buffer) plus row strides and scratch.
+pub struct GdnPrefill {
+    pub step: GdnStep,
+    pub t: usize,
+    /// Row stride of the conv output y (f32 elements).
+    pub ldy: usize,
+    /// Row stride of the projections holding z, b, a.
+    pub ldp: usize,
+    /// Scratch: normalized q, k `[t, H_k, D_k]` and k·q `[t, H_k]`.
+    pub qn: u64,
+    pub kn: u64,
+    pub kq: u64,
+}
+
+/// Which arithmetic the many-row products use.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Precision {
+    /// fp32 FMAs (exact mode: tests against the fp32 references).
+    F32,
+    /// bf16 tensor cores with fp32 accumulation (the fast prefill).
+    Bf16,
+}
+
+impl Precision {
+    /// Rows per tile of the kernel (the `bm` that `moe_align` must use).
+    pub fn bm(self) -> usize {
+        match self {
+            Precision::F32 => 8,
+            Precision::Bf16 => 64,
+        }
+    }
 }
 
 /// Arguments of [`Gpu::attn_prep`].

@@ -1,6 +1,8 @@
 //! Helpers shared by the integration tests: a seeded RNG and error measures.
 #![allow(dead_code)]
 
+pub mod gpu;
+
 use lily::sampling::Rng;
 use std::path::PathBuf;
 
@@ -65,6 +67,18 @@ pub fn reference(name: &str) -> Reference {
         logits: get("logits").to_f32().unwrap(),
         greedy: get("greedy").to_i32().unwrap().into_iter().map(|x| x as u32).collect(),
     }
+}
+
+/// Worst per-position max |Δ| / (that row's logit range), without asserting anything.
+pub fn rows_worst(got: &[f32], want: &[f32], vocab: usize) -> f32 {
+    assert_eq!(got.len(), want.len(), "logits shape");
+    got.chunks(vocab)
+        .zip(want.chunks(vocab))
+        .map(|(g, w)| {
+            let range = w.iter().cloned().fold(f32::MIN, f32::max) - w.iter().cloned().fold(f32::MAX, f32::min);
+            max_abs_diff(g, w) / range
+        })
+        .fold(0.0, f32::max)
 }
 
 /// Per position: max |Δ| within REL_TOL of that row's logit range, and the same argmax.

@@ -1,0 +1,242 @@
+/*
+ * gemm.cu: weight products for many rows at once (prefill and routed MoE experts), reading MLX
+ * affine 4/8-bit or dense f32/f16/bf16 weights and dequantizing on the fly.
+ *
+ *   Y[m, n] (+)= sum_k X[xr(m), k] * W[e*N + n, k]          m in a tile, n < N, k < K
+ *
+ * Weights as in linear.cu (packed u32 rows, scales/biases [rows, K/group], W = s*q + b).
+ * Row map of the block y ("tile"):
+ *   plain (tiles == 0): e = 0, m in [BM*y, min(M, BM*(y+1))), xr(m) = m;
+ *   grouped (MoE, tiles from moe_align): tiles = [count, (e, m0, m1) x count]; block y < count
+ *     covers m in [m0, m1) of expert e (blocks past count exit); xr(m) = gather[m] / gdiv when
+ *     gather is set (the token of routed pair m), else m.
+ * X rows have stride ldx, Y rows stride ldy (f32 elements). accumulate != 0 adds into Y.
+ *
+ * gemm_f32: the exact mode (fp32 FMAs, the whole-model tests against mlx-lm use it).
+ *   Block 256 = 8 warps, tile BM = 8 rows m x 8 columns n: warp w owns n = 8*blockIdx.x + w and
+ *   keeps 8 accumulators, lanes stride k, so each weight is decoded once per 8 rows.
+ *   grid (ceil(N/8), tiles).
+ *
+ * gemm_bf16: tensor cores, mma.sync.m16n8k16 (bf16 inputs, fp32 accumulation). X is rounded to
+ *   bf16 when staged; W is dequantized in fp32 (s*q + b) and rounded to bf16.
+ *   Block 256 = 8 warps as 2 (m) x 4 (n); block tile BM 64 x BN 128 x BK 64, warp tile 32 x 32
+ *   (2 x 4 mma tiles, 32 fp32 accumulators per thread).
+ *   Shared: Xs [64][72] and Ws [128][72] bf16 (rows padded by 8 so the fragment loads, u32 at
+ *   (row*36 + k/2), hit 32 distinct banks: 36*g + t mod 32 = 4g + t for g < 8, t < 4).
+ *   Staging: thread i loads X row i/4, columns 16*(i%4).. (4 float4) and W row i/2, columns
+ *   32*(i%2).. (one uint4 of 4-bit codes, two of 8-bit, one scale/bias pair since group >= 32).
+ *   The next k-step's global loads are issued into registers before the current step's mma
+ *   (register double buffering, one shared buffer).
+ *   Fragments (PTX m16n8k16 .bf16): A reg j: row g + 8*(j&1), k 2t + 8*(j>>1); B reg j: n g,
+ *   k 2t + 8j; C: rows g, g+8, columns 2t, 2t+1 (g = lane/4, t = lane%4).
+ *   grid (ceil(N/128), tiles). Requires K % 32 == 0.
+ */
+struct GemmTile {
+    int e, m0, m1;
+};
+
+__device__ __forceinline__ bool gemm_tile(const int* tiles, int M, int BM, GemmTile& t) {
+    if (!tiles) {
+        t.e = 0;
+        t.m0 = blockIdx.y * BM;
+        t.m1 = min(M, t.m0 + BM);
+        return t.m0 < M;
+    }
+    if ((int)blockIdx.y >= tiles[0]) return false;
+    const int* p = tiles + 1 + 3 * blockIdx.y;
+    t.e = p[0];
+    t.m0 = p[1];
+    t.m1 = p[2];
+    return true;
+}
+
+__device__ __forceinline__ long long gemm_xrow(const int* gather, int gdiv, int m) {
+    return gather ? (long long)(gather[m] / gdiv) : (long long)m;
+}
+
+#define GF_BM 8
+extern "C" __global__ void gemm_f32(const void* w, const void* sc, const void* bi, int bits, int group, int ty,
+                                    const float* x, long long ldx, const int* gather, int gdiv, float* y,
+                                    long long ldy, int M, int N, int K, const int* tiles, int accumulate) {
+    GemmTile tl;
+    if (!gemm_tile(tiles, M, GF_BM, tl)) return;
+    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    int n = blockIdx.x * 8 + warp;
+    if (n >= N) return;
+    int nm = tl.m1 - tl.m0;
+    const float* xr[GF_BM];
+#pragma unroll
+    for (int i = 0; i < GF_BM; i++) xr[i] = x + gemm_xrow(gather, gdiv, tl.m0 + min(i, nm - 1)) * ldx;
+    long long row = (long long)tl.e * N + n;
+    float acc[GF_BM];
+#pragma unroll
+    for (int i = 0; i < GF_BM; i++) acc[i] = 0.f;
+    for (int c = lane; c < K; c += 32) {
+        float wv = dequant_elem(w, sc, bi, bits, group, ty, row, K, c);
+#pragma unroll
+        for (int i = 0; i < GF_BM; i++)
+            if (i < nm) acc[i] += wv * xr[i][c];
+    }
+#pragma unroll
+    for (int i = 0; i < GF_BM; i++) {
+        float a = warp_sum(acc[i]);
+        if (lane == 0 && i < nm) {
+            float* o = y + (long long)(tl.m0 + i) * ldy + n;
+            *o = accumulate ? *o + a : a;
+        }
+    }
+}
+
+/* f32 -> bf16 bits, round to nearest even (inputs are finite). */
+__device__ __forceinline__ u32 bf16_bits(float f) {
+    u32 u = __float_as_uint(f);
+    return (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+}
+__device__ __forceinline__ u32 pack_bf16(float lo, float hi) { return bf16_bits(lo) | (bf16_bits(hi) << 16); }
+
+#define TC_BM 64
+#define TC_BN 128
+#define TC_BK 64
+#define TC_LD 72 /* bf16 per shared row */
+
+extern "C" __global__ void __launch_bounds__(256) gemm_bf16(const void* w, const void* sc, const void* bi, int bits,
+                                                            int group, int ty, const float* x, long long ldx,
+                                                            const int* gather, int gdiv, float* y, long long ldy,
+                                                            int M, int N, int K, const int* tiles, int accumulate) {
+    __shared__ __align__(16) u16 Xs[TC_BM * TC_LD];
+    __shared__ __align__(16) u16 Ws[TC_BN * TC_LD];
+    GemmTile tl;
+    if (!gemm_tile(tiles, M, TC_BM, tl)) return;
+    int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    int n0 = blockIdx.x * TC_BN;
+
+    /* staging roles */
+    int xrow = tid >> 2, xseg = (tid & 3) * 16;
+    bool xvalid = tl.m0 + xrow < tl.m1;
+    const float* xp = x + (xvalid ? gemm_xrow(gather, gdiv, tl.m0 + xrow) : 0) * ldx;
+    int wrow = tid >> 1, wseg = (tid & 1) * 32;
+    bool wvalid = n0 + wrow < N;
+    long long wr = (long long)tl.e * N + n0 + (wvalid ? wrow : 0);
+
+    float4 xv[4];
+    uint4 qv[2];
+    float ws = 0.f, wb = 0.f;
+    float wd[32]; /* dense weights */
+
+    auto load = [&](int k0) {
+        int kx = k0 + xseg;
+#pragma unroll
+        for (int j = 0; j < 4; j++)
+            xv[j] = (xvalid && kx < K) ? ((const float4*)(xp + kx))[j] : make_float4(0.f, 0.f, 0.f, 0.f);
+        int kw = k0 + wseg;
+        bool ok = wvalid && kw < K;
+        if (bits == 4) {
+            qv[0] = ok ? ((const uint4*)((const u32*)w + wr * (K / 8) + kw / 8))[0] : make_uint4(0, 0, 0, 0);
+        } else if (bits == 8) {
+            const uint4* p = (const uint4*)((const u32*)w + wr * (K / 4) + kw / 4);
+            qv[0] = ok ? p[0] : make_uint4(0, 0, 0, 0);
+            qv[1] = ok ? p[1] : make_uint4(0, 0, 0, 0);
+        } else {
+#pragma unroll
+            for (int j = 0; j < 32; j++) wd[j] = ok ? load_elem(w, wr * K + kw + j, ty) : 0.f;
+        }
+        if (bits) {
+            long long gi = wr * (K / group) + kw / group;
+            ws = ok ? load_elem(sc, gi, ty) : 0.f;
+            wb = ok ? load_elem(bi, gi, ty) : 0.f;
+        }
+    };
+    auto store = [&]() {
+        u32 px[8];
+#pragma unroll
+        for (int j = 0; j < 4; j++) {
+            px[2 * j] = pack_bf16(xv[j].x, xv[j].y);
+            px[2 * j + 1] = pack_bf16(xv[j].z, xv[j].w);
+        }
+        uint4* dx = (uint4*)(Xs + xrow * TC_LD + xseg);
+        dx[0] = make_uint4(px[0], px[1], px[2], px[3]);
+        dx[1] = make_uint4(px[4], px[5], px[6], px[7]);
+        float f[32];
+        if (bits == 4) {
+            u32 wd4[4] = {qv[0].x, qv[0].y, qv[0].z, qv[0].w};
+#pragma unroll
+            for (int j = 0; j < 32; j++) f[j] = ws * (float)((wd4[j >> 3] >> (4 * (j & 7))) & 15u) + wb;
+        } else if (bits == 8) {
+            u32 wd8[8] = {qv[0].x, qv[0].y, qv[0].z, qv[0].w, qv[1].x, qv[1].y, qv[1].z, qv[1].w};
+#pragma unroll
+            for (int j = 0; j < 32; j++) f[j] = ws * (float)((wd8[j >> 2] >> (8 * (j & 3))) & 255u) + wb;
+        } else {
+#pragma unroll
+            for (int j = 0; j < 32; j++) f[j] = wd[j];
+        }
+        u32 pw[16];
+#pragma unroll
+        for (int j = 0; j < 16; j++) pw[j] = pack_bf16(f[2 * j], f[2 * j + 1]);
+        uint4* dw = (uint4*)(Ws + wrow * TC_LD + wseg);
+#pragma unroll
+        for (int j = 0; j < 4; j++) dw[j] = make_uint4(pw[4 * j], pw[4 * j + 1], pw[4 * j + 2], pw[4 * j + 3]);
+    };
+
+    float acc[2][4][4];
+#pragma unroll
+    for (int a = 0; a < 2; a++)
+#pragma unroll
+        for (int b = 0; b < 4; b++)
+#pragma unroll
+            for (int c = 0; c < 4; c++) acc[a][b][c] = 0.f;
+
+    int wm = warp >> 2, wn = warp & 3, g = lane >> 2, t4 = lane & 3;
+    const u32* X32 = (const u32*)Xs;
+    const u32* W32 = (const u32*)Ws;
+    int nk = (K + TC_BK - 1) / TC_BK;
+    load(0);
+    for (int kt = 0; kt < nk; kt++) {
+        store();
+        __syncthreads();
+        if (kt + 1 < nk) load((kt + 1) * TC_BK);
+#pragma unroll
+        for (int ks = 0; ks < TC_BK / 16; ks++) {
+            u32 af[2][4], bf[4][2];
+#pragma unroll
+            for (int mi = 0; mi < 2; mi++) {
+                int r = wm * 32 + mi * 16 + g;
+                af[mi][0] = X32[r * (TC_LD / 2) + ks * 8 + t4];
+                af[mi][1] = X32[(r + 8) * (TC_LD / 2) + ks * 8 + t4];
+                af[mi][2] = X32[r * (TC_LD / 2) + ks * 8 + 4 + t4];
+                af[mi][3] = X32[(r + 8) * (TC_LD / 2) + ks * 8 + 4 + t4];
+            }
+#pragma unroll
+            for (int ni = 0; ni < 4; ni++) {
+                int r = wn * 32 + ni * 8 + g;
+                bf[ni][0] = W32[r * (TC_LD / 2) + ks * 8 + t4];
+                bf[ni][1] = W32[r * (TC_LD / 2) + ks * 8 + 4 + t4];
+            }
+#pragma unroll
+            for (int mi = 0; mi < 2; mi++)
+#pragma unroll
+                for (int ni = 0; ni < 4; ni++)
+                    asm volatile(
+                        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+                        "{%8,%9}, {%0,%1,%2,%3};\n"
+                        : "+f"(acc[mi][ni][0]), "+f"(acc[mi][ni][1]), "+f"(acc[mi][ni][2]), "+f"(acc[mi][ni][3])
+                        : "r"(af[mi][0]), "r"(af[mi][1]), "r"(af[mi][2]), "r"(af[mi][3]), "r"(bf[ni][0]),
+                          "r"(bf[ni][1]));
+        }
+        __syncthreads();
+    }
+#pragma unroll
+    for (int mi = 0; mi < 2; mi++)
+#pragma unroll
+        for (int ni = 0; ni < 4; ni++)
+#pragma unroll
+            for (int h = 0; h < 2; h++) {
+                int m = tl.m0 + wm * 32 + mi * 16 + g + 8 * h;
+                int n = n0 + wn * 32 + ni * 8 + 2 * t4;
+                if (m < tl.m1) {
+                    float* o = y + (long long)m * ldy + n;
+#pragma unroll
+                    for (int c = 0; c < 2; c++)
+                        if (n + c < N) o[c] = accumulate ? o[c] + acc[mi][ni][2 * h + c] : acc[mi][ni][2 * h + c];
+                }
+            }
+}

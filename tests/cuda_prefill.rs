@@ -1,0 +1,375 @@
+//! The batched-prefill kernels against the CPU reference: many-row products (fp32 and bf16
+//! tensor cores, plain and grouped by expert), batched routing and combination, the GDN conv +
+//! delta-rule scan over a chunk, and causal attention of a chunk over a cache. Skips (and
+//! passes, saying so) when no GPU/driver is present.
+//!
+//! Bounds:
+//! - fp32 kernels: as in tests/cuda_kernels.rs (summation order only): NMSE 1e-9, 1e-7 through a
+//!   recurrence of up to 67 steps.
+//! - bf16 tensor cores: each product x·w carries two bf16 roundings (relative error at most 2^-9
+//!   each, about 1.6e-3 RMS together), so a sum of zero-mean terms has NMSE ≈ (1.6e-3)² ≈ 3e-6;
+//!   we allow 2e-5. A wrong fragment, tile or group index gives NMSE of order 1.
+
+mod common;
+use common::gpu::*;
+use common::*;
+use lily::cpu::attention::{attention, AttnDims};
+use lily::cpu::conv::causal_conv1d_silu;
+use lily::cpu::gdn::{self, GdnDims, GdnInputs};
+use lily::cpu::norm::{gated_rms_norm, l2_norm, rms_norm, sigmoid, softplus};
+use lily::cpu::rope::Rope;
+use lily::cuda::{GdnPrefill, GdnStep, GpuLinear, Precision};
+use lily::linear::{FloatType, Linear};
+
+const TOL: f64 = 1e-9;
+const TOL_BF16: f64 = 2e-5;
+
+fn tol(p: Precision) -> f64 {
+    match p {
+        Precision::F32 => TOL,
+        Precision::Bf16 => TOL_BF16,
+    }
+}
+
+fn i32_bytes(v: &[i32]) -> Vec<u8> {
+    v.iter().flat_map(|i| i.to_le_bytes()).collect()
+}
+
+#[test]
+fn gemm_matches_cpu_in_both_precisions() {
+    let Some(g) = gpu() else { return };
+    let mut r = rng(11);
+    let mut cases: Vec<(String, Linear)> = Vec::new();
+    for (bits, group) in [(4u32, 32usize), (4, 64), (4, 128), (8, 64), (8, 32)] {
+        cases.push((format!("q{bits} g{group} 133x{}", 3 * group), quant(&mut r, 133, 3 * group, bits, group)));
+    }
+    cases.push(("q4 g64 45x2048".into(), quant(&mut r, 45, 2048, 4, 64)));
+    for ty in [FloatType::F32, FloatType::F16, FloatType::BF16] {
+        cases.push((format!("dense {ty:?} 29x96"), dense(&mut r, 29, 96, ty)));
+    }
+    for (name, l) in &cases {
+        let gl = GpuLinear::upload(&g, l).unwrap();
+        for m in [1usize, 13, 130] {
+            let x = uniform(&mut r, m * l.cols, 1.0);
+            let mut want = vec![0f32; m * l.rows];
+            l.matmul(&x, &mut want);
+            // Output rows of stride rows + 3: the 3 guard columns must stay NaN.
+            let ldy = l.rows + 3;
+            let xb = g.upload_f32(&x).unwrap();
+            for prec in [Precision::F32, Precision::Bf16] {
+                let yb = g.upload_f32(&vec![f32::NAN; m * ldy]).unwrap();
+                g.gemm(&gl, prec, xb.ptr, l.cols, yb.ptr, ldy, m, false).unwrap();
+                let y = yb.read_f32(0, m * ldy).unwrap();
+                let got: Vec<f32> = y.chunks(ldy).flat_map(|row| row[..l.rows].to_vec()).collect();
+                assert!(y.chunks(ldy).all(|row| row[l.rows..].iter().all(|v| v.is_nan())), "{name}: guard written");
+                check(&format!("gemm {prec:?} {name} M={m}"), &got, &want, tol(prec));
+                g.gemm(&gl, prec, xb.ptr, l.cols, yb.ptr, ldy, m, true).unwrap();
+                let y = yb.read_f32(0, m * ldy).unwrap();
+                let got: Vec<f32> = y.chunks(ldy).flat_map(|row| row[..l.rows].to_vec()).collect();
+                let twice: Vec<f32> = want.iter().map(|v| 2.0 * v).collect();
+                check(&format!("gemm {prec:?} accumulate {name} M={m}"), &got, &twice, tol(prec));
+            }
+        }
+    }
+}
+
+/// Routing of a chunk: batched top-k, grouping by expert (moe_align), the grouped products with
+/// gathered inputs (gate/up pairs and down), and the weighted combination.
+#[test]
+fn grouped_experts_match_cpu() {
+    let Some(g) = gpu() else { return };
+    let mut r = rng(12);
+    let (e, k, t, h, inter) = (6usize, 3usize, 41usize, 128usize, 64usize);
+    // Router logits biased so expert 1 gets every token (a segment longer than one 64-row tile)
+    // and expert 4 none.
+    let mut logits = uniform(&mut r, t * (e + 1), 1.0);
+    for row in logits.chunks_mut(e + 1) {
+        row[1] += 10.0;
+        row[4] -= 10.0;
+    }
+    let gate_up: Vec<Linear> = (0..2 * e).map(|_| quant(&mut r, inter, h, 4, 64)).collect();
+    let down: Vec<Linear> = (0..e).map(|_| quant(&mut r, h, inter, 4, 64)).collect();
+    let gu = GpuLinear::stack(&g, &gate_up.iter().collect::<Vec<_>>()).unwrap();
+    let dn = GpuLinear::stack(&g, &down.iter().collect::<Vec<_>>()).unwrap();
+    let x = uniform(&mut r, t * h, 1.0);
+    let x0 = uniform(&mut r, t * h, 1.0);
+    let ys = uniform(&mut r, t * h, 1.0);
+
+    // CPU: route each token, run its experts, combine with the shared-expert term.
+    let mut want_ids = Vec::new();
+    let mut want_w = Vec::new();
+    let mut want_x = x0.clone();
+    for tt in 0..t {
+        let row = &logits[tt * (e + 1)..(tt + 1) * (e + 1)];
+        let routes = lily::cpu::moe::route(&row[..e], k, true);
+        let xt = &x[tt * h..(tt + 1) * h];
+        let sg = sigmoid(row[e]);
+        for j in 0..h {
+            want_x[tt * h + j] += sg * ys[tt * h + j];
+        }
+        for &(ex, w) in &routes {
+            want_ids.push(ex as i32);
+            want_w.push(w);
+            let (mut a, mut b) = (vec![0f32; inter], vec![0f32; inter]);
+            gate_up[2 * ex].matvec(xt, &mut a);
+            gate_up[2 * ex + 1].matvec(xt, &mut b);
+            let hh: Vec<f32> = a.iter().zip(&b).map(|(p, q)| lily::cpu::norm::silu(*p) * q).collect();
+            let mut y = vec![0f32; h];
+            down[ex].matvec(&hh, &mut y);
+            for j in 0..h {
+                want_x[tt * h + j] += w * y[j];
+            }
+        }
+    }
+
+    let pairs = t * k;
+    let lb = g.upload_f32(&logits).unwrap();
+    let (idb, wb) = (g.zeros(4 * pairs).unwrap(), g.zeros(4 * pairs).unwrap());
+    g.moe_topk_rows(lb.ptr, e + 1, t, e, k, true, idb.ptr, wb.ptr, 0).unwrap();
+    assert_eq!(idb.read_i32(pairs).unwrap(), want_ids, "batched moe_topk ids");
+    check("batched moe_topk weights", &wb.read_f32(0, pairs).unwrap(), &want_w, 1e-12);
+
+    for prec in [Precision::F32, Precision::Bf16] {
+        let bm = prec.bm();
+        let max_tiles = pairs.div_ceil(bm) + e + 1;
+        let (perm, inv, tiles) =
+            (g.zeros(4 * pairs).unwrap(), g.zeros(4 * pairs).unwrap(), g.zeros(4 * (1 + 3 * max_tiles)).unwrap());
+        g.moe_align(idb.ptr, pairs, e, bm, perm.ptr, inv.ptr, tiles.ptr).unwrap();
+        let (pv, iv) = (perm.read_i32(pairs).unwrap(), inv.read_i32(pairs).unwrap());
+        let tv = tiles.read_i32(1 + 3 * max_tiles).unwrap();
+        // perm is a permutation grouping pairs by ascending expert; inv is its inverse.
+        let mut seen = vec![false; pairs];
+        for (p, &i) in pv.iter().enumerate() {
+            assert!(!seen[i as usize], "perm repeats pair {i}");
+            seen[i as usize] = true;
+            assert_eq!(iv[i as usize], p as i32, "inv is not perm's inverse");
+            if p > 0 {
+                assert!(want_ids[pv[p - 1] as usize] <= want_ids[i as usize], "perm not grouped by expert");
+            }
+        }
+        // Tiles cover every row once, within one expert, at most bm rows each.
+        let nt = tv[0] as usize;
+        assert!(nt <= max_tiles, "{nt} tiles > bound {max_tiles}");
+        let mut covered = vec![0; pairs];
+        for ti in 0..nt {
+            let (ex, m0, m1) = (tv[1 + 3 * ti], tv[2 + 3 * ti] as usize, tv[3 + 3 * ti] as usize);
+            assert!(m0 < m1 && m1 - m0 <= bm, "tile {ti} rows {m0}..{m1}");
+            for m in m0..m1 {
+                covered[m] += 1;
+                assert_eq!(want_ids[pv[m] as usize], ex, "tile {ti} spans experts");
+            }
+        }
+        assert!(covered.iter().all(|&c| c == 1), "tiles do not cover each row once");
+
+        let xb = g.upload_f32(&x).unwrap();
+        let egu = g.upload_f32(&vec![f32::NAN; pairs * 2 * inter]).unwrap();
+        let eh = g.upload_f32(&vec![f32::NAN; pairs * inter]).unwrap();
+        let ye = g.upload_f32(&vec![f32::NAN; pairs * h]).unwrap();
+        g.gemm_grouped(&gu, prec, 2 * inter, (xb.ptr, h, perm.ptr, k), (egu.ptr, 2 * inter), tiles.ptr, max_tiles)
+            .unwrap();
+        // Row inv[i] of the gate/up output is pair i's [gate | up].
+        let got = egu.read_f32(0, pairs * 2 * inter).unwrap();
+        let mut want_gu = vec![0f32; pairs * 2 * inter];
+        for i in 0..pairs {
+            let (tt, ex) = (i / k, want_ids[i] as usize);
+            let o = iv[i] as usize * 2 * inter;
+            gate_up[2 * ex].matvec(&x[tt * h..(tt + 1) * h], &mut want_gu[o..o + inter]);
+            gate_up[2 * ex + 1].matvec(&x[tt * h..(tt + 1) * h], &mut want_gu[o + inter..o + 2 * inter]);
+        }
+        check(&format!("grouped gate/up {prec:?}"), &got, &want_gu, tol(prec));
+        g.silu_mul_pairs(egu.ptr, eh.ptr, inter, pairs).unwrap();
+        g.gemm_grouped(&dn, prec, h, (eh.ptr, inter, 0, 1), (ye.ptr, h), tiles.ptr, max_tiles).unwrap();
+        let xs = g.upload_f32(&x0).unwrap();
+        let ysb = g.upload_f32(&ys).unwrap();
+        g.moe_combine_rows(xs.ptr, ye.ptr, inv.ptr, wb.ptr, ysb.ptr, (lb.at(4 * e), e + 1), h, k, t).unwrap();
+        check(&format!("grouped experts + combine {prec:?}"), &xs.read_f32(0, t * h).unwrap(), &want_x, tol(prec));
+    }
+}
+
+/// conv_prefill + gdn_prefill over chunks (state carried between chunks, from a random start)
+/// against the CPU conv and recurrent delta rule.
+#[test]
+fn gdn_prefill_matches_cpu() {
+    let Some(g) = gpu() else { return };
+    let mut r = rng(13);
+    for (hk, hv, dk, dv, chunks) in
+        [(2usize, 4usize, 32usize, 32usize, vec![1usize, 5]), (16, 32, 128, 128, vec![67, 3]), (3, 3, 64, 96, vec![9])]
+    {
+        let d = GdnDims { hk, hv, dk, dv };
+        let (kd, vd) = (hk * dk, hv * dv);
+        let cd = 2 * kd + vd;
+        let ldp = cd + vd + 2 * hv + 5; // [qkv | z | b | a | 5 unused]
+        let kc = 4;
+        let conv_w = uniform(&mut r, cd * kc, 0.5);
+        let dt_bias = uniform(&mut r, hv, 1.0);
+        let neg_a: Vec<f32> = uniform(&mut r, hv, 1.0).iter().map(|v| -(v.abs() + 0.1)).collect();
+        let normw = uniform(&mut r, dv, 1.5);
+        let mut cstate = uniform(&mut r, (kc - 1) * cd, 1.0);
+        let mut rec = uniform(&mut r, hv * dk * dv, 0.3);
+        let gb = |v: &[f32]| g.upload_f32(v).unwrap();
+        let (cw, dtb, nab, nwb) = (gb(&conv_w), gb(&dt_bias), gb(&neg_a), gb(&normw));
+        let (gcs, grec) = (gb(&cstate), gb(&rec));
+        for (ci, &t) in chunks.iter().enumerate() {
+            let proj = uniform(&mut r, t * ldp, 2.0);
+            let col =
+                |o: usize, n: usize| -> Vec<f32> { proj.chunks(ldp).flat_map(|row| row[o..o + n].to_vec()).collect() };
+            let (qkv, z, b, a) = (col(0, cd), col(cd, vd), col(cd + vd, hv), col(cd + vd + hv, hv));
+            // CPU reference: Model::gdn's steps for t tokens.
+            let mut conv = vec![0f32; t * cd];
+            causal_conv1d_silu(&qkv, t, cd, &conv_w, kc, &mut cstate, &mut conv);
+            let mut q: Vec<f32> = conv.chunks(cd).flat_map(|row| row[..kd].to_vec()).collect();
+            let mut kk: Vec<f32> = conv.chunks(cd).flat_map(|row| row[kd..2 * kd].to_vec()).collect();
+            let v: Vec<f32> = conv.chunks(cd).flat_map(|row| row[2 * kd..].to_vec()).collect();
+            l2_norm(&mut q, dk, 1e-6, 1.0 / (dk as f32).sqrt());
+            l2_norm(&mut kk, dk, 1e-6, 1.0);
+            let beta: Vec<f32> = b.iter().map(|&x| sigmoid(x)).collect();
+            let gd: Vec<f32> =
+                a.iter().enumerate().map(|(i, &x)| neg_a[i % hv] * softplus(x + dt_bias[i % hv])).collect();
+            let mut o = vec![0f32; t * vd];
+            gdn::recurrent(d, t, &GdnInputs { q: &q, k: &kk, v: &v, g: &gd, beta: &beta }, &mut rec, &mut o);
+            gated_rms_norm(&mut o, &z, &normw, 1e-6);
+            // GPU
+            let pb = gb(&proj);
+            let (yb, ob) = (gb(&vec![f32::NAN; t * cd]), gb(&vec![f32::NAN; t * vd]));
+            let (qn, kn, kq) = (gb(&vec![0f32; t * kd]), gb(&vec![0f32; t * kd]), gb(&vec![0f32; t * hk]));
+            g.conv_prefill(pb.ptr, ldp, gcs.ptr, cw.ptr, yb.ptr, cd, kc, t).unwrap();
+            g.gdn_prefill(&GdnPrefill {
+                step: GdnStep {
+                    y: yb.ptr,
+                    b: pb.at(4 * (cd + vd)),
+                    a: pb.at(4 * (cd + vd + hv)),
+                    z: pb.at(4 * cd),
+                    dt_bias: dtb.ptr,
+                    neg_a: nab.ptr,
+                    norm: nwb.ptr,
+                    state: grec.ptr,
+                    out: ob.ptr,
+                    hk,
+                    hv,
+                    dk,
+                    dv,
+                    eps: 1e-6,
+                },
+                t,
+                ldy: cd,
+                ldp,
+                qn: qn.ptr,
+                kn: kn.ptr,
+                kq: kq.ptr,
+            })
+            .unwrap();
+            let name = format!("gdn prefill H_k{hk} H_v{hv} D_k{dk} D_v{dv} chunk {ci} T={t}");
+            check(&format!("{name} conv"), &yb.read_f32(0, t * cd).unwrap(), &conv, TOL);
+            check(&format!("{name} conv state"), &gcs.read_f32(0, cstate.len()).unwrap(), &cstate, 0.0);
+            check(&format!("{name} out"), &ob.read_f32(0, t * vd).unwrap(), &o, 1e-7);
+            check(&format!("{name} state"), &grec.read_f32(0, rec.len()).unwrap(), &rec, 1e-7);
+        }
+    }
+}
+
+/// attn_prep + attn_prefill for a chunk of T tokens after p0 cached positions, against the CPU
+/// causal attention.
+#[test]
+fn attention_prefill_matches_cpu() {
+    let Some(g) = gpu() else { return };
+    let mut r = rng(14);
+    for (nh, hkv, hd, rot, p0, t) in [
+        (4usize, 2usize, 64usize, 16usize, 0usize, 9usize),
+        (16, 2, 256, 64, 37, 70),
+        (3, 1, 32, 32, 5, 17),
+        (4, 4, 32, 32, 0, 1),
+    ] {
+        let theta = 1e7;
+        let rope = Rope::new(rot, theta);
+        let kvd = hkv * hd;
+        let ld = nh * 2 * hd + 2 * kvd + 3; // one projection row: [q+gate | k | v | 3 unused]
+        let qn = uniform(&mut r, hd, 1.5);
+        let kn = uniform(&mut r, hd, 1.5);
+        // Cached positions before the chunk (already normalized and rotated).
+        let mut kc = uniform(&mut r, p0 * kvd, 1.0);
+        let mut vc = uniform(&mut r, p0 * kvd, 1.0);
+        let proj = uniform(&mut r, t * ld, 2.0);
+        let mut q = vec![0f32; t * nh * hd];
+        let mut gate = vec![0f32; t * nh * hd];
+        for tt in 0..t {
+            let row = &proj[tt * ld..(tt + 1) * ld];
+            for h in 0..nh {
+                let (qo, go) = (h * 2 * hd, (tt * nh + h) * hd);
+                q[go..go + hd].copy_from_slice(&row[qo..qo + hd]);
+                gate[go..go + hd].copy_from_slice(&row[qo + hd..qo + 2 * hd]);
+            }
+            let qt = &mut q[tt * nh * hd..(tt + 1) * nh * hd];
+            rms_norm(qt, &qn, 1e-6);
+            rope.apply(qt, hd, p0 + tt);
+            let mut kk = row[nh * 2 * hd..nh * 2 * hd + kvd].to_vec();
+            rms_norm(&mut kk, &kn, 1e-6);
+            rope.apply(&mut kk, hd, p0 + tt);
+            kc.extend_from_slice(&kk);
+            vc.extend_from_slice(&row[nh * 2 * hd + kvd..nh * 2 * hd + 2 * kvd]);
+        }
+        let mut want = vec![0f32; t * nh * hd];
+        attention(
+            &AttnDims { heads: nh, kv_heads: hkv, head_dim: hd },
+            &q,
+            t,
+            p0,
+            &kc,
+            &vc,
+            1.0 / (hd as f32).sqrt(),
+            &mut want,
+        );
+        want.iter_mut().zip(&gate).for_each(|(a, b)| *a *= sigmoid(*b));
+        // GPU: the cache holds the first p0 rows; attn_prep writes the chunk's.
+        let gb = |v: &[f32]| g.upload_f32(v).unwrap();
+        let mut k0 = kc[..p0 * kvd].to_vec();
+        k0.resize((p0 + t) * kvd, f32::NAN);
+        let mut v0 = vc[..p0 * kvd].to_vec();
+        v0.resize((p0 + t) * kvd, f32::NAN);
+        let (gkc, gvc, pb, qnb, knb) = (gb(&k0), gb(&v0), gb(&proj), gb(&qn), gb(&kn));
+        let (qo, out) = (gb(&vec![f32::NAN; t * nh * hd]), gb(&vec![f32::NAN; t * nh * hd]));
+        let posb = g.upload_bytes(&i32_bytes(&[p0 as i32])).unwrap();
+        let prep = lily::cuda::AttnPrep {
+            qg: pb.ptr,
+            k: pb.at(4 * nh * 2 * hd),
+            v: pb.at(4 * (nh * 2 * hd + kvd)),
+            q_norm: qnb.ptr,
+            k_norm: knb.ptr,
+            q_out: qo.ptr,
+            kc: gkc.ptr,
+            vc: gvc.ptr,
+            nh,
+            hkv,
+            hd,
+            gated: true,
+            rot,
+            pos: posb.ptr,
+            theta,
+            eps: 1e-6,
+        };
+        g.attn_prep(&prep, t, ld).unwrap();
+        g.attn_prefill(qo.ptr, gkc.ptr, gvc.ptr, (pb.ptr, ld), out.ptr, (nh, hkv, hd), t, posb.ptr, true).unwrap();
+        let name = format!("attention prefill H{nh} H_kv{hkv} D{hd} R{rot} p0 {p0} T {t}");
+        check(&format!("{name} q"), &qo.read_f32(0, t * nh * hd).unwrap(), &q, TOL);
+        check(&format!("{name} k cache"), &gkc.read_f32(0, (p0 + t) * kvd).unwrap(), &kc, TOL);
+        check(&format!("{name} v cache"), &gvc.read_f32(0, (p0 + t) * kvd).unwrap(), &vc, 0.0);
+        check(&format!("{name} out"), &out.read_f32(0, t * nh * hd).unwrap(), &want, TOL);
+    }
+}
+
+/// Batched embedding gather: rows read from a device id array.
+#[test]
+fn embed_rows_match_cpu() {
+    let Some(g) = gpu() else { return };
+    let mut r = rng(15);
+    let l = quant(&mut r, 50, 128, 4, 32);
+    let gl = GpuLinear::upload(&g, &l).unwrap();
+    let ids = [3i32, 49, 0, 3, 17];
+    let idb = g.upload_bytes(&i32_bytes(&ids)).unwrap();
+    let ob = g.upload_f32(&vec![f32::NAN; ids.len() * l.cols]).unwrap();
+    g.embed(&gl, idb.ptr, ob.ptr, ids.len()).unwrap();
+    let mut want = vec![0f32; ids.len() * l.cols];
+    for (i, &id) in ids.iter().enumerate() {
+        l.row_f32(id as usize, &mut want[i * l.cols..(i + 1) * l.cols]);
+    }
+    check("embed rows", &ob.read_f32(0, want.len()).unwrap(), &want, 1e-12);
+}
