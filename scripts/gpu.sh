@@ -50,16 +50,18 @@ export LILY_KERNEL_CACHE=$PWD/.gpu/kcache
 export LD_LIBRARY_PATH=${LD_LIBRARY_PATH:-}:/usr/local/cuda/targets/x86_64-linux/lib
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv | tee "$OUTDIR/gpu.txt"
 status=0
+[ -n "${SKIP_TESTS:-}" ] && TESTS=""
 for t in $TESTS; do
   echo "== $t"
   if ! .gpu/x/bin/$t --test-threads=1 --nocapture >"$OUTDIR/$t.log" 2>&1; then status=1; fi
   grep -E "^test |test result|SKIPPED|worst|panicked|nmse .*e-0[0-8]" "$OUTDIR/$t.log" | head -60 || true
 done
 if [ -n "${PROFILE_LAYERS:-}" ]; then
-  echo "== per-kernel profile (LILY_CUDA_PROFILE=1, $PROFILE_LAYERS layers, context 256, 16 decode steps)"
+  PC=${PROFILE_CONTEXT:-256}
+  echo "== per-kernel profile (LILY_CUDA_PROFILE=1, $PROFILE_LAYERS layers, context $PC, 16 decode steps)"
   LILY_CUDA_PROFILE=1 timeout 180 .gpu/x/bin/lily bench --device cuda --model synthetic:qwen3.6-35b-a3b \
-    --layers "$PROFILE_LAYERS" --contexts 256 --warmup 0 --decode-steps 16 >"$OUTDIR/profile.txt" 2>&1 || status=1
-  grep -E "^\|" "$OUTDIR/profile.txt" | head -24 || true
+    --layers "$PROFILE_LAYERS" --contexts "$PC" --warmup 0 --decode-steps 16 >"$OUTDIR/profile.txt" 2>&1 || status=1
+  grep -E "^\|" "$OUTDIR/profile.txt" | head -40 || true
 fi
 echo "== bench"
 BENCH_CONTEXTS=${BENCH_CONTEXTS:-256,4096}

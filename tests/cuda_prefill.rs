@@ -7,8 +7,9 @@
 //! - fp32 kernels: as in tests/cuda_kernels.rs (summation order only): NMSE 1e-9, 1e-7 through a
 //!   recurrence of up to 67 steps.
 //! - bf16 tensor cores: each product x·w carries two bf16 roundings (relative error at most 2^-9
-//!   each, about 1.6e-3 RMS together), so a sum of zero-mean terms has NMSE ≈ (1.6e-3)² ≈ 3e-6;
-//!   we allow 2e-5. A wrong fragment, tile or group index gives NMSE of order 1.
+//!   each), so a sum of zero-mean terms has NMSE of a few 1e-6 (measured on the H200: 4e-6 to
+//!   6e-6 over many rows, up to 1.5e-5 for a single row); we allow 1e-4. A wrong fragment, tile
+//!   or group index gives NMSE of order 1.
 
 mod common;
 use common::gpu::*;
@@ -22,7 +23,7 @@ use lily::cuda::{GdnPrefill, GdnStep, GpuLinear, Precision};
 use lily::linear::{FloatType, Linear};
 
 const TOL: f64 = 1e-9;
-const TOL_BF16: f64 = 2e-5;
+const TOL_BF16: f64 = 1e-4;
 
 fn tol(p: Precision) -> f64 {
     match p {
