@@ -4,9 +4,11 @@
  *
  * conv_prefill: causal depthwise conv1d (K <= 8 taps) + SiLU over T tokens with carried state.
  *   x [T, ldx] (channel c at x[t*ldx + c]); state [K-1, C]; w [C, K]; y [T, C].
- *   y[t, c] = silu(sum_j w[c, j] X[t + j, c]) with X = [state; x]; state <- last K-1 rows of X.
- *   One thread per channel walks the T tokens with the window in registers (loads coalesced
- *   across the channels of a warp). grid ceil(C/64), block 64.
+ *   y[t, c] = silu(sum_j w[c, j] X[t + j, c]) with X = [state; x]. One thread per (t, c), loads
+ *   coalesced across channels. grid (ceil(C/256), T), block 256. The state is not touched here.
+ * conv_state: state <- last K-1 rows of X, after conv_prefill (one thread per channel, rows in
+ *   increasing order, so the in-place shift for T < K-1 reads rows not yet overwritten).
+ *   grid ceil(C/256), block 256.
  *
  * gdn_qk_prep: per (token t, key head kh): q, k = y[t, q/k of kh]; L2-normalize both (eps 1e-6
  *   inside the sqrt), q also times 1/sqrt(D_k); writes qn, kn [T, H_k, D_k] and kq[t, kh] = qn.kn.
@@ -27,34 +29,26 @@
  * gdn_out_norm: o[t, h, :] <- w * o * rsqrt(mean(o^2) + eps) * silu(z[t, h, :]) in place
  *   (z at z[t*ldz + h*D_v + j]). grid (T*H_v), block D_v (multiple of 32, <= 1024).
  */
-extern "C" __global__ void conv_prefill(const float* x, long long ldx, float* state, const float* w, float* y, int C,
-                                        int K, int T) {
+extern "C" __global__ void conv_prefill(const float* x, long long ldx, const float* state, const float* w, float* y,
+                                        int C, int K, int T) {
+    int c = blockIdx.x * blockDim.x + threadIdx.x, t = blockIdx.y;
+    if (c >= C) return;
+    float acc = 0.f;
+    for (int j = 0; j < K; j++) {
+        int r = t + j - (K - 1); /* row of x, or of the state when negative */
+        float v = r >= 0 ? x[(long long)r * ldx + c] : state[(long long)(K - 1 + r) * C + c];
+        acc += w[(long long)c * K + j] * v;
+    }
+    y[(long long)t * C + c] = silu_f(acc);
+}
+
+extern "C" __global__ void conv_state(const float* x, long long ldx, float* state, int C, int K, int T) {
     int c = blockIdx.x * blockDim.x + threadIdx.x;
     if (c >= C) return;
-    float win[8], wc[8];
-#pragma unroll
-    for (int j = 0; j < 8; j++) {
-        win[j] = j < K - 1 ? state[(long long)j * C + c] : 0.f;
-        wc[j] = j < K ? w[(long long)c * K + j] : 0.f;
+    for (int j = 0; j < K - 1; j++) {
+        int r = T + j - (K - 1); /* X row T + j of [state; x] */
+        state[(long long)j * C + c] = r >= 0 ? x[(long long)r * ldx + c] : state[(long long)(j + T) * C + c];
     }
-    for (int t = 0; t < T; t++) {
-        float cur = x[(long long)t * ldx + c];
-        float acc = 0.f;
-#pragma unroll
-        for (int j = 0; j < 8; j++) acc += wc[j] * (j < K - 1 ? win[j] : (j == K - 1 ? cur : 0.f));
-        y[(long long)t * C + c] = silu_f(acc);
-#pragma unroll
-        for (int j = 0; j < 7; j++)
-            if (j < K - 2) win[j] = win[j + 1];
-        if (K >= 2) {
-#pragma unroll
-            for (int j = 0; j < 8; j++)
-                if (j == K - 2) win[j] = cur;
-        }
-    }
-#pragma unroll
-    for (int j = 0; j < 8; j++)
-        if (j < K - 1) state[(long long)j * C + c] = win[j];
 }
 
 extern "C" __global__ void gdn_qk_prep(const float* y, long long ldy, float* qn, float* kn, float* kq, int hk,

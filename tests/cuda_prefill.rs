@@ -10,6 +10,9 @@
 //!   each), so a sum of zero-mean terms has NMSE of a few 1e-6 (measured on the H200: 4e-6 to
 //!   6e-6 over many rows, up to 1.5e-5 for a single row); we allow 1e-4. A wrong fragment, tile
 //!   or group index gives NMSE of order 1.
+//! - bf16 attention: Q, K, V and the probabilities P are rounded to bf16 (scores and softmax in
+//!   fp32); the output is a convex combination of V rows, so its NMSE stays near the bf16
+//!   rounding level of V and P, a few 1e-6; we allow 1e-4 (a masking or fragment error gives ≳ 1e-2).
 
 mod common;
 use common::gpu::*;
@@ -24,6 +27,7 @@ use lily::linear::{FloatType, Linear};
 
 const TOL: f64 = 1e-9;
 const TOL_BF16: f64 = 1e-4;
+const TOL_ATTN_BF16: f64 = 1e-4;
 
 fn tol(p: Precision) -> f64 {
     match p {
@@ -348,12 +352,17 @@ fn attention_prefill_matches_cpu() {
             eps: 1e-6,
         };
         g.attn_prep(&prep, t, ld).unwrap();
-        g.attn_prefill(qo.ptr, gkc.ptr, gvc.ptr, (pb.ptr, ld), out.ptr, (nh, hkv, hd), t, posb.ptr, true).unwrap();
         let name = format!("attention prefill H{nh} H_kv{hkv} D{hd} R{rot} p0 {p0} T {t}");
         check(&format!("{name} q"), &qo.read_f32(0, t * nh * hd).unwrap(), &q, TOL);
         check(&format!("{name} k cache"), &gkc.read_f32(0, (p0 + t) * kvd).unwrap(), &kc, TOL);
         check(&format!("{name} v cache"), &gvc.read_f32(0, (p0 + t) * kvd).unwrap(), &vc, 0.0);
-        check(&format!("{name} out"), &out.read_f32(0, t * nh * hd).unwrap(), &want, TOL);
+        for prec in [Precision::F32, Precision::Bf16] {
+            out.write_f32(0, &vec![f32::NAN; t * nh * hd]).unwrap();
+            g.attn_prefill(prec, qo.ptr, gkc.ptr, gvc.ptr, (pb.ptr, ld), out.ptr, (nh, hkv, hd), t, posb.ptr, true)
+                .unwrap();
+            let bound = if prec == Precision::F32 { TOL } else { TOL_ATTN_BF16 };
+            check(&format!("{name} out {prec:?}"), &out.read_f32(0, t * nh * hd).unwrap(), &want, bound);
+        }
     }
 }
 

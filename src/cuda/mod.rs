@@ -51,7 +51,7 @@ pub const SOURCES: [(&str, &str); 10] = [
 ];
 
 /// Kernel entry points loaded from the module.
-pub const KERNELS: [&str; 23] = [
+pub const KERNELS: [&str; 25] = [
     "rms_norm",
     "silu_mul",
     "silu_mul_pairs",
@@ -63,6 +63,7 @@ pub const KERNELS: [&str; 23] = [
     "conv_step",
     "gdn_step",
     "conv_prefill",
+    "conv_state",
     "gdn_qk_prep",
     "gdn_scan",
     "gdn_out_norm",
@@ -70,6 +71,7 @@ pub const KERNELS: [&str; 23] = [
     "attn_decode",
     "attn_combine",
     "attn_prefill",
+    "attn_prefill_tc",
     "moe_topk",
     "moe_align",
     "moe_combine",

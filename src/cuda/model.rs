@@ -349,7 +349,9 @@ impl CudaSession {
             Ok("f32") => Some(Precision::F32),
             _ => Some(Precision::Bf16),
         };
-        let chunk = std::env::var("LILY_PREFILL_CHUNK").ok().and_then(|v| v.parse().ok()).unwrap_or(2048usize).max(1);
+        // At most 16384 (kernel grids put the chunk's tokens on the y axis, limit 65535).
+        let chunk =
+            std::env::var("LILY_PREFILL_CHUNK").ok().and_then(|v| v.parse().ok()).unwrap_or(2048usize).clamp(1, 16384);
         CudaSession {
             model,
             pos: 0,
@@ -774,6 +776,7 @@ impl CudaSession {
                     };
                     g.attn_prep(&prep, t, ldp)?;
                     g.attn_prefill(
+                        prec,
                         p.q.ptr,
                         kc.ptr,
                         vc.ptr,

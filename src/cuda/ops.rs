@@ -345,8 +345,8 @@ impl Gpu {
         }
         self.launch(
             "conv_prefill",
-            (blocks(c, 64), 1, 1),
-            64,
+            (blocks(c, 256), t as u32, 1),
+            256,
             &[
                 Arg::P(x),
                 Arg::L(ldx as i64),
@@ -357,6 +357,12 @@ impl Gpu {
                 Arg::I(k as i32),
                 Arg::I(t as i32),
             ],
+        )?;
+        self.launch(
+            "conv_state",
+            (blocks(c, 256), 1, 1),
+            256,
+            &[Arg::P(x), Arg::L(ldx as i64), Arg::P(state), Arg::I(c as i32), Arg::I(k as i32), Arg::I(t as i32)],
         )
     }
 
@@ -429,10 +435,11 @@ impl Gpu {
 
     /// Causal attention of t new tokens (queries `q: [t, H_q, D]`, K/V already in the caches at
     /// positions pos0.., pos0 read from the device) with the output gate read from `qg` rows of
-    /// stride ldg; out `[t, H_q·D]`.
+    /// stride ldg; out `[t, H_q·D]`. fp32 SIMT, or bf16 tensor cores.
     #[allow(clippy::too_many_arguments)]
     pub fn attn_prefill(
         &self,
+        prec: Precision,
         q: u64,
         kc: u64,
         vc: u64,
@@ -447,10 +454,14 @@ impl Gpu {
         if !hd.is_multiple_of(32) || hd > 256 || !nh.is_multiple_of(hkv) {
             bail!("attn_prefill: head dim {hd} / heads {nh}:{hkv} unsupported");
         }
+        let (name, grid, block) = match prec {
+            Precision::F32 => ("attn_prefill", blocks(t * (nh / hkv), 8), 256),
+            Precision::Bf16 => ("attn_prefill_tc", blocks(t * (nh / hkv), 64), 128),
+        };
         self.launch(
-            "attn_prefill",
-            (blocks(t * (nh / hkv), 8), hkv as u32, 1),
-            256,
+            name,
+            (grid, hkv as u32, 1),
+            block,
             &[
                 Arg::P(q),
                 Arg::P(kc),
