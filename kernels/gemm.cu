@@ -19,17 +19,19 @@
  *
  * gemm_bf16: tensor cores, mma.sync.m16n8k16 (bf16 inputs, fp32 accumulation). X is rounded to
  *   bf16 when staged; W is dequantized in fp32 (s*q + b) and rounded to bf16.
- *   Block 256 = 8 warps as 2 (m) x 4 (n); block tile BM 64 x BN 128 x BK 64, warp tile 32 x 32
- *   (2 x 4 mma tiles, 32 fp32 accumulators per thread).
- *   Shared: Xs [64][72] and Ws [128][72] bf16 (rows padded by 8 so the fragment loads, u32 at
- *   (row*36 + k/2), hit 32 distinct banks: 36*g + t mod 32 = 4g + t for g < 8, t < 4).
- *   Staging: thread i loads X row i/4, columns 16*(i%4).. (4 float4) and W row i/2, columns
- *   32*(i%2).. (one uint4 of 4-bit codes, two of 8-bit, one scale/bias pair since group >= 32).
- *   The next k-step's global loads are issued into registers before the current step's mma
- *   (register double buffering, one shared buffer).
- *   Fragments (PTX m16n8k16 .bf16): A reg j: row g + 8*(j&1), k 2t + 8*(j>>1); B reg j: n g,
- *   k 2t + 8j; C: rows g, g+8, columns 2t, 2t+1 (g = lane/4, t = lane%4).
- *   grid (ceil(N/128), tiles). Requires K % 32 == 0.
+ *   Block 256 = 8 warps as 2 (m) x 4 (n); block tile BM x BN 128 x BK 64 with BM = 64
+ *   (gemm_bf16: routed experts, short inputs) or 128 (gemm_bf16_m128: long plain products, each
+ *   dequantized weight tile then serves twice the rows); warp tile BM/2 x 32 (BM/32 x 4 mma
+ *   tiles, BM/2 fp32 accumulators per thread).
+ *   Shared: Xs [BM][72] and Ws [128][72] bf16 (rows padded by 8 so the 8 row addresses of each
+ *   ldmatrix phase, 144 bytes apart, hit distinct 16-byte bank groups).
+ *   Staging: thread i loads X rows 64p + i/4, columns 16*(i%4).. (4 float4 per 64-row pass) and W
+ *   row i/2, columns 32*(i%2).. (one uint4 of 4-bit codes, two of 8-bit, one scale/bias pair
+ *   since group >= 32). The next k-step's global loads are issued into registers before the
+ *   current step's mma (register double buffering, one shared buffer).
+ *   Fragments by ldmatrix.x4 (PTX m16n8k16 .bf16 layouts): A reg j: row g + 8*(j&1),
+ *   k 2t + 8*(j>>1); B reg j: n g, k 2t + 8j; C: rows g, g+8, columns 2t, 2t+1 (g = lane/4,
+ *   t = lane%4). grid (ceil(N/128), tiles). Requires K % 32 == 0.
  */
 struct GemmTile {
     int e, m0, m1;
@@ -94,31 +96,44 @@ __device__ __forceinline__ u32 bf16_bits(float f) {
 }
 __device__ __forceinline__ u32 pack_bf16(float lo, float hi) { return bf16_bits(lo) | (bf16_bits(hi) << 16); }
 
-#define TC_BM 64
 #define TC_BN 128
 #define TC_BK 64
 #define TC_LD 72 /* bf16 per shared row */
 
-extern "C" __global__ void __launch_bounds__(256) gemm_bf16(const void* w, const void* sc, const void* bi, int bits,
-                                                            int group, int ty, const float* x, long long ldx,
-                                                            const int* gather, int gdiv, float* y, long long ldy,
-                                                            int M, int N, int K, const int* tiles, int accumulate) {
-    __shared__ __align__(16) u16 Xs[TC_BM * TC_LD];
-    __shared__ __align__(16) u16 Ws[TC_BN * TC_LD];
+__device__ __forceinline__ void ldsm_x4(u32& r0, u32& r1, u32& r2, u32& r3, const void* p) {
+    u32 a = (u32)__cvta_generic_to_shared(p);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
+                 : "r"(a));
+}
+
+/* MI m16 tiles per warp in m: block tile BM = 32*MI (2 warps in m) x 128 (4 warps in n). */
+template <int MI>
+__device__ __forceinline__ void gemm_bf16_body(const void* w, const void* sc, const void* bi, int bits, int group,
+                                               int ty, const float* x, long long ldx, const int* gather, int gdiv,
+                                               float* y, long long ldy, int M, int N, int K, const int* tiles,
+                                               int accumulate, u16* Xs, u16* Ws) {
+    constexpr int BM = 32 * MI, XP = BM / 64; /* X staging passes of 64 rows */
     GemmTile tl;
-    if (!gemm_tile(tiles, M, TC_BM, tl)) return;
+    if (!gemm_tile(tiles, M, BM, tl)) return;
     int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     int n0 = blockIdx.x * TC_BN;
 
-    /* staging roles */
+    /* staging roles: X rows p*64 + tid/4, columns 16*(tid%4)..; W row tid/2, columns 32*(tid%2).. */
     int xrow = tid >> 2, xseg = (tid & 3) * 16;
-    bool xvalid = tl.m0 + xrow < tl.m1;
-    const float* xp = x + (xvalid ? gemm_xrow(gather, gdiv, tl.m0 + xrow) : 0) * ldx;
+    const float* xp[XP];
+    bool xvalid[XP];
+#pragma unroll
+    for (int p = 0; p < XP; p++) {
+        int m = tl.m0 + p * 64 + xrow;
+        xvalid[p] = m < tl.m1;
+        xp[p] = x + (xvalid[p] ? gemm_xrow(gather, gdiv, m) : 0) * ldx;
+    }
     int wrow = tid >> 1, wseg = (tid & 1) * 32;
     bool wvalid = n0 + wrow < N;
     long long wr = (long long)tl.e * N + n0 + (wvalid ? wrow : 0);
 
-    float4 xv[4];
+    float4 xv[XP][4];
     uint4 qv[2];
     float ws = 0.f, wb = 0.f;
     float wd[32]; /* dense weights */
@@ -126,16 +141,18 @@ extern "C" __global__ void __launch_bounds__(256) gemm_bf16(const void* w, const
     auto load = [&](int k0) {
         int kx = k0 + xseg;
 #pragma unroll
-        for (int j = 0; j < 4; j++)
-            xv[j] = (xvalid && kx < K) ? ((const float4*)(xp + kx))[j] : make_float4(0.f, 0.f, 0.f, 0.f);
+        for (int p = 0; p < XP; p++)
+#pragma unroll
+            for (int j = 0; j < 4; j++)
+                xv[p][j] = (xvalid[p] && kx < K) ? ((const float4*)(xp[p] + kx))[j] : make_float4(0.f, 0.f, 0.f, 0.f);
         int kw = k0 + wseg;
         bool ok = wvalid && kw < K;
         if (bits == 4) {
             qv[0] = ok ? ((const uint4*)((const u32*)w + wr * (K / 8) + kw / 8))[0] : make_uint4(0, 0, 0, 0);
         } else if (bits == 8) {
-            const uint4* p = (const uint4*)((const u32*)w + wr * (K / 4) + kw / 4);
-            qv[0] = ok ? p[0] : make_uint4(0, 0, 0, 0);
-            qv[1] = ok ? p[1] : make_uint4(0, 0, 0, 0);
+            const uint4* q8 = (const uint4*)((const u32*)w + wr * (K / 4) + kw / 4);
+            qv[0] = ok ? q8[0] : make_uint4(0, 0, 0, 0);
+            qv[1] = ok ? q8[1] : make_uint4(0, 0, 0, 0);
         } else {
 #pragma unroll
             for (int j = 0; j < 32; j++) wd[j] = ok ? load_elem(w, wr * K + kw + j, ty) : 0.f;
@@ -147,15 +164,18 @@ extern "C" __global__ void __launch_bounds__(256) gemm_bf16(const void* w, const
         }
     };
     auto store = [&]() {
-        u32 px[8];
 #pragma unroll
-        for (int j = 0; j < 4; j++) {
-            px[2 * j] = pack_bf16(xv[j].x, xv[j].y);
-            px[2 * j + 1] = pack_bf16(xv[j].z, xv[j].w);
+        for (int p = 0; p < XP; p++) {
+            u32 px[8];
+#pragma unroll
+            for (int j = 0; j < 4; j++) {
+                px[2 * j] = pack_bf16(xv[p][j].x, xv[p][j].y);
+                px[2 * j + 1] = pack_bf16(xv[p][j].z, xv[p][j].w);
+            }
+            uint4* dx = (uint4*)(Xs + (p * 64 + xrow) * TC_LD + xseg);
+            dx[0] = make_uint4(px[0], px[1], px[2], px[3]);
+            dx[1] = make_uint4(px[4], px[5], px[6], px[7]);
         }
-        uint4* dx = (uint4*)(Xs + xrow * TC_LD + xseg);
-        dx[0] = make_uint4(px[0], px[1], px[2], px[3]);
-        dx[1] = make_uint4(px[4], px[5], px[6], px[7]);
         float f[32];
         if (bits == 4) {
             u32 wd4[4] = {qv[0].x, qv[0].y, qv[0].z, qv[0].w};
@@ -177,17 +197,19 @@ extern "C" __global__ void __launch_bounds__(256) gemm_bf16(const void* w, const
         for (int j = 0; j < 4; j++) dw[j] = make_uint4(pw[4 * j], pw[4 * j + 1], pw[4 * j + 2], pw[4 * j + 3]);
     };
 
-    float acc[2][4][4];
+    float acc[MI][4][4];
 #pragma unroll
-    for (int a = 0; a < 2; a++)
+    for (int a = 0; a < MI; a++)
 #pragma unroll
         for (int b = 0; b < 4; b++)
 #pragma unroll
             for (int c = 0; c < 4; c++) acc[a][b][c] = 0.f;
 
     int wm = warp >> 2, wn = warp & 3, g = lane >> 2, t4 = lane & 3;
-    const u32* X32 = (const u32*)Xs;
-    const u32* W32 = (const u32*)Ws;
+    /* ldmatrix row addresses: A (16 x 16 tile): lane l -> row l%16, k + 8*(l/16);
+       B (two n8 tiles x k16): lane l -> n (l%8) + 8*(l/16), k + 8*((l/8)%2) */
+    int a_row = lane & 15, a_k = (lane >> 4) * 8;
+    int b_row = (lane & 7) + 8 * (lane >> 4), b_k = ((lane >> 3) & 1) * 8;
     int nk = (K + TC_BK - 1) / TC_BK;
     load(0);
     for (int kt = 0; kt < nk; kt++) {
@@ -196,23 +218,17 @@ extern "C" __global__ void __launch_bounds__(256) gemm_bf16(const void* w, const
         if (kt + 1 < nk) load((kt + 1) * TC_BK);
 #pragma unroll
         for (int ks = 0; ks < TC_BK / 16; ks++) {
-            u32 af[2][4], bf[4][2];
+            u32 af[MI][4], bf[4][2];
 #pragma unroll
-            for (int mi = 0; mi < 2; mi++) {
-                int r = wm * 32 + mi * 16 + g;
-                af[mi][0] = X32[r * (TC_LD / 2) + ks * 8 + t4];
-                af[mi][1] = X32[(r + 8) * (TC_LD / 2) + ks * 8 + t4];
-                af[mi][2] = X32[r * (TC_LD / 2) + ks * 8 + 4 + t4];
-                af[mi][3] = X32[(r + 8) * (TC_LD / 2) + ks * 8 + 4 + t4];
-            }
+            for (int mi = 0; mi < MI; mi++)
+                ldsm_x4(af[mi][0], af[mi][1], af[mi][2], af[mi][3],
+                        Xs + (wm * 16 * MI + mi * 16 + a_row) * TC_LD + ks * 16 + a_k);
 #pragma unroll
-            for (int ni = 0; ni < 4; ni++) {
-                int r = wn * 32 + ni * 8 + g;
-                bf[ni][0] = W32[r * (TC_LD / 2) + ks * 8 + t4];
-                bf[ni][1] = W32[r * (TC_LD / 2) + ks * 8 + 4 + t4];
-            }
+            for (int np = 0; np < 2; np++)
+                ldsm_x4(bf[2 * np][0], bf[2 * np][1], bf[2 * np + 1][0], bf[2 * np + 1][1],
+                        Ws + (wn * 32 + np * 16 + b_row) * TC_LD + ks * 16 + b_k);
 #pragma unroll
-            for (int mi = 0; mi < 2; mi++)
+            for (int mi = 0; mi < MI; mi++)
 #pragma unroll
                 for (int ni = 0; ni < 4; ni++)
                     asm volatile(
@@ -225,12 +241,12 @@ extern "C" __global__ void __launch_bounds__(256) gemm_bf16(const void* w, const
         __syncthreads();
     }
 #pragma unroll
-    for (int mi = 0; mi < 2; mi++)
+    for (int mi = 0; mi < MI; mi++)
 #pragma unroll
         for (int ni = 0; ni < 4; ni++)
 #pragma unroll
             for (int h = 0; h < 2; h++) {
-                int m = tl.m0 + wm * 32 + mi * 16 + g + 8 * h;
+                int m = tl.m0 + wm * 16 * MI + mi * 16 + g + 8 * h;
                 int n = n0 + wn * 32 + ni * 8 + 2 * t4;
                 if (m < tl.m1) {
                     float* o = y + (long long)m * ldy + n;
@@ -239,4 +255,25 @@ extern "C" __global__ void __launch_bounds__(256) gemm_bf16(const void* w, const
                         if (n + c < N) o[c] = accumulate ? o[c] + acc[mi][ni][2 * h + c] : acc[mi][ni][2 * h + c];
                 }
             }
+}
+
+/* BM 64: routed experts (about 64 rows per expert in a 2048-token chunk) and short inputs. */
+extern "C" __global__ void __launch_bounds__(256) gemm_bf16(const void* w, const void* sc, const void* bi, int bits,
+                                                            int group, int ty, const float* x, long long ldx,
+                                                            const int* gather, int gdiv, float* y, long long ldy,
+                                                            int M, int N, int K, const int* tiles, int accumulate) {
+    __shared__ __align__(16) u16 Xs[64 * TC_LD];
+    __shared__ __align__(16) u16 Ws[TC_BN * TC_LD];
+    gemm_bf16_body<2>(w, sc, bi, bits, group, ty, x, ldx, gather, gdiv, y, ldy, M, N, K, tiles, accumulate, Xs, Ws);
+}
+
+/* BM 128: long plain products (each dequantized weight tile serves twice the rows). */
+extern "C" __global__ void __launch_bounds__(256) gemm_bf16_m128(const void* w, const void* sc, const void* bi,
+                                                                 int bits, int group, int ty, const float* x,
+                                                                 long long ldx, const int* gather, int gdiv, float* y,
+                                                                 long long ldy, int M, int N, int K, const int* tiles,
+                                                                 int accumulate) {
+    __shared__ __align__(16) u16 Xs[128 * TC_LD];
+    __shared__ __align__(16) u16 Ws[TC_BN * TC_LD];
+    gemm_bf16_body<4>(w, sc, bi, bits, group, ty, x, ldx, gather, gdiv, y, ldy, M, N, K, tiles, accumulate, Xs, Ws);
 }

@@ -51,7 +51,7 @@ pub const SOURCES: [(&str, &str); 10] = [
 ];
 
 /// Kernel entry points loaded from the module.
-pub const KERNELS: [&str; 25] = [
+pub const KERNELS: [&str; 26] = [
     "rms_norm",
     "silu_mul",
     "silu_mul_pairs",
@@ -59,6 +59,7 @@ pub const KERNELS: [&str; 25] = [
     "linear_gemv",
     "gemm_f32",
     "gemm_bf16",
+    "gemm_bf16_m128",
     "embed_row",
     "conv_step",
     "gdn_step",

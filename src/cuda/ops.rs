@@ -268,6 +268,9 @@ impl Gpu {
         ]);
         match prec {
             Precision::F32 => self.launch("gemm_f32", (blocks(n, 8), ntiles as u32, 1), 256, &a),
+            Precision::Bf16 if tiles == 0 && m >= 1024 => {
+                self.launch("gemm_bf16_m128", (blocks(n, 128), m.div_ceil(128) as u32, 1), 256, &a)
+            }
             Precision::Bf16 => self.launch("gemm_bf16", (blocks(n, 128), ntiles as u32, 1), 256, &a),
         }
     }
