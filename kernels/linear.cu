@@ -7,15 +7,27 @@
  * Dense: W row-major of type `ty`, bits = 0.
  *
  * linear_gemv: for every slot z (grid.y), e = ids ? ids[z] : 0 (read on the device: MoE experts
- *   need no host sync), y[z*rows + r] (+)= sum_c W[e*rows + r, c] * x[z*xstride + c].
+ *   need no host sync), y[z*rows + r] (+)= sum_c W[e*rows + r, c] * xn[c], xn = x[z*xstride + :],
+ *   or, when normw is set, the fused RMSNorm xn[c] = x[c] * (rsqrt(mean(x^2) + eps) * normw[c])
+ *   (the same arithmetic, in the same order, as the rms_norm kernel, so results are identical).
  *   Quantized rows use the affine identity per 128-bit load (32 4-bit or 16 8-bit codes, always
  *   inside one group since group >= 32): s * sum(q x) + b * sum(x).
  *   Geometry: block 256 = 8 warps, each warp owns 4 consecutive output rows (GEMV_NR), grid
- *   (ceil(rows/32), slots). Lanes stride the rows in uint4 loads (16 B, a warp reads 512
- *   contiguous bytes of each row per step); the x chunk is loaded once per step for all 4 rows.
+ *   (ceil(rows/32), slots). The block first stages xn in shared memory (cols <= 8192; wider
+ *   inputs are read from global memory and cannot take the fused norm). Lanes stride the rows in
+ *   uint4 loads (16 B, a warp reads 512 contiguous bytes of each row per step), two steps' loads
+ *   for all 4 rows issued together (8 x 16 B in flight per lane); the x chunk is read once per
+ *   step for all 4 rows.
  *   Requires cols % 32 == 0 for quantized weights (true: cols is a multiple of the group) and
  *   x + z*xstride 16-byte aligned (x is read as float4).
  *   accumulate != 0 adds into y (residual connections).
+ *
+ * moe_down (decode): the routed experts' down projections, the shared expert's (as slot K when
+ *   stacked with them), their weighted sum and the residual add, in one kernel:
+ *   x[r] += sum_{k < S} w[k] * (W[ids[k]*rows + r, :] . h_k),  h_k[i] = silu(gu[2k, i]) * gu[2k+1, i]
+ *   (gu [2S, I]: the gate/up GEMV output of the S slots). The block stages all h_k in shared
+ *   memory (S*I <= 8192). A warp owns one row r; lanes take the (slot, uint4) items of that row
+ *   in turn, four items' loads issued together. grid ceil(rows/8), block 256.
  *
  * embed_row: out[t, c] = W[row[t], c] dequantized (embedding gather; the token ids are read from
  *   device memory so a captured CUDA graph can replay it), grid (ceil(cols/256), tokens), block 256.
@@ -33,63 +45,102 @@ __device__ __forceinline__ float dequant_elem(const void* w, const void* sc, con
     return load_elem(sc, gi, ty) * (float)q + load_elem(bi, gi, ty);
 }
 
-/* Affine dots of NR consecutive quantized rows with x, for this lane's share of 128-bit loads.
- * BITS is a compile-time constant so the unpacking unrolls into constant shifts. Each step loads
- * the x chunk (float4) once for all NR rows and issues the NR weight loads together. */
+/* The affine dot of one 128-bit load of quantized codes with the x chunk at c0 (EPV values). */
+template <int BITS>
+__device__ __forceinline__ float quant_chunk(uint4 q4, const float* xr, float sx, float s, float b) {
+    constexpr int PER = 32 / BITS;
+    constexpr u32 MASK = (1u << BITS) - 1u;
+    u32 words[4] = {q4.x, q4.y, q4.z, q4.w};
+    float qx = 0.f;
+#pragma unroll
+    for (int k = 0; k < 4; k++)
+#pragma unroll
+        for (int j = 0; j < PER; j++) qx += (float)((words[k] >> (BITS * j)) & MASK) * xr[k * PER + j];
+    return s * qx + b * sx;
+}
+
+/* Loads the EPV x values of chunk i (and their sum). */
+template <int EPV>
+__device__ __forceinline__ float x_chunk(const float* xs, int c0, float* xr) {
+    const float4* xv = (const float4*)(xs + c0);
+#pragma unroll
+    for (int j = 0; j < EPV / 4; j++) {
+        float4 x4 = xv[j];
+        xr[4 * j] = x4.x;
+        xr[4 * j + 1] = x4.y;
+        xr[4 * j + 2] = x4.z;
+        xr[4 * j + 3] = x4.w;
+    }
+    float sx = 0.f;
+#pragma unroll
+    for (int j = 0; j < EPV; j++) sx += xr[j];
+    return sx;
+}
+
+/* Affine dots of NR consecutive quantized rows with x, for this lane's share of 128-bit loads:
+ * two steps per trip, all 2*NR weight loads issued before any arithmetic. */
 template <int BITS, int NR>
 __device__ __forceinline__ void quant_rows_dot(const u32* w, long long R0, int nvalid, long long wpr, int n4,
                                                const void* sc, const void* bi, int ng, int group, int ty,
                                                const float* xs, int lane, float* acc) {
-    constexpr int PER = 32 / BITS, EPV = 4 * PER;
-    constexpr u32 MASK = (1u << BITS) - 1u;
-    for (int i = lane; i < n4; i += 32) {
-        int c0 = i * EPV;
-        int gi = c0 / group;
-        uint4 q4[NR];
-#pragma unroll
-        for (int r = 0; r < NR; r++)
-            if (r < nvalid) q4[r] = ((const uint4*)(w + (R0 + r) * wpr))[i];
-        float xr[EPV];
-        const float4* xv = (const float4*)(xs + c0);
-#pragma unroll
-        for (int j = 0; j < EPV / 4; j++) {
-            float4 x4 = xv[j];
-            xr[4 * j] = x4.x;
-            xr[4 * j + 1] = x4.y;
-            xr[4 * j + 2] = x4.z;
-            xr[4 * j + 3] = x4.w;
-        }
-        float sx = 0.f;
-#pragma unroll
-        for (int j = 0; j < EPV; j++) sx += xr[j];
+    constexpr int EPV = 4 * (32 / BITS);
+    for (int i0 = lane; i0 < n4; i0 += 64) {
+        bool two = i0 + 32 < n4;
+        uint4 q4[2][NR];
 #pragma unroll
         for (int r = 0; r < NR; r++) {
             if (r < nvalid) {
-                long long g = (R0 + r) * ng + gi;
-                float s = load_elem(sc, g, ty), b = load_elem(bi, g, ty);
-                u32 words[4] = {q4[r].x, q4[r].y, q4[r].z, q4[r].w};
-                float qx = 0.f;
+                const uint4* row = (const uint4*)(w + (R0 + r) * wpr);
+                q4[0][r] = row[i0];
+                if (two) q4[1][r] = row[i0 + 32];
+            }
+        }
 #pragma unroll
-                for (int k = 0; k < 4; k++)
+        for (int u = 0; u < 2; u++) {
+            if (u == 1 && !two) break;
+            int i = i0 + 32 * u;
+            int c0 = i * EPV, gi = c0 / group;
+            float xr[EPV];
+            float sx = x_chunk<EPV>(xs, c0, xr);
 #pragma unroll
-                    for (int j = 0; j < PER; j++) qx += (float)((words[k] >> (BITS * j)) & MASK) * xr[k * PER + j];
-                acc[r] += s * qx + b * sx;
+            for (int r = 0; r < NR; r++) {
+                if (r < nvalid) {
+                    long long g = (R0 + r) * ng + gi;
+                    acc[r] += quant_chunk<BITS>(q4[u][r], xr, sx, load_elem(sc, g, ty), load_elem(bi, g, ty));
+                }
             }
         }
     }
 }
 
 #define GEMV_NR 4
+#define GEMV_XMAX 8192
 extern "C" __global__ void linear_gemv(const void* w, const void* sc, const void* bi, int bits, int group, int ty,
                                        const float* x, long long xstride, float* y, int rows, int cols,
-                                       const int* ids, int accumulate) {
+                                       const int* ids, int accumulate, const float* normw, float eps) {
+    __shared__ __align__(16) float xsh[GEMV_XMAX];
+    __shared__ float red[33];
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    int z = blockIdx.y;
+    const float* xg = x + (long long)z * xstride;
+    const float* xs = xg;
+    if (cols <= GEMV_XMAX) {
+        if (normw) {
+            float ss = 0.f;
+            for (int i = threadIdx.x; i < cols; i += blockDim.x) ss += xg[i] * xg[i];
+            ss = block_sum(ss, red);
+            float rr = 1.f / sqrtf(ss / (float)cols + eps);
+            for (int i = threadIdx.x; i < cols; i += blockDim.x) xsh[i] = xg[i] * (rr * normw[i]);
+        } else {
+            for (int i = threadIdx.x; i < cols; i += blockDim.x) xsh[i] = xg[i];
+        }
+        __syncthreads();
+        xs = xsh;
+    }
     int r0 = (blockIdx.x * (blockDim.x >> 5) + warp) * GEMV_NR;
     if (r0 >= rows) return;
     int nvalid = min(GEMV_NR, rows - r0);
-    int z = blockIdx.y;
     long long R0 = (long long)(ids ? ids[z] : 0) * rows + r0;
-    const float* xs = x + (long long)z * xstride;
     float acc[GEMV_NR];
 #pragma unroll
     for (int r = 0; r < GEMV_NR; r++) acc[r] = 0.f;
@@ -113,6 +164,71 @@ extern "C" __global__ void linear_gemv(const void* w, const void* sc, const void
             *o = accumulate ? *o + a : a;
         }
     }
+}
+
+template <int BITS>
+__device__ __forceinline__ float moe_down_row(const u32* w, const void* sc, const void* bi, int group, int ty,
+                                              const int* ids, const float* wts, int S, int rows, int r, int cols,
+                                              const float* hs, int lane) {
+    constexpr int EPV = 4 * (32 / BITS);
+    long long wpr = (long long)cols * BITS / 32;
+    int n4 = (int)(wpr / 4), ng = cols / group;
+    int items = S * n4;
+    float acc = 0.f;
+    for (int i0 = lane; i0 < items; i0 += 128) {
+        uint4 q4[4];
+        long long rowi[4];
+#pragma unroll
+        for (int u = 0; u < 4; u++) {
+            int it = i0 + 32 * u;
+            if (it < items) {
+                int k = it / n4, i = it - k * n4;
+                rowi[u] = (long long)ids[k] * rows + r;
+                q4[u] = ((const uint4*)(w + rowi[u] * wpr))[i];
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < 4; u++) {
+            int it = i0 + 32 * u;
+            if (it < items) {
+                int k = it / n4, i = it - k * n4;
+                int c0 = i * EPV;
+                float xr[EPV];
+                float sx = x_chunk<EPV>(hs + k * cols, c0, xr);
+                long long g = rowi[u] * ng + c0 / group;
+                acc += wts[k] * quant_chunk<BITS>(q4[u], xr, sx, load_elem(sc, g, ty), load_elem(bi, g, ty));
+            }
+        }
+    }
+    return acc;
+}
+
+extern "C" __global__ void moe_down(const void* w, const void* sc, const void* bi, int bits, int group, int ty,
+                                    const float* gu, const int* ids, const float* wts, int S, float* x, int rows,
+                                    int cols) {
+    __shared__ __align__(16) float hs[GEMV_XMAX];
+    for (int i = threadIdx.x; i < S * cols; i += blockDim.x) {
+        int k = i / cols, j = i - k * cols;
+        hs[i] = silu_f(gu[(long long)(2 * k) * cols + j]) * gu[(long long)(2 * k + 1) * cols + j];
+    }
+    __syncthreads();
+    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    int r = blockIdx.x * (blockDim.x >> 5) + warp;
+    if (r >= rows) return;
+    float acc = 0.f;
+    if (bits == 4)
+        acc = moe_down_row<4>((const u32*)w, sc, bi, group, ty, ids, wts, S, rows, r, cols, hs, lane);
+    else if (bits == 8)
+        acc = moe_down_row<8>((const u32*)w, sc, bi, group, ty, ids, wts, S, rows, r, cols, hs, lane);
+    else
+        for (int k = 0; k < S; k++) {
+            long long R = (long long)ids[k] * rows + r;
+            float d = 0.f;
+            for (int c = lane; c < cols; c += 32) d += load_elem(w, R * cols + c, ty) * hs[k * cols + c];
+            acc += wts[k] * d;
+        }
+    acc = warp_sum(acc);
+    if (lane == 0) x[r] += acc;
 }
 
 extern "C" __global__ void embed_row(const void* w, const void* sc, const void* bi, int bits, int group, int ty,

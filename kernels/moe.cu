@@ -7,6 +7,9 @@
  *   (fp32 softmax, renormalized over the K chosen). grid 1, block 32 (one warp): K rounds of a
  *   warp argmax over a shared copy, the winner masked out each round. ids2 (nullable, decode
  *   only) gets [2e, 2e+1] per choice: expert e's gate and up in an interleaved gate/up stack.
+ *   shared != 0 (decode, the shared expert stacked as expert E): one more slot K with id E,
+ *   weight sigmoid(logits[E]) (the shared-expert gate logit follows the E router logits) and
+ *   ids2 [2E, 2E+1].
  *   grid (T), block 32.
  *
  * moe_align (prefill): P = T*K routed pairs i (pair i = token i/K, choice i%K, expert ids[i]) are
@@ -24,7 +27,7 @@
  *   grid ceil(H/256), block 256.
  */
 extern "C" __global__ void moe_topk(const float* logits, int E, int K, int renorm, int* ids, float* wout,
-                                    int* ids2, long long lstride) {
+                                    int* ids2, long long lstride, int shared) {
     __shared__ float ls[1024];
     logits += blockIdx.x * lstride;
     ids += blockIdx.x * K;
@@ -70,6 +73,14 @@ extern "C" __global__ void moe_topk(const float* logits, int E, int K, int renor
             if (ids2) {
                 ids2[2 * k] = 2 * chosen[k];
                 ids2[2 * k + 1] = 2 * chosen[k] + 1;
+            }
+        }
+        if (shared) {
+            ids[K] = E;
+            wout[K] = sigmoid_f(logits[E]);
+            if (ids2) {
+                ids2[2 * K] = 2 * E;
+                ids2[2 * K + 1] = 2 * E + 1;
             }
         }
     }

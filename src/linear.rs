@@ -46,6 +46,16 @@ pub enum Weight {
     Quant { bits: u32, group: usize, packed: Bytes, scales: Bytes, biases: Bytes, sty: FloatType },
 }
 
+impl Weight {
+    /// (bits, group, element type of the weights or of the scales); bits 0 for dense weights.
+    pub fn format(&self) -> (u32, usize, FloatType) {
+        match self {
+            Weight::Dense { ty, .. } => (0, 0, *ty),
+            Weight::Quant { bits, group, sty, .. } => (*bits, *group, *sty),
+        }
+    }
+}
+
 #[derive(Clone)]
 pub struct Linear {
     pub rows: usize,

@@ -58,6 +58,15 @@ fn gemv_quantized_and_dense_match_cpu() {
         let (xb, yb) = (g.upload_f32(&x).unwrap(), g.upload_f32(&vec![f32::NAN; l.rows]).unwrap());
         g.gemv(&gl, xb.ptr, 0, yb.ptr, 1, 0, false).unwrap();
         check(&format!("gemv {name}"), &yb.read_f32(0, l.rows).unwrap(), &want, TOL);
+        // The fused RMSNorm: W · (x · rsqrt(mean(x²) + eps) · nw).
+        let nw = uniform(&mut r, l.cols, 1.5);
+        let mut xn = x.clone();
+        rms_norm(&mut xn, &nw, 1e-6);
+        let mut want_n = vec![0f32; l.rows];
+        l.matvec(&xn, &mut want_n);
+        let nwb = g.upload_f32(&nw).unwrap();
+        g.gemv_norm(&gl, xb.ptr, (nwb.ptr, 1e-6), yb.ptr, 1, 0, false).unwrap();
+        check(&format!("gemv + rms_norm {name}"), &yb.read_f32(0, l.rows).unwrap(), &want_n, TOL);
         // accumulate: y += W x on top of the previous result.
         g.gemv(&gl, xb.ptr, 0, yb.ptr, 1, 0, true).unwrap();
         let twice: Vec<f32> = want.iter().map(|v| 2.0 * v).collect();
@@ -302,4 +311,49 @@ fn moe_topk_and_argmax_match_cpu() {
     let bb = g.upload_f32(&big).unwrap();
     g.argmax(bb.ptr, big.len(), idb.ptr).unwrap();
     assert_eq!(idb.read_i32(1).unwrap()[0] as u32, lily::sampling::argmax(&big), "argmax 248320");
+}
+
+/// The fused decode MoE: top-k with the shared expert as slot K, one gate/up GEMV over the K + 1
+/// stacked experts (normalized input), and moe_down (SiLU·up, down, weighted sum, residual).
+#[test]
+fn fused_decode_moe_matches_cpu() {
+    let Some(g) = gpu() else { return };
+    let mut r = rng(8);
+    for (bits, e, k, h, inter) in
+        [(4u32, 8usize, 3usize, 128usize, 64usize), (8, 16, 8, 256, 96), (4, 64, 8, 2048, 512)]
+    {
+        let gate_up: Vec<Linear> = (0..2 * (e + 1)).map(|_| quant(&mut r, inter, h, bits, 32)).collect();
+        let down: Vec<Linear> = (0..e + 1).map(|_| quant(&mut r, h, inter, bits, 32)).collect();
+        let gu = GpuLinear::stack(&g, &gate_up.iter().collect::<Vec<_>>()).unwrap();
+        let dn = GpuLinear::stack(&g, &down.iter().collect::<Vec<_>>()).unwrap();
+        let logits = uniform(&mut r, e + 1, 3.0);
+        let x = uniform(&mut r, h, 2.0);
+        let nw = uniform(&mut r, h, 1.5);
+        // CPU: Model::moe's order of operations for one token.
+        let mut xn = x.clone();
+        rms_norm(&mut xn, &nw, 1e-6);
+        let mut want = x.clone();
+        let mut slots = lily::cpu::moe::route(&logits[..e], k, true);
+        slots.push((e, sigmoid(logits[e])));
+        for &(ex, w) in &slots {
+            let (mut a, mut b) = (vec![0f32; inter], vec![0f32; inter]);
+            gate_up[2 * ex].matvec(&xn, &mut a);
+            gate_up[2 * ex + 1].matvec(&xn, &mut b);
+            let hh: Vec<f32> = a.iter().zip(&b).map(|(p, q)| lily::cpu::norm::silu(*p) * q).collect();
+            let mut y = vec![0f32; h];
+            down[ex].matvec(&hh, &mut y);
+            want.iter_mut().zip(&y).for_each(|(o, v)| *o += w * v);
+        }
+        let (lb, xb, nwb) = (g.upload_f32(&logits).unwrap(), g.upload_f32(&x).unwrap(), g.upload_f32(&nw).unwrap());
+        let (ids, wts, ids2) =
+            (g.zeros(4 * (k + 1)).unwrap(), g.zeros(4 * (k + 1)).unwrap(), g.zeros(8 * (k + 1)).unwrap());
+        let egu = g.upload_f32(&vec![f32::NAN; 2 * (k + 1) * inter]).unwrap();
+        g.moe_topk_shared(lb.ptr, e, k, true, ids.ptr, wts.ptr, ids2.ptr).unwrap();
+        let got_ids = ids.read_i32(k + 1).unwrap();
+        let want_ids: Vec<i32> = slots.iter().map(|(i, _)| *i as i32).collect();
+        assert_eq!(got_ids, want_ids, "topk with shared slot: ids");
+        g.gemv_norm(&gu, xb.ptr, (nwb.ptr, 1e-6), egu.ptr, 2 * (k + 1), ids2.ptr, false).unwrap();
+        g.moe_down(&dn, egu.ptr, ids.ptr, wts.ptr, k + 1, xb.ptr).unwrap();
+        check(&format!("fused decode MoE q{bits} E{e} K{k} H{h} I{inter}"), &xb.read_f32(0, h).unwrap(), &want, TOL);
+    }
 }

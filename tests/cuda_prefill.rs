@@ -132,7 +132,7 @@ fn grouped_experts_match_cpu() {
     let pairs = t * k;
     let lb = g.upload_f32(&logits).unwrap();
     let (idb, wb) = (g.zeros(4 * pairs).unwrap(), g.zeros(4 * pairs).unwrap());
-    g.moe_topk_rows(lb.ptr, e + 1, t, e, k, true, idb.ptr, wb.ptr, 0).unwrap();
+    g.moe_topk_rows(lb.ptr, e + 1, t, e, k, true, idb.ptr, wb.ptr, 0, false).unwrap();
     assert_eq!(idb.read_i32(pairs).unwrap(), want_ids, "batched moe_topk ids");
     check("batched moe_topk weights", &wb.read_f32(0, pairs).unwrap(), &want_w, 1e-12);
 

@@ -51,12 +51,13 @@ pub const SOURCES: [(&str, &str); 10] = [
 ];
 
 /// Kernel entry points loaded from the module.
-pub const KERNELS: [&str; 26] = [
+pub const KERNELS: [&str; 27] = [
     "rms_norm",
     "silu_mul",
     "silu_mul_pairs",
     "add_inplace",
     "linear_gemv",
+    "moe_down",
     "gemm_f32",
     "gemm_bf16",
     "gemm_bf16_m128",

@@ -47,12 +47,13 @@ impl Proj {
         })
     }
 
-    fn run(&self, g: &Gpu, x: u64, out: u64) -> Result<()> {
+    /// One token: `out = W · rms_norm(x)` (the norm `(weights, eps)` fused into the GEMV).
+    fn run(&self, g: &Gpu, x: u64, norm: (u64, f32), out: u64) -> Result<()> {
         match &self.fused {
-            Some(f) => g.gemv(f, x, 0, out, 1, 0, false),
+            Some(f) => g.gemv_norm(f, x, norm, out, 1, 0, false),
             None => {
                 for (p, o) in self.parts.iter().zip(&self.offs) {
-                    g.gemv(p, x, 0, out + 4 * *o as u64, 1, 0, false)?;
+                    g.gemv_norm(p, x, norm, out + 4 * *o as u64, 1, 0, false)?;
                 }
                 Ok(())
             }
@@ -86,10 +87,13 @@ struct GMlp {
 }
 
 /// All experts of a layer: gate and up interleaved per expert (`[E·2, I, H]`, so expert e's gate
-/// is matrix 2e and its up 2e+1), down stacked `[E, H, I]`.
+/// is matrix 2e and its up 2e+1), down stacked `[E, H, I]`. When the shared expert has the
+/// routed experts' shape and format it is stacked after them as expert E (`shared_slot`), so a
+/// decode step runs all K + 1 experts in one gate/up GEMV and one fused down kernel.
 struct GExperts {
     gate_up: GpuLinear,
     down: GpuLinear,
+    shared_slot: bool,
 }
 
 enum GMixer {
@@ -175,13 +179,26 @@ impl CudaModel {
             };
             let ffn = match &l.ffn {
                 Ffn::Moe(m) => {
-                    let gate_up: Vec<_> = m.experts.iter().flat_map(|e| [&e.gate, &e.up]).collect();
-                    let downs: Vec<_> = m.experts.iter().map(|e| &e.down).collect();
+                    let mut gate_up: Vec<_> = m.experts.iter().flat_map(|e| [&e.gate, &e.up]).collect();
+                    let mut downs: Vec<_> = m.experts.iter().map(|e| &e.down).collect();
+                    let e0 = &m.experts[0];
+                    let same = |a: &crate::linear::Linear, b: &crate::linear::Linear| {
+                        a.rows == b.rows && a.cols == b.cols && a.w.format() == b.w.format()
+                    };
+                    let shared_slot = same(&m.shared.gate, &e0.gate)
+                        && same(&m.shared.up, &e0.up)
+                        && same(&m.shared.down, &e0.down)
+                        && (cfg.num_experts_per_tok + 1) * e0.down.cols <= super::ops::GEMV_XMAX;
+                    if shared_slot {
+                        gate_up.extend([&m.shared.gate, &m.shared.up]);
+                        downs.push(&m.shared.down);
+                    }
                     GFfn::Moe {
                         router: Proj::new(&g, &[&m.router, &m.shared_gate])?,
                         experts: GExperts {
                             gate_up: GpuLinear::stack(&g, &gate_up)?,
                             down: GpuLinear::stack(&g, &downs)?,
+                            shared_slot,
                         },
                         shared: mlp(&g, &m.shared)?,
                     }
@@ -436,10 +453,10 @@ impl CudaSession {
             o: f(c.gdn_value_dim().max(c.num_attention_heads * c.head_dim))?,
             q: f(c.num_attention_heads * c.head_dim)?,
             router: f(c.num_experts + 1)?,
-            ids: f(k)?,
-            ids2: f(2 * k)?,
-            wts: f(k)?,
-            egu: f(2 * k * inter)?,
+            ids: f(k + 1)?,
+            ids2: f(2 * (k + 1))?,
+            wts: f(k + 1)?,
+            egu: f(2 * (k + 1) * inter)?,
             eh: f(k * inter)?,
             ye: f(k * h)?,
             sgu: f(2 * sinter)?,
@@ -541,12 +558,12 @@ impl CudaSession {
         let (tok_p, pos_p) = (s.io.ptr, s.io.at(4));
         g.embed(&m.embed, tok_p, s.x.ptr, 1)?;
         for (layer, st) in m.layers.iter().zip(self.states.iter()) {
-            g.rms_norm(s.x.ptr, layer.input_norm.ptr, s.xn.ptr, 1, h, eps)?;
+            let (in_norm, post_norm) = ((layer.input_norm.ptr, eps), (layer.post_norm.ptr, eps));
             match (&layer.mixer, st) {
                 (GMixer::Gdn { proj, conv, dt_bias, neg_a, norm, out }, GState::Gdn { conv: cs, rec }) => {
                     let (cd, vd, hv) = (c.gdn_conv_dim(), c.gdn_value_dim(), c.linear_num_value_heads);
                     let at = |off: usize| s.proj.at(4 * off);
-                    proj.run(g, s.xn.ptr, s.proj.ptr)?;
+                    proj.run(g, s.x.ptr, in_norm, s.proj.ptr)?;
                     g.conv_step(s.proj.ptr, cs.ptr, conv.ptr, s.conv.ptr, cd, c.linear_conv_kernel_dim)?;
                     g.gdn_step(&GdnStep {
                         y: s.conv.ptr,
@@ -569,7 +586,7 @@ impl CudaSession {
                 (GMixer::Attn { proj, o, q_norm, k_norm }, GState::Attn { k: kc, v: vc, .. }) => {
                     let (nh, hkv, hd) = (c.num_attention_heads, c.num_key_value_heads, c.head_dim);
                     let (qd, kvd) = (c.q_proj_dim(), c.kv_dim());
-                    proj.run(g, s.xn.ptr, s.proj.ptr)?;
+                    proj.run(g, s.x.ptr, in_norm, s.proj.ptr)?;
                     g.attn_prep(
                         &AttnPrep {
                             qg: s.proj.ptr,
@@ -608,31 +625,39 @@ impl CudaSession {
                 }
                 _ => bail!("layer state does not match the layer kind"),
             }
-            g.rms_norm(s.x.ptr, layer.post_norm.ptr, s.xn.ptr, 1, h, eps)?;
             match &layer.ffn {
+                GFfn::Moe { router, experts, .. } if experts.shared_slot => {
+                    // Router (+ shared gate logit), top-k with the shared expert as slot K, one
+                    // gate/up GEMV over the K + 1 experts, one fused down + combine + residual.
+                    let (e, k) = (c.num_experts, c.num_experts_per_tok);
+                    router.run(g, s.x.ptr, post_norm, s.router.ptr)?;
+                    g.moe_topk_shared(s.router.ptr, e, k, c.norm_topk_prob, s.ids.ptr, s.wts.ptr, s.ids2.ptr)?;
+                    g.gemv_norm(&experts.gate_up, s.x.ptr, post_norm, s.egu.ptr, 2 * (k + 1), s.ids2.ptr, false)?;
+                    g.moe_down(&experts.down, s.egu.ptr, s.ids.ptr, s.wts.ptr, k + 1, s.x.ptr)?;
+                }
                 GFfn::Moe { router, experts, shared } => {
                     let (e, k) = (c.num_experts, c.num_experts_per_tok);
                     let inter = experts.down.cols;
-                    router.run(g, s.xn.ptr, s.router.ptr)?;
+                    g.rms_norm(s.x.ptr, layer.post_norm.ptr, s.xn.ptr, 1, h, eps)?;
+                    router.run(g, s.xn.ptr, (0, 0.0), s.router.ptr)?;
                     g.moe_topk(s.router.ptr, e, k, c.norm_topk_prob, s.ids.ptr, s.wts.ptr, s.ids2.ptr)?;
                     g.gemv(&experts.gate_up, s.xn.ptr, 0, s.egu.ptr, 2 * k, s.ids2.ptr, false)?;
                     g.silu_mul_pairs(s.egu.ptr, s.eh.ptr, inter, k)?;
                     g.gemv(&experts.down, s.eh.ptr, inter, s.ye.ptr, k, s.ids.ptr, false)?;
-                    shared.gate_up.run(g, s.xn.ptr, s.sgu.ptr)?;
+                    shared.gate_up.run(g, s.xn.ptr, (0, 0.0), s.sgu.ptr)?;
                     g.silu_mul_pairs(s.sgu.ptr, s.sh.ptr, shared.inter, 1)?;
                     g.gemv(&shared.down, s.sh.ptr, 0, s.ys.ptr, 1, 0, false)?;
                     g.moe_combine(s.x.ptr, s.ye.ptr, s.wts.ptr, s.ys.ptr, s.router.at(4 * e), h, k)?;
                 }
                 GFfn::Dense(mm) => {
-                    mm.gate_up.run(g, s.xn.ptr, s.sgu.ptr)?;
+                    mm.gate_up.run(g, s.x.ptr, post_norm, s.sgu.ptr)?;
                     g.silu_mul_pairs(s.sgu.ptr, s.sh.ptr, mm.inter, 1)?;
                     g.gemv(&mm.down, s.sh.ptr, 0, s.x.ptr, 1, 0, true)?;
                 }
             }
         }
         if logits {
-            g.rms_norm(s.x.ptr, m.norm.ptr, s.xn.ptr, 1, h, eps)?;
-            g.gemv(&m.lm_head, s.xn.ptr, 0, s.logits.ptr, 1, 0, false)?;
+            g.gemv_norm(&m.lm_head, s.x.ptr, (m.norm.ptr, eps), s.logits.ptr, 1, 0, false)?;
         }
         Ok(())
     }
@@ -798,7 +823,7 @@ impl CudaSession {
                     let inter = experts.down.cols;
                     let pairs = t * k;
                     router.run_rows(g, prec, p.xn.ptr, h, p.router.ptr, e + 1, t)?;
-                    g.moe_topk_rows(p.router.ptr, e + 1, t, e, k, c.norm_topk_prob, p.ids.ptr, p.wts.ptr, 0)?;
+                    g.moe_topk_rows(p.router.ptr, e + 1, t, e, k, c.norm_topk_prob, p.ids.ptr, p.wts.ptr, 0, false)?;
                     g.moe_align(p.ids.ptr, pairs, e, prec.bm(), p.perm.ptr, p.inv.ptr, p.tiles.ptr)?;
                     let nt = max_tiles(pairs, prec.bm(), e);
                     g.gemm_grouped(

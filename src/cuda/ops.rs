@@ -132,6 +132,9 @@ impl GpuLinear {
     }
 }
 
+/// Widest input the GEMV stages in shared memory (and so can normalize on the fly).
+pub const GEMV_XMAX: usize = 8192;
+
 fn blocks(n: usize, per: usize) -> u32 {
     n.div_ceil(per).max(1) as u32
 }
@@ -180,6 +183,40 @@ impl Gpu {
         ids: u64,
         accumulate: bool,
     ) -> Result<()> {
+        self.gemv_raw(w, x, xstride, y, slots, ids, accumulate, (0, 0.0))
+    }
+
+    /// [`Gpu::gemv`] of the RMS-normalized input `x · rsqrt(mean(x²) + eps) · normw` (the norm
+    /// computed inside, identical to [`Gpu::rms_norm`]); inputs of at most 8192 columns.
+    #[allow(clippy::too_many_arguments)]
+    pub fn gemv_norm(
+        &self,
+        w: &GpuLinear,
+        x: u64,
+        (normw, eps): (u64, f32),
+        y: u64,
+        slots: usize,
+        ids: u64,
+        accumulate: bool,
+    ) -> Result<()> {
+        if w.cols > GEMV_XMAX {
+            bail!("gemv_norm: {} columns exceed {GEMV_XMAX}", w.cols);
+        }
+        self.gemv_raw(w, x, 0, y, slots, ids, accumulate, (normw, eps))
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn gemv_raw(
+        &self,
+        w: &GpuLinear,
+        x: u64,
+        xstride: usize,
+        y: u64,
+        slots: usize,
+        ids: u64,
+        accumulate: bool,
+        (normw, eps): (u64, f32),
+    ) -> Result<()> {
         let mut a = w.wargs().to_vec();
         a.extend([
             Arg::P(x),
@@ -189,8 +226,31 @@ impl Gpu {
             Arg::I(w.cols as i32),
             Arg::P(ids),
             Arg::I(accumulate as i32),
+            Arg::P(normw),
+            Arg::F(eps),
         ]);
         self.launch("linear_gemv", (blocks(w.rows, 32), slots as u32, 1), 256, &a)
+    }
+
+    /// Decode MoE down projections + weighted sum + residual: `x[r] += Σ_{k<s} wts[k] ·
+    /// (W[ids[k]] h_k)[r]` with `h_k = silu(gu[2k]) ⊙ gu[2k+1]` (`gu`: `[2s, cols]`, the gate/up
+    /// GEMV output); `s · cols` at most 8192.
+    #[allow(clippy::too_many_arguments)]
+    pub fn moe_down(&self, w: &GpuLinear, gu: u64, ids: u64, wts: u64, s: usize, x: u64) -> Result<()> {
+        if s * w.cols > GEMV_XMAX {
+            bail!("moe_down: {s} slots of {} columns exceed {GEMV_XMAX}", w.cols);
+        }
+        let mut a = w.wargs().to_vec();
+        a.extend([
+            Arg::P(gu),
+            Arg::P(ids),
+            Arg::P(wts),
+            Arg::I(s as i32),
+            Arg::P(x),
+            Arg::I(w.rows as i32),
+            Arg::I(w.cols as i32),
+        ]);
+        self.launch("moe_down", (blocks(w.rows, 8), 1, 1), 256, &a)
     }
 
     /// `y[m, :] (+)= W x[m, :]` for m rows (matrix 0 of the stack); row strides ldx, ldy (f32
@@ -614,7 +674,23 @@ impl Gpu {
     /// Softmax + top-k of E router logits into device ids (i32) and weights (f32); when `ids2` is
     /// not 0 it also gets `[2·id, 2·id + 1]` per choice (rows of an interleaved gate/up stack).
     pub fn moe_topk(&self, logits: u64, e: usize, k: usize, renorm: bool, ids: u64, w: u64, ids2: u64) -> Result<()> {
-        self.moe_topk_rows(logits, 0, 1, e, k, renorm, ids, w, ids2)
+        self.moe_topk_rows(logits, 0, 1, e, k, renorm, ids, w, ids2, false)
+    }
+
+    /// [`Gpu::moe_topk`] plus slot k for the shared expert stacked as expert e: id e, weight
+    /// sigmoid(logits[e]) (the gate logit after the router's), ids2 `[2e, 2e+1]`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn moe_topk_shared(
+        &self,
+        logits: u64,
+        e: usize,
+        k: usize,
+        renorm: bool,
+        ids: u64,
+        w: u64,
+        ids2: u64,
+    ) -> Result<()> {
+        self.moe_topk_rows(logits, 0, 1, e, k, renorm, ids, w, ids2, true)
     }
 
     /// [`Gpu::moe_topk`] for t tokens (logit rows of stride `ld`; ids and weights `[t, k]`).
@@ -630,6 +706,7 @@ impl Gpu {
         ids: u64,
         w: u64,
         ids2: u64,
+        shared: bool,
     ) -> Result<()> {
         if e > 1024 || k > 64 || k > e {
             bail!("moe_topk: {e} experts / top-{k} unsupported");
@@ -647,6 +724,7 @@ impl Gpu {
                 Arg::P(w),
                 Arg::P(ids2),
                 Arg::L(ld as i64),
+                Arg::I(shared as i32),
             ],
         )
     }
