@@ -26,8 +26,8 @@
  *   stacked with them), their weighted sum and the residual add, in one kernel:
  *   x[r] += sum_{k < S} w[k] * (W[ids[k]*rows + r, :] . h_k),  h_k[i] = silu(gu[2k, i]) * gu[2k+1, i]
  *   (gu [2S, I]: the gate/up GEMV output of the S slots). The block stages all h_k in shared
- *   memory (S*I <= 8192). A warp owns one row r; lanes take the (slot, uint4) items of that row
- *   in turn, four items' loads issued together. grid ceil(rows/8), block 256.
+ *   memory (S*I <= 8192). A warp owns two rows; lanes take the (row, slot, uint4) items in turn,
+ *   four items' loads issued together. grid ceil(rows/16), block 256.
  *
  * embed_row: out[t, c] = W[row[t], c] dequantized (embedding gather; the token ids are read from
  *   device memory so a captured CUDA graph can replay it), grid (ceil(cols/256), tokens), block 256.
@@ -77,104 +77,130 @@ __device__ __forceinline__ float x_chunk(const float* xs, int c0, float* xr) {
     return sx;
 }
 
-/* Affine dots of NR consecutive quantized rows with x, for this lane's share of 128-bit loads:
- * two steps per trip, all 2*NR weight loads issued before any arithmetic. */
+/* One trip of the GEMV loop: the 128-bit loads of steps i0 and i0 + 32 for NR rows. */
+template <int NR>
+__device__ __forceinline__ void quant_trip_load(const u32* w, long long R0, int nvalid, long long wpr, int n4, int i0,
+                                                uint4 (&q4)[2][NR]) {
+#pragma unroll
+    for (int r = 0; r < NR; r++) {
+        if (r < nvalid) {
+            const uint4* row = (const uint4*)(w + (R0 + r) * wpr);
+            if (i0 < n4) q4[0][r] = row[i0];
+            if (i0 + 32 < n4) q4[1][r] = row[i0 + 32];
+        }
+    }
+}
+
 template <int BITS, int NR>
-__device__ __forceinline__ void quant_rows_dot(const u32* w, long long R0, int nvalid, long long wpr, int n4,
+__device__ __forceinline__ void quant_trip_dot(const uint4 (&q4)[2][NR], long long R0, int nvalid, int n4, int i0,
                                                const void* sc, const void* bi, int ng, int group, int ty,
-                                               const float* xs, int lane, float* acc) {
+                                               const float* xs, float* acc) {
     constexpr int EPV = 4 * (32 / BITS);
-    for (int i0 = lane; i0 < n4; i0 += 64) {
-        bool two = i0 + 32 < n4;
-        uint4 q4[2][NR];
+#pragma unroll
+    for (int u = 0; u < 2; u++) {
+        int i = i0 + 32 * u;
+        if (i >= n4) break;
+        int c0 = i * EPV, gi = c0 / group;
+        float xr[EPV];
+        float sx = x_chunk<EPV>(xs, c0, xr);
 #pragma unroll
         for (int r = 0; r < NR; r++) {
             if (r < nvalid) {
-                const uint4* row = (const uint4*)(w + (R0 + r) * wpr);
-                q4[0][r] = row[i0];
-                if (two) q4[1][r] = row[i0 + 32];
-            }
-        }
-#pragma unroll
-        for (int u = 0; u < 2; u++) {
-            if (u == 1 && !two) break;
-            int i = i0 + 32 * u;
-            int c0 = i * EPV, gi = c0 / group;
-            float xr[EPV];
-            float sx = x_chunk<EPV>(xs, c0, xr);
-#pragma unroll
-            for (int r = 0; r < NR; r++) {
-                if (r < nvalid) {
-                    long long g = (R0 + r) * ng + gi;
-                    acc[r] += quant_chunk<BITS>(q4[u][r], xr, sx, load_elem(sc, g, ty), load_elem(bi, g, ty));
-                }
+                long long g = (R0 + r) * ng + gi;
+                acc[r] += quant_chunk<BITS>(q4[u][r], xr, sx, load_elem(sc, g, ty), load_elem(bi, g, ty));
             }
         }
     }
 }
 
+/* Stages x (optionally RMS-normalized, same arithmetic as rms_norm) in shared memory. */
+__device__ __forceinline__ const float* gemv_stage_x(const float* xg, int cols, const float* normw, float eps,
+                                                     float* xsh, float* red) {
+    if (normw) {
+        float ss = 0.f;
+        for (int i = threadIdx.x; i < cols; i += blockDim.x) ss += xg[i] * xg[i];
+        ss = block_sum(ss, red);
+        float rr = 1.f / sqrtf(ss / (float)cols + eps);
+        for (int i = threadIdx.x; i < cols; i += blockDim.x) xsh[i] = xg[i] * (rr * normw[i]);
+    } else {
+        for (int i = threadIdx.x; i < cols; i += blockDim.x) xsh[i] = xg[i];
+    }
+    __syncthreads();
+    return xsh;
+}
+
 #define GEMV_NR 4
 #define GEMV_XMAX 8192
-extern "C" __global__ void linear_gemv(const void* w, const void* sc, const void* bi, int bits, int group, int ty,
-                                       const float* x, long long xstride, float* y, int rows, int cols,
-                                       const int* ids, int accumulate, const float* normw, float eps) {
-    __shared__ __align__(16) float xsh[GEMV_XMAX];
-    __shared__ float red[33];
-    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    int z = blockIdx.y;
-    const float* xg = x + (long long)z * xstride;
-    const float* xs = xg;
-    if (cols <= GEMV_XMAX) {
-        if (normw) {
-            float ss = 0.f;
-            for (int i = threadIdx.x; i < cols; i += blockDim.x) ss += xg[i] * xg[i];
-            ss = block_sum(ss, red);
-            float rr = 1.f / sqrtf(ss / (float)cols + eps);
-            for (int i = threadIdx.x; i < cols; i += blockDim.x) xsh[i] = xg[i] * (rr * normw[i]);
-        } else {
-            for (int i = threadIdx.x; i < cols; i += blockDim.x) xsh[i] = xg[i];
-        }
-        __syncthreads();
-        xs = xsh;
-    }
-    int r0 = (blockIdx.x * (blockDim.x >> 5) + warp) * GEMV_NR;
-    if (r0 >= rows) return;
-    int nvalid = min(GEMV_NR, rows - r0);
-    long long R0 = (long long)(ids ? ids[z] : 0) * rows + r0;
+/* The first trip's weight loads are issued before x is staged, so the staging (and the fused
+   norm) overlap the first memory round trip. */
+template <int BITS>
+__device__ __forceinline__ void gemv_body(const void* w, const void* sc, const void* bi, int group, int ty,
+                                          const float* xg, float* y, int rows, int cols, long long R0, int r0,
+                                          int nvalid, int accumulate, const float* normw, float eps, float* xsh,
+                                          float* red) {
+    int lane = threadIdx.x & 31;
     float acc[GEMV_NR];
 #pragma unroll
     for (int r = 0; r < GEMV_NR; r++) acc[r] = 0.f;
-    if (bits == 0) {
+    if (BITS == 0) {
+        const float* xs = cols <= GEMV_XMAX ? gemv_stage_x(xg, cols, normw, eps, xsh, red) : xg;
+        if (nvalid == 0) return;
         for (int r = 0; r < nvalid; r++)
             for (int c = lane; c < cols; c += 32) acc[r] += load_elem(w, (R0 + r) * cols + c, ty) * xs[c];
     } else {
-        long long wpr = (long long)cols * bits / 32; /* u32 words per row */
-        int n4 = (int)(wpr / 4);
-        int ng = cols / group;
-        if (bits == 4)
-            quant_rows_dot<4, GEMV_NR>((const u32*)w, R0, nvalid, wpr, n4, sc, bi, ng, group, ty, xs, lane, acc);
-        else
-            quant_rows_dot<8, GEMV_NR>((const u32*)w, R0, nvalid, wpr, n4, sc, bi, ng, group, ty, xs, lane, acc);
+        long long wpr = (long long)cols * BITS / 32; /* u32 words per row */
+        int n4 = (int)(wpr / 4), ng = cols / group;
+        uint4 q4[2][GEMV_NR];
+        quant_trip_load<GEMV_NR>((const u32*)w, R0, nvalid, wpr, n4, lane, q4);
+        const float* xs = cols <= GEMV_XMAX ? gemv_stage_x(xg, cols, normw, eps, xsh, red) : xg;
+        if (nvalid == 0) return;
+        quant_trip_dot<BITS == 0 ? 4 : BITS, GEMV_NR>(q4, R0, nvalid, n4, lane, sc, bi, ng, group, ty, xs, acc);
+        for (int i0 = lane + 64; i0 < n4; i0 += 64) {
+            quant_trip_load<GEMV_NR>((const u32*)w, R0, nvalid, wpr, n4, i0, q4);
+            quant_trip_dot<BITS == 0 ? 4 : BITS, GEMV_NR>(q4, R0, nvalid, n4, i0, sc, bi, ng, group, ty, xs, acc);
+        }
     }
 #pragma unroll
     for (int r = 0; r < GEMV_NR; r++) {
         float a = warp_sum(acc[r]);
         if (lane == 0 && r < nvalid) {
-            float* o = y + (long long)z * rows + r0 + r;
+            float* o = y + r0 + r;
             *o = accumulate ? *o + a : a;
         }
     }
 }
 
+extern "C" __global__ void linear_gemv(const void* w, const void* sc, const void* bi, int bits, int group, int ty,
+                                       const float* x, long long xstride, float* y, int rows, int cols,
+                                       const int* ids, int accumulate, const float* normw, float eps) {
+    __shared__ __align__(16) float xsh[GEMV_XMAX];
+    __shared__ float red[33];
+    int warp = threadIdx.x >> 5;
+    int z = blockIdx.y;
+    int r0 = (blockIdx.x * (blockDim.x >> 5) + warp) * GEMV_NR;
+    int nvalid = r0 < rows ? min(GEMV_NR, rows - r0) : 0;
+    long long R0 = (long long)(ids ? ids[z] : 0) * rows + min(r0, rows - 1);
+    const float* xg = x + (long long)z * xstride;
+    float* yz = y + (long long)z * rows;
+    if (bits == 4)
+        gemv_body<4>(w, sc, bi, group, ty, xg, yz, rows, cols, R0, r0, nvalid, accumulate, normw, eps, xsh, red);
+    else if (bits == 8)
+        gemv_body<8>(w, sc, bi, group, ty, xg, yz, rows, cols, R0, r0, nvalid, accumulate, normw, eps, xsh, red);
+    else
+        gemv_body<0>(w, sc, bi, group, ty, xg, yz, rows, cols, R0, r0, nvalid, accumulate, normw, eps, xsh, red);
+}
+
+/* Two rows per warp (r0, r0 + 1): the items (row, slot, 128-bit load) are taken by the lanes in
+   turn, four items' loads issued together. */
+#define MOE_DOWN_NR 2
 template <int BITS>
-__device__ __forceinline__ float moe_down_row(const u32* w, const void* sc, const void* bi, int group, int ty,
-                                              const int* ids, const float* wts, int S, int rows, int r, int cols,
-                                              const float* hs, int lane) {
+__device__ __forceinline__ void moe_down_rows(const u32* w, const void* sc, const void* bi, int group, int ty,
+                                              const int* ids, const float* wts, int S, int rows, int r0, int nvalid,
+                                              int cols, const float* hs, int lane, float* acc) {
     constexpr int EPV = 4 * (32 / BITS);
     long long wpr = (long long)cols * BITS / 32;
     int n4 = (int)(wpr / 4), ng = cols / group;
-    int items = S * n4;
-    float acc = 0.f;
+    int per_row = S * n4, items = nvalid * per_row;
     for (int i0 = lane; i0 < items; i0 += 128) {
         uint4 q4[4];
         long long rowi[4];
@@ -182,8 +208,8 @@ __device__ __forceinline__ float moe_down_row(const u32* w, const void* sc, cons
         for (int u = 0; u < 4; u++) {
             int it = i0 + 32 * u;
             if (it < items) {
-                int k = it / n4, i = it - k * n4;
-                rowi[u] = (long long)ids[k] * rows + r;
+                int rr = it / per_row, rem = it - rr * per_row, k = rem / n4, i = rem - k * n4;
+                rowi[u] = (long long)ids[k] * rows + r0 + rr;
                 q4[u] = ((const uint4*)(w + rowi[u] * wpr))[i];
             }
         }
@@ -191,16 +217,17 @@ __device__ __forceinline__ float moe_down_row(const u32* w, const void* sc, cons
         for (int u = 0; u < 4; u++) {
             int it = i0 + 32 * u;
             if (it < items) {
-                int k = it / n4, i = it - k * n4;
+                int rr = it / per_row, rem = it - rr * per_row, k = rem / n4, i = rem - k * n4;
                 int c0 = i * EPV;
                 float xr[EPV];
                 float sx = x_chunk<EPV>(hs + k * cols, c0, xr);
                 long long g = rowi[u] * ng + c0 / group;
-                acc += wts[k] * quant_chunk<BITS>(q4[u], xr, sx, load_elem(sc, g, ty), load_elem(bi, g, ty));
+                float v = wts[k] * quant_chunk<BITS>(q4[u], xr, sx, load_elem(sc, g, ty), load_elem(bi, g, ty));
+                if (rr == 0) acc[0] += v;
+                else acc[1] += v;
             }
         }
     }
-    return acc;
 }
 
 extern "C" __global__ void moe_down(const void* w, const void* sc, const void* bi, int bits, int group, int ty,
@@ -213,22 +240,27 @@ extern "C" __global__ void moe_down(const void* w, const void* sc, const void* b
     }
     __syncthreads();
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    int r = blockIdx.x * (blockDim.x >> 5) + warp;
-    if (r >= rows) return;
-    float acc = 0.f;
+    int r0 = (blockIdx.x * (blockDim.x >> 5) + warp) * MOE_DOWN_NR;
+    if (r0 >= rows) return;
+    int nvalid = min(MOE_DOWN_NR, rows - r0);
+    float acc[MOE_DOWN_NR] = {0.f, 0.f};
     if (bits == 4)
-        acc = moe_down_row<4>((const u32*)w, sc, bi, group, ty, ids, wts, S, rows, r, cols, hs, lane);
+        moe_down_rows<4>((const u32*)w, sc, bi, group, ty, ids, wts, S, rows, r0, nvalid, cols, hs, lane, acc);
     else if (bits == 8)
-        acc = moe_down_row<8>((const u32*)w, sc, bi, group, ty, ids, wts, S, rows, r, cols, hs, lane);
+        moe_down_rows<8>((const u32*)w, sc, bi, group, ty, ids, wts, S, rows, r0, nvalid, cols, hs, lane, acc);
     else
-        for (int k = 0; k < S; k++) {
-            long long R = (long long)ids[k] * rows + r;
-            float d = 0.f;
-            for (int c = lane; c < cols; c += 32) d += load_elem(w, R * cols + c, ty) * hs[k * cols + c];
-            acc += wts[k] * d;
-        }
-    acc = warp_sum(acc);
-    if (lane == 0) x[r] += acc;
+        for (int rr = 0; rr < nvalid; rr++)
+            for (int k = 0; k < S; k++) {
+                long long R = (long long)ids[k] * rows + r0 + rr;
+                float d = 0.f;
+                for (int c = lane; c < cols; c += 32) d += load_elem(w, R * cols + c, ty) * hs[k * cols + c];
+                acc[rr] += wts[k] * d;
+            }
+#pragma unroll
+    for (int rr = 0; rr < MOE_DOWN_NR; rr++) {
+        float a = warp_sum(acc[rr]);
+        if (lane == 0 && rr < nvalid) x[r0 + rr] += a;
+    }
 }
 
 extern "C" __global__ void embed_row(const void* w, const void* sc, const void* bi, int bits, int group, int ty,

@@ -58,6 +58,10 @@ fn gemv_quantized_and_dense_match_cpu() {
         let (xb, yb) = (g.upload_f32(&x).unwrap(), g.upload_f32(&vec![f32::NAN; l.rows]).unwrap());
         g.gemv(&gl, xb.ptr, 0, yb.ptr, 1, 0, false).unwrap();
         check(&format!("gemv {name}"), &yb.read_f32(0, l.rows).unwrap(), &want, TOL);
+        // accumulate: y += W x on top of the previous result.
+        g.gemv(&gl, xb.ptr, 0, yb.ptr, 1, 0, true).unwrap();
+        let twice: Vec<f32> = want.iter().map(|v| 2.0 * v).collect();
+        check(&format!("gemv accumulate {name}"), &yb.read_f32(0, l.rows).unwrap(), &twice, TOL);
         // The fused RMSNorm: W · (x · rsqrt(mean(x²) + eps) · nw).
         let nw = uniform(&mut r, l.cols, 1.5);
         let mut xn = x.clone();
@@ -67,10 +71,6 @@ fn gemv_quantized_and_dense_match_cpu() {
         let nwb = g.upload_f32(&nw).unwrap();
         g.gemv_norm(&gl, xb.ptr, (nwb.ptr, 1e-6), yb.ptr, 1, 0, false).unwrap();
         check(&format!("gemv + rms_norm {name}"), &yb.read_f32(0, l.rows).unwrap(), &want_n, TOL);
-        // accumulate: y += W x on top of the previous result.
-        g.gemv(&gl, xb.ptr, 0, yb.ptr, 1, 0, true).unwrap();
-        let twice: Vec<f32> = want.iter().map(|v| 2.0 * v).collect();
-        check(&format!("gemv accumulate {name}"), &yb.read_f32(0, l.rows).unwrap(), &twice, TOL);
         // Embedding row gather (dequantization) of a middle row.
         let row = l.rows / 2;
         let mut wrow = vec![0f32; l.cols];

@@ -250,7 +250,7 @@ impl Gpu {
             Arg::I(w.rows as i32),
             Arg::I(w.cols as i32),
         ]);
-        self.launch("moe_down", (blocks(w.rows, 8), 1, 1), 256, &a)
+        self.launch("moe_down", (blocks(w.rows, 16), 1, 1), 256, &a)
     }
 
     /// `y[m, :] (+)= W x[m, :]` for m rows (matrix 0 of the stack); row strides ldx, ldy (f32
