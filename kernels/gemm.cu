@@ -107,9 +107,11 @@ __device__ __forceinline__ void ldsm_x4(u32& r0, u32& r1, u32& r2, u32& r3, cons
                  : "r"(a));
 }
 
-/* MI m16 tiles per warp in m: block tile BM = 32*MI (2 warps in m) x 128 (4 warps in n). */
-template <int MI>
-__device__ __forceinline__ void gemm_bf16_body(const void* w, const void* sc, const void* bi, int bits, int group,
+/* MI m16 tiles per warp in m: block tile BM = 32*MI (2 warps in m) x 128 (4 warps in n). BITS is
+   the weight format (4, 8, or 0 = dense), a template parameter so each instantiation holds only
+   its own prefetch registers. */
+template <int MI, int BITS>
+__device__ __forceinline__ void gemm_bf16_body(const void* w, const void* sc, const void* bi, int group,
                                                int ty, const float* x, long long ldx, const int* gather, int gdiv,
                                                float* y, long long ldy, int M, int N, int K, const int* tiles,
                                                int accumulate, u16* Xs, u16* Ws) {
@@ -133,10 +135,11 @@ __device__ __forceinline__ void gemm_bf16_body(const void* w, const void* sc, co
     bool wvalid = n0 + wrow < N;
     long long wr = (long long)tl.e * N + n0 + (wvalid ? wrow : 0);
 
+    constexpr int bits = BITS;
     float4 xv[XP][4];
     uint4 qv[2];
     float ws = 0.f, wb = 0.f;
-    float wd[32]; /* dense weights */
+    float wd[BITS == 0 ? 32 : 1]; /* dense weights */
 
     auto load = [&](int k0) {
         int kx = k0 + xseg;
@@ -155,7 +158,7 @@ __device__ __forceinline__ void gemm_bf16_body(const void* w, const void* sc, co
             qv[1] = ok ? q8[1] : make_uint4(0, 0, 0, 0);
         } else {
 #pragma unroll
-            for (int j = 0; j < 32; j++) wd[j] = ok ? load_elem(w, wr * K + kw + j, ty) : 0.f;
+            for (int j = 0; j < 32; j++) wd[BITS == 0 ? j : 0] = ok ? load_elem(w, wr * K + kw + j, ty) : 0.f;
         }
         if (bits) {
             long long gi = wr * (K / group) + kw / group;
@@ -187,7 +190,7 @@ __device__ __forceinline__ void gemm_bf16_body(const void* w, const void* sc, co
             for (int j = 0; j < 32; j++) f[j] = ws * (float)((wd8[j >> 2] >> (8 * (j & 3))) & 255u) + wb;
         } else {
 #pragma unroll
-            for (int j = 0; j < 32; j++) f[j] = wd[j];
+            for (int j = 0; j < 32; j++) f[j] = wd[BITS == 0 ? j : 0];
         }
         u32 pw[16];
 #pragma unroll
@@ -258,22 +261,31 @@ __device__ __forceinline__ void gemm_bf16_body(const void* w, const void* sc, co
 }
 
 /* BM 64: routed experts (about 64 rows per expert in a 2048-token chunk) and short inputs. */
-extern "C" __global__ void __launch_bounds__(256) gemm_bf16(const void* w, const void* sc, const void* bi, int bits,
-                                                            int group, int ty, const float* x, long long ldx,
-                                                            const int* gather, int gdiv, float* y, long long ldy,
-                                                            int M, int N, int K, const int* tiles, int accumulate) {
+#define GEMM_BF16_DISPATCH(MI)                                                                                   \
+    if (bits == 4)                                                                                               \
+        gemm_bf16_body<MI, 4>(w, sc, bi, group, ty, x, ldx, gather, gdiv, y, ldy, M, N, K, tiles, accumulate, Xs, Ws); \
+    else if (bits == 8)                                                                                          \
+        gemm_bf16_body<MI, 8>(w, sc, bi, group, ty, x, ldx, gather, gdiv, y, ldy, M, N, K, tiles, accumulate, Xs, Ws); \
+    else                                                                                                         \
+        gemm_bf16_body<MI, 0>(w, sc, bi, group, ty, x, ldx, gather, gdiv, y, ldy, M, N, K, tiles, accumulate, Xs, Ws);
+
+extern "C" __global__ void __launch_bounds__(256, 2) gemm_bf16(const void* w, const void* sc, const void* bi,
+                                                               int bits, int group, int ty, const float* x,
+                                                               long long ldx, const int* gather, int gdiv, float* y,
+                                                               long long ldy, int M, int N, int K, const int* tiles,
+                                                               int accumulate) {
     __shared__ __align__(16) u16 Xs[64 * TC_LD];
     __shared__ __align__(16) u16 Ws[TC_BN * TC_LD];
-    gemm_bf16_body<2>(w, sc, bi, bits, group, ty, x, ldx, gather, gdiv, y, ldy, M, N, K, tiles, accumulate, Xs, Ws);
+    GEMM_BF16_DISPATCH(2)
 }
 
 /* BM 128: long plain products (each dequantized weight tile serves twice the rows). */
-extern "C" __global__ void __launch_bounds__(256) gemm_bf16_m128(const void* w, const void* sc, const void* bi,
-                                                                 int bits, int group, int ty, const float* x,
-                                                                 long long ldx, const int* gather, int gdiv, float* y,
-                                                                 long long ldy, int M, int N, int K, const int* tiles,
-                                                                 int accumulate) {
+extern "C" __global__ void __launch_bounds__(256, 2) gemm_bf16_m128(const void* w, const void* sc, const void* bi,
+                                                                    int bits, int group, int ty, const float* x,
+                                                                    long long ldx, const int* gather, int gdiv,
+                                                                    float* y, long long ldy, int M, int N, int K,
+                                                                    const int* tiles, int accumulate) {
     __shared__ __align__(16) u16 Xs[128 * TC_LD];
     __shared__ __align__(16) u16 Ws[TC_BN * TC_LD];
-    gemm_bf16_body<4>(w, sc, bi, bits, group, ty, x, ldx, gather, gdiv, y, ldy, M, N, K, tiles, accumulate, Xs, Ws);
+    GEMM_BF16_DISPATCH(4)
 }

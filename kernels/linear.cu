@@ -8,13 +8,13 @@
  *
  * linear_gemv: for every slot z (grid.y), e = ids ? ids[z] : 0 (read on the device: MoE experts
  *   need no host sync), y[z*rows + r] (+)= sum_c W[e*rows + r, c] * xn[c], xn = x[z*xstride + :],
- *   or, when normw is set, the fused RMSNorm xn[c] = x[c] * (rsqrt(mean(x^2) + eps) * normw[c])
- *   (the same arithmetic, in the same order, as the rms_norm kernel, so results are identical).
+ *   or, when normw is set, the fused RMSNorm xn[c] = x[c] * normw[c] * rsqrt(mean(x^2) + eps)
+ *   (rms_norm's result up to rounding order).
  *   Quantized rows use the affine identity per 128-bit load (32 4-bit or 16 8-bit codes, always
  *   inside one group since group >= 32): s * sum(q x) + b * sum(x).
  *   Geometry: block 256 = 8 warps, each warp owns 4 consecutive output rows (GEMV_NR), grid
- *   (ceil(rows/32), slots). The block first stages xn in shared memory (cols <= 8192; wider
- *   inputs are read from global memory and cannot take the fused norm). Lanes stride the rows in
+ *   (ceil(rows/32), slots). With the fused norm the block first stages xn in dynamic shared
+ *   memory (cols floats, cols <= 8192, cols % 4 == 0); otherwise x is read from global memory. Lanes stride the rows in
  *   uint4 loads (16 B, a warp reads 512 contiguous bytes of each row per step), two steps' loads
  *   for all 4 rows issued together (8 x 16 B in flight per lane); the x chunk is read once per
  *   step for all 4 rows.
@@ -26,7 +26,7 @@
  *   stacked with them), their weighted sum and the residual add, in one kernel:
  *   x[r] += sum_{k < S} w[k] * (W[ids[k]*rows + r, :] . h_k),  h_k[i] = silu(gu[2k, i]) * gu[2k+1, i]
  *   (gu [2S, I]: the gate/up GEMV output of the S slots). The block stages all h_k in shared
- *   memory (S*I <= 8192). A warp owns two rows; lanes take the (row, slot, uint4) items in turn,
+ *   memory (S*I <= 8192, I % 4 == 0). A warp owns two rows; lanes take the (row, slot, uint4) items in turn,
  *   four items' loads issued together. grid ceil(rows/16), block 256.
  *
  * embed_row: out[t, c] = W[row[t], c] dequantized (embedding gather; the token ids are read from
@@ -99,31 +99,54 @@ __device__ __forceinline__ void quant_trip_dot(const uint4 (&q4)[2][NR], long lo
 #pragma unroll
     for (int u = 0; u < 2; u++) {
         int i = i0 + 32 * u;
-        if (i >= n4) break;
-        int c0 = i * EPV, gi = c0 / group;
-        float xr[EPV];
-        float sx = x_chunk<EPV>(xs, c0, xr);
+        if (i < n4) { /* a guard, not a break: the loop must unroll so q4 stays in registers */
+            int c0 = i * EPV, gi = c0 / group;
+            float xr[EPV];
+            float sx = x_chunk<EPV>(xs, c0, xr);
 #pragma unroll
-        for (int r = 0; r < NR; r++) {
-            if (r < nvalid) {
-                long long g = (R0 + r) * ng + gi;
-                acc[r] += quant_chunk<BITS>(q4[u][r], xr, sx, load_elem(sc, g, ty), load_elem(bi, g, ty));
+            for (int r = 0; r < NR; r++) {
+                if (r < nvalid) {
+                    long long g = (R0 + r) * ng + gi;
+                    acc[r] += quant_chunk<BITS>(q4[u][r], xr, sx, load_elem(sc, g, ty), load_elem(bi, g, ty));
+                }
             }
         }
     }
 }
 
-/* Stages x (optionally RMS-normalized, same arithmetic as rms_norm) in shared memory. */
+/* Stages x (optionally RMS-normalized: x * normw * rsqrt(mean(x^2) + eps)) in shared memory, in
+   passes of 4 float4 per thread (few registers: the caller holds its first weight loads). */
 __device__ __forceinline__ const float* gemv_stage_x(const float* xg, int cols, const float* normw, float eps,
                                                      float* xsh, float* red) {
-    if (normw) {
-        float ss = 0.f;
-        for (int i = threadIdx.x; i < cols; i += blockDim.x) ss += xg[i] * xg[i];
-        ss = block_sum(ss, red);
-        float rr = 1.f / sqrtf(ss / (float)cols + eps);
-        for (int i = threadIdx.x; i < cols; i += blockDim.x) xsh[i] = xg[i] * (rr * normw[i]);
-    } else {
-        for (int i = threadIdx.x; i < cols; i += blockDim.x) xsh[i] = xg[i];
+    int n4 = cols >> 2;
+    const float4* x4 = (const float4*)xg;
+    const float4* w4 = (const float4*)normw;
+    float4* s4 = (float4*)xsh;
+    float ss = 0.f;
+    for (int base = threadIdx.x; base < n4; base += 4 * blockDim.x) {
+        float4 v[4], nw[4];
+#pragma unroll
+        for (int j = 0; j < 4; j++) {
+            int i = base + j * blockDim.x;
+            if (i < n4) {
+                v[j] = x4[i];
+                nw[j] = w4[i];
+            }
+        }
+#pragma unroll
+        for (int j = 0; j < 4; j++) {
+            int i = base + j * blockDim.x;
+            if (i < n4) {
+                ss += v[j].x * v[j].x + v[j].y * v[j].y + v[j].z * v[j].z + v[j].w * v[j].w;
+                s4[i] = make_float4(v[j].x * nw[j].x, v[j].y * nw[j].y, v[j].z * nw[j].z, v[j].w * nw[j].w);
+            }
+        }
+    }
+    ss = block_sum(ss, red); /* synchronizes the block */
+    float rr = 1.f / sqrtf(ss / (float)cols + eps);
+    for (int i = threadIdx.x; i < n4; i += blockDim.x) { /* the thread's own entries */
+        float4 o = s4[i];
+        s4[i] = make_float4(o.x * rr, o.y * rr, o.z * rr, o.w * rr);
     }
     __syncthreads();
     return xsh;
@@ -143,7 +166,7 @@ __device__ __forceinline__ void gemv_body(const void* w, const void* sc, const v
 #pragma unroll
     for (int r = 0; r < GEMV_NR; r++) acc[r] = 0.f;
     if (BITS == 0) {
-        const float* xs = cols <= GEMV_XMAX ? gemv_stage_x(xg, cols, normw, eps, xsh, red) : xg;
+        const float* xs = normw ? gemv_stage_x(xg, cols, normw, eps, xsh, red) : xg;
         if (nvalid == 0) return;
         for (int r = 0; r < nvalid; r++)
             for (int c = lane; c < cols; c += 32) acc[r] += load_elem(w, (R0 + r) * cols + c, ty) * xs[c];
@@ -152,7 +175,7 @@ __device__ __forceinline__ void gemv_body(const void* w, const void* sc, const v
         int n4 = (int)(wpr / 4), ng = cols / group;
         uint4 q4[2][GEMV_NR];
         quant_trip_load<GEMV_NR>((const u32*)w, R0, nvalid, wpr, n4, lane, q4);
-        const float* xs = cols <= GEMV_XMAX ? gemv_stage_x(xg, cols, normw, eps, xsh, red) : xg;
+        const float* xs = normw ? gemv_stage_x(xg, cols, normw, eps, xsh, red) : xg;
         if (nvalid == 0) return;
         quant_trip_dot<BITS == 0 ? 4 : BITS, GEMV_NR>(q4, R0, nvalid, n4, lane, sc, bi, ng, group, ty, xs, acc);
         for (int i0 = lane + 64; i0 < n4; i0 += 64) {
@@ -170,10 +193,10 @@ __device__ __forceinline__ void gemv_body(const void* w, const void* sc, const v
     }
 }
 
-extern "C" __global__ void linear_gemv(const void* w, const void* sc, const void* bi, int bits, int group, int ty,
+extern "C" __global__ void __launch_bounds__(256, 3) linear_gemv(const void* w, const void* sc, const void* bi, int bits, int group, int ty,
                                        const float* x, long long xstride, float* y, int rows, int cols,
                                        const int* ids, int accumulate, const float* normw, float eps) {
-    __shared__ __align__(16) float xsh[GEMV_XMAX];
+    extern __shared__ __align__(16) float xsh[]; /* cols floats (dynamic, 0 when cols > GEMV_XMAX) */
     __shared__ float red[33];
     int warp = threadIdx.x >> 5;
     int z = blockIdx.y;
@@ -233,10 +256,28 @@ __device__ __forceinline__ void moe_down_rows(const u32* w, const void* sc, cons
 extern "C" __global__ void moe_down(const void* w, const void* sc, const void* bi, int bits, int group, int ty,
                                     const float* gu, const int* ids, const float* wts, int S, float* x, int rows,
                                     int cols) {
-    __shared__ __align__(16) float hs[GEMV_XMAX];
-    for (int i = threadIdx.x; i < S * cols; i += blockDim.x) {
-        int k = i / cols, j = i - k * cols;
-        hs[i] = silu_f(gu[(long long)(2 * k) * cols + j]) * gu[(long long)(2 * k + 1) * cols + j];
+    extern __shared__ __align__(16) float hs[]; /* S*cols floats (dynamic) */
+    {
+        /* float4 items, all of a thread's loads (at most 8 gate + 8 up) issued in one round */
+        int c4 = cols >> 2, n4 = S * c4;
+        const float4* g4 = (const float4*)gu;
+        float4 gv[8], uv[8];
+#pragma unroll
+        for (int j = 0; j < 8; j++) {
+            int i = threadIdx.x + j * blockDim.x;
+            if (i < n4) {
+                int k = i / c4, c = i - k * c4;
+                gv[j] = g4[(2 * k) * c4 + c];
+                uv[j] = g4[(2 * k + 1) * c4 + c];
+            }
+        }
+#pragma unroll
+        for (int j = 0; j < 8; j++) {
+            int i = threadIdx.x + j * blockDim.x;
+            if (i < n4)
+                ((float4*)hs)[i] = make_float4(silu_f(gv[j].x) * uv[j].x, silu_f(gv[j].y) * uv[j].y,
+                                               silu_f(gv[j].z) * uv[j].z, silu_f(gv[j].w) * uv[j].w);
+        }
     }
     __syncthreads();
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;

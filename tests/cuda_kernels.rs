@@ -69,8 +69,14 @@ fn gemv_quantized_and_dense_match_cpu() {
         let mut want_n = vec![0f32; l.rows];
         l.matvec(&xn, &mut want_n);
         let nwb = g.upload_f32(&nw).unwrap();
-        g.gemv_norm(&gl, xb.ptr, (nwb.ptr, 1e-6), yb.ptr, 1, 0, false).unwrap();
-        check(&format!("gemv + rms_norm {name}"), &yb.read_f32(0, l.rows).unwrap(), &want_n, TOL);
+        let fused = g.gemv_norm(&gl, xb.ptr, (nwb.ptr, 1e-6), yb.ptr, 1, 0, false);
+        if l.cols.is_multiple_of(4) {
+            fused.unwrap();
+            check(&format!("gemv + rms_norm {name}"), &yb.read_f32(0, l.rows).unwrap(), &want_n, TOL);
+        } else {
+            let e = fused.expect_err("gemv_norm of a width that is not a multiple of 4 must be refused");
+            assert!(e.to_string().contains("multiple of 4"), "{e}");
+        }
         // Embedding row gather (dequantization) of a middle row.
         let row = l.rows / 2;
         let mut wrow = vec![0f32; l.cols];

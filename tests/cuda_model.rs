@@ -131,6 +131,13 @@ fn cuda_synthetic_tiny_matches_cpu() {
     eager.prefill = None;
     let got_eager = eager.forward_all(&prompt).unwrap();
     assert!(got_eager == got, "graph replay and eager launches differ");
+    // The unfused decode kernels (separate norms, MoE tail) agree with the fused ones.
+    let mut unfused = CudaSession::new(gm.clone());
+    unfused.fused = false;
+    unfused.prefill = None;
+    let got_unfused = unfused.forward_all(&prompt).unwrap();
+    let worst = compare_rows("synthetic:tiny cuda unfused vs cpu", &got_unfused, &want, 1024);
+    eprintln!("synthetic:tiny: cuda unfused decode kernels vs cpu worst |Δ|/range = {worst:.2e}");
     // Batched fp32 prefill in chunks of 128 (the KV cache grows between chunks).
     let mut batched = CudaSession::new(gm);
     batched.prefill = Some(Precision::F32);

@@ -299,6 +299,18 @@ impl Gpu {
 
     /// Launches `name` on the default stream with a 1-D block.
     pub fn launch(&self, name: &str, grid: (u32, u32, u32), block: u32, args: &[Arg]) -> Result<()> {
+        self.launch_shared(name, grid, block, 0, args)
+    }
+
+    /// [`Gpu::launch`] with `shared` bytes of dynamic shared memory (at most 48 KB).
+    pub fn launch_shared(
+        &self,
+        name: &str,
+        grid: (u32, u32, u32),
+        block: u32,
+        shared: u32,
+        args: &[Arg],
+    ) -> Result<()> {
         let f = *self.funcs.get(name).ok_or_else(|| anyhow!("unknown kernel {name}"))?;
         let mut slots: Vec<u64> = args
             .iter()
@@ -315,7 +327,7 @@ impl Gpu {
         let t0 = if prof { Some(self.event_now()?) } else { None };
         // SAFETY: the argument list matches the kernel's signature (checked by the typed wrappers
         // in ops.rs); every pointer is a live device allocation of the size the kernel reads.
-        unsafe { drv::launch_kernel(f, grid, (block, 1, 1), 0, self.stream, &mut ptrs) }
+        unsafe { drv::launch_kernel(f, grid, (block, 1, 1), shared, self.stream, &mut ptrs) }
             .map_err(|e| anyhow!("launching {name}: {e:?}"))?;
         if let Some(t0) = t0 {
             let t1 = self.event_now()?;

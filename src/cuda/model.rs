@@ -48,12 +48,17 @@ impl Proj {
     }
 
     /// One token: `out = W · rms_norm(x)` (the norm `(weights, eps)` fused into the GEMV).
+    /// (norm weights 0: x is used as it is).
     fn run(&self, g: &Gpu, x: u64, norm: (u64, f32), out: u64) -> Result<()> {
+        let one = |w: &GpuLinear, out: u64| match norm.0 {
+            0 => g.gemv(w, x, 0, out, 1, 0, false),
+            _ => g.gemv_norm(w, x, norm, out, 1, 0, false),
+        };
         match &self.fused {
-            Some(f) => g.gemv_norm(f, x, norm, out, 1, 0, false),
+            Some(f) => one(f, out),
             None => {
                 for (p, o) in self.parts.iter().zip(&self.offs) {
-                    g.gemv_norm(p, x, norm, out + 4 * *o as u64, 1, 0, false)?;
+                    one(p, out + 4 * *o as u64)?;
                 }
                 Ok(())
             }
@@ -188,7 +193,8 @@ impl CudaModel {
                     let shared_slot = same(&m.shared.gate, &e0.gate)
                         && same(&m.shared.up, &e0.up)
                         && same(&m.shared.down, &e0.down)
-                        && (cfg.num_experts_per_tok + 1) * e0.down.cols <= super::ops::GEMV_XMAX;
+                        && (cfg.num_experts_per_tok + 1) * e0.down.cols <= super::ops::GEMV_XMAX
+                        && e0.down.cols.is_multiple_of(4);
                     if shared_slot {
                         gate_up.extend([&m.shared.gate, &m.shared.up]);
                         downs.push(&m.shared.down);
@@ -356,6 +362,9 @@ pub struct CudaSession {
     /// Most tokens per batched prefill chunk (`LILY_PREFILL_CHUNK`, default 2048).
     pub chunk: usize,
     pre: Option<PScratch>,
+    /// Decode with the RMSNorm fused into the GEMVs and the fused MoE tail (default;
+    /// `LILY_CUDA_FUSED=0` runs the separate kernels, for comparison).
+    pub fused: bool,
 }
 
 impl CudaSession {
@@ -379,6 +388,7 @@ impl CudaSession {
             prefill,
             chunk,
             pre: None,
+            fused: std::env::var("LILY_CUDA_FUSED").map_or(true, |v| v != "0"),
         }
     }
 
@@ -558,12 +568,18 @@ impl CudaSession {
         let (tok_p, pos_p) = (s.io.ptr, s.io.at(4));
         g.embed(&m.embed, tok_p, s.x.ptr, 1)?;
         for (layer, st) in m.layers.iter().zip(self.states.iter()) {
-            let (in_norm, post_norm) = ((layer.input_norm.ptr, eps), (layer.post_norm.ptr, eps));
+            // Fused: each GEMV normalizes its input; else rms_norm into xn and plain GEMVs.
+            let (xin, in_norm, post_norm) = if self.fused {
+                (s.x.ptr, (layer.input_norm.ptr, eps), (layer.post_norm.ptr, eps))
+            } else {
+                g.rms_norm(s.x.ptr, layer.input_norm.ptr, s.xn.ptr, 1, h, eps)?;
+                (s.xn.ptr, (0, 0.0), (0, 0.0))
+            };
             match (&layer.mixer, st) {
                 (GMixer::Gdn { proj, conv, dt_bias, neg_a, norm, out }, GState::Gdn { conv: cs, rec }) => {
                     let (cd, vd, hv) = (c.gdn_conv_dim(), c.gdn_value_dim(), c.linear_num_value_heads);
                     let at = |off: usize| s.proj.at(4 * off);
-                    proj.run(g, s.x.ptr, in_norm, s.proj.ptr)?;
+                    proj.run(g, xin, in_norm, s.proj.ptr)?;
                     g.conv_step(s.proj.ptr, cs.ptr, conv.ptr, s.conv.ptr, cd, c.linear_conv_kernel_dim)?;
                     g.gdn_step(&GdnStep {
                         y: s.conv.ptr,
@@ -586,7 +602,7 @@ impl CudaSession {
                 (GMixer::Attn { proj, o, q_norm, k_norm }, GState::Attn { k: kc, v: vc, .. }) => {
                     let (nh, hkv, hd) = (c.num_attention_heads, c.num_key_value_heads, c.head_dim);
                     let (qd, kvd) = (c.q_proj_dim(), c.kv_dim());
-                    proj.run(g, s.x.ptr, in_norm, s.proj.ptr)?;
+                    proj.run(g, xin, in_norm, s.proj.ptr)?;
                     g.attn_prep(
                         &AttnPrep {
                             qg: s.proj.ptr,
@@ -626,7 +642,7 @@ impl CudaSession {
                 _ => bail!("layer state does not match the layer kind"),
             }
             match &layer.ffn {
-                GFfn::Moe { router, experts, .. } if experts.shared_slot => {
+                GFfn::Moe { router, experts, .. } if experts.shared_slot && self.fused => {
                     // Router (+ shared gate logit), top-k with the shared expert as slot K, one
                     // gate/up GEMV over the K + 1 experts, one fused down + combine + residual.
                     let (e, k) = (c.num_experts, c.num_experts_per_tok);
@@ -650,14 +666,20 @@ impl CudaSession {
                     g.moe_combine(s.x.ptr, s.ye.ptr, s.wts.ptr, s.ys.ptr, s.router.at(4 * e), h, k)?;
                 }
                 GFfn::Dense(mm) => {
-                    mm.gate_up.run(g, s.x.ptr, post_norm, s.sgu.ptr)?;
+                    if !self.fused {
+                        g.rms_norm(s.x.ptr, layer.post_norm.ptr, s.xn.ptr, 1, h, eps)?;
+                    }
+                    mm.gate_up.run(g, if self.fused { s.x.ptr } else { s.xn.ptr }, post_norm, s.sgu.ptr)?;
                     g.silu_mul_pairs(s.sgu.ptr, s.sh.ptr, mm.inter, 1)?;
                     g.gemv(&mm.down, s.sh.ptr, 0, s.x.ptr, 1, 0, true)?;
                 }
             }
         }
-        if logits {
+        if logits && self.fused {
             g.gemv_norm(&m.lm_head, s.x.ptr, (m.norm.ptr, eps), s.logits.ptr, 1, 0, false)?;
+        } else if logits {
+            g.rms_norm(s.x.ptr, m.norm.ptr, s.xn.ptr, 1, h, eps)?;
+            g.gemv(&m.lm_head, s.xn.ptr, 0, s.logits.ptr, 1, 0, false)?;
         }
         Ok(())
     }

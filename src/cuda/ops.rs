@@ -199,8 +199,8 @@ impl Gpu {
         ids: u64,
         accumulate: bool,
     ) -> Result<()> {
-        if w.cols > GEMV_XMAX {
-            bail!("gemv_norm: {} columns exceed {GEMV_XMAX}", w.cols);
+        if w.cols > GEMV_XMAX || !w.cols.is_multiple_of(4) {
+            bail!("gemv_norm: {} columns (at most {GEMV_XMAX}, a multiple of 4)", w.cols);
         }
         self.gemv_raw(w, x, 0, y, slots, ids, accumulate, (normw, eps))
     }
@@ -229,7 +229,8 @@ impl Gpu {
             Arg::P(normw),
             Arg::F(eps),
         ]);
-        self.launch("linear_gemv", (blocks(w.rows, 32), slots as u32, 1), 256, &a)
+        let shared = if normw != 0 { 4 * w.cols as u32 } else { 0 };
+        self.launch_shared("linear_gemv", (blocks(w.rows, 32), slots as u32, 1), 256, shared, &a)
     }
 
     /// Decode MoE down projections + weighted sum + residual: `x[r] += Σ_{k<s} wts[k] ·
@@ -237,7 +238,7 @@ impl Gpu {
     /// GEMV output); `s · cols` at most 8192.
     #[allow(clippy::too_many_arguments)]
     pub fn moe_down(&self, w: &GpuLinear, gu: u64, ids: u64, wts: u64, s: usize, x: u64) -> Result<()> {
-        if s * w.cols > GEMV_XMAX {
+        if s * w.cols > GEMV_XMAX || !w.cols.is_multiple_of(4) {
             bail!("moe_down: {s} slots of {} columns exceed {GEMV_XMAX}", w.cols);
         }
         let mut a = w.wargs().to_vec();
@@ -250,7 +251,7 @@ impl Gpu {
             Arg::I(w.rows as i32),
             Arg::I(w.cols as i32),
         ]);
-        self.launch("moe_down", (blocks(w.rows, 16), 1, 1), 256, &a)
+        self.launch_shared("moe_down", (blocks(w.rows, 16), 1, 1), 256, 4 * (s * w.cols) as u32, &a)
     }
 
     /// `y[m, :] (+)= W x[m, :]` for m rows (matrix 0 of the stack); row strides ldx, ldy (f32
