@@ -280,7 +280,7 @@ extern "C" __global__ void __launch_bounds__(256, 2) gemm_bf16(const void* w, co
 }
 
 /* BM 128: long plain products (each dequantized weight tile serves twice the rows). */
-extern "C" __global__ void __launch_bounds__(256, 2) gemm_bf16_m128(const void* w, const void* sc, const void* bi,
+extern "C" __global__ void __launch_bounds__(256, 1) gemm_bf16_m128(const void* w, const void* sc, const void* bi,
                                                                     int bits, int group, int ty, const float* x,
                                                                     long long ldx, const int* gather, int gdiv,
                                                                     float* y, long long ldy, int M, int N, int K,
