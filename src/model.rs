@@ -108,6 +108,43 @@ impl Model {
         total
     }
 
+    /// Multiply-adds of the weight products for one token (the experts a token uses: top-k and
+    /// the shared one; the lm_head; not the embedding gather).
+    pub fn macs_per_token(&self) -> usize {
+        let k = self.cfg.num_experts_per_tok;
+        let n = |l: &crate::linear::Linear| l.rows * l.cols;
+        let mlp = |m: &Mlp| n(&m.gate) + n(&m.up) + n(&m.down);
+        let mut total = n(&self.lm_head);
+        for l in &self.layers {
+            total += match &l.mixer {
+                Mixer::Gdn(g) => n(&g.in_qkv) + n(&g.in_z) + n(&g.in_b) + n(&g.in_a) + n(&g.out),
+                Mixer::Attention(a) => n(&a.q) + n(&a.k) + n(&a.v) + n(&a.o),
+            };
+            total += match &l.ffn {
+                Ffn::Dense(m) => mlp(m),
+                Ffn::Moe(m) => n(&m.router) + n(&m.shared_gate) + mlp(&m.shared) + k * mlp(&m.experts[0]),
+            };
+        }
+        total
+    }
+
+    /// Bytes of recurrent state a decode step reads and writes (GDN state and conv window, fp32)
+    /// and bytes of KV cache it reads per cached position (fp32 K and V of every attention layer).
+    pub fn state_bytes(&self) -> (usize, usize) {
+        let c = &self.cfg;
+        let (mut rec, mut kv) = (0, 0);
+        for l in &self.layers {
+            match &l.mixer {
+                Mixer::Gdn(_) => {
+                    let s = c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim;
+                    rec += 2 * 4 * (s + (c.linear_conv_kernel_dim - 1) * c.gdn_conv_dim());
+                }
+                Mixer::Attention(_) => kv += 2 * 4 * c.kv_dim(),
+            }
+        }
+        (rec, kv)
+    }
+
     /// Runs `tokens` through the model at positions `state.pos..`, updating the caches.
     /// Returns logits `[1, V]` (Last) or `[T, V]` (All).
     pub fn forward(&self, tokens: &[u32], state: &mut State, which: Logits) -> Vec<f32> {

@@ -1,7 +1,13 @@
-//! `lily bench`: the measurement contract of docs/performance.md on the CPU backend.
+//! `lily bench`: the measurement contract of docs/performance.md on either backend.
 //! Batch 1, greedy; prompt token i = ((i·2654435761) mod 2³²) mod vocab; one exact-shape warm-up,
 //! then one measured run: prefill tok/s = prompt tokens / time to the first token; decode tok/s
 //! over exactly `--decode-steps` steps after the first token.
+//!
+//! Roofline shares: decode moves, per token, the weights it uses (top-k experts), the recurrent
+//! state (read and written) and the KV cache at that context; its share is those bytes times
+//! tok/s over the measured memory bandwidth (`--membw`; on the GPU always measured). Prefill's
+//! share is its FLOPs (2 per weight multiply-add, plus causal attention at half the context on
+//! average) times tok/s over the dense bf16 tensor-core peak (from the GPU's specification).
 
 use super::ModelArgs;
 use anyhow::{bail, Result};
@@ -80,7 +86,22 @@ pub fn run(a: BenchArgs) -> Result<()> {
     let loaded = a.model.load()?;
     let model = &loaded.model;
     let bytes = model.decode_bytes_per_token();
-    let membw = if a.membw { Some(memory_bandwidth()) } else { None };
+    let gpu = lily::cuda::uploaded(&loaded.model).map(|m| m.gpu.clone());
+    let membw = match &gpu {
+        Some(g) => Some(g.measure_bandwidth()?),
+        None if a.membw => Some(memory_bandwidth()),
+        None => None,
+    };
+    let peak = gpu.as_ref().and_then(|g| g.bf16_peak_tflops());
+    let (rec_bytes, kv_per_pos) = model.state_bytes();
+    let c = &model.cfg;
+    let n_attn = model.layers.iter().filter(|l| matches!(l.mixer, lily::model::Mixer::Attention(_))).count();
+    // Bytes a decode step moves at context `ctx`, and FLOPs per prompt token of a `ctx` prefill.
+    let step_bytes = |ctx: usize| bytes + rec_bytes + kv_per_pos * ctx;
+    let prefill_flops = |ctx: usize| {
+        2.0 * model.macs_per_token() as f64
+            + (n_attn * 2 * 2 * c.num_attention_heads * c.head_dim) as f64 * ctx as f64 / 2.0
+    };
     let mut rows = Vec::new();
     for &ctx in &contexts {
         let prompt = prompt_tokens(ctx, model.cfg.vocab_size);
@@ -94,14 +115,25 @@ pub fn run(a: BenchArgs) -> Result<()> {
     }
     let threads = rayon::current_num_threads();
     let device = a.model.device_name(&loaded);
+    let pct = |v: f64, of: Option<f64>| of.map(|o| format!("{:.1}%", 100.0 * v / o)).unwrap_or("-".into());
     if a.json {
         let r: Vec<_> = rows
             .iter()
-            .map(|r| serde_json::json!({"context": r.context, "prefill_tokens_per_s": r.prefill_tps, "decode_tokens_per_s": r.decode_tps, "decode_weight_gb_per_s": r.decode_tps * bytes as f64 / 1e9}))
+            .map(|r| {
+                let gbs = r.decode_tps * step_bytes(r.context) as f64 / 1e9;
+                let tflops = r.prefill_tps * prefill_flops(r.context) / 1e12;
+                serde_json::json!({"context": r.context, "prefill_tokens_per_s": r.prefill_tps, "decode_tokens_per_s": r.decode_tps,
+                    "decode_weight_gb_per_s": r.decode_tps * bytes as f64 / 1e9, "decode_bytes_per_token": step_bytes(r.context),
+                    "decode_gb_per_s": gbs, "decode_share_of_bandwidth": membw.map(|b| gbs / b),
+                    "prefill_tflops": tflops, "prefill_share_of_bf16_peak": peak.map(|p| tflops / p)})
+            })
             .collect();
         println!(
             "{}",
-            serde_json::json!({"device": device, "threads": threads, "commit": env!("LILY_GIT_COMMIT"), "model": a.model.model, "layers": model.cfg.num_hidden_layers, "decode_weight_bytes_per_token": bytes, "memory_read_gb_per_s": membw, "rows": r})
+            serde_json::json!({"device": device, "threads": threads, "commit": env!("LILY_GIT_COMMIT"), "model": a.model.model,
+                "layers": model.cfg.num_hidden_layers, "decode_weight_bytes_per_token": bytes, "memory_read_gb_per_s": membw,
+                "driver": gpu.as_ref().map(|g| g.driver_version()), "kernel_flags": gpu.as_ref().map(|g| g.kernel_flags()),
+                "bf16_peak_tflops": peak, "rows": r})
         );
         return Ok(());
     }
@@ -111,19 +143,30 @@ pub fn run(a: BenchArgs) -> Result<()> {
         a.model.model,
         model.cfg.num_hidden_layers,
         bytes as f64 / 1e6,
-        membw.map(|b| format!(" | memory read {b:.1} GB/s")).unwrap_or_default()
+        membw.map(|b| format!(" | memory bandwidth {b:.0} GB/s (measured)")).unwrap_or_default()
     );
-    println!("| context | prefill tok/s | decode tok/s | decode weight GB/s | share of memory bw |");
-    println!("|---:|---:|---:|---:|---:|");
-    for r in &rows {
-        let gbs = r.decode_tps * bytes as f64 / 1e9;
+    if let Some(g) = &gpu {
         println!(
-            "| {} | {:.1} | {:.2} | {:.2} | {} |",
+            "driver CUDA {} | kernels: {} | bf16 tensor-core peak {}",
+            g.driver_version(),
+            g.kernel_flags(),
+            peak.map(|p| format!("{p:.0} TFLOP/s (specification)")).unwrap_or("unknown".into())
+        );
+    }
+    println!("| context | prefill tok/s | prefill TFLOP/s | share of bf16 peak | decode tok/s | decode GB/s | share of memory bw |");
+    println!("|---:|---:|---:|---:|---:|---:|---:|");
+    for r in &rows {
+        let gbs = r.decode_tps * step_bytes(r.context) as f64 / 1e9;
+        let tflops = r.prefill_tps * prefill_flops(r.context) / 1e12;
+        println!(
+            "| {} | {:.1} | {:.1} | {} | {:.2} | {:.1} | {} |",
             r.context,
             r.prefill_tps,
+            tflops,
+            pct(tflops, peak),
             r.decode_tps,
             gbs,
-            membw.map(|b| format!("{:.0}%", 100.0 * gbs / b)).unwrap_or("-".into())
+            pct(gbs, membw)
         );
     }
     Ok(())

@@ -358,6 +358,51 @@ impl Gpu {
         Ok(e)
     }
 
+    /// The driver's CUDA version, e.g. "13.0".
+    pub fn driver_version(&self) -> String {
+        let mut v: std::ffi::c_int = 0;
+        // SAFETY: a plain query writing one int.
+        match unsafe { sys::cuDriverGetVersion(&mut v) }.result() {
+            Ok(()) => format!("{}.{}", v / 1000, (v % 1000) / 10),
+            Err(_) => "unknown".into(),
+        }
+    }
+
+    /// Measured device-memory bandwidth in GB/s: the best of 5 device-to-device copies of
+    /// 1 GiB (bytes read plus bytes written over the time between two events).
+    pub fn measure_bandwidth(self: &Arc<Self>) -> Result<f64> {
+        let n = 1usize << 30;
+        let (a, b) = (self.zeros(n)?, self.zeros(n)?);
+        let mut best = 0f64;
+        for _ in 0..5 {
+            let t0 = self.event_now()?;
+            // SAFETY: both buffers are live allocations of n bytes on this context.
+            unsafe { drv::memcpy_dtod_async(b.ptr, a.ptr, n, self.stream) }.map_err(|e| anyhow!("{e:?}"))?;
+            let t1 = self.event_now()?;
+            // SAFETY: both events were recorded on this stream and are destroyed once.
+            let ms = unsafe {
+                drv::event::synchronize(t1).map_err(|e| anyhow!("{e:?}"))?;
+                let ms = drv::event::elapsed(t0, t1).map_err(|e| anyhow!("{e:?}"))?;
+                let _ = drv::event::destroy(t0);
+                let _ = drv::event::destroy(t1);
+                ms
+            };
+            best = best.max(2.0 * n as f64 / (ms as f64 / 1e3) / 1e9);
+        }
+        Ok(best)
+    }
+
+    /// Dense bf16 tensor-core peak in TFLOP/s from the published specification, where known
+    /// (H100/H200 SXM: 989), for the roofline share of prefill.
+    pub fn bf16_peak_tflops(&self) -> Option<f64> {
+        (self.name.contains("H100") || self.name.contains("H200")).then_some(989.0)
+    }
+
+    /// The NVRTC options the kernels were compiled with.
+    pub fn kernel_flags(&self) -> String {
+        format!("nvrtc --gpu-architecture={} --std=c++17", self.arch)
+    }
+
     /// Records the launches `f` makes on the stream into a graph (nothing runs yet).
     pub fn capture(&self, f: impl FnOnce() -> Result<()>) -> Result<Graph> {
         self.bind()?;
