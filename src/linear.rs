@@ -164,6 +164,7 @@ impl Linear {
                     }
                 });
             }
+            Weight::Quant { .. } if kernels::q8::cpu_int8() => self.matmul_q8(x, y),
             Weight::Quant { bits, group, packed, scales, biases, sty } => {
                 let gsum: Vec<f32> = x.chunks_exact(*group).map(|g| g.iter().sum()).collect();
                 let pb = self.cols * *bits as usize / 8;
@@ -195,6 +196,9 @@ impl Linear {
         assert_eq!(y.len(), t * self.rows, "matmul output shape");
         if t == 1 {
             return self.matvec(x, y);
+        }
+        if matches!(self.w, Weight::Quant { .. }) && kernels::q8::cpu_int8() {
+            return self.matmul_q8(x, y);
         }
         if t <= 4 {
             if let Weight::Quant { bits, group, packed, scales, biases, sty } = &self.w {
@@ -284,6 +288,41 @@ impl Linear {
                 // disjoint from every other block; y outlives the parallel loop.
                 unsafe { kernels::gemm_tile_strided(&tile, nr, self.cols, x, t, out.get().add(r0), self.rows) };
             });
+        });
+    }
+}
+
+impl Linear {
+    /// `y[t, r] = Σ_c W[r,c] x[t,c]` with int8 activations (opt-in, see `kernels::q8`): x is
+    /// quantized once, then each packed row is decoded once per block of up to 4 tokens.
+    fn matmul_q8(&self, x: &[f32], y: &mut [f32]) {
+        let Weight::Quant { bits, group, packed, scales, biases, sty } = &self.w else {
+            unreachable!("matmul_q8 on a dense weight")
+        };
+        let (bits, group, sty) = (*bits, *group, *sty);
+        let t = x.len() / self.cols;
+        let xa = kernels::q8::Q8Act::new(x, self.cols, group, bits);
+        let pb = self.cols * bits as usize / 8;
+        let sb = self.cols / group * sty.size();
+        let (p, s, b) = (packed.as_slice(), scales.as_slice(), biases.as_slice());
+        let out = SyncPtr(y.as_mut_ptr());
+        let rows = self.rows;
+        let chunk = (rows / (4 * rayon::current_num_threads()).max(1)).clamp(16, 1024);
+        (0..rows.div_ceil(chunk)).into_par_iter().for_each(|ci| {
+            let mut o = [0f32; 4];
+            for r in ci * chunk..((ci + 1) * chunk).min(rows) {
+                let (pr, sr, br) = (&p[r * pb..(r + 1) * pb], &s[r * sb..(r + 1) * sb], &b[r * sb..(r + 1) * sb]);
+                let mut t0 = 0;
+                while t0 < t {
+                    let nt = (t - t0).min(4);
+                    kernels::q8::dot_q8(bits, group, sty, pr, sr, br, &xa, t0, &mut o[..nt]);
+                    for (j, v) in o[..nt].iter().enumerate() {
+                        // SAFETY: row r of each token is written by this chunk only; y outlives the loop.
+                        unsafe { *out.get().add((t0 + j) * rows + r) = *v };
+                    }
+                    t0 += nt;
+                }
+            }
         });
     }
 }
