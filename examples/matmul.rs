@@ -1,5 +1,6 @@
 //! Micro-benchmark of the CPU quantized matrix-matrix product (prefill), best-of-N GFLOP/s.
-//! `cargo run --release --example matmul [threads] [tokens]`.
+//! `cargo run --release --example matmul [threads] [tokens]`;
+//! `LILY_CPU_INT8=1` times the int8-activation kernels.
 
 use lily::linear::{FloatType, Linear};
 use lily::safetensors::Bytes;
@@ -32,8 +33,9 @@ fn main() {
         lin.matmul(&x, &mut y);
         best = best.min(s.elapsed().as_secs_f64());
     }
+    let mode = if lily::kernels::q8::cpu_int8() { "int8 x" } else { "fp32 x" };
     println!(
-        "threads {threads}: matmul {rows}x{cols} 4-bit × {t} tokens: best {:.2} ms, {:.1} GFLOP/s",
+        "threads {threads}, {mode}: matmul {rows}x{cols} 4-bit × {t} tokens: best {:.2} ms, {:.1} GFLOP/s",
         best * 1e3,
         2.0 * (rows * cols * t) as f64 / best / 1e9
     );

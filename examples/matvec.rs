@@ -1,5 +1,6 @@
 //! Micro-benchmark of the CPU quantized matrix-vector product (lm_head-sized, 4-bit, group 64):
-//! best-of-N GB/s of weights streamed. `cargo run --release --example matvec [threads]`.
+//! best-of-N GB/s of weights streamed. `cargo run --release --example matvec [threads] [rows]`;
+//! `LILY_CPU_INT8=1` times the int8-activation kernels.
 
 use lily::linear::{FloatType, Linear};
 use lily::safetensors::Bytes;
@@ -32,8 +33,9 @@ fn main() {
         lin.matvec(&x, &mut y);
         best = best.min(t.elapsed().as_secs_f64());
     }
+    let mode = if lily::kernels::q8::cpu_int8() { "int8 x" } else { "fp32 x" };
     println!(
-        "threads {threads}: matvec {rows}x{cols} 4-bit: best {:.2} ms, {:.2} GB/s",
+        "threads {threads}, {mode}: matvec {rows}x{cols} 4-bit: best {:.2} ms, {:.2} GB/s",
         best * 1e3,
         lin.nbytes() as f64 / best / 1e9
     );

@@ -7,6 +7,8 @@
 use crate::linear::FloatType;
 use crate::safetensors::{bf16_to_f32, f16_to_f32};
 
+pub mod q8;
+
 /// Whether the AVX2+FMA kernels run (they do where the CPU has them, unless LILY_NO_SIMD is set).
 #[inline]
 pub fn has_avx2() -> bool {
@@ -288,7 +290,7 @@ mod avx2 {
 
     #[inline]
     #[target_feature(enable = "avx2,fma")]
-    unsafe fn hsum(v: __m256) -> f32 {
+    pub(super) unsafe fn hsum(v: __m256) -> f32 {
         let lo = _mm256_castps256_ps128(v);
         let hi = _mm256_extractf128_ps(v, 1);
         let s = _mm_add_ps(lo, hi);
@@ -634,7 +636,7 @@ mod avx2 {
 
     /// Eight bf16 values from `p[i..]` as f32, zero past `n`.
     #[inline(always)]
-    unsafe fn load_bf16x8(p: *const u16, i: usize, n: usize) -> __m256 {
+    pub(super) unsafe fn load_bf16x8(p: *const u16, i: usize, n: usize) -> __m256 {
         if i + 8 <= n {
             let h = _mm_loadu_si128(p.add(i) as *const __m128i);
             _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16))
@@ -649,7 +651,7 @@ mod avx2 {
 
     /// Eight f32 values from `p[i..]`, zero past `n`.
     #[inline(always)]
-    unsafe fn load_f32x8(p: *const f32, i: usize, n: usize) -> __m256 {
+    pub(super) unsafe fn load_f32x8(p: *const f32, i: usize, n: usize) -> __m256 {
         if i + 8 <= n {
             _mm256_loadu_ps(p.add(i))
         } else {

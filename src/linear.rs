@@ -174,6 +174,7 @@ impl Linear {
                     }
                 });
             }
+            Weight::Quant { .. } if kernels::q8::cpu_int8() => self.matmul_q8(x, y),
             Weight::Quant { bits, group, packed, scales, biases, sty } => {
                 let gsum: Vec<f32> = x.chunks_exact(*group).map(|g| g.iter().sum()).collect();
                 let pb = self.cols * *bits as usize / 8;
@@ -205,6 +206,9 @@ impl Linear {
         assert_eq!(y.len(), t * self.rows, "matmul output shape");
         if t == 1 {
             return self.matvec(x, y);
+        }
+        if matches!(self.w, Weight::Quant { .. }) && kernels::q8::cpu_int8() {
+            return self.matmul_q8(x, y);
         }
         if t <= 4 {
             if let Weight::Quant { bits, group, packed, scales, biases, sty } = &self.w {
@@ -294,6 +298,81 @@ impl Linear {
                 // disjoint from every other block; y outlives the parallel loop.
                 unsafe { kernels::gemm_tile_strided(&tile, nr, self.cols, x, t, out.get().add(r0), self.rows) };
             });
+        });
+    }
+}
+
+/// Several int8-activation products in one parallel loop (opt-in path, see `kernels::q8`): job
+/// `i` computes `W_i · x_i` for the already quantized `x_i: [t_i, cols_i]` and returns
+/// `[t_i, rows_i]`. One loop over all the rows of all the matrices gives the threads fewer, larger
+/// tasks than one loop per matrix (decode runs ~30 small products per layer).
+pub fn matmul_q8_batch(jobs: &[(&Linear, &kernels::q8::Q8Act)]) -> Vec<Vec<f32>> {
+    let mut outs: Vec<Vec<f32>> = jobs.iter().map(|(w, xa)| vec![0f32; xa.t * w.rows]).collect();
+    let total: usize = jobs.iter().map(|(w, xa)| w.rows * xa.t).sum();
+    let chunk = (total / (8 * rayon::current_num_threads()).max(1)).clamp(16, 1024);
+    let mut tasks = Vec::new(); // (job, first row, end row)
+    for (j, (w, xa)) in jobs.iter().enumerate() {
+        assert!(w.fits_q8(xa), "matmul_q8_batch: job {j}'s input is not laid out for its weight");
+        let rc = (chunk / xa.t).max(4);
+        tasks.extend((0..w.rows).step_by(rc).map(|r0| (j, r0, (r0 + rc).min(w.rows))));
+    }
+    let ptrs: Vec<SyncPtr> = outs.iter_mut().map(|o| SyncPtr(o.as_mut_ptr())).collect();
+    tasks.par_iter().for_each(|&(j, r0, r1)| {
+        let (w, xa) = jobs[j];
+        // SAFETY: tasks of one job cover disjoint row ranges; outs outlives the loop.
+        unsafe { w.rows_q8(xa, r0, r1, ptrs[j]) };
+    });
+    outs
+}
+
+impl Linear {
+    /// Quantizes `x: [t, cols]` for this (quantized) matrix's bits and group.
+    pub fn quantize_input(&self, x: &[f32]) -> kernels::q8::Q8Act {
+        let Weight::Quant { bits, group, .. } = &self.w else { panic!("quantize_input on a dense weight") };
+        kernels::q8::Q8Act::new(x, self.cols, *group, *bits)
+    }
+
+    /// Whether `xa` is laid out for this matrix.
+    pub fn fits_q8(&self, xa: &kernels::q8::Q8Act) -> bool {
+        matches!(&self.w, Weight::Quant { bits, group, .. } if *bits == xa.bits && *group == xa.group && self.cols == xa.cols)
+    }
+
+    /// Rows `[r0, r1)` of `W · x` for every token of `xa`, into `out: [t, rows]`.
+    ///
+    /// # Safety
+    /// `out` must be valid for writes at `tt·rows + r` for every token `tt` and `r` in `[r0, r1)`.
+    unsafe fn rows_q8(&self, xa: &kernels::q8::Q8Act, r0: usize, r1: usize, out: SyncPtr) {
+        let Weight::Quant { bits, group, packed, scales, biases, sty } = &self.w else { unreachable!() };
+        let (bits, group, sty) = (*bits, *group, *sty);
+        let pb = self.cols * bits as usize / 8;
+        let sb = self.cols / group * sty.size();
+        let (p, s, b) = (packed.as_slice(), scales.as_slice(), biases.as_slice());
+        let mut o = [0f32; 4];
+        for r in r0..r1 {
+            let (pr, sr, br) = (&p[r * pb..(r + 1) * pb], &s[r * sb..(r + 1) * sb], &b[r * sb..(r + 1) * sb]);
+            let mut t0 = 0;
+            while t0 < xa.t {
+                let nt = (xa.t - t0).min(4);
+                kernels::q8::dot_q8(bits, group, sty, pr, sr, br, xa, t0, &mut o[..nt]);
+                for (j, v) in o[..nt].iter().enumerate() {
+                    // SAFETY: per the contract.
+                    unsafe { *out.get().add((t0 + j) * self.rows + r) = *v };
+                }
+                t0 += nt;
+            }
+        }
+    }
+
+    /// `y[t, r] = Σ_c W[r,c] x[t,c]` with int8 activations (opt-in, see `kernels::q8`): x is
+    /// quantized once, then each packed row is decoded once per block of up to 4 tokens.
+    fn matmul_q8(&self, x: &[f32], y: &mut [f32]) {
+        let xa = self.quantize_input(x);
+        let out = SyncPtr(y.as_mut_ptr());
+        let rows = self.rows;
+        let chunk = (rows / (4 * rayon::current_num_threads()).max(1)).clamp(16, 1024);
+        (0..rows.div_ceil(chunk)).into_par_iter().for_each(|ci| {
+            // SAFETY: chunks cover disjoint row ranges; y outlives the loop.
+            unsafe { self.rows_q8(&xa, ci * chunk, ((ci + 1) * chunk).min(rows), out) };
         });
     }
 }

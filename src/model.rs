@@ -12,7 +12,8 @@ use crate::cpu::gdn::{self, GdnDims, GdnInputs};
 use crate::cpu::moe::route;
 use crate::cpu::norm::{gated_rms_norm, l2_norm, rms_norm, rms_norm_into, sigmoid, silu, softplus};
 use crate::cpu::rope::Rope;
-use crate::linear::Linear;
+use crate::kernels::q8::{cpu_int8, Q8Act};
+use crate::linear::{matmul_q8_batch, Linear, Weight};
 use crate::state::{LayerState, State};
 use rayon::prelude::*;
 
@@ -193,10 +194,8 @@ impl Model {
             dv: cfg.linear_value_head_dim,
         };
         let (kd, vd, cd) = (cfg.gdn_key_dim(), cfg.gdn_value_dim(), cfg.gdn_conv_dim());
-        let qkv = proj(&g.in_qkv, xn, t); // [T, C] = [q | k | v]
-        let z = proj(&g.in_z, xn, t); // [T, H_v·D_v]
-        let b = proj(&g.in_b, xn, t); // [T, H_v]
-        let a = proj(&g.in_a, xn, t); // [T, H_v]
+        let [qkv, z, b, a] = proj4([&g.in_qkv, &g.in_z, &g.in_b, &g.in_a], xn, t);
+        // qkv: [T, C] = [q | k | v]; z: [T, H_v·D_v]; b, a: [T, H_v]
         let mut conv = vec![0f32; t * cd]; // [T, C]
         causal_conv1d_silu(&qkv, t, cd, &g.conv, cfg.linear_conv_kernel_dim, conv_state, &mut conv);
         let mut q = Vec::with_capacity(t * kd); // [T, H_k, D_k]
@@ -230,9 +229,10 @@ impl Model {
     ) -> Vec<f32> {
         let cfg = &self.cfg;
         let (nh, hd, kvd) = (cfg.num_attention_heads, cfg.head_dim, cfg.kv_dim());
-        let qg = proj(&a.q, xn, t); // [T, H_q, 2, D] when gated (per head [q | gate])
-        let mut k = proj(&a.k, xn, t); // [T, H_kv, D]
-        let v = proj(&a.v, xn, t); // [T, H_kv, D]
+        let mut p = proj_many(&[&a.q, &a.k, &a.v], xn, t).into_iter();
+        let qg = p.next().unwrap(); // [T, H_q, 2, D] when gated (per head [q | gate])
+        let mut k = p.next().unwrap(); // [T, H_kv, D]
+        let v = p.next().unwrap(); // [T, H_kv, D]
         let per_head = if cfg.attn_output_gate { 2 * hd } else { hd };
         let mut q = vec![0f32; t * nh * hd]; // [T, H_q, D]
         let mut gate = vec![0f32; if cfg.attn_output_gate { t * nh * hd } else { 0 }]; // [T, H_q, D]
@@ -265,6 +265,9 @@ impl Model {
     fn moe(&self, m: &Moe, xn: &[f32], t: usize) -> Vec<f32> {
         let cfg = &self.cfg;
         let hid = cfg.hidden_size;
+        if t == 1 && cpu_int8() && all_quant(m) {
+            return self.moe_decode_q8(m, xn);
+        }
         let logits = proj(&m.router, xn, t); // [T, E]
                                              // Group tokens by expert: (token, weight) lists.
         let mut per_expert: Vec<Vec<(usize, f32)>> = vec![Vec::new(); cfg.num_experts];
@@ -304,6 +307,73 @@ impl Model {
     }
 }
 
+impl Model {
+    /// One decode token through the MoE with int8 activations (opt-in): the gate and up products
+    /// of the shared and all routed experts run as one parallel loop, then all the down products
+    /// as another, instead of three loops per expert.
+    fn moe_decode_q8(&self, m: &Moe, xn: &[f32]) -> Vec<f32> {
+        let cfg = &self.cfg;
+        let [logits, sg] = proj_many(&[&m.router, &m.shared_gate], xn, 1).try_into().unwrap();
+        let mut chosen = route(&logits, cfg.num_experts_per_tok, cfg.norm_topk_prob);
+        chosen.sort_by_key(|(e, _)| *e); // the same summation order as the batched path
+        let mlps: Vec<&Mlp> = std::iter::once(&m.shared).chain(chosen.iter().map(|(e, _)| &m.experts[*e])).collect();
+        let gu: Vec<&Linear> = mlps.iter().flat_map(|p| [&p.gate, &p.up]).collect();
+        let gu = proj_many(&gu, xn, 1);
+        let acts: Vec<Q8Act> = mlps
+            .iter()
+            .zip(gu.chunks_exact(2))
+            .map(|(p, pair)| {
+                let h: Vec<f32> = pair[0].iter().zip(&pair[1]).map(|(g, u)| silu(*g) * u).collect();
+                p.down.quantize_input(&h)
+            })
+            .collect();
+        let jobs: Vec<(&Linear, &Q8Act)> = mlps.iter().map(|p| &p.down).zip(&acts).collect();
+        let outs = matmul_q8_batch(&jobs);
+        let s = sigmoid(sg[0]);
+        let mut y: Vec<f32> = outs[0].iter().map(|v| v * s).collect();
+        for ((_, w), out) in chosen.iter().zip(&outs[1..]) {
+            y.iter_mut().zip(out).for_each(|(yv, ov)| *yv += w * ov);
+        }
+        y
+    }
+}
+
+fn is_quant(w: &Linear) -> bool {
+    matches!(w.w, Weight::Quant { .. })
+}
+
+fn all_quant(m: &Moe) -> bool {
+    let mlp_q = |p: &Mlp| is_quant(&p.gate) && is_quant(&p.up) && is_quant(&p.down);
+    is_quant(&m.router) && is_quant(&m.shared_gate) && mlp_q(&m.shared) && m.experts.iter().all(mlp_q)
+}
+
+/// Products of several matrices with one input `x: [T, cols]`. With int8 activations (opt-in) and
+/// quantized weights, x is quantized once per weight format and all the products share one
+/// parallel loop; otherwise each is its own `proj`.
+fn proj_many(ws: &[&Linear], x: &[f32], t: usize) -> Vec<Vec<f32>> {
+    if !(cpu_int8() && ws.iter().all(|w| is_quant(w))) {
+        return ws.iter().map(|w| proj(w, x, t)).collect();
+    }
+    let mut acts: Vec<Q8Act> = Vec::new();
+    let mut which = Vec::with_capacity(ws.len());
+    for w in ws {
+        let i = match acts.iter().position(|a| w.fits_q8(a)) {
+            Some(i) => i,
+            None => {
+                acts.push(w.quantize_input(x));
+                acts.len() - 1
+            }
+        };
+        which.push(i);
+    }
+    let jobs: Vec<(&Linear, &Q8Act)> = ws.iter().zip(&which).map(|(w, &i)| (*w, &acts[i])).collect();
+    matmul_q8_batch(&jobs)
+}
+
+fn proj4(ws: [&Linear; 4], x: &[f32], t: usize) -> [Vec<f32>; 4] {
+    proj_many(&ws, x, t).try_into().unwrap()
+}
+
 fn add(x: &mut [f32], y: &[f32]) {
     x.iter_mut().zip(y).for_each(|(a, b)| *a += b);
 }
@@ -317,8 +387,7 @@ fn proj(w: &Linear, x: &[f32], t: usize) -> Vec<f32> {
 
 /// SwiGLU: `down(silu(gate x) ⊙ up x)`.
 fn mlp(m: &Mlp, x: &[f32], t: usize) -> Vec<f32> {
-    let mut g = proj(&m.gate, x, t);
-    let u = proj(&m.up, x, t);
+    let [mut g, u] = proj_many(&[&m.gate, &m.up], x, t).try_into().unwrap();
     g.iter_mut().zip(&u).for_each(|(a, b)| *a = silu(*a) * b);
     proj(&m.down, &g, t)
 }

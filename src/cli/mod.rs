@@ -32,6 +32,10 @@ pub struct ModelArgs {
     /// CPU threads (default: all cores).
     #[arg(long)]
     pub threads: Option<usize>,
+    /// CPU: quantize activations to int8 for the products with 4/8-bit weights (faster, less
+    /// exact; also `LILY_CPU_INT8=1`). Default: fp32 activations.
+    #[arg(long)]
+    pub cpu_int8: bool,
 }
 
 impl ModelArgs {
@@ -41,6 +45,9 @@ impl ModelArgs {
                 bail!("--threads must be at least 1");
             }
             rayon::ThreadPoolBuilder::new().num_threads(n).build_global().ok();
+        }
+        if self.cpu_int8 {
+            lily::kernels::q8::set_cpu_int8(true);
         }
         // Check for a GPU before loading (a clear error instead of a long load, then a failure).
         let use_cuda = match self.device {
@@ -71,7 +78,11 @@ impl ModelArgs {
     pub fn device_name(&self, loaded: &Loaded) -> String {
         match lily::cuda::uploaded(&loaded.model) {
             Some(m) => format!("cuda ({})", m.gpu.name),
-            None => format!("cpu ({} threads)", rayon::current_num_threads()),
+            None => format!(
+                "cpu ({} threads{})",
+                rayon::current_num_threads(),
+                if lily::kernels::q8::cpu_int8() { ", int8 activations" } else { "" }
+            ),
         }
     }
 }
