@@ -363,3 +363,40 @@ fn fused_decode_moe_matches_cpu() {
         check(&format!("fused decode MoE q{bits} E{e} K{k} H{h} I{inter}"), &xb.read_f32(0, h).unwrap(), &want, TOL);
     }
 }
+
+/// GQA-packed split-K decode over a long cache (5000 positions: many 16-row tiles per split),
+/// against the CPU attention.
+#[test]
+fn attention_decode_long_context_matches_cpu() {
+    let Some(g) = gpu() else { return };
+    let mut r = rng(9);
+    let (nh, hkv, hd, len, splits) = (16usize, 2usize, 256usize, 5000usize, 64usize);
+    let kvd = hkv * hd;
+    let q = uniform(&mut r, nh * hd, 1.0);
+    let qg = uniform(&mut r, nh * 2 * hd, 2.0);
+    let kc = uniform(&mut r, len * kvd, 1.0);
+    let vc = uniform(&mut r, len * kvd, 1.0);
+    let mut want = vec![0f32; nh * hd];
+    attention(
+        &AttnDims { heads: nh, kv_heads: hkv, head_dim: hd },
+        &q,
+        1,
+        len - 1,
+        &kc,
+        &vc,
+        1.0 / (hd as f32).sqrt(),
+        &mut want,
+    );
+    for h in 0..nh {
+        for d in 0..hd {
+            want[h * hd + d] *= sigmoid(qg[h * 2 * hd + hd + d]);
+        }
+    }
+    let gb = |v: &[f32]| g.upload_f32(v).unwrap();
+    let (qb, qgb, kb, vb) = (gb(&q), gb(&qg), gb(&kc), gb(&vc));
+    let out = gb(&vec![f32::NAN; nh * hd]);
+    let part = gb(&vec![f32::NAN; nh * splits * (hd + 2)]);
+    let posb = g.upload_bytes(&((len - 1) as i32).to_le_bytes()).unwrap();
+    g.attn_decode(qb.ptr, kb.ptr, vb.ptr, qgb.ptr, out.ptr, (nh, hkv, hd), posb.ptr, true, part.ptr, splits).unwrap();
+    check("attention decode, 5000 cached positions", &out.read_f32(0, nh * hd).unwrap(), &want, TOL);
+}

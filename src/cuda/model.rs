@@ -242,8 +242,9 @@ impl CudaModel {
     }
 }
 
-/// Blocks per query head in attention decode (16 heads × 32 = 512 blocks on 132 SMs).
-const ATTN_SPLITS: usize = 32;
+/// Blocks per KV head in attention decode (2 KV heads × 64 = 128 blocks on 132 SMs; each reads
+/// its share of the cache once for all the query heads of its group).
+const ATTN_SPLITS: usize = 64;
 
 type Registry = Vec<(Weak<Model>, Arc<CudaModel>)>;
 static UPLOADED: Mutex<Registry> = Mutex::new(Vec::new());
