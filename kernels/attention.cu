@@ -15,7 +15,8 @@
  *
  * attn_decode (flash-decoding, GQA-packed): grid (H_kv, S splits), block 32*G threads (G = H_q/H_kv
  *   <= 32 query heads share a KV head; warp w is query head kvh*G + w). Split s covers positions
- *   [s*ceil(L/S), (s+1)*ceil(L/S)) ∩ [0, L). The block stages tiles of 16 cached K and V rows
+ *   [s*c, (s+1)*c) ∩ [0, L), c = max(64, ceil(L/S) rounded up to 16): short contexts use few
+ *   splits and the others exit at once. The block stages tiles of 16 cached K and V rows
  *   ([16][D] fp32 each, float4 loads) in shared memory once for all G warps, so each KV row
  *   leaves memory once per step instead of G times. Each warp computes its 16 dot products (lane
  *   holds dims lane + 32i, D/32 <= 8), 16 independent warp sums, then one online-softmax update
@@ -73,7 +74,8 @@ extern "C" __global__ void attn_decode(const float* q, const float* kc, const fl
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     int h = kvh * G + warp;
     int nd = hd / 32, nd4 = hd / 4;
-    int chunk = (L + S - 1) / S;
+    /* at least 64 positions per split: short contexts use few splits, the rest exit empty */
+    int chunk = max(64, (((L + S - 1) / S + 15) / 16) * 16);
     int lo = split * chunk, hi = min(L, lo + chunk);
     float qv[8], o[8];
 #pragma unroll

@@ -242,9 +242,9 @@ impl CudaModel {
     }
 }
 
-/// Blocks per KV head in attention decode (2 KV heads × 64 = 128 blocks on 132 SMs; each reads
-/// its share of the cache once for all the query heads of its group).
-const ATTN_SPLITS: usize = 64;
+/// Most blocks per KV head in attention decode (each reads its share of the cache once for all
+/// the query heads of its group; at least 64 positions per block, so 128K context uses all 256).
+const ATTN_SPLITS: usize = 256;
 
 type Registry = Vec<(Weak<Model>, Arc<CudaModel>)>;
 static UPLOADED: Mutex<Registry> = Mutex::new(Vec::new());
