@@ -13,15 +13,14 @@
  *   Block H_q + h: k head h likewise with k_norm, written to kc[pos, h]; v copied to vc[pos, h].
  *   Caches kc, vc: [capacity, H_kv, D] fp32.
  *
- * attn_decode (flash-decoding, GQA-packed): grid (H_kv, S splits), block 32*G threads (G = H_q/H_kv
- *   <= 32 query heads share a KV head; warp w is query head kvh*G + w). Split s covers positions
- *   [s*c, (s+1)*c) ∩ [0, L), c = max(64, ceil(L/S) rounded up to 16): short contexts use few
- *   splits and the others exit at once. The block stages tiles of 16 cached K and V rows
- *   ([16][D] fp32 each, float4 loads) in shared memory once for all G warps, so each KV row
- *   leaves memory once per step instead of G times. Each warp computes its 16 dot products (lane
- *   holds dims lane + 32i, D/32 <= 8), 16 independent warp sums, then one online-softmax update
- *   (running max m, sum l, output o) per tile, and writes its split's partial unnormalized:
- *   part[h, s] = (m, l, o) [D + 2]; an empty split writes m = -inf. scale = 1/sqrt(D).
+ * attn_decode (flash-decoding): grid (H_q, S splits), block 256 = 8 warps. Query head h reads KV
+ *   head h / (H_q/H_kv); split s covers positions [s*ceil(L/S), (s+1)*ceil(L/S)) ∩ [0, L).
+ *   Warp w takes positions 8w..8w+7, then +64, ... < L (8 independent warp dot products per round;
+ *   each lane holds D/32 <= 8 dims, coalesced), then one online-softmax update per round (running
+ *   max m, sum l, output o).
+ *   The 8 warps' (m, l, o) are merged through shared memory and written unnormalized as the split's
+ *   partial: part[h, s] = (M_s, l_s = sum_w l_w e^{m_w - M_s}, o_s = sum_w o_w e^{m_w - M_s}) [D + 2].
+ *   An empty split writes M = -inf. scale = 1/sqrt(D).
  *
  * attn_combine: grid (H_q), block 256: M = max_s M_s; out[h] = sum_s o_s e^{M_s - M} / sum_s l_s e^{M_s - M},
  *   times sigmoid(gate[h]) when gated.
@@ -67,75 +66,82 @@ extern "C" __global__ void attn_prep(const float* qg, const float* kin, const fl
 
 extern "C" __global__ void attn_decode(const float* q, const float* kc, const float* vc, float* part, int nh,
                                        int hkv, int hd, const int* pos_p, float scale) {
-    __shared__ __align__(16) float Ks[16 * 256], Vs[16 * 256];
+    __shared__ float so[8][256];
+    __shared__ float sm[8], sl[8];
     int L = pos_p[0] + 1;
-    int kvh = blockIdx.x, split = blockIdx.y, S = gridDim.y;
-    int G = nh / hkv;
+    int h = blockIdx.x, split = blockIdx.y, S = gridDim.y;
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    int h = kvh * G + warp;
-    int nd = hd / 32, nd4 = hd / 4;
-    /* at least 64 positions per split: short contexts use few splits, the rest exit empty */
-    int chunk = max(64, (((L + S - 1) / S + 15) / 16) * 16);
+    int kvh = h / (nh / hkv);
+    int nd = hd / 32;
+    int chunk = (L + S - 1) / S;
     int lo = split * chunk, hi = min(L, lo + chunk);
     float qv[8], o[8];
-#pragma unroll
     for (int i = 0; i < 8; i++) {
         qv[i] = i < nd ? q[(long long)h * hd + lane + 32 * i] : 0.f;
         o[i] = 0.f;
     }
     float m = -INFINITY, l = 0.f;
-    for (int p0 = lo; p0 < hi; p0 += 16) {
-        __syncthreads();
-        for (int e = threadIdx.x; e < 16 * nd4; e += blockDim.x) {
-            int j = e / nd4, d = (e - j * nd4) * 4, p = p0 + j;
-            float4 kv = make_float4(0.f, 0.f, 0.f, 0.f), vv = kv;
-            if (p < hi) {
-                long long off = ((long long)p * hkv + kvh) * hd + d;
-                kv = *(const float4*)(kc + off);
-                vv = *(const float4*)(vc + off);
-            }
-            *(float4*)(Ks + j * hd + d) = kv;
-            *(float4*)(Vs + j * hd + d) = vv;
-        }
-        __syncthreads();
-        float dd[16];
+    /* Each warp takes 8 consecutive positions per round (rounds stride 64): the 8 dot products
+       load independently, then one online-softmax update covers all 8. */
+    for (int p0 = lo + warp * 8; p0 < hi; p0 += 64) {
+        float d[8];
 #pragma unroll
-        for (int j = 0; j < 16; j++) {
+        for (int u = 0; u < 8; u++) {
+            int p = p0 + u;
             float acc = 0.f;
+            if (p < hi) {
+                const float* kp = kc + ((long long)p * hkv + kvh) * hd;
 #pragma unroll
-            for (int i = 0; i < 8; i++)
-                if (i < nd) acc += qv[i] * Ks[j * hd + lane + 32 * i];
-            dd[j] = acc;
+                for (int i = 0; i < 8; i++)
+                    if (i < nd) acc += qv[i] * kp[lane + 32 * i];
+            }
+            d[u] = acc;
         }
         float mx = m;
 #pragma unroll
-        for (int j = 0; j < 16; j++) {
-            float sc = warp_sum(dd[j]) * scale;
-            dd[j] = p0 + j < hi ? sc : -INFINITY;
-            mx = fmaxf(mx, dd[j]);
+        for (int u = 0; u < 8; u++) {
+            d[u] = p0 + u < hi ? warp_sum(d[u]) * scale : -INFINITY;
+            mx = fmaxf(mx, d[u]);
         }
         float corr = expf(m - mx);
         l *= corr;
 #pragma unroll
         for (int i = 0; i < 8; i++) o[i] *= corr;
 #pragma unroll
-        for (int j = 0; j < 16; j++) {
-            if (p0 + j < hi) {
-                float pw = expf(dd[j] - mx);
+        for (int u = 0; u < 8; u++) {
+            int p = p0 + u;
+            if (p < hi) {
+                float pw = expf(d[u] - mx);
                 l += pw;
+                const float* vp = vc + ((long long)p * hkv + kvh) * hd;
 #pragma unroll
                 for (int i = 0; i < 8; i++)
-                    if (i < nd) o[i] += pw * Vs[j * hd + lane + 32 * i];
+                    if (i < nd) o[i] += pw * vp[lane + 32 * i];
             }
         }
         m = mx;
     }
-    float* pp = part + ((long long)h * S + split) * (hd + 2);
+    for (int i = 0; i < nd; i++) so[warp][lane + 32 * i] = o[i];
     if (lane == 0) {
-        pp[0] = m;
-        pp[1] = l;
+        sm[warp] = m;
+        sl[warp] = l;
     }
-    for (int i = 0; i < nd; i++) pp[2 + lane + 32 * i] = o[i];
+    __syncthreads();
+    float M = -INFINITY;
+    for (int w = 0; w < 8; w++) M = fmaxf(M, sm[w]);
+    float* pp = part + ((long long)h * S + split) * (hd + 2);
+    if (threadIdx.x == 0) {
+        float Lsum = 0.f;
+        for (int w = 0; w < 8; w++) Lsum += sm[w] == -INFINITY ? 0.f : sl[w] * expf(sm[w] - M);
+        pp[0] = M;
+        pp[1] = Lsum;
+    }
+    for (int d = threadIdx.x; d < hd; d += blockDim.x) {
+        float acc = 0.f;
+        for (int w = 0; w < 8; w++)
+            if (sm[w] != -INFINITY) acc += so[w][d] * expf(sm[w] - M);
+        pp[2 + d] = acc;
+    }
 }
 
 extern "C" __global__ void attn_combine(const float* part, const float* qg, float* out, int nh, int hd, int S,

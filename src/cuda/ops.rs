@@ -623,7 +623,7 @@ impl Gpu {
     }
 
     /// Attention of one query token over `pos + 1` cached positions (`pos`: device i32), split
-    /// over `splits` blocks per KV head (its G query heads packed in one block) (partials in `part`: `[H_q, splits, D + 2]` f32), merged by
+    /// over `splits` blocks per head (partials in `part`: `[H_q, splits, D + 2]` f32), merged by
     /// a second kernel that also applies the output gate.
     pub fn attn_decode(
         &self,
@@ -639,15 +639,11 @@ impl Gpu {
         splits: usize,
     ) -> Result<()> {
         let (nh, hkv, hd) = dims;
-        let g = nh / hkv.max(1);
-        if hkv == 0 || !nh.is_multiple_of(hkv) || g > 32 {
-            bail!("attention decode: {nh} query heads over {hkv} KV heads unsupported (at most 32 per KV head)");
-        }
         let scale = 1.0 / (hd as f32).sqrt();
         self.launch(
             "attn_decode",
-            (hkv as u32, splits as u32, 1),
-            32 * g as u32,
+            (nh as u32, splits as u32, 1),
+            256,
             &[
                 Arg::P(q),
                 Arg::P(kc),
