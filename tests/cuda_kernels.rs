@@ -400,3 +400,76 @@ fn attention_decode_long_context_matches_cpu() {
     g.attn_decode(qb.ptr, kb.ptr, vb.ptr, qgb.ptr, out.ptr, (nh, hkv, hd), posb.ptr, true, part.ptr, splits).unwrap();
     check("attention decode, 5000 cached positions", &out.read_f32(0, nh * hd).unwrap(), &want, TOL);
 }
+
+/// 512 GDN decode steps (conv_step + gdn_step, state carried on the GPU) against the CPU steps on
+/// the same inputs: fp32 state drift stays at rounding level over a long generation (the
+/// recurrence contracts by g < 1 each step, so differences do not compound without bound).
+#[test]
+fn gdn_decode_512_steps_do_not_drift() {
+    let Some(g) = gpu() else { return };
+    let mut r = rng(10);
+    let (hk, hv, dk, dv, steps) = (16usize, 32usize, 128usize, 128usize, 512usize);
+    let d = GdnDims { hk, hv, dk, dv };
+    let (kd, vd) = (hk * dk, hv * dv);
+    let c = 2 * kd + vd;
+    let k = 4;
+    let conv_w = uniform(&mut r, c * k, 0.5);
+    let dt_bias = uniform(&mut r, hv, 1.0);
+    let neg_a: Vec<f32> = uniform(&mut r, hv, 1.0).iter().map(|v| -(v.abs() + 0.1)).collect();
+    let normw = uniform(&mut r, dv, 1.5);
+    let qkv = uniform(&mut r, steps * c, 2.0);
+    let z = uniform(&mut r, steps * vd, 2.0);
+    let b = uniform(&mut r, steps * hv, 3.0);
+    // Gates near 1 (slow decay): the regime where state errors would accumulate longest.
+    let a: Vec<f32> = uniform(&mut r, steps * hv, 1.0).iter().map(|v| v - 4.0).collect();
+    let gb = |v: &[f32]| g.upload_f32(v).unwrap();
+    let (cw, dtb, nab, nwb) = (gb(&conv_w), gb(&dt_bias), gb(&neg_a), gb(&normw));
+    let (xq, zb, bb, ab) = (gb(&qkv), gb(&z), gb(&b), gb(&a));
+    let mut cstate = vec![0f32; (k - 1) * c];
+    let mut rec = vec![0f32; hv * dk * dv];
+    let (gcs, grec) = (gb(&cstate), gb(&rec));
+    let (yb, ob) = (gb(&vec![f32::NAN; c]), gb(&vec![f32::NAN; vd]));
+    let mut worst_out = 0f64;
+    for step in 0..steps {
+        let mut conv = vec![0f32; c];
+        causal_conv1d_silu(&qkv[step * c..(step + 1) * c], 1, c, &conv_w, k, &mut cstate, &mut conv);
+        let mut q = conv[..kd].to_vec();
+        let mut kk = conv[kd..2 * kd].to_vec();
+        let v = conv[2 * kd..].to_vec();
+        l2_norm(&mut q, dk, 1e-6, 1.0 / (dk as f32).sqrt());
+        l2_norm(&mut kk, dk, 1e-6, 1.0);
+        let bs = &b[step * hv..(step + 1) * hv];
+        let as_ = &a[step * hv..(step + 1) * hv];
+        let beta: Vec<f32> = bs.iter().map(|&x| sigmoid(x)).collect();
+        let gd: Vec<f32> = as_.iter().enumerate().map(|(i, &x)| neg_a[i] * softplus(x + dt_bias[i])).collect();
+        let mut o = vec![0f32; vd];
+        gdn::recurrent(d, 1, &GdnInputs { q: &q, k: &kk, v: &v, g: &gd, beta: &beta }, &mut rec, &mut o);
+        gated_rms_norm(&mut o, &z[step * vd..(step + 1) * vd], &normw, 1e-6);
+        g.conv_step(xq.at(4 * step * c), gcs.ptr, cw.ptr, yb.ptr, c, k).unwrap();
+        g.gdn_step(&lily::cuda::GdnStep {
+            y: yb.ptr,
+            b: bb.at(4 * step * hv),
+            a: ab.at(4 * step * hv),
+            z: zb.at(4 * step * vd),
+            dt_bias: dtb.ptr,
+            neg_a: nab.ptr,
+            norm: nwb.ptr,
+            state: grec.ptr,
+            out: ob.ptr,
+            hk,
+            hv,
+            dk,
+            dv,
+            eps: 1e-6,
+        })
+        .unwrap();
+        let e = nmse(&ob.read_f32(0, vd).unwrap(), &o);
+        worst_out = worst_out.max(e);
+        if [0, 63, 127, 255, steps - 1].contains(&step) {
+            let es = nmse(&grec.read_f32(0, rec.len()).unwrap(), &rec);
+            eprintln!("gdn 512-step drift: step {step}: out nmse {e:.2e}, state nmse {es:.2e}");
+            assert!(es <= 1e-8, "state drifted at step {step}: nmse {es:.3e}");
+        }
+    }
+    assert!(worst_out <= 1e-8, "output drifted: worst nmse {worst_out:.3e}");
+}
