@@ -12,7 +12,7 @@
 //! attention over the cache, and routed experts grouped by expert on the GPU (`moe_align` →
 //! grouped GEMM → combine).
 
-use super::ops::{AttnPrep, GdnPrefill, GdnStep, GpuLinear, Precision};
+use super::ops::{AttnPrep, GdnStep, GpuLinear, Precision};
 use super::{gpu, DevBuf, Gpu, Graph};
 use crate::config::ModelConfig;
 use crate::generate::{Session, Snapshot};
@@ -21,6 +21,9 @@ use crate::progress::Progress;
 use crate::state::{LayerState, State};
 use anyhow::{bail, Context, Result};
 use std::sync::{Arc, Mutex, Weak};
+
+mod prefill;
+use prefill::PScratch;
 
 /// Several projections of the same input written side by side into one output buffer: one
 /// GEMV over the concatenated rows when the formats allow, else one GEMV per part.
@@ -294,43 +297,6 @@ struct Scratch {
     io: DevBuf,
 }
 
-/// Activation scratch of a batched prefill for up to `cap` rows (fp32 unless noted).
-struct PScratch {
-    cap: usize,
-    /// Logit rows it can hold (0 when the chunk only needs the last row's).
-    logit_rows: usize,
-    toks: DevBuf, // i32 [cap]
-    pos: DevBuf,  // i32 [1]: position of the chunk's first token
-    x: DevBuf,
-    xn: DevBuf,
-    proj: DevBuf,
-    conv: DevBuf,
-    qn: DevBuf,
-    kn: DevBuf,
-    kq: DevBuf,
-    o: DevBuf,
-    q: DevBuf,
-    router: DevBuf,
-    ids: DevBuf, // i32 [cap·K]
-    wts: DevBuf,
-    perm: DevBuf,  // i32 [cap·K]
-    inv: DevBuf,   // i32 [cap·K]
-    tiles: DevBuf, // i32, see moe_align
-    egu: DevBuf,
-    eh: DevBuf,
-    ye: DevBuf,
-    sgu: DevBuf,
-    sh: DevBuf,
-    ys: DevBuf,
-    logits: DevBuf,
-}
-
-/// Most tiles a grouped product over `pairs` routed rows can have (tiles of `bm` rows never
-/// span two experts).
-fn max_tiles(pairs: usize, bm: usize, experts: usize) -> usize {
-    pairs.div_ceil(bm) + experts + 1
-}
-
 enum GState {
     Gdn {
         conv: DevBuf,
@@ -390,56 +356,6 @@ impl CudaSession {
             pre: None,
             fused: std::env::var("LILY_CUDA_FUSED").map_or(true, |v| v != "0"),
         }
-    }
-
-    /// Prefill scratch for chunks of `cap` rows (with `logit_rows` rows of logits), kept
-    /// between calls while large enough.
-    fn ensure_pre(&mut self, cap: usize, logit_rows: usize) -> Result<()> {
-        if let Some(p) = &self.pre {
-            if p.cap >= cap && p.logit_rows >= logit_rows {
-                return Ok(());
-            }
-        }
-        self.pre = None;
-        let g = &self.model.gpu;
-        let c = &self.model.cfg;
-        let f = |n: usize| g.alloc(4 * n.max(1));
-        let (h, k, e) = (c.hidden_size, c.num_experts_per_tok.max(1), c.num_experts.max(1));
-        let inter = c.moe_intermediate_size.max(c.intermediate_size);
-        let sinter = c.shared_expert_intermediate_size.max(c.intermediate_size);
-        let proj =
-            (c.gdn_conv_dim() + c.gdn_value_dim() + 2 * c.linear_num_value_heads).max(c.q_proj_dim() + 2 * c.kv_dim());
-        let pairs = cap * k;
-        let qk = c.linear_num_key_heads * c.linear_key_head_dim;
-        self.pre = Some(PScratch {
-            cap,
-            logit_rows,
-            toks: f(cap)?,
-            pos: f(1)?,
-            x: f(cap * h)?,
-            xn: f(cap * h)?,
-            proj: f(cap * proj)?,
-            conv: f(cap * c.gdn_conv_dim())?,
-            qn: f(cap * qk)?,
-            kn: f(cap * qk)?,
-            kq: f(cap * c.linear_num_key_heads)?,
-            o: f(cap * c.gdn_value_dim().max(c.num_attention_heads * c.head_dim))?,
-            q: f(cap * c.num_attention_heads * c.head_dim)?,
-            router: f(cap * (e + 1))?,
-            ids: f(pairs)?,
-            wts: f(pairs)?,
-            perm: f(pairs)?,
-            inv: f(pairs)?,
-            tiles: f(1 + 3 * max_tiles(pairs, Precision::F32.bm().min(Precision::Bf16.bm()), e))?,
-            egu: f(pairs * 2 * inter)?,
-            eh: f(pairs * inter)?,
-            ye: f(pairs * h)?,
-            sgu: f(cap * 2 * sinter)?,
-            sh: f(cap * sinter)?,
-            ys: f(cap * h)?,
-            logits: f(logit_rows * c.vocab_size)?,
-        });
-        Ok(())
     }
 
     fn ensure(&mut self) -> Result<()> {
@@ -726,172 +642,6 @@ impl CudaSession {
         let s = self.scratch.as_ref().unwrap();
         self.model.gpu.argmax(s.logits.ptr, self.model.cfg.vocab_size, s.amax.ptr)?;
         Ok(s.amax.read_i32(1)?[0] as u32)
-    }
-
-    /// Runs `tokens` as batched chunks. With `all`, returns the logits of every token; else
-    /// leaves the last token's logits in the step scratch (`scratch.logits`).
-    fn prefill(&mut self, tokens: &[u32], prec: Precision, all: bool) -> Result<Vec<f32>> {
-        let v = self.model.cfg.vocab_size;
-        // Logits of every row need [rows, vocab] floats: smaller chunks then (about 256 MB).
-        let cap = if all { self.chunk.min(((1usize << 28) / (4 * v)).max(16)) } else { self.chunk };
-        let cap = cap.min(tokens.len());
-        self.ensure_pre(cap, if all { cap } else { 0 })?;
-        let mut out = Vec::with_capacity(if all { tokens.len() * v } else { 0 });
-        let n = tokens.len();
-        for (i, ch) in tokens.chunks(cap).enumerate() {
-            let last = (i + 1) * cap >= n;
-            self.prefill_chunk(ch, prec, all, last && !all)?;
-            if all {
-                out.extend(self.pre.as_ref().unwrap().logits.read_f32(0, ch.len() * v)?);
-            }
-        }
-        Ok(out)
-    }
-
-    /// One chunk of a batched prefill at positions `pos..pos + T` (see the module doc). `all`:
-    /// logits of every row into the prefill scratch; `last`: the last row's into the step scratch.
-    fn prefill_chunk(&mut self, toks: &[u32], prec: Precision, all: bool, last: bool) -> Result<()> {
-        let t = toks.len();
-        let pos0 = self.pos;
-        self.grow_kv(pos0 + t)?;
-        let m = &self.model;
-        let g = &m.gpu;
-        let c = &m.cfg;
-        let (h, eps) = (c.hidden_size, c.rms_norm_eps);
-        let p = self.pre.as_ref().context("prefill scratch")?;
-        let ids: Vec<u8> = toks.iter().flat_map(|&x| (x as i32).to_le_bytes()).collect();
-        p.toks.write_bytes(0, &ids)?;
-        p.pos.write_bytes(0, &(pos0 as i32).to_le_bytes())?;
-        g.embed(&m.embed, p.toks.ptr, p.x.ptr, t)?;
-        for (layer, st) in m.layers.iter().zip(self.states.iter()) {
-            g.rms_norm(p.x.ptr, layer.input_norm.ptr, p.xn.ptr, t, h, eps)?;
-            match (&layer.mixer, st) {
-                (GMixer::Gdn { proj, conv, dt_bias, neg_a, norm, out }, GState::Gdn { conv: cs, rec }) => {
-                    let (cd, vd, hv) = (c.gdn_conv_dim(), c.gdn_value_dim(), c.linear_num_value_heads);
-                    let ldp = cd + vd + 2 * hv;
-                    let at = |off: usize| p.proj.at(4 * off);
-                    proj.run_rows(g, prec, p.xn.ptr, h, p.proj.ptr, ldp, t)?;
-                    g.conv_prefill(p.proj.ptr, ldp, cs.ptr, conv.ptr, p.conv.ptr, cd, c.linear_conv_kernel_dim, t)?;
-                    g.gdn_prefill(&GdnPrefill {
-                        step: GdnStep {
-                            y: p.conv.ptr,
-                            b: at(cd + vd),
-                            a: at(cd + vd + hv),
-                            z: at(cd),
-                            dt_bias: dt_bias.ptr,
-                            neg_a: neg_a.ptr,
-                            norm: norm.ptr,
-                            state: rec.ptr,
-                            out: p.o.ptr,
-                            hk: c.linear_num_key_heads,
-                            hv,
-                            dk: c.linear_key_head_dim,
-                            dv: c.linear_value_head_dim,
-                            eps,
-                        },
-                        t,
-                        ldy: cd,
-                        ldp,
-                        qn: p.qn.ptr,
-                        kn: p.kn.ptr,
-                        kq: p.kq.ptr,
-                    })?;
-                    g.gemm(out, prec, p.o.ptr, vd, p.x.ptr, h, t, true)?;
-                }
-                (GMixer::Attn { proj, o, q_norm, k_norm }, GState::Attn { k: kc, v: vc, .. }) => {
-                    let (nh, hkv, hd) = (c.num_attention_heads, c.num_key_value_heads, c.head_dim);
-                    let (qd, kvd) = (c.q_proj_dim(), c.kv_dim());
-                    let ldp = qd + 2 * kvd;
-                    proj.run_rows(g, prec, p.xn.ptr, h, p.proj.ptr, ldp, t)?;
-                    let prep = AttnPrep {
-                        qg: p.proj.ptr,
-                        k: p.proj.at(4 * qd),
-                        v: p.proj.at(4 * (qd + kvd)),
-                        q_norm: q_norm.ptr,
-                        k_norm: k_norm.ptr,
-                        q_out: p.q.ptr,
-                        kc: kc.ptr,
-                        vc: vc.ptr,
-                        nh,
-                        hkv,
-                        hd,
-                        gated: c.attn_output_gate,
-                        rot: c.rotary_dim,
-                        pos: p.pos.ptr,
-                        theta: c.rope_theta,
-                        eps,
-                    };
-                    g.attn_prep(&prep, t, ldp)?;
-                    g.attn_prefill(
-                        prec,
-                        p.q.ptr,
-                        kc.ptr,
-                        vc.ptr,
-                        (p.proj.ptr, ldp),
-                        p.o.ptr,
-                        (nh, hkv, hd),
-                        t,
-                        p.pos.ptr,
-                        c.attn_output_gate,
-                    )?;
-                    g.gemm(o, prec, p.o.ptr, nh * hd, p.x.ptr, h, t, true)?;
-                }
-                _ => bail!("layer state does not match the layer kind"),
-            }
-            g.rms_norm(p.x.ptr, layer.post_norm.ptr, p.xn.ptr, t, h, eps)?;
-            match &layer.ffn {
-                GFfn::Moe { router, experts, shared } => {
-                    let (e, k) = (c.num_experts, c.num_experts_per_tok);
-                    let inter = experts.down.cols;
-                    let pairs = t * k;
-                    router.run_rows(g, prec, p.xn.ptr, h, p.router.ptr, e + 1, t)?;
-                    g.moe_topk_rows(p.router.ptr, e + 1, t, e, k, c.norm_topk_prob, p.ids.ptr, p.wts.ptr, 0, false)?;
-                    g.moe_align(p.ids.ptr, pairs, e, prec.bm(), p.perm.ptr, p.inv.ptr, p.tiles.ptr)?;
-                    let nt = max_tiles(pairs, prec.bm(), e);
-                    g.gemm_grouped(
-                        &experts.gate_up,
-                        prec,
-                        2 * inter,
-                        (p.xn.ptr, h, p.perm.ptr, k),
-                        (p.egu.ptr, 2 * inter),
-                        p.tiles.ptr,
-                        nt,
-                    )?;
-                    g.silu_mul_pairs(p.egu.ptr, p.eh.ptr, inter, pairs)?;
-                    g.gemm_grouped(&experts.down, prec, h, (p.eh.ptr, inter, 0, 1), (p.ye.ptr, h), p.tiles.ptr, nt)?;
-                    shared.gate_up.run_rows(g, prec, p.xn.ptr, h, p.sgu.ptr, 2 * shared.inter, t)?;
-                    g.silu_mul_pairs(p.sgu.ptr, p.sh.ptr, shared.inter, t)?;
-                    g.gemm(&shared.down, prec, p.sh.ptr, shared.inter, p.ys.ptr, h, t, false)?;
-                    g.moe_combine_rows(
-                        p.x.ptr,
-                        p.ye.ptr,
-                        p.inv.ptr,
-                        p.wts.ptr,
-                        p.ys.ptr,
-                        (p.router.at(4 * e), e + 1),
-                        h,
-                        k,
-                        t,
-                    )?;
-                }
-                GFfn::Dense(mm) => {
-                    mm.gate_up.run_rows(g, prec, p.xn.ptr, h, p.sgu.ptr, 2 * mm.inter, t)?;
-                    g.silu_mul_pairs(p.sgu.ptr, p.sh.ptr, mm.inter, t)?;
-                    g.gemm(&mm.down, prec, p.sh.ptr, mm.inter, p.x.ptr, h, t, true)?;
-                }
-            }
-        }
-        if all {
-            g.rms_norm(p.x.ptr, m.norm.ptr, p.xn.ptr, t, h, eps)?;
-            g.gemm(&m.lm_head, prec, p.xn.ptr, h, p.logits.ptr, c.vocab_size, t, false)?;
-        }
-        if last {
-            let s = self.scratch.as_ref().context("session scratch")?;
-            g.rms_norm(p.x.at(4 * (t - 1) * h), m.norm.ptr, s.xn.ptr, 1, h, eps)?;
-            g.gemv(&m.lm_head, s.xn.ptr, 0, s.logits.ptr, 1, 0, false)?;
-        }
-        self.pos += t;
-        Ok(())
     }
 
     /// The session's caches as a CPU [`State`] (same layouts).
