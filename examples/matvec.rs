@@ -1,6 +1,7 @@
 //! Micro-benchmark of the CPU quantized matrix-vector product (lm_head-sized, 4-bit, group 64):
 //! best-of-N GB/s of weights streamed. `cargo run --release --example matvec [threads] [rows]`;
-//! `LILY_CPU_INT8=1` times the int8-activation kernels.
+//! `LILY_CPU_INT8=1` times the int8-activation kernels; `HUGE=1` asks for transparent huge pages
+//! (madvise) on the weights before they are written.
 
 use lily::linear::{FloatType, Linear};
 use lily::safetensors::Bytes;
@@ -11,7 +12,18 @@ fn main() {
     rayon::ThreadPoolBuilder::new().num_threads(threads).build_global().unwrap();
     let rows: usize = std::env::args().nth(2).and_then(|s| s.parse().ok()).unwrap_or(248_320);
     let (cols, group) = (2048usize, 64usize);
-    let packed: Vec<u8> = (0..rows * cols / 2).map(|i| ((i * 2654435761usize) >> 7) as u8).collect();
+    let n = rows * cols / 2;
+    let mut packed: Vec<u8> = Vec::with_capacity(n);
+    if std::env::var_os("HUGE").is_some() {
+        let (p, a) = (packed.as_mut_ptr() as usize, 2usize << 20);
+        let start = p.div_ceil(a) * a;
+        let end = (p + n) / a * a;
+        if end > start {
+            // SAFETY: advice on a range inside this allocation.
+            unsafe { libc::madvise(start as *mut libc::c_void, end - start, libc::MADV_HUGEPAGE) };
+        }
+    }
+    packed.extend((0..n).map(|i| ((i * 2654435761usize) >> 7) as u8));
     let ng = rows * cols / group;
     let scales: Vec<u8> = (0..ng).flat_map(|_| 0x3c00u16.to_le_bytes()).collect();
     let lin = Linear::quant(
