@@ -10,9 +10,8 @@ mod common;
 use common::gpu::*;
 use common::*;
 use lily::cpu::attention::{attention, AttnDims};
-use lily::cpu::conv::causal_conv1d_silu;
-use lily::cpu::gdn::{self, GdnDims, GdnInputs};
-use lily::cpu::norm::{gated_rms_norm, l2_norm, rms_norm, sigmoid, softplus};
+use lily::cpu::gdn::GdnDims;
+use lily::cpu::norm::{rms_norm, sigmoid};
 use lily::cpu::rope::Rope;
 use lily::cuda::GpuLinear;
 use lily::linear::{FloatType, Linear};
@@ -146,18 +145,8 @@ fn gdn_decode_steps_match_cpu() {
             let b = uniform(&mut r, hv, 3.0);
             let a = uniform(&mut r, hv, 3.0);
             // CPU reference: the same steps as Model::gdn for one token.
-            let mut conv = vec![0f32; c];
-            causal_conv1d_silu(&qkv, 1, c, &conv_w, k, &mut cstate, &mut conv);
-            let mut q = conv[..kd].to_vec();
-            let mut kk = conv[kd..2 * kd].to_vec();
-            let v = conv[2 * kd..].to_vec();
-            l2_norm(&mut q, dk, 1e-6, 1.0 / (dk as f32).sqrt());
-            l2_norm(&mut kk, dk, 1e-6, 1.0);
-            let beta: Vec<f32> = b.iter().map(|&x| sigmoid(x)).collect();
-            let gd: Vec<f32> = a.iter().enumerate().map(|(i, &x)| neg_a[i] * softplus(x + dt_bias[i])).collect();
-            let mut o = vec![0f32; vd];
-            gdn::recurrent(d, 1, &GdnInputs { q: &q, k: &kk, v: &v, g: &gd, beta: &beta }, &mut rec, &mut o);
-            gated_rms_norm(&mut o, &z, &normw, 1e-6);
+            let w = GdnWeights { d, conv_w: &conv_w, taps: k, neg_a: &neg_a, dt_bias: &dt_bias, norm: &normw };
+            let (conv, o) = cpu_gdn(&w, 1, &qkv, &z, &b, &a, &mut cstate, &mut rec);
             // GPU.
             let (xq, zb, bb, ab) = (gb(&qkv), gb(&z), gb(&b), gb(&a));
             g.conv_step(xq.ptr, gcs.ptr, cw.ptr, yb.ptr, c, k).unwrap();
@@ -431,20 +420,17 @@ fn gdn_decode_512_steps_do_not_drift() {
     let (yb, ob) = (gb(&vec![f32::NAN; c]), gb(&vec![f32::NAN; vd]));
     let mut worst_out = 0f64;
     for step in 0..steps {
-        let mut conv = vec![0f32; c];
-        causal_conv1d_silu(&qkv[step * c..(step + 1) * c], 1, c, &conv_w, k, &mut cstate, &mut conv);
-        let mut q = conv[..kd].to_vec();
-        let mut kk = conv[kd..2 * kd].to_vec();
-        let v = conv[2 * kd..].to_vec();
-        l2_norm(&mut q, dk, 1e-6, 1.0 / (dk as f32).sqrt());
-        l2_norm(&mut kk, dk, 1e-6, 1.0);
-        let bs = &b[step * hv..(step + 1) * hv];
-        let as_ = &a[step * hv..(step + 1) * hv];
-        let beta: Vec<f32> = bs.iter().map(|&x| sigmoid(x)).collect();
-        let gd: Vec<f32> = as_.iter().enumerate().map(|(i, &x)| neg_a[i] * softplus(x + dt_bias[i])).collect();
-        let mut o = vec![0f32; vd];
-        gdn::recurrent(d, 1, &GdnInputs { q: &q, k: &kk, v: &v, g: &gd, beta: &beta }, &mut rec, &mut o);
-        gated_rms_norm(&mut o, &z[step * vd..(step + 1) * vd], &normw, 1e-6);
+        let w = GdnWeights { d, conv_w: &conv_w, taps: k, neg_a: &neg_a, dt_bias: &dt_bias, norm: &normw };
+        let (_, o) = cpu_gdn(
+            &w,
+            1,
+            &qkv[step * c..(step + 1) * c],
+            &z[step * vd..(step + 1) * vd],
+            &b[step * hv..(step + 1) * hv],
+            &a[step * hv..(step + 1) * hv],
+            &mut cstate,
+            &mut rec,
+        );
         g.conv_step(xq.at(4 * step * c), gcs.ptr, cw.ptr, yb.ptr, c, k).unwrap();
         g.gdn_step(&lily::cuda::GdnStep {
             y: yb.ptr,

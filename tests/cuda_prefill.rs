@@ -18,9 +18,8 @@ mod common;
 use common::gpu::*;
 use common::*;
 use lily::cpu::attention::{attention, AttnDims};
-use lily::cpu::conv::causal_conv1d_silu;
-use lily::cpu::gdn::{self, GdnDims, GdnInputs};
-use lily::cpu::norm::{gated_rms_norm, l2_norm, rms_norm, sigmoid, softplus};
+use lily::cpu::gdn::GdnDims;
+use lily::cpu::norm::{rms_norm, sigmoid};
 use lily::cpu::rope::Rope;
 use lily::cuda::{GdnPrefill, GdnStep, GpuLinear, Precision};
 use lily::linear::{FloatType, Linear};
@@ -222,19 +221,8 @@ fn gdn_prefill_matches_cpu() {
                 |o: usize, n: usize| -> Vec<f32> { proj.chunks(ldp).flat_map(|row| row[o..o + n].to_vec()).collect() };
             let (qkv, z, b, a) = (col(0, cd), col(cd, vd), col(cd + vd, hv), col(cd + vd + hv, hv));
             // CPU reference: Model::gdn's steps for t tokens.
-            let mut conv = vec![0f32; t * cd];
-            causal_conv1d_silu(&qkv, t, cd, &conv_w, kc, &mut cstate, &mut conv);
-            let mut q: Vec<f32> = conv.chunks(cd).flat_map(|row| row[..kd].to_vec()).collect();
-            let mut kk: Vec<f32> = conv.chunks(cd).flat_map(|row| row[kd..2 * kd].to_vec()).collect();
-            let v: Vec<f32> = conv.chunks(cd).flat_map(|row| row[2 * kd..].to_vec()).collect();
-            l2_norm(&mut q, dk, 1e-6, 1.0 / (dk as f32).sqrt());
-            l2_norm(&mut kk, dk, 1e-6, 1.0);
-            let beta: Vec<f32> = b.iter().map(|&x| sigmoid(x)).collect();
-            let gd: Vec<f32> =
-                a.iter().enumerate().map(|(i, &x)| neg_a[i % hv] * softplus(x + dt_bias[i % hv])).collect();
-            let mut o = vec![0f32; t * vd];
-            gdn::recurrent(d, t, &GdnInputs { q: &q, k: &kk, v: &v, g: &gd, beta: &beta }, &mut rec, &mut o);
-            gated_rms_norm(&mut o, &z, &normw, 1e-6);
+            let w = GdnWeights { d, conv_w: &conv_w, taps: kc, neg_a: &neg_a, dt_bias: &dt_bias, norm: &normw };
+            let (conv, o) = cpu_gdn(&w, t, &qkv, &z, &b, &a, &mut cstate, &mut rec);
             // GPU
             let pb = gb(&proj);
             let (yb, ob) = (gb(&vec![f32::NAN; t * cd]), gb(&vec![f32::NAN; t * vd]));

@@ -69,3 +69,50 @@ pub fn check(what: &str, got: &[f32], want: &[f32], tol: f64) {
     eprintln!("{what}: nmse {e:.2e}");
     assert!(e <= tol, "{what}: nmse {e:.3e} > {tol:.0e}");
 }
+
+/// A GDN layer's fixed CPU-side weights for the reference steps below.
+pub struct GdnWeights<'a> {
+    pub d: lily::cpu::gdn::GdnDims,
+    /// `[C, taps]` with C = 2·H_k·D_k + H_v·D_v.
+    pub conv_w: &'a [f32],
+    pub taps: usize,
+    pub neg_a: &'a [f32],
+    pub dt_bias: &'a [f32],
+    pub norm: &'a [f32],
+}
+
+/// Model::gdn's CPU steps for `t` tokens after the input projections: causal conv + SiLU (conv
+/// state carried), q/k L2 norms, gates, the recurrent delta rule (state carried), gated RMSNorm.
+/// Inputs `qkv: [t, C]`, `z: [t, H_v·D_v]`, `b, a: [t, H_v]`; returns (conv `[t, C]`, out
+/// `[t, H_v·D_v]`).
+#[allow(clippy::too_many_arguments)]
+pub fn cpu_gdn(
+    w: &GdnWeights,
+    t: usize,
+    qkv: &[f32],
+    z: &[f32],
+    b: &[f32],
+    a: &[f32],
+    cstate: &mut [f32],
+    rec: &mut [f32],
+) -> (Vec<f32>, Vec<f32>) {
+    use lily::cpu::conv::causal_conv1d_silu;
+    use lily::cpu::gdn::{recurrent, GdnInputs};
+    use lily::cpu::norm::{gated_rms_norm, l2_norm, sigmoid, softplus};
+    let d = w.d;
+    let (kd, vd, hv) = (d.hk * d.dk, d.hv * d.dv, d.hv);
+    let cd = 2 * kd + vd;
+    let mut conv = vec![0f32; t * cd];
+    causal_conv1d_silu(qkv, t, cd, w.conv_w, w.taps, cstate, &mut conv);
+    let mut q: Vec<f32> = conv.chunks(cd).flat_map(|row| row[..kd].to_vec()).collect();
+    let mut kk: Vec<f32> = conv.chunks(cd).flat_map(|row| row[kd..2 * kd].to_vec()).collect();
+    let v: Vec<f32> = conv.chunks(cd).flat_map(|row| row[2 * kd..].to_vec()).collect();
+    l2_norm(&mut q, d.dk, 1e-6, 1.0 / (d.dk as f32).sqrt());
+    l2_norm(&mut kk, d.dk, 1e-6, 1.0);
+    let beta: Vec<f32> = b.iter().map(|&x| sigmoid(x)).collect();
+    let gd: Vec<f32> = a.iter().enumerate().map(|(i, &x)| w.neg_a[i % hv] * softplus(x + w.dt_bias[i % hv])).collect();
+    let mut o = vec![0f32; t * vd];
+    recurrent(d, t, &GdnInputs { q: &q, k: &kk, v: &v, g: &gd, beta: &beta }, rec, &mut o);
+    gated_rms_norm(&mut o, z, w.norm, 1e-6);
+    (conv, o)
+}
