@@ -15,6 +15,7 @@ TESTS="cuda_compile cuda_kernels cuda_prefill cuda_model"
 
 if [ "${1:-build}" = build ]; then
   cargo build --release
+  cargo build --release --example gemv_bench
   rm -rf .gpu/stage && mkdir -p .gpu/stage/bin .gpu/stage/tok
   args=()
   for t in $TESTS; do args+=(--test "$t"); done
@@ -28,6 +29,7 @@ for line in sys.stdin:
         shutil.copy(m["executable"], ".gpu/stage/bin/" + m["target"]["name"])
 '
   cp target/release/lily .gpu/stage/bin/lily
+  cp target/release/examples/gemv_bench .gpu/stage/bin/gemv_bench
   strip .gpu/stage/bin/* 2>/dev/null || true
   tok=../shared/data/qwen3.6-tokenizer
   if [ -f $tok/tokenizer.json ]; then cp $tok/tokenizer.json $tok/tokenizer_config.json .gpu/stage/tok/; fi
@@ -49,6 +51,11 @@ export LILY_TOKENIZER_DIR=$PWD/.gpu/x/tok
 export LILY_KERNEL_CACHE=$PWD/.gpu/kcache
 export LD_LIBRARY_PATH=${LD_LIBRARY_PATH:-}:/usr/local/cuda/targets/x86_64-linux/lib
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv | tee "$OUTDIR/gpu.txt"
+# SM/memory clocks, power and throttle reasons every 100 ms while this script runs
+nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,pstate,utilization.gpu,clocks_throttle_reasons.active \
+  --format=csv,noheader -lms 100 >"$OUTDIR/clocks.csv" 2>&1 &
+SAMPLER=$!
+trap 'kill $SAMPLER 2>/dev/null || true' EXIT
 status=0
 [ -n "${SKIP_TESTS:-}" ] && TESTS=""
 for t in $TESTS; do
@@ -56,6 +63,10 @@ for t in $TESTS; do
   if ! .gpu/x/bin/$t --test-threads=1 --nocapture >"$OUTDIR/$t.log" 2>&1; then status=1; fi
   grep -E "^test |test result|SKIPPED|worst|panicked|nmse .*e-0[0-8]" "$OUTDIR/$t.log" | head -60 || true
 done
+if [ -n "${GEMV_BENCH:-}" ]; then
+  echo "== decode GEMV kernels (examples/gemv_bench.rs)"
+  timeout 120 .gpu/x/bin/gemv_bench 2>&1 | tee "$OUTDIR/gemv_bench.txt" || status=1
+fi
 if [ -n "${PROFILE_LAYERS:-}" ]; then
   PC=${PROFILE_CONTEXT:-256}
   echo "== per-kernel profile (LILY_CUDA_PROFILE=1, $PROFILE_LAYERS layers, context $PC, 16 decode steps)"
@@ -63,11 +74,28 @@ if [ -n "${PROFILE_LAYERS:-}" ]; then
     --layers "$PROFILE_LAYERS" --contexts "$PC" --warmup 0 --decode-steps 16 >"$OUTDIR/profile.txt" 2>&1 || status=1
   grep -E "^\|" "$OUTDIR/profile.txt" | head -40 || true
 fi
-echo "== bench"
 BENCH_CONTEXTS=${BENCH_CONTEXTS:-256,4096}
-timeout "${BENCH_TIMEOUT:-420}" .gpu/x/bin/lily bench --device cuda --model synthetic:qwen3.6-35b-a3b \
-  --contexts "$BENCH_CONTEXTS" 2>&1 | tee "$OUTDIR/bench.txt" || status=1
+if [ "$BENCH_CONTEXTS" != none ]; then
+  echo "== bench"
+  timeout "${BENCH_TIMEOUT:-420}" .gpu/x/bin/lily bench --device cuda --model synthetic:qwen3.6-35b-a3b \
+    --contexts "$BENCH_CONTEXTS" 2>&1 | tee "$OUTDIR/bench.txt" || status=1
+fi
+kill $SAMPLER 2>/dev/null || true
+echo "== SM clock while busy (MHz: samples, min, median, max; throttle reasons seen)"
+python3 - "$OUTDIR/clocks.csv" <<'PY' || true
+import sys, statistics
+busy, reasons = [], set()
+for line in open(sys.argv[1]):
+    f = [x.strip() for x in line.split(",")]
+    if len(f) < 7 or not f[1].split()[0].isdigit():
+        continue
+    if int(f[5].split()[0]) > 0:
+        busy.append(int(f[1].split()[0]))
+        reasons.add(f[6])
+if busy:
+    print(len(busy), min(busy), statistics.median(busy), max(busy), sorted(reasons))
+PY
 echo "== summary (tests exit status $status)"
 grep -h "test result" "$OUTDIR"/cuda_*.log || true
-tail -n 6 "$OUTDIR/bench.txt"
+[ -f "$OUTDIR/bench.txt" ] && tail -n 6 "$OUTDIR/bench.txt"
 exit $status

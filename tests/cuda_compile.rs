@@ -23,8 +23,43 @@ fn every_kernel_compiles_for_sm_90a() {
     for k in lily::cuda::KERNELS {
         assert!(ptx.contains(&format!(".entry {k}(")), "kernel {k} missing from the PTX");
     }
+    if let Ok(ptxas) = std::env::var("LILY_PTXAS") {
+        ptxas_report(&ptxas, &ptx, &dir);
+    }
     // Second call comes from the on-disk cache.
     let (again, cached) = lily::cuda::compile("sm_90a").unwrap();
     assert!(cached && again == ptx);
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// With `LILY_PTXAS=/path/to/ptxas` (the `nvidia-cuda-nvcc` wheel has one): assembles the PTX for
+/// sm_90a, prints each kernel's registers and spills, and fails if any kernel spills registers
+/// to local memory (a spill in a streaming kernel costs more than the kernel itself). The cubin
+/// is left at `target/lily-sm_90a.cubin` for `nvdisasm`/`cuobjdump --dump-sass`.
+fn ptxas_report(ptxas: &str, ptx: &str, dir: &std::path::Path) {
+    std::fs::create_dir_all(dir).unwrap();
+    let src = dir.join("lily.ptx");
+    std::fs::write(&src, ptx).unwrap();
+    let out = std::process::Command::new(ptxas)
+        .args(["-arch=sm_90a", "-v", "-o"])
+        .arg(concat!(env!("CARGO_MANIFEST_DIR"), "/target/lily-sm_90a.cubin"))
+        .arg(&src)
+        .output()
+        .unwrap_or_else(|e| panic!("running {ptxas}: {e}"));
+    let log = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "ptxas failed:\n{log}");
+    let mut kernel = String::new();
+    let mut spills = Vec::new();
+    for line in log.lines() {
+        if let Some(rest) = line.split("Compiling entry function '").nth(1) {
+            kernel = rest.split('\'').next().unwrap_or("").to_string();
+        }
+        if line.contains("spill stores") && !line.contains(" 0 bytes spill stores") {
+            spills.push(format!("{kernel}: {}", line.trim()));
+        }
+        if line.contains("Used") {
+            eprintln!("{kernel}: {}", line.trim().trim_start_matches("ptxas info    : "));
+        }
+    }
+    assert!(spills.is_empty(), "kernels spill registers:\n{}", spills.join("\n"));
 }

@@ -13,7 +13,7 @@ use lily::cpu::attention::{attention, AttnDims};
 use lily::cpu::gdn::GdnDims;
 use lily::cpu::norm::{rms_norm, sigmoid};
 use lily::cpu::rope::Rope;
-use lily::cuda::GpuLinear;
+use lily::cuda::{GemvKernel, GpuLinear};
 use lily::linear::{FloatType, Linear};
 
 const TOL: f64 = 1e-9;
@@ -46,6 +46,9 @@ fn gemv_quantized_and_dense_match_cpu() {
     }
     cases.push(("q4 g64 256x2048 (router-like)".into(), quant(&mut r, 256, 2048, 4, 64)));
     cases.push(("q8 g64 1x2048 (shared gate)".into(), quant(&mut r, 1, 2048, 8, 64)));
+    cases.push(("q4 g64 f16 scales 45x4096".into(), quant_ty(&mut r, 45, 4096, 4, 64, FloatType::F16)));
+    cases.push(("q8 g32 f16 scales 19x512".into(), quant_ty(&mut r, 19, 512, 8, 32, FloatType::F16)));
+    cases.push(("q4 g128 1037x256 (more row groups than one grid)".into(), quant(&mut r, 1037, 256, 4, 128)));
     for ty in [FloatType::F32, FloatType::F16, FloatType::BF16] {
         cases.push((format!("dense {ty:?} 29x203"), dense(&mut r, 29, 203, ty)));
     }
@@ -55,6 +58,13 @@ fn gemv_quantized_and_dense_match_cpu() {
         l.matvec(&x, &mut want);
         let gl = GpuLinear::upload(&g, l).unwrap();
         let (xb, yb) = (g.upload_f32(&x).unwrap(), g.upload_f32(&vec![f32::NAN; l.rows]).unwrap());
+        // Every kernel variant (the model runs one; the others stay selectable), and a grid of
+        // one block per SM so that warps walk several row groups.
+        for (k, bpsm) in [(GemvKernel::Old, 0), (GemvKernel::Q4, 4), (GemvKernel::Q2, 4), (GemvKernel::Q2, 1)] {
+            yb.write_f32(0, &vec![f32::NAN; l.rows]).unwrap();
+            g.gemv_variant(k, bpsm, &gl, xb.ptr, 0, yb.ptr, 1, 0, false, (0, 0.0)).unwrap();
+            check(&format!("gemv {k:?}/{bpsm} {name}"), &yb.read_f32(0, l.rows).unwrap(), &want, TOL);
+        }
         g.gemv(&gl, xb.ptr, 0, yb.ptr, 1, 0, false).unwrap();
         check(&format!("gemv {name}"), &yb.read_f32(0, l.rows).unwrap(), &want, TOL);
         // accumulate: y += W x on top of the previous result.
@@ -72,6 +82,11 @@ fn gemv_quantized_and_dense_match_cpu() {
         if l.cols.is_multiple_of(4) {
             fused.unwrap();
             check(&format!("gemv + rms_norm {name}"), &yb.read_f32(0, l.rows).unwrap(), &want_n, TOL);
+            for (k, bpsm) in [(GemvKernel::Old, 0), (GemvKernel::Q4, 4), (GemvKernel::Q2, 1)] {
+                yb.write_f32(0, &vec![f32::NAN; l.rows]).unwrap();
+                g.gemv_variant(k, bpsm, &gl, xb.ptr, 0, yb.ptr, 1, 0, false, (nwb.ptr, 1e-6)).unwrap();
+                check(&format!("gemv + rms_norm {k:?}/{bpsm} {name}"), &yb.read_f32(0, l.rows).unwrap(), &want_n, TOL);
+            }
         } else {
             let e = fused.expect_err("gemv_norm of a width that is not a multiple of 4 must be refused");
             assert!(e.to_string().contains("multiple of 4"), "{e}");
@@ -350,6 +365,12 @@ fn fused_decode_moe_matches_cpu() {
         g.gemv_norm(&gu, xb.ptr, (nwb.ptr, 1e-6), egu.ptr, 2 * (k + 1), ids2.ptr, false).unwrap();
         g.moe_down(&dn, egu.ptr, ids.ptr, wts.ptr, k + 1, xb.ptr).unwrap();
         check(&format!("fused decode MoE q{bits} E{e} K{k} H{h} I{inter}"), &xb.read_f32(0, h).unwrap(), &want, TOL);
+        for (kern, bpsm) in [(GemvKernel::Old, 0), (GemvKernel::Q2, 1), (GemvKernel::Q2, 4)] {
+            xb.write_f32(0, &x).unwrap();
+            g.moe_down_variant(kern, bpsm, &dn, egu.ptr, ids.ptr, wts.ptr, k + 1, xb.ptr).unwrap();
+            let name = format!("decode MoE down {kern:?}/{bpsm} q{bits} E{e} K{k} H{h} I{inter}");
+            check(&name, &xb.read_f32(0, h).unwrap(), &want, TOL);
+        }
     }
 }
 

@@ -14,7 +14,7 @@ mod model;
 mod ops;
 
 pub use model::{upload_cached, uploaded, CudaModel, CudaSession};
-pub use ops::{AttnPrep, GdnPrefill, GdnStep, GpuLinear, Precision};
+pub use ops::{gemv_default, AttnPrep, GdnPrefill, GdnStep, GemvKernel, GpuLinear, Precision};
 
 /// A captured CUDA graph, ready to replay on [`Gpu::stream`].
 pub struct Graph(sys::CUgraphExec);
@@ -37,10 +37,11 @@ use std::path::PathBuf;
 use std::sync::{Arc, OnceLock};
 
 /// Every kernel source, in compile order (the prelude first). One NVRTC program, one module.
-pub const SOURCES: [(&str, &str); 10] = [
+pub const SOURCES: [(&str, &str); 11] = [
     ("common.cuh", include_str!("../../kernels/common.cuh")),
     ("norm.cu", include_str!("../../kernels/norm.cu")),
     ("linear.cu", include_str!("../../kernels/linear.cu")),
+    ("gemv.cu", include_str!("../../kernels/gemv.cu")),
     ("gemm.cu", include_str!("../../kernels/gemm.cu")),
     ("gdn.cu", include_str!("../../kernels/gdn.cu")),
     ("gdn_prefill.cu", include_str!("../../kernels/gdn_prefill.cu")),
@@ -51,13 +52,17 @@ pub const SOURCES: [(&str, &str); 10] = [
 ];
 
 /// Kernel entry points loaded from the module.
-pub const KERNELS: [&str; 27] = [
+pub const KERNELS: [&str; 31] = [
     "rms_norm",
     "silu_mul",
     "silu_mul_pairs",
     "add_inplace",
     "linear_gemv",
     "moe_down",
+    "gemv_q",
+    "gemv_q2",
+    "gemv_q_loadonly",
+    "moe_down_q",
     "gemm_f32",
     "gemm_bf16",
     "gemm_bf16_m128",
@@ -209,6 +214,8 @@ pub struct Gpu {
     pub name: String,
     pub arch: &'static str,
     pub total_mem: usize,
+    /// Streaming multiprocessors (grid sizes of the persistent kernels).
+    pub sms: u32,
     funcs: HashMap<&'static str, sys::CUfunction>,
     /// The stream every kernel runs on: a blocking stream (it synchronizes with the legacy
     /// default stream, which the synchronous copies use) that CUDA graphs can capture.
@@ -220,8 +227,9 @@ pub struct Gpu {
 unsafe impl Send for Gpu {}
 unsafe impl Sync for Gpu {}
 
-/// `LILY_CUDA_PROFILE=1`: time every launch with device events (synchronizing after each, so
-/// the totals are kernel times without overlap) and print a table when a session is dropped.
+/// `LILY_CUDA_PROFILE=1`: time every launch with a pair of device events around it (recorded in
+/// the stream, read in batches, so launches still queue ahead of the GPU; graphs are off) and
+/// print a table when a session is dropped. Gaps between kernels are in no kernel's total.
 pub fn profiling() -> bool {
     static P: OnceLock<bool> = OnceLock::new();
     *P.get_or_init(|| std::env::var("LILY_CUDA_PROFILE").is_ok_and(|v| v == "1"))
@@ -229,8 +237,41 @@ pub fn profiling() -> bool {
 
 static PROFILE: std::sync::Mutex<Vec<(String, (u64, f64))>> = std::sync::Mutex::new(Vec::new());
 
+/// An event handle waiting in the profile queue.
+struct Ev(sys::CUevent);
+// SAFETY: event handles may be used from any thread with the context current.
+unsafe impl Send for Ev {}
+
+static PENDING: std::sync::Mutex<Vec<(String, Ev, Ev)>> = std::sync::Mutex::new(Vec::new());
+
+/// Waits for the queued profile events and adds their times to the totals.
+fn flush_profile(pending: &mut Vec<(String, Ev, Ev)>) -> Result<()> {
+    let mut p = PROFILE.lock().unwrap();
+    for (name, t0, t1) in pending.drain(..) {
+        // SAFETY: both events were recorded on the stream and are destroyed once, here.
+        let ms = unsafe {
+            drv::event::synchronize(t1.0).map_err(|e| anyhow!("{e:?}"))?;
+            let ms = drv::event::elapsed(t0.0, t1.0).map_err(|e| anyhow!("{e:?}"))?;
+            let _ = drv::event::destroy(t0.0);
+            let _ = drv::event::destroy(t1.0);
+            ms
+        };
+        match p.iter_mut().find(|e| e.0 == name) {
+            Some(e) => {
+                e.1 .0 += 1;
+                e.1 .1 += ms as f64;
+            }
+            None => p.push((name, (1, ms as f64))),
+        }
+    }
+    Ok(())
+}
+
 /// Prints and clears the per-kernel totals gathered under `LILY_CUDA_PROFILE=1`.
 pub fn profile_report() {
+    if let Err(e) = flush_profile(&mut PENDING.lock().unwrap()) {
+        eprintln!("LILY_CUDA_PROFILE: {e:#}");
+    }
     let mut p = PROFILE.lock().unwrap();
     if p.is_empty() {
         return;
@@ -275,6 +316,10 @@ impl Gpu {
         let (maj, min) = ctx.compute_capability().map_err(|e| anyhow!("{e:?}"))?;
         let arch = arch_name(maj, min);
         let total_mem = ctx.total_mem().unwrap_or(0);
+        let sms = ctx
+            .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+            .map_err(|e| anyhow!("{e:?}"))?
+            .max(1) as u32;
         let (ptx, _) = compile(arch)?;
         ctx.bind_to_thread().map_err(|e| anyhow!("{e:?}"))?;
         let c = CString::new(ptx).context("PTX contains a NUL")?;
@@ -289,7 +334,7 @@ impl Gpu {
             funcs.insert(k, f);
         }
         let stream = drv::stream::create(drv::stream::StreamKind::Default).map_err(|e| anyhow!("{e:?}"))?;
-        Ok(Gpu { ctx, name, arch, total_mem, funcs, stream })
+        Ok(Gpu { ctx, name, arch, total_mem, sms, funcs, stream })
     }
 
     /// Makes the context current on this thread (sessions may move between threads).
@@ -331,24 +376,28 @@ impl Gpu {
             .map_err(|e| anyhow!("launching {name}: {e:?}"))?;
         if let Some(t0) = t0 {
             let t1 = self.event_now()?;
-            // SAFETY: both events were recorded on the default stream and are destroyed once.
-            let ms = unsafe {
-                drv::event::synchronize(t1).map_err(|e| anyhow!("{e:?}"))?;
-                let ms = drv::event::elapsed(t0, t1).map_err(|e| anyhow!("{e:?}"))?;
-                let _ = drv::event::destroy(t0);
-                let _ = drv::event::destroy(t1);
-                ms
-            };
-            let mut p = PROFILE.lock().unwrap();
-            match p.iter_mut().find(|e| e.0 == name) {
-                Some(e) => {
-                    e.1 .0 += 1;
-                    e.1 .1 += ms as f64;
-                }
-                None => p.push((name.to_string(), (1, ms as f64))),
+            let mut pending = PENDING.lock().unwrap();
+            pending.push((name.to_string(), Ev(t0), Ev(t1)));
+            if pending.len() >= 4096 {
+                flush_profile(&mut pending)?;
             }
         }
         Ok(())
+    }
+
+    /// Milliseconds of device time the launches `f` queues take (events around them).
+    pub fn time_ms(&self, f: impl FnOnce() -> Result<()>) -> Result<f64> {
+        let t0 = self.event_now()?;
+        f()?;
+        let t1 = self.event_now()?;
+        // SAFETY: both events were recorded on this stream and are destroyed once.
+        unsafe {
+            drv::event::synchronize(t1).map_err(|e| anyhow!("{e:?}"))?;
+            let ms = drv::event::elapsed(t0, t1).map_err(|e| anyhow!("{e:?}"))?;
+            let _ = drv::event::destroy(t0);
+            let _ = drv::event::destroy(t1);
+            Ok(ms as f64)
+        }
     }
 
     fn event_now(&self) -> Result<sys::CUevent> {

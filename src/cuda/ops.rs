@@ -120,6 +120,16 @@ impl GpuLinear {
         self.w.bytes + self.s.as_ref().map_or(0, |s| s.bytes) + self.b.as_ref().map_or(0, |b| b.bytes)
     }
 
+    /// Whether the streaming kernels (`gemv_q`, `moe_down_q`) take this format: MLX 4/8-bit with
+    /// f16/bf16 scales, a power-of-two group of at least 32, under 2^31 16-byte chunks.
+    fn streams(&self) -> bool {
+        matches!(self.bits, 4 | 8)
+            && matches!(self.ty, 1 | 2)
+            && self.group >= 32
+            && (self.group as u32).is_power_of_two()
+            && self.count * self.rows * self.cols * (self.bits as usize) / 128 < (1 << 31)
+    }
+
     fn wargs(&self) -> [Arg; 6] {
         [
             Arg::P(self.w.ptr),
@@ -130,6 +140,33 @@ impl GpuLinear {
             Arg::I(self.ty),
         ]
     }
+}
+
+/// The decode GEMV kernel for quantized weights: `gemv_q` (4 rows per warp), `gemv_q2` (2 rows
+/// per warp), both streaming from a grid that fills the GPU once, or the older `linear_gemv`
+/// (one short-lived warp per 4 rows).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum GemvKernel {
+    Old,
+    Q4,
+    Q2,
+    /// Timing experiment: `gemv_q`'s loads without its arithmetic (wrong results).
+    LoadOnly,
+}
+
+/// The kernel and blocks per SM the model uses: `LILY_CUDA_GEMV=old|q4|q2` (default q2) and
+/// `LILY_CUDA_GEMV_BPSM` (default 4), read once.
+pub fn gemv_default() -> (GemvKernel, u32) {
+    static D: std::sync::OnceLock<(GemvKernel, u32)> = std::sync::OnceLock::new();
+    *D.get_or_init(|| {
+        let k = match std::env::var("LILY_CUDA_GEMV").as_deref() {
+            Ok("old") => GemvKernel::Old,
+            Ok("q4") => GemvKernel::Q4,
+            _ => GemvKernel::Q2,
+        };
+        let b = std::env::var("LILY_CUDA_GEMV_BPSM").ok().and_then(|v| v.parse().ok()).unwrap_or(4);
+        (k, b)
+    })
 }
 
 /// Widest input the GEMV stages in shared memory (and so can normalize on the fly).
@@ -215,6 +252,27 @@ impl Gpu {
         slots: usize,
         ids: u64,
         accumulate: bool,
+        norm: (u64, f32),
+    ) -> Result<()> {
+        let (k, bpsm) = gemv_default();
+        self.gemv_variant(k, bpsm, w, x, xstride, y, slots, ids, accumulate, norm)
+    }
+
+    /// [`Gpu::gemv`] / [`Gpu::gemv_norm`] (`normw` 0 = no norm) through a chosen kernel, with
+    /// `bpsm` blocks per SM for the streaming kernels; weights the streaming kernels do not take
+    /// (dense, f32 scales, other group sizes, inputs over 8192 columns) always run `linear_gemv`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn gemv_variant(
+        &self,
+        kernel: GemvKernel,
+        bpsm: u32,
+        w: &GpuLinear,
+        x: u64,
+        xstride: usize,
+        y: u64,
+        slots: usize,
+        ids: u64,
+        accumulate: bool,
         (normw, eps): (u64, f32),
     ) -> Result<()> {
         let mut a = w.wargs().to_vec();
@@ -229,15 +287,50 @@ impl Gpu {
             Arg::P(normw),
             Arg::F(eps),
         ]);
-        let shared = if normw != 0 { 4 * w.cols as u32 } else { 0 };
-        self.launch_shared("linear_gemv", (blocks(w.rows, 32), slots as u32, 1), 256, shared, &a)
+        let streaming = w.streams() && w.cols <= GEMV_XMAX && xstride.is_multiple_of(4);
+        let nr = match kernel {
+            GemvKernel::Q4 if streaming => 4,
+            GemvKernel::Q2 if streaming => 2,
+            GemvKernel::LoadOnly if streaming => 5,
+            _ => {
+                let shared = if normw != 0 { 4 * w.cols as u32 } else { 0 };
+                return self.launch_shared("linear_gemv", (blocks(w.rows, 32), slots as u32, 1), 256, shared, &a);
+            }
+        };
+        let epv = 128 / w.bits as usize;
+        let shared = (4 * (w.cols + w.cols / epv)) as u32;
+        let (name, nr) = match nr {
+            4 => ("gemv_q", 4),
+            2 => ("gemv_q2", 2),
+            _ => ("gemv_q_loadonly", 4),
+        };
+        let groups_blocks = w.rows.div_ceil(nr).div_ceil(4);
+        let fill = ((self.sms * bpsm.max(1)) as usize / slots.max(1)).max(1);
+        self.launch_shared(name, (groups_blocks.min(fill).max(1) as u32, slots as u32, 1), 128, shared, &a)
     }
 
     /// Decode MoE down projections + weighted sum + residual: `x[r] += Σ_{k<s} wts[k] ·
     /// (W[ids[k]] h_k)[r]` with `h_k = silu(gu[2k]) ⊙ gu[2k+1]` (`gu`: `[2s, cols]`, the gate/up
     /// GEMV output); `s · cols` at most 8192.
-    #[allow(clippy::too_many_arguments)]
     pub fn moe_down(&self, w: &GpuLinear, gu: u64, ids: u64, wts: u64, s: usize, x: u64) -> Result<()> {
+        let (k, bpsm) = gemv_default();
+        self.moe_down_variant(k, bpsm, w, gu, ids, wts, s, x)
+    }
+
+    /// [`Gpu::moe_down`] through a chosen kernel: `moe_down_q` (the streaming GEMV's machinery,
+    /// 2 rows per warp, `bpsm` blocks per SM at most) for the weights it takes, else `moe_down`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn moe_down_variant(
+        &self,
+        kernel: GemvKernel,
+        bpsm: u32,
+        w: &GpuLinear,
+        gu: u64,
+        ids: u64,
+        wts: u64,
+        s: usize,
+        x: u64,
+    ) -> Result<()> {
         if s * w.cols > GEMV_XMAX || !w.cols.is_multiple_of(4) {
             bail!("moe_down: {s} slots of {} columns exceed {GEMV_XMAX}", w.cols);
         }
@@ -251,6 +344,12 @@ impl Gpu {
             Arg::I(w.rows as i32),
             Arg::I(w.cols as i32),
         ]);
+        if kernel != GemvKernel::Old && w.streams() {
+            let epv = 128 / w.bits as usize;
+            let shared = (4 * (s * w.cols + s * w.cols / epv)) as u32;
+            let grid = w.rows.div_ceil(2).div_ceil(4).min((self.sms * bpsm.max(1)) as usize).max(1);
+            return self.launch_shared("moe_down_q", (grid as u32, 1, 1), 128, shared, &a);
+        }
         self.launch_shared("moe_down", (blocks(w.rows, 16), 1, 1), 256, 4 * (s * w.cols) as u32, &a)
     }
 

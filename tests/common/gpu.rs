@@ -37,21 +37,19 @@ pub fn f16_bytes(r: &mut Rng, n: usize) -> Vec<u8> {
 }
 
 pub fn quant(r: &mut Rng, rows: usize, cols: usize, bits: u32, group: usize) -> Linear {
+    quant_ty(r, rows, cols, bits, group, FloatType::BF16)
+}
+
+/// [`quant`] with scales and biases of type `ty` (bf16: uniform magnitudes; f16: random bit
+/// patterns of magnitude 2^-6..2^2, see [`f16_bytes`]).
+pub fn quant_ty(r: &mut Rng, rows: usize, cols: usize, bits: u32, group: usize, ty: FloatType) -> Linear {
     let packed = rand_bytes(r, rows * cols * bits as usize / 8);
     let ng = rows * cols / group;
-    let s = bf16_bytes(&uniform(r, ng, 0.05));
-    let b = bf16_bytes(&uniform(r, ng, 0.2));
-    Linear::quant(
-        rows,
-        cols,
-        bits,
-        group,
-        Bytes::from_vec(packed),
-        Bytes::from_vec(s),
-        Bytes::from_vec(b),
-        FloatType::BF16,
-    )
-    .unwrap()
+    let (s, b) = match ty {
+        FloatType::F16 => (f16_bytes(r, ng), f16_bytes(r, ng)),
+        _ => (bf16_bytes(&uniform(r, ng, 0.05)), bf16_bytes(&uniform(r, ng, 0.2))),
+    };
+    Linear::quant(rows, cols, bits, group, Bytes::from_vec(packed), Bytes::from_vec(s), Bytes::from_vec(b), ty).unwrap()
 }
 
 pub fn dense(r: &mut Rng, rows: usize, cols: usize, ty: FloatType) -> Linear {

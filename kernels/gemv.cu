@@ -1,0 +1,350 @@
+/*
+ * gemv.cu: the decode matrix-vector product for MLX affine 4/8-bit weights (scales and biases f16
+ * or bf16, group a power of two >= 32), built to stream weights at HBM rate.
+ *
+ * Math (slot z = grid.y, e = ids ? ids[z] : 0, xz = x + z*xstride):
+ *   y[z*rows + r] (+)= rr * sum_c W[e*rows + r, c] * xw[c],   xw = xz * normw (or xz),
+ *   rr = rsqrt(mean(xz^2) + eps) with a norm (the fused RMSNorm), else 1.
+ *   Per 128-bit load of codes (EPV = 32 4-bit or 16 8-bit values, inside one group):
+ *   s * sum_j q_j xw_j + b * sum_j xw_j, the second sum precomputed per chunk at staging.
+ *   Codes become floats without the quarter-rate integer conversion, by byte permutes (gq_dot):
+ *   4-bit codes as 1/2 + q/32 (one permute and one FMA per code; the x/2 part is removed per
+ *   chunk with the precomputed sum, costing about one bit),
+ *   8-bit codes as 2^23 + q minus 2^23 (exact).
+ *
+ * Layouts: packed u32 [count*rows, cols*BITS/32] (code j of a word = bits [BITS*j, BITS*j+BITS)),
+ *   scales/biases [count*rows, cols/group]; x f32 16-byte aligned, y f32 [slots, rows].
+ *
+ * Geometry: block 128 = 4 warps, grid (gx, slots), gx chosen by the host to fill the GPU once
+ *   (a few blocks per SM). The block stages xw and the chunk sums in dynamic shared memory
+ *   (cols + cols/EPV floats, cols <= 8192, float4 slots swizzled against bank conflicts) once, then each warp walks row groups of NR rows,
+ *   grid-strided. A row group is read in trips: per trip each lane loads chunks lane and
+ *   lane + 32 of every row of the group (2*NR 16-byte loads plus their scale/bias pairs); the
+ *   next trip's loads are issued before the current trip is computed (register double buffer),
+ *   so every warp keeps one trip of loads in flight while it computes. The first loads are issued
+ *   before the staging. After a row group's last trip, one warp reduction per row.
+ */
+#define GQ_WARPS 4
+
+template <int NR>
+struct GqTrip {
+    uint4 q[2][NR];
+    u32 sb[2][NR]; /* scale bits (low half), bias bits (high half) */
+};
+
+__device__ __forceinline__ uint4 ldg_stream(const uint4* p) {
+    uint4 v;
+    asm("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                 : "l"(p));
+    return v;
+}
+
+/* Shared-memory slot of x's float4 number f: f ^ ((f >> 3) & 7). Lane l reads chunk l (EPV
+   floats = 128 or 64 B), so unswizzled the 8 lanes of a 128-bit access phase would all hit the
+   same 4 banks (8-way conflict); XOR-ing the float4 index inside its 128-byte window with the
+   chunk number spreads them over all 32 banks. */
+__device__ __forceinline__ int xswz(int f) { return f ^ ((f >> 3) & 7); }
+
+__device__ __forceinline__ float half_bits(u32 h, int ty) {
+    return ty == TY_BF16 ? bf16_to_f32((u16)h) : f16_to_f32((u16)h);
+}
+
+template <int BITS, int NR>
+__device__ __forceinline__ void gq_load(GqTrip<NR>& t, const u32* w, const u16* sc, const u16* bi, long long R0,
+                                        int nvalid, int n4, int ng, int gsh, int i0) {
+    constexpr int EPV = 128 / BITS;
+    const uint4* wr = (const uint4*)w + R0 * n4 + i0;
+    long long g0 = R0 * ng + ((i0 * EPV) >> gsh);
+    const u16 *sr = sc + g0, *br = bi + g0;
+    int gstep = (32 * EPV) >> gsh; /* groups from chunk i0 to chunk i0 + 32 */
+#pragma unroll
+    for (int r = 0; r < NR; r++) {
+#pragma unroll
+        for (int u = 0; u < 2; u++) {
+            if (r < nvalid && i0 + 32 * u < n4) {
+                t.q[u][r] = ldg_stream(wr + r * n4 + 32 * u);
+                int o = r * ng + u * gstep;
+                t.sb[u][r] = (u32)__ldg(sr + o) | ((u32)__ldg(br + o) << 16);
+            }
+        }
+    }
+}
+
+/* moe_down's loads: virtual chunk c = k * n4 + i is chunk i of row R0 + r of expert ids[k]. */
+template <int BITS, int NR>
+__device__ __forceinline__ void gq_load_moe(GqTrip<NR>& t, const u32* w, const u16* sc, const u16* bi, int R0,
+                                            int nvalid, int n4, int nv, int ng, int gsh, int i0, const int* ids,
+                                            int rows) {
+    constexpr int EPV = 128 / BITS;
+#pragma unroll
+    for (int u = 0; u < 2; u++) {
+        int c = i0 + 32 * u;
+        if (c < nv) {
+            int k = c / n4, i = c - k * n4;
+            long long R = (long long)ids[k] * rows + R0;
+            const uint4* wr = (const uint4*)w + R * n4 + i;
+            long long g0 = R * ng + ((i * EPV) >> gsh);
+#pragma unroll
+            for (int r = 0; r < NR; r++) {
+                if (r < nvalid) {
+                    t.q[u][r] = ldg_stream(wr + r * n4);
+                    t.sb[u][r] = (u32)__ldg(sc + g0 + r * ng) | ((u32)__ldg(bi + g0 + r * ng) << 16);
+                }
+            }
+        }
+    }
+}
+
+/* Chunk i's EPV x values from the swizzled staging into registers. */
+template <int BITS>
+__device__ __forceinline__ void gq_x(const float* xs, int i, float4 (&x4)[32 / BITS]) {
+    constexpr int NF = 32 / BITS; /* float4 per chunk */
+    const float4* s4 = (const float4*)xs;
+#pragma unroll
+    for (int j = 0; j < NF; j++) x4[j] = s4[xswz(i * NF + j)];
+}
+
+/* 4-bit: sum_j (1/2 + q_j/32) x_j over the 32 codes of one 128-bit load. The float 1/2 + q/32 is
+   built by one byte permute: the byte q << 3 (a shift and a mask per word make all four) goes
+   under the exponent byte 0x3F, giving the bit pattern 0x3F00_0000 | q << 19 = 2^-1 (1 + q/16).
+   The caller removes the x_j/2 part with the chunk's precomputed sum (see gq_compute); as the
+   code part is about as large as the constant part, that cancellation costs about one bit.
+   8-bit: sum_j q_j x_j over 16 codes, each code 0x4B00_0000 | q = 2^23 + q minus 2^23. */
+template <int BITS>
+__device__ __forceinline__ float gq_dot(uint4 q4, const float4 (&x4)[32 / BITS]) {
+    u32 words[4] = {q4.x, q4.y, q4.z, q4.w};
+    float a = 0.f, b = 0.f;
+    if (BITS == 4) {
+#pragma unroll
+        for (int k = 0; k < 4; k++) {
+            u32 lo = (words[k] << 3) & 0x78787878u, hi = (words[k] >> 1) & 0x78787878u;
+            float4 xa = x4[2 * k], xb = x4[2 * k + 1]; /* x[8k .. 8k+7] */
+            /* code 2j is byte j of lo, code 2j+1 byte j of hi; selector 0x7j44: byte 3 = 0x3F */
+            a = fmaf(__uint_as_float(__byte_perm(lo, 0x3F000000u, 0x7044)), xa.x, a);
+            b = fmaf(__uint_as_float(__byte_perm(hi, 0x3F000000u, 0x7044)), xa.y, b);
+            a = fmaf(__uint_as_float(__byte_perm(lo, 0x3F000000u, 0x7144)), xa.z, a);
+            b = fmaf(__uint_as_float(__byte_perm(hi, 0x3F000000u, 0x7144)), xa.w, b);
+            a = fmaf(__uint_as_float(__byte_perm(lo, 0x3F000000u, 0x7244)), xb.x, a);
+            b = fmaf(__uint_as_float(__byte_perm(hi, 0x3F000000u, 0x7244)), xb.y, b);
+            a = fmaf(__uint_as_float(__byte_perm(lo, 0x3F000000u, 0x7344)), xb.z, a);
+            b = fmaf(__uint_as_float(__byte_perm(hi, 0x3F000000u, 0x7344)), xb.w, b);
+        }
+    } else {
+        const float M = 8388608.f;
+#pragma unroll
+        for (int k = 0; k < 4; k++) {
+            float4 xa = x4[k];
+            u32 v = words[k];
+            a += (__uint_as_float(__byte_perm(v, 0x4B000000u, 0x7440)) - M) * xa.x;
+            b += (__uint_as_float(__byte_perm(v, 0x4B000000u, 0x7441)) - M) * xa.y;
+            a += (__uint_as_float(__byte_perm(v, 0x4B000000u, 0x7442)) - M) * xa.z;
+            b += (__uint_as_float(__byte_perm(v, 0x4B000000u, 0x7443)) - M) * xa.w;
+        }
+    }
+    return a + b;
+}
+
+template <int BITS, int TY, int NR, bool LOADONLY>
+__device__ __forceinline__ void gq_compute(const GqTrip<NR>& t, int nvalid, int n4, int i0,
+                                           const float* xs, const float* xsum, float* acc) {
+    constexpr int EPV = 128 / BITS;
+    if (LOADONLY) { /* timing experiment: consume the loads, no arithmetic */
+#pragma unroll
+        for (int u = 0; u < 2; u++)
+#pragma unroll
+            for (int r = 0; r < NR; r++)
+                acc[r] += __uint_as_float((t.q[u][r].x ^ t.q[u][r].y ^ t.q[u][r].z ^ t.q[u][r].w ^ t.sb[u][r]) & 0x3FFFFFu);
+        return;
+    }
+#pragma unroll
+    for (int u = 0; u < 2; u++) {
+        int i = i0 + 32 * u;
+        if (i < n4) {
+            float sx = xsum[i];
+            float4 x4[32 / BITS];
+            gq_x<BITS>(xs, i, x4);
+#pragma unroll
+            for (int r = 0; r < NR; r++) {
+                if (r < nvalid) {
+                    float s = half_bits(t.sb[u][r] & 0xFFFFu, TY), b = half_bits(t.sb[u][r] >> 16, TY);
+                    float d = gq_dot<BITS>(t.q[u][r], x4);
+                    if (BITS == 4) { /* s q.x + b sx with q.x = 32 d - 16 sx */
+                        acc[r] += (32.f * s) * d + (b - 16.f * s) * sx;
+                    } else {
+                        acc[r] += s * d + b * sx;
+                    }
+                }
+            }
+        }
+    }
+}
+
+/* Stages xw = x * normw (or x) and the per-chunk sums; returns rr (1 without a norm). */
+template <int EPV>
+__device__ __forceinline__ float gq_stage(const float* xg, int cols, const float* normw, float eps, float* xs,
+                                          float* xsum, float* red) {
+    int nch = cols / EPV;
+    float ss = 0.f;
+    for (int ch = threadIdx.x; ch < nch; ch += blockDim.x) {
+        const float4* x4 = (const float4*)(xg + ch * EPV);
+        const float4* n4 = (const float4*)(normw + ch * EPV);
+        float4* o4 = (float4*)xs;
+        float4 v[EPV / 4];
+#pragma unroll
+        for (int j = 0; j < EPV / 4; j++) v[j] = x4[j];
+        float sum = 0.f;
+#pragma unroll
+        for (int j = 0; j < EPV / 4; j++) {
+            float4 a = v[j];
+            ss += a.x * a.x + a.y * a.y + a.z * a.z + a.w * a.w;
+            if (normw) {
+                float4 nw = n4[j];
+                a = make_float4(a.x * nw.x, a.y * nw.y, a.z * nw.z, a.w * nw.w);
+            }
+            o4[xswz(ch * (EPV / 4) + j)] = a;
+            sum += (a.x + a.y) + (a.z + a.w);
+        }
+        xsum[ch] = sum;
+    }
+    if (!normw) {
+        __syncthreads();
+        return 1.f;
+    }
+    ss = block_sum(ss, red); /* synchronizes the block */
+    return 1.f / sqrtf(ss / (float)cols + eps);
+}
+
+/* moe_down's staging: xs = wts[k] * silu(gu[2k]) * gu[2k+1] for the S slots back to back (xg = gu,
+   wk = wts), swizzled, with the per-chunk sums. */
+template <int EPV>
+__device__ __forceinline__ float moe_stage(const float* gu, const float* wk, int S, int cols, float* xs, float* xsum) {
+    int per = cols / EPV, nch = S * per;
+    for (int ch = threadIdx.x; ch < nch; ch += blockDim.x) {
+        int k = ch / per, c0 = (ch - k * per) * EPV;
+        const float4* g4 = (const float4*)(gu + (long long)(2 * k) * cols + c0);
+        const float4* u4 = (const float4*)(gu + (long long)(2 * k + 1) * cols + c0);
+        float w = wk[k], sum = 0.f;
+#pragma unroll
+        for (int j = 0; j < EPV / 4; j++) {
+            float4 g = g4[j], u = u4[j];
+            float4 h = make_float4(w * (silu_f(g.x) * u.x), w * (silu_f(g.y) * u.y), w * (silu_f(g.z) * u.z),
+                                   w * (silu_f(g.w) * u.w));
+            ((float4*)xs)[xswz(ch * (EPV / 4) + j)] = h;
+            sum += (h.x + h.y) + (h.z + h.w);
+        }
+        xsum[ch] = sum;
+    }
+    __syncthreads();
+    return 1.f;
+}
+
+/* The row-group walk shared by the GEMV and moe_down (MOE: the input is S slots of `cols` staged
+   by moe_stage from xg = gu and normw = wts; slot k's weights are expert ids[k]'s). */
+template <int BITS, int TY, int NR, bool LOADONLY, bool MOE>
+__device__ __forceinline__ void gq_body(const u32* w, const u16* sc, const u16* bi, int group,
+                                        const float* xg, float* y, int rows, int cols, long long E0, int accumulate,
+                                        const float* normw, float eps, float* xs, float* red, const int* ids = 0,
+                                        int S = 1) {
+    constexpr int EPV = 128 / BITS;
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    int n4 = cols / EPV, ng = cols / group, gsh = __ffs(group) - 1;
+    int nv = S * n4;                 /* chunks per (virtual) row */
+    int tpr = (nv + 63) / 64; /* trips per row group */
+    int ngroups = (rows + NR - 1) / NR;
+    int gstride = gridDim.x * GQ_WARPS;
+    int g = blockIdx.x * GQ_WARPS + warp, t = 0;
+    GqTrip<NR> cur, nxt;
+    if (g < ngroups) {
+        int r0 = g * NR;
+        if (MOE)
+            gq_load_moe<BITS, NR>(cur, w, sc, bi, r0, min(NR, rows - r0), n4, nv, ng, gsh, lane, ids, rows);
+        else
+            gq_load<BITS, NR>(cur, w, sc, bi, E0 + r0, min(NR, rows - r0), n4, ng, gsh, lane);
+    }
+    float* xsum = xs + nv * EPV;
+    float rr = MOE ? moe_stage<EPV>(xg, normw, S, cols, xs, xsum) : gq_stage<EPV>(xg, cols, normw, eps, xs, xsum, red);
+    float acc[NR];
+#pragma unroll
+    for (int r = 0; r < NR; r++) acc[r] = 0.f;
+    while (g < ngroups) {
+        int r0 = g * NR, nvalid = min(NR, rows - r0);
+        int g2 = g, t2 = t + 1;
+        if (t2 == tpr) {
+            g2 = g + gstride;
+            t2 = 0;
+        }
+        if (g2 < ngroups) {
+            int r2 = g2 * NR;
+            if (MOE)
+                gq_load_moe<BITS, NR>(nxt, w, sc, bi, r2, min(NR, rows - r2), n4, nv, ng, gsh, t2 * 64 + lane, ids,
+                                      rows);
+            else
+                gq_load<BITS, NR>(nxt, w, sc, bi, E0 + r2, min(NR, rows - r2), n4, ng, gsh, t2 * 64 + lane);
+        }
+        gq_compute<BITS, TY, NR, LOADONLY>(cur, nvalid, nv, t * 64 + lane, xs, xsum, acc);
+        if (t + 1 == tpr) {
+#pragma unroll
+            for (int r = 0; r < NR; r++) {
+                float a = warp_sum(acc[r]) * rr;
+                acc[r] = 0.f;
+                if (lane == 0 && r < nvalid) {
+                    float* o = y + r0 + r;
+                    *o = accumulate ? *o + a : a;
+                }
+            }
+        }
+        cur = nxt;
+        g = g2;
+        t = t2;
+    }
+}
+
+#define GQ_KERNEL(NAME, NR, LOADONLY)                                                                                       \
+    extern "C" __global__ void __launch_bounds__(128) NAME(const void* w, const void* sc, const void* bi, int bits, \
+                                                           int group, int ty, const float* x, long long xstride,   \
+                                                           float* y, int rows, int cols, const int* ids,           \
+                                                           int accumulate, const float* normw, float eps) {        \
+        extern __shared__ __align__(16) float xs[]; /* cols + cols/EPV floats */                                  \
+        __shared__ float red[33];                                                                                  \
+        int z = blockIdx.y;                                                                                        \
+        long long E0 = (long long)(ids ? ids[z] : 0) * rows;                                                       \
+        const float* xg = x + (long long)z * xstride;                                                              \
+        float* yz = y + (long long)z * rows;                                                                       \
+        const u32* W = (const u32*)w;                                                                              \
+        const u16 *S = (const u16*)sc, *B = (const u16*)bi;                                                        \
+        if (bits == 4 && ty == TY_BF16)                                                                            \
+            gq_body<4, TY_BF16, NR, LOADONLY, false>(W, S, B, group, xg, yz, rows, cols, E0, accumulate, normw, eps, xs, red); \
+        else if (bits == 4)                                                                                        \
+            gq_body<4, TY_F16, NR, LOADONLY, false>(W, S, B, group, xg, yz, rows, cols, E0, accumulate, normw, eps, xs, red); \
+        else if (ty == TY_BF16)                                                                                    \
+            gq_body<8, TY_BF16, NR, LOADONLY, false>(W, S, B, group, xg, yz, rows, cols, E0, accumulate, normw, eps, xs, red); \
+        else                                                                                                       \
+            gq_body<8, TY_F16, NR, LOADONLY, false>(W, S, B, group, xg, yz, rows, cols, E0, accumulate, normw, eps, xs, red); \
+    }
+
+GQ_KERNEL(gemv_q, 4, false)
+GQ_KERNEL(gemv_q2, 2, false)
+GQ_KERNEL(gemv_q_loadonly, 4, true)
+
+/* moe_down_q (decode): x[r] += sum_{k < S} wts[k] * (W[ids[k]*rows + r, :] . h_k),
+   h_k = silu(gu[2k, :]) * gu[2k+1, :] (gu [2S, cols]: the gate/up GEMV's output), for MLX 4/8-bit
+   experts (f16/bf16 scales, group a power of two). The block stages wts[k] * h_k for all slots
+   (S*cols <= 8192 floats, swizzled like the GEMV's x) with per-chunk sums; a row's input is then
+   the S slots back to back, chunk c = k*n4 + i read from expert ids[k]. Block 128, grid gx
+   (rows/(2*4) row groups of 2 rows, grid-strided). */
+extern "C" __global__ void __launch_bounds__(128) moe_down_q(const void* w, const void* sc, const void* bi, int bits,
+                                                             int group, int ty, const float* gu, const int* ids,
+                                                             const float* wts, int S, float* x, int rows, int cols) {
+    extern __shared__ __align__(16) float xs[]; /* S*cols + S*cols/EPV floats */
+    const u32* W = (const u32*)w;
+    const u16 *Sc = (const u16*)sc, *B = (const u16*)bi;
+    if (bits == 4 && ty == TY_BF16)
+        gq_body<4, TY_BF16, 2, false, true>(W, Sc, B, group, gu, x, rows, cols, 0, 1, wts, 0.f, xs, 0, ids, S);
+    else if (bits == 4)
+        gq_body<4, TY_F16, 2, false, true>(W, Sc, B, group, gu, x, rows, cols, 0, 1, wts, 0.f, xs, 0, ids, S);
+    else if (ty == TY_BF16)
+        gq_body<8, TY_BF16, 2, false, true>(W, Sc, B, group, gu, x, rows, cols, 0, 1, wts, 0.f, xs, 0, ids, S);
+    else
+        gq_body<8, TY_F16, 2, false, true>(W, Sc, B, group, gu, x, rows, cols, 0, 1, wts, 0.f, xs, 0, ids, S);
+}
