@@ -1,6 +1,7 @@
 //! Micro-benchmark of the CUDA decode GEMV kernels on the Qwen3.6-35B-A3B shapes (MLX 4-bit,
 //! group 64; the router 8-bit): µs per launch and GB/s of weights (codes + scales + biases) for
-//! each kernel variant and grid size, each launch replayed 20 times inside a CUDA graph. Every
+//! each kernel variant and grid size, 20 launches replayed inside a CUDA graph, rotating over
+//! enough copies of the matrix that each launch reads HBM rather than the L2. Every
 //! variant's output is compared with `linear_gemv`'s (max |Δ| over max |y|).
 //! `cargo run --release --example gemv_bench` on a machine with a GPU.
 
@@ -73,17 +74,25 @@ fn main() -> Result<()> {
         let total_rows = c.rows * c.count;
         let wbytes = total_rows * c.cols * c.bits as usize / 8;
         let ng = total_rows * c.cols / 64;
-        let w = GpuLinear {
-            rows: c.rows,
-            cols: c.cols,
-            count: c.count,
-            bits: c.bits,
-            group: 64,
-            ty: 2,
-            w: g.upload_bytes(&rand_bytes(wbytes, 11 + ci as u64))?,
-            s: Some(g.upload_bytes(&bf16_vec(ng, 23 + ci as u64, 0.002, 0.02))?),
-            b: Some(g.upload_bytes(&bf16_vec(ng, 37 + ci as u64, -0.1, 0.0))?),
-        };
+        // Enough copies that consecutive launches read different matrices (over 240 MB: the
+        // 60 MB L2 holds none of them on its next turn), as in a decode step.
+        let copies = (240_000_000 / wbytes).clamp(1, 32);
+        let ws: Vec<GpuLinear> = (0..copies)
+            .map(|k| -> Result<GpuLinear> {
+                Ok(GpuLinear {
+                    rows: c.rows,
+                    cols: c.cols,
+                    count: c.count,
+                    bits: c.bits,
+                    group: 64,
+                    ty: 2,
+                    w: g.upload_bytes(&rand_bytes(wbytes, 11 + ci as u64 + 1000 * k as u64))?,
+                    s: Some(g.upload_bytes(&bf16_vec(ng, 23 + ci as u64, 0.002, 0.02))?),
+                    b: Some(g.upload_bytes(&bf16_vec(ng, 37 + ci as u64, -0.1, 0.0))?),
+                })
+            })
+            .collect::<Result<_>>()?;
+        let w = &ws[0];
         let xs: Vec<f32> = rand_bytes(c.cols, 5).iter().map(|&b| (b as f32 - 127.5) / 64.0).collect();
         let nw: Vec<f32> = rand_bytes(c.cols, 7).iter().map(|&b| 0.5 + b as f32 / 256.0).collect();
         let x = g.upload_f32(&xs)?;
@@ -96,8 +105,8 @@ fn main() -> Result<()> {
         let moved = (c.rows * c.slots) as f64 * (c.cols as f64 * c.bits as f64 / 8.0 + 4.0 * c.cols as f64 / 64.0);
         let mut reference: Option<Vec<f32>> = None;
         for &(k, bpsm) in &variants {
-            let run = || g.gemv_variant(k, bpsm, &w, x.ptr, 0, y.ptr, c.slots, idp, false, norm);
-            run()?;
+            let run_on = |w: &GpuLinear| g.gemv_variant(k, bpsm, w, x.ptr, 0, y.ptr, c.slots, idp, false, norm);
+            run_on(w)?;
             g.sync()?;
             let out = y.read_f32(0, c.rows * c.slots)?;
             let err = match &reference {
@@ -111,8 +120,8 @@ fn main() -> Result<()> {
                 }
             };
             let graph = g.capture(|| {
-                for _ in 0..20 {
-                    run()?;
+                for i in 0..20 {
+                    run_on(&ws[i % ws.len()])?;
                 }
                 Ok(())
             })?;
@@ -160,6 +169,13 @@ fn moe_down_cases(g: &std::sync::Arc<lily::cuda::Gpu>) -> Result<()> {
     let gub = g.upload_f32(&gu)?;
     let ids: Vec<i32> = (0..s).map(|k| if k + 1 == s { 256 } else { (k * 31 + 5) as i32 }).collect();
     let idb = g.upload_bytes(&ids.iter().flat_map(|v| v.to_le_bytes()).collect::<Vec<u8>>())?;
+    // 20 different expert sets (the shared one last in each), so launches do not hit the L2.
+    let idsets: Vec<lily::cuda::DevBuf> = (0..20)
+        .map(|i| {
+            let v: Vec<i32> = (0..s).map(|k| if k + 1 == s { 256 } else { ((i * 8 + k) * 7 % 256) as i32 }).collect();
+            g.upload_bytes(&v.iter().flat_map(|v| v.to_le_bytes()).collect::<Vec<u8>>())
+        })
+        .collect::<Result<_>>()?;
     let wts = g.upload_f32(&[0.2, 0.15, 0.1, 0.1, 0.1, 0.1, 0.05, 0.05, 0.7])?;
     let x = g.zeros(4 * rows)?;
     let moved = (rows * s) as f64 * (cols as f64 / 2.0 + 4.0 * cols as f64 / 64.0);
@@ -169,6 +185,8 @@ fn moe_down_cases(g: &std::sync::Arc<lily::cuda::Gpu>) -> Result<()> {
     println!("|---|---:|---|---:|---:|---:|---:|");
     for (k, bpsm) in [(GemvKernel::Old, 0u32), (GemvKernel::Q2, 1), (GemvKernel::Q2, 2), (GemvKernel::Q2, 4)] {
         let run = || g.moe_down_variant(k, bpsm, &w, gub.ptr, idb.ptr, wts.ptr, s, x.ptr);
+        let run_at =
+            |i: usize| g.moe_down_variant(k, bpsm, &w, gub.ptr, idsets[i % idsets.len()].ptr, wts.ptr, s, x.ptr);
         x.write_f32(0, &vec![0.0; rows])?;
         run()?;
         g.sync()?;
@@ -184,8 +202,8 @@ fn moe_down_cases(g: &std::sync::Arc<lily::cuda::Gpu>) -> Result<()> {
             }
         };
         let graph = g.capture(|| {
-            for _ in 0..20 {
-                run()?;
+            for i in 0..20 {
+                run_at(i)?;
             }
             Ok(())
         })?;

@@ -29,6 +29,7 @@ extern "C" __global__ void attn_prep(const float* qg, const float* kin, const fl
                                      const float* kn, float* q_out, float* kc, float* vc, int nh, int hkv, int hd,
                                      int gated, int rot, const int* pos_p, double theta, float eps,
                                      long long ld) {
+    pdl_begin();
     int pos = pos_p[0] + blockIdx.y;
     qg += blockIdx.y * ld;
     kin += blockIdx.y * ld;
@@ -66,6 +67,7 @@ extern "C" __global__ void attn_prep(const float* qg, const float* kin, const fl
 
 extern "C" __global__ void attn_decode(const float* q, const float* kc, const float* vc, float* part, int nh,
                                        int hkv, int hd, const int* pos_p, float scale) {
+    pdl_begin();
     __shared__ float so[8][256];
     __shared__ float sm[8], sl[8];
     int L = pos_p[0] + 1;
@@ -146,6 +148,7 @@ extern "C" __global__ void attn_decode(const float* q, const float* kc, const fl
 
 extern "C" __global__ void attn_combine(const float* part, const float* qg, float* out, int nh, int hd, int S,
                                         int gated) {
+    pdl_begin();
     int h = blockIdx.x;
     const float* ph = part + (long long)h * S * (hd + 2);
     float M = -INFINITY;

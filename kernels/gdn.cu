@@ -16,8 +16,15 @@
  *   its D_k entries twice (u = S^T k, then the update and o) in unrolled chunks of 32 rows,
  *   coalesced across the block.
  *   Shared: q, k [D_k] (D_k <= 256).
+ *
+ * gdn_step_par: the same step with the column walks split over row parts: block (D_v/32) x P warps
+ *   (P = ceil(D_k/32) <= 32*32/D_v), warp w owns the 32 columns 32*(w mod CG).. (CG = D_v/32) of
+ *   rows 32*(w div CG)..+31; each thread loads its 32 state entries once (all loads issued before
+ *   the q/k norms), keeps them in registers for both passes, and the per-part partial sums of
+ *   S^T k and S^T q are added through shared memory. Same math and state layout as gdn_step.
  */
 extern "C" __global__ void conv_step(const float* x, float* state, const float* w, float* y, int C, int K) {
+    pdl_begin();
     int c = blockIdx.x * blockDim.x + threadIdx.x;
     if (c >= C) return;
     float acc = 0.f;
@@ -33,6 +40,7 @@ extern "C" __global__ void conv_step(const float* x, float* state, const float* 
 extern "C" __global__ void gdn_step(const float* y, const float* bproj, const float* aproj, const float* z,
                                     const float* dt_bias, const float* neg_a, const float* normw, float* S,
                                     float* out, int hk, int hv, int dk, int dv, float eps) {
+    pdl_begin();
     __shared__ float qs[256], ks[256], sh[33];
     int h = blockIdx.x, j = threadIdx.x;
     int kh = h / (hv / hk);
@@ -87,6 +95,74 @@ extern "C" __global__ void gdn_step(const float* y, const float* bproj, const fl
     }
     float ss = block_sum(j < dv ? o * o : 0.f, sh);
     if (j < dv) {
+        float r = 1.f / sqrtf(ss / (float)dv + eps);
+        out[h * dv + j] = o * r * normw[j] * silu_f(z[h * dv + j]);
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(1024) gdn_step_par(const float* y, const float* bproj, const float* aproj,
+                                                                 const float* z, const float* dt_bias, const float* neg_a,
+                                                                 const float* normw, float* S, float* out, int hk, int hv,
+                                                                 int dk, int dv, float eps) {
+    __shared__ float qs[256], ks[256], sh[33];
+    __shared__ float part[1024]; /* [P][D_v] partial sums */
+    int h = blockIdx.x, tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    int cg = dv >> 5, p = warp / cg, j = (warp - p * cg) * 32 + lane;
+    int nparts = blockDim.x / dv;
+    int kh = h / (hv / hk), kd = hk * dk;
+    float* Sh = S + (long long)h * dk * dv;
+    float sv[32];
+    pdl_trigger();
+    /* The state is this kernel's alone within a step (written by this layer's previous step, long
+       complete), so its loads may precede the wait for the previous kernel. */
+#pragma unroll
+    for (int ii = 0; ii < 32; ii++) {
+        int i = p * 32 + ii;
+        sv[ii] = i < dk ? Sh[(long long)i * dv + j] : 0.f;
+    }
+    pdl_wait();
+    float sq = 0.f, sk = 0.f;
+    for (int i = tid; i < dk; i += blockDim.x) {
+        float q = y[kh * dk + i], k = y[kd + kh * dk + i];
+        qs[i] = q;
+        ks[i] = k;
+        sq += q * q;
+        sk += k * k;
+    }
+    sq = block_sum(sq, sh);
+    sk = block_sum(sk, sh);
+    float rq = (1.f / sqrtf((float)dk)) / sqrtf(sq + 1e-6f);
+    float rk = 1.f / sqrtf(sk + 1e-6f);
+    float beta = sigmoid_f(bproj[h]);
+    float alpha = expf(neg_a[h] * softplus_f(aproj[h] + dt_bias[h]));
+    float u = 0.f;
+#pragma unroll
+    for (int ii = 0; ii < 32; ii++) {
+        int i = p * 32 + ii;
+        if (i < dk) u += (alpha * sv[ii]) * (ks[i] * rk);
+    }
+    part[p * dv + j] = u;
+    __syncthreads();
+    u = 0.f;
+    for (int pp = 0; pp < nparts; pp++) u += part[pp * dv + j];
+    float delta = beta * (y[2 * kd + h * dv + j] - u);
+    float o = 0.f;
+#pragma unroll
+    for (int ii = 0; ii < 32; ii++) {
+        int i = p * 32 + ii;
+        if (i < dk) {
+            float s = alpha * sv[ii] + (ks[i] * rk) * delta;
+            Sh[(long long)i * dv + j] = s;
+            o += s * (qs[i] * rq);
+        }
+    }
+    __syncthreads(); /* every thread has read its u partials */
+    part[p * dv + j] = o;
+    __syncthreads();
+    o = 0.f;
+    for (int pp = 0; pp < nparts; pp++) o += part[pp * dv + j];
+    float ss = block_sum(p == 0 ? o * o : 0.f, sh);
+    if (p == 0) {
         float r = 1.f / sqrtf(ss / (float)dv + eps);
         out[h * dv + j] = o * r * normw[j] * silu_f(z[h * dv + j]);
     }

@@ -22,7 +22,9 @@
  *   lane + 32 of every row of the group (2*NR 16-byte loads plus their scale/bias pairs); the
  *   next trip's loads are issued before the current trip is computed (register double buffer),
  *   so every warp keeps one trip of loads in flight while it computes. The first loads are issued
- *   before the staging. After a row group's last trip, one warp reduction per row.
+ *   before the staging (and, launched as a programmatic dependent, before waiting for the
+ *   previous kernel: weights do not depend on it). After a row group's last trip, one warp
+ *   reduction per row.
  */
 #define GQ_WARPS 4
 
@@ -262,6 +264,7 @@ __device__ __forceinline__ void gq_body(const u32* w, const u16* sc, const u16* 
         else
             gq_load<BITS, NR>(cur, w, sc, bi, E0 + r0, min(NR, rows - r0), n4, ng, gsh, lane);
     }
+    pdl_wait(); /* weights are read above, activations only from here on */
     float* xsum = xs + nv * EPV;
     float rr = MOE ? moe_stage<EPV>(xg, normw, S, cols, xs, xsum) : gq_stage<EPV>(xg, cols, normw, eps, xs, xsum, red);
     float acc[NR];
@@ -308,6 +311,8 @@ __device__ __forceinline__ void gq_body(const u32* w, const u16* sc, const u16* 
         extern __shared__ __align__(16) float xs[]; /* cols + cols/EPV floats */                                  \
         __shared__ float red[33];                                                                                  \
         int z = blockIdx.y;                                                                                        \
+        pdl_trigger();                                                                                             \
+        if (ids) pdl_wait(); /* the expert ids come from the previous kernel */                                    \
         long long E0 = (long long)(ids ? ids[z] : 0) * rows;                                                       \
         const float* xg = x + (long long)z * xstride;                                                              \
         float* yz = y + (long long)z * rows;                                                                       \
@@ -337,6 +342,7 @@ extern "C" __global__ void __launch_bounds__(128) moe_down_q(const void* w, cons
                                                              int group, int ty, const float* gu, const int* ids,
                                                              const float* wts, int S, float* x, int rows, int cols) {
     extern __shared__ __align__(16) float xs[]; /* S*cols + S*cols/EPV floats */
+    pdl_begin();
     const u32* W = (const u32*)w;
     const u16 *Sc = (const u16*)sc, *B = (const u16*)bi;
     if (bits == 4 && ty == TY_BF16)

@@ -196,6 +196,7 @@ __device__ __forceinline__ void gemv_body(const void* w, const void* sc, const v
 extern "C" __global__ void __launch_bounds__(256, 2) linear_gemv(const void* w, const void* sc, const void* bi, int bits, int group, int ty,
                                        const float* x, long long xstride, float* y, int rows, int cols,
                                        const int* ids, int accumulate, const float* normw, float eps) {
+    pdl_begin();
     extern __shared__ __align__(16) float xsh[]; /* cols floats (dynamic, 0 when cols > GEMV_XMAX) */
     __shared__ float red[33];
     int warp = threadIdx.x >> 5;
@@ -256,6 +257,7 @@ __device__ __forceinline__ void moe_down_rows(const u32* w, const void* sc, cons
 extern "C" __global__ void moe_down(const void* w, const void* sc, const void* bi, int bits, int group, int ty,
                                     const float* gu, const int* ids, const float* wts, int S, float* x, int rows,
                                     int cols) {
+    pdl_begin();
     extern __shared__ __align__(16) float hs[]; /* S*cols floats (dynamic) */
     {
         /* float4 items, all of a thread's loads (at most 8 gate + 8 up) issued in one round */
@@ -306,6 +308,7 @@ extern "C" __global__ void moe_down(const void* w, const void* sc, const void* b
 
 extern "C" __global__ void embed_row(const void* w, const void* sc, const void* bi, int bits, int group, int ty,
                                      const int* row, int cols, float* out) {
+    pdl_begin();
     int c = blockIdx.x * blockDim.x + threadIdx.x;
     if (c < cols) out[(long long)blockIdx.y * cols + c] = dequant_elem(w, sc, bi, bits, group, ty, row[blockIdx.y], cols, c);
 }

@@ -28,6 +28,7 @@
  */
 extern "C" __global__ void moe_topk(const float* logits, int E, int K, int renorm, int* ids, float* wout,
                                     int* ids2, long long lstride, int shared) {
+    pdl_begin();
     __shared__ float ls[1024];
     logits += blockIdx.x * lstride;
     ids += blockIdx.x * K;

@@ -9,6 +9,7 @@
  * add:       x[i] += y[i]                                                grid ceil(n/256), block 256
  */
 extern "C" __global__ void rms_norm(const float* x, const float* w, float* y, int d, float eps) {
+    pdl_begin();
     __shared__ float sh[33];
     const float* xr = x + (long long)blockIdx.x * d;
     float* yr = y + (long long)blockIdx.x * d;
@@ -20,11 +21,13 @@ extern "C" __global__ void rms_norm(const float* x, const float* w, float* y, in
 }
 
 extern "C" __global__ void silu_mul(const float* g, const float* u, float* h, int n) {
+    pdl_begin();
     int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) h[i] = silu_f(g[i]) * u[i];
 }
 
 extern "C" __global__ void silu_mul_pairs(const float* gu, float* h, int n, int pairs) {
+    pdl_begin();
     int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= n * pairs) return;
     int k = i / n, j = i - k * n;
@@ -32,6 +35,7 @@ extern "C" __global__ void silu_mul_pairs(const float* gu, float* h, int n, int 
 }
 
 extern "C" __global__ void add_inplace(float* x, const float* y, int n) {
+    pdl_begin();
     int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) x[i] += y[i];
 }

@@ -5,6 +5,7 @@
  *   grid 1, block 1024: a strided scan per thread, then a shared-memory tree over the block.
  */
 extern "C" __global__ void argmax(const float* x, int n, int* out) {
+    pdl_begin();
     __shared__ float bv[1024];
     __shared__ int bi[1024];
     float v = -INFINITY;

@@ -80,6 +80,14 @@ if [ "$BENCH_CONTEXTS" != none ]; then
   timeout "${BENCH_TIMEOUT:-420}" .gpu/x/bin/lily bench --device cuda --model synthetic:qwen3.6-35b-a3b \
     --contexts "$BENCH_CONTEXTS" 2>&1 | tee "$OUTDIR/bench.txt" || status=1
 fi
+if [ -n "${ABLATE:-}" ]; then
+  echo "== ablation: decode tok/s at context 256 with kernels left out (LILY_CUDA_SKIP; garbage results)"
+  for k in none $ABLATE; do
+    r=$(LILY_CUDA_SKIP=$k timeout 120 .gpu/x/bin/lily bench --device cuda --model synthetic:qwen3.6-35b-a3b \
+      --contexts 256 --json 2>/dev/null | python3 -c 'import json,sys; d=json.loads(sys.stdin.read().strip().splitlines()[-1]); print(round(d["rows"][0]["decode_tokens_per_s"], 1))' 2>&1 | tail -1)
+    echo "| $k | $r |"
+  done
+fi
 kill $SAMPLER 2>/dev/null || true
 echo "== SM clock while busy (MHz: samples, min, median, max; throttle reasons seen)"
 python3 - "$OUTDIR/clocks.csv" <<'PY' || true

@@ -134,12 +134,16 @@ fn gemv_with_device_expert_ids_matches_cpu() {
     }
 }
 
-/// conv_step + gdn_step for several tokens (state carried) against the CPU ops of model.rs.
+/// conv_step + gdn_step for several tokens (state carried) against the CPU ops of model.rs; the
+/// last two shapes take the row-split kernel with a ragged last part (D_k 40) and the serial one
+/// (D_v x D_k too large for one block).
 #[test]
 fn gdn_decode_steps_match_cpu() {
     let Some(g) = gpu() else { return };
     let mut r = rng(5);
-    for (hk, hv, dk, dv) in [(2usize, 4usize, 32usize, 32usize), (16, 32, 128, 128), (3, 3, 64, 96)] {
+    for (hk, hv, dk, dv) in
+        [(2usize, 4usize, 32usize, 32usize), (16, 32, 128, 128), (3, 3, 64, 96), (2, 4, 40, 64), (2, 2, 256, 160)]
+    {
         let d = GdnDims { hk, hv, dk, dv };
         let (kd, vd) = (hk * dk, hv * dv);
         let c = 2 * kd + vd;

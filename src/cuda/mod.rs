@@ -52,7 +52,7 @@ pub const SOURCES: [(&str, &str); 11] = [
 ];
 
 /// Kernel entry points loaded from the module.
-pub const KERNELS: [&str; 31] = [
+pub const KERNELS: [&str; 32] = [
     "rms_norm",
     "silu_mul",
     "silu_mul_pairs",
@@ -69,6 +69,7 @@ pub const KERNELS: [&str; 31] = [
     "embed_row",
     "conv_step",
     "gdn_step",
+    "gdn_step_par",
     "conv_prefill",
     "conv_state",
     "gdn_qk_prep",
@@ -216,6 +217,9 @@ pub struct Gpu {
     pub total_mem: usize,
     /// Streaming multiprocessors (grid sizes of the persistent kernels).
     pub sms: u32,
+    /// Programmatic dependent launch for [`PDL_KERNELS`]: on devices that have it (compute
+    /// capability 9.0+) unless `LILY_CUDA_PDL=0`.
+    pub pdl: bool,
     funcs: HashMap<&'static str, sys::CUfunction>,
     /// The stream every kernel runs on: a blocking stream (it synchronizes with the legacy
     /// default stream, which the synchronous copies use) that CUDA graphs can capture.
@@ -226,6 +230,42 @@ pub struct Gpu {
 // context current (every entry point binds it).
 unsafe impl Send for Gpu {}
 unsafe impl Sync for Gpu {}
+
+/// Kernels that call `pdl_wait()` before touching activations (kernels/common.cuh) and so may be
+/// launched as programmatic dependents: their launch and weight reads overlap the previous
+/// kernel's tail.
+pub const PDL_KERNELS: [&str; 18] = [
+    "attn_prep",
+    "attn_decode",
+    "attn_combine",
+    "conv_step",
+    "gdn_step",
+    "gdn_step_par",
+    "moe_down",
+    "moe_down_q",
+    "embed_row",
+    "moe_topk",
+    "argmax",
+    "linear_gemv",
+    "gemv_q",
+    "gemv_q2",
+    "rms_norm",
+    "silu_mul",
+    "silu_mul_pairs",
+    "add_inplace",
+];
+
+/// `LILY_CUDA_SKIP=k1,k2`: a timing experiment that launches nothing for the named kernels
+/// (results are garbage; `lily bench` then shows what those kernels cost inside the replayed
+/// step, overlap and launch gaps included).
+fn skipped(name: &str) -> bool {
+    static S: OnceLock<Vec<String>> = OnceLock::new();
+    S.get_or_init(|| {
+        std::env::var("LILY_CUDA_SKIP").map_or(Vec::new(), |v| v.split(',').map(|s| s.trim().to_string()).collect())
+    })
+    .iter()
+    .any(|s| s == name)
+}
 
 /// `LILY_CUDA_PROFILE=1`: time every launch with a pair of device events around it (recorded in
 /// the stream, read in batches, so launches still queue ahead of the GPU; graphs are off) and
@@ -334,7 +374,8 @@ impl Gpu {
             funcs.insert(k, f);
         }
         let stream = drv::stream::create(drv::stream::StreamKind::Default).map_err(|e| anyhow!("{e:?}"))?;
-        Ok(Gpu { ctx, name, arch, total_mem, sms, funcs, stream })
+        let pdl = maj >= 9 && std::env::var("LILY_CUDA_PDL").map_or(true, |v| v != "0");
+        Ok(Gpu { ctx, name, arch, total_mem, sms, pdl, funcs, stream })
     }
 
     /// Makes the context current on this thread (sessions may move between threads).
@@ -357,6 +398,9 @@ impl Gpu {
         args: &[Arg],
     ) -> Result<()> {
         let f = *self.funcs.get(name).ok_or_else(|| anyhow!("unknown kernel {name}"))?;
+        if skipped(name) {
+            return Ok(());
+        }
         let mut slots: Vec<u64> = args
             .iter()
             .map(|a| match *a {
@@ -370,10 +414,34 @@ impl Gpu {
         let mut ptrs: Vec<*mut c_void> = slots.iter_mut().map(|s| s as *mut u64 as *mut c_void).collect();
         let prof = profiling();
         let t0 = if prof { Some(self.event_now()?) } else { None };
-        // SAFETY: the argument list matches the kernel's signature (checked by the typed wrappers
-        // in ops.rs); every pointer is a live device allocation of the size the kernel reads.
-        unsafe { drv::launch_kernel(f, grid, (block, 1, 1), shared, self.stream, &mut ptrs) }
-            .map_err(|e| anyhow!("launching {name}: {e:?}"))?;
+        if self.pdl && PDL_KERNELS.contains(&name) {
+            // SAFETY: a plain C struct for which all-zero bytes are a valid value.
+            let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
+            attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+            attr.value.programmaticStreamSerializationAllowed = 1;
+            let cfg = sys::CUlaunchConfig {
+                gridDimX: grid.0,
+                gridDimY: grid.1,
+                gridDimZ: grid.2,
+                blockDimX: block,
+                blockDimY: 1,
+                blockDimZ: 1,
+                sharedMemBytes: shared,
+                hStream: self.stream,
+                attrs: &mut attr,
+                numAttrs: 1,
+            };
+            // SAFETY: as for launch_kernel below; cfg and attr outlive the call.
+            unsafe { sys::cuLaunchKernelEx(&cfg, f, ptrs.as_mut_ptr(), std::ptr::null_mut()) }
+                .result()
+                .map_err(|e| anyhow!("launching {name}: {e:?}"))?;
+        } else {
+            // SAFETY: the argument list matches the kernel's signature (checked by the typed
+            // wrappers in ops.rs); every pointer is a live device allocation of the size the
+            // kernel reads.
+            unsafe { drv::launch_kernel(f, grid, (block, 1, 1), shared, self.stream, &mut ptrs) }
+                .map_err(|e| anyhow!("launching {name}: {e:?}"))?;
+        }
         if let Some(t0) = t0 {
             let t1 = self.event_now()?;
             let mut pending = PENDING.lock().unwrap();
@@ -449,7 +517,8 @@ impl Gpu {
 
     /// The NVRTC options the kernels were compiled with.
     pub fn kernel_flags(&self) -> String {
-        format!("nvrtc --gpu-architecture={} --std=c++17", self.arch)
+        let pdl = if self.pdl { ", programmatic dependent launch" } else { "" };
+        format!("nvrtc --gpu-architecture={} --std=c++17{pdl}", self.arch)
     }
 
     /// Records the launches `f` makes on the stream into a graph (nothing runs yet).

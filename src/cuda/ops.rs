@@ -666,10 +666,14 @@ impl Gpu {
         if !p.dv.is_multiple_of(32) || p.dv > 1024 || p.dk > 256 || !p.hv.is_multiple_of(p.hk) {
             bail!("gdn_step: unsupported head dims (D_v {} D_k {})", p.dv, p.dk);
         }
+        // The row-split kernel when D_v x ceil(D_k/32)*32 fits one block (Qwen3.6: 128 x 128).
+        let threads = p.dv * p.dk.div_ceil(32);
+        let par = threads <= 1024 && std::env::var("LILY_CUDA_GDN_STEP").as_deref() != Ok("serial");
+        let (name, block) = if par { ("gdn_step_par", threads as u32) } else { ("gdn_step", p.dv as u32) };
         self.launch(
-            "gdn_step",
+            name,
             (p.hv as u32, 1, 1),
-            p.dv as u32,
+            block,
             &[
                 Arg::P(p.y),
                 Arg::P(p.b),
