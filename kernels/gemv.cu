@@ -18,8 +18,9 @@
  * Geometry: block 128 = 4 warps, grid (gx, slots), gx chosen by the host to fill the GPU once
  *   (a few blocks per SM). The block stages xw and the chunk sums in dynamic shared memory
  *   (cols + cols/EPV floats, cols <= 8192, float4 slots swizzled against bank conflicts) once, then each warp walks row groups of NR rows,
- *   grid-strided. A row group is read in trips: per trip each lane loads chunks lane and
- *   lane + 32 of every row of the group (2*NR 16-byte loads plus their scale/bias pairs); the
+ *   grid-strided. A row group is read in trips: per trip each lane loads chunks lane, lane + 32,
+ *   ..., lane + 32(U-1) of every row of the group (U*NR 16-byte loads plus their scale/bias
+ *   pairs; the GEMV uses U = 2, NR = 2 (gemv_q2) or 4 (gemv_q)); the
  *   next trip's loads are issued before the current trip is computed (register double buffer),
  *   so every warp keeps one trip of loads in flight while it computes. The first loads are issued
  *   before the staging (and, launched as a programmatic dependent, before waiting for the
@@ -28,10 +29,10 @@
  */
 #define GQ_WARPS 4
 
-template <int NR>
+template <int NR, int U>
 struct GqTrip {
-    uint4 q[2][NR];
-    u32 sb[2][NR]; /* scale bits (low half), bias bits (high half) */
+    uint4 q[U][NR];
+    u32 sb[U][NR]; /* scale bits (low half), bias bits (high half) */
 };
 
 __device__ __forceinline__ uint4 ldg_stream(const uint4* p) {
@@ -52,8 +53,8 @@ __device__ __forceinline__ float half_bits(u32 h, int ty) {
     return ty == TY_BF16 ? bf16_to_f32((u16)h) : f16_to_f32((u16)h);
 }
 
-template <int BITS, int NR>
-__device__ __forceinline__ void gq_load(GqTrip<NR>& t, const u32* w, const u16* sc, const u16* bi, long long R0,
+template <int BITS, int NR, int U>
+__device__ __forceinline__ void gq_load(GqTrip<NR, U>& t, const u32* w, const u16* sc, const u16* bi, long long R0,
                                         int nvalid, int n4, int ng, int gsh, int i0) {
     constexpr int EPV = 128 / BITS;
     const uint4* wr = (const uint4*)w + R0 * n4 + i0;
@@ -63,7 +64,7 @@ __device__ __forceinline__ void gq_load(GqTrip<NR>& t, const u32* w, const u16* 
 #pragma unroll
     for (int r = 0; r < NR; r++) {
 #pragma unroll
-        for (int u = 0; u < 2; u++) {
+        for (int u = 0; u < U; u++) {
             if (r < nvalid && i0 + 32 * u < n4) {
                 t.q[u][r] = ldg_stream(wr + r * n4 + 32 * u);
                 int o = r * ng + u * gstep;
@@ -74,13 +75,13 @@ __device__ __forceinline__ void gq_load(GqTrip<NR>& t, const u32* w, const u16* 
 }
 
 /* moe_down's loads: virtual chunk c = k * n4 + i is chunk i of row R0 + r of expert ids[k]. */
-template <int BITS, int NR>
-__device__ __forceinline__ void gq_load_moe(GqTrip<NR>& t, const u32* w, const u16* sc, const u16* bi, int R0,
+template <int BITS, int NR, int U>
+__device__ __forceinline__ void gq_load_moe(GqTrip<NR, U>& t, const u32* w, const u16* sc, const u16* bi, int R0,
                                             int nvalid, int n4, int nv, int ng, int gsh, int i0, const int* ids,
                                             int rows) {
     constexpr int EPV = 128 / BITS;
 #pragma unroll
-    for (int u = 0; u < 2; u++) {
+    for (int u = 0; u < U; u++) {
         int c = i0 + 32 * u;
         if (c < nv) {
             int k = c / n4, i = c - k * n4;
@@ -147,20 +148,20 @@ __device__ __forceinline__ float gq_dot(uint4 q4, const float4 (&x4)[32 / BITS])
     return a + b;
 }
 
-template <int BITS, int TY, int NR, bool LOADONLY>
-__device__ __forceinline__ void gq_compute(const GqTrip<NR>& t, int nvalid, int n4, int i0,
+template <int BITS, int TY, int NR, int U, bool LOADONLY>
+__device__ __forceinline__ void gq_compute(const GqTrip<NR, U>& t, int nvalid, int n4, int i0,
                                            const float* xs, const float* xsum, float* acc) {
     constexpr int EPV = 128 / BITS;
     if (LOADONLY) { /* timing experiment: consume the loads, no arithmetic */
 #pragma unroll
-        for (int u = 0; u < 2; u++)
+        for (int u = 0; u < U; u++)
 #pragma unroll
             for (int r = 0; r < NR; r++)
                 acc[r] += __uint_as_float((t.q[u][r].x ^ t.q[u][r].y ^ t.q[u][r].z ^ t.q[u][r].w ^ t.sb[u][r]) & 0x3FFFFFu);
         return;
     }
 #pragma unroll
-    for (int u = 0; u < 2; u++) {
+    for (int u = 0; u < U; u++) {
         int i = i0 + 32 * u;
         if (i < n4) {
             float sx = xsum[i];
@@ -243,7 +244,7 @@ __device__ __forceinline__ float moe_stage(const float* gu, const float* wk, int
 
 /* The row-group walk shared by the GEMV and moe_down (MOE: the input is S slots of `cols` staged
    by moe_stage from xg = gu and normw = wts; slot k's weights are expert ids[k]'s). */
-template <int BITS, int TY, int NR, bool LOADONLY, bool MOE>
+template <int BITS, int TY, int NR, int U, bool LOADONLY, bool MOE>
 __device__ __forceinline__ void gq_body(const u32* w, const u16* sc, const u16* bi, int group,
                                         const float* xg, float* y, int rows, int cols, long long E0, int accumulate,
                                         const float* normw, float eps, float* xs, float* red, const int* ids = 0,
@@ -252,17 +253,17 @@ __device__ __forceinline__ void gq_body(const u32* w, const u16* sc, const u16* 
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     int n4 = cols / EPV, ng = cols / group, gsh = __ffs(group) - 1;
     int nv = S * n4;                 /* chunks per (virtual) row */
-    int tpr = (nv + 63) / 64; /* trips per row group */
+    int tpr = (nv + 32 * U - 1) / (32 * U); /* trips per row group */
     int ngroups = (rows + NR - 1) / NR;
     int gstride = gridDim.x * GQ_WARPS;
     int g = blockIdx.x * GQ_WARPS + warp, t = 0;
-    GqTrip<NR> cur, nxt;
+    GqTrip<NR, U> cur, nxt;
     if (g < ngroups) {
         int r0 = g * NR;
         if (MOE)
-            gq_load_moe<BITS, NR>(cur, w, sc, bi, r0, min(NR, rows - r0), n4, nv, ng, gsh, lane, ids, rows);
+            gq_load_moe<BITS, NR, U>(cur, w, sc, bi, r0, min(NR, rows - r0), n4, nv, ng, gsh, lane, ids, rows);
         else
-            gq_load<BITS, NR>(cur, w, sc, bi, E0 + r0, min(NR, rows - r0), n4, ng, gsh, lane);
+            gq_load<BITS, NR, U>(cur, w, sc, bi, E0 + r0, min(NR, rows - r0), n4, ng, gsh, lane);
     }
     pdl_wait(); /* weights are read above, activations only from here on */
     float* xsum = xs + nv * EPV;
@@ -280,12 +281,12 @@ __device__ __forceinline__ void gq_body(const u32* w, const u16* sc, const u16* 
         if (g2 < ngroups) {
             int r2 = g2 * NR;
             if (MOE)
-                gq_load_moe<BITS, NR>(nxt, w, sc, bi, r2, min(NR, rows - r2), n4, nv, ng, gsh, t2 * 64 + lane, ids,
+                gq_load_moe<BITS, NR, U>(nxt, w, sc, bi, r2, min(NR, rows - r2), n4, nv, ng, gsh, t2 * 32 * U + lane, ids,
                                       rows);
             else
-                gq_load<BITS, NR>(nxt, w, sc, bi, E0 + r2, min(NR, rows - r2), n4, ng, gsh, t2 * 64 + lane);
+                gq_load<BITS, NR, U>(nxt, w, sc, bi, E0 + r2, min(NR, rows - r2), n4, ng, gsh, t2 * 32 * U + lane);
         }
-        gq_compute<BITS, TY, NR, LOADONLY>(cur, nvalid, nv, t * 64 + lane, xs, xsum, acc);
+        gq_compute<BITS, TY, NR, U, LOADONLY>(cur, nvalid, nv, t * 32 * U + lane, xs, xsum, acc);
         if (t + 1 == tpr) {
 #pragma unroll
             for (int r = 0; r < NR; r++) {
@@ -319,13 +320,13 @@ __device__ __forceinline__ void gq_body(const u32* w, const u16* sc, const u16* 
         const u32* W = (const u32*)w;                                                                              \
         const u16 *S = (const u16*)sc, *B = (const u16*)bi;                                                        \
         if (bits == 4 && ty == TY_BF16)                                                                            \
-            gq_body<4, TY_BF16, NR, LOADONLY, false>(W, S, B, group, xg, yz, rows, cols, E0, accumulate, normw, eps, xs, red); \
+            gq_body<4, TY_BF16, NR, 2, LOADONLY, false>(W, S, B, group, xg, yz, rows, cols, E0, accumulate, normw, eps, xs, red); \
         else if (bits == 4)                                                                                        \
-            gq_body<4, TY_F16, NR, LOADONLY, false>(W, S, B, group, xg, yz, rows, cols, E0, accumulate, normw, eps, xs, red); \
+            gq_body<4, TY_F16, NR, 2, LOADONLY, false>(W, S, B, group, xg, yz, rows, cols, E0, accumulate, normw, eps, xs, red); \
         else if (ty == TY_BF16)                                                                                    \
-            gq_body<8, TY_BF16, NR, LOADONLY, false>(W, S, B, group, xg, yz, rows, cols, E0, accumulate, normw, eps, xs, red); \
+            gq_body<8, TY_BF16, NR, 2, LOADONLY, false>(W, S, B, group, xg, yz, rows, cols, E0, accumulate, normw, eps, xs, red); \
         else                                                                                                       \
-            gq_body<8, TY_F16, NR, LOADONLY, false>(W, S, B, group, xg, yz, rows, cols, E0, accumulate, normw, eps, xs, red); \
+            gq_body<8, TY_F16, NR, 2, LOADONLY, false>(W, S, B, group, xg, yz, rows, cols, E0, accumulate, normw, eps, xs, red); \
     }
 
 GQ_KERNEL(gemv_q, 4, false)
@@ -337,7 +338,9 @@ GQ_KERNEL(gemv_q_loadonly, 4, true)
    experts (f16/bf16 scales, group a power of two). The block stages wts[k] * h_k for all slots
    (S*cols <= 8192 floats, swizzled like the GEMV's x) with per-chunk sums; a row's input is then
    the S slots back to back, chunk c = k*n4 + i read from expert ids[k]. Block 128, grid gx
-   (rows/(2*4) row groups of 2 rows, grid-strided). */
+   (grid-strided over rows, one row per warp with MD_U chunks per lane in flight). */
+#define MD_NR 1 /* rows per warp */
+#define MD_U 5  /* chunks per lane per trip: a whole row of 9 slots x 512 4-bit columns in flight */
 extern "C" __global__ void __launch_bounds__(128) moe_down_q(const void* w, const void* sc, const void* bi, int bits,
                                                              int group, int ty, const float* gu, const int* ids,
                                                              const float* wts, int S, float* x, int rows, int cols) {
@@ -346,11 +349,46 @@ extern "C" __global__ void __launch_bounds__(128) moe_down_q(const void* w, cons
     const u32* W = (const u32*)w;
     const u16 *Sc = (const u16*)sc, *B = (const u16*)bi;
     if (bits == 4 && ty == TY_BF16)
-        gq_body<4, TY_BF16, 2, false, true>(W, Sc, B, group, gu, x, rows, cols, 0, 1, wts, 0.f, xs, 0, ids, S);
+        gq_body<4, TY_BF16, MD_NR, MD_U, false, true>(W, Sc, B, group, gu, x, rows, cols, 0, 1, wts, 0.f, xs, 0, ids, S);
     else if (bits == 4)
-        gq_body<4, TY_F16, 2, false, true>(W, Sc, B, group, gu, x, rows, cols, 0, 1, wts, 0.f, xs, 0, ids, S);
+        gq_body<4, TY_F16, MD_NR, MD_U, false, true>(W, Sc, B, group, gu, x, rows, cols, 0, 1, wts, 0.f, xs, 0, ids, S);
     else if (ty == TY_BF16)
-        gq_body<8, TY_BF16, 2, false, true>(W, Sc, B, group, gu, x, rows, cols, 0, 1, wts, 0.f, xs, 0, ids, S);
+        gq_body<8, TY_BF16, MD_NR, MD_U, false, true>(W, Sc, B, group, gu, x, rows, cols, 0, 1, wts, 0.f, xs, 0, ids, S);
     else
-        gq_body<8, TY_F16, 2, false, true>(W, Sc, B, group, gu, x, rows, cols, 0, 1, wts, 0.f, xs, 0, ids, S);
+        gq_body<8, TY_F16, MD_NR, MD_U, false, true>(W, Sc, B, group, gu, x, rows, cols, 0, 1, wts, 0.f, xs, 0, ids, S);
+}
+
+/* gemv_q2_routed (decode MoE gate/up with the routing folded in): every block first runs the
+   top-K of the router logits (route_topk in moe.cu: E routed experts, K chosen, the shared
+   expert as slot K), then computes slot z = grid.y of the gate/up GEMV over the 2(K+1) matrices
+   2*chosen[z/2] + z%2 of the interleaved gate/up stack (normalized input as gemv_q2).
+   Block (0, 0) also writes ids/wts [K+1] for moe_down_q. Saves the separate top-K launch. */
+extern "C" __global__ void __launch_bounds__(128) gemv_q2_routed(const void* w, const void* sc, const void* bi, int bits,
+                                                                 int group, int ty, const float* x, float* y, int rows,
+                                                                 int cols, const float* normw, float eps,
+                                                                 const float* logits, int E, int K, int renorm,
+                                                                 int* ids_out, float* wts_out) {
+    extern __shared__ __align__(16) float xs[];
+    __shared__ float red[33], ls[1024], wsel[65];
+    __shared__ int chosen[65];
+    pdl_begin();
+    if (threadIdx.x < 32) route_topk(logits, E, K, renorm, 1, ls, chosen, wsel);
+    __syncthreads();
+    if (blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x <= K) {
+        ids_out[threadIdx.x] = chosen[threadIdx.x];
+        wts_out[threadIdx.x] = wsel[threadIdx.x];
+    }
+    int z = blockIdx.y;
+    long long E0 = (long long)(2 * chosen[z >> 1] + (z & 1)) * rows;
+    float* yz = y + (long long)z * rows;
+    const u32* W = (const u32*)w;
+    const u16 *S = (const u16*)sc, *B = (const u16*)bi;
+    if (bits == 4 && ty == TY_BF16)
+        gq_body<4, TY_BF16, 2, 2, false, false>(W, S, B, group, x, yz, rows, cols, E0, 0, normw, eps, xs, red);
+    else if (bits == 4)
+        gq_body<4, TY_F16, 2, 2, false, false>(W, S, B, group, x, yz, rows, cols, E0, 0, normw, eps, xs, red);
+    else if (ty == TY_BF16)
+        gq_body<8, TY_BF16, 2, 2, false, false>(W, S, B, group, x, yz, rows, cols, E0, 0, normw, eps, xs, red);
+    else
+        gq_body<8, TY_F16, 2, 2, false, false>(W, S, B, group, x, yz, rows, cols, E0, 0, normw, eps, xs, red);
 }

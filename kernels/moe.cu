@@ -26,15 +26,12 @@
  *   (shared expert gate); ye [K, H] expert outputs, ys [H] shared expert output (ys may be null).
  *   grid ceil(H/256), block 256.
  */
-extern "C" __global__ void moe_topk(const float* logits, int E, int K, int renorm, int* ids, float* wout,
-                                    int* ids2, long long lstride, int shared) {
-    pdl_begin();
-    __shared__ float ls[1024];
-    logits += blockIdx.x * lstride;
-    ids += blockIdx.x * K;
-    wout += blockIdx.x * K;
-    __shared__ int chosen[64];
-    int lane = threadIdx.x;
+/* The top-K routing of one token, run by one warp (lane = threadIdx.x & 31): ls (shared, E
+   floats) is scratch; chosen[0..K) and wsel[0..K) (shared) get the experts and their weights, and
+   with `shared` chosen[K] = E, wsel[K] = sigmoid(logits[E]). Visible to the warp on return. */
+__device__ __forceinline__ void route_topk(const float* logits, int E, int K, int renorm, int shared, float* ls,
+                                           int* chosen, float* wsel) {
+    int lane = threadIdx.x & 31;
     float mx = -INFINITY;
     for (int e = lane; e < E; e += 32) {
         ls[e] = logits[e];
@@ -68,21 +65,32 @@ extern "C" __global__ void moe_topk(const float* logits, int E, int K, int renor
         float sel = 0.f;
         for (int k = 0; k < K; k++) sel += expf(logits[chosen[k]] - mx);
         float den = renorm ? sel : tot;
-        for (int k = 0; k < K; k++) {
-            ids[k] = chosen[k];
-            wout[k] = expf(logits[chosen[k]] - mx) / den;
-            if (ids2) {
-                ids2[2 * k] = 2 * chosen[k];
-                ids2[2 * k + 1] = 2 * chosen[k] + 1;
-            }
-        }
+        for (int k = 0; k < K; k++) wsel[k] = expf(logits[chosen[k]] - mx) / den;
         if (shared) {
-            ids[K] = E;
-            wout[K] = sigmoid_f(logits[E]);
-            if (ids2) {
-                ids2[2 * K] = 2 * E;
-                ids2[2 * K + 1] = 2 * E + 1;
-            }
+            chosen[K] = E;
+            wsel[K] = sigmoid_f(logits[E]);
+        }
+    }
+    __syncwarp();
+}
+
+extern "C" __global__ void moe_topk(const float* logits, int E, int K, int renorm, int* ids, float* wout,
+                                    int* ids2, long long lstride, int shared) {
+    pdl_begin();
+    __shared__ float ls[1024];
+    __shared__ int chosen[65];
+    __shared__ float wsel[65];
+    logits += blockIdx.x * lstride;
+    ids += blockIdx.x * K;
+    wout += blockIdx.x * K;
+    route_topk(logits, E, K, renorm, shared, ls, chosen, wsel);
+    int n = K + (shared ? 1 : 0);
+    for (int k = threadIdx.x; k < n; k += 32) {
+        ids[k] = chosen[k];
+        wout[k] = wsel[k];
+        if (ids2) {
+            ids2[2 * k] = 2 * chosen[k];
+            ids2[2 * k + 1] = 2 * chosen[k] + 1;
         }
     }
 }

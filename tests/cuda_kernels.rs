@@ -369,6 +369,24 @@ fn fused_decode_moe_matches_cpu() {
         g.gemv_norm(&gu, xb.ptr, (nwb.ptr, 1e-6), egu.ptr, 2 * (k + 1), ids2.ptr, false).unwrap();
         g.moe_down(&dn, egu.ptr, ids.ptr, wts.ptr, k + 1, xb.ptr).unwrap();
         check(&format!("fused decode MoE q{bits} E{e} K{k} H{h} I{inter}"), &xb.read_f32(0, h).unwrap(), &want, TOL);
+        // Routing folded into the gate/up GEMV (gemv_q2_routed), then the down projection.
+        let (ids_r, wts_r) = (g.zeros(4 * (k + 1)).unwrap(), g.zeros(4 * (k + 1)).unwrap());
+        let egu_r = g.upload_f32(&vec![f32::NAN; 2 * (k + 1) * inter]).unwrap();
+        let route = (lb.ptr, e, k, true);
+        xb.write_f32(0, &x).unwrap(); // moe_down above added into it
+        g.gemv_routed(&gu, xb.ptr, (nwb.ptr, 1e-6), egu_r.ptr, route, ids_r.ptr, wts_r.ptr).unwrap();
+        assert_eq!(ids_r.read_i32(k + 1).unwrap(), want_ids, "routed gate/up: ids");
+        let want_w: Vec<f32> = slots.iter().map(|(_, w)| *w).collect();
+        check("routed gate/up: weights", &wts_r.read_f32(0, k + 1).unwrap(), &want_w, TOL);
+        check(
+            "routed gate/up: gate/up rows",
+            &egu_r.read_f32(0, 2 * (k + 1) * inter).unwrap(),
+            &egu.read_f32(0, 2 * (k + 1) * inter).unwrap(),
+            TOL,
+        );
+        xb.write_f32(0, &x).unwrap();
+        g.moe_down(&dn, egu_r.ptr, ids_r.ptr, wts_r.ptr, k + 1, xb.ptr).unwrap();
+        check(&format!("routed decode MoE q{bits} E{e} K{k}"), &xb.read_f32(0, h).unwrap(), &want, TOL);
         for (kern, bpsm) in [(GemvKernel::Old, 0), (GemvKernel::Q2, 1), (GemvKernel::Q2, 4)] {
             xb.write_f32(0, &x).unwrap();
             g.moe_down_variant(kern, bpsm, &dn, egu.ptr, ids.ptr, wts.ptr, k + 1, xb.ptr).unwrap();

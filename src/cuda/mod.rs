@@ -41,18 +41,18 @@ pub const SOURCES: [(&str, &str); 11] = [
     ("common.cuh", include_str!("../../kernels/common.cuh")),
     ("norm.cu", include_str!("../../kernels/norm.cu")),
     ("linear.cu", include_str!("../../kernels/linear.cu")),
-    ("gemv.cu", include_str!("../../kernels/gemv.cu")),
     ("gemm.cu", include_str!("../../kernels/gemm.cu")),
     ("gdn.cu", include_str!("../../kernels/gdn.cu")),
     ("gdn_prefill.cu", include_str!("../../kernels/gdn_prefill.cu")),
     ("attention.cu", include_str!("../../kernels/attention.cu")),
     ("attention_prefill.cu", include_str!("../../kernels/attention_prefill.cu")),
     ("moe.cu", include_str!("../../kernels/moe.cu")),
+    ("gemv.cu", include_str!("../../kernels/gemv.cu")),
     ("sampling.cu", include_str!("../../kernels/sampling.cu")),
 ];
 
 /// Kernel entry points loaded from the module.
-pub const KERNELS: [&str; 32] = [
+pub const KERNELS: [&str; 33] = [
     "rms_norm",
     "silu_mul",
     "silu_mul_pairs",
@@ -63,6 +63,7 @@ pub const KERNELS: [&str; 32] = [
     "gemv_q2",
     "gemv_q_loadonly",
     "moe_down_q",
+    "gemv_q2_routed",
     "gemm_f32",
     "gemm_bf16",
     "gemm_bf16_m128",
@@ -234,7 +235,7 @@ unsafe impl Sync for Gpu {}
 /// Kernels that call `pdl_wait()` before touching activations (kernels/common.cuh) and so may be
 /// launched as programmatic dependents: their launch and weight reads overlap the previous
 /// kernel's tail.
-pub const PDL_KERNELS: [&str; 18] = [
+pub const PDL_KERNELS: [&str; 19] = [
     "attn_prep",
     "attn_decode",
     "attn_combine",
@@ -249,6 +250,7 @@ pub const PDL_KERNELS: [&str; 18] = [
     "linear_gemv",
     "gemv_q",
     "gemv_q2",
+    "gemv_q2_routed",
     "rms_norm",
     "silu_mul",
     "silu_mul_pairs",

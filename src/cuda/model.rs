@@ -331,6 +331,9 @@ pub struct CudaSession {
     /// Decode with the RMSNorm fused into the GEMVs and the fused MoE tail (default;
     /// `LILY_CUDA_FUSED=0` runs the separate kernels, for comparison).
     pub fused: bool,
+    /// Decode MoE routing inside the gate/up GEMV (`gemv_q2_routed`) instead of a separate top-k
+    /// kernel, where the expert format allows (default; `LILY_CUDA_ROUTED=0` for comparison).
+    pub routed: bool,
 }
 
 impl CudaSession {
@@ -355,6 +358,8 @@ impl CudaSession {
             chunk,
             pre: None,
             fused: std::env::var("LILY_CUDA_FUSED").map_or(true, |v| v != "0"),
+            routed: std::env::var("LILY_CUDA_ROUTED").map_or(true, |v| v != "0")
+                && super::gemv_default().0 != super::GemvKernel::Old,
         }
     }
 
@@ -563,8 +568,14 @@ impl CudaSession {
                     // gate/up GEMV over the K + 1 experts, one fused down + combine + residual.
                     let (e, k) = (c.num_experts, c.num_experts_per_tok);
                     router.run(g, s.x.ptr, post_norm, s.router.ptr)?;
-                    g.moe_topk_shared(s.router.ptr, e, k, c.norm_topk_prob, s.ids.ptr, s.wts.ptr, s.ids2.ptr)?;
-                    g.gemv_norm(&experts.gate_up, s.x.ptr, post_norm, s.egu.ptr, 2 * (k + 1), s.ids2.ptr, false)?;
+                    if self.routed && experts.gate_up.streams() {
+                        let route = (s.router.ptr, e, k, c.norm_topk_prob);
+                        g.gemv_routed(&experts.gate_up, s.x.ptr, post_norm, s.egu.ptr, route, s.ids.ptr, s.wts.ptr)?;
+                    } else {
+                        g.moe_topk_shared(s.router.ptr, e, k, c.norm_topk_prob, s.ids.ptr, s.wts.ptr, s.ids2.ptr)?;
+                        let n = 2 * (k + 1);
+                        g.gemv_norm(&experts.gate_up, s.x.ptr, post_norm, s.egu.ptr, n, s.ids2.ptr, false)?;
+                    }
                     g.moe_down(&experts.down, s.egu.ptr, s.ids.ptr, s.wts.ptr, k + 1, s.x.ptr)?;
                 }
                 GFfn::Moe { router, experts, shared } => {

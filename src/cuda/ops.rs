@@ -122,7 +122,7 @@ impl GpuLinear {
 
     /// Whether the streaming kernels (`gemv_q`, `moe_down_q`) take this format: MLX 4/8-bit with
     /// f16/bf16 scales, a power-of-two group of at least 32, under 2^31 16-byte chunks.
-    fn streams(&self) -> bool {
+    pub fn streams(&self) -> bool {
         matches!(self.bits, 4 | 8)
             && matches!(self.ty, 1 | 2)
             && self.group >= 32
@@ -309,6 +309,48 @@ impl Gpu {
         self.launch_shared(name, (groups_blocks.min(fill).max(1) as u32, slots as u32, 1), 128, shared, &a)
     }
 
+    /// Decode MoE gate/up with the routing inside: top-`k` of the `e` router logits (the shared
+    /// expert's gate logit at `logits[e]`, its matrices at stack slot `e`), then `y[2(k+1), rows]`
+    /// = the gate/up rows of the chosen experts applied to the normalized `x`; `ids`/`wts` `[k+1]`
+    /// get the routing for [`Gpu::moe_down`]. Err when the streaming kernel does not take this
+    /// format (the caller then routes with [`Gpu::moe_topk_shared`]).
+    #[allow(clippy::too_many_arguments)]
+    pub fn gemv_routed(
+        &self,
+        w: &GpuLinear,
+        x: u64,
+        (normw, eps): (u64, f32),
+        y: u64,
+        (logits, e, k, renorm): (u64, usize, usize, bool),
+        ids: u64,
+        wts: u64,
+    ) -> Result<()> {
+        if !w.streams() || w.cols > GEMV_XMAX || e > 1024 || k >= 64 || k > e {
+            bail!("gemv_routed: unsupported shape or format");
+        }
+        let mut a = w.wargs().to_vec();
+        a.extend([
+            Arg::P(x),
+            Arg::P(y),
+            Arg::I(w.rows as i32),
+            Arg::I(w.cols as i32),
+            Arg::P(normw),
+            Arg::F(eps),
+            Arg::P(logits),
+            Arg::I(e as i32),
+            Arg::I(k as i32),
+            Arg::I(renorm as i32),
+            Arg::P(ids),
+            Arg::P(wts),
+        ]);
+        let epv = 128 / w.bits as usize;
+        let shared = (4 * (w.cols + w.cols / epv)) as u32;
+        let slots = 2 * (k + 1);
+        let (_, bpsm) = gemv_default();
+        let gx = w.rows.div_ceil(2).div_ceil(4).min(((self.sms * bpsm.max(1)) as usize / slots).max(1));
+        self.launch_shared("gemv_q2_routed", (gx as u32, slots as u32, 1), 128, shared, &a)
+    }
+
     /// Decode MoE down projections + weighted sum + residual: `x[r] += Σ_{k<s} wts[k] ·
     /// (W[ids[k]] h_k)[r]` with `h_k = silu(gu[2k]) ⊙ gu[2k+1]` (`gu`: `[2s, cols]`, the gate/up
     /// GEMV output); `s · cols` at most 8192.
@@ -318,7 +360,7 @@ impl Gpu {
     }
 
     /// [`Gpu::moe_down`] through a chosen kernel: `moe_down_q` (the streaming GEMV's machinery,
-    /// 2 rows per warp, `bpsm` blocks per SM at most) for the weights it takes, else `moe_down`.
+    /// one row per warp, `bpsm` blocks per SM at most) for the weights it takes, else `moe_down`.
     #[allow(clippy::too_many_arguments)]
     pub fn moe_down_variant(
         &self,
@@ -347,7 +389,7 @@ impl Gpu {
         if kernel != GemvKernel::Old && w.streams() {
             let epv = 128 / w.bits as usize;
             let shared = (4 * (s * w.cols + s * w.cols / epv)) as u32;
-            let grid = w.rows.div_ceil(2).div_ceil(4).min((self.sms * bpsm.max(1)) as usize).max(1);
+            let grid = w.rows.div_ceil(4).min((self.sms * bpsm.max(1)) as usize).max(1);
             return self.launch_shared("moe_down_q", (grid as u32, 1, 1), 128, shared, &a);
         }
         self.launch_shared("moe_down", (blocks(w.rows, 16), 1, 1), 256, 4 * (s * w.cols) as u32, &a)
