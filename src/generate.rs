@@ -28,6 +28,18 @@ pub trait Session {
     fn forward_last(&mut self, tokens: &[u32]) -> Result<Vec<f32>>;
     /// Appends `tokens` and returns logits after every one (`[T, V]`).
     fn forward_all(&mut self, tokens: &[u32]) -> Result<Vec<f32>>;
+    /// Greedy decode of `n` tokens: feeds `first`, then each produced token; returns the `n`
+    /// produced tokens (the last one not yet fed). The CUDA session keeps the whole loop on the
+    /// device; this default goes through [`Session::forward_last`] and a host argmax.
+    fn greedy_steps(&mut self, first: u32, n: usize) -> Result<Vec<u32>> {
+        let mut out = Vec::with_capacity(n);
+        let mut next = first;
+        for _ in 0..n {
+            next = crate::sampling::argmax(&self.forward_last(&[next])?);
+            out.push(next);
+        }
+        Ok(out)
+    }
     /// Tokens processed so far.
     fn pos(&self) -> usize;
     fn vocab_size(&self) -> usize;
@@ -195,12 +207,19 @@ pub fn decode(
     let mut finish = FinishReason::Length;
     let mut eos_token = None;
     let penalize = opts.presence_penalty != 0.0 || opts.frequency_penalty != 0.0;
+    // Plain greedy needs no logits on the host: the session picks the next token itself (on
+    // the GPU for CUDA sessions), one token per call so EOS and stop strings end it exactly.
+    let greedy = opts.sampling.temperature == 0.0 && !penalize && opts.logprobs.is_none();
+    let mut picked: Option<u32> = None;
     while tokens.len() < opts.max_tokens {
-        let lp = opts.logprobs.map(|k| (log_softmax(&logits), k));
+        let lp = if greedy { None } else { opts.logprobs.map(|k| (log_softmax(&logits), k)) };
         if penalize {
             apply_penalties(&mut logits, &counts, opts.presence_penalty, opts.frequency_penalty);
         }
-        let next = sampler.sample(&logits);
+        let next = match picked.take() {
+            Some(t) => t,
+            None => sampler.sample(&logits),
+        };
         if opts.eos_ids.contains(&next) {
             finish = FinishReason::Eos;
             eos_token = Some(next);
@@ -219,7 +238,11 @@ pub fn decode(
         if session.pos() + 1 > limit {
             break;
         }
-        logits = session.forward_last(&[next])?;
+        if greedy {
+            picked = Some(session.greedy_steps(next, 1)?[0]);
+        } else {
+            logits = session.forward_last(&[next])?;
+        }
     }
     Ok(Generation {
         tokens,

@@ -79,6 +79,18 @@ fn check_model(dir: &str, reference_name: &str) {
     }
     assert_eq!(out, greedy, "{dir}: cuda greedy continuation differs from mlx-lm");
 
+    // The same continuation from the device-resident loop (argmax fed back on the GPU, graph
+    // replays, one read at the end), and from the session's state afterwards: it consumed the
+    // first n - 1 produced tokens, so feeding the last one continues the sequence.
+    let mut s5 = session(Some(Precision::F32));
+    let first = s5.forward_greedy(&prompt).unwrap();
+    assert_eq!(first, greedy[0], "{dir}: first greedy token");
+    let rest = s5.greedy_steps(first, greedy.len() - 1).unwrap();
+    assert_eq!(rest, greedy[1..], "{dir}: device greedy loop differs from mlx-lm");
+    assert_eq!(s5.pos(), prompt.len() + greedy.len() - 1, "{dir}: position after the device loop");
+    let again = s5.greedy_steps(*greedy.last().unwrap(), 1).unwrap();
+    assert_eq!(again, vec![next], "{dir}: the device loop's session continues like the step-by-step one");
+
     // Snapshot / restore round trip: the restored session continues identically.
     let snap = s2.snapshot();
     let a = s2.forward_last(&[1]).unwrap();

@@ -52,7 +52,7 @@ pub const SOURCES: [(&str, &str); 11] = [
 ];
 
 /// Kernel entry points loaded from the module.
-pub const KERNELS: [&str; 33] = [
+pub const KERNELS: [&str; 34] = [
     "rms_norm",
     "silu_mul",
     "silu_mul_pairs",
@@ -86,6 +86,7 @@ pub const KERNELS: [&str; 33] = [
     "moe_combine",
     "moe_combine_rows",
     "argmax",
+    "argmax_io",
 ];
 
 /// The concatenated program text.
@@ -235,7 +236,7 @@ unsafe impl Sync for Gpu {}
 /// Kernels that call `pdl_wait()` before touching activations (kernels/common.cuh) and so may be
 /// launched as programmatic dependents: their launch and weight reads overlap the previous
 /// kernel's tail.
-pub const PDL_KERNELS: [&str; 19] = [
+pub const PDL_KERNELS: [&str; 20] = [
     "attn_prep",
     "attn_decode",
     "attn_combine",
@@ -247,6 +248,7 @@ pub const PDL_KERNELS: [&str; 19] = [
     "embed_row",
     "moe_topk",
     "argmax",
+    "argmax_io",
     "linear_gemv",
     "gemv_q",
     "gemv_q2",

@@ -293,7 +293,8 @@ struct Scratch {
     amax: DevBuf,
     /// Attention split partials `[H_q, ATTN_SPLITS, D + 2]`.
     part: DevBuf,
-    /// i32 [token, position] of the step being run (read by the kernels, so graphs replay).
+    /// i32 [token, position, count] of the step being run (read by the kernels, so graphs
+    /// replay; `count` indexes the greedy loop's ring of produced tokens).
     io: DevBuf,
 }
 
@@ -320,7 +321,10 @@ pub struct CudaSession {
     /// turns it off). Graphs are captured lazily, one without and one with the lm_head, and
     /// dropped whenever a cache buffer moves.
     pub use_graphs: bool,
-    graphs: [Option<Graph>; 2],
+    /// Step graphs: without logits, with logits, and the greedy loop's (logits + argmax_io).
+    graphs: [Option<Graph>; 3],
+    /// The greedy loop's produced tokens (i32), and its capacity.
+    ring: Option<(DevBuf, usize)>,
     /// How prompts of several tokens run: batched with this precision for the many-row
     /// products, or token by token through the decode step (None). Default bf16 tensor cores;
     /// `LILY_CUDA_PREFILL=f32` (exact) or `step`.
@@ -353,7 +357,8 @@ impl CudaSession {
             scratch: None,
             states: Vec::new(),
             use_graphs,
-            graphs: [None, None],
+            graphs: [None, None, None],
+            ring: None,
             prefill,
             chunk,
             pre: None,
@@ -396,10 +401,10 @@ impl CudaSession {
             logits: f(c.vocab_size)?,
             amax: f(1)?,
             part: f(c.num_attention_heads * ATTN_SPLITS * (c.head_dim + 2))?,
-            io: f(2)?,
+            io: f(3)?,
         });
         self.states = self.fresh_states()?;
-        self.graphs = [None, None];
+        self.graphs = [None, None, None];
         Ok(())
     }
 
@@ -456,6 +461,58 @@ impl CudaSession {
         Ok(())
     }
 
+    /// Greedy decode on the device: feeds `first` at the current position, then each token it
+    /// produces, `n` times, as replays of one step graph that ends in `argmax_io` (the argmax is
+    /// written into the next step's input slot on the GPU; the host writes nothing between
+    /// tokens and reads the `n` tokens once at the end). Returns the `n` produced tokens; the
+    /// session has consumed `first` and the first `n - 1` of them.
+    pub fn greedy_steps(&mut self, first: u32, n: usize) -> Result<Vec<u32>> {
+        self.check(&[first])?;
+        if n == 0 {
+            return Ok(Vec::new());
+        }
+        self.ensure()?;
+        let g = self.model.gpu.clone();
+        g.bind()?;
+        let pos = self.pos;
+        if pos + n > self.model.cfg.max_position_embeddings {
+            bail!("{n} more tokens exceed the model's context of {}", self.model.cfg.max_position_embeddings);
+        }
+        self.grow_kv(pos + n)?;
+        if self.ring.as_ref().is_none_or(|r| r.1 < n) {
+            let cap = n.next_power_of_two().max(64);
+            self.ring = Some((g.zeros(4 * cap)?, cap));
+            self.graphs[2] = None;
+        }
+        let s = self.scratch.as_ref().context("session scratch")?;
+        let io = [first as i32, pos as i32, 0];
+        s.io.write_bytes(0, &io.iter().flat_map(|v| v.to_le_bytes()).collect::<Vec<u8>>())?;
+        let ring = self.ring.as_ref().unwrap().0.ptr;
+        let v = self.model.cfg.vocab_size;
+        let step = |this: &Self| -> Result<()> {
+            this.record(true)?;
+            let s = this.scratch.as_ref().context("session scratch")?;
+            g.argmax_io(s.logits.ptr, v, s.io.ptr, ring)
+        };
+        if self.use_graphs {
+            if self.graphs[2].is_none() {
+                let graph = g.capture(|| step(self))?;
+                self.graphs[2] = Some(graph);
+            }
+            let graph = self.graphs[2].as_ref().unwrap();
+            for _ in 0..n {
+                g.replay(graph)?;
+            }
+        } else {
+            for _ in 0..n {
+                step(self)?;
+            }
+        }
+        self.pos += n;
+        let out = self.ring.as_ref().unwrap().0.read_i32(n)?;
+        Ok(out.into_iter().map(|t| t as u32).collect())
+    }
+
     /// Grows the KV caches to hold `need` positions (outside any graph; the graphs hold the old
     /// addresses, so they are dropped).
     fn grow_kv(&mut self, need: usize) -> Result<()> {
@@ -471,7 +528,7 @@ impl CudaSession {
                     *k = nk;
                     *v = nv;
                     *cap = ncap;
-                    self.graphs = [None, None];
+                    self.graphs = [None, None, None];
                 }
             }
         }
@@ -700,7 +757,7 @@ impl CudaSession {
                         *gk = g.zeros(4 * ncap * c.kv_dim())?;
                         *gv = g.zeros(4 * ncap * c.kv_dim())?;
                         *cap = ncap;
-                        self.graphs = [None, None];
+                        self.graphs = [None, None, None];
                     }
                     gk.write_f32(0, k)?;
                     gv.write_f32(0, v)?;
@@ -725,6 +782,9 @@ impl Drop for CudaSession {
 impl Session for CudaSession {
     fn forward_last(&mut self, tokens: &[u32]) -> Result<Vec<f32>> {
         self.forward(tokens, Logits::Last)
+    }
+    fn greedy_steps(&mut self, first: u32, n: usize) -> Result<Vec<u32>> {
+        CudaSession::greedy_steps(self, first, n)
     }
     fn forward_all(&mut self, tokens: &[u32]) -> Result<Vec<f32>> {
         self.forward(tokens, Logits::All)
@@ -753,7 +813,7 @@ impl Session for CudaSession {
         if self.scratch.is_some() {
             if let Ok(s) = self.fresh_states() {
                 self.states = s;
-                self.graphs = [None, None];
+                self.graphs = [None, None, None];
             }
         }
     }

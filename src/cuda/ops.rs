@@ -889,6 +889,12 @@ impl Gpu {
     pub fn argmax(&self, x: u64, n: usize, out: u64) -> Result<()> {
         self.launch("argmax", (1, 1, 1), 1024, &[Arg::P(x), Arg::I(n as i32), Arg::P(out)])
     }
+
+    /// Argmax fed back into the step's input slot: `io = [token, pos, count]` gets the argmax as
+    /// its token, `pos + 1`, and `ring[count]` the token, `count + 1`.
+    pub fn argmax_io(&self, x: u64, n: usize, io: u64, ring: u64) -> Result<()> {
+        self.launch("argmax_io", (1, 1, 1), 1024, &[Arg::P(x), Arg::I(n as i32), Arg::P(io), Arg::P(ring)])
+    }
 }
 
 /// Arguments of [`Gpu::gdn_step`] (device addresses).
