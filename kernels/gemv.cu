@@ -53,7 +53,9 @@ __device__ __forceinline__ float half_bits(u32 h, int ty) {
     return ty == TY_BF16 ? bf16_to_f32((u16)h) : f16_to_f32((u16)h);
 }
 
-template <int BITS, int NR, int U>
+/* FULL: every row of the group and every chunk of the trip exists (the common case: no guards,
+   so the loads share one address and immediate offsets). */
+template <int BITS, int NR, int U, bool FULL>
 __device__ __forceinline__ void gq_load(GqTrip<NR, U>& t, const u32* w, const u16* sc, const u16* bi, long long R0,
                                         int nvalid, int n4, int ng, int gsh, int i0) {
     constexpr int EPV = 128 / BITS;
@@ -65,7 +67,7 @@ __device__ __forceinline__ void gq_load(GqTrip<NR, U>& t, const u32* w, const u1
     for (int r = 0; r < NR; r++) {
 #pragma unroll
         for (int u = 0; u < U; u++) {
-            if (r < nvalid && i0 + 32 * u < n4) {
+            if (FULL || (r < nvalid && i0 + 32 * u < n4)) {
                 t.q[u][r] = ldg_stream(wr + r * n4 + 32 * u);
                 int o = r * ng + u * gstep;
                 t.sb[u][r] = (u32)__ldg(sr + o) | ((u32)__ldg(br + o) << 16);
@@ -148,7 +150,7 @@ __device__ __forceinline__ float gq_dot(uint4 q4, const float4 (&x4)[32 / BITS])
     return a + b;
 }
 
-template <int BITS, int TY, int NR, int U, bool LOADONLY>
+template <int BITS, int TY, int NR, int U, bool LOADONLY, bool FULL>
 __device__ __forceinline__ void gq_compute(const GqTrip<NR, U>& t, int nvalid, int n4, int i0,
                                            const float* xs, const float* xsum, float* acc) {
     constexpr int EPV = 128 / BITS;
@@ -163,13 +165,13 @@ __device__ __forceinline__ void gq_compute(const GqTrip<NR, U>& t, int nvalid, i
 #pragma unroll
     for (int u = 0; u < U; u++) {
         int i = i0 + 32 * u;
-        if (i < n4) {
+        if (FULL || i < n4) {
             float sx = xsum[i];
             float4 x4[32 / BITS];
             gq_x<BITS>(xs, i, x4);
 #pragma unroll
             for (int r = 0; r < NR; r++) {
-                if (r < nvalid) {
+                if (FULL || r < nvalid) {
                     float s = half_bits(t.sb[u][r] & 0xFFFFu, TY), b = half_bits(t.sb[u][r] >> 16, TY);
                     float d = gq_dot<BITS>(t.q[u][r], x4);
                     if (BITS == 4) { /* s q.x + b sx with q.x = 32 d - 16 sx */
@@ -262,8 +264,10 @@ __device__ __forceinline__ void gq_body(const u32* w, const u16* sc, const u16* 
         int r0 = g * NR;
         if (MOE)
             gq_load_moe<BITS, NR, U>(cur, w, sc, bi, r0, min(NR, rows - r0), n4, nv, ng, gsh, lane, ids, rows);
+        else if (rows - r0 >= NR && 32 * U <= nv)
+            gq_load<BITS, NR, U, true>(cur, w, sc, bi, E0 + r0, NR, n4, ng, gsh, lane);
         else
-            gq_load<BITS, NR, U>(cur, w, sc, bi, E0 + r0, min(NR, rows - r0), n4, ng, gsh, lane);
+            gq_load<BITS, NR, U, false>(cur, w, sc, bi, E0 + r0, min(NR, rows - r0), n4, ng, gsh, lane);
     }
     pdl_wait(); /* weights are read above, activations only from here on */
     float* xsum = xs + nv * EPV;
@@ -283,10 +287,15 @@ __device__ __forceinline__ void gq_body(const u32* w, const u16* sc, const u16* 
             if (MOE)
                 gq_load_moe<BITS, NR, U>(nxt, w, sc, bi, r2, min(NR, rows - r2), n4, nv, ng, gsh, t2 * 32 * U + lane, ids,
                                       rows);
+            else if (rows - r2 >= NR && (t2 + 1) * 32 * U <= nv)
+                gq_load<BITS, NR, U, true>(nxt, w, sc, bi, E0 + r2, NR, n4, ng, gsh, t2 * 32 * U + lane);
             else
-                gq_load<BITS, NR, U>(nxt, w, sc, bi, E0 + r2, min(NR, rows - r2), n4, ng, gsh, t2 * 32 * U + lane);
+                gq_load<BITS, NR, U, false>(nxt, w, sc, bi, E0 + r2, min(NR, rows - r2), n4, ng, gsh, t2 * 32 * U + lane);
         }
-        gq_compute<BITS, TY, NR, U, LOADONLY>(cur, nvalid, nv, t * 32 * U + lane, xs, xsum, acc);
+        if (nvalid == NR && (t + 1) * 32 * U <= nv)
+            gq_compute<BITS, TY, NR, U, LOADONLY, true>(cur, NR, nv, t * 32 * U + lane, xs, xsum, acc);
+        else
+            gq_compute<BITS, TY, NR, U, LOADONLY, false>(cur, nvalid, nv, t * 32 * U + lane, xs, xsum, acc);
         if (t + 1 == tpr) {
 #pragma unroll
             for (int r = 0; r < NR; r++) {
