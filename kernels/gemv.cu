@@ -27,7 +27,6 @@
  *   previous kernel: weights do not depend on it). After a row group's last trip, one warp
  *   reduction per row.
  */
-#define GQ_WARPS 4
 
 template <int NR, int U>
 struct GqTrip {
@@ -257,8 +256,9 @@ __device__ __forceinline__ void gq_body(const u32* w, const u16* sc, const u16* 
     int nv = S * n4;                 /* chunks per (virtual) row */
     int tpr = (nv + 32 * U - 1) / (32 * U); /* trips per row group */
     int ngroups = (rows + NR - 1) / NR;
-    int gstride = gridDim.x * GQ_WARPS;
-    int g = blockIdx.x * GQ_WARPS + warp, t = 0;
+    int nwarps = blockDim.x >> 5;
+    int gstride = gridDim.x * nwarps;
+    int g = blockIdx.x * nwarps + warp, t = 0;
     GqTrip<NR, U> cur, nxt;
     if (g < ngroups) {
         int r0 = g * NR;
@@ -346,11 +346,12 @@ GQ_KERNEL(gemv_q_loadonly, 4, true)
    h_k = silu(gu[2k, :]) * gu[2k+1, :] (gu [2S, cols]: the gate/up GEMV's output), for MLX 4/8-bit
    experts (f16/bf16 scales, group a power of two). The block stages wts[k] * h_k for all slots
    (S*cols <= 8192 floats, swizzled like the GEMV's x) with per-chunk sums; a row's input is then
-   the S slots back to back, chunk c = k*n4 + i read from expert ids[k]. Block 128, grid gx
-   (grid-strided over rows, one row per warp with MD_U chunks per lane in flight). */
+   the S slots back to back, chunk c = k*n4 + i read from expert ids[k]. Block 512 (16 warps
+   share one staging, which computes S*cols SiLUs and reads 2*S*cols floats), grid at most one
+   block per SM, grid-strided over rows: one row per warp with MD_U chunks per lane in flight. */
 #define MD_NR 1 /* rows per warp */
 #define MD_U 5  /* chunks per lane per trip: a whole row of 9 slots x 512 4-bit columns in flight */
-extern "C" __global__ void __launch_bounds__(128) moe_down_q(const void* w, const void* sc, const void* bi, int bits,
+extern "C" __global__ void __launch_bounds__(512, 1) moe_down_q(const void* w, const void* sc, const void* bi, int bits,
                                                              int group, int ty, const float* gu, const int* ids,
                                                              const float* wts, int S, float* x, int rows, int cols) {
     extern __shared__ __align__(16) float xs[]; /* S*cols + S*cols/EPV floats */

@@ -360,7 +360,8 @@ impl Gpu {
     }
 
     /// [`Gpu::moe_down`] through a chosen kernel: `moe_down_q` (the streaming GEMV's machinery,
-    /// one row per warp, `bpsm` blocks per SM at most) for the weights it takes, else `moe_down`.
+    /// blocks of 16 warps, one row per warp, `bpsm` blocks per SM at most, though only one fits)
+    /// for the weights it takes, else `moe_down`.
     #[allow(clippy::too_many_arguments)]
     pub fn moe_down_variant(
         &self,
@@ -389,8 +390,9 @@ impl Gpu {
         if kernel != GemvKernel::Old && w.streams() {
             let epv = 128 / w.bits as usize;
             let shared = (4 * (s * w.cols + s * w.cols / epv)) as u32;
-            let grid = w.rows.div_ceil(4).min((self.sms * bpsm.max(1)) as usize).max(1);
-            return self.launch_shared("moe_down_q", (grid as u32, 1, 1), 128, shared, &a);
+            // Blocks of 16 warps (512 threads at 96 registers: one block per SM).
+            let grid = w.rows.div_ceil(16).min((self.sms * bpsm.max(1)) as usize).max(1);
+            return self.launch_shared("moe_down_q", (grid as u32, 1, 1), 512, shared, &a);
         }
         self.launch_shared("moe_down", (blocks(w.rows, 16), 1, 1), 256, 4 * (s * w.cols) as u32, &a)
     }
