@@ -15,12 +15,12 @@
  * Layouts: packed u32 [count*rows, cols*BITS/32] (code j of a word = bits [BITS*j, BITS*j+BITS)),
  *   scales/biases [count*rows, cols/group]; x f32 16-byte aligned, y f32 [slots, rows].
  *
- * Geometry: block 128 = 4 warps, grid (gx, slots), gx chosen by the host to fill the GPU once
- *   (a few blocks per SM). The block stages xw and the chunk sums in dynamic shared memory
+ * Geometry: block 128 (4 warps, up to 4 blocks per SM) or 512 (16 warps, one block per SM: one
+ *   staging per SM), grid (gx, slots), gx chosen by the host to fill the GPU once. The block stages xw and the chunk sums in dynamic shared memory
  *   (cols + cols/EPV floats, cols <= 8192, float4 slots swizzled against bank conflicts) once, then each warp walks row groups of NR rows,
  *   grid-strided. A row group is read in trips: per trip each lane loads chunks lane, lane + 32,
  *   ..., lane + 32(U-1) of every row of the group (U*NR 16-byte loads plus their scale/bias
- *   pairs; the GEMV uses U = 2, NR = 2 (gemv_q2) or 4 (gemv_q)); the
+ *   pairs; the GEMV uses U = 2, NR = 2); the
  *   next trip's loads are issued before the current trip is computed (register double buffer),
  *   so every warp keeps one trip of loads in flight while it computes. The first loads are issued
  *   before the staging (and, launched as a programmatic dependent, before waiting for the
@@ -314,7 +314,7 @@ __device__ __forceinline__ void gq_body(const u32* w, const u16* sc, const u16* 
 }
 
 #define GQ_KERNEL(NAME, NR, LOADONLY)                                                                                       \
-    extern "C" __global__ void __launch_bounds__(128) NAME(const void* w, const void* sc, const void* bi, int bits, \
+    extern "C" __global__ void __launch_bounds__(512) NAME(const void* w, const void* sc, const void* bi, int bits, \
                                                            int group, int ty, const float* x, long long xstride,   \
                                                            float* y, int rows, int cols, const int* ids,           \
                                                            int accumulate, const float* normw, float eps) {        \
@@ -338,9 +338,8 @@ __device__ __forceinline__ void gq_body(const u32* w, const u16* sc, const u16* 
             gq_body<8, TY_F16, NR, 2, LOADONLY, false>(W, S, B, group, xg, yz, rows, cols, E0, accumulate, normw, eps, xs, red); \
     }
 
-GQ_KERNEL(gemv_q, 4, false)
 GQ_KERNEL(gemv_q2, 2, false)
-GQ_KERNEL(gemv_q_loadonly, 4, true)
+GQ_KERNEL(gemv_q_loadonly, 2, true)
 
 /* moe_down_q (decode): x[r] += sum_{k < S} wts[k] * (W[ids[k]*rows + r, :] . h_k),
    h_k = silu(gu[2k, :]) * gu[2k+1, :] (gu [2S, cols]: the gate/up GEMV's output), for MLX 4/8-bit
@@ -373,7 +372,7 @@ extern "C" __global__ void __launch_bounds__(512, 1) moe_down_q(const void* w, c
    expert as slot K), then computes slot z = grid.y of the gate/up GEMV over the 2(K+1) matrices
    2*chosen[z/2] + z%2 of the interleaved gate/up stack (normalized input as gemv_q2).
    Block (0, 0) also writes ids/wts [K+1] for moe_down_q. Saves the separate top-K launch. */
-extern "C" __global__ void __launch_bounds__(128) gemv_q2_routed(const void* w, const void* sc, const void* bi, int bits,
+extern "C" __global__ void __launch_bounds__(512) gemv_q2_routed(const void* w, const void* sc, const void* bi, int bits,
                                                                  int group, int ty, const float* x, float* y, int rows,
                                                                  int cols, const float* normw, float eps,
                                                                  const float* logits, int E, int K, int renorm,

@@ -52,14 +52,13 @@ pub const SOURCES: [(&str, &str); 11] = [
 ];
 
 /// Kernel entry points loaded from the module.
-pub const KERNELS: [&str; 34] = [
+pub const KERNELS: [&str; 33] = [
     "rms_norm",
     "silu_mul",
     "silu_mul_pairs",
     "add_inplace",
     "linear_gemv",
     "moe_down",
-    "gemv_q",
     "gemv_q2",
     "gemv_q_loadonly",
     "moe_down_q",
@@ -236,7 +235,7 @@ unsafe impl Sync for Gpu {}
 /// Kernels that call `pdl_wait()` before touching activations (kernels/common.cuh) and so may be
 /// launched as programmatic dependents: their launch and weight reads overlap the previous
 /// kernel's tail.
-pub const PDL_KERNELS: [&str; 20] = [
+pub const PDL_KERNELS: [&str; 19] = [
     "attn_prep",
     "attn_decode",
     "attn_combine",
@@ -250,7 +249,6 @@ pub const PDL_KERNELS: [&str; 20] = [
     "argmax",
     "argmax_io",
     "linear_gemv",
-    "gemv_q",
     "gemv_q2",
     "gemv_q2_routed",
     "rms_norm",

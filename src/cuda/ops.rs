@@ -142,26 +142,36 @@ impl GpuLinear {
     }
 }
 
-/// The decode GEMV kernel for quantized weights: `gemv_q` (4 rows per warp), `gemv_q2` (2 rows
-/// per warp), both streaming from a grid that fills the GPU once, or the older `linear_gemv`
-/// (one short-lived warp per 4 rows).
+/// The decode GEMV kernel for quantized weights: `gemv_q2` (2 rows per warp, streaming from a
+/// grid that fills the GPU once) in blocks of 4 warps (`Q2`, `bpsm` blocks per SM) or of 16
+/// warps (`Wide`, one block per SM), or the older `linear_gemv` (one short-lived warp per 4 rows).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum GemvKernel {
     Old,
-    Q4,
     Q2,
-    /// Timing experiment: `gemv_q`'s loads without its arithmetic (wrong results).
+    Wide,
+    /// Timing experiment: `gemv_q2`'s loads without its arithmetic (wrong results).
     LoadOnly,
 }
 
-/// The kernel and blocks per SM the model uses: `LILY_CUDA_GEMV=old|q4|q2` (default q2) and
-/// `LILY_CUDA_GEMV_BPSM` (default 4), read once.
+impl GemvKernel {
+    /// Threads per block and blocks per SM of the streaming kernels.
+    fn geometry(self, bpsm: u32) -> (u32, u32) {
+        match self {
+            GemvKernel::Wide => (512, 1),
+            _ => (128, bpsm.max(1)),
+        }
+    }
+}
+
+/// The kernel and blocks per SM the model uses: `LILY_CUDA_GEMV=old|q2|wide` (default q2) and
+/// `LILY_CUDA_GEMV_BPSM` (default 4, for q2), read once.
 pub fn gemv_default() -> (GemvKernel, u32) {
     static D: std::sync::OnceLock<(GemvKernel, u32)> = std::sync::OnceLock::new();
     *D.get_or_init(|| {
         let k = match std::env::var("LILY_CUDA_GEMV").as_deref() {
             Ok("old") => GemvKernel::Old,
-            Ok("q4") => GemvKernel::Q4,
+            Ok("wide") => GemvKernel::Wide,
             _ => GemvKernel::Q2,
         };
         let b = std::env::var("LILY_CUDA_GEMV_BPSM").ok().and_then(|v| v.parse().ok()).unwrap_or(4);
@@ -288,10 +298,9 @@ impl Gpu {
             Arg::F(eps),
         ]);
         let streaming = w.streams() && w.cols <= GEMV_XMAX && xstride.is_multiple_of(4);
-        let nr = match kernel {
-            GemvKernel::Q4 if streaming => 4,
-            GemvKernel::Q2 if streaming => 2,
-            GemvKernel::LoadOnly if streaming => 5,
+        let name = match kernel {
+            GemvKernel::Q2 | GemvKernel::Wide if streaming => "gemv_q2",
+            GemvKernel::LoadOnly if streaming => "gemv_q_loadonly",
             _ => {
                 let shared = if normw != 0 { 4 * w.cols as u32 } else { 0 };
                 return self.launch_shared("linear_gemv", (blocks(w.rows, 32), slots as u32, 1), 256, shared, &a);
@@ -299,14 +308,17 @@ impl Gpu {
         };
         let epv = 128 / w.bits as usize;
         let shared = (4 * (w.cols + w.cols / epv)) as u32;
-        let (name, nr) = match nr {
-            4 => ("gemv_q", 4),
-            2 => ("gemv_q2", 2),
-            _ => ("gemv_q_loadonly", 4),
-        };
-        let groups_blocks = w.rows.div_ceil(nr).div_ceil(4);
-        let fill = ((self.sms * bpsm.max(1)) as usize / slots.max(1)).max(1);
-        self.launch_shared(name, (groups_blocks.min(fill).max(1) as u32, slots as u32, 1), 128, shared, &a)
+        let (threads, per_sm) = kernel.geometry(bpsm);
+        let gx = self.stream_grid(w.rows, threads, per_sm, slots);
+        self.launch_shared(name, (gx, slots as u32, 1), threads, shared, &a)
+    }
+
+    /// Blocks per slot for the streaming GEMV: enough for every 2-row group, at most what fills
+    /// the GPU once (`per_sm` blocks of `threads` on each SM, shared among the slots).
+    fn stream_grid(&self, rows: usize, threads: u32, per_sm: u32, slots: usize) -> u32 {
+        let need = rows.div_ceil(2).div_ceil(threads as usize / 32);
+        let fill = ((self.sms * per_sm) as usize / slots.max(1)).max(1);
+        need.min(fill).max(1) as u32
     }
 
     /// Decode MoE gate/up with the routing inside: top-`k` of the `e` router logits (the shared
@@ -346,9 +358,10 @@ impl Gpu {
         let epv = 128 / w.bits as usize;
         let shared = (4 * (w.cols + w.cols / epv)) as u32;
         let slots = 2 * (k + 1);
-        let (_, bpsm) = gemv_default();
-        let gx = w.rows.div_ceil(2).div_ceil(4).min(((self.sms * bpsm.max(1)) as usize / slots).max(1));
-        self.launch_shared("gemv_q2_routed", (gx as u32, slots as u32, 1), 128, shared, &a)
+        let (kernel, bpsm) = gemv_default();
+        let (threads, per_sm) = kernel.geometry(bpsm);
+        let gx = self.stream_grid(w.rows, threads, per_sm, slots);
+        self.launch_shared("gemv_q2_routed", (gx, slots as u32, 1), threads, shared, &a)
     }
 
     /// Decode MoE down projections + weighted sum + residual: `x[r] += Σ_{k<s} wts[k] ·
