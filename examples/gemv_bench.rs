@@ -41,6 +41,38 @@ fn bf16_vec(n: usize, seed: u64, lo: f32, hi: f32) -> Vec<u8> {
         .collect()
 }
 
+/// Max |Δ| over max |reference| against the first variant's output (stored on its first call).
+fn rel_err(reference: &mut Option<Vec<f32>>, out: Vec<f32>) -> f32 {
+    match reference {
+        None => {
+            *reference = Some(out);
+            0.0
+        }
+        Some(r) => {
+            let m = r.iter().fold(0f32, |a, v| a.max(v.abs()));
+            r.iter().zip(&out).fold(0f32, |a, (p, q)| a.max((p - q).abs())) / m
+        }
+    }
+}
+
+/// µs per launch: 20 launches (`run(i)` for i in 0..20) captured in one graph, replayed once to
+/// warm up, then the best of 5 timed replays.
+fn time_graph(g: &lily::cuda::Gpu, run: impl Fn(usize) -> Result<()>) -> Result<f64> {
+    let graph = g.capture(|| {
+        for i in 0..20 {
+            run(i)?;
+        }
+        Ok(())
+    })?;
+    g.replay(&graph)?;
+    g.sync()?;
+    let mut best = f64::MAX;
+    for _ in 0..5 {
+        best = best.min(g.time_ms(|| g.replay(&graph))?);
+    }
+    Ok(best * 1e3 / 20.0)
+}
+
 fn main() -> Result<()> {
     let g = gpu()?;
     println!("{} ({} SMs)", g.name, g.sms);
@@ -101,30 +133,8 @@ fn main() -> Result<()> {
             let run_on = |w: &GpuLinear| g.gemv_variant(k, bpsm, w, x.ptr, 0, y.ptr, c.slots, idp, false, norm);
             run_on(w)?;
             g.sync()?;
-            let out = y.read_f32(0, c.rows * c.slots)?;
-            let err = match &reference {
-                None => {
-                    reference = Some(out);
-                    0.0
-                }
-                Some(r) => {
-                    let m = r.iter().fold(0f32, |a, v| a.max(v.abs()));
-                    r.iter().zip(&out).fold(0f32, |a, (p, q)| a.max((p - q).abs())) / m
-                }
-            };
-            let graph = g.capture(|| {
-                for i in 0..20 {
-                    run_on(&ws[i % ws.len()])?;
-                }
-                Ok(())
-            })?;
-            g.replay(&graph)?;
-            g.sync()?;
-            let mut best = f64::MAX;
-            for _ in 0..5 {
-                best = best.min(g.time_ms(|| g.replay(&graph))?);
-            }
-            let us = best * 1e3 / 20.0;
+            let err = rel_err(&mut reference, y.read_f32(0, c.rows * c.slots)?);
+            let us = time_graph(&g, |i| run_on(&ws[i % ws.len()]))?;
             println!(
                 "| {} | {:.1} | {:?} | {} | {:.2} | {:.0} | {:.1e} |",
                 c.name,
@@ -183,30 +193,8 @@ fn moe_down_cases(g: &std::sync::Arc<lily::cuda::Gpu>) -> Result<()> {
         x.write_f32(0, &vec![0.0; rows])?;
         run()?;
         g.sync()?;
-        let out = x.read_f32(0, rows)?;
-        let err = match &reference {
-            None => {
-                reference = Some(out);
-                0.0
-            }
-            Some(r) => {
-                let m = r.iter().fold(0f32, |a, v| a.max(v.abs()));
-                r.iter().zip(&out).fold(0f32, |a, (p, q)| a.max((p - q).abs())) / m
-            }
-        };
-        let graph = g.capture(|| {
-            for i in 0..20 {
-                run_at(i)?;
-            }
-            Ok(())
-        })?;
-        g.replay(&graph)?;
-        g.sync()?;
-        let mut best = f64::MAX;
-        for _ in 0..5 {
-            best = best.min(g.time_ms(|| g.replay(&graph))?);
-        }
-        let us = best * 1e3 / 20.0;
+        let err = rel_err(&mut reference, x.read_f32(0, rows)?);
+        let us = time_graph(g, run_at)?;
         println!(
             "| moe_down | {:.1} | {:?} | {} | {:.2} | {:.0} | {:.1e} |",
             moved / 1e6,
