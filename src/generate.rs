@@ -212,7 +212,7 @@ pub fn decode(
     let greedy = opts.sampling.temperature == 0.0 && !penalize && opts.logprobs.is_none();
     let mut picked: Option<u32> = None;
     while tokens.len() < opts.max_tokens {
-        let lp = if greedy { None } else { opts.logprobs.map(|k| (log_softmax(&logits), k)) };
+        let lp = opts.logprobs.map(|k| (log_softmax(&logits), k));
         if penalize {
             apply_penalties(&mut logits, &counts, opts.presence_penalty, opts.frequency_penalty);
         }
