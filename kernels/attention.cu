@@ -24,6 +24,27 @@
  *
  * attn_combine: grid (H_q), block 256: M = max_s M_s; out[h] = sum_s o_s e^{M_s - M} / sum_s l_s e^{M_s - M},
  *   times sigmoid(gate[h]) when gated.
+ *
+ * attn_decode_gqa{1,2,4,8} (GQA-packed flash-decoding; G = H_q/H_kv query heads per KV head, the
+ *   suffix): grid (H_kv, S), block 256 = 8 warps, one block per (KV head, split), so each K/V row
+ *   is read from memory once for all G query heads that share it. With L = pos + 1 positions,
+ *   chunk = max(64, ceil(L/S)) and nact = ceil(L/chunk) active splits; split s covers
+ *   [s*chunk, min(L, (s+1)*chunk)); blocks s >= nact exit at once (short contexts use few blocks,
+ *   the grid is fixed when the graph is captured).
+ *   Lane l holds dims l + 32i (i < D/32 <= 8) of the G prescaled queries and G output
+ *   accumulators. A warp takes 4 consecutive positions per round (rounds stride 32 over the
+ *   block), loads their K and V rows (coalesced 128 B per instruction), forms G partial dots per
+ *   position and sums them over the warp by a reduce-scatter (log2 G halving steps exchange half
+ *   of the values, then 5 - log2 G full steps): lane l ends with the score of head l >> (5 - log2 G).
+ *   Each lane keeps that head's running max m and sum l; the G correction factors and weights are
+ *   broadcast back by shuffles before the V update. The 8 warps merge through shared memory (max,
+ *   then the rescaled sums added warp by warp in a fixed order, so replays are bit-identical)
+ *   into the split's partial part[h, s] = (M_s, l_s, o_s).
+ *   Combine in the same kernel: each finished block bumps count[kvh] (after a fence); the block
+ *   that brings it to nact merges the nact partials of its G heads (log-sum-exp weights per
+ *   (head, split) in shared memory, partials read through L2), applies sigmoid(gate) and resets
+ *   count[kvh] to 0 for the next replay. Requires G in {1, 2, 4, 8}, D % 32 == 0, D <= 256,
+ *   S <= 256.
  */
 extern "C" __global__ void attn_prep(const float* qg, const float* kin, const float* vin, const float* qn,
                                      const float* kn, float* q_out, float* kc, float* vc, int nh, int hkv, int hd,
@@ -169,3 +190,191 @@ extern "C" __global__ void attn_combine(const float* part, const float* qg, floa
         out[(long long)h * hd + d] = r;
     }
 }
+
+/* Sum G per-lane values over the warp, leaving in each lane the total of value lane >> (5 - LG). */
+template <int LG>
+__device__ __forceinline__ float reduce_scatter(float (&d)[1 << LG], int lane) {
+#pragma unroll
+    for (int j = 0; j < LG; j++) {
+        const int half = (1 << LG) >> (j + 1), bit = 16 >> j;
+        bool up = lane & bit;
+#pragma unroll
+        for (int t = 0; t < half; t++) {
+            float send = up ? d[t] : d[t + half];
+            float keep = up ? d[t + half] : d[t];
+            d[t] = keep + __shfl_xor_sync(0xffffffffu, send, bit);
+        }
+    }
+    float v = d[0];
+#pragma unroll
+    for (int o = 16 >> LG; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+template <int LG>
+__device__ __forceinline__ void attn_gqa(const float* q, const float* kc, const float* vc, const float* qg,
+                                         float* part, int* count, float* out, int hkv, int hd, const int* pos_p,
+                                         float scale, int gated) {
+    constexpr int G = 1 << LG, U = 4;
+    __shared__ float acc[G * 256];
+    __shared__ float sm[8][G], sl[8][G], wgt[G][256];
+    __shared__ int last;
+    pdl_begin();
+    const int L = pos_p[0] + 1;
+    const int kvh = blockIdx.x, split = blockIdx.y, S = gridDim.y;
+    const int chunk = max(64, (L + S - 1) / S), nact = (L + chunk - 1) / chunk;
+    const int lo = split * chunk, hi = min(L, lo + chunk);
+    if (lo >= L) return;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nd = hd / 32, me = lane >> (5 - LG);
+    float qv[G][8], o[G][8];
+#pragma unroll
+    for (int g = 0; g < G; g++)
+#pragma unroll
+        for (int i = 0; i < 8; i++) {
+            qv[g][i] = i < nd ? q[(long long)(kvh * G + g) * hd + lane + 32 * i] * scale : 0.f;
+            o[g][i] = 0.f;
+        }
+    float m = -INFINITY, l = 0.f;
+    const long long rs = (long long)hkv * hd; /* cache row stride */
+    for (int p0 = lo + warp * U; p0 < hi; p0 += 8 * U) {
+        float kr[U][8], vr[U][8];
+#pragma unroll
+        for (int u = 0; u < U; u++) {
+            const float* kp = kc + (p0 + u) * rs + kvh * hd + lane;
+            const float* vp = vc + (p0 + u) * rs + kvh * hd + lane;
+            bool ok = p0 + u < hi;
+#pragma unroll
+            for (int i = 0; i < 8; i++) {
+                kr[u][i] = ok && i < nd ? kp[32 * i] : 0.f;
+                vr[u][i] = ok && i < nd ? vp[32 * i] : 0.f;
+            }
+        }
+        float sc[U];
+#pragma unroll
+        for (int u = 0; u < U; u++) {
+            float d[G];
+#pragma unroll
+            for (int g = 0; g < G; g++) {
+                float a = 0.f;
+#pragma unroll
+                for (int i = 0; i < 8; i++) a += qv[g][i] * kr[u][i];
+                d[g] = a;
+            }
+            float v = reduce_scatter<LG>(d, lane);
+            sc[u] = p0 + u < hi ? v : -INFINITY;
+        }
+        float mx = m;
+#pragma unroll
+        for (int u = 0; u < U; u++) mx = fmaxf(mx, sc[u]);
+        float corr = expf(m - mx), pw[U];
+        l *= corr;
+#pragma unroll
+        for (int u = 0; u < U; u++) {
+            pw[u] = expf(sc[u] - mx);
+            l += pw[u];
+        }
+        m = mx;
+#pragma unroll
+        for (int g = 0; g < G; g++) {
+            const int src = g << (5 - LG);
+            float c = __shfl_sync(0xffffffffu, corr, src);
+            float pg[U];
+#pragma unroll
+            for (int u = 0; u < U; u++) pg[u] = __shfl_sync(0xffffffffu, pw[u], src);
+#pragma unroll
+            for (int i = 0; i < 8; i++) {
+                float a = o[g][i] * c;
+#pragma unroll
+                for (int u = 0; u < U; u++) a += pg[u] * vr[u][i];
+                o[g][i] = a;
+            }
+        }
+    }
+    /* Merge the 8 warps: block max per head, then rescaled sums added warp by warp in a fixed
+       order (bit-identical results on every replay). */
+    if ((lane & ((32 >> LG) - 1)) == 0) {
+        sm[warp][me] = m;
+        sl[warp][me] = l;
+    }
+    __syncthreads();
+    float f[G];
+#pragma unroll
+    for (int g = 0; g < G; g++) {
+        float M = -INFINITY;
+        for (int w = 0; w < 8; w++) M = fmaxf(M, sm[w][g]);
+        float mw = __shfl_sync(0xffffffffu, m, g << (5 - LG));
+        f[g] = mw == -INFINITY ? 0.f : expf(mw - M);
+    }
+    for (int w = 0; w < 8; w++) {
+        if (warp == w)
+#pragma unroll
+            for (int g = 0; g < G; g++)
+#pragma unroll
+                for (int i = 0; i < 8; i++)
+                    if (i < nd) {
+                        float* a = &acc[g * hd + lane + 32 * i];
+                        *a = (w == 0 ? 0.f : *a) + o[g][i] * f[g];
+                    }
+        __syncthreads();
+    }
+    for (int t = threadIdx.x; t < G * hd; t += blockDim.x) {
+        int g = t / hd, dd = t - g * hd;
+        float* pp = part + ((long long)(kvh * G + g) * S + split) * (hd + 2);
+        pp[2 + dd] = acc[t];
+        if (dd == 0) {
+            float M = -INFINITY, Ls = 0.f;
+            for (int w = 0; w < 8; w++) M = fmaxf(M, sm[w][g]);
+            for (int w = 0; w < 8; w++)
+                if (sm[w][g] != -INFINITY) Ls += sl[w][g] * expf(sm[w][g] - M);
+            pp[0] = M;
+            pp[1] = Ls;
+        }
+    }
+    /* Last block of this KV head merges the splits. */
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        int done = atomicAdd(&count[kvh], 1);
+        last = done == nact - 1;
+        if (last) count[kvh] = 0;
+    }
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    /* Per (head, split) weights e^{M_s - M} / sum_s l_s e^{M_s - M}: warp g' handles heads g'. */
+    for (int g = warp; g < G; g += 8) {
+        const float* ph = part + (long long)(kvh * G + g) * S * (hd + 2);
+        float M = -INFINITY;
+        for (int s = lane; s < nact; s += 32) M = fmaxf(M, __ldcg(ph + s * (hd + 2)));
+        M = warp_max(M);
+        float den = 0.f;
+        for (int s = lane; s < nact; s += 32) {
+            float ms = __ldcg(ph + s * (hd + 2));
+            float e = ms == -INFINITY ? 0.f : expf(ms - M);
+            wgt[g][s] = e;
+            den += e * __ldcg(ph + s * (hd + 2) + 1);
+        }
+        den = warp_sum(den);
+        for (int s = lane; s < nact; s += 32) wgt[g][s] /= den;
+    }
+    __syncthreads();
+    for (int t = threadIdx.x; t < G * hd; t += blockDim.x) {
+        int g = t / hd, dd = t - g * hd, h = kvh * G + g;
+        const float* ph = part + (long long)h * S * (hd + 2) + 2 + dd;
+        float a = 0.f;
+        for (int s = 0; s < nact; s++) a += wgt[g][s] * __ldcg(ph + s * (hd + 2));
+        if (gated) a *= sigmoid_f(qg[(long long)h * 2 * hd + hd + dd]);
+        out[(long long)h * hd + dd] = a;
+    }
+}
+
+#define ATTN_GQA(LG, NAME)                                                                                    \
+    extern "C" __global__ void __launch_bounds__(256, 1)                                                      \
+        NAME(const float* q, const float* kc, const float* vc, const float* qg, float* part, int* count,      \
+             float* out, int hkv, int hd, const int* pos_p, float scale, int gated) {                         \
+        attn_gqa<LG>(q, kc, vc, qg, part, count, out, hkv, hd, pos_p, scale, gated);                          \
+    }
+ATTN_GQA(0, attn_decode_gqa1)
+ATTN_GQA(1, attn_decode_gqa2)
+ATTN_GQA(2, attn_decode_gqa4)
+ATTN_GQA(3, attn_decode_gqa8)

@@ -80,6 +80,12 @@ if [ "$BENCH_CONTEXTS" != none ]; then
   timeout "${BENCH_TIMEOUT:-420}" .gpu/x/bin/lily bench --device cuda --model synthetic:qwen3.6-35b-a3b \
     --contexts "$BENCH_CONTEXTS" 2>&1 | tee "$OUTDIR/bench.txt" || status=1
 fi
+if [ -n "${BENCH_LONG:-}" ]; then
+  # Long contexts without the exact-shape warm-up (a 128K warm-up prefill alone takes ~50 s).
+  echo "== bench, long context (--warmup 0)"
+  timeout "${BENCH_TIMEOUT:-420}" .gpu/x/bin/lily bench --device cuda --model synthetic:qwen3.6-35b-a3b \
+    --contexts "$BENCH_LONG" --warmup 0 2>&1 | tee "$OUTDIR/bench_long.txt" || status=1
+fi
 if [ -n "${ABLATE:-}" ]; then
   echo "== ablation: decode tok/s at context 256 with kernels left out (LILY_CUDA_SKIP; garbage results)"
   for k in none $ABLATE; do
@@ -106,4 +112,5 @@ PY
 echo "== summary (tests exit status $status)"
 grep -h "test result" "$OUTDIR"/cuda_*.log || true
 [ -f "$OUTDIR/bench.txt" ] && tail -n 6 "$OUTDIR/bench.txt"
+[ -f "$OUTDIR/bench_long.txt" ] && tail -n 3 "$OUTDIR/bench_long.txt"
 exit $status

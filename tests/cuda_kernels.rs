@@ -13,7 +13,7 @@ use lily::cpu::attention::{attention, AttnDims};
 use lily::cpu::gdn::GdnDims;
 use lily::cpu::norm::{rms_norm, sigmoid};
 use lily::cpu::rope::Rope;
-use lily::cuda::{GemvKernel, GpuLinear};
+use lily::cuda::{AttnDecode, AttnKernel, GemvKernel, GpuLinear};
 use lily::linear::{FloatType, Linear};
 
 const TOL: f64 = 1e-9;
@@ -200,8 +200,13 @@ fn gdn_decode_steps_match_cpu() {
 fn attention_decode_matches_cpu() {
     let Some(g) = gpu() else { return };
     let mut r = rng(6);
-    for (nh, hkv, hd, rot, steps) in
-        [(4usize, 2usize, 64usize, 16usize, 9usize), (16, 2, 256, 64, 300), (3, 1, 32, 32, 17)]
+    for (nh, hkv, hd, rot, steps) in [
+        (4usize, 2usize, 64usize, 16usize, 9usize),
+        (16, 2, 256, 64, 300),
+        (3, 1, 32, 32, 17),
+        (8, 8, 128, 128, 70),
+        (8, 1, 96, 32, 140),
+    ]
     {
         let theta = 1e7;
         let rope = Rope::new(rot, theta);
@@ -216,6 +221,7 @@ fn attention_decode_matches_cpu() {
         // More splits than positions early on: empty splits must merge as nothing.
         let splits = 32;
         let part = gb(&vec![f32::NAN; nh * splits * (hd + 2)]);
+        let count = g.zeros(4 * hkv).unwrap();
         for pos in 0..steps {
             let qg = uniform(&mut r, nh * 2 * hd, 2.0);
             let k = uniform(&mut r, kvd, 2.0);
@@ -272,13 +278,33 @@ fn attention_decode_matches_cpu() {
                 0,
             )
             .unwrap();
-            g.attn_decode(qo.ptr, gkc.ptr, gvc.ptr, qgb.ptr, out.ptr, (nh, hkv, hd), posb.ptr, true, part.ptr, splits)
-                .unwrap();
-            if pos < 3 || pos + 1 == steps {
-                let name = format!("attention H{nh} H_kv{hkv} D{hd} R{rot} pos {pos}");
-                check(&format!("{name} q"), &qo.read_f32(0, nh * hd).unwrap(), &q, TOL);
-                check(&format!("{name} k cache"), &gkc.read_f32(0, (pos + 1) * kvd).unwrap(), &kc, TOL);
-                check(&format!("{name} out"), &out.read_f32(0, nh * hd).unwrap(), &o, TOL);
+            // Both decode kernels; the packed one only where H_q/H_kv is a power of two <= 8.
+            let kernels: &[AttnKernel] =
+                if matches!(nh / hkv, 1 | 2 | 4 | 8) { &[AttnKernel::PerHead, AttnKernel::Packed] } else { &[AttnKernel::PerHead] };
+            for &kernel in kernels {
+                out.write_f32(0, &vec![f32::NAN; nh * hd]).unwrap();
+                let a = AttnDecode {
+                    q: qo.ptr,
+                    kc: gkc.ptr,
+                    vc: gvc.ptr,
+                    qg: qgb.ptr,
+                    out: out.ptr,
+                    nh,
+                    hkv,
+                    hd,
+                    pos: posb.ptr,
+                    gated: true,
+                    part: part.ptr,
+                    count: count.ptr,
+                    splits,
+                };
+                g.attn_decode(&a, kernel).unwrap();
+                if pos < 3 || pos + 1 == steps || pos % 67 == 0 {
+                    let name = format!("attention {kernel:?} H{nh} H_kv{hkv} D{hd} R{rot} pos {pos}");
+                    check(&format!("{name} q"), &qo.read_f32(0, nh * hd).unwrap(), &q, TOL);
+                    check(&format!("{name} k cache"), &gkc.read_f32(0, (pos + 1) * kvd).unwrap(), &kc, TOL);
+                    check(&format!("{name} out"), &out.read_f32(0, nh * hd).unwrap(), &o, TOL);
+                }
             }
         }
     }
@@ -428,9 +454,30 @@ fn attention_decode_long_context_matches_cpu() {
     let (qb, qgb, kb, vb) = (gb(&q), gb(&qg), gb(&kc), gb(&vc));
     let out = gb(&vec![f32::NAN; nh * hd]);
     let part = gb(&vec![f32::NAN; nh * splits * (hd + 2)]);
+    let count = g.zeros(4 * hkv).unwrap();
     let posb = g.upload_bytes(&((len - 1) as i32).to_le_bytes()).unwrap();
-    g.attn_decode(qb.ptr, kb.ptr, vb.ptr, qgb.ptr, out.ptr, (nh, hkv, hd), posb.ptr, true, part.ptr, splits).unwrap();
-    check("attention decode, 5000 cached positions", &out.read_f32(0, nh * hd).unwrap(), &want, TOL);
+    // The packed kernel twice: its split counters must be back at zero after each call.
+    for kernel in [AttnKernel::PerHead, AttnKernel::Packed, AttnKernel::Packed] {
+        out.write_f32(0, &vec![f32::NAN; nh * hd]).unwrap();
+        let a = AttnDecode {
+            q: qb.ptr,
+            kc: kb.ptr,
+            vc: vb.ptr,
+            qg: qgb.ptr,
+            out: out.ptr,
+            nh,
+            hkv,
+            hd,
+            pos: posb.ptr,
+            gated: true,
+            part: part.ptr,
+            count: count.ptr,
+            splits,
+        };
+        g.attn_decode(&a, kernel).unwrap();
+        check(&format!("attention decode {kernel:?}, 5000 cached positions"), &out.read_f32(0, nh * hd).unwrap(), &want, TOL);
+    }
+    assert_eq!(count.read_i32(hkv).unwrap(), vec![0; hkv], "split counters not reset");
 }
 
 /// 512 GDN decode steps (conv_step + gdn_step, state carried on the GPU) against the CPU steps on

@@ -14,7 +14,7 @@ mod model;
 mod ops;
 
 pub use model::{upload_cached, uploaded, CudaModel, CudaSession};
-pub use ops::{gemv_default, AttnPrep, GdnPrefill, GdnStep, GemvKernel, GpuLinear, Precision};
+pub use ops::{gemv_default, AttnDecode, AttnKernel, AttnPrep, GdnPrefill, GdnStep, GemvKernel, GpuLinear, Precision};
 
 /// A captured CUDA graph, ready to replay on [`Gpu::stream`].
 pub struct Graph(sys::CUgraphExec);
@@ -52,7 +52,7 @@ pub const SOURCES: [(&str, &str); 11] = [
 ];
 
 /// Kernel entry points loaded from the module.
-pub const KERNELS: [&str; 33] = [
+pub const KERNELS: [&str; 37] = [
     "rms_norm",
     "silu_mul",
     "silu_mul_pairs",
@@ -78,6 +78,10 @@ pub const KERNELS: [&str; 33] = [
     "attn_prep",
     "attn_decode",
     "attn_combine",
+    "attn_decode_gqa1",
+    "attn_decode_gqa2",
+    "attn_decode_gqa4",
+    "attn_decode_gqa8",
     "attn_prefill",
     "attn_prefill_tc",
     "moe_topk",
@@ -235,10 +239,14 @@ unsafe impl Sync for Gpu {}
 /// Kernels that call `pdl_wait()` before touching activations (kernels/common.cuh) and so may be
 /// launched as programmatic dependents: their launch and weight reads overlap the previous
 /// kernel's tail.
-pub const PDL_KERNELS: [&str; 19] = [
+pub const PDL_KERNELS: [&str; 23] = [
     "attn_prep",
     "attn_decode",
     "attn_combine",
+    "attn_decode_gqa1",
+    "attn_decode_gqa2",
+    "attn_decode_gqa4",
+    "attn_decode_gqa8",
     "conv_step",
     "gdn_step",
     "gdn_step_par",

@@ -12,7 +12,7 @@
 //! attention over the cache, and routed experts grouped by expert on the GPU (`moe_align` →
 //! grouped GEMM → combine).
 
-use super::ops::{AttnPrep, GdnStep, GpuLinear, Precision};
+use super::ops::{AttnDecode, AttnKernel, AttnPrep, GdnStep, GpuLinear, Precision};
 use super::{gpu, DevBuf, Gpu, Graph};
 use crate::config::ModelConfig;
 use crate::generate::{Session, Snapshot};
@@ -245,9 +245,6 @@ impl CudaModel {
     }
 }
 
-/// Blocks per query head in attention decode (16 heads × 32 = 512 blocks on 132 SMs).
-const ATTN_SPLITS: usize = 32;
-
 type Registry = Vec<(Weak<Model>, Arc<CudaModel>)>;
 static UPLOADED: Mutex<Registry> = Mutex::new(Vec::new());
 
@@ -291,8 +288,10 @@ struct Scratch {
     ys: DevBuf,
     logits: DevBuf,
     amax: DevBuf,
-    /// Attention split partials `[H_q, ATTN_SPLITS, D + 2]`.
+    /// Attention split partials `[H_q, splits, D + 2]` and the packed kernel's `[H_kv]`
+    /// finished-split counters (kept at zero between steps).
     part: DevBuf,
+    count: DevBuf,
     /// i32 [token, position, count] of the step being run (read by the kernels, so graphs
     /// replay; `count` indexes the greedy loop's ring of produced tokens).
     io: DevBuf,
@@ -338,6 +337,8 @@ pub struct CudaSession {
     /// Decode MoE routing inside the gate/up GEMV (`gemv_q2_routed`) instead of a separate top-k
     /// kernel, where the expert format allows (default; `LILY_CUDA_ROUTED=0` for comparison).
     pub routed: bool,
+    /// Decode attention kernel and splits ([`Gpu::attn_plan`]).
+    attn: (AttnKernel, usize),
 }
 
 impl CudaSession {
@@ -351,7 +352,10 @@ impl CudaSession {
         // At most 16384 (kernel grids put the chunk's tokens on the y axis, limit 65535).
         let chunk =
             std::env::var("LILY_PREFILL_CHUNK").ok().and_then(|v| v.parse().ok()).unwrap_or(2048usize).clamp(1, 16384);
+        let c = &model.cfg;
+        let attn = model.gpu.attn_plan(c.num_attention_heads, c.num_key_value_heads);
         CudaSession {
+            attn,
             model,
             pos: 0,
             scratch: None,
@@ -400,7 +404,8 @@ impl CudaSession {
             ys: f(h)?,
             logits: f(c.vocab_size)?,
             amax: f(1)?,
-            part: f(c.num_attention_heads * ATTN_SPLITS * (c.head_dim + 2))?,
+            part: f(c.num_attention_heads * self.attn.1 * (c.head_dim + 2))?,
+            count: f(c.num_key_value_heads)?,
             io: f(3)?,
         });
         self.states = self.fresh_states()?;
@@ -603,18 +608,22 @@ impl CudaSession {
                         1,
                         0,
                     )?;
-                    g.attn_decode(
-                        s.q.ptr,
-                        kc.ptr,
-                        vc.ptr,
-                        s.proj.ptr,
-                        s.o.ptr,
-                        (nh, hkv, hd),
-                        pos_p,
-                        c.attn_output_gate,
-                        s.part.ptr,
-                        ATTN_SPLITS,
-                    )?;
+                    let a = AttnDecode {
+                        q: s.q.ptr,
+                        kc: kc.ptr,
+                        vc: vc.ptr,
+                        qg: s.proj.ptr,
+                        out: s.o.ptr,
+                        nh,
+                        hkv,
+                        hd,
+                        pos: pos_p,
+                        gated: c.attn_output_gate,
+                        part: s.part.ptr,
+                        count: s.count.ptr,
+                        splits: self.attn.1,
+                    };
+                    g.attn_decode(&a, self.attn.0)?;
                     g.gemv(o, s.o.ptr, 0, s.x.ptr, 1, 0, true)?;
                 }
                 _ => bail!("layer state does not match the layer kind"),

@@ -783,36 +783,55 @@ impl Gpu {
     }
 
     /// Attention of one query token over `pos + 1` cached positions (`pos`: device i32), split
-    /// over `splits` blocks per head (partials in `part`: `[H_q, splits, D + 2]` f32), merged by
-    /// a second kernel that also applies the output gate.
-    pub fn attn_decode(
-        &self,
-        q: u64,
-        kc: u64,
-        vc: u64,
-        qg: u64,
-        out: u64,
-        dims: (usize, usize, usize),
-        pos: u64,
-        gated: bool,
-        part: u64,
-        splits: usize,
-    ) -> Result<()> {
-        let (nh, hkv, hd) = dims;
+    /// over `splits` blocks per head (per KV head for the packed kernel; partials in `part`:
+    /// `[H_q, splits, D + 2]` f32). The packed kernel merges the splits itself (last block per
+    /// KV head, counted in `count`); the per-head kernel is followed by `attn_combine`. Both
+    /// apply the output gate.
+    pub fn attn_decode(&self, a: &AttnDecode, kernel: AttnKernel) -> Result<()> {
+        let (nh, hkv, hd) = (a.nh, a.hkv, a.hd);
+        if hkv == 0 || !nh.is_multiple_of(hkv) || !hd.is_multiple_of(32) || hd > 256 || a.splits == 0 {
+            bail!("attention decode: heads {nh}:{hkv}, head dim {hd}, {} splits unsupported", a.splits);
+        }
         let scale = 1.0 / (hd as f32).sqrt();
+        let packed = match (kernel, nh / hkv) {
+            (AttnKernel::Packed, g @ (1 | 2 | 4 | 8)) if a.splits <= 256 => Some(g),
+            (AttnKernel::Packed, _) => bail!("attention decode: packed kernel needs H_q/H_kv in 1,2,4,8"),
+            _ => None,
+        };
+        if let Some(g) = packed {
+            return self.launch(
+                ["attn_decode_gqa1", "attn_decode_gqa2", "attn_decode_gqa4", "attn_decode_gqa8"][g.trailing_zeros() as usize],
+                (hkv as u32, a.splits as u32, 1),
+                256,
+                &[
+                    Arg::P(a.q),
+                    Arg::P(a.kc),
+                    Arg::P(a.vc),
+                    Arg::P(a.qg),
+                    Arg::P(a.part),
+                    Arg::P(a.count),
+                    Arg::P(a.out),
+                    Arg::I(hkv as i32),
+                    Arg::I(hd as i32),
+                    Arg::P(a.pos),
+                    Arg::F(scale),
+                    Arg::I(a.gated as i32),
+                ],
+            );
+        }
         self.launch(
             "attn_decode",
-            (nh as u32, splits as u32, 1),
+            (nh as u32, a.splits as u32, 1),
             256,
             &[
-                Arg::P(q),
-                Arg::P(kc),
-                Arg::P(vc),
-                Arg::P(part),
+                Arg::P(a.q),
+                Arg::P(a.kc),
+                Arg::P(a.vc),
+                Arg::P(a.part),
                 Arg::I(nh as i32),
                 Arg::I(hkv as i32),
                 Arg::I(hd as i32),
-                Arg::P(pos),
+                Arg::P(a.pos),
                 Arg::F(scale),
             ],
         )?;
@@ -821,15 +840,26 @@ impl Gpu {
             (nh as u32, 1, 1),
             256,
             &[
-                Arg::P(part),
-                Arg::P(qg),
-                Arg::P(out),
+                Arg::P(a.part),
+                Arg::P(a.qg),
+                Arg::P(a.out),
                 Arg::I(nh as i32),
                 Arg::I(hd as i32),
-                Arg::I(splits as i32),
-                Arg::I(gated as i32),
+                Arg::I(a.splits as i32),
+                Arg::I(a.gated as i32),
             ],
         )
+    }
+
+    /// The decode attention kernel and split count this device uses for these heads: the
+    /// GQA-packed kernel with about one block per SM (`LILY_CUDA_ATTN=head` picks the per-head
+    /// kernel with 32 splits per query head).
+    pub fn attn_plan(&self, nh: usize, hkv: usize) -> (AttnKernel, usize) {
+        let head = std::env::var("LILY_CUDA_ATTN").as_deref() == Ok("head");
+        if head || hkv == 0 || !nh.is_multiple_of(hkv) || !matches!(nh / hkv, 1 | 2 | 4 | 8) {
+            return (AttnKernel::PerHead, 32);
+        }
+        (AttnKernel::Packed, (self.sms as usize / hkv).clamp(1, 256))
     }
 
     /// Softmax + top-k of E router logits into device ids (i32) and weights (f32); when `ids2` is
@@ -964,6 +994,36 @@ impl Precision {
             Precision::Bf16 => 64,
         }
     }
+}
+
+/// Which decode attention kernel [`Gpu::attn_decode`] launches.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum AttnKernel {
+    /// One block per (query head, split), then `attn_combine`.
+    PerHead,
+    /// One block per (KV head, split) for all the query heads that share it; merged in-kernel.
+    Packed,
+}
+
+/// Arguments of [`Gpu::attn_decode`] (device pointers; `pos` is an i32 on the device).
+pub struct AttnDecode {
+    /// Queries after norm and RoPE `[H_q, D]`.
+    pub q: u64,
+    pub kc: u64,
+    pub vc: u64,
+    /// Projection holding the gate per head (`[q | gate]`, stride 2D) when `gated`.
+    pub qg: u64,
+    pub out: u64,
+    pub nh: usize,
+    pub hkv: usize,
+    pub hd: usize,
+    pub pos: u64,
+    pub gated: bool,
+    /// `[H_q, splits, D + 2]` f32 scratch.
+    pub part: u64,
+    /// `[H_kv]` i32, zero before the first call; the packed kernel leaves it at zero.
+    pub count: u64,
+    pub splits: usize,
 }
 
 /// Arguments of [`Gpu::attn_prep`].
