@@ -40,6 +40,20 @@ pub trait Session {
         }
         Ok(out)
     }
+    /// Like [`Session::greedy_steps`], each token drawn from the filtered distribution of
+    /// `p` (temperature > 0) with randomness from `seed` alone: a seed gives the same tokens on
+    /// every run. The CUDA session draws on the device (kernels/sampling.cu); this default uses
+    /// the host [`Sampler`] seeded with `seed`.
+    fn sampled_steps(&mut self, first: u32, n: usize, p: &SamplingParams, seed: u64) -> Result<Vec<u32>> {
+        let mut sampler = Sampler::new(SamplingParams { seed, ..p.clone() });
+        let mut out = Vec::with_capacity(n);
+        let mut next = first;
+        for _ in 0..n {
+            next = sampler.sample(&self.forward_last(&[next])?);
+            out.push(next);
+        }
+        Ok(out)
+    }
     /// Tokens processed so far.
     fn pos(&self) -> usize;
     fn vocab_size(&self) -> usize;
@@ -207,9 +221,11 @@ pub fn decode(
     let mut finish = FinishReason::Length;
     let mut eos_token = None;
     let penalize = opts.presence_penalty != 0.0 || opts.frequency_penalty != 0.0;
-    // Plain greedy needs no logits on the host: the session picks the next token itself (on
-    // the GPU for CUDA sessions), one token per call so EOS and stop strings end it exactly.
-    let greedy = opts.sampling.temperature == 0.0 && !penalize && opts.logprobs.is_none();
+    // Without penalties or logprobs the session picks the next token itself (on the GPU for
+    // CUDA sessions: argmax, or a seeded draw), one token per call so EOS and stop strings end
+    // it exactly. The first token, from the prompt's logits, is drawn here.
+    let on_session = !penalize && opts.logprobs.is_none();
+    let mut seeds = crate::sampling::Rng::new(opts.sampling.seed ^ 0x6c69_6c79);
     let mut picked: Option<u32> = None;
     while tokens.len() < opts.max_tokens {
         let lp = opts.logprobs.map(|k| (log_softmax(&logits), k));
@@ -238,8 +254,10 @@ pub fn decode(
         if session.pos() + 1 > limit {
             break;
         }
-        if greedy {
+        if on_session && opts.sampling.temperature == 0.0 {
             picked = Some(session.greedy_steps(next, 1)?[0]);
+        } else if on_session {
+            picked = Some(session.sampled_steps(next, 1, &opts.sampling, seeds.next_u64())?[0]);
         } else {
             logits = session.forward_last(&[next])?;
         }

@@ -206,8 +206,7 @@ fn attention_decode_matches_cpu() {
         (3, 1, 32, 32, 17),
         (8, 8, 128, 128, 70),
         (8, 1, 96, 32, 140),
-    ]
-    {
+    ] {
         let theta = 1e7;
         let rope = Rope::new(rot, theta);
         let qn = uniform(&mut r, hd, 1.5);
@@ -279,8 +278,11 @@ fn attention_decode_matches_cpu() {
             )
             .unwrap();
             // Both decode kernels; the packed one only where H_q/H_kv is a power of two <= 8.
-            let kernels: &[AttnKernel] =
-                if matches!(nh / hkv, 1 | 2 | 4 | 8) { &[AttnKernel::PerHead, AttnKernel::Packed] } else { &[AttnKernel::PerHead] };
+            let kernels: &[AttnKernel] = if matches!(nh / hkv, 1 | 2 | 4 | 8) {
+                &[AttnKernel::PerHead, AttnKernel::Packed]
+            } else {
+                &[AttnKernel::PerHead]
+            };
             for &kernel in kernels {
                 out.write_f32(0, &vec![f32::NAN; nh * hd]).unwrap();
                 let a = AttnDecode {
@@ -475,7 +477,12 @@ fn attention_decode_long_context_matches_cpu() {
             splits,
         };
         g.attn_decode(&a, kernel).unwrap();
-        check(&format!("attention decode {kernel:?}, 5000 cached positions"), &out.read_f32(0, nh * hd).unwrap(), &want, TOL);
+        check(
+            &format!("attention decode {kernel:?}, 5000 cached positions"),
+            &out.read_f32(0, nh * hd).unwrap(),
+            &want,
+            TOL,
+        );
     }
     assert_eq!(count.read_i32(hkv).unwrap(), vec![0; hkv], "split counters not reset");
 }
@@ -548,4 +555,86 @@ fn gdn_decode_512_steps_do_not_drift() {
         }
     }
     assert!(worst_out <= 1e-8, "output drifted: worst nmse {worst_out:.3e}");
+}
+
+/// sample_io against the host sampler's filtered distribution (temperature, top-k, min-p,
+/// top-p): every drawn token is in the host's support, and over many draws each likely token's
+/// count lies within 5 standard deviations of n·p (the seeds are fixed, so the outcome is
+/// deterministic, and a wrong filter or a biased draw moves counts by far more). Same seed,
+/// same tokens; top-k 1 is the argmax.
+#[test]
+fn device_sampling_matches_host_distribution() {
+    use lily::sampling::{Sampler, SamplingParams};
+    let Some(g) = gpu() else { return };
+    let mut r = rng(21);
+    let sp =
+        |t: f32, k: usize, p: f32, mp: f32| SamplingParams { temperature: t, top_k: k, top_p: p, min_p: mp, seed: 0 };
+    let cases = [
+        (1000usize, sp(0.7, 0, 1.0, 0.0), 4000usize),
+        (1000, sp(1.0, 5, 1.0, 0.0), 4000),
+        (1000, sp(1.3, 0, 0.8, 0.0), 4000),
+        (1000, sp(1.0, 0, 1.0, 0.05), 4000),
+        (1000, sp(0.8, 50, 0.9, 0.02), 4000),
+        (1000, sp(1.0, 1, 1.0, 0.0), 200),
+        (248_320, sp(0.6, 20, 0.95, 0.0), 1000),
+        (248_320, sp(1.0, 0, 0.5, 0.0), 1000),
+        // Peaked like a trained model's logits: 64 tokens near the top, the rest 25-40 below.
+        (248_320, sp(1.0, 0, 1.0, 0.0), 2000),
+    ];
+    for (ci, (v, params, n)) in cases.into_iter().enumerate() {
+        let mut logits = uniform(&mut r, v, 6.0);
+        if ci == 8 {
+            logits
+                .iter_mut()
+                .enumerate()
+                .for_each(|(i, l)| *l = if i % 3881 == 5 { *l * 0.5 } else { *l * 2.5 - 32.5 });
+        }
+        let want = Sampler::new(params.clone()).distribution(&logits);
+        let name = format!("case {ci}: V {v} {params:?}");
+        let lb = g.upload_f32(&logits).unwrap();
+        let ring = g.zeros(4 * n).unwrap();
+        let cand = g.zeros(16 * v).unwrap();
+        let draw = |seed: u64| -> Vec<u32> {
+            let io = g.zeros(12).unwrap();
+            let spb = g.upload_bytes(&lily::cuda::sampling_params_bytes(&params, seed).unwrap()).unwrap();
+            let ms = g
+                .time_ms(|| {
+                    for _ in 0..n {
+                        g.sample_io(lb.ptr, v, io.ptr, ring.ptr, spb.ptr, cand.ptr)?;
+                    }
+                    Ok(())
+                })
+                .unwrap();
+            eprintln!("  sample_io V {v}: {:.1} us per draw (information only)", 1e3 * ms / n as f64);
+            let io_after = io.read_i32(3).unwrap();
+            assert_eq!((io_after[1], io_after[2]), (n as i32, n as i32), "{name}: io position/count");
+            ring.read_i32(n).unwrap().into_iter().map(|t| t as u32).collect()
+        };
+        let got = draw(7);
+        assert_eq!(draw(7), got, "{name}: same seed, different tokens");
+        let prob: std::collections::HashMap<u32, f32> = want.iter().copied().collect();
+        for &t in &got {
+            assert!(prob.contains_key(&t), "{name}: drew token {t}, outside the host's {} candidates", want.len());
+        }
+        if params.top_k == 1 {
+            assert!(got.iter().all(|&t| t == lily::sampling::argmax(&logits)), "{name}: top-k 1 is not the argmax");
+            continue;
+        }
+        let mut counts: std::collections::HashMap<u32, usize> = std::collections::HashMap::new();
+        got.iter().for_each(|&t| *counts.entry(t).or_default() += 1);
+        let mut worst = 0f64;
+        for &(t, p) in &want {
+            let e = n as f64 * p as f64;
+            let sd = (e * (1.0 - p as f64)).sqrt().max(1.0);
+            let z = (counts.get(&t).copied().unwrap_or(0) as f64 - e).abs() / sd;
+            worst = worst.max(z);
+            assert!(z <= 5.0, "{name}: token {t} drawn {:?} times, expected {e:.1}", counts.get(&t));
+        }
+        eprintln!(
+            "{name}: {} candidates, {} distinct drawn, worst |count - n p| / sd = {worst:.2}",
+            want.len(),
+            counts.len()
+        );
+        assert_ne!(draw(8), got, "{name}: another seed gave the same {n} tokens");
+    }
 }

@@ -14,7 +14,10 @@ mod model;
 mod ops;
 
 pub use model::{upload_cached, uploaded, CudaModel, CudaSession};
-pub use ops::{gemv_default, AttnDecode, AttnKernel, AttnPrep, GdnPrefill, GdnStep, GemvKernel, GpuLinear, Precision};
+pub use ops::{
+    gemv_default, sampling_params_bytes, AttnDecode, AttnKernel, AttnPrep, GdnPrefill, GdnStep, GemvKernel, GpuLinear,
+    Precision,
+};
 
 /// A captured CUDA graph, ready to replay on [`Gpu::stream`].
 pub struct Graph(sys::CUgraphExec);
@@ -52,7 +55,7 @@ pub const SOURCES: [(&str, &str); 11] = [
 ];
 
 /// Kernel entry points loaded from the module.
-pub const KERNELS: [&str; 37] = [
+pub const KERNELS: [&str; 38] = [
     "rms_norm",
     "silu_mul",
     "silu_mul_pairs",
@@ -90,6 +93,7 @@ pub const KERNELS: [&str; 37] = [
     "moe_combine_rows",
     "argmax",
     "argmax_io",
+    "sample_io",
 ];
 
 /// The concatenated program text.
@@ -239,7 +243,8 @@ unsafe impl Sync for Gpu {}
 /// Kernels that call `pdl_wait()` before touching activations (kernels/common.cuh) and so may be
 /// launched as programmatic dependents: their launch and weight reads overlap the previous
 /// kernel's tail.
-pub const PDL_KERNELS: [&str; 23] = [
+pub const PDL_KERNELS: [&str; 24] = [
+    "sample_io",
     "attn_prep",
     "attn_decode",
     "attn_combine",

@@ -18,6 +18,7 @@ use crate::config::ModelConfig;
 use crate::generate::{Session, Snapshot};
 use crate::model::{Ffn, Logits, Mixer, Mlp, Model};
 use crate::progress::Progress;
+use crate::sampling::SamplingParams;
 use crate::state::{LayerState, State};
 use anyhow::{bail, Context, Result};
 use std::sync::{Arc, Mutex, Weak};
@@ -295,6 +296,9 @@ struct Scratch {
     /// i32 [token, position, count] of the step being run (read by the kernels, so graphs
     /// replay; `count` indexes the greedy loop's ring of produced tokens).
     io: DevBuf,
+    /// The sampling loop's parameters (`sampling_params_bytes`) and candidate scratch `[4V]`.
+    sp: DevBuf,
+    cand: DevBuf,
 }
 
 enum GState {
@@ -320,8 +324,9 @@ pub struct CudaSession {
     /// turns it off). Graphs are captured lazily, one without and one with the lm_head, and
     /// dropped whenever a cache buffer moves.
     pub use_graphs: bool,
-    /// Step graphs: without logits, with logits, and the greedy loop's (logits + argmax_io).
-    graphs: [Option<Graph>; 3],
+    /// Step graphs: without logits, with logits, the greedy loop's (logits + argmax_io) and the
+    /// sampling loop's (logits + sample_io).
+    graphs: [Option<Graph>; 4],
     /// The greedy loop's produced tokens (i32), and its capacity.
     ring: Option<(DevBuf, usize)>,
     /// How prompts of several tokens run: batched with this precision for the many-row
@@ -361,7 +366,7 @@ impl CudaSession {
             scratch: None,
             states: Vec::new(),
             use_graphs,
-            graphs: [None, None, None],
+            graphs: [None, None, None, None],
             ring: None,
             prefill,
             chunk,
@@ -407,9 +412,11 @@ impl CudaSession {
             part: f(c.num_attention_heads * self.attn.1 * (c.head_dim + 2))?,
             count: f(c.num_key_value_heads)?,
             io: f(3)?,
+            sp: f(6)?,
+            cand: f(4 * c.vocab_size)?,
         });
         self.states = self.fresh_states()?;
-        self.graphs = [None, None, None];
+        self.graphs = [None, None, None, None];
         Ok(())
     }
 
@@ -472,6 +479,20 @@ impl CudaSession {
     /// tokens and reads the `n` tokens once at the end). Returns the `n` produced tokens; the
     /// session has consumed `first` and the first `n - 1` of them.
     pub fn greedy_steps(&mut self, first: u32, n: usize) -> Result<Vec<u32>> {
+        self.device_steps(first, n, None)
+    }
+
+    /// [`CudaSession::greedy_steps`] with each token drawn on the device by `sample_io`
+    /// (temperature, top-k, min-p, top-p; kernels/sampling.cu) from `seed` and the step index.
+    pub fn sampled_steps(&mut self, first: u32, n: usize, p: &SamplingParams, seed: u64) -> Result<Vec<u32>> {
+        if p.temperature == 0.0 {
+            return self.device_steps(first, n, None);
+        }
+        let sp = super::ops::sampling_params_bytes(p, seed)?;
+        self.device_steps(first, n, Some(sp))
+    }
+
+    fn device_steps(&mut self, first: u32, n: usize, sample: Option<[u8; 24]>) -> Result<Vec<u32>> {
         self.check(&[first])?;
         if n == 0 {
             return Ok(Vec::new());
@@ -488,23 +509,33 @@ impl CudaSession {
             let cap = n.next_power_of_two().max(64);
             self.ring = Some((g.zeros(4 * cap)?, cap));
             self.graphs[2] = None;
+            self.graphs[3] = None;
         }
         let s = self.scratch.as_ref().context("session scratch")?;
         let io = [first as i32, pos as i32, 0];
         s.io.write_bytes(0, &io.iter().flat_map(|v| v.to_le_bytes()).collect::<Vec<u8>>())?;
+        if let Some(sp) = &sample {
+            s.sp.write_bytes(0, sp)?;
+        }
         let ring = self.ring.as_ref().unwrap().0.ptr;
         let v = self.model.cfg.vocab_size;
+        let sampled = sample.is_some();
         let step = |this: &Self| -> Result<()> {
             this.record(true)?;
             let s = this.scratch.as_ref().context("session scratch")?;
-            g.argmax_io(s.logits.ptr, v, s.io.ptr, ring)
+            if sampled {
+                g.sample_io(s.logits.ptr, v, s.io.ptr, ring, s.sp.ptr, s.cand.ptr)
+            } else {
+                g.argmax_io(s.logits.ptr, v, s.io.ptr, ring)
+            }
         };
         if self.use_graphs {
-            if self.graphs[2].is_none() {
+            let gi = if sampled { 3 } else { 2 };
+            if self.graphs[gi].is_none() {
                 let graph = g.capture(|| step(self))?;
-                self.graphs[2] = Some(graph);
+                self.graphs[gi] = Some(graph);
             }
-            let graph = self.graphs[2].as_ref().unwrap();
+            let graph = self.graphs[gi].as_ref().unwrap();
             for _ in 0..n {
                 g.replay(graph)?;
             }
@@ -533,7 +564,7 @@ impl CudaSession {
                     *k = nk;
                     *v = nv;
                     *cap = ncap;
-                    self.graphs = [None, None, None];
+                    self.graphs = [None, None, None, None];
                 }
             }
         }
@@ -766,7 +797,7 @@ impl CudaSession {
                         *gk = g.zeros(4 * ncap * c.kv_dim())?;
                         *gv = g.zeros(4 * ncap * c.kv_dim())?;
                         *cap = ncap;
-                        self.graphs = [None, None, None];
+                        self.graphs = [None, None, None, None];
                     }
                     gk.write_f32(0, k)?;
                     gv.write_f32(0, v)?;
@@ -795,6 +826,9 @@ impl Session for CudaSession {
     fn greedy_steps(&mut self, first: u32, n: usize) -> Result<Vec<u32>> {
         CudaSession::greedy_steps(self, first, n)
     }
+    fn sampled_steps(&mut self, first: u32, n: usize, p: &SamplingParams, seed: u64) -> Result<Vec<u32>> {
+        CudaSession::sampled_steps(self, first, n, p, seed)
+    }
     fn forward_all(&mut self, tokens: &[u32]) -> Result<Vec<f32>> {
         self.forward(tokens, Logits::All)
     }
@@ -822,7 +856,7 @@ impl Session for CudaSession {
         if self.scratch.is_some() {
             if let Ok(s) = self.fresh_states() {
                 self.states = s;
-                self.graphs = [None, None, None];
+                self.graphs = [None, None, None, None];
             }
         }
     }

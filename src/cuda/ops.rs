@@ -800,7 +800,8 @@ impl Gpu {
         };
         if let Some(g) = packed {
             return self.launch(
-                ["attn_decode_gqa1", "attn_decode_gqa2", "attn_decode_gqa4", "attn_decode_gqa8"][g.trailing_zeros() as usize],
+                ["attn_decode_gqa1", "attn_decode_gqa2", "attn_decode_gqa4", "attn_decode_gqa8"]
+                    [g.trailing_zeros() as usize],
                 (hkv as u32, a.splits as u32, 1),
                 256,
                 &[
@@ -940,6 +941,46 @@ impl Gpu {
     pub fn argmax_io(&self, x: u64, n: usize, io: u64, ring: u64) -> Result<()> {
         self.launch("argmax_io", (1, 1, 1), 1024, &[Arg::P(x), Arg::I(n as i32), Arg::P(io), Arg::P(ring)])
     }
+
+    /// Like [`Gpu::argmax_io`] with the token drawn by temperature / top-k / min-p / top-p
+    /// sampling; `sp` holds [`sampling_params_bytes`], `cand` is `16n` bytes of scratch
+    /// (kernels/sampling.cu).
+    pub fn sample_io(&self, x: u64, n: usize, io: u64, ring: u64, sp: u64, cand: u64) -> Result<()> {
+        if n == 0 || n > i32::MAX as usize {
+            bail!("sample_io: {n} logits");
+        }
+        let q = 4 * n as u64;
+        let args = [
+            Arg::P(x),
+            Arg::I(n as i32),
+            Arg::P(io),
+            Arg::P(ring),
+            Arg::P(sp),
+            Arg::P(cand),
+            Arg::P(cand + q),
+            Arg::P(cand + 2 * q),
+            Arg::P(cand + 3 * q),
+        ];
+        self.launch("sample_io", (1, 1, 1), 1024, &args)
+    }
+}
+
+/// The 24 bytes `sample_io` reads: `[T, top_p, min_p]` f32, `top_k` i32, the seed as two u32.
+/// Rejects what the host sampler would reject, and greedy (T = 0: use `argmax_io`).
+pub fn sampling_params_bytes(p: &crate::sampling::SamplingParams, seed: u64) -> Result<[u8; 24]> {
+    p.validate()?;
+    if p.temperature <= 0.0 {
+        bail!("device sampling needs a temperature > 0 (greedy uses argmax_io)");
+    }
+    let top_k = i32::try_from(p.top_k).unwrap_or(i32::MAX);
+    let mut b = [0u8; 24];
+    b[0..4].copy_from_slice(&p.temperature.to_le_bytes());
+    b[4..8].copy_from_slice(&p.top_p.to_le_bytes());
+    b[8..12].copy_from_slice(&p.min_p.to_le_bytes());
+    b[12..16].copy_from_slice(&top_k.to_le_bytes());
+    b[16..20].copy_from_slice(&(seed as u32).to_le_bytes());
+    b[20..24].copy_from_slice(&((seed >> 32) as u32).to_le_bytes());
+    Ok(b)
 }
 
 /// Arguments of [`Gpu::gdn_step`] (device addresses).
