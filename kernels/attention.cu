@@ -22,15 +22,16 @@
  *   partial: part[h, s] = (M_s, l_s = sum_w l_w e^{m_w - M_s}, o_s = sum_w o_w e^{m_w - M_s}) [D + 2].
  *   An empty split writes M = -inf. scale = 1/sqrt(D).
  *
- * attn_combine: grid (H_q), block 256: M = max_s M_s; out[h] = sum_s o_s e^{M_s - M} / sum_s l_s e^{M_s - M},
- *   times sigmoid(gate[h]) when gated.
+ * attn_combine: grid (H_q), block 256, S <= 1024: M = max_s M_s; the weights e^{M_s - M} go to
+ *   shared memory once; out[h] = sum_s o_s e^{M_s - M} / sum_s l_s e^{M_s - M}, times
+ *   sigmoid(gate[h]) when gated.
  *
  * attn_decode_gqa{1,2,4,8} (GQA-packed flash-decoding; G = H_q/H_kv query heads per KV head, the
  *   suffix): grid (H_kv, S), block 256 = 8 warps, one block per (KV head, split), so each K/V row
  *   is read from memory once for all G query heads that share it. With L = pos + 1 positions,
- *   chunk = max(64, ceil(L/S)) and nact = ceil(L/chunk) active splits; split s covers
- *   [s*chunk, min(L, (s+1)*chunk)); blocks s >= nact exit at once (short contexts use few blocks,
- *   the grid is fixed when the graph is captured).
+ *   chunk = max(64, ceil(L/S)); split s covers [s*chunk, min(L, (s+1)*chunk)); a split past L
+ *   writes M = -inf for its heads and exits (short contexts use few blocks; the grid is fixed
+ *   when the graph is captured).
  *   Lane l holds dims l + 32i (i < D/32 <= 8) of the G prescaled queries and G output
  *   accumulators. A warp takes 4 consecutive positions per round (rounds stride 32 over the
  *   block), loads their K and V rows (coalesced 128 B per instruction), forms G partial dots per
@@ -39,12 +40,10 @@
  *   Each lane keeps that head's running max m and sum l; the G correction factors and weights are
  *   broadcast back by shuffles before the V update. The 8 warps merge through shared memory (max,
  *   then the rescaled sums added warp by warp in a fixed order, so replays are bit-identical)
- *   into the split's partial part[h, s] = (M_s, l_s, o_s).
- *   Combine in the same kernel: each finished block bumps count[kvh] (after a fence); the block
- *   that brings it to nact merges the nact partials of its G heads (log-sum-exp weights per
- *   (head, split) in shared memory, partials read through L2), applies sigmoid(gate) and resets
- *   count[kvh] to 0 for the next replay. Requires G in {1, 2, 4, 8}, D % 32 == 0, D <= 256,
- *   S <= 256.
+ *   into the split's partial part[h, s] = (M_s, l_s, o_s), merged by attn_combine (one block per
+ *   query head; a merge inside the last block of each KV head was tried: one SM per KV head
+ *   reading all partials made it slower at 4K). Requires G in {1, 2, 4, 8}, D % 32 == 0,
+ *   D <= 256.
  */
 extern "C" __global__ void attn_prep(const float* qg, const float* kin, const float* vin, const float* qn,
                                      const float* kn, float* q_out, float* kc, float* vc, int nh, int hkv, int hd,
@@ -169,22 +168,31 @@ extern "C" __global__ void attn_decode(const float* q, const float* kc, const fl
 
 extern "C" __global__ void attn_combine(const float* part, const float* qg, float* out, int nh, int hd, int S,
                                         int gated) {
+    __shared__ float w[1024], red[33];
     pdl_begin();
     int h = blockIdx.x;
     const float* ph = part + (long long)h * S * (hd + 2);
+    /* M = max_s M_s (NaN-free: M_s is finite or -inf), then the weights e^{M_s - M} in shared
+       memory, each split's loads issued by its own thread */
+    float mloc = -INFINITY;
+    for (int s = threadIdx.x; s < S; s += blockDim.x) mloc = fmaxf(mloc, ph[(long long)s * (hd + 2)]);
+    mloc = warp_max(mloc);
+    if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = mloc;
+    __syncthreads();
     float M = -INFINITY;
-    for (int s = 0; s < S; s++) M = fmaxf(M, ph[s * (hd + 2)]);
-    float den = 0.f;
-    for (int s = 0; s < S; s++) {
-        float ms = ph[s * (hd + 2)];
-        if (ms != -INFINITY) den += ph[s * (hd + 2) + 1] * expf(ms - M);
+    for (int i = 0; i < (int)(blockDim.x >> 5); i++) M = fmaxf(M, red[i]);
+    float dl = 0.f;
+    for (int s = threadIdx.x; s < S; s += blockDim.x) {
+        float ms = ph[(long long)s * (hd + 2)];
+        float e = ms == -INFINITY ? 0.f : expf(ms - M);
+        w[s] = e;
+        dl += e * ph[(long long)s * (hd + 2) + 1];
     }
+    float den = block_sum(dl, red); /* its barriers also publish w[] */
     for (int d = threadIdx.x; d < hd; d += blockDim.x) {
         float acc = 0.f;
-        for (int s = 0; s < S; s++) {
-            float ms = ph[s * (hd + 2)];
-            if (ms != -INFINITY) acc += ph[s * (hd + 2) + 2 + d] * expf(ms - M);
-        }
+        for (int s = 0; s < S; s++)
+            if (w[s] != 0.f) acc += ph[(long long)s * (hd + 2) + 2 + d] * w[s];
         float r = acc / den;
         if (gated) r *= sigmoid_f(qg[(long long)h * 2 * hd + hd + d]);
         out[(long long)h * hd + d] = r;
@@ -212,19 +220,20 @@ __device__ __forceinline__ float reduce_scatter(float (&d)[1 << LG], int lane) {
 }
 
 template <int LG>
-__device__ __forceinline__ void attn_gqa(const float* q, const float* kc, const float* vc, const float* qg,
-                                         float* part, int* count, float* out, int hkv, int hd, const int* pos_p,
-                                         float scale, int gated) {
+__device__ __forceinline__ void attn_gqa(const float* q, const float* kc, const float* vc, float* part, int hkv,
+                                         int hd, const int* pos_p, float scale) {
     constexpr int G = 1 << LG, U = 4;
     __shared__ float acc[G * 256];
-    __shared__ float sm[8][G], sl[8][G], wgt[G][256];
-    __shared__ int last;
+    __shared__ float sm[8][G], sl[8][G];
     pdl_begin();
     const int L = pos_p[0] + 1;
     const int kvh = blockIdx.x, split = blockIdx.y, S = gridDim.y;
-    const int chunk = max(64, (L + S - 1) / S), nact = (L + chunk - 1) / chunk;
+    const int chunk = max(64, (L + S - 1) / S);
     const int lo = split * chunk, hi = min(L, lo + chunk);
-    if (lo >= L) return;
+    if (lo >= L) { /* empty split: merges as nothing */
+        if (threadIdx.x < G) part[((long long)(kvh * G + threadIdx.x) * S + split) * (hd + 2)] = -INFINITY;
+        return;
+    }
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nd = hd / 32, me = lane >> (5 - LG);
     float qv[G][8], o[G][8];
 #pragma unroll
@@ -330,49 +339,13 @@ __device__ __forceinline__ void attn_gqa(const float* q, const float* kc, const 
             pp[1] = Ls;
         }
     }
-    /* Last block of this KV head merges the splits. */
-    __threadfence();
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        int done = atomicAdd(&count[kvh], 1);
-        last = done == nact - 1;
-        if (last) count[kvh] = 0;
-    }
-    __syncthreads();
-    if (!last) return;
-    __threadfence();
-    /* Per (head, split) weights e^{M_s - M} / sum_s l_s e^{M_s - M}: warp g' handles heads g'. */
-    for (int g = warp; g < G; g += 8) {
-        const float* ph = part + (long long)(kvh * G + g) * S * (hd + 2);
-        float M = -INFINITY;
-        for (int s = lane; s < nact; s += 32) M = fmaxf(M, __ldcg(ph + s * (hd + 2)));
-        M = warp_max(M);
-        float den = 0.f;
-        for (int s = lane; s < nact; s += 32) {
-            float ms = __ldcg(ph + s * (hd + 2));
-            float e = ms == -INFINITY ? 0.f : expf(ms - M);
-            wgt[g][s] = e;
-            den += e * __ldcg(ph + s * (hd + 2) + 1);
-        }
-        den = warp_sum(den);
-        for (int s = lane; s < nact; s += 32) wgt[g][s] /= den;
-    }
-    __syncthreads();
-    for (int t = threadIdx.x; t < G * hd; t += blockDim.x) {
-        int g = t / hd, dd = t - g * hd, h = kvh * G + g;
-        const float* ph = part + (long long)h * S * (hd + 2) + 2 + dd;
-        float a = 0.f;
-        for (int s = 0; s < nact; s++) a += wgt[g][s] * __ldcg(ph + s * (hd + 2));
-        if (gated) a *= sigmoid_f(qg[(long long)h * 2 * hd + hd + dd]);
-        out[(long long)h * hd + dd] = a;
-    }
 }
 
 #define ATTN_GQA(LG, NAME)                                                                                    \
-    extern "C" __global__ void __launch_bounds__(256, 1)                                                      \
-        NAME(const float* q, const float* kc, const float* vc, const float* qg, float* part, int* count,      \
-             float* out, int hkv, int hd, const int* pos_p, float scale, int gated) {                         \
-        attn_gqa<LG>(q, kc, vc, qg, part, count, out, hkv, hd, pos_p, scale, gated);                          \
+    extern "C" __global__ void __launch_bounds__(256, 1) NAME(const float* q, const float* kc, const float* vc,  \
+                                                              float* part, int hkv, int hd, const int* pos_p,    \
+                                                              float scale) {                                     \
+        attn_gqa<LG>(q, kc, vc, part, hkv, hd, pos_p, scale);                                                    \
     }
 ATTN_GQA(0, attn_decode_gqa1)
 ATTN_GQA(1, attn_decode_gqa2)

@@ -150,6 +150,16 @@ fn cuda_synthetic_tiny_matches_cpu() {
     let got_unfused = unfused.forward_all(&prompt).unwrap();
     let worst = compare_rows("synthetic:tiny cuda unfused vs cpu", &got_unfused, &want, 1024);
     eprintln!("synthetic:tiny: cuda unfused decode kernels vs cpu worst |Δ|/range = {worst:.2e}");
+    // The GQA-packed attention kernel from the first position, and switched to at position 150
+    // (graphs for both kernels in one session).
+    for from in [0usize, 150] {
+        let mut packed = CudaSession::new(gm.clone());
+        packed.prefill = None;
+        packed.attn_from = from;
+        let got = packed.forward_all(&prompt).unwrap();
+        let worst = compare_rows("synthetic:tiny cuda packed attention vs cpu", &got, &want, 1024);
+        eprintln!("synthetic:tiny: cuda packed attention from position {from} vs cpu worst |Δ|/range = {worst:.2e}");
+    }
     // Batched fp32 prefill in chunks of 128 (the KV cache grows between chunks).
     let mut batched = CudaSession::new(gm);
     batched.prefill = Some(Precision::F32);

@@ -289,10 +289,8 @@ struct Scratch {
     ys: DevBuf,
     logits: DevBuf,
     amax: DevBuf,
-    /// Attention split partials `[H_q, splits, D + 2]` and the packed kernel's `[H_kv]`
-    /// finished-split counters (kept at zero between steps).
+    /// Attention split partials `[H_q, splits, D + 2]`.
     part: DevBuf,
-    count: DevBuf,
     /// i32 [token, position, count] of the step being run (read by the kernels, so graphs
     /// replay; `count` indexes the greedy loop's ring of produced tokens).
     io: DevBuf,
@@ -326,7 +324,8 @@ pub struct CudaSession {
     pub use_graphs: bool,
     /// Step graphs: without logits, with logits, the greedy loop's (logits + argmax_io) and the
     /// sampling loop's (logits + sample_io).
-    graphs: [Option<Graph>; 4],
+    /// Index: kind + 4 when the step uses the long-context attention kernel.
+    graphs: [Option<Graph>; 8],
     /// The greedy loop's produced tokens (i32), and its capacity.
     ring: Option<(DevBuf, usize)>,
     /// How prompts of several tokens run: batched with this precision for the many-row
@@ -342,8 +341,12 @@ pub struct CudaSession {
     /// Decode MoE routing inside the gate/up GEMV (`gemv_q2_routed`) instead of a separate top-k
     /// kernel, where the expert format allows (default; `LILY_CUDA_ROUTED=0` for comparison).
     pub routed: bool,
-    /// Decode attention kernel and splits ([`Gpu::attn_plan`]).
-    attn: (AttnKernel, usize),
+    /// Decode attention kernel and splits below and from `attn_from` cached positions
+    /// ([`Gpu::attn_plan`]).
+    attn: [(AttnKernel, usize); 2],
+    /// Cached positions from which decode steps use the long-context kernel (public so tests
+    /// can move the switch; graphs are keyed by the kernel, so changing it between steps is fine).
+    pub attn_from: usize,
 }
 
 impl CudaSession {
@@ -358,15 +361,16 @@ impl CudaSession {
         let chunk =
             std::env::var("LILY_PREFILL_CHUNK").ok().and_then(|v| v.parse().ok()).unwrap_or(2048usize).clamp(1, 16384);
         let c = &model.cfg;
-        let attn = model.gpu.attn_plan(c.num_attention_heads, c.num_key_value_heads);
+        let (short, long, attn_from) = model.gpu.attn_plan(c.num_attention_heads, c.num_key_value_heads);
         CudaSession {
-            attn,
+            attn: [short, long],
+            attn_from,
             model,
             pos: 0,
             scratch: None,
             states: Vec::new(),
             use_graphs,
-            graphs: [None, None, None, None],
+            graphs: Default::default(),
             ring: None,
             prefill,
             chunk,
@@ -409,14 +413,13 @@ impl CudaSession {
             ys: f(h)?,
             logits: f(c.vocab_size)?,
             amax: f(1)?,
-            part: f(c.num_attention_heads * self.attn.1 * (c.head_dim + 2))?,
-            count: f(c.num_key_value_heads)?,
+            part: f(c.num_attention_heads * self.attn[0].1.max(self.attn[1].1) * (c.head_dim + 2))?,
             io: f(3)?,
             sp: f(6)?,
             cand: f(4 * c.vocab_size)?,
         });
         self.states = self.fresh_states()?;
-        self.graphs = [None, None, None, None];
+        self.graphs = Default::default();
         Ok(())
     }
 
@@ -459,15 +462,16 @@ impl CudaSession {
         let s = self.scratch.as_ref().context("session scratch")?;
         let io = [tok as i32, pos as i32];
         s.io.write_bytes(0, &io.iter().flat_map(|v| v.to_le_bytes()).collect::<Vec<u8>>())?;
+        let long = self.long_attn(pos);
         if self.use_graphs {
-            let i = logits as usize;
+            let i = logits as usize + 4 * long as usize;
             if self.graphs[i].is_none() {
-                let graph = g.capture(|| self.record(logits))?;
+                let graph = g.capture(|| self.record(logits, long))?;
                 self.graphs[i] = Some(graph);
             }
             g.replay(self.graphs[i].as_ref().unwrap())?;
         } else {
-            self.record(logits)?;
+            self.record(logits, long)?;
         }
         self.pos += 1;
         Ok(())
@@ -508,8 +512,9 @@ impl CudaSession {
         if self.ring.as_ref().is_none_or(|r| r.1 < n) {
             let cap = n.next_power_of_two().max(64);
             self.ring = Some((g.zeros(4 * cap)?, cap));
-            self.graphs[2] = None;
-            self.graphs[3] = None;
+            for i in [2, 3, 6, 7] {
+                self.graphs[i] = None;
+            }
         }
         let s = self.scratch.as_ref().context("session scratch")?;
         let io = [first as i32, pos as i32, 0];
@@ -520,8 +525,8 @@ impl CudaSession {
         let ring = self.ring.as_ref().unwrap().0.ptr;
         let v = self.model.cfg.vocab_size;
         let sampled = sample.is_some();
-        let step = |this: &Self| -> Result<()> {
-            this.record(true)?;
+        let step = |this: &Self, long: bool| -> Result<()> {
+            this.record(true, long)?;
             let s = this.scratch.as_ref().context("session scratch")?;
             if sampled {
                 g.sample_io(s.logits.ptr, v, s.io.ptr, ring, s.sp.ptr, s.cand.ptr)
@@ -529,19 +534,26 @@ impl CudaSession {
                 g.argmax_io(s.logits.ptr, v, s.io.ptr, ring)
             }
         };
-        if self.use_graphs {
-            let gi = if sampled { 3 } else { 2 };
-            if self.graphs[gi].is_none() {
-                let graph = g.capture(|| step(self))?;
-                self.graphs[gi] = Some(graph);
+        // Steps before the long-context attention threshold, then the rest.
+        let short = self.attn_from.saturating_sub(pos).min(n);
+        for (long, count) in [(false, short), (true, n - short)] {
+            if count == 0 {
+                continue;
             }
-            let graph = self.graphs[gi].as_ref().unwrap();
-            for _ in 0..n {
-                g.replay(graph)?;
-            }
-        } else {
-            for _ in 0..n {
-                step(self)?;
+            if self.use_graphs {
+                let gi = if sampled { 3 } else { 2 } + 4 * long as usize;
+                if self.graphs[gi].is_none() {
+                    let graph = g.capture(|| step(self, long))?;
+                    self.graphs[gi] = Some(graph);
+                }
+                let graph = self.graphs[gi].as_ref().unwrap();
+                for _ in 0..count {
+                    g.replay(graph)?;
+                }
+            } else {
+                for _ in 0..count {
+                    step(self, long)?;
+                }
             }
         }
         self.pos += n;
@@ -564,7 +576,7 @@ impl CudaSession {
                     *k = nk;
                     *v = nv;
                     *cap = ncap;
-                    self.graphs = [None, None, None, None];
+                    self.graphs = Default::default();
                 }
             }
         }
@@ -572,7 +584,15 @@ impl CudaSession {
     }
 
     /// Queues every kernel of one step (token and position come from the `io` buffer).
-    fn record(&self, logits: bool) -> Result<()> {
+    /// Whether the step at position `pos` (attending over pos + 1 positions) uses the
+    /// long-context attention kernel.
+    fn long_attn(&self, pos: usize) -> bool {
+        pos >= self.attn_from
+    }
+
+    /// Records (or, without graphs, runs) one decode step; `long` picks the attention kernel
+    /// (`attn[1]` instead of `attn[0]`).
+    fn record(&self, logits: bool, long: bool) -> Result<()> {
         let m = &self.model;
         let g = &m.gpu;
         let c = &m.cfg;
@@ -651,10 +671,9 @@ impl CudaSession {
                         pos: pos_p,
                         gated: c.attn_output_gate,
                         part: s.part.ptr,
-                        count: s.count.ptr,
-                        splits: self.attn.1,
+                        splits: self.attn[long as usize].1,
                     };
-                    g.attn_decode(&a, self.attn.0)?;
+                    g.attn_decode(&a, self.attn[long as usize].0)?;
                     g.gemv(o, s.o.ptr, 0, s.x.ptr, 1, 0, true)?;
                 }
                 _ => bail!("layer state does not match the layer kind"),
@@ -797,7 +816,7 @@ impl CudaSession {
                         *gk = g.zeros(4 * ncap * c.kv_dim())?;
                         *gv = g.zeros(4 * ncap * c.kv_dim())?;
                         *cap = ncap;
-                        self.graphs = [None, None, None, None];
+                        self.graphs = Default::default();
                     }
                     gk.write_f32(0, k)?;
                     gv.write_f32(0, v)?;
@@ -856,7 +875,7 @@ impl Session for CudaSession {
         if self.scratch.is_some() {
             if let Ok(s) = self.fresh_states() {
                 self.states = s;
-                self.graphs = [None, None, None, None];
+                self.graphs = Default::default();
             }
         }
     }

@@ -784,22 +784,21 @@ impl Gpu {
 
     /// Attention of one query token over `pos + 1` cached positions (`pos`: device i32), split
     /// over `splits` blocks per head (per KV head for the packed kernel; partials in `part`:
-    /// `[H_q, splits, D + 2]` f32). The packed kernel merges the splits itself (last block per
-    /// KV head, counted in `count`); the per-head kernel is followed by `attn_combine`. Both
-    /// apply the output gate.
+    /// `[H_q, splits, D + 2]` f32), merged by `attn_combine`, which also applies the output gate.
     pub fn attn_decode(&self, a: &AttnDecode, kernel: AttnKernel) -> Result<()> {
         let (nh, hkv, hd) = (a.nh, a.hkv, a.hd);
-        if hkv == 0 || !nh.is_multiple_of(hkv) || !hd.is_multiple_of(32) || hd > 256 || a.splits == 0 {
+        if hkv == 0 || !nh.is_multiple_of(hkv) || !hd.is_multiple_of(32) || hd > 256 || !(1..=1024).contains(&a.splits)
+        {
             bail!("attention decode: heads {nh}:{hkv}, head dim {hd}, {} splits unsupported", a.splits);
         }
         let scale = 1.0 / (hd as f32).sqrt();
         let packed = match (kernel, nh / hkv) {
-            (AttnKernel::Packed, g @ (1 | 2 | 4 | 8)) if a.splits <= 256 => Some(g),
+            (AttnKernel::Packed, g @ (1 | 2 | 4 | 8)) => Some(g),
             (AttnKernel::Packed, _) => bail!("attention decode: packed kernel needs H_q/H_kv in 1,2,4,8"),
             _ => None,
         };
         if let Some(g) = packed {
-            return self.launch(
+            self.launch(
                 ["attn_decode_gqa1", "attn_decode_gqa2", "attn_decode_gqa4", "attn_decode_gqa8"]
                     [g.trailing_zeros() as usize],
                 (hkv as u32, a.splits as u32, 1),
@@ -808,34 +807,31 @@ impl Gpu {
                     Arg::P(a.q),
                     Arg::P(a.kc),
                     Arg::P(a.vc),
-                    Arg::P(a.qg),
                     Arg::P(a.part),
-                    Arg::P(a.count),
-                    Arg::P(a.out),
                     Arg::I(hkv as i32),
                     Arg::I(hd as i32),
                     Arg::P(a.pos),
                     Arg::F(scale),
-                    Arg::I(a.gated as i32),
                 ],
-            );
+            )?;
+        } else {
+            self.launch(
+                "attn_decode",
+                (nh as u32, a.splits as u32, 1),
+                256,
+                &[
+                    Arg::P(a.q),
+                    Arg::P(a.kc),
+                    Arg::P(a.vc),
+                    Arg::P(a.part),
+                    Arg::I(nh as i32),
+                    Arg::I(hkv as i32),
+                    Arg::I(hd as i32),
+                    Arg::P(a.pos),
+                    Arg::F(scale),
+                ],
+            )?;
         }
-        self.launch(
-            "attn_decode",
-            (nh as u32, a.splits as u32, 1),
-            256,
-            &[
-                Arg::P(a.q),
-                Arg::P(a.kc),
-                Arg::P(a.vc),
-                Arg::P(a.part),
-                Arg::I(nh as i32),
-                Arg::I(hkv as i32),
-                Arg::I(hd as i32),
-                Arg::P(a.pos),
-                Arg::F(scale),
-            ],
-        )?;
         self.launch(
             "attn_combine",
             (nh as u32, 1, 1),
@@ -852,15 +848,24 @@ impl Gpu {
         )
     }
 
-    /// The decode attention kernel and split count this device uses for these heads: the
-    /// GQA-packed kernel with about one block per SM (`LILY_CUDA_ATTN=head` picks the per-head
-    /// kernel with 32 splits per query head).
-    pub fn attn_plan(&self, nh: usize, hkv: usize) -> (AttnKernel, usize) {
-        let head = std::env::var("LILY_CUDA_ATTN").as_deref() == Ok("head");
-        if head || hkv == 0 || !nh.is_multiple_of(hkv) || !matches!(nh / hkv, 1 | 2 | 4 | 8) {
-            return (AttnKernel::PerHead, 32);
+    /// The decode attention kernels this device uses for these heads: (kernel, splits) below
+    /// and from a number of cached positions, and that number. The per-head kernel (32 splits
+    /// per query head; many small blocks, quick at short context) up to 8,192 positions, then
+    /// the GQA-packed kernel with about one block per SM (K/V read once instead of G times).
+    /// `LILY_CUDA_ATTN=head|packed` uses one kernel throughout; `LILY_CUDA_ATTN_PACKED_FROM=N`
+    /// moves the switch.
+    pub fn attn_plan(&self, nh: usize, hkv: usize) -> ((AttnKernel, usize), (AttnKernel, usize), usize) {
+        let head = (AttnKernel::PerHead, 32);
+        if hkv == 0 || !nh.is_multiple_of(hkv) || !matches!(nh / hkv, 1 | 2 | 4 | 8) {
+            return (head, head, usize::MAX);
         }
-        (AttnKernel::Packed, (self.sms as usize / hkv).clamp(1, 256))
+        let packed = (AttnKernel::Packed, (self.sms as usize / hkv).clamp(1, 1024));
+        let from = std::env::var("LILY_CUDA_ATTN_PACKED_FROM").ok().and_then(|v| v.parse().ok()).unwrap_or(8192);
+        match std::env::var("LILY_CUDA_ATTN").as_deref() {
+            Ok("head") => (head, head, usize::MAX),
+            Ok("packed") => (packed, packed, 0),
+            _ => (head, packed, from),
+        }
     }
 
     /// Softmax + top-k of E router logits into device ids (i32) and weights (f32); when `ids2` is
@@ -1042,7 +1047,7 @@ impl Precision {
 pub enum AttnKernel {
     /// One block per (query head, split), then `attn_combine`.
     PerHead,
-    /// One block per (KV head, split) for all the query heads that share it; merged in-kernel.
+    /// One block per (KV head, split) for all the query heads that share it.
     Packed,
 }
 
@@ -1062,8 +1067,6 @@ pub struct AttnDecode {
     pub gated: bool,
     /// `[H_q, splits, D + 2]` f32 scratch.
     pub part: u64,
-    /// `[H_kv]` i32, zero before the first call; the packed kernel leaves it at zero.
-    pub count: u64,
     pub splits: usize,
 }
 
