@@ -2,7 +2,8 @@
 //! D_k = D_v = 128): ms per `gdn_prefill` call (q/k prep + recurrence + gated norm) for the
 //! chunked kernels (kernels/gdn_chunk.cu) and the serial scan, at several T, best of 5 after a
 //! warm-up, each from the same random start state; prints the NMSE of the chunked output and
-//! state against the scan's. `cargo run --release --example gdn_bench` on a machine with a GPU.
+//! state against the scan's (`LILY_CUDA_PROFILE=1`: per-kernel times too).
+//! `cargo run --release --example gdn_bench` on a machine with a GPU.
 
 use anyhow::Result;
 use lily::cuda::{gdn_chunk_floats, gpu, GdnPrefill, GdnPrefillKernel, GdnStep};
@@ -95,6 +96,8 @@ fn main() -> Result<()> {
             nmse(&c.1, &s.1),
             nmse(&c.2, &s.2)
         );
+        // Per-kernel device times of the calls above with LILY_CUDA_PROFILE=1.
+        lily::cuda::profile_report();
     }
     Ok(())
 }

@@ -29,7 +29,7 @@
  *     U  [H_v, Tpad, D_v];
  *     Mt [H_v, nch, 64, 64]   M transposed per chunk (Mt[s][r] = M_rs);
  *     G  [H_v, Tpad]          gamma (a padded row repeats the last real row's).
- *   Shared 35 KB. Requires D_k % 32 == 0, D_k <= 256 (Qt: one column per thread).
+ *   Shared 37 KB. Requires D_k % 32 == 0, D_k <= 256 (Qt: one column per thread).
  *
  * gdn_chunk_scan: the chunks in order, parallel over (value head, 32-wide D_v slice).
  *   grid (H_v, D_v/32), block 256. The state slice S[:, j0..j0+32] lives in shared memory
@@ -47,11 +47,20 @@
  */
 #define GC 64
 
+/* A 16-byte shared-memory load (NVVM splits some float4 dereferences into four loads). */
+__device__ __forceinline__ float4 lds4(const float* p) {
+    float4 v;
+    asm volatile("ld.shared.v4.f32 {%0, %1, %2, %3}, [%4];"
+                 : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
+                 : "r"((u32)__cvta_generic_to_shared(p)));
+    return v;
+}
+
 extern "C" __global__ void __launch_bounds__(256)
     gdn_chunk_prep(const float* qn, const float* kn, const float* y, long long ldy, const float* bproj,
                    const float* aproj, long long ldp, const float* dt_bias, const float* neg_a, float* Wt, float* Qt,
                    float* U, float* Mt, float* G, int hk, int hv, int dk, int dv, int T) {
-    __shared__ float Ks[GC][33], Qs[GC][33];
+    __shared__ __align__(16) float Ks[GC][36], Qs[GC][36];
     __shared__ __align__(16) float As[GC][68];
     __shared__ float gam[GC], bet[GC], egam[GC];
     int c = blockIdx.x, h = blockIdx.y, tid = threadIdx.x;
@@ -94,21 +103,28 @@ extern "C" __global__ void __launch_bounds__(256)
             Qs[r][d] = ok ? qn[src] : 0.f;
         }
         __syncthreads();
-#pragma unroll 4
-        for (int d = 0; d < 32; d++) {
-            float kr[4], qr[4], ks[4];
+        /* 16-byte loads along d (row pitch 36: the 8 rows of a quarter warp hit distinct banks) */
+#pragma unroll 1
+        for (int d = 0; d < 32; d += 4) {
+            float4 kr[4], qr[4], ks[4];
 #pragma unroll
             for (int i = 0; i < 4; i++) {
-                kr[i] = Ks[tx + 16 * i][d];
-                qr[i] = Qs[tx + 16 * i][d];
-                ks[i] = Ks[ty + 16 * i][d];
+                kr[i] = lds4(&Ks[tx + 16 * i][d]);
+                qr[i] = lds4(&Qs[tx + 16 * i][d]);
+                ks[i] = lds4(&Ks[ty + 16 * i][d]);
             }
 #pragma unroll
             for (int i = 0; i < 4; i++)
 #pragma unroll
                 for (int j = 0; j < 4; j++) {
-                    a[i][j] += kr[i] * ks[j];
-                    m[i][j] += qr[i] * ks[j];
+                    a[i][j] += kr[i].x * ks[j].x;
+                    a[i][j] += kr[i].y * ks[j].y;
+                    a[i][j] += kr[i].z * ks[j].z;
+                    a[i][j] += kr[i].w * ks[j].w;
+                    m[i][j] += qr[i].x * ks[j].x;
+                    m[i][j] += qr[i].y * ks[j].y;
+                    m[i][j] += qr[i].z * ks[j].z;
+                    m[i][j] += qr[i].w * ks[j].w;
                 }
         }
     }
@@ -143,10 +159,9 @@ extern "C" __global__ void __launch_bounds__(256)
 #pragma unroll
         for (int r = 1; r < GC; r++) {
             float acc = w[r];
-            const float4* Ar = (const float4*)&As[r][0];
 #pragma unroll
             for (int s4 = 0; s4 < (r + 3) / 4; s4++) {
-                float4 av = Ar[s4];
+                float4 av = lds4(&As[r][4 * s4]); /* broadcast */
                 acc -= av.x * w[4 * s4];
                 if (4 * s4 + 1 < r) acc -= av.y * w[4 * s4 + 1];
                 if (4 * s4 + 2 < r) acc -= av.z * w[4 * s4 + 2];
