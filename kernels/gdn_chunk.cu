@@ -86,7 +86,8 @@ extern "C" __global__ void __launch_bounds__(256)
             gam[r] = acc;
         }
     }
-    /* KK^T and QK^T: a[i][j] = k_r.k_s, m[i][j] = q_r.k_s for r = tx + 16i, s = ty + 16j */
+    /* KK^T and QK^T: a[i][j] = k_r.k_s, m[i][j] = q_r.k_s for r = tx + 16i, s = ty + 16j, only
+       for j <= i (for j > i, r - s <= 15 - 16 < 0: masked for every thread; left at 0) */
     int tx = tid & 15, ty = tid >> 4;
     float a[4][4], m[4][4];
 #pragma unroll
@@ -116,7 +117,7 @@ extern "C" __global__ void __launch_bounds__(256)
 #pragma unroll
             for (int i = 0; i < 4; i++)
 #pragma unroll
-                for (int j = 0; j < 4; j++) {
+                for (int j = 0; j <= i; j++) { /* j > i: r < s for every thread, all masked */
                     a[i][j] += kr[i].x * ks[j].x;
                     a[i][j] += kr[i].y * ks[j].y;
                     a[i][j] += kr[i].z * ks[j].z;
