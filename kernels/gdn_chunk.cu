@@ -20,7 +20,8 @@
  * gdn_chunk_prep: everything that does not depend on S, parallel over (chunk, value head).
  *   grid (nch = ceil(T/64), H_v, ceil((D_k + D_v)/256)), block 256. KK^T and QK^T of the chunk by
  *   D_k slices of 32 through shared memory (thread (tx, ty) = (tid%16, tid/16) owns rows
- *   r = tx + 16i, columns s = ty + 16j); A in shared [64][68]; then thread tid of z-block z takes
+ *   r = tx + 16i, columns s = ty + 16j, i, j < 4, and skips the pairs j > i, where r < s for every
+ *   thread); A in shared [64][68]; then thread tid of z-block z takes
  *   column 256z + tid of [K | V] (D_k + D_v columns), holds its 64 rows in registers and runs the
  *   forward substitution (broadcast reads of A). z-block 0 also writes Mt, G and Qt.
  *   Writes the scratch (per value head; Tpad = 64 nch):
@@ -29,6 +30,7 @@
  *     U  [H_v, Tpad, D_v];
  *     Mt [H_v, nch, 64, 64]   M transposed per chunk (Mt[s][r] = M_rs);
  *     G  [H_v, Tpad]          gamma (a padded row repeats the last real row's).
+ *   (117 MB for T = 2048 with Qwen3.6's 32 value heads of 128 x 128.)
  *   Shared 37 KB. Requires D_k % 32 == 0, D_k <= 256 (Qt: one column per thread).
  *
  * gdn_chunk_scan: the chunks in order, parallel over (value head, 32-wide D_v slice).
@@ -44,6 +46,11 @@
  *     ceil(D_k/64) stages (kn rows t0..t0+63, 64 columns of D_k each): S' = e^{gamma_63} S + K^T Vn,
  *       thread owns rows 4tr..4tr+3 of the slice and columns 2tc, 2tc+1.
  *   Shared 40 KB. Requires D_k % 32 == 0, D_k <= 128, D_v % 32 == 0; o before the gated norm.
+ *
+ * H200, Qwen3.6 shape, T = 2048 (one 2048-token prefill chunk of one layer): gdn_chunk_prep about
+ * 200 us, gdn_chunk_scan about 340 us (about 10.5 us per chunk: issue-bound at 8 warps per SM,
+ * ncu: 0.53 instructions per scheduler-cycle, shared-memory pipe 66% busy), against 1470 us for
+ * gdn_scan.
  */
 #define GC 64
 
