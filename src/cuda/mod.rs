@@ -15,8 +15,8 @@ mod ops;
 
 pub use model::{upload_cached, uploaded, CudaModel, CudaSession};
 pub use ops::{
-    gemv_default, sampling_params_bytes, AttnDecode, AttnKernel, AttnPrep, GdnPrefill, GdnStep, GemvKernel, GpuLinear,
-    Precision,
+    gdn_chunk_floats, gdn_prefill_default, gemv_default, sampling_params_bytes, AttnDecode, AttnKernel, AttnPrep,
+    GdnPrefill, GdnPrefillKernel, GdnStep, GemvKernel, GpuLinear, Precision,
 };
 
 /// A captured CUDA graph, ready to replay on [`Gpu::stream`].
@@ -40,13 +40,14 @@ use std::path::PathBuf;
 use std::sync::{Arc, OnceLock};
 
 /// Every kernel source, in compile order (the prelude first). One NVRTC program, one module.
-pub const SOURCES: [(&str, &str); 11] = [
+pub const SOURCES: [(&str, &str); 12] = [
     ("common.cuh", include_str!("../../kernels/common.cuh")),
     ("norm.cu", include_str!("../../kernels/norm.cu")),
     ("linear.cu", include_str!("../../kernels/linear.cu")),
     ("gemm.cu", include_str!("../../kernels/gemm.cu")),
     ("gdn.cu", include_str!("../../kernels/gdn.cu")),
     ("gdn_prefill.cu", include_str!("../../kernels/gdn_prefill.cu")),
+    ("gdn_chunk.cu", include_str!("../../kernels/gdn_chunk.cu")),
     ("attention.cu", include_str!("../../kernels/attention.cu")),
     ("attention_prefill.cu", include_str!("../../kernels/attention_prefill.cu")),
     ("moe.cu", include_str!("../../kernels/moe.cu")),
@@ -55,7 +56,7 @@ pub const SOURCES: [(&str, &str); 11] = [
 ];
 
 /// Kernel entry points loaded from the module.
-pub const KERNELS: [&str; 38] = [
+pub const KERNELS: [&str; 40] = [
     "rms_norm",
     "silu_mul",
     "silu_mul_pairs",
@@ -77,6 +78,8 @@ pub const KERNELS: [&str; 38] = [
     "conv_state",
     "gdn_qk_prep",
     "gdn_scan",
+    "gdn_chunk_prep",
+    "gdn_chunk_scan",
     "gdn_out_norm",
     "attn_prep",
     "attn_decode",

@@ -586,9 +586,16 @@ impl Gpu {
         )
     }
 
-    /// The gated delta rule over t tokens (see kernels/gdn_prefill.cu): q/k normalization, the
-    /// scan with the state in registers, and the gated RMSNorm (output `p.out`: `[t, H_v·D_v]`).
+    /// The gated delta rule over t tokens: q/k normalization (kernels/gdn_prefill.cu), the
+    /// recurrence by the kernel [`gdn_prefill_default`] picks, and the gated RMSNorm (output
+    /// `p.out`: `[t, H_v·D_v]`).
     pub fn gdn_prefill(&self, p: &GdnPrefill) -> Result<()> {
+        self.gdn_prefill_with(p, gdn_prefill_default())
+    }
+
+    /// [`Gpu::gdn_prefill`] with the recurrence done by `kernel` (the chunked form falls back to
+    /// the scan for D_k > 128).
+    pub fn gdn_prefill_with(&self, p: &GdnPrefill, kernel: GdnPrefillKernel) -> Result<()> {
         let s = &p.step;
         if !s.dk.is_multiple_of(32)
             || s.dk > 256
@@ -613,6 +620,89 @@ impl Gpu {
                 Arg::I(s.dk as i32),
             ],
         )?;
+        if kernel == GdnPrefillKernel::Chunked && s.dk <= 128 {
+            self.gdn_chunked(p)?;
+        } else {
+            self.gdn_scan(p)?;
+        }
+        self.launch(
+            "gdn_out_norm",
+            ((t * s.hv) as u32, 1, 1),
+            s.dv as u32,
+            &[
+                Arg::P(s.out),
+                Arg::P(s.z),
+                Arg::L(p.ldp as i64),
+                Arg::P(s.norm),
+                Arg::I(s.hv as i32),
+                Arg::I(s.dv as i32),
+                Arg::F(s.eps),
+            ],
+        )
+    }
+
+    /// The chunked recurrence (kernels/gdn_chunk.cu): per-chunk preparation, then the scan over
+    /// chunks; writes `p.step.out` (before the norm) and updates the state.
+    fn gdn_chunked(&self, p: &GdnPrefill) -> Result<()> {
+        let s = &p.step;
+        let t = p.t;
+        if t == 0 {
+            return Ok(());
+        }
+        let nch = t.div_ceil(GDN_CHUNK);
+        let [wt, qt, u, mt, g] = gdn_chunk_parts(p.chunk, t, s.hv, s.dk, s.dv);
+        self.launch(
+            "gdn_chunk_prep",
+            (nch as u32, s.hv as u32, (s.dk + s.dv).div_ceil(256) as u32),
+            256,
+            &[
+                Arg::P(p.qn),
+                Arg::P(p.kn),
+                Arg::P(s.y),
+                Arg::L(p.ldy as i64),
+                Arg::P(s.b),
+                Arg::P(s.a),
+                Arg::L(p.ldp as i64),
+                Arg::P(s.dt_bias),
+                Arg::P(s.neg_a),
+                Arg::P(wt),
+                Arg::P(qt),
+                Arg::P(u),
+                Arg::P(mt),
+                Arg::P(g),
+                Arg::I(s.hk as i32),
+                Arg::I(s.hv as i32),
+                Arg::I(s.dk as i32),
+                Arg::I(s.dv as i32),
+                Arg::I(t as i32),
+            ],
+        )?;
+        self.launch(
+            "gdn_chunk_scan",
+            (s.hv as u32, (s.dv / 32) as u32, 1),
+            256,
+            &[
+                Arg::P(p.kn),
+                Arg::P(wt),
+                Arg::P(qt),
+                Arg::P(u),
+                Arg::P(mt),
+                Arg::P(g),
+                Arg::P(s.state),
+                Arg::P(s.out),
+                Arg::I(s.hk as i32),
+                Arg::I(s.hv as i32),
+                Arg::I(s.dk as i32),
+                Arg::I(s.dv as i32),
+                Arg::I(t as i32),
+            ],
+        )
+    }
+
+    /// The serial recurrence (gdn_prefill.cu's gdn_scan), state in registers.
+    fn gdn_scan(&self, p: &GdnPrefill) -> Result<()> {
+        let s = &p.step;
+        let t = p.t;
         self.launch(
             "gdn_scan",
             (s.hv as u32, s.dv.div_ceil(32) as u32, 1),
@@ -635,20 +725,6 @@ impl Gpu {
                 Arg::I(s.dk as i32),
                 Arg::I(s.dv as i32),
                 Arg::I(t as i32),
-            ],
-        )?;
-        self.launch(
-            "gdn_out_norm",
-            ((t * s.hv) as u32, 1, 1),
-            s.dv as u32,
-            &[
-                Arg::P(s.out),
-                Arg::P(s.z),
-                Arg::L(p.ldp as i64),
-                Arg::P(s.norm),
-                Arg::I(s.hv as i32),
-                Arg::I(s.dv as i32),
-                Arg::F(s.eps),
             ],
         )
     }
@@ -1021,6 +1097,47 @@ pub struct GdnPrefill {
     pub qn: u64,
     pub kn: u64,
     pub kq: u64,
+    /// Scratch of the chunked recurrence: [`gdn_chunk_floats`] f32 for these t and dims (unused
+    /// by the scan).
+    pub chunk: u64,
+}
+
+/// Which kernel runs the recurrence of [`Gpu::gdn_prefill`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum GdnPrefillKernel {
+    /// kernels/gdn_chunk.cu: chunks of 64 tokens in the WY/UT form (D_k <= 128; else the scan).
+    Chunked,
+    /// gdn_prefill.cu's gdn_scan: one token after another.
+    Scan,
+}
+
+/// `LILY_CUDA_GDN_PREFILL=scan` selects the serial scan; the chunked form otherwise. Read once.
+pub fn gdn_prefill_default() -> GdnPrefillKernel {
+    static D: std::sync::OnceLock<GdnPrefillKernel> = std::sync::OnceLock::new();
+    *D.get_or_init(|| match std::env::var("LILY_CUDA_GDN_PREFILL").as_deref() {
+        Ok("scan") => GdnPrefillKernel::Scan,
+        _ => GdnPrefillKernel::Chunked,
+    })
+}
+
+/// Tokens per chunk of kernels/gdn_chunk.cu.
+const GDN_CHUNK: usize = 64;
+
+/// f32 elements of [`GdnPrefill::chunk`] for up to `t` tokens: per value head, with t rounded up
+/// to a multiple of 64 (Tpad), Wt and Qt (Tpad·D_k each), U (Tpad·D_v), Mt (Tpad·64), G (Tpad).
+pub fn gdn_chunk_floats(t: usize, hv: usize, dk: usize, dv: usize) -> usize {
+    hv * t.div_ceil(GDN_CHUNK) * GDN_CHUNK * (2 * dk + dv + GDN_CHUNK + 1)
+}
+
+/// Device addresses of Wt, Qt, U, Mt, G inside the chunk scratch (each part a multiple of 256
+/// bytes long, so every part stays 16-byte aligned).
+fn gdn_chunk_parts(base: u64, t: usize, hv: usize, dk: usize, dv: usize) -> [u64; 5] {
+    let tp = (hv * t.div_ceil(GDN_CHUNK) * GDN_CHUNK) as u64;
+    let qt = base + 4 * tp * dk as u64;
+    let u = qt + 4 * tp * dk as u64;
+    let mt = u + 4 * tp * dv as u64;
+    let g = mt + 4 * tp * GDN_CHUNK as u64;
+    [base, qt, u, mt, g]
 }
 
 /// Which arithmetic the many-row products use.

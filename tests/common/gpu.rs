@@ -94,8 +94,25 @@ pub fn cpu_gdn(
     cstate: &mut [f32],
     rec: &mut [f32],
 ) -> (Vec<f32>, Vec<f32>) {
+    cpu_gdn_with(w, t, qkv, z, b, a, cstate, rec, None)
+}
+
+/// [`cpu_gdn`] with the delta rule in the chunked (WY) form of chunk length `chunk`, or the
+/// recurrent one for `None`.
+#[allow(clippy::too_many_arguments)]
+pub fn cpu_gdn_with(
+    w: &GdnWeights,
+    t: usize,
+    qkv: &[f32],
+    z: &[f32],
+    b: &[f32],
+    a: &[f32],
+    cstate: &mut [f32],
+    rec: &mut [f32],
+    chunk: Option<usize>,
+) -> (Vec<f32>, Vec<f32>) {
     use lily::cpu::conv::causal_conv1d_silu;
-    use lily::cpu::gdn::{recurrent, GdnInputs};
+    use lily::cpu::gdn::{chunked, recurrent, GdnInputs};
     use lily::cpu::norm::{gated_rms_norm, l2_norm, sigmoid, softplus};
     let d = w.d;
     let (kd, vd, hv) = (d.hk * d.dk, d.hv * d.dv, d.hv);
@@ -110,7 +127,11 @@ pub fn cpu_gdn(
     let beta: Vec<f32> = b.iter().map(|&x| sigmoid(x)).collect();
     let gd: Vec<f32> = a.iter().enumerate().map(|(i, &x)| w.neg_a[i % hv] * softplus(x + w.dt_bias[i % hv])).collect();
     let mut o = vec![0f32; t * vd];
-    recurrent(d, t, &GdnInputs { q: &q, k: &kk, v: &v, g: &gd, beta: &beta }, rec, &mut o);
+    let x = GdnInputs { q: &q, k: &kk, v: &v, g: &gd, beta: &beta };
+    match chunk {
+        Some(c) => chunked(d, t, &x, rec, &mut o, c),
+        None => recurrent(d, t, &x, rec, &mut o),
+    }
     gated_rms_norm(&mut o, z, w.norm, 1e-6);
     (conv, o)
 }

@@ -3,7 +3,7 @@
 //! gdn_prefill.cu, attention_prefill.cu).
 
 use super::{CudaSession, GFfn, GMixer, GState};
-use crate::cuda::ops::{AttnPrep, GdnPrefill, GdnStep, Precision};
+use crate::cuda::ops::{gdn_chunk_floats, AttnPrep, GdnPrefill, GdnStep, Precision};
 use crate::cuda::DevBuf;
 use anyhow::{bail, Context, Result};
 
@@ -21,6 +21,8 @@ pub(super) struct PScratch {
     qn: DevBuf,
     kn: DevBuf,
     kq: DevBuf,
+    /// The chunked delta rule's scratch ([`gdn_chunk_floats`]).
+    gchunk: DevBuf,
     o: DevBuf,
     q: DevBuf,
     router: DevBuf,
@@ -76,6 +78,7 @@ impl CudaSession {
             qn: f(cap * qk)?,
             kn: f(cap * qk)?,
             kq: f(cap * c.linear_num_key_heads)?,
+            gchunk: f(gdn_chunk_floats(cap, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim))?,
             o: f(cap * c.gdn_value_dim().max(c.num_attention_heads * c.head_dim))?,
             q: f(cap * c.num_attention_heads * c.head_dim)?,
             router: f(cap * (e + 1))?,
@@ -162,6 +165,7 @@ impl CudaSession {
                         qn: p.qn.ptr,
                         kn: p.kn.ptr,
                         kq: p.kq.ptr,
+                        chunk: p.gchunk.ptr,
                     })?;
                     g.gemm(out, prec, p.o.ptr, vd, p.x.ptr, h, t, true)?;
                 }
