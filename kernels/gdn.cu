@@ -37,16 +37,15 @@ extern "C" __global__ void conv_step(const float* x, float* state, const float* 
     if (K >= 2) state[(long long)(K - 2) * C + c] = x[c];
 }
 
-extern "C" __global__ void gdn_step(const float* y, const float* bproj, const float* aproj, const float* z,
-                                    const float* dt_bias, const float* neg_a, const float* normw, float* S,
-                                    float* out, int hk, int hv, int dk, int dv, float eps) {
-    pdl_begin();
-    __shared__ float qs[256], ks[256], sh[33];
-    int h = blockIdx.x, j = threadIdx.x;
-    int kh = h / (hv / hk);
-    int kd = hk * dk;
+/* The step's shared prologue: head kh's raw q and k into qs, ks [D_k] (block-strided), their
+   scales rq = 1/sqrt(D_k) / sqrt(|q|^2 + 1e-6) and rk = 1 / sqrt(|k|^2 + 1e-6), and the gates
+   beta = sigmoid(b[h]), alpha = exp(neg_a[h] softplus(a[h] + dt_bias[h])). */
+__device__ __forceinline__ void gdn_prologue(const float* y, const float* bproj, const float* aproj,
+                                             const float* dt_bias, const float* neg_a, int h, int kh, int kd, int dk,
+                                             float* qs, float* ks, float* sh, float* rq, float* rk, float* beta,
+                                             float* alpha) {
     float sq = 0.f, sk = 0.f;
-    for (int i = j; i < dk; i += blockDim.x) {
+    for (int i = threadIdx.x; i < dk; i += blockDim.x) {
         float q = y[kh * dk + i], k = y[kd + kh * dk + i];
         qs[i] = q;
         ks[i] = k;
@@ -55,15 +54,27 @@ extern "C" __global__ void gdn_step(const float* y, const float* bproj, const fl
     }
     sq = block_sum(sq, sh);
     sk = block_sum(sk, sh);
-    float rq = (1.f / sqrtf((float)dk)) / sqrtf(sq + 1e-6f);
-    float rk = 1.f / sqrtf(sk + 1e-6f);
+    *rq = (1.f / sqrtf((float)dk)) / sqrtf(sq + 1e-6f);
+    *rk = 1.f / sqrtf(sk + 1e-6f);
+    *beta = sigmoid_f(bproj[h]);
+    *alpha = expf(neg_a[h] * softplus_f(aproj[h] + dt_bias[h]));
+}
+
+extern "C" __global__ void gdn_step(const float* y, const float* bproj, const float* aproj, const float* z,
+                                    const float* dt_bias, const float* neg_a, const float* normw, float* S,
+                                    float* out, int hk, int hv, int dk, int dv, float eps) {
+    pdl_begin();
+    __shared__ float qs[256], ks[256], sh[33];
+    int h = blockIdx.x, j = threadIdx.x;
+    int kh = h / (hv / hk);
+    int kd = hk * dk;
+    float rq, rk, beta, alpha;
+    gdn_prologue(y, bproj, aproj, dt_bias, neg_a, h, kh, kd, dk, qs, ks, sh, &rq, &rk, &beta, &alpha);
     for (int i = j; i < dk; i += blockDim.x) {
         qs[i] *= rq;
         ks[i] *= rk;
     }
     __syncthreads();
-    float beta = sigmoid_f(bproj[h]);
-    float alpha = expf(neg_a[h] * softplus_f(aproj[h] + dt_bias[h]));
     float* Sh = S + (long long)h * dk * dv;
     float o = 0.f;
     if (j < dv) {
@@ -121,20 +132,8 @@ extern "C" __global__ void __launch_bounds__(1024) gdn_step_par(const float* y, 
         sv[ii] = i < dk ? Sh[(long long)i * dv + j] : 0.f;
     }
     pdl_wait();
-    float sq = 0.f, sk = 0.f;
-    for (int i = tid; i < dk; i += blockDim.x) {
-        float q = y[kh * dk + i], k = y[kd + kh * dk + i];
-        qs[i] = q;
-        ks[i] = k;
-        sq += q * q;
-        sk += k * k;
-    }
-    sq = block_sum(sq, sh);
-    sk = block_sum(sk, sh);
-    float rq = (1.f / sqrtf((float)dk)) / sqrtf(sq + 1e-6f);
-    float rk = 1.f / sqrtf(sk + 1e-6f);
-    float beta = sigmoid_f(bproj[h]);
-    float alpha = expf(neg_a[h] * softplus_f(aproj[h] + dt_bias[h]));
+    float rq, rk, beta, alpha;
+    gdn_prologue(y, bproj, aproj, dt_bias, neg_a, h, kh, kd, dk, qs, ks, sh, &rq, &rk, &beta, &alpha);
     float u = 0.f;
 #pragma unroll
     for (int ii = 0; ii < 32; ii++) {

@@ -156,21 +156,8 @@ impl Model {
         for (i, &tok) in tokens.iter().enumerate() {
             self.embed.row_f32(tok as usize, &mut x[i * hid..(i + 1) * hid]);
         }
-        let mut xn = vec![0f32; t * hid]; // [T, H]
-        for (layer, ls) in self.layers.iter().zip(state.layers.iter_mut()) {
-            rms_norm_into(&x, &layer.input_norm, cfg.rms_norm_eps, &mut xn);
-            let mixed = match (&layer.mixer, ls) {
-                (Mixer::Gdn(g), LayerState::Gdn { conv, rec }) => self.gdn(g, &xn, t, conv, rec),
-                (Mixer::Attention(a), LayerState::Attention { k, v }) => self.attention(a, &xn, t, state.pos, k, v),
-                _ => unreachable!("state built from the same config"),
-            };
-            add(&mut x, &mixed);
-            rms_norm_into(&x, &layer.post_norm, cfg.rms_norm_eps, &mut xn);
-            let ff = match &layer.ffn {
-                Ffn::Moe(m) => self.moe(m, &xn, t),
-                Ffn::Dense(m) => mlp(m, &xn, t),
-            };
-            add(&mut x, &ff);
+        for i in 0..self.layers.len() {
+            self.layer(i, &mut x, state);
         }
         state.pos += t;
         let rows: &[f32] = match which {
@@ -183,6 +170,28 @@ impl Model {
         let mut logits = vec![0f32; n * cfg.vocab_size];
         self.lm_head.matmul(&h, &mut logits);
         logits
+    }
+
+    /// Layer `i` on the hidden rows `x` (`[T, H]`) at positions `state.pos..`, in place, updating
+    /// that layer's caches (the position is moved by the caller once every layer has run).
+    pub fn layer(&self, i: usize, x: &mut [f32], state: &mut State) {
+        let cfg = &self.cfg;
+        let (layer, pos) = (&self.layers[i], state.pos);
+        let t = x.len() / cfg.hidden_size;
+        let mut xn = vec![0f32; x.len()]; // [T, H]
+        rms_norm_into(x, &layer.input_norm, cfg.rms_norm_eps, &mut xn);
+        let mixed = match (&layer.mixer, &mut state.layers[i]) {
+            (Mixer::Gdn(g), LayerState::Gdn { conv, rec }) => self.gdn(g, &xn, t, conv, rec),
+            (Mixer::Attention(a), LayerState::Attention { k, v }) => self.attention(a, &xn, t, pos, k, v),
+            _ => unreachable!("state built from the same config"),
+        };
+        add(x, &mixed);
+        rms_norm_into(x, &layer.post_norm, cfg.rms_norm_eps, &mut xn);
+        let ff = match &layer.ffn {
+            Ffn::Moe(m) => self.moe(m, &xn, t),
+            Ffn::Dense(m) => mlp(m, &xn, t),
+        };
+        add(x, &ff);
     }
 
     fn gdn(&self, g: &Gdn, xn: &[f32], t: usize, conv_state: &mut [f32], rec: &mut [f32]) -> Vec<f32> {

@@ -510,19 +510,11 @@ impl Gpu {
         let (a, b) = (self.zeros(n)?, self.zeros(n)?);
         let mut best = 0f64;
         for _ in 0..5 {
-            let t0 = self.event_now()?;
-            // SAFETY: both buffers are live allocations of n bytes on this context.
-            unsafe { drv::memcpy_dtod_async(b.ptr, a.ptr, n, self.stream) }.map_err(|e| anyhow!("{e:?}"))?;
-            let t1 = self.event_now()?;
-            // SAFETY: both events were recorded on this stream and are destroyed once.
-            let ms = unsafe {
-                drv::event::synchronize(t1).map_err(|e| anyhow!("{e:?}"))?;
-                let ms = drv::event::elapsed(t0, t1).map_err(|e| anyhow!("{e:?}"))?;
-                let _ = drv::event::destroy(t0);
-                let _ = drv::event::destroy(t1);
-                ms
-            };
-            best = best.max(2.0 * n as f64 / (ms as f64 / 1e3) / 1e9);
+            let ms = self.time_ms(|| {
+                // SAFETY: both buffers are live allocations of n bytes on this context.
+                unsafe { drv::memcpy_dtod_async(b.ptr, a.ptr, n, self.stream) }.map_err(|e| anyhow!("{e:?}"))
+            })?;
+            best = best.max(2.0 * n as f64 / (ms / 1e3) / 1e9);
         }
         Ok(best)
     }

@@ -246,6 +246,29 @@ impl CudaModel {
     }
 }
 
+/// The GDN step's arguments for one token row: `proj` holds `[conv input | z | b | a]` (f32),
+/// `y` the conv output, `w` the layer's `[dt_bias, neg_a, norm]`.
+pub(crate) fn gdn_step_args(c: &ModelConfig, proj: u64, y: u64, w: [&DevBuf; 3], state: &DevBuf, out: u64) -> GdnStep {
+    let (cd, vd, hv) = (c.gdn_conv_dim(), c.gdn_value_dim(), c.linear_num_value_heads);
+    let at = |off: usize| proj + 4 * off as u64;
+    GdnStep {
+        y,
+        b: at(cd + vd),
+        a: at(cd + vd + hv),
+        z: at(cd),
+        dt_bias: w[0].ptr,
+        neg_a: w[1].ptr,
+        norm: w[2].ptr,
+        state: state.ptr,
+        out,
+        hk: c.linear_num_key_heads,
+        hv,
+        dk: c.linear_key_head_dim,
+        dv: c.linear_value_head_dim,
+        eps: c.rms_norm_eps,
+    }
+}
+
 type Registry = Vec<(Weak<Model>, Arc<CudaModel>)>;
 static UPLOADED: Mutex<Registry> = Mutex::new(Vec::new());
 
@@ -611,26 +634,10 @@ impl CudaSession {
             };
             match (&layer.mixer, st) {
                 (GMixer::Gdn { proj, conv, dt_bias, neg_a, norm, out }, GState::Gdn { conv: cs, rec }) => {
-                    let (cd, vd, hv) = (c.gdn_conv_dim(), c.gdn_value_dim(), c.linear_num_value_heads);
-                    let at = |off: usize| s.proj.at(4 * off);
+                    let cd = c.gdn_conv_dim();
                     proj.run(g, xin, in_norm, s.proj.ptr)?;
                     g.conv_step(s.proj.ptr, cs.ptr, conv.ptr, s.conv.ptr, cd, c.linear_conv_kernel_dim)?;
-                    g.gdn_step(&GdnStep {
-                        y: s.conv.ptr,
-                        b: at(cd + vd),
-                        a: at(cd + vd + hv),
-                        z: at(cd),
-                        dt_bias: dt_bias.ptr,
-                        neg_a: neg_a.ptr,
-                        norm: norm.ptr,
-                        state: rec.ptr,
-                        out: s.o.ptr,
-                        hk: c.linear_num_key_heads,
-                        hv,
-                        dk: c.linear_key_head_dim,
-                        dv: c.linear_value_head_dim,
-                        eps,
-                    })?;
+                    g.gdn_step(&gdn_step_args(c, s.proj.ptr, s.conv.ptr, [dt_bias, neg_a, norm], rec, s.o.ptr))?;
                     g.gemv(out, s.o.ptr, 0, s.x.ptr, 1, 0, true)?;
                 }
                 (GMixer::Attn { proj, o, q_norm, k_norm }, GState::Attn { k: kc, v: vc, .. }) => {

@@ -3,7 +3,7 @@
 //! gdn_prefill.cu, attention_prefill.cu).
 
 use super::{CudaSession, GFfn, GMixer, GState};
-use crate::cuda::ops::{gdn_chunk_floats, AttnPrep, GdnPrefill, GdnStep, Precision};
+use crate::cuda::ops::{gdn_chunk_floats, AttnPrep, GdnPrefill, Precision};
 use crate::cuda::DevBuf;
 use anyhow::{bail, Context, Result};
 
@@ -133,124 +133,8 @@ impl CudaSession {
         p.toks.write_bytes(0, &ids)?;
         p.pos.write_bytes(0, &(pos0 as i32).to_le_bytes())?;
         g.embed(&m.embed, p.toks.ptr, p.x.ptr, t)?;
-        for (layer, st) in m.layers.iter().zip(self.states.iter()) {
-            g.rms_norm(p.x.ptr, layer.input_norm.ptr, p.xn.ptr, t, h, eps)?;
-            match (&layer.mixer, st) {
-                (GMixer::Gdn { proj, conv, dt_bias, neg_a, norm, out }, GState::Gdn { conv: cs, rec }) => {
-                    let (cd, vd, hv) = (c.gdn_conv_dim(), c.gdn_value_dim(), c.linear_num_value_heads);
-                    let ldp = cd + vd + 2 * hv;
-                    let at = |off: usize| p.proj.at(4 * off);
-                    proj.run_rows(g, prec, p.xn.ptr, h, p.proj.ptr, ldp, t)?;
-                    g.conv_prefill(p.proj.ptr, ldp, cs.ptr, conv.ptr, p.conv.ptr, cd, c.linear_conv_kernel_dim, t)?;
-                    g.gdn_prefill(&GdnPrefill {
-                        step: GdnStep {
-                            y: p.conv.ptr,
-                            b: at(cd + vd),
-                            a: at(cd + vd + hv),
-                            z: at(cd),
-                            dt_bias: dt_bias.ptr,
-                            neg_a: neg_a.ptr,
-                            norm: norm.ptr,
-                            state: rec.ptr,
-                            out: p.o.ptr,
-                            hk: c.linear_num_key_heads,
-                            hv,
-                            dk: c.linear_key_head_dim,
-                            dv: c.linear_value_head_dim,
-                            eps,
-                        },
-                        t,
-                        ldy: cd,
-                        ldp,
-                        qn: p.qn.ptr,
-                        kn: p.kn.ptr,
-                        kq: p.kq.ptr,
-                        chunk: p.gchunk.ptr,
-                    })?;
-                    g.gemm(out, prec, p.o.ptr, vd, p.x.ptr, h, t, true)?;
-                }
-                (GMixer::Attn { proj, o, q_norm, k_norm }, GState::Attn { k: kc, v: vc, .. }) => {
-                    let (nh, hkv, hd) = (c.num_attention_heads, c.num_key_value_heads, c.head_dim);
-                    let (qd, kvd) = (c.q_proj_dim(), c.kv_dim());
-                    let ldp = qd + 2 * kvd;
-                    proj.run_rows(g, prec, p.xn.ptr, h, p.proj.ptr, ldp, t)?;
-                    let prep = AttnPrep {
-                        qg: p.proj.ptr,
-                        k: p.proj.at(4 * qd),
-                        v: p.proj.at(4 * (qd + kvd)),
-                        q_norm: q_norm.ptr,
-                        k_norm: k_norm.ptr,
-                        q_out: p.q.ptr,
-                        kc: kc.ptr,
-                        vc: vc.ptr,
-                        nh,
-                        hkv,
-                        hd,
-                        gated: c.attn_output_gate,
-                        rot: c.rotary_dim,
-                        pos: p.pos.ptr,
-                        theta: c.rope_theta,
-                        eps,
-                    };
-                    g.attn_prep(&prep, t, ldp)?;
-                    g.attn_prefill(
-                        prec,
-                        p.q.ptr,
-                        kc.ptr,
-                        vc.ptr,
-                        (p.proj.ptr, ldp),
-                        p.o.ptr,
-                        (nh, hkv, hd),
-                        t,
-                        p.pos.ptr,
-                        c.attn_output_gate,
-                    )?;
-                    g.gemm(o, prec, p.o.ptr, nh * hd, p.x.ptr, h, t, true)?;
-                }
-                _ => bail!("layer state does not match the layer kind"),
-            }
-            g.rms_norm(p.x.ptr, layer.post_norm.ptr, p.xn.ptr, t, h, eps)?;
-            match &layer.ffn {
-                GFfn::Moe { router, experts, shared } => {
-                    let (e, k) = (c.num_experts, c.num_experts_per_tok);
-                    let inter = experts.down.cols;
-                    let pairs = t * k;
-                    router.run_rows(g, prec, p.xn.ptr, h, p.router.ptr, e + 1, t)?;
-                    g.moe_topk_rows(p.router.ptr, e + 1, t, e, k, c.norm_topk_prob, p.ids.ptr, p.wts.ptr, 0, false)?;
-                    g.moe_align(p.ids.ptr, pairs, e, prec.bm(), p.perm.ptr, p.inv.ptr, p.tiles.ptr)?;
-                    let nt = max_tiles(pairs, prec.bm(), e);
-                    g.gemm_grouped(
-                        &experts.gate_up,
-                        prec,
-                        2 * inter,
-                        (p.xn.ptr, h, p.perm.ptr, k),
-                        (p.egu.ptr, 2 * inter),
-                        p.tiles.ptr,
-                        nt,
-                    )?;
-                    g.silu_mul_pairs(p.egu.ptr, p.eh.ptr, inter, pairs)?;
-                    g.gemm_grouped(&experts.down, prec, h, (p.eh.ptr, inter, 0, 1), (p.ye.ptr, h), p.tiles.ptr, nt)?;
-                    shared.gate_up.run_rows(g, prec, p.xn.ptr, h, p.sgu.ptr, 2 * shared.inter, t)?;
-                    g.silu_mul_pairs(p.sgu.ptr, p.sh.ptr, shared.inter, t)?;
-                    g.gemm(&shared.down, prec, p.sh.ptr, shared.inter, p.ys.ptr, h, t, false)?;
-                    g.moe_combine_rows(
-                        p.x.ptr,
-                        p.ye.ptr,
-                        p.inv.ptr,
-                        p.wts.ptr,
-                        p.ys.ptr,
-                        (p.router.at(4 * e), e + 1),
-                        h,
-                        k,
-                        t,
-                    )?;
-                }
-                GFfn::Dense(mm) => {
-                    mm.gate_up.run_rows(g, prec, p.xn.ptr, h, p.sgu.ptr, 2 * mm.inter, t)?;
-                    g.silu_mul_pairs(p.sgu.ptr, p.sh.ptr, mm.inter, t)?;
-                    g.gemm(&mm.down, prec, p.sh.ptr, mm.inter, p.x.ptr, h, t, true)?;
-                }
-            }
+        for i in 0..m.layers.len() {
+            self.prefill_layer(i, t, prec)?;
         }
         if all {
             g.rms_norm(p.x.ptr, m.norm.ptr, p.xn.ptr, t, h, eps)?;
@@ -263,5 +147,143 @@ impl CudaSession {
         }
         self.pos += t;
         Ok(())
+    }
+
+    /// Layer `i` over the `t` rows of the prefill scratch `x` at positions `pos..pos + t`
+    /// (updates that layer's caches; does not move `pos`).
+    fn prefill_layer(&self, i: usize, t: usize, prec: Precision) -> Result<()> {
+        let m = &self.model;
+        let g = &m.gpu;
+        let c = &m.cfg;
+        let (h, eps) = (c.hidden_size, c.rms_norm_eps);
+        let p = self.pre.as_ref().context("prefill scratch")?;
+        let (layer, st) = (&m.layers[i], &self.states[i]);
+        g.rms_norm(p.x.ptr, layer.input_norm.ptr, p.xn.ptr, t, h, eps)?;
+        match (&layer.mixer, st) {
+            (GMixer::Gdn { proj, conv, dt_bias, neg_a, norm, out }, GState::Gdn { conv: cs, rec }) => {
+                let (cd, vd, hv) = (c.gdn_conv_dim(), c.gdn_value_dim(), c.linear_num_value_heads);
+                let ldp = cd + vd + 2 * hv;
+                proj.run_rows(g, prec, p.xn.ptr, h, p.proj.ptr, ldp, t)?;
+                g.conv_prefill(p.proj.ptr, ldp, cs.ptr, conv.ptr, p.conv.ptr, cd, c.linear_conv_kernel_dim, t)?;
+                g.gdn_prefill(&GdnPrefill {
+                    step: super::gdn_step_args(c, p.proj.ptr, p.conv.ptr, [dt_bias, neg_a, norm], rec, p.o.ptr),
+                    t,
+                    ldy: cd,
+                    ldp,
+                    qn: p.qn.ptr,
+                    kn: p.kn.ptr,
+                    kq: p.kq.ptr,
+                    chunk: p.gchunk.ptr,
+                })?;
+                g.gemm(out, prec, p.o.ptr, vd, p.x.ptr, h, t, true)?;
+            }
+            (GMixer::Attn { proj, o, q_norm, k_norm }, GState::Attn { k: kc, v: vc, .. }) => {
+                let (nh, hkv, hd) = (c.num_attention_heads, c.num_key_value_heads, c.head_dim);
+                let (qd, kvd) = (c.q_proj_dim(), c.kv_dim());
+                let ldp = qd + 2 * kvd;
+                proj.run_rows(g, prec, p.xn.ptr, h, p.proj.ptr, ldp, t)?;
+                let prep = AttnPrep {
+                    qg: p.proj.ptr,
+                    k: p.proj.at(4 * qd),
+                    v: p.proj.at(4 * (qd + kvd)),
+                    q_norm: q_norm.ptr,
+                    k_norm: k_norm.ptr,
+                    q_out: p.q.ptr,
+                    kc: kc.ptr,
+                    vc: vc.ptr,
+                    nh,
+                    hkv,
+                    hd,
+                    gated: c.attn_output_gate,
+                    rot: c.rotary_dim,
+                    pos: p.pos.ptr,
+                    theta: c.rope_theta,
+                    eps,
+                };
+                g.attn_prep(&prep, t, ldp)?;
+                g.attn_prefill(
+                    prec,
+                    p.q.ptr,
+                    kc.ptr,
+                    vc.ptr,
+                    (p.proj.ptr, ldp),
+                    p.o.ptr,
+                    (nh, hkv, hd),
+                    t,
+                    p.pos.ptr,
+                    c.attn_output_gate,
+                )?;
+                g.gemm(o, prec, p.o.ptr, nh * hd, p.x.ptr, h, t, true)?;
+            }
+            _ => bail!("layer state does not match the layer kind"),
+        }
+        g.rms_norm(p.x.ptr, layer.post_norm.ptr, p.xn.ptr, t, h, eps)?;
+        match &layer.ffn {
+            GFfn::Moe { router, experts, shared } => {
+                let (e, k) = (c.num_experts, c.num_experts_per_tok);
+                let inter = experts.down.cols;
+                let pairs = t * k;
+                router.run_rows(g, prec, p.xn.ptr, h, p.router.ptr, e + 1, t)?;
+                g.moe_topk_rows(p.router.ptr, e + 1, t, e, k, c.norm_topk_prob, p.ids.ptr, p.wts.ptr, 0, false)?;
+                g.moe_align(p.ids.ptr, pairs, e, prec.bm(), p.perm.ptr, p.inv.ptr, p.tiles.ptr)?;
+                let nt = max_tiles(pairs, prec.bm(), e);
+                g.gemm_grouped(
+                    &experts.gate_up,
+                    prec,
+                    2 * inter,
+                    (p.xn.ptr, h, p.perm.ptr, k),
+                    (p.egu.ptr, 2 * inter),
+                    p.tiles.ptr,
+                    nt,
+                )?;
+                g.silu_mul_pairs(p.egu.ptr, p.eh.ptr, inter, pairs)?;
+                g.gemm_grouped(&experts.down, prec, h, (p.eh.ptr, inter, 0, 1), (p.ye.ptr, h), p.tiles.ptr, nt)?;
+                shared.gate_up.run_rows(g, prec, p.xn.ptr, h, p.sgu.ptr, 2 * shared.inter, t)?;
+                g.silu_mul_pairs(p.sgu.ptr, p.sh.ptr, shared.inter, t)?;
+                g.gemm(&shared.down, prec, p.sh.ptr, shared.inter, p.ys.ptr, h, t, false)?;
+                g.moe_combine_rows(
+                    p.x.ptr,
+                    p.ye.ptr,
+                    p.inv.ptr,
+                    p.wts.ptr,
+                    p.ys.ptr,
+                    (p.router.at(4 * e), e + 1),
+                    h,
+                    k,
+                    t,
+                )?;
+            }
+            GFfn::Dense(mm) => {
+                mm.gate_up.run_rows(g, prec, p.xn.ptr, h, p.sgu.ptr, 2 * mm.inter, t)?;
+                g.silu_mul_pairs(p.sgu.ptr, p.sh.ptr, mm.inter, t)?;
+                g.gemm(&mm.down, prec, p.sh.ptr, mm.inter, p.x.ptr, h, t, true)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Test hook for layer-local error: runs layer `i` alone on the hidden rows `x` (`[t, H]`,
+    /// positions `pos..pos + t`) with the batched prefill kernels, and returns its output rows.
+    /// The layer's caches are updated; the position is not (run every layer on the same rows'
+    /// positions, then [`CudaSession::advance`]).
+    pub fn layer_rows(&mut self, i: usize, x: &[f32], prec: Precision) -> Result<Vec<f32>> {
+        let h = self.model.cfg.hidden_size;
+        if i >= self.model.layers.len() || x.is_empty() || !x.len().is_multiple_of(h) {
+            bail!("layer_rows: layer {i} of {}, {} values for hidden size {h}", self.model.layers.len(), x.len());
+        }
+        let t = x.len() / h;
+        self.ensure()?;
+        self.ensure_pre(t, 0)?;
+        self.grow_kv(self.pos + t)?;
+        let p = self.pre.as_ref().context("prefill scratch")?;
+        p.x.write_f32(0, x)?;
+        p.pos.write_bytes(0, &(self.pos as i32).to_le_bytes())?;
+        self.prefill_layer(i, t, prec)?;
+        self.pre.as_ref().context("prefill scratch")?.x.read_f32(0, t * h)
+    }
+
+    /// Moves the position by `t` after [`CudaSession::layer_rows`] ran every layer.
+    pub fn advance(&mut self, t: usize) {
+        self.pos += t;
     }
 }
