@@ -213,7 +213,9 @@ fn cuda_layers_match_cpu_locally() {
     if !have_gpu() {
         return;
     }
-    for (dir, reference_name) in [("tiny-mlx4", "tiny-mlx4"), ("tiny-hf", "tiny-hf"), ("tiny-mlx8-g32", "tiny-mlx8-g32")] {
+    for (dir, reference_name) in
+        [("tiny-mlx4", "tiny-mlx4"), ("tiny-hf", "tiny-hf"), ("tiny-mlx8-g32", "tiny-mlx8-g32")]
+    {
         let model = Arc::new(lily::weights::load_model(&fixtures().join(dir)).unwrap());
         let gm = lily::cuda::upload_cached(&model).unwrap();
         let prompt = reference(reference_name).prompt;
