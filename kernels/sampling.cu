@@ -199,6 +199,17 @@ __device__ u32 radix_threshold(const float* cz, int c, float m, float inv_z, u32
     return prefix;
 }
 
+/* zz[u] = z of id i0 + 32u (from src_z when `cand`, else the scaled logits), -inf from w1 on:
+   8 loads in flight per lane before their ballots (the loops are otherwise latency-bound). */
+__device__ __forceinline__ void load8(const float* x, float inv_t, const float* src_z, bool cand, int i0, int w1,
+                                      float (&zz)[8]) {
+#pragma unroll
+    for (int u = 0; u < 8; u++) {
+        int i = i0 + 32 * u;
+        zz[u] = i < w1 ? (cand ? src_z[i] : scaled_logit(x, i, inv_t)) : -INFINITY;
+    }
+}
+
 /* Ordered compaction over per-warp contiguous segments (lanes read consecutive ids, so loads
    coalesce): copies the entries of (src_z, src_i) [c] (src_i null: ids are the positions, z
    from scaled logits) that satisfy z >= zmin and key >= kmin into (dz, di) in id order; returns
@@ -207,15 +218,10 @@ __device__ int compact_ordered(const float* x, float inv_t, const float* src_z, 
                                u32 kmin, float* dz, int* di, u64* sh) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
     const int seg = ((c + nw - 1) / nw + 31) & ~31, w0 = min(c, warp * seg), w1 = min(c, w0 + seg);
-    /* 8 loads in flight per lane before their ballots (the loop is otherwise latency-bound) */
     u64 cnt = 0;
     for (int b = w0; b < w1; b += 256) {
         float zz[8];
-#pragma unroll
-        for (int u = 0; u < 8; u++) {
-            int i = b + 32 * u + lane;
-            zz[u] = i < w1 ? (src_i ? src_z[i] : scaled_logit(x, i, inv_t)) : -INFINITY;
-        }
+        load8(x, inv_t, src_z, src_i != 0, b + lane, w1, zz);
 #pragma unroll
         for (int u = 0; u < 8; u++) {
             int i = b + 32 * u + lane;
@@ -227,11 +233,7 @@ __device__ int compact_ordered(const float* x, float inv_t, const float* src_z, 
     off = __shfl_sync(0xffffffffu, off, 0);
     for (int b = w0; b < w1; b += 256) {
         float zz[8];
-#pragma unroll
-        for (int u = 0; u < 8; u++) {
-            int i = b + 32 * u + lane;
-            zz[u] = i < w1 ? (src_i ? src_z[i] : scaled_logit(x, i, inv_t)) : -INFINITY;
-        }
+        load8(x, inv_t, src_z, src_i != 0, b + lane, w1, zz);
 #pragma unroll
         for (int u = 0; u < 8; u++) {
             int i = b + 32 * u + lane;

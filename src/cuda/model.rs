@@ -269,6 +269,37 @@ pub(crate) fn gdn_step_args(c: &ModelConfig, proj: u64, y: u64, w: [&DevBuf; 3],
     }
 }
 
+/// The attention prep arguments for token rows of `proj` (`[q | gate per head, k, v]`, f32):
+/// queries to `q_out`, keys and values into the caches `kv` at the position read from `pos`.
+pub(crate) fn attn_prep_args(
+    c: &ModelConfig,
+    proj: u64,
+    norms: [&DevBuf; 2],
+    q_out: u64,
+    kv: [&DevBuf; 2],
+    pos: u64,
+) -> AttnPrep {
+    let (qd, kvd) = (c.q_proj_dim(), c.kv_dim());
+    AttnPrep {
+        qg: proj,
+        k: proj + 4 * qd as u64,
+        v: proj + 4 * (qd + kvd) as u64,
+        q_norm: norms[0].ptr,
+        k_norm: norms[1].ptr,
+        q_out,
+        kc: kv[0].ptr,
+        vc: kv[1].ptr,
+        nh: c.num_attention_heads,
+        hkv: c.num_key_value_heads,
+        hd: c.head_dim,
+        gated: c.attn_output_gate,
+        rot: c.rotary_dim,
+        pos,
+        theta: c.rope_theta,
+        eps: c.rms_norm_eps,
+    }
+}
+
 type Registry = Vec<(Weak<Model>, Arc<CudaModel>)>;
 static UPLOADED: Mutex<Registry> = Mutex::new(Vec::new());
 
@@ -642,30 +673,8 @@ impl CudaSession {
                 }
                 (GMixer::Attn { proj, o, q_norm, k_norm }, GState::Attn { k: kc, v: vc, .. }) => {
                     let (nh, hkv, hd) = (c.num_attention_heads, c.num_key_value_heads, c.head_dim);
-                    let (qd, kvd) = (c.q_proj_dim(), c.kv_dim());
                     proj.run(g, xin, in_norm, s.proj.ptr)?;
-                    g.attn_prep(
-                        &AttnPrep {
-                            qg: s.proj.ptr,
-                            k: s.proj.at(4 * qd),
-                            v: s.proj.at(4 * (qd + kvd)),
-                            q_norm: q_norm.ptr,
-                            k_norm: k_norm.ptr,
-                            q_out: s.q.ptr,
-                            kc: kc.ptr,
-                            vc: vc.ptr,
-                            nh,
-                            hkv,
-                            hd,
-                            gated: c.attn_output_gate,
-                            rot: c.rotary_dim,
-                            pos: pos_p,
-                            theta: c.rope_theta,
-                            eps,
-                        },
-                        1,
-                        0,
-                    )?;
+                    g.attn_prep(&attn_prep_args(c, s.proj.ptr, [q_norm, k_norm], s.q.ptr, [kc, vc], pos_p), 1, 0)?;
                     let a = AttnDecode {
                         q: s.q.ptr,
                         kc: kc.ptr,

@@ -873,41 +873,21 @@ impl Gpu {
             (AttnKernel::Packed, _) => bail!("attention decode: packed kernel needs H_q/H_kv in 1,2,4,8"),
             _ => None,
         };
-        if let Some(g) = packed {
-            self.launch(
-                ["attn_decode_gqa1", "attn_decode_gqa2", "attn_decode_gqa4", "attn_decode_gqa8"]
-                    [g.trailing_zeros() as usize],
-                (hkv as u32, a.splits as u32, 1),
-                256,
-                &[
-                    Arg::P(a.q),
-                    Arg::P(a.kc),
-                    Arg::P(a.vc),
-                    Arg::P(a.part),
-                    Arg::I(hkv as i32),
-                    Arg::I(hd as i32),
-                    Arg::P(a.pos),
-                    Arg::F(scale),
-                ],
-            )?;
-        } else {
-            self.launch(
-                "attn_decode",
-                (nh as u32, a.splits as u32, 1),
-                256,
-                &[
-                    Arg::P(a.q),
-                    Arg::P(a.kc),
-                    Arg::P(a.vc),
-                    Arg::P(a.part),
-                    Arg::I(nh as i32),
-                    Arg::I(hkv as i32),
-                    Arg::I(hd as i32),
-                    Arg::P(a.pos),
-                    Arg::F(scale),
-                ],
-            )?;
-        }
+        // Both kernels take (q, kc, vc, part, heads.., hd, pos, scale); the packed one only H_kv.
+        let (name, grid_x, heads) = match packed {
+            Some(g) => {
+                let names = ["attn_decode_gqa1", "attn_decode_gqa2", "attn_decode_gqa4", "attn_decode_gqa8"];
+                (names[g.trailing_zeros() as usize], hkv, vec![Arg::I(hkv as i32)])
+            }
+            None => ("attn_decode", nh, vec![Arg::I(nh as i32), Arg::I(hkv as i32)]),
+        };
+        let args = [
+            &[Arg::P(a.q), Arg::P(a.kc), Arg::P(a.vc), Arg::P(a.part)][..],
+            &heads,
+            &[Arg::I(hd as i32), Arg::P(a.pos), Arg::F(scale)],
+        ]
+        .concat();
+        self.launch(name, (grid_x as u32, a.splits as u32, 1), 256, &args)?;
         self.launch(
             "attn_combine",
             (nh as u32, 1, 1),

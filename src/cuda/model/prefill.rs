@@ -3,7 +3,7 @@
 //! gdn_prefill.cu, attention_prefill.cu).
 
 use super::{CudaSession, GFfn, GMixer, GState};
-use crate::cuda::ops::{gdn_chunk_floats, AttnPrep, GdnPrefill, Precision};
+use crate::cuda::ops::{gdn_chunk_floats, GdnPrefill, Precision};
 use crate::cuda::DevBuf;
 use anyhow::{bail, Context, Result};
 
@@ -182,24 +182,7 @@ impl CudaSession {
                 let (qd, kvd) = (c.q_proj_dim(), c.kv_dim());
                 let ldp = qd + 2 * kvd;
                 proj.run_rows(g, prec, p.xn.ptr, h, p.proj.ptr, ldp, t)?;
-                let prep = AttnPrep {
-                    qg: p.proj.ptr,
-                    k: p.proj.at(4 * qd),
-                    v: p.proj.at(4 * (qd + kvd)),
-                    q_norm: q_norm.ptr,
-                    k_norm: k_norm.ptr,
-                    q_out: p.q.ptr,
-                    kc: kc.ptr,
-                    vc: vc.ptr,
-                    nh,
-                    hkv,
-                    hd,
-                    gated: c.attn_output_gate,
-                    rot: c.rotary_dim,
-                    pos: p.pos.ptr,
-                    theta: c.rope_theta,
-                    eps,
-                };
+                let prep = super::attn_prep_args(c, p.proj.ptr, [q_norm, k_norm], p.q.ptr, [kc, vc], p.pos.ptr);
                 g.attn_prep(&prep, t, ldp)?;
                 g.attn_prefill(
                     prec,
