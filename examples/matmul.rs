@@ -28,7 +28,7 @@ fn main() {
     let x: Vec<f32> = (0..t * cols).map(|i| (i as f32 * 0.01).sin()).collect();
     let mut y = vec![0f32; t * rows];
     let mut best = f64::MAX;
-    for _ in 0..10 {
+    for _ in 0..std::env::var("REPS").ok().and_then(|s| s.parse().ok()).unwrap_or(10) {
         let s = Instant::now();
         lin.matmul(&x, &mut y);
         best = best.min(s.elapsed().as_secs_f64());

@@ -7,6 +7,7 @@
 use crate::linear::FloatType;
 use crate::safetensors::{bf16_to_f32, f16_to_f32};
 
+pub mod q4tile;
 pub mod q8;
 
 /// Whether the AVX2+FMA kernels run (they do where the CPU has them, unless LILY_NO_SIMD is set).

@@ -344,6 +344,11 @@ impl Linear {
     unsafe fn rows_q8(&self, xa: &kernels::q8::Q8Act, r0: usize, r1: usize, out: SyncPtr) {
         let Weight::Quant { bits, group, packed, scales, biases, sty } = &self.w else { unreachable!() };
         let (bits, group, sty) = (*bits, *group, *sty);
+        if kernels::q4tile::applies(bits, group, self.cols, sty == FloatType::BF16) {
+            let (p, s, b) = (packed.as_slice(), scales.as_slice(), biases.as_slice());
+            // SAFETY: `applies` holds, xa fits this matrix (checked by the callers); out per the contract.
+            return unsafe { kernels::q4tile::rows4(group, p, s, b, xa, r0, r1, out.get(), self.rows) };
+        }
         let pb = self.cols * bits as usize / 8;
         let sb = self.cols / group * sty.size();
         let (p, s, b) = (packed.as_slice(), scales.as_slice(), biases.as_slice());

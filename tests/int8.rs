@@ -65,18 +65,20 @@ fn activations(r: &mut lily::sampling::Rng, t: usize, cols: usize) -> Vec<f32> {
 
 #[test]
 fn quantized_activations_round_within_half_a_step() {
-    for (bits, group, cols) in [(4u32, 32usize, 224usize), (4, 64, 384), (8, 32, 96), (8, 128, 256)] {
+    // 11 tokens: one whole block of the blocked layout (4-bit, groups 64/128) and a short one.
+    const T: usize = 11;
+    for (bits, group, cols) in [(4u32, 32usize, 224usize), (4, 64, 384), (4, 128, 256), (8, 32, 96), (8, 128, 256)] {
         let mut r = rng(3 + cols as u64);
-        let x = activations(&mut r, 2, cols);
+        let x = activations(&mut r, T, cols);
         let a = Q8Act::new(&x, cols, group, bits);
         let ng = cols / group;
-        let mut seen = vec![false; cols];
-        for t in 0..2 {
+        let mut seen = vec![false; T * cols];
+        for t in 0..T {
             for c in 0..cols {
-                let p = if bits == 4 { q8::pos4(c, cols) } else { c };
-                assert!(!seen[p] || t > 0, "pos4 is not a permutation at column {c}");
+                let p = a.index(t, c);
+                assert!(!seen[p], "index is not a permutation at token {t}, column {c}");
                 seen[p] = true;
-                let (g, xi) = (c / group, a.q[t * cols + p]);
+                let (g, xi) = (c / group, a.q[p]);
                 let d = a.d[t * ng + g];
                 assert!((-127..=127).contains(&xi));
                 // Rounding to nearest: |x − d·xi| ≤ d/2 (plus f32 rounding of x/d).
@@ -85,9 +87,7 @@ fn quantized_activations_round_within_half_a_step() {
             }
             for g in 0..ng {
                 let xs = &x[t * cols + g * group..t * cols + (g + 1) * group];
-                let want: i32 = (g * group..(g + 1) * group)
-                    .map(|c| a.q[t * cols + if bits == 4 { q8::pos4(c, cols) } else { c }] as i32)
-                    .sum();
+                let want: i32 = (g * group..(g + 1) * group).map(|c| a.q[a.index(t, c)] as i32).sum();
                 assert_eq!(a.isum[t * ng + g], want);
                 assert_eq!(a.sum[t * ng + g], a.d[t * ng + g] * want as f32);
                 assert!(xs.len() == group);
@@ -124,7 +124,7 @@ fn check_products(bits: u32, group: usize, cols: usize, rows: usize) {
     let Weight::Quant { packed, scales, biases, .. } = &p.lin.w else { unreachable!() };
     let (pb, sb) = (cols * bits as usize / 8, ng * 2);
     let mut r = rng(21 + group as u64);
-    for t in [1usize, 2, 3, 4, 5, 17] {
+    for t in [1usize, 2, 3, 4, 5, 9, 17, 24] {
         let x = activations(&mut r, t, cols);
         let a = Q8Act::new(&x, cols, group, bits);
         let mut y = vec![0f32; t * rows];
@@ -136,7 +136,7 @@ fn check_products(bits: u32, group: usize, cols: usize, rows: usize) {
                 let (s, b, d) = (p.s[row * ng + g], p.b[row * ng + g], a.d[tt * ng + g] as f64);
                 let w = s * p.codes[row * cols + c] as f64 + b;
                 let xv = x[tt * cols + c] as f64;
-                let xh = d * a.q[tt * cols + if bits == 4 { q8::pos4(c, cols) } else { c }] as f64;
+                let xh = d * a.q[a.index(tt, c)] as f64;
                 exact_q += w * xh;
                 exact_x += w * xv;
                 mag += (w * xh).abs();

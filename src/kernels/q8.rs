@@ -20,6 +20,8 @@
 //!   Masking 32 packed bytes gives the 32 even columns of a 64-column chunk, shifting gives the 32
 //!   odd ones; so within each 64-column chunk of x the even columns come first, then the odd ones
 //!   (a trailing 32-column chunk, for group 32, likewise: 16 even, then 16 odd). See [`pos4`].
+//!   For groups of 64 and 128 the tokens are also interleaved per chunk in blocks of 8 (see
+//!   [`Q8Act::index`]); those products run in `kernels::q4tile`, this file's kernels take the rest.
 //! - 8-bit weights: natural column order. The kernel uses `q − 128` as a signed byte (so `maddubs`
 //!   cannot saturate: `2·128·127 < 2^15`) and adds back `128·Σ xi` per group (kept in `isum`).
 
@@ -58,6 +60,15 @@ pub fn pos4(c: usize, cols: usize) -> usize {
     start + if p.is_multiple_of(2) { p / 2 } else { n / 2 + p / 2 }
 }
 
+/// Tokens per block of the blocked layout (see [`Q8Act::index`]).
+pub const TOKEN_BLOCK: usize = 8;
+
+/// Whether activations for these weights use the token-blocked layout read by
+/// `kernels::q4tile` (4-bit weights in groups of 64 or 128).
+pub fn blocked(bits: u32, group: usize) -> bool {
+    bits == 4 && (group == 64 || group == 128)
+}
+
 /// `t` activation rows quantized to int8 for weights of `bits` bits and group `group`.
 pub struct Q8Act {
     pub t: usize,
@@ -72,6 +83,24 @@ pub struct Q8Act {
     pub sum: Vec<f32>,
     /// `[t, cols/group]` `Σ xi` per group (8-bit weights' offset term).
     pub isum: Vec<i32>,
+}
+
+impl Q8Act {
+    /// Where `xi` of token `t`, column `c` is stored in `q`. Row-major with [`pos4`] inside each
+    /// row, except for [`blocked`] formats: there tokens come in blocks of [`TOKEN_BLOCK`] (the
+    /// last one shorter), and inside a block of `nb` tokens each 64-column chunk holds the `nb`
+    /// tokens' 64 values one after the other, so a kernel walking the columns reads one
+    /// contiguous stream for all the block's tokens.
+    #[inline]
+    pub fn index(&self, t: usize, c: usize) -> usize {
+        if !blocked(self.bits, self.group) {
+            let p = if self.bits == 4 { pos4(c, self.cols) } else { c };
+            return t * self.cols + p;
+        }
+        let (b, j) = (t / TOKEN_BLOCK, t % TOKEN_BLOCK);
+        let nb = (self.t - b * TOKEN_BLOCK).min(TOKEN_BLOCK);
+        b * TOKEN_BLOCK * self.cols + (c / 64) * nb * 64 + j * 64 + pos4(c % 64, 64)
+    }
 }
 
 impl Q8Act {
@@ -93,7 +122,6 @@ impl Q8Act {
         let mut qi = [0i32; 128];
         for tt in 0..t {
             let xr = &x[tt * cols..(tt + 1) * cols];
-            let qr = &mut a.q[tt * cols..(tt + 1) * cols];
             for g in 0..ng {
                 let xs = &xr[g * group..(g + 1) * group];
                 // Written as 8 lanes so that the compiler vectorizes it.
@@ -114,11 +142,23 @@ impl Q8Act {
                     *o = ((v * inv + MAGIC) - MAGIC) as i32;
                 }
                 let isum: i32 = qs.iter().sum();
-                if bits == 4 {
+                if blocked(bits, group) {
+                    // Whole 64-column chunks: evens then odds of each, at the chunk's place.
+                    for (k, ch) in qs.chunks_exact(64).enumerate() {
+                        let at = a.index(tt, g * group + 64 * k);
+                        let dst = &mut a.q[at..at + 64];
+                        for i in 0..32 {
+                            dst[i] = ch[2 * i] as i8;
+                            dst[32 + i] = ch[2 * i + 1] as i8;
+                        }
+                    }
+                } else if bits == 4 {
+                    let qr = &mut a.q[tt * cols..(tt + 1) * cols];
                     for (j, v) in qs.iter().enumerate() {
                         qr[pos4(g * group + j, cols)] = *v as i8;
                     }
                 } else {
+                    let qr = &mut a.q[tt * cols..(tt + 1) * cols];
                     for (o, v) in qr[g * group..(g + 1) * group].iter_mut().zip(qs.iter()) {
                         *o = *v as i8;
                     }
@@ -148,6 +188,12 @@ pub fn dot_q8(
 ) {
     let (cols, ng) = (xa.cols, xa.cols / xa.group);
     assert!(xa.bits == bits && xa.group == group && t0 + out.len() <= xa.t && out.len() <= 4);
+    if blocked(bits, group) {
+        for (j, o) in out.iter_mut().enumerate() {
+            *o = dot_q8_portable(bits, group, sty, packed, scales, biases, xa, t0 + j);
+        }
+        return;
+    }
     assert!(
         packed.len() * 8 >= cols * bits as usize && scales.len() >= ng * sty.size() && biases.len() >= ng * sty.size()
     );
@@ -174,19 +220,23 @@ pub fn dot_q8_portable(
     xa: &Q8Act,
     t: usize,
 ) -> f32 {
-    let (cols, ng) = (xa.cols, xa.cols / group);
-    let q = &xa.q[t * cols..(t + 1) * cols];
+    let ng = xa.cols / group;
     let mut total = 0f32;
     let mut bias = 0f32;
     for g in 0..ng {
         let mut acc = 0i32;
         for c in g * group..(g + 1) * group {
-            let (w, xi) = if bits == 4 {
+            let w = if bits == 4 {
                 let byte = packed[c / 2];
-                (if c % 2 == 0 { byte & 15 } else { byte >> 4 }, q[pos4(c, cols)])
+                if c % 2 == 0 {
+                    byte & 15
+                } else {
+                    byte >> 4
+                }
             } else {
-                (packed[c], q[c])
+                packed[c]
             };
+            let xi = xa.q[xa.index(t, c)];
             acc += w as i32 * xi as i32;
         }
         total += super::scale_at(sty, scales, g) * xa.d[t * ng + g] * acc as f32;
@@ -243,9 +293,7 @@ mod avx2 {
             };
         }
         match (bits, group) {
-            (4, 32) => go!(dot4, 32),
-            (4, 64) => go!(dot4, 64),
-            (4, 128) => go!(dot4, 128),
+            (4, _) => go!(dot4, 32), // groups of 64 and 128 use the blocked layout (`q4tile`)
             (8, 32) => go!(dot8, 32),
             (8, 64) => go!(dot8, 64),
             _ => go!(dot8, 128),
@@ -291,7 +339,7 @@ mod avx2 {
         acc
     }
 
-    /// 4-bit weights: 64 columns per step (32 packed bytes, low nibbles against the chunk's 32
+    /// 4-bit weights in groups of 32 (64 and 128 go through `q4tile`): 64 columns per step (32 packed bytes, low nibbles against the chunk's 32
     /// even columns of x, high nibbles against its 32 odd ones); group 32 takes two groups per
     /// step (one per 128-bit lane) and a last odd group with 128-bit operations. Steps alternate
     /// between two accumulators (named, not indexed, so they stay in registers).
