@@ -149,6 +149,10 @@ impl Model {
     /// Runs `tokens` through the model at positions `state.pos..`, updating the caches.
     /// Returns logits `[1, V]` (Last) or `[T, V]` (All).
     pub fn forward(&self, tokens: &[u32], state: &mut State, which: Logits) -> Vec<f32> {
+        in_pool(|| self.forward_here(tokens, state, which))
+    }
+
+    fn forward_here(&self, tokens: &[u32], state: &mut State, which: Logits) -> Vec<f32> {
         let cfg = &self.cfg;
         let (t, hid) = (tokens.len(), cfg.hidden_size);
         assert!(t > 0, "forward: no tokens");
@@ -345,6 +349,19 @@ impl Model {
         }
         y
     }
+}
+
+/// Runs `f` on a thread of rayon's pool. A forward pass runs ~300 parallel loops per token; from
+/// a thread outside the pool each of them would hand its work to the pool and sleep until it is
+/// done (two thread wake-ups per loop), while from a pool thread the loop runs partly on the
+/// calling thread and the other threads steal the rest.
+fn in_pool<R: Send>(f: impl FnOnce() -> R + Send) -> R {
+    if rayon::current_thread_index().is_some() {
+        return f();
+    }
+    let mut out = None;
+    rayon::scope(|_| out = Some(f()));
+    out.expect("the scope ran f")
 }
 
 fn is_quant(w: &Linear) -> bool {
