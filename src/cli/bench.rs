@@ -1,7 +1,9 @@
 //! `lily bench`: the measurement contract of docs/performance.md on either backend.
 //! Batch 1, greedy; prompt token i = ((i·2654435761) mod 2³²) mod vocab; one exact-shape warm-up,
 //! then one measured run: prefill tok/s = prompt tokens / time to the first token; decode tok/s
-//! over exactly `--decode-steps` steps after the first token.
+//! over exactly `--decode-steps` steps after the first token. `--repeat N` measures N runs and
+//! reports the median of each rate (all runs are in the JSON), for machines whose speed varies
+//! from run to run.
 //!
 //! Roofline shares: decode moves, per token, the weights it uses (top-k experts), the recurrent
 //! state (read and written) and the KV cache at that context; its share is those bytes times
@@ -28,6 +30,9 @@ pub struct BenchArgs {
     /// Warm-up runs of the exact shape before the measured one.
     #[arg(long, default_value_t = 1)]
     pub warmup: usize,
+    /// Measured runs per context; the table shows the median of each rate.
+    #[arg(long, default_value_t = 1)]
+    pub repeat: usize,
     /// Also measure the machine's memory read bandwidth to put decode in context.
     #[arg(long)]
     pub membw: bool,
@@ -43,6 +48,18 @@ struct Row {
     context: usize,
     prefill_tps: f64,
     decode_tps: f64,
+    /// Every measured run's (prefill, decode) tok/s.
+    runs: Vec<(f64, f64)>,
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    let n = v.len();
+    if n % 2 == 1 {
+        v[n / 2]
+    } else {
+        (v[n / 2 - 1] + v[n / 2]) / 2.0
+    }
 }
 
 fn one_run(session: &mut dyn Session, prompt: &[u32], steps: usize) -> Result<(f64, f64)> {
@@ -86,6 +103,9 @@ pub fn run(a: BenchArgs) -> Result<()> {
     if contexts.contains(&0) {
         bail!("--contexts entries must be positive");
     }
+    if a.repeat == 0 {
+        bail!("--repeat must be at least 1");
+    }
     let loaded = a.model.load()?;
     let model = &loaded.model;
     let bytes = model.decode_bytes_per_token();
@@ -112,9 +132,15 @@ pub fn run(a: BenchArgs) -> Result<()> {
             let mut s = a.model.session(&loaded);
             one_run(s.as_mut(), &prompt, a.decode_steps)?;
         }
-        let mut s = a.model.session(&loaded);
-        let (pf, dec) = one_run(s.as_mut(), &prompt, a.decode_steps)?;
-        rows.push(Row { context: ctx, prefill_tps: ctx as f64 / pf, decode_tps: a.decode_steps as f64 / dec });
+        let mut runs = Vec::with_capacity(a.repeat);
+        for _ in 0..a.repeat {
+            let mut s = a.model.session(&loaded);
+            let (pf, dec) = one_run(s.as_mut(), &prompt, a.decode_steps)?;
+            runs.push((ctx as f64 / pf, a.decode_steps as f64 / dec));
+        }
+        let prefill_tps = median(runs.iter().map(|r| r.0).collect());
+        let decode_tps = median(runs.iter().map(|r| r.1).collect());
+        rows.push(Row { context: ctx, prefill_tps, decode_tps, runs });
     }
     let threads = rayon::current_num_threads();
     let device = a.model.device_name(&loaded);
@@ -128,7 +154,8 @@ pub fn run(a: BenchArgs) -> Result<()> {
                 serde_json::json!({"context": r.context, "prefill_tokens_per_s": r.prefill_tps, "decode_tokens_per_s": r.decode_tps,
                     "decode_weight_gb_per_s": r.decode_tps * bytes as f64 / 1e9, "decode_bytes_per_token": step_bytes(r.context),
                     "decode_gb_per_s": gbs, "decode_share_of_bandwidth": membw.map(|b| gbs / b),
-                    "prefill_tflops": tflops, "prefill_share_of_bf16_peak": peak.map(|p| tflops / p)})
+                    "prefill_tflops": tflops, "prefill_share_of_bf16_peak": peak.map(|p| tflops / p),
+                    "runs": r.runs.iter().map(|(p, d)| serde_json::json!({"prefill_tokens_per_s": p, "decode_tokens_per_s": d})).collect::<Vec<_>>()})
             })
             .collect();
         println!(
@@ -148,6 +175,9 @@ pub fn run(a: BenchArgs) -> Result<()> {
         bytes as f64 / 1e6,
         membw.map(|b| format!(" | memory bandwidth {b:.0} GB/s (measured)")).unwrap_or_default()
     );
+    if a.repeat > 1 {
+        println!("rates are medians of {} measured runs per context", a.repeat);
+    }
     if let Some(g) = &gpu {
         println!(
             "driver CUDA {} | kernels: {} | bf16 tensor-core peak {}",

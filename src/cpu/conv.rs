@@ -6,6 +6,7 @@
 //! afterwards `state` = the last K−1 rows of X.
 
 use super::norm::silu;
+use rayon::prelude::*;
 
 pub fn causal_conv1d_silu(x: &[f32], t: usize, c: usize, w: &[f32], k: usize, state: &mut [f32], y: &mut [f32]) {
     assert_eq!(x.len(), t * c, "conv1d: x must be [T, C]");
@@ -19,8 +20,7 @@ pub fn causal_conv1d_silu(x: &[f32], t: usize, c: usize, w: &[f32], k: usize, st
             &x[(i - (k - 1)) * c..(i - (k - 2)) * c]
         }
     };
-    for tt in 0..t {
-        let out = &mut y[tt * c..(tt + 1) * c];
+    let one = |tt: usize, out: &mut [f32]| {
         out.fill(0.0);
         for j in 0..k {
             let src = row(tt + j);
@@ -29,6 +29,11 @@ pub fn causal_conv1d_silu(x: &[f32], t: usize, c: usize, w: &[f32], k: usize, st
             }
         }
         out.iter_mut().for_each(|v| *v = silu(*v));
+    };
+    if t > 1 {
+        y.par_chunks_mut(c).enumerate().for_each(|(tt, out)| one(tt, out));
+    } else {
+        one(0, y);
     }
     // New state: last K-1 rows of X.
     let total = k - 1 + t;

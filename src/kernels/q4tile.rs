@@ -108,7 +108,9 @@ mod avx2 {
         ld: usize,
     ) {
         let (cols, ng) = (xa.cols, xa.cols / group);
-        let mut cbuf = [0f32; TB * MAXG];
+        // Not zeroed: the prologue writes every entry the kernel reads (j < nt, g < ng).
+        let mut cbuf = std::mem::MaybeUninit::<[f32; TB * MAXG]>::uninit();
+        let cp = cbuf.as_mut_ptr() as *mut f32;
         let mut bias = [0f32; TB];
         let (sp, bp) = (scales.as_ptr() as *const u16, biases.as_ptr() as *const u16);
         let mut rs = r0;
@@ -118,13 +120,9 @@ mod avx2 {
             while t0 < xa.t {
                 let nt = (xa.t - t0).min(TB);
                 for r in rs..re {
-                    prologue(sp.add(r * ng), bp.add(r * ng), xa, t0, nt, &mut cbuf, &mut bias);
-                    let row = Row {
-                        pp: packed.as_ptr().add(r * cols / 2),
-                        pq: xa.q.as_ptr().add(t0 * cols),
-                        c: cbuf.as_ptr(),
-                        ng,
-                    };
+                    prologue(sp.add(r * ng), bp.add(r * ng), xa, t0, nt, cp, &mut bias);
+                    let row =
+                        Row { pp: packed.as_ptr().add(r * cols / 2), pq: xa.q.as_ptr().add(t0 * cols), c: cp, ng };
                     let mut o = [0f32; TB];
                     macro_rules! go {
                         ($g:literal) => {
@@ -164,7 +162,7 @@ mod avx2 {
         xa: &Q8Act,
         t0: usize,
         nt: usize,
-        c: &mut [f32; TB * MAXG],
+        c: *mut f32,
         bias: &mut [f32; TB],
     ) {
         let ng = xa.cols / xa.group;
@@ -175,7 +173,7 @@ mod avx2 {
             let b8 = load_bf16x8(bp, g, ng);
             for j in 0..nt {
                 let d = load_f32x8(xa.d.as_ptr().add((t0 + j) * ng), g, ng);
-                _mm256_storeu_ps(c.as_mut_ptr().add(j * MAXG + g), _mm256_mul_ps(s8, d));
+                _mm256_storeu_ps(c.add(j * MAXG + g), _mm256_mul_ps(s8, d));
                 let sm = load_f32x8(xa.sum.as_ptr().add((t0 + j) * ng), g, ng);
                 bacc[j] = _mm256_fmadd_ps(b8, sm, bacc[j]);
             }

@@ -104,7 +104,7 @@ impl Q8Act {
 }
 
 impl Q8Act {
-    /// Quantizes `x: [t, cols]`.
+    /// Quantizes `x: [t, cols]`, blocks of [`TOKEN_BLOCK`] tokens in parallel.
     pub fn new(x: &[f32], cols: usize, group: usize, bits: u32) -> Q8Act {
         assert!(cols.is_multiple_of(group) && [32, 64, 128].contains(&group) && x.len().is_multiple_of(cols));
         let t = x.len() / cols;
@@ -119,56 +119,99 @@ impl Q8Act {
             sum: vec![0.0; t * ng],
             isum: vec![0; t * ng],
         };
-        let mut qi = [0i32; 128];
-        for tt in 0..t {
-            let xr = &x[tt * cols..(tt + 1) * cols];
-            for g in 0..ng {
-                let xs = &xr[g * group..(g + 1) * group];
-                // Written as 8 lanes so that the compiler vectorizes it.
-                let mut m = [0f32; 8];
-                for ch in xs.chunks_exact(8) {
-                    for k in 0..8 {
-                        m[k] = m[k].max(ch[k].abs());
-                    }
-                }
-                let amax = m.iter().fold(0f32, |a, b| a.max(*b));
-                let d = amax / 127.0;
-                let inv = if amax > 0.0 { 127.0 / amax } else { 0.0 };
-                // Round half to even by adding and subtracting 1.5·2^23 (|x·inv| ≤ 127 + ε, so
-                // the result is in [-127, 127]; this is what `round_ties_even` computes, inline).
-                const MAGIC: f32 = 12_582_912.0;
-                let qs = &mut qi[..group];
-                for (o, v) in qs.iter_mut().zip(xs) {
-                    *o = ((v * inv + MAGIC) - MAGIC) as i32;
-                }
-                let isum: i32 = qs.iter().sum();
-                if blocked(bits, group) {
-                    // Whole 64-column chunks: evens then odds of each, at the chunk's place.
-                    for (k, ch) in qs.chunks_exact(64).enumerate() {
-                        let at = a.index(tt, g * group + 64 * k);
-                        let dst = &mut a.q[at..at + 64];
-                        for i in 0..32 {
-                            dst[i] = ch[2 * i] as i8;
-                            dst[32 + i] = ch[2 * i + 1] as i8;
-                        }
-                    }
-                } else if bits == 4 {
-                    let qr = &mut a.q[tt * cols..(tt + 1) * cols];
-                    for (j, v) in qs.iter().enumerate() {
-                        qr[pos4(g * group + j, cols)] = *v as i8;
-                    }
-                } else {
-                    let qr = &mut a.q[tt * cols..(tt + 1) * cols];
-                    for (o, v) in qr[g * group..(g + 1) * group].iter_mut().zip(qs.iter()) {
-                        *o = *v as i8;
-                    }
-                }
-                a.d[tt * ng + g] = d;
-                a.sum[tt * ng + g] = d * isum as f32;
-                a.isum[tt * ng + g] = isum;
+        let tb = TOKEN_BLOCK;
+        // Token blocks own disjoint ranges of every array in both layouts.
+        let block = |b: usize, q: &mut [i8], d: &mut [f32], sum: &mut [f32], isum: &mut [i32]| {
+            let nb = d.len() / ng;
+            for j in 0..nb {
+                let xr = &x[(b * tb + j) * cols..][..cols];
+                quantize_row(
+                    xr,
+                    group,
+                    bits,
+                    j,
+                    nb,
+                    q,
+                    &mut d[j * ng..][..ng],
+                    &mut sum[j * ng..][..ng],
+                    &mut isum[j * ng..][..ng],
+                );
             }
+        };
+        if t > tb {
+            use rayon::prelude::*;
+            a.q.par_chunks_mut(tb * cols)
+                .zip(a.d.par_chunks_mut(tb * ng))
+                .zip(a.sum.par_chunks_mut(tb * ng))
+                .zip(a.isum.par_chunks_mut(tb * ng))
+                .enumerate()
+                .for_each(|(b, (((q, d), sum), isum))| block(b, q, d, sum, isum));
+        } else {
+            block(0, &mut a.q, &mut a.d, &mut a.sum, &mut a.isum);
         }
         a
+    }
+}
+
+/// Token `j` of a block of `nb` tokens (`q` is the block's part of [`Q8Act::q`]), per group:
+/// `dx = max|x|/127`, `xi = round(x/dx)`, and the sums.
+#[allow(clippy::too_many_arguments)]
+fn quantize_row(
+    xr: &[f32],
+    group: usize,
+    bits: u32,
+    j: usize,
+    nb: usize,
+    q: &mut [i8],
+    d: &mut [f32],
+    sum: &mut [f32],
+    isum: &mut [i32],
+) {
+    let cols = xr.len();
+    let mut qi = [0i32; 128];
+    for (g, xs) in xr.chunks_exact(group).enumerate() {
+        // Written as 8 lanes so that the compiler vectorizes it.
+        let mut m = [0f32; 8];
+        for ch in xs.chunks_exact(8) {
+            for k in 0..8 {
+                m[k] = m[k].max(ch[k].abs());
+            }
+        }
+        let amax = m.iter().fold(0f32, |a, b| a.max(*b));
+        let dx = amax / 127.0;
+        let inv = if amax > 0.0 { 127.0 / amax } else { 0.0 };
+        // Round half to even by adding and subtracting 1.5·2^23 (|x·inv| ≤ 127 + ε, so the
+        // result is in [-127, 127]; this is what `round_ties_even` computes, inline).
+        const MAGIC: f32 = 12_582_912.0;
+        let qs = &mut qi[..group];
+        for (o, v) in qs.iter_mut().zip(xs) {
+            *o = ((v * inv + MAGIC) - MAGIC) as i32;
+        }
+        let s: i32 = qs.iter().sum();
+        if blocked(bits, group) {
+            // Whole 64-column chunks: evens then odds, at the chunk's place for token j.
+            for (k, ch) in qs.chunks_exact(64).enumerate() {
+                let at = (g * group / 64 + k) * nb * 64 + j * 64;
+                let dst = &mut q[at..at + 64];
+                for i in 0..32 {
+                    dst[i] = ch[2 * i] as i8;
+                    dst[32 + i] = ch[2 * i + 1] as i8;
+                }
+            }
+        } else if bits == 4 {
+            let qr = &mut q[j * cols..(j + 1) * cols];
+            for (c, v) in qs.iter().enumerate() {
+                qr[pos4(g * group + c, cols)] = *v as i8;
+            }
+        } else {
+            let qr = &mut q[j * cols + g * group..][..group];
+            for (o, v) in qr.iter_mut().zip(qs.iter()) {
+                *o = *v as i8;
+            }
+        }
+        d[g] = dx;
+        sum[g] = dx * s as f32;
+        isum[g] = s;
     }
 }
 
