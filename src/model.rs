@@ -211,23 +211,27 @@ impl Model {
         // qkv: [T, C] = [q | k | v]; z: [T, H_v·D_v]; b, a: [T, H_v]
         let mut conv = vec![0f32; t * cd]; // [T, C]
         causal_conv1d_silu(&qkv, t, cd, &g.conv, cfg.linear_conv_kernel_dim, conv_state, &mut conv);
-        let mut q = Vec::with_capacity(t * kd); // [T, H_k, D_k]
-        let mut k = Vec::with_capacity(t * kd); // [T, H_k, D_k]
-        let mut v = Vec::with_capacity(t * vd); // [T, H_v, D_v]
-        for row in conv.chunks_exact(cd) {
-            q.extend_from_slice(&row[..kd]);
-            k.extend_from_slice(&row[kd..2 * kd]);
-            v.extend_from_slice(&row[2 * kd..]);
-        }
-        l2_norm(&mut q, d.dk, 1e-6, 1.0 / (d.dk as f32).sqrt());
-        l2_norm(&mut k, d.dk, 1e-6, 1.0);
+        let mut q = vec![0f32; t * kd]; // [T, H_k, D_k]
+        let mut k = vec![0f32; t * kd]; // [T, H_k, D_k]
+        let mut v = vec![0f32; t * vd]; // [T, H_v, D_v]
+        let rows = conv.par_chunks(cd).zip(q.par_chunks_mut(kd)).zip(k.par_chunks_mut(kd)).zip(v.par_chunks_mut(vd));
+        rows.with_min_len(4).for_each(|(((row, qr), kr), vr)| {
+            qr.copy_from_slice(&row[..kd]);
+            kr.copy_from_slice(&row[kd..2 * kd]);
+            vr.copy_from_slice(&row[2 * kd..]);
+            l2_norm(qr, d.dk, 1e-6, 1.0 / (d.dk as f32).sqrt());
+            l2_norm(kr, d.dk, 1e-6, 1.0);
+        });
         let beta: Vec<f32> = b.iter().map(|&x| sigmoid(x)).collect(); // [T, H_v]
         let gdec: Vec<f32> =
             a.iter().enumerate().map(|(i, &x)| g.neg_a[i % d.hv] * softplus(x + g.dt_bias[i % d.hv])).collect(); // [T, H_v]
         let mut o = vec![0f32; t * vd]; // [T, H_v, D_v]
         let inputs = GdnInputs { q: &q, k: &k, v: &v, g: &gdec, beta: &beta };
         gdn::recurrent(d, t, &inputs, rec, &mut o);
-        gated_rms_norm(&mut o, &z, &g.norm, cfg.rms_norm_eps);
+        o.par_chunks_mut(vd)
+            .zip(z.par_chunks(vd))
+            .with_min_len(4)
+            .for_each(|(or, zr)| gated_rms_norm(or, zr, &g.norm, cfg.rms_norm_eps));
         proj(&g.out, &o, t)
     }
 

@@ -174,8 +174,18 @@ fn gdn_naive(d: GdnDims, t: usize, x: &GdnInputs, s0: &[f32]) -> (Vec<f32>, Vec<
 
 #[test]
 fn gated_delta_rule_recurrent_matches_naive_and_chunked() {
-    // H_v ≠ H_k (value head h reads key head h / 2), T not a multiple of the chunk.
-    let d = GdnDims { hk: 2, hv: 4, dk: 16, dv: 8 };
+    // H_v ≠ H_k (value head h reads key head h / 2), T not a multiple of the chunk; D_v of one
+    // and of three 8-column blocks (the AVX2 step) and not a multiple of 8 (the portable one).
+    for d in [
+        GdnDims { hk: 2, hv: 4, dk: 16, dv: 8 },
+        GdnDims { hk: 1, hv: 2, dk: 12, dv: 24 },
+        GdnDims { hk: 2, hv: 2, dk: 8, dv: 12 },
+    ] {
+        check_gdn(d);
+    }
+}
+
+fn check_gdn(d: GdnDims) {
     let t = 150;
     let mut r = rng(6);
     let (q, k, v, g, beta) = gdn_inputs(&mut r, d, t);
@@ -186,16 +196,16 @@ fn gated_delta_rule_recurrent_matches_naive_and_chunked() {
     let mut s1 = s0.clone();
     let mut o1 = vec![0f32; t * d.hv * d.dv];
     gdn::recurrent(d, t, &x, &mut s1, &mut o1);
-    assert!(nmse(&o1, &want) < 1e-10, "recurrent out nmse {}", nmse(&o1, &want));
-    assert!(nmse(&s1, &want_s) < 1e-10);
+    assert!(nmse(&o1, &want) < 1e-10, "{d:?}: recurrent out nmse {}", nmse(&o1, &want));
+    assert!(nmse(&s1, &want_s) < 1e-10, "{d:?}: recurrent state nmse {}", nmse(&s1, &want_s));
 
     for chunk in [64usize, 16, 1] {
         let mut s2 = s0.clone();
         let mut o2 = vec![0f32; t * d.hv * d.dv];
         gdn::chunked(d, t, &x, &mut s2, &mut o2, chunk);
         // The UT transform reorders sums; fp32 error grows with chunk length but stays ~1e-6 relative.
-        assert!(nmse(&o2, &want) < 1e-9, "chunk {chunk}: out nmse {}", nmse(&o2, &want));
-        assert!(nmse(&s2, &want_s) < 1e-9, "chunk {chunk}: state nmse {}", nmse(&s2, &want_s));
+        assert!(nmse(&o2, &want) < 1e-9, "{d:?} chunk {chunk}: out nmse {}", nmse(&o2, &want));
+        assert!(nmse(&s2, &want_s) < 1e-9, "{d:?} chunk {chunk}: state nmse {}", nmse(&s2, &want_s));
     }
 }
 

@@ -89,17 +89,66 @@ fn step_body(s: &mut [f32], q: &[f32], k: &[f32], v: &[f32], a: f32, b: f32, u: 
     }
 }
 
+/// [`step_body`] on blocks of state columns (AVX2, `D_v` a multiple of 8): 32 columns (4
+/// vectors, two cache lines of each row) when `D_v` allows, else 8. For a block `J`,
+/// `u_J = a·Σ_i S[i,J]·k_i` and `o_J` stay in registers: pass 1 only reads the block, pass 2
+/// writes `S[i,J] = a·S[i,J] + k_i·δ_J` once and accumulates `o_J`; the block (D_k × 32 floats,
+/// 16 KiB at D_k = 128) is still in L1 for pass 2. Measured on the 35B-A3B shape, 2 threads,
+/// 64 tokens (`examples/gdn_cpu`): 4.1–4.2 ms against 6.4 ms for the row-wise loop; blocks of 8
+/// columns were slower than the row-wise loop (9 ms).
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn step_avx2(s: &mut [f32], q: &[f32], k: &[f32], v: &[f32], a: f32, b: f32, u: &mut [f32], o: &mut [f32]) {
-    step_body(s, q, k, v, a, b, u, o)
+unsafe fn step_avx2(s: &mut [f32], q: &[f32], k: &[f32], v: &[f32], a: f32, b: f32, o: &mut [f32]) {
+    let dv = v.len();
+    assert!(s.len() == k.len() * dv && q.len() == k.len() && o.len() == dv && dv.is_multiple_of(8));
+    if dv.is_multiple_of(32) {
+        step_blocks::<4>(s, q, k, v, a, b, o)
+    } else {
+        step_blocks::<1>(s, q, k, v, a, b, o)
+    }
+}
+
+/// [`step_avx2`] with blocks of `NB` vectors (8·NB columns).
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn step_blocks<const NB: usize>(s: &mut [f32], q: &[f32], k: &[f32], v: &[f32], a: f32, b: f32, o: &mut [f32]) {
+    use std::arch::x86_64::*;
+    let (dk, dv) = (k.len(), v.len());
+    let (sp, av, bv) = (s.as_mut_ptr(), _mm256_set1_ps(a), _mm256_set1_ps(b));
+    for jb in (0..dv).step_by(8 * NB) {
+        let mut acc = [_mm256_setzero_ps(); NB];
+        for i in 0..dk {
+            let ki = _mm256_set1_ps(*k.get_unchecked(i));
+            for n in 0..NB {
+                acc[n] = _mm256_fmadd_ps(_mm256_loadu_ps(sp.add(i * dv + jb + 8 * n)), ki, acc[n]);
+            }
+        }
+        let mut delta = [_mm256_setzero_ps(); NB];
+        for n in 0..NB {
+            let u = _mm256_mul_ps(av, acc[n]);
+            delta[n] = _mm256_mul_ps(bv, _mm256_sub_ps(_mm256_loadu_ps(v.as_ptr().add(jb + 8 * n)), u));
+        }
+        let mut oacc = [_mm256_setzero_ps(); NB];
+        for i in 0..dk {
+            let (ki, qi) = (_mm256_set1_ps(*k.get_unchecked(i)), _mm256_set1_ps(*q.get_unchecked(i)));
+            for n in 0..NB {
+                let p = sp.add(i * dv + jb + 8 * n);
+                let sv = _mm256_fmadd_ps(ki, delta[n], _mm256_mul_ps(av, _mm256_loadu_ps(p)));
+                _mm256_storeu_ps(p, sv);
+                oacc[n] = _mm256_fmadd_ps(sv, qi, oacc[n]);
+            }
+        }
+        for n in 0..NB {
+            _mm256_storeu_ps(o.as_mut_ptr().add(jb + 8 * n), oacc[n]);
+        }
+    }
 }
 
 fn step(s: &mut [f32], q: &[f32], k: &[f32], v: &[f32], a: f32, b: f32, u: &mut [f32], o: &mut [f32]) {
     #[cfg(target_arch = "x86_64")]
-    if crate::kernels::has_avx2() {
-        // SAFETY: AVX2 and FMA were detected.
-        return unsafe { step_avx2(s, q, k, v, a, b, u, o) };
+    if crate::kernels::has_avx2() && v.len().is_multiple_of(8) {
+        // SAFETY: AVX2 and FMA were detected; shapes are checked inside.
+        return unsafe { step_avx2(s, q, k, v, a, b, o) };
     }
     step_body(s, q, k, v, a, b, u, o)
 }
