@@ -326,17 +326,17 @@ mod avx2 {
             ng,
         };
         macro_rules! go {
-            ($f:ident, $group:literal) => {
+            ($f:ident $(, $group:literal)?) => {
                 match out.len() {
-                    1 => out.copy_from_slice(&$f::<$group, 1>(&a)),
-                    2 => out.copy_from_slice(&$f::<$group, 2>(&a)),
-                    3 => out.copy_from_slice(&$f::<$group, 3>(&a)),
-                    _ => out.copy_from_slice(&$f::<$group, 4>(&a)),
+                    1 => out.copy_from_slice(&$f::<$($group,)? 1>(&a)),
+                    2 => out.copy_from_slice(&$f::<$($group,)? 2>(&a)),
+                    3 => out.copy_from_slice(&$f::<$($group,)? 3>(&a)),
+                    _ => out.copy_from_slice(&$f::<$($group,)? 4>(&a)),
                 }
             };
         }
         match (bits, group) {
-            (4, _) => go!(dot4, 32), // groups of 64 and 128 use the blocked layout (`q4tile`)
+            (4, _) => go!(dot4), // group 32; groups of 64 and 128 use the blocked layout (`q4tile`)
             (8, 32) => go!(dot8, 32),
             (8, 64) => go!(dot8, 64),
             _ => go!(dot8, 128),
@@ -382,34 +382,34 @@ mod avx2 {
         acc
     }
 
-    /// 4-bit weights in groups of 32 (64 and 128 go through `q4tile`): 64 columns per step (32 packed bytes, low nibbles against the chunk's 32
-    /// even columns of x, high nibbles against its 32 odd ones); group 32 takes two groups per
-    /// step (one per 128-bit lane) and a last odd group with 128-bit operations. Steps alternate
-    /// between two accumulators (named, not indexed, so they stay in registers).
+    /// 4-bit weights in groups of 32 (groups of 64 and 128 go through `q4tile`): 64 columns, two
+    /// groups, per step (32 packed bytes, low nibbles against the chunk's 32 even columns of x,
+    /// high nibbles against its 32 odd ones; one group per 128-bit lane), and a last odd group
+    /// with 128-bit operations. Steps alternate between two accumulators (named, not indexed, so
+    /// they stay in registers).
     #[inline(always)]
-    unsafe fn dot4<const GROUP: usize, const NT: usize>(a: &Args) -> [f32; NT] {
+    unsafe fn dot4<const NT: usize>(a: &Args) -> [f32; NT] {
         let ng = a.ng;
-        let per = if GROUP == 32 { 2 } else { 1 }; // groups per step
-        let nsteps = ng / per;
+        let nsteps = ng / 2;
         let mut tot0 = [_mm256_setzero_ps(); NT];
         let mut tot1 = [_mm256_setzero_ps(); NT];
         let mut comb = [_mm256_setzero_ps(); NT];
         let mut st = 0;
         while st + 2 <= nsteps {
-            step4::<GROUP, NT>(a, st * per, &mut comb, &mut tot0);
-            step4::<GROUP, NT>(a, (st + 1) * per, &mut comb, &mut tot1);
+            step4::<NT>(a, 2 * st, &mut comb, &mut tot0);
+            step4::<NT>(a, 2 * (st + 1), &mut comb, &mut tot1);
             st += 2;
         }
         if st < nsteps {
-            step4::<GROUP, NT>(a, st * per, &mut comb, &mut tot0);
+            step4::<NT>(a, 2 * st, &mut comb, &mut tot0);
         }
-        if GROUP == 32 && !ng.is_multiple_of(2) {
+        if !ng.is_multiple_of(2) {
             // Last odd group of 32 columns: 16 packed bytes, 16 even then 16 odd x values.
             let g = ng - 1;
             if g.is_multiple_of(8) {
                 comb = comb8::<NT>(a, g);
             }
-            let e = g * GROUP;
+            let e = g * 32;
             let m4h = _mm_set1_epi8(0x0f);
             let v = _mm_loadu_si128(a.pp.add(e / 2) as *const __m128i);
             let lo = _mm_and_si128(v, m4h);
@@ -439,46 +439,34 @@ mod avx2 {
         out
     }
 
-    /// One step of [`dot4`] from group `g`: one group (64 or 128 columns) or two groups of 32.
+    /// One step of [`dot4`]: groups `g` and `g + 1` (64 columns).
     #[inline(always)]
-    unsafe fn step4<const GROUP: usize, const NT: usize>(
-        a: &Args,
-        g: usize,
-        comb: &mut [__m256; NT],
-        tot: &mut [__m256; NT],
-    ) {
+    unsafe fn step4<const NT: usize>(a: &Args, g: usize, comb: &mut [__m256; NT], tot: &mut [__m256; NT]) {
         let m4 = _mm256_set1_epi8(0x0f);
         let ones = _mm256_set1_epi16(1);
         if g.is_multiple_of(8) {
             *comb = comb8::<NT>(a, g);
         }
-        let mut acc = [_mm256_setzero_si256(); NT];
-        for k in 0..GROUP.div_ceil(64) {
-            let e = g * GROUP + 64 * k; // first column
-            if (e / 2).is_multiple_of(64) {
-                // One software prefetch per cache line, PF bytes ahead (past the row's end it
-                // reaches the next rows, which are contiguous; a prefetch never faults).
-                _mm_prefetch::<_MM_HINT_T0>(a.pp.wrapping_add(e / 2 + PF) as *const i8);
-            }
-            let v = _mm256_loadu_si256(a.pp.add(e / 2) as *const __m256i);
-            let lo = _mm256_and_si256(v, m4);
-            let hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
-            for t in 0..NT {
-                let xp = a.pq.add(t * a.ldq + e);
-                let x0 = _mm256_loadu_si256(xp as *const __m256i);
-                let x1 = _mm256_loadu_si256(xp.add(32) as *const __m256i);
-                // Each i16 lane: 2 products of ≤ 15·127 per maddubs, 4 after the add: < 2^15.
-                let p = _mm256_add_epi16(_mm256_maddubs_epi16(lo, x0), _mm256_maddubs_epi16(hi, x1));
-                acc[t] = _mm256_add_epi32(acc[t], _mm256_madd_epi16(p, ones));
-            }
+        let e = g * 32; // first column
+        if (e / 2).is_multiple_of(64) {
+            // One software prefetch per cache line, PF bytes ahead (past the row's end it reaches
+            // the next rows, which are contiguous; a prefetch never faults).
+            _mm_prefetch::<_MM_HINT_T0>(a.pp.wrapping_add(e / 2 + PF) as *const i8);
         }
+        let v = _mm256_loadu_si256(a.pp.add(e / 2) as *const __m256i);
+        let lo = _mm256_and_si256(v, m4);
+        let hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
         let j = (g % 8) as i32;
-        // Group 32: the low 128-bit lane summed group g, the high lane group g + 1.
-        let idx =
-            if GROUP == 32 { _mm256_setr_epi32(j, j, j, j, j + 1, j + 1, j + 1, j + 1) } else { _mm256_set1_epi32(j) };
+        // The low 128-bit lane sums group g, the high lane group g + 1.
+        let idx = _mm256_setr_epi32(j, j, j, j, j + 1, j + 1, j + 1, j + 1);
         for t in 0..NT {
+            let xp = a.pq.add(t * a.ldq + e);
+            let x0 = _mm256_loadu_si256(xp as *const __m256i);
+            let x1 = _mm256_loadu_si256(xp.add(32) as *const __m256i);
+            // Each i16 lane: 2 products of ≤ 15·127 per maddubs, 4 after the add: < 2^15.
+            let p = _mm256_add_epi16(_mm256_maddubs_epi16(lo, x0), _mm256_maddubs_epi16(hi, x1));
             let c = _mm256_permutevar8x32_ps(comb[t], idx);
-            tot[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[t]), c, tot[t]);
+            tot[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(p, ones)), c, tot[t]);
         }
     }
 
