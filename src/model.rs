@@ -228,9 +228,10 @@ impl Model {
         let mut o = vec![0f32; t * vd]; // [T, H_v, D_v]
         let inputs = GdnInputs { q: &q, k: &k, v: &v, g: &gdec, beta: &beta };
         gdn::recurrent(d, t, &inputs, rec, &mut o);
-        o.par_chunks_mut(vd)
-            .zip(z.par_chunks(vd))
-            .with_min_len(4)
+        // Per head row (the norm's width is D_v): parallel for a single decode token too.
+        o.par_chunks_mut(d.dv)
+            .zip(z.par_chunks(d.dv))
+            .with_min_len(8)
             .for_each(|(or, zr)| gated_rms_norm(or, zr, &g.norm, cfg.rms_norm_eps));
         proj(&g.out, &o, t)
     }
@@ -337,8 +338,8 @@ impl Model {
         let gu: Vec<&Linear> = mlps.iter().flat_map(|p| [&p.gate, &p.up]).collect();
         let gu = proj_many(&gu, xn, 1);
         let acts: Vec<Q8Act> = mlps
-            .iter()
-            .zip(gu.chunks_exact(2))
+            .par_iter()
+            .zip(gu.par_chunks_exact(2))
             .map(|(p, pair)| {
                 let h: Vec<f32> = pair[0].iter().zip(&pair[1]).map(|(g, u)| silu(*g) * u).collect();
                 p.down.quantize_input(&h)
@@ -361,10 +362,47 @@ impl Model {
 /// calling thread and the other threads steal the rest.
 fn in_pool<R: Send>(f: impl FnOnce() -> R + Send) -> R {
     if rayon::current_thread_index().is_some() {
-        return f();
+        return with_spinners(f);
     }
     let mut out = None;
-    rayon::scope(|_| out = Some(f()));
+    rayon::scope(|_| out = Some(with_spinners(f)));
+    out.expect("the scope ran f")
+}
+
+/// Runs `f` while the pool's other threads poll for work instead of going to sleep.
+///
+/// An idle rayon thread sleeps after ~30 µs without work, and waking it costs tens of µs (more
+/// in a VM) at the start of the next parallel loop, during which the calling thread streams
+/// weights alone. Between a decode step's loops there is serial work (norms, routing, conv) of
+/// about that length, so without this each of ~400 loops per token would start half-staffed.
+/// Each helper job spins on `rayon::yield_now` (running any stolen work) until `f` returns; a
+/// helper that lands on `f`'s own thread returns at once.
+fn with_spinners<R: Send>(f: impl FnOnce() -> R + Send) -> R {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    struct SetOnDrop<'a>(&'a AtomicBool);
+    impl Drop for SetOnDrop<'_> {
+        fn drop(&mut self) {
+            self.0.store(true, Ordering::Release);
+        }
+    }
+    let me = rayon::current_thread_index();
+    let done = AtomicBool::new(false);
+    let mut out = None;
+    rayon::scope(|s| {
+        for _ in 1..rayon::current_num_threads() {
+            s.spawn(|_| {
+                while !done.load(Ordering::Acquire) && rayon::current_thread_index() != me {
+                    if rayon::yield_now() != Some(rayon::Yield::Executed) {
+                        for _ in 0..64 {
+                            std::hint::spin_loop();
+                        }
+                    }
+                }
+            });
+        }
+        let _done = SetOnDrop(&done);
+        out = Some(f());
+    });
     out.expect("the scope ran f")
 }
 

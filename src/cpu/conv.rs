@@ -20,23 +20,29 @@ pub fn causal_conv1d_silu(x: &[f32], t: usize, c: usize, w: &[f32], k: usize, st
             &x[(i - (k - 1)) * c..(i - (k - 2)) * c]
         }
     };
-    let one = |tt: usize, out: &mut [f32]| {
-        out.fill(0.0);
-        for j in 0..k {
-            let src = row(tt + j);
-            for ch in 0..c {
-                out[ch] += w[ch * k + j] * src[ch];
+    // Output channels [c0, c0 + out.len()) of token tt; taps summed in order j = 0..K.
+    let one = |tt: usize, c0: usize, out: &mut [f32]| {
+        let rows: Vec<&[f32]> = (0..k).map(|j| &row(tt + j)[c0..c0 + out.len()]).collect();
+        for (i, o) in out.iter_mut().enumerate() {
+            let wc = &w[(c0 + i) * k..][..k];
+            let mut acc = 0f32;
+            for (wj, r) in wc.iter().zip(&rows) {
+                acc += wj * r[i];
             }
+            *o = silu(acc);
         }
-        out.iter_mut().for_each(|v| *v = silu(*v));
     };
     if t > 1 {
-        y.par_chunks_mut(c).enumerate().for_each(|(tt, out)| one(tt, out));
+        y.par_chunks_mut(c).enumerate().for_each(|(tt, out)| one(tt, 0, out));
     } else {
-        one(0, y);
+        // Decode: one token, parallel over channel blocks.
+        y.par_chunks_mut(1024).enumerate().for_each(|(b, out)| one(0, b * 1024, out));
     }
     // New state: last K-1 rows of X.
     let total = k - 1 + t;
-    let new_state: Vec<f32> = (total - (k - 1)..total).flat_map(|i| row(i).to_vec()).collect();
+    let mut new_state = vec![0f32; (k - 1) * c];
+    for (j, dst) in new_state.chunks_exact_mut(c).enumerate() {
+        dst.copy_from_slice(row(total - (k - 1) + j));
+    }
     state.copy_from_slice(&new_state);
 }
