@@ -362,47 +362,10 @@ impl Model {
 /// calling thread and the other threads steal the rest.
 fn in_pool<R: Send>(f: impl FnOnce() -> R + Send) -> R {
     if rayon::current_thread_index().is_some() {
-        return with_spinners(f);
+        return f();
     }
     let mut out = None;
-    rayon::scope(|_| out = Some(with_spinners(f)));
-    out.expect("the scope ran f")
-}
-
-/// Runs `f` while the pool's other threads poll for work instead of going to sleep.
-///
-/// An idle rayon thread sleeps after ~30 µs without work, and waking it costs tens of µs (more
-/// in a VM) at the start of the next parallel loop, during which the calling thread streams
-/// weights alone. Between a decode step's loops there is serial work (norms, routing, conv) of
-/// about that length, so without this each of ~400 loops per token would start half-staffed.
-/// Each helper job spins on `rayon::yield_now` (running any stolen work) until `f` returns; a
-/// helper that lands on `f`'s own thread returns at once.
-fn with_spinners<R: Send>(f: impl FnOnce() -> R + Send) -> R {
-    use std::sync::atomic::{AtomicBool, Ordering};
-    struct SetOnDrop<'a>(&'a AtomicBool);
-    impl Drop for SetOnDrop<'_> {
-        fn drop(&mut self) {
-            self.0.store(true, Ordering::Release);
-        }
-    }
-    let me = rayon::current_thread_index();
-    let done = AtomicBool::new(false);
-    let mut out = None;
-    rayon::scope(|s| {
-        for _ in 1..rayon::current_num_threads() {
-            s.spawn(|_| {
-                while !done.load(Ordering::Acquire) && rayon::current_thread_index() != me {
-                    if rayon::yield_now() != Some(rayon::Yield::Executed) {
-                        for _ in 0..64 {
-                            std::hint::spin_loop();
-                        }
-                    }
-                }
-            });
-        }
-        let _done = SetOnDrop(&done);
-        out = Some(f());
-    });
+    rayon::scope(|_| out = Some(f()));
     out.expect("the scope ran f")
 }
 
