@@ -283,8 +283,8 @@ impl Model {
     fn moe(&self, m: &Moe, xn: &[f32], t: usize) -> Vec<f32> {
         let cfg = &self.cfg;
         let hid = cfg.hidden_size;
-        if t == 1 && cpu_int8() && all_quant(m) {
-            return self.moe_decode_q8(m, xn);
+        if cpu_int8() && all_quant(m) {
+            return self.moe_q8(m, xn, t);
         }
         let logits = proj(&m.router, xn, t); // [T, E]
                                              // Group tokens by expert: (token, weight) lists.
@@ -326,31 +326,61 @@ impl Model {
 }
 
 impl Model {
-    /// One decode token through the MoE with int8 activations (opt-in): the gate and up products
-    /// of the shared and all routed experts run as one parallel loop, then all the down products
-    /// as another, instead of three loops per expert.
-    fn moe_decode_q8(&self, m: &Moe, xn: &[f32]) -> Vec<f32> {
-        let cfg = &self.cfg;
-        let [logits, sg] = proj_many(&[&m.router, &m.shared_gate], xn, 1).try_into().unwrap();
-        let mut chosen = route(&logits, cfg.num_experts_per_tok, cfg.norm_topk_prob);
-        chosen.sort_by_key(|(e, _)| *e); // the same summation order as the batched path
-        let mlps: Vec<&Mlp> = std::iter::once(&m.shared).chain(chosen.iter().map(|(e, _)| &m.experts[*e])).collect();
-        let gu: Vec<&Linear> = mlps.iter().flat_map(|p| [&p.gate, &p.up]).collect();
-        let gu = proj_many(&gu, xn, 1);
-        let acts: Vec<Q8Act> = mlps
+    /// The MoE with int8 activations (opt-in) for `t` tokens: the gate and up products of the
+    /// shared expert and of every routed expert a token chose run as one parallel loop, then all
+    /// the down products as another. Each expert sees only its tokens (`[T_e, H]`), so a prompt
+    /// reads each chosen expert once; per token the results are added in expert-index order, the
+    /// order of the per-expert path, so the values do not depend on how many tokens share a call.
+    fn moe_q8(&self, m: &Moe, xn: &[f32], t: usize) -> Vec<f32> {
+        let (cfg, hid) = (&self.cfg, self.cfg.hidden_size);
+        let [logits, sg] = proj_many(&[&m.router, &m.shared_gate], xn, t).try_into().unwrap();
+        // Per expert: its (token, weight) list; the shared expert takes every token.
+        let mut per_expert: Vec<Vec<(usize, f32)>> = vec![Vec::new(); cfg.num_experts];
+        for (tt, l) in logits.chunks_exact(cfg.num_experts).enumerate() {
+            for (e, w) in route(l, cfg.num_experts_per_tok, cfg.norm_topk_prob) {
+                per_expert[e].push((tt, w));
+            }
+        }
+        let shared_toks: Vec<(usize, f32)> = (0..t).map(|tt| (tt, 1.0)).collect();
+        let work: Vec<(&Mlp, &[(usize, f32)])> = std::iter::once((&m.shared, &shared_toks[..]))
+            .chain(per_expert.iter().enumerate().filter(|(_, v)| !v.is_empty()).map(|(e, v)| (&m.experts[e], &v[..])))
+            .collect();
+        // Gate/up inputs: each expert's rows of xn, quantized once per weight format.
+        let ins: Vec<(Q8Act, Option<Q8Act>)> = work
+            .par_iter()
+            .map(|(p, toks)| {
+                let xe: Vec<f32> = toks.iter().flat_map(|(tt, _)| &xn[tt * hid..(tt + 1) * hid]).copied().collect();
+                let a = p.gate.quantize_input(&xe);
+                let b = (!p.up.fits_q8(&a)).then(|| p.up.quantize_input(&xe));
+                (a, b)
+            })
+            .collect();
+        let jobs: Vec<(&Linear, &Q8Act)> = work
+            .iter()
+            .zip(&ins)
+            .flat_map(|((p, _), (a, b))| [(&p.gate, a), (&p.up, b.as_ref().unwrap_or(a))])
+            .collect();
+        let gu = matmul_q8_batch(&jobs);
+        let acts: Vec<Q8Act> = work
             .par_iter()
             .zip(gu.par_chunks_exact(2))
-            .map(|(p, pair)| {
+            .map(|((p, _), pair)| {
                 let h: Vec<f32> = pair[0].iter().zip(&pair[1]).map(|(g, u)| silu(*g) * u).collect();
                 p.down.quantize_input(&h)
             })
             .collect();
-        let jobs: Vec<(&Linear, &Q8Act)> = mlps.iter().map(|p| &p.down).zip(&acts).collect();
-        let outs = matmul_q8_batch(&jobs);
-        let s = sigmoid(sg[0]);
-        let mut y: Vec<f32> = outs[0].iter().map(|v| v * s).collect();
-        for ((_, w), out) in chosen.iter().zip(&outs[1..]) {
-            y.iter_mut().zip(out).for_each(|(yv, ov)| *yv += w * ov);
+        let jobs: Vec<(&Linear, &Q8Act)> = work.iter().map(|(p, _)| &p.down).zip(&acts).collect();
+        let outs = matmul_q8_batch(&jobs); // per expert [T_e, H]
+        let mut y = vec![0f32; t * hid]; // [T, H]
+        for (tt, yr) in y.chunks_exact_mut(hid).enumerate() {
+            let s = sigmoid(sg[tt]);
+            yr.iter_mut().zip(&outs[0][tt * hid..]).for_each(|(yv, ov)| *yv = ov * s);
+        }
+        for ((_, toks), out) in work.iter().zip(&outs).skip(1) {
+            for (i, (tt, w)) in toks.iter().enumerate() {
+                let yr = &mut y[tt * hid..(tt + 1) * hid];
+                yr.iter_mut().zip(&out[i * hid..]).for_each(|(yv, ov)| *yv += w * ov);
+            }
         }
         y
     }
