@@ -286,15 +286,7 @@ impl Model {
         if cpu_int8() && all_quant(m) {
             return self.moe_q8(m, xn, t);
         }
-        let logits = proj(&m.router, xn, t); // [T, E]
-                                             // Group tokens by expert: (token, weight) lists.
-        let mut per_expert: Vec<Vec<(usize, f32)>> = vec![Vec::new(); cfg.num_experts];
-        for tt in 0..t {
-            let l = &logits[tt * cfg.num_experts..(tt + 1) * cfg.num_experts];
-            for (e, w) in route(l, cfg.num_experts_per_tok, cfg.norm_topk_prob) {
-                per_expert[e].push((tt, w));
-            }
-        }
+        let per_expert = tokens_per_expert(cfg, &proj(&m.router, xn, t));
         let active: Vec<(usize, &Vec<(usize, f32)>)> =
             per_expert.iter().enumerate().filter(|(_, v)| !v.is_empty()).collect();
         let mut y = mlp(&m.shared, xn, t); // [T, H]
@@ -334,13 +326,8 @@ impl Model {
     fn moe_q8(&self, m: &Moe, xn: &[f32], t: usize) -> Vec<f32> {
         let (cfg, hid) = (&self.cfg, self.cfg.hidden_size);
         let [logits, sg] = proj_many(&[&m.router, &m.shared_gate], xn, t).try_into().unwrap();
-        // Per expert: its (token, weight) list; the shared expert takes every token.
-        let mut per_expert: Vec<Vec<(usize, f32)>> = vec![Vec::new(); cfg.num_experts];
-        for (tt, l) in logits.chunks_exact(cfg.num_experts).enumerate() {
-            for (e, w) in route(l, cfg.num_experts_per_tok, cfg.norm_topk_prob) {
-                per_expert[e].push((tt, w));
-            }
-        }
+        let per_expert = tokens_per_expert(cfg, &logits);
+        // The shared expert takes every token.
         let shared_toks: Vec<(usize, f32)> = (0..t).map(|tt| (tt, 1.0)).collect();
         let work: Vec<(&Mlp, &[(usize, f32)])> = std::iter::once((&m.shared, &shared_toks[..]))
             .chain(per_expert.iter().enumerate().filter(|(_, v)| !v.is_empty()).map(|(e, v)| (&m.experts[e], &v[..])))
@@ -397,6 +384,17 @@ fn in_pool<R: Send>(f: impl FnOnce() -> R + Send) -> R {
     let mut out = None;
     rayon::scope(|_| out = Some(f()));
     out.expect("the scope ran f")
+}
+
+/// Routes every token of the router logits `[T, E]`: per expert, its (token, weight) list.
+fn tokens_per_expert(cfg: &ModelConfig, logits: &[f32]) -> Vec<Vec<(usize, f32)>> {
+    let mut per_expert = vec![Vec::new(); cfg.num_experts];
+    for (tt, l) in logits.chunks_exact(cfg.num_experts).enumerate() {
+        for (e, w) in route(l, cfg.num_experts_per_tok, cfg.norm_topk_prob) {
+            per_expert[e].push((tt, w));
+        }
+    }
+    per_expert
 }
 
 fn is_quant(w: &Linear) -> bool {
