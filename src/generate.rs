@@ -1,6 +1,7 @@
 //! The generation loop over a backend session: prefill the prompt, then sample and decode until
 //! an end-of-sequence token, a stop condition or the token budget.
 
+use crate::constrain::Constraint;
 use crate::model::{Logits, Model};
 use crate::sampling::{apply_penalties, log_softmax, Sampler, SamplingParams};
 use crate::state::State;
@@ -208,8 +209,21 @@ pub fn generate(
 /// context limit or the callback says stop. `prompt_tokens`/`prefill_secs` are left 0.
 pub fn decode(
     session: &mut dyn Session,
+    logits: Vec<f32>,
+    opts: &GenerateOptions,
+    on_step: impl FnMut(&Step) -> Result<Flow>,
+) -> Result<Generation> {
+    decode_with(session, logits, opts, None, on_step)
+}
+
+/// [`decode`] under a grammar: while the constraint is active every token outside its mask is
+/// excluded before sampling (the logits come to the host), and the answer ends when the grammar
+/// is complete. The next mask is computed on a second thread during the forward pass.
+pub fn decode_with(
+    session: &mut dyn Session,
     mut logits: Vec<f32>,
     opts: &GenerateOptions,
+    mut constraint: Option<&mut Constraint>,
     mut on_step: impl FnMut(&Step) -> Result<Flow>,
 ) -> Result<Generation> {
     opts.sampling.validate()?;
@@ -224,13 +238,22 @@ pub fn decode(
     // Without penalties or logprobs the session picks the next token itself (on the GPU for
     // CUDA sessions: argmax, or a seeded draw), one token per call so EOS and stop strings end
     // it exactly. The first token, from the prompt's logits, is drawn here.
-    let on_session = !penalize && opts.logprobs.is_none();
+    let on_session = !penalize && opts.logprobs.is_none() && constraint.is_none();
     let mut seeds = crate::sampling::Rng::new(opts.sampling.seed ^ 0x6c69_6c79);
     let mut picked: Option<u32> = None;
+    // The mask for the coming token, computed during the forward pass that produced its logits.
+    let mut next_mask = None;
     while tokens.len() < opts.max_tokens {
         let lp = opts.logprobs.map(|k| (log_softmax(&logits), k));
         if penalize {
             apply_penalties(&mut logits, &counts, opts.presence_penalty, opts.frequency_penalty);
+        }
+        if let Some(c) = constraint.as_deref_mut().filter(|c| c.is_active()) {
+            let mask = match next_mask.take() {
+                Some(m) => m,
+                None => c.mask()?,
+            };
+            Constraint::apply(&mask, &mut logits)?;
         }
         let next = match picked.take() {
             Some(t) => t,
@@ -248,6 +271,13 @@ pub fn decode(
             finish = FinishReason::Stopped;
             break;
         }
+        if let Some(c) = constraint.as_deref_mut() {
+            c.observe(next)?;
+            if c.finished() {
+                finish = FinishReason::Eos;
+                break;
+            }
+        }
         if tokens.len() == opts.max_tokens {
             break;
         }
@@ -258,6 +288,14 @@ pub fn decode(
             picked = Some(session.greedy_steps(next, 1)?[0]);
         } else if on_session {
             picked = Some(session.sampled_steps(next, 1, &opts.sampling, seeds.next_u64())?[0]);
+        } else if let Some(c) = constraint.as_deref_mut().filter(|c| c.is_active()) {
+            let (l, m) = std::thread::scope(|s| {
+                let mask = s.spawn(|| c.mask());
+                let l = session.forward_last(&[next]);
+                (l, mask.join())
+            });
+            logits = l?;
+            next_mask = Some(m.map_err(|_| anyhow::anyhow!("constrained decoding: the mask thread panicked"))??);
         } else {
             logits = session.forward_last(&[next])?;
         }

@@ -2,6 +2,7 @@
 //! attention) MoE family. The CPU backend here is the reference every GPU kernel is checked against.
 
 pub mod config;
+pub mod constrain;
 pub mod cpu;
 pub mod cuda;
 pub mod generate;

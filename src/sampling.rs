@@ -145,6 +145,8 @@ impl Sampler {
         for c in cand.iter_mut() {
             c.1 = (c.1 as f64 / sum) as f32;
         }
+        // Masked (-inf) and underflowed tokens can never be drawn, not even by rounding below.
+        cand.retain(|c| c.1 > 0.0);
         if p.min_p > 0.0 {
             let floor = p.min_p * cand[0].1;
             cand.retain(|c| c.1 >= floor);

@@ -13,6 +13,8 @@ pub struct Tokenizer {
     eos_token: Option<String>,
     /// Ids that end generation (config.json, generation_config.json, tokenizer_config.json).
     pub eos_ids: Vec<u32>,
+    /// The `tokenizer.json` this was read from (constrained decoding builds its own view of it).
+    pub json_path: PathBuf,
 }
 
 fn read_json(path: &Path) -> Result<Option<Value>> {
@@ -79,7 +81,7 @@ impl Tokenizer {
         }
         eos_ids.sort_unstable();
         eos_ids.dedup();
-        Ok(Tokenizer { inner, chat_template, bos_token, eos_token, eos_ids })
+        Ok(Tokenizer { inner, chat_template, bos_token, eos_token, eos_ids, json_path: tj })
     }
 
     /// Finds a tokenizer for a model directory: its own, else the shared Qwen3.6 tokenizer.
@@ -118,6 +120,11 @@ impl Tokenizer {
 
     pub fn has_chat_template(&self) -> bool {
         self.chat_template.is_some()
+    }
+
+    /// How the chat template asks for tool calls (XML for the real Qwen3.5/3.6 template).
+    pub fn tool_format(&self) -> crate::constrain::ToolFormat {
+        crate::constrain::ToolFormat::of_template(self.chat_template.as_deref().unwrap_or(""))
     }
 
     /// Renders the chat template. `messages` and `tools` are OpenAI-style JSON values;

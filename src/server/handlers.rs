@@ -3,8 +3,10 @@
 
 use super::openai::{self, ApiError, GenParams, Prompt};
 use super::parse::{self, OutputParser, Piece, ToolCall};
+use super::toolcall::ToolSchemas;
 use super::worker::{Event, Job, SubmitError, Summary};
 use super::{error_response, json_response, now_secs, App};
+use crate::constrain::{self, Constraint};
 use crate::generate::{FinishReason, GenerateOptions, TokenLogprobs};
 use crate::sampling::SamplingParams;
 use axum::extract::{Request, State};
@@ -53,8 +55,10 @@ struct Prepared {
     prompt: Vec<u32>,
     boundary: Option<usize>,
     in_think: bool,
-    tools: bool,
+    /// Some: the request has tools, whose calls the answer may hold.
+    tools: Option<ToolSchemas>,
     script_trigger_text: String,
+    constraint: Option<Constraint>,
 }
 
 fn context_check(app: &App, n: usize, asked: Option<usize>) -> R<usize> {
@@ -109,7 +113,7 @@ fn internal(e: impl std::fmt::Display) -> ApiError {
 }
 
 /// Queues the job; the receiver yields its events.
-fn submit(app: &App, prep: &Prepared, p: &GenParams, max_tokens: usize) -> R<UnboundedReceiver<Event>> {
+fn submit(app: &App, prep: &mut Prepared, p: &GenParams, max_tokens: usize) -> R<UnboundedReceiver<Event>> {
     let script = app
         .cfg
         .scripts
@@ -125,6 +129,7 @@ fn submit(app: &App, prep: &Prepared, p: &GenParams, max_tokens: usize) -> R<Unb
         opts: job_options(app, p, max_tokens),
         stop: p.stop.clone(),
         script,
+        constraint: prep.constraint.take(),
         events: tx,
         arrived: Instant::now(),
     };
@@ -202,14 +207,21 @@ fn new_id(app: &App, prefix: &str) -> String {
     format!("{prefix}-{:016x}", app.unique())
 }
 
-fn tool_call_json(app: &App, tc: &ToolCall, index: Option<usize>) -> Value {
-    let mut v = json!({
-        "id": format!("call_{:016x}", app.unique()),
-        "type": "function",
-        "function": {"name": tc.name, "arguments": tc.arguments},
-    });
-    if let Some(i) = index {
-        v["index"] = json!(i);
+fn call_id(app: &App) -> String {
+    format!("call_{:016x}", app.unique())
+}
+
+fn tool_call_json(app: &App, tc: &ToolCall) -> Value {
+    json!({"id": call_id(app), "type": "function", "function": {"name": tc.name, "arguments": tc.arguments()}})
+}
+
+/// A tool call as streamed deltas: the id, type and name with empty arguments, then one delta
+/// per argument fragment. Joined, the fragments are the non-streamed `arguments`.
+fn tool_call_deltas(app: &App, tc: &ToolCall, index: usize) -> Vec<Value> {
+    let mut v = vec![json!({"tool_calls": [{"index": index, "id": call_id(app), "type": "function",
+        "function": {"name": tc.name, "arguments": ""}}]})];
+    for f in tc.fragments() {
+        v.push(json!({"tool_calls": [{"index": index, "function": {"arguments": f}}]}));
     }
     v
 }
@@ -249,13 +261,42 @@ fn prepare_chat(app: &App, req: &openai::ChatRequest) -> R<Prepared> {
         _ => None,
     };
     let last = req.messages.last().and_then(|m| m["content"].as_str()).unwrap_or("").to_string();
+    let in_think = parse::prompt_opens_think(&text);
+    let constraint = match &req.constraint {
+        None => None,
+        Some(c) => Some(compile_constraint(app, req, c, in_think)?),
+    };
     Ok(Prepared {
         prompt,
         boundary,
-        in_think: parse::prompt_opens_think(&text),
-        tools: req.tools.is_some(),
+        in_think,
+        tools: req.tools.as_ref().map(ToolSchemas::from_tools),
         script_trigger_text: last,
+        constraint,
     })
+}
+
+/// Compiles the request's constraint; a schema llguidance cannot take is a 400 naming the field.
+fn compile_constraint(
+    app: &App,
+    req: &openai::ChatRequest,
+    c: &openai::OutputConstraint,
+    in_think: bool,
+) -> R<Constraint> {
+    let g = app.grammars()?;
+    let (lark, param) = match c {
+        openai::OutputConstraint::Json(schema) => (constrain::json_grammar(schema), "response_format"),
+        openai::OutputConstraint::ToolCalls { only, parallel } => {
+            let tools = req.tools.as_ref().ok_or_else(|| ApiError::param("tool_choice", "no `tools`"))?;
+            let lark = constrain::tool_grammar(&g, tools, only.as_deref(), *parallel, app.tok.tool_format())
+                .map_err(|e| ApiError::param("tools", format!("{e:#}")))?;
+            (lark, "tools")
+        }
+    };
+    let matcher = g.matcher(&lark).map_err(|e| ApiError::param(param, format!("the schema cannot be used: {e:#}")))?;
+    // With thinking on, the answer starts after the reasoning block.
+    let think_end = if in_think { app.tok.encode("</think>").map_err(internal)? } else { Vec::new() };
+    Ok(Constraint::new(matcher, !in_think, think_end))
 }
 
 pub async fn chat(State(app): State<Arc<App>>, req: Request) -> Response {
@@ -269,17 +310,17 @@ async fn chat_inner(app: Arc<App>, req: Request) -> R<Response> {
     let v = read_json(&app, req).await?;
     let req = openai::parse_chat(&v)?;
     let a = app.clone();
-    let (prep, req) =
+    let (mut prep, req) =
         tokio::task::spawn_blocking(move || prepare_chat(&a, &req).map(|p| (p, req))).await.map_err(internal)??;
     let max_tokens = context_check(&app, prep.prompt.len(), req.params.max_tokens)?;
-    let rx = submit(&app, &prep, &req.params, max_tokens)?;
+    let rx = submit(&app, &mut prep, &req.params, max_tokens)?;
     let id = new_id(&app, "chatcmpl");
     let created = now_secs();
     if req.params.stream {
         return Ok(stream_chat(app, rx, prep, req.params, req.parallel_tool_calls, id, created));
     }
     let (text, lps, summary) = collect(rx).await?;
-    let pieces = parse::parse_all(&text, prep.in_think, prep.tools);
+    let pieces = parse::parse_all(&text, prep.in_think, prep.tools.clone());
     let mut reasoning: Option<String> = None;
     let mut content = String::new();
     let mut calls = Vec::new();
@@ -289,7 +330,7 @@ async fn chat_inner(app: Arc<App>, req: Request) -> R<Response> {
             Piece::Content(c) => content.push_str(&c),
             Piece::ToolCall(tc) => {
                 if req.parallel_tool_calls || calls.is_empty() {
-                    calls.push(tool_call_json(&app, &tc, None))
+                    calls.push(tool_call_json(&app, &tc))
                 }
             }
         }
@@ -380,21 +421,23 @@ fn stream_chat(
         if out.send(sse(&chunk(json!({"role": "assistant", "content": ""}), Value::Null, Value::Null))).await.is_err() {
             return;
         }
-        let mut parser = OutputParser::new(prep.in_think, prep.tools);
+        let mut parser = OutputParser::new(prep.in_think, prep.tools.clone());
         let mut ncalls = 0;
         let to_chunks = |pieces: Vec<Piece>, ncalls: &mut usize, lps: &mut Option<Value>| -> Vec<Value> {
             let mut v = Vec::new();
             for piece in pieces {
-                let delta = match piece {
-                    Piece::Reasoning(r) => json!({"reasoning_content": r}),
-                    Piece::Content(c) => json!({"content": c}),
+                let deltas = match piece {
+                    Piece::Reasoning(r) => vec![json!({"reasoning_content": r})],
+                    Piece::Content(c) => vec![json!({"content": c})],
                     Piece::ToolCall(_) if !parallel_tool_calls && *ncalls > 0 => continue,
                     Piece::ToolCall(tc) => {
                         *ncalls += 1;
-                        json!({"tool_calls": [tool_call_json(&app, &tc, Some(*ncalls - 1))]})
+                        tool_call_deltas(&app, &tc, *ncalls - 1)
                     }
                 };
-                v.push(chunk(delta, lps.take().unwrap_or(Value::Null), Value::Null));
+                for delta in deltas {
+                    v.push(chunk(delta, lps.take().unwrap_or(Value::Null), Value::Null));
+                }
             }
             if let Some(l) = lps.take() {
                 v.push(chunk(json!({}), l, Value::Null));
@@ -442,7 +485,7 @@ fn prepare_completion(app: &App, req: &openai::CompletionRequest) -> R<Prepared>
     if prompt.is_empty() {
         return Err(ApiError::param("prompt", "the prompt has no tokens"));
     }
-    Ok(Prepared { prompt, boundary: None, in_think: false, tools: false, script_trigger_text: text })
+    Ok(Prepared { prompt, boundary: None, in_think: false, tools: None, script_trigger_text: text, constraint: None })
 }
 
 pub async fn completions(State(app): State<Arc<App>>, req: Request) -> Response {
@@ -456,11 +499,11 @@ async fn completions_inner(app: Arc<App>, req: Request) -> R<Response> {
     let v = read_json(&app, req).await?;
     let req = openai::parse_completion(&v)?;
     let a = app.clone();
-    let (prep, req) = tokio::task::spawn_blocking(move || prepare_completion(&a, &req).map(|p| (p, req)))
+    let (mut prep, req) = tokio::task::spawn_blocking(move || prepare_completion(&a, &req).map(|p| (p, req)))
         .await
         .map_err(internal)??;
     let max_tokens = context_check(&app, prep.prompt.len(), req.params.max_tokens)?;
-    let rx = submit(&app, &prep, &req.params, max_tokens)?;
+    let rx = submit(&app, &mut prep, &req.params, max_tokens)?;
     let id = new_id(&app, "cmpl");
     let created = now_secs();
     let p = req.params;

@@ -9,6 +9,7 @@ pub mod metrics;
 pub mod openai;
 pub mod parse;
 pub mod prefix_cache;
+pub mod toolcall;
 pub mod worker;
 
 use crate::generate::Session;
@@ -67,10 +68,28 @@ pub struct App {
     pub queue: worker::Queue,
     pub metrics: Arc<Metrics>,
     pub started: u64,
+    /// The model's logit count (constrained decoding masks that many).
+    pub vocab_size: usize,
+    /// Built on the first constrained request (a token trie over the vocabulary, ~1 s).
+    grammars: std::sync::OnceLock<Result<Arc<crate::constrain::Grammars>, String>>,
     counter: AtomicU64,
 }
 
 impl App {
+    /// llguidance's view of this server's tokenizer, built once.
+    pub fn grammars(&self) -> Result<Arc<crate::constrain::Grammars>, ApiError> {
+        self.grammars
+            .get_or_init(|| {
+                let bytes = std::fs::read(&self.tok.json_path)
+                    .map_err(|e| format!("reading {}: {e}", self.tok.json_path.display()))?;
+                crate::constrain::Grammars::new(&bytes, self.vocab_size, &self.tok.eos_ids)
+                    .map(Arc::new)
+                    .map_err(|e| format!("{e:#}"))
+            })
+            .clone()
+            .map_err(|e| ApiError::new(500, "server_error", None, e))
+    }
+
     /// A process-unique pseudo-random value (ids, default seeds).
     pub fn unique(&self) -> u64 {
         let n = self.counter.fetch_add(1, Relaxed);
@@ -200,8 +219,18 @@ pub fn serve(cfg: Config, tok: Tokenizer, session: Box<dyn Session + Send>) -> R
     }
     let tok = Arc::new(tok);
     let metrics = Arc::new(Metrics::default());
+    let vocab_size = session.vocab_size();
     let queue = worker::start(session, tok.clone(), metrics.clone(), cfg.queue_size, cfg.prefix_cache_bytes)?;
-    let app = Arc::new(App { cfg, tok, queue, metrics, started: now_secs(), counter: AtomicU64::new(0) });
+    let app = Arc::new(App {
+        cfg,
+        tok,
+        queue,
+        metrics,
+        started: now_secs(),
+        vocab_size,
+        grammars: std::sync::OnceLock::new(),
+        counter: AtomicU64::new(0),
+    });
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
     rt.block_on(async move {
         let listener =

@@ -57,15 +57,39 @@ pub struct GenParams {
     pub include_usage: bool,
 }
 
+/// What `tool_choice` asks for.
+#[derive(Debug, Clone, PartialEq)]
+pub enum ToolChoice {
+    /// The model decides (free text, parsed afterwards).
+    Auto,
+    /// At least one call, constrained to the tools' schemas.
+    Required,
+    /// A call of this function, constrained to its schema.
+    Named(String),
+}
+
+/// What the answer must be: constrained decoding compiles this into a grammar.
+#[derive(Debug, Clone, PartialEq)]
+pub enum OutputConstraint {
+    /// `response_format` json_object / json_schema: one JSON value valid under this schema.
+    Json(Value),
+    /// `tool_choice` required or named: tool calls in the template's format, arguments valid
+    /// under their schemas. `only`: the named function; `parallel`: more than one call allowed.
+    ToolCalls { only: Option<String>, parallel: bool },
+}
+
 #[derive(Debug, Clone)]
 pub struct ChatRequest {
     /// Normalised messages (content as a string) ready for the chat template.
     pub messages: Vec<Value>,
     /// Tool definitions for the template (None with `tool_choice: "none"`).
     pub tools: Option<Value>,
+    pub tool_choice: ToolChoice,
     pub template_kwargs: Map<String, Value>,
     /// false: at most one tool call per answer.
     pub parallel_tool_calls: bool,
+    /// Constrained decoding (None: free text).
+    pub constraint: Option<OutputConstraint>,
     pub params: GenParams,
 }
 
@@ -331,6 +355,14 @@ fn message(i: usize, m: &Value) -> R<Value> {
         }
         out.insert("name".into(), n.clone());
     }
+    if let Some(r) = present(o, "reasoning_content") {
+        let Value::String(r) = r else {
+            return Err(ApiError::param(format!("{at}.reasoning_content"), "`reasoning_content` must be a string"));
+        };
+        if role == "assistant" {
+            out.insert("reasoning_content".into(), Value::String(r.clone()));
+        }
+    }
     if let Some(id) = present(o, "tool_call_id") {
         if !id.is_string() {
             return Err(ApiError::param(format!("{at}.tool_call_id"), "`tool_call_id` must be a string"));
@@ -379,29 +411,91 @@ fn message(i: usize, m: &Value) -> R<Value> {
     Ok(Value::Object(out))
 }
 
-fn tools(o: &Map<String, Value>) -> R<Option<Value>> {
+/// OpenAI function names: letters, digits, `_`, `-` (and `.`), at most 64.
+fn valid_tool_name(n: &str) -> bool {
+    !n.is_empty() && n.len() <= 64 && n.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '_' | '-' | '.'))
+}
+
+const SCHEMA_TYPES: [&str; 7] = ["string", "integer", "number", "boolean", "null", "object", "array"];
+
+/// The shape of a JSON schema as far as lily reads it: `type` a known type name (or a list of
+/// them), `properties` an object of schemas, `required` a list of strings, `items` a schema,
+/// `enum` a list. Constrained decoding compiles the whole schema later (and names what it cannot).
+pub fn check_schema(v: &Value, at: &str) -> R<()> {
+    let Some(o) = v.as_object() else {
+        return Err(ApiError::param(at, format!("`{at}` must be a JSON schema object, got {}", kind(v))));
+    };
+    let known = |t: &Value| t.as_str().is_some_and(|t| SCHEMA_TYPES.contains(&t));
+    match o.get("type") {
+        None => {}
+        Some(t) if known(t) => {}
+        Some(Value::Array(a)) if !a.is_empty() && a.iter().all(known) => {}
+        Some(t) => {
+            return Err(ApiError::param(
+                format!("{at}.type"),
+                format!("`type` must be one of {} (or a list of them), got {t}", SCHEMA_TYPES.join(", ")),
+            ))
+        }
+    }
+    if let Some(p) = o.get("properties") {
+        let Some(p) = p.as_object() else {
+            return Err(ApiError::param(format!("{at}.properties"), "`properties` must be an object of schemas"));
+        };
+        for (k, sub) in p {
+            check_schema(sub, &format!("{at}.properties.{k}"))?;
+        }
+    }
+    if let Some(r) = o.get("required") {
+        if !r.as_array().is_some_and(|a| a.iter().all(Value::is_string)) {
+            return Err(ApiError::param(format!("{at}.required"), "`required` must be an array of strings"));
+        }
+    }
+    if let Some(i) = o.get("items") {
+        if !i.is_boolean() {
+            check_schema(i, &format!("{at}.items"))?;
+        }
+    }
+    if let Some(e) = o.get("enum") {
+        if !e.as_array().is_some_and(|a| !a.is_empty()) {
+            return Err(ApiError::param(format!("{at}.enum"), "`enum` must be a non-empty array"));
+        }
+    }
+    Ok(())
+}
+
+fn tools(o: &Map<String, Value>) -> R<(Option<Value>, ToolChoice)> {
     let tools = match present(o, "tools") {
         None => None,
         Some(Value::Array(a)) => {
             for (i, t) in a.iter().enumerate() {
                 let at = format!("tools[{i}]");
-                if t.get("type").and_then(Value::as_str) != Some("function") {
-                    return Err(ApiError::param(at, "only tools of `type` \"function\" are supported"));
+                if !t.is_object() {
+                    return Err(ApiError::param(at.clone(), format!("`{at}` must be an object, got {}", kind(t))));
                 }
-                let name = t.get("function").and_then(|f| f.get("name")).and_then(Value::as_str);
-                if name.is_none_or(|n| n.is_empty()) {
+                if t.get("type").and_then(Value::as_str) != Some("function") {
                     return Err(ApiError::param(
-                        format!("{at}.function.name"),
-                        "a tool needs a non-empty `function.name`",
+                        format!("{at}.type"),
+                        "only tools of `type` \"function\" are supported",
                     ));
                 }
-                if let Some(p) = t.get("function").and_then(|f| f.get("parameters")) {
-                    if !p.is_object() {
-                        return Err(ApiError::param(
-                            format!("{at}.function.parameters"),
-                            "`parameters` must be a JSON schema object",
-                        ));
-                    }
+                let Some(f) = t.get("function").and_then(Value::as_object) else {
+                    return Err(ApiError::param(format!("{at}.function"), "a tool needs a `function` object"));
+                };
+                let name = f.get("name").and_then(Value::as_str).unwrap_or("");
+                if !valid_tool_name(name) {
+                    return Err(ApiError::param(
+                        format!("{at}.function.name"),
+                        "`function.name` must be 1 to 64 letters, digits, `_`, `-` or `.`",
+                    ));
+                }
+                if a[..i].iter().any(|u| u["function"]["name"].as_str() == Some(name)) {
+                    return Err(ApiError::param(
+                        format!("{at}.function.name"),
+                        format!("two tools are named `{name}`"),
+                    ));
+                }
+                if let Some(p) = f.get("parameters") {
+                    check_schema(p, &format!("{at}.function.parameters"))?;
                 }
             }
             if a.is_empty() {
@@ -412,21 +506,73 @@ fn tools(o: &Map<String, Value>) -> R<Option<Value>> {
         }
         Some(v) => return Err(ApiError::param("tools", format!("`tools` must be an array, got {}", kind(v)))),
     };
-    match present(o, "tool_choice") {
-        None => Ok(tools),
-        Some(Value::String(s)) if s == "auto" => Ok(tools),
-        Some(Value::String(s)) if s == "none" => Ok(None),
-        Some(Value::String(s)) if s == "required" => Err(ApiError::param(
-            "tool_choice",
-            "`tool_choice` \"required\" is not supported (no constrained decoding); use \"auto\"",
-        )),
-        Some(Value::Object(_)) => Err(ApiError::param(
-            "tool_choice",
-            "forcing a named function is not supported (no constrained decoding); use \"auto\"",
-        )),
-        Some(v) => Err(ApiError::param("tool_choice", format!("`tool_choice` must be \"auto\" or \"none\", got {v}"))),
+    let choice = match present(o, "tool_choice") {
+        None => ToolChoice::Auto,
+        Some(Value::String(s)) if s == "auto" => ToolChoice::Auto,
+        Some(Value::String(s)) if s == "none" => return Ok((None, ToolChoice::Auto)),
+        Some(Value::String(s)) if s == "required" => ToolChoice::Required,
+        Some(Value::Object(c)) => {
+            let name = c.get("function").and_then(|f| f.get("name")).and_then(Value::as_str);
+            if c.get("type").and_then(Value::as_str) != Some("function") || name.is_none() {
+                return Err(ApiError::param(
+                    "tool_choice",
+                    "a named `tool_choice` is {\"type\": \"function\", \"function\": {\"name\": ...}}",
+                ));
+            }
+            ToolChoice::Named(name.unwrap_or_default().to_string())
+        }
+        Some(v) => {
+            return Err(ApiError::param(
+                "tool_choice",
+                format!("`tool_choice` must be \"auto\", \"none\", \"required\" or a named function, got {v}"),
+            ))
+        }
+    };
+    match (&choice, &tools) {
+        (ToolChoice::Required | ToolChoice::Named(_), None) => {
+            Err(ApiError::param("tool_choice", "`tool_choice` asks for a tool call but `tools` is empty"))
+        }
+        (ToolChoice::Named(n), Some(t))
+            if !t.as_array().into_iter().flatten().any(|x| x["function"]["name"] == **n) =>
+        {
+            Err(ApiError::param("tool_choice", format!("`tool_choice` names `{n}`, which is not in `tools`")))
+        }
+        _ => Ok((tools, choice)),
     }
 }
+
+/// `response_format`: None for text, else the schema the answer must follow.
+fn response_format(o: &Map<String, Value>) -> R<Option<Value>> {
+    let Some(rf) = present(o, "response_format") else { return Ok(None) };
+    let typ = rf.get("type").and_then(Value::as_str);
+    match typ {
+        Some("text") => Ok(None),
+        Some("json_object") => Ok(Some(json!({"type": "object"}))),
+        Some("json_schema") => {
+            let Some(js) = rf.get("json_schema").and_then(Value::as_object) else {
+                return Err(ApiError::param(
+                    "response_format.json_schema",
+                    "`response_format` of type json_schema needs a `json_schema` object",
+                ));
+            };
+            match js.get("schema") {
+                None | Some(Value::Null) => Ok(Some(json!({"type": "object"}))),
+                Some(s) => {
+                    check_schema(s, "response_format.json_schema.schema")?;
+                    Ok(Some(s.clone()))
+                }
+            }
+        }
+        _ => Err(ApiError::param(
+            "response_format.type",
+            "`response_format.type` must be \"text\", \"json_object\" or \"json_schema\"",
+        )),
+    }
+}
+
+/// Keys of the template context that the request's own fields own.
+const RESERVED_KWARGS: [&str; 7] =
+    ["messages", "tools", "tool_choice", "add_generation_prompt", "bos_token", "eos_token", "documents"];
 
 pub fn parse_chat(body: &Value) -> R<ChatRequest> {
     let o = object(body)?;
@@ -441,6 +587,7 @@ pub fn parse_chat(body: &Value) -> R<ChatRequest> {
             "chat_template_kwargs",
             "response_format",
             "parallel_tool_calls",
+            "reasoning_effort",
         ],
     )?;
     let msgs = match o.get("messages") {
@@ -457,14 +604,16 @@ pub fn parse_chat(body: &Value) -> R<ChatRequest> {
         return Err(ApiError::param("top_logprobs", "`top_logprobs` needs `logprobs` set to true"));
     }
     params.logprobs = logprobs.then_some(top.unwrap_or(0) as usize);
-    if let Some(rf) = present(o, "response_format") {
-        if rf.get("type").and_then(Value::as_str) != Some("text") {
-            return Err(ApiError::param("response_format", "only `response_format` {\"type\": \"text\"} is supported"));
-        }
-    }
-    let template_kwargs = match present(o, "chat_template_kwargs") {
+    let json_schema = response_format(o)?;
+    let mut template_kwargs = match present(o, "chat_template_kwargs") {
         None => Map::new(),
         Some(Value::Object(m)) => {
+            if let Some(k) = m.keys().find(|k| RESERVED_KWARGS.contains(&k.as_str())) {
+                return Err(ApiError::param(
+                    format!("chat_template_kwargs.{k}"),
+                    format!("`{k}` is set by the request itself, not through `chat_template_kwargs`"),
+                ));
+            }
             if let Some(v) = m.get("enable_thinking") {
                 if !v.is_boolean() {
                     return Err(ApiError::param(
@@ -482,8 +631,36 @@ pub fn parse_chat(body: &Value) -> R<ChatRequest> {
             ))
         }
     };
+    // `reasoning_effort` "none"/"minimal" switches thinking off (an explicit
+    // `chat_template_kwargs.enable_thinking` wins); other levels keep it on.
+    match present(o, "reasoning_effort") {
+        None => {}
+        Some(Value::String(e)) if matches!(e.as_str(), "none" | "minimal") => {
+            template_kwargs.entry("enable_thinking").or_insert(Value::Bool(false));
+        }
+        Some(Value::String(e)) if matches!(e.as_str(), "low" | "medium" | "high") => {}
+        Some(v) => {
+            return Err(ApiError::param(
+                "reasoning_effort",
+                format!("`reasoning_effort` must be \"none\", \"minimal\", \"low\", \"medium\" or \"high\", got {v}"),
+            ))
+        }
+    }
     let parallel_tool_calls = boolean(o, "parallel_tool_calls")?.unwrap_or(true);
-    Ok(ChatRequest { messages, tools: tools(o)?, template_kwargs, parallel_tool_calls, params })
+    let (tools, tool_choice) = tools(o)?;
+    let constraint = match (&tool_choice, json_schema) {
+        (ToolChoice::Auto, None) => None,
+        (ToolChoice::Auto, Some(s)) => Some(OutputConstraint::Json(s)),
+        (_, Some(_)) => {
+            return Err(ApiError::param(
+                "response_format",
+                "`response_format` cannot be combined with a forced `tool_choice` (the answer is a tool call)",
+            ))
+        }
+        (ToolChoice::Required, None) => Some(OutputConstraint::ToolCalls { only: None, parallel: parallel_tool_calls }),
+        (ToolChoice::Named(n), None) => Some(OutputConstraint::ToolCalls { only: Some(n.clone()), parallel: false }),
+    };
+    Ok(ChatRequest { messages, tools, tool_choice, template_kwargs, parallel_tool_calls, constraint, params })
 }
 
 pub fn parse_completion(body: &Value) -> R<CompletionRequest> {
@@ -559,11 +736,37 @@ mod tests {
         assert_eq!(r.params.logprobs, Some(3));
         assert_eq!(r.params.max_tokens, Some(5));
         assert!(r.params.include_usage && r.tools.is_some());
+        assert_eq!(r.constraint, None);
+    }
+
+    #[test]
+    fn constraints_and_reasoning_fields() {
+        let m = json!([{"role": "user", "content": "hi"},
+            {"role": "assistant", "content": "a", "reasoning_content": "because"}, {"role": "user", "content": "b"}]);
+        let tools = json!([{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}},
+            {"type": "function", "function": {"name": "g"}}]);
+        let r = parse_chat(&json!({"messages": m, "tools": tools, "tool_choice": "required"})).unwrap();
+        assert_eq!(r.constraint, Some(OutputConstraint::ToolCalls { only: None, parallel: true }));
+        assert_eq!(r.messages[1]["reasoning_content"], "because");
+        let named = json!({"type": "function", "function": {"name": "g"}});
+        let r = parse_chat(&json!({"messages": m, "tools": tools, "tool_choice": named})).unwrap();
+        assert_eq!(r.constraint, Some(OutputConstraint::ToolCalls { only: Some("g".into()), parallel: false }));
+        let r =
+            parse_chat(&json!({"messages": m, "response_format": {"type": "json_object"}, "reasoning_effort": "none"}))
+                .unwrap();
+        assert_eq!(r.constraint, Some(OutputConstraint::Json(json!({"type": "object"}))));
+        assert_eq!(r.template_kwargs["enable_thinking"], false);
+        let schema = json!({"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]});
+        let r = parse_chat(&json!({"messages": m, "response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}})).unwrap();
+        assert_eq!(r.constraint, Some(OutputConstraint::Json(schema)));
+        let r = parse_chat(&json!({"messages": m, "tools": tools, "tool_choice": "none"})).unwrap();
+        assert!(r.tools.is_none() && r.constraint.is_none());
     }
 
     #[test]
     fn errors_name_the_field() {
         let m = json!([{"role": "user", "content": "hi"}]);
+        let tool = json!({"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}});
         let cases = [
             (json!({"messages": m, "temperature": "hot"}), "temperature"),
             (json!({"messages": m, "temperature": 3}), "temperature"),
@@ -575,6 +778,38 @@ mod tests {
             (json!({"messages": m, "stop": ""}), "stop"),
             (json!({"messages": m, "bogus": 1}), "bogus"),
             (json!({"messages": m, "tool_choice": "required"}), "tool_choice"),
+            (
+                json!({"messages": m, "tools": [tool.clone()], "tool_choice": {"type": "function", "function": {"name": "g"}}}),
+                "tool_choice",
+            ),
+            (json!({"messages": m, "tools": ["f"]}), "tools[0]"),
+            (
+                json!({"messages": m, "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": 5, "properties": "x"}}}]}),
+                "tools[0].function.parameters.type",
+            ),
+            (
+                json!({"messages": m, "tools": [{"type": "function", "function": {"name": "f", "parameters": {"properties": "x"}}}]}),
+                "tools[0].function.parameters.properties",
+            ),
+            (
+                json!({"messages": m, "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {"a": {"type": "strin"}}}}}]}),
+                "tools[0].function.parameters.properties.a.type",
+            ),
+            (
+                json!({"messages": m, "tools": [{"type": "function", "function": {"name": "a b"}}]}),
+                "tools[0].function.name",
+            ),
+            (json!({"messages": m, "chat_template_kwargs": {"tools": "not-a-list"}}), "chat_template_kwargs.tools"),
+            (
+                json!({"messages": m, "response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "wat"}}}}),
+                "response_format.json_schema.schema.type",
+            ),
+            (json!({"messages": m, "response_format": {"type": "yaml"}}), "response_format.type"),
+            (json!({"messages": m, "reasoning_effort": "max"}), "reasoning_effort"),
+            (
+                json!({"messages": m, "tools": [tool.clone()], "tool_choice": "required", "response_format": {"type": "json_object"}}),
+                "response_format",
+            ),
             (json!({"messages": m, "stream_options": {"include_usage": true}}), "stream_options"),
             (json!({"messages": m, "logit_bias": {"1": 5}}), "logit_bias"),
             (json!({"messages": [{"role": "wizard", "content": "x"}]}), "messages[0].role"),

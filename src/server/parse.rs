@@ -1,23 +1,18 @@
 //! Splits generated chat text into reasoning (`<think>…</think>`), content and tool calls
-//! (Qwen3.5/3.6 `<tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>` blocks), one text
-//! piece at a time, so streaming and non-streaming answers come from the same state machine.
-//! Text that may be the start of a tag is held back until it is decided; a tool-call block that
-//! is not valid JSON (or never closes) falls back to plain content, tags included.
+//! (`<tool_call>…</tool_call>` blocks, XML or JSON inside: `toolcall.rs`), one text piece at a
+//! time, so streaming and non-streaming answers come from the same state machine. Text that may
+//! be the start of a tag is held back until it is decided; a tool-call block that does not parse
+//! (or never closes) falls back to plain content, tags and the whitespace before it included, so
+//! nothing the model wrote is lost.
 
+pub use super::toolcall::ToolCall;
+use super::toolcall::{parse_body, ToolSchemas};
 use crate::generate::partial_suffix_len;
-use serde_json::Value;
 
 const THINK_OPEN: &str = "<think>";
 const THINK_CLOSE: &str = "</think>";
 const TOOL_OPEN: &str = "<tool_call>";
 const TOOL_CLOSE: &str = "</tool_call>";
-
-#[derive(Clone, Debug, PartialEq)]
-pub struct ToolCall {
-    pub name: String,
-    /// The arguments as a JSON text (an object).
-    pub arguments: String,
-}
 
 #[derive(Clone, Debug, PartialEq)]
 pub enum Piece {
@@ -36,7 +31,11 @@ enum Mode {
 pub struct OutputParser {
     mode: Mode,
     buf: String,
-    tools: bool,
+    /// Some: recognise tool calls, with these parameter schemas for their values.
+    tools: Option<ToolSchemas>,
+    /// Whitespace between content and an open tool-call block: dropped if the block parses,
+    /// given back as content if it does not.
+    gap: String,
     /// Nothing has been emitted as content yet (a leading `<think>` still opens reasoning).
     at_start: bool,
     /// Drop newlines at the start of the next content (after `</think>` or a tool call).
@@ -54,34 +53,14 @@ pub fn prompt_opens_think(prompt: &str) -> bool {
     }
 }
 
-/// Parses the inside of a `<tool_call>` block; None if it is not a `{"name", "arguments"}` object.
-pub fn parse_tool_call(body: &str) -> Option<ToolCall> {
-    let v: Value = serde_json::from_str(body.trim()).ok()?;
-    let o = v.as_object()?;
-    let name = o.get("name")?.as_str()?.trim();
-    if name.is_empty() {
-        return None;
-    }
-    let arguments = match o.get("arguments").or_else(|| o.get("parameters")) {
-        None | Some(Value::Null) => "{}".to_string(),
-        Some(a @ Value::Object(_)) => a.to_string(),
-        // Some models write the arguments as a JSON string holding an object.
-        Some(Value::String(s)) => match serde_json::from_str::<Value>(s) {
-            Ok(a @ Value::Object(_)) => a.to_string(),
-            _ => return None,
-        },
-        Some(_) => return None,
-    };
-    Some(ToolCall { name: name.to_string(), arguments })
-}
-
 impl OutputParser {
     /// `in_think`: the prompt left a `<think>` block open; `tools`: recognise tool calls.
-    pub fn new(in_think: bool, tools: bool) -> OutputParser {
+    pub fn new(in_think: bool, tools: Option<ToolSchemas>) -> OutputParser {
         OutputParser {
             mode: if in_think { Mode::Reasoning } else { Mode::Content },
             buf: String::new(),
             tools,
+            gap: String::new(),
             at_start: !in_think,
             trim_lead: false,
             tool_calls: 0,
@@ -149,11 +128,12 @@ impl OutputParser {
                         }
                         self.at_start = false;
                     }
-                    if self.tools {
+                    if self.tools.is_some() {
                         if let Some(i) = self.buf.find(TOOL_OPEN) {
                             // Whitespace between content and a tool call is not content.
-                            let before = self.buf[..i].trim_end().to_string();
-                            Self::emit(out, Piece::Content(before));
+                            let before = self.buf[..i].trim_end();
+                            self.gap = self.buf[before.len()..i].to_string();
+                            Self::emit(out, Piece::Content(before.to_string()));
                             self.buf.drain(..i + TOOL_OPEN.len());
                             self.mode = Mode::Tool;
                             continue;
@@ -161,7 +141,7 @@ impl OutputParser {
                     }
                     let keep = if last {
                         0
-                    } else if self.tools {
+                    } else if self.tools.is_some() {
                         // Hold back a partial tag and trailing whitespace (it may precede a tool call).
                         let tag = partial_suffix_len(&self.buf, &[TOOL_OPEN]);
                         let ws = self.buf.len() - self.buf.trim_end().len();
@@ -184,12 +164,13 @@ impl OutputParser {
                     if let Some(i) = self.buf.find(TOOL_CLOSE) {
                         let body = self.buf[..i].to_string();
                         self.buf.drain(..i + TOOL_CLOSE.len());
-                        match parse_tool_call(&body) {
+                        let gap = std::mem::take(&mut self.gap);
+                        match parse_body(&body, self.tools.as_ref().unwrap_or(&ToolSchemas::default())) {
                             Some(tc) => {
                                 self.tool_calls += 1;
                                 out.push(Piece::ToolCall(tc));
                             }
-                            None => out.push(Piece::Content(format!("{TOOL_OPEN}{body}{TOOL_CLOSE}"))),
+                            None => out.push(Piece::Content(format!("{gap}{TOOL_OPEN}{body}{TOOL_CLOSE}"))),
                         }
                         self.mode = Mode::Content;
                         self.trim_lead = true;
@@ -197,7 +178,8 @@ impl OutputParser {
                     }
                     if last {
                         let body = std::mem::take(&mut self.buf);
-                        out.push(Piece::Content(format!("{TOOL_OPEN}{body}")));
+                        let gap = std::mem::take(&mut self.gap);
+                        out.push(Piece::Content(format!("{gap}{TOOL_OPEN}{body}")));
                     }
                     return;
                 }
@@ -207,7 +189,7 @@ impl OutputParser {
 }
 
 /// Parses a whole text at once (what a non-streaming answer does), merging adjacent pieces.
-pub fn parse_all(text: &str, in_think: bool, tools: bool) -> Vec<Piece> {
+pub fn parse_all(text: &str, in_think: bool, tools: Option<ToolSchemas>) -> Vec<Piece> {
     let mut p = OutputParser::new(in_think, tools);
     let mut pieces = p.push(text);
     pieces.extend(p.finish());
@@ -232,7 +214,7 @@ mod tests {
     use super::*;
 
     fn streamed(text: &str, in_think: bool, tools: bool, step: usize) -> Vec<Piece> {
-        let mut p = OutputParser::new(in_think, tools);
+        let mut p = OutputParser::new(in_think, tools.then(ToolSchemas::default));
         let mut pieces = Vec::new();
         let chars: Vec<char> = text.chars().collect();
         for chunk in chars.chunks(step) {
@@ -246,6 +228,7 @@ mod tests {
         for step in [1, 2, 3, 5, 1000] {
             assert_eq!(streamed(text, in_think, tools, step), want, "step {step}");
         }
+        assert_eq!(parse_all(text, in_think, tools.then(ToolSchemas::default)), want, "parse_all");
     }
 
     fn r(s: &str) -> Piece {
@@ -255,7 +238,8 @@ mod tests {
         Piece::Content(s.into())
     }
     fn tc(name: &str, args: &str) -> Piece {
-        Piece::ToolCall(ToolCall { name: name.into(), arguments: args.into() })
+        let v: serde_json::Map<String, serde_json::Value> = serde_json::from_str(args).unwrap();
+        Piece::ToolCall(ToolCall { name: name.into(), args: v.into_iter().collect() })
     }
 
     #[test]
@@ -287,7 +271,9 @@ mod tests {
     fn malformed_tool_calls_fall_back_to_content() {
         let bad = "<tool_call>\n{\"name\": \"f\", \"arguments\": {oops}\n</tool_call>";
         check(bad, false, true, vec![c(bad)]);
-        check("x <tool_call>{\"name\": \"f\"", false, true, vec![c("x<tool_call>{\"name\": \"f\"")]);
+        check("x <tool_call>{\"name\": \"f\"", false, true, vec![c("x <tool_call>{\"name\": \"f\"")]);
+        let bad = "Let me see.\n\n<tool_call>\n<function=f>\n<parameter=a>\n1\n</tool_call> after";
+        check(bad, false, true, vec![c(bad)]);
         // Without tools the tags are just text.
         let t = "<tool_call>\n{\"name\": \"f\", \"arguments\": {}}\n</tool_call>";
         check(t, false, false, vec![c(t)]);
@@ -301,11 +287,26 @@ mod tests {
     }
 
     #[test]
-    fn tool_call_json_variants() {
-        assert_eq!(parse_tool_call(r#"{"name": "f", "arguments": "{\"a\": 2}"}"#).unwrap().arguments, r#"{"a":2}"#);
-        assert!(parse_tool_call(r#"{"name": "", "arguments": {}}"#).is_none());
-        assert!(parse_tool_call(r#"{"arguments": {}}"#).is_none());
-        assert!(parse_tool_call(r#"{"name": "f", "arguments": [1]}"#).is_none());
-        assert!(parse_tool_call("not json").is_none());
+    fn xml_tool_calls_after_reasoning() {
+        let text = "I should look it up.\n</think>\n\nChecking both.\n\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n</function>\n</tool_call>\n<tool_call>\n<function=get_time>\n<parameter=zone>\nEurope/Paris\n</parameter>\n<parameter=note>\nuse <b>24h</b>\nplease\n</parameter>\n</function>\n</tool_call>";
+        check(
+            text,
+            true,
+            true,
+            vec![
+                r("I should look it up.\n"),
+                c("Checking both."),
+                tc("get_weather", r#"{"city": "Paris"}"#),
+                tc("get_time", r#"{"zone": "Europe/Paris", "note": "use <b>24h</b>\nplease"}"#),
+            ],
+        );
+    }
+
+    #[test]
+    fn xml_values_follow_the_schema() {
+        let schemas = ToolSchemas::from_tools(&serde_json::json!([{"type": "function", "function": {"name": "f",
+            "parameters": {"type": "object", "properties": {"n": {"type": "integer"}, "s": {"type": "string"}}}}}]));
+        let text = "<tool_call>\n<function=f>\n<parameter=n>\n7\n</parameter>\n<parameter=s>\n7\n</parameter>\n</function>\n</tool_call>";
+        assert_eq!(parse_all(text, false, Some(schemas)), vec![tc("f", r#"{"n": 7, "s": "7"}"#)]);
     }
 }

@@ -5,7 +5,10 @@
 
 use super::metrics::Metrics;
 use super::prefix_cache::PrefixCache;
-use crate::generate::{decode, FinishReason, Flow, GenerateOptions, Session, Snapshot, StopStrings, TokenLogprobs};
+use crate::constrain::Constraint;
+use crate::generate::{
+    decode_with, FinishReason, Flow, GenerateOptions, Session, Snapshot, StopStrings, TokenLogprobs,
+};
 use crate::tokenizer::{StreamDecoder, Tokenizer};
 use anyhow::{bail, Result};
 use std::sync::atomic::Ordering::Relaxed;
@@ -27,6 +30,8 @@ pub struct Job {
     pub stop: Vec<String>,
     /// Test hook: force this token sequence (then end-of-sequence) instead of the model's choice.
     pub script: Option<Vec<u32>>,
+    /// Constrained decoding (`response_format`, a forced tool call).
+    pub constraint: Option<Constraint>,
     pub events: UnboundedSender<Event>,
     pub arrived: Instant,
 }
@@ -106,14 +111,14 @@ struct Worker {
 
 impl Worker {
     fn run(&mut self, rx: Receiver<Job>) {
-        for job in rx {
+        for mut job in rx {
             self.metrics.queue_depth.fetch_sub(1, Relaxed);
             if job.events.is_closed() {
                 self.metrics.cancelled.fetch_add(1, Relaxed);
                 continue;
             }
             self.metrics.running.fetch_add(1, Relaxed);
-            let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.job(&job)));
+            let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.job(&mut job)));
             self.metrics.running.fetch_sub(1, Relaxed);
             let err = match r {
                 Ok(Ok(())) => continue,
@@ -148,7 +153,7 @@ impl Worker {
         }
     }
 
-    fn job(&mut self, job: &Job) -> Result<()> {
+    fn job(&mut self, job: &mut Job) -> Result<()> {
         let prompt = &job.prompt;
         if prompt.is_empty() {
             bail!("the prompt is empty");
@@ -221,7 +226,7 @@ impl Worker {
             None => self.session.as_mut(),
         };
         let t1 = Instant::now();
-        let gen = decode(session, logits, &job.opts, |step| {
+        let gen = decode_with(session, logits, &job.opts, job.constraint.as_mut(), |step| {
             if first {
                 metrics.ttft(job.arrived.elapsed().as_secs_f64());
                 first = false;
