@@ -115,9 +115,9 @@ fn json_elem(schema: &Value) -> String {
     format!("%json {}", with_layout(schema))
 }
 
-/// One JSON value under `schema`, after optional leading newlines (what follows `</think>`).
+/// One JSON value under `schema`, after up to two newlines (what follows `</think>`).
 pub fn json_grammar(schema: &Value) -> String {
-    format!("start: NL? body\nNL: /[\\n]+/\nbody: {}\n", json_elem(schema))
+    format!("start: NL? body\nNL: /\\n{{1,2}}/\nbody: {}\n", json_elem(schema))
 }
 
 /// The schema's declared type names.
@@ -150,7 +150,7 @@ pub fn tool_grammar(
     }
     let (open, close) = (g.tag("<tool_call>"), g.tag("</tool_call>"));
     let mut out = String::new();
-    writeln!(out, "start: NL? calls\nNL: /[\\n]+/")?;
+    writeln!(out, "start: NL? calls\nNL: /\\n{{1,2}}/")?;
     if parallel {
         writeln!(out, "calls: call (\"\\n\" call)*")?;
     } else {
@@ -164,6 +164,11 @@ pub fn tool_grammar(
         let params = f.get("parameters").cloned().unwrap_or(json!({"type": "object", "properties": {}}));
         match format {
             ToolFormat::Json => {
+                // Only the declared parameters, as in the XML format.
+                let mut params = params;
+                if let Some(o) = params.as_object_mut().filter(|o| o.contains_key("properties")) {
+                    o.entry("additionalProperties").or_insert(Value::Bool(false));
+                }
                 let call = json!({"type": "object", "properties": {"name": {"const": name}, "arguments": params},
                     "required": ["name", "arguments"], "additionalProperties": false});
                 writeln!(out, "f{i}: {}", json_elem(&call))?;
@@ -201,9 +206,20 @@ fn xml_function(out: &mut String, i: usize, name: &str, params: &Value) -> Resul
             let alts: Vec<String> = members.iter().map(|m| lit(&crate::server::toolcall::raw_text(m))).collect();
             writeln!(out, "{rule}: {open} ({}) \"\\n</parameter>\\n\"", alts.join(" | "))?;
         } else if ts.contains(&"string") {
-            // Any text up to the first `</parameter>` (a lazy lexeme ends at its first match).
-            writeln!(out, "{rule}: {open} {rule}_v \"\\n\"")?;
-            writeln!(out, "{rule}_v[lazy]: /(.|\\n)*<\\/parameter>/")?;
+            // Any text of minLength..maxLength characters holding no `</parameter>`, then the
+            // close: one lexeme, so the parser's "first `</parameter>` before the next tag" reads
+            // back exactly this value. `pattern` and `format` are not enforced.
+            let len = |k: &str| schema.get(k).and_then(Value::as_u64).filter(|&n| n <= MAX_BOUNDED_LEN);
+            let reps = match (len("minLength"), len("maxLength")) {
+                (None, None) => "*".to_string(),
+                (lo, hi) => format!("{{{},{}}}", lo.unwrap_or(0), hi.map(|h| h.to_string()).unwrap_or_default()),
+            };
+            let term = format!("F{i}_P{j}");
+            writeln!(out, "{rule}: {open} {term}")?;
+            writeln!(
+                out,
+                "{term}: /(.|\\n){reps}\\n<\\/parameter>\\n/ & ~/(.|\\n)*<\\/parameter>(.|\\n)*<\\/parameter>(.|\\n)*/"
+            )?;
         } else {
             // Numbers, booleans, null, objects and arrays read the same raw as in JSON.
             writeln!(out, "{rule}: {open} {} \"\\n</parameter>\\n\"", json_elem(schema))?;
@@ -213,6 +229,10 @@ fn xml_function(out: &mut String, i: usize, name: &str, params: &Value) -> Resul
     writeln!(out, "f{i}: {} {} \"</function>\"", lit(&format!("<function={name}>\n")), seq.join(" "))?;
     Ok(())
 }
+
+/// String length bounds above this are left unbounded (a long counted repetition is a large
+/// automaton).
+const MAX_BOUNDED_LEN: u64 = 4096;
 
 /// One request's constraint.
 pub struct Constraint {
