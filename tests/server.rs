@@ -12,7 +12,14 @@ fn fixture() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/tiny-hf")
 }
 
-/// The tiny checkpoint with the Qwen3.6 tool-calling chat template, in a fresh temp directory.
+/// The real Qwen3.5 chat template (XML tool calls), read in place from ../shared.
+fn real_template() -> PathBuf {
+    let p = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../shared/data/qwen3.5-chat-template/chat_template.jinja");
+    assert!(p.exists(), "the real chat template is needed at {} (../shared)", p.display());
+    p
+}
+
+/// The tiny checkpoint with the real Qwen3.5 chat template, in a fresh temp directory.
 fn tools_model(tag: &str) -> PathBuf {
     let d = std::env::temp_dir().join(format!("lily-serve-{}-{tag}", std::process::id()));
     let _ = std::fs::remove_dir_all(&d);
@@ -23,8 +30,7 @@ fn tools_model(tag: &str) -> PathBuf {
             std::fs::copy(e.path(), d.join(e.file_name())).unwrap();
         }
     }
-    let tmpl = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/python/chat_template_tools.jinja");
-    std::fs::copy(tmpl, d.join("chat_template.jinja")).unwrap();
+    std::fs::copy(real_template(), d.join("chat_template.jinja")).unwrap();
     d
 }
 
@@ -44,8 +50,8 @@ impl Drop for Server {
 fn scripts() -> String {
     json!({
         "SCRIPT_THINK": "The user greets me.\n</think>\n\nHello there!",
-        "SCRIPT_TOOL": "Weather needed.\n</think>\n\n<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n</tool_call>",
-        "SCRIPT_BADTOOL": "Hmm.\n</think>\n\n<tool_call>\n{not json}\n</tool_call>",
+        "SCRIPT_TOOL": "Weather needed.\n</think>\n\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n<parameter=days>\n2\n</parameter>\n</function>\n</tool_call>",
+        "SCRIPT_BADTOOL": "Hmm.\n</think>\n\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</function>\n</tool_call>",
         "SCRIPT_LONG": "word ".repeat(400),
     })
     .to_string()
@@ -141,8 +147,17 @@ fn fold(ev: &[Value]) -> (String, String, Vec<Value>, String, Value) {
         let Some(ch) = e["choices"].get(0) else { continue };
         r += ch["delta"]["reasoning_content"].as_str().unwrap_or("");
         c += ch["delta"]["content"].as_str().unwrap_or("");
-        if let Some(t) = ch["delta"]["tool_calls"].as_array() {
-            calls.extend(t.iter().cloned());
+        // A call's first delta has its index, id and name; later ones add argument fragments.
+        for t in ch["delta"]["tool_calls"].as_array().into_iter().flatten() {
+            let i = t["index"].as_u64().unwrap() as usize;
+            if i == calls.len() {
+                assert!(t["id"].is_string() && t["function"]["name"].is_string(), "{t}");
+                calls.push(t.clone());
+            } else {
+                assert!(t.get("id").is_none(), "{t}");
+                let a = calls[i]["function"]["arguments"].as_str().unwrap().to_string();
+                calls[i]["function"]["arguments"] = json!(a + t["function"]["arguments"].as_str().unwrap());
+            }
         }
         if let Some(f) = ch["finish_reason"].as_str() {
             fin = f.to_string();
@@ -196,29 +211,33 @@ fn endpoints_and_streaming_equals_non_streaming() {
 fn scripted_reasoning_and_tool_calls() {
     let dir = tools_model("script");
     let s = start(&dir, &[]);
-    let tools = json!([{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]);
+    let tools = json!([{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object",
+        "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}}}}]);
     let think = json!({"messages": [{"role": "user", "content": "SCRIPT_THINK"}], "max_tokens": 60, "temperature": 0});
     let m = post(&s.addr, "/v1/chat/completions", &think).json();
     assert_eq!(m["choices"][0]["message"]["reasoning_content"], "The user greets me.\n");
     assert_eq!(m["choices"][0]["message"]["content"], "Hello there!");
-    let tool = json!({"messages": [{"role": "user", "content": "SCRIPT_TOOL"}], "tools": tools, "max_tokens": 80, "temperature": 0});
+    let tool = json!({"messages": [{"role": "user", "content": "SCRIPT_TOOL"}], "tools": tools, "max_tokens": 200, "temperature": 0});
     let r = post(&s.addr, "/v1/chat/completions", &tool).json();
     let ch = &r["choices"][0];
     assert_eq!(ch["finish_reason"], "tool_calls");
     assert_eq!(ch["message"]["content"], Value::Null);
     assert_eq!(ch["message"]["tool_calls"][0]["function"]["name"], "get_weather");
-    assert_eq!(ch["message"]["tool_calls"][0]["function"]["arguments"], r#"{"city":"Paris"}"#);
+    assert_eq!(ch["message"]["tool_calls"][0]["function"]["arguments"], r#"{"city":"Paris","days":2}"#);
     let mut st = tool.clone();
     st["stream"] = json!(true);
     let (r, c, calls, fin, _) = fold(&events(&post(&s.addr, "/v1/chat/completions", &st).body));
     assert_eq!((r.as_str(), c.as_str(), fin.as_str()), ("Weather needed.\n", "", "tool_calls"));
     assert_eq!(calls.len(), 1);
     assert_eq!(calls[0]["index"], 0);
-    assert_eq!(calls[0]["function"]["arguments"], r#"{"city":"Paris"}"#);
-    let bad = json!({"messages": [{"role": "user", "content": "SCRIPT_BADTOOL"}], "tools": tools, "max_tokens": 80, "temperature": 0});
+    assert_eq!(calls[0]["function"]["arguments"], r#"{"city":"Paris","days":2}"#);
+    let bad = json!({"messages": [{"role": "user", "content": "SCRIPT_BADTOOL"}], "tools": tools, "max_tokens": 200, "temperature": 0});
     let b = post(&s.addr, "/v1/chat/completions", &bad).json();
     assert_eq!(b["choices"][0]["finish_reason"], "stop");
-    assert_eq!(b["choices"][0]["message"]["content"], "<tool_call>\n{not json}\n</tool_call>");
+    assert_eq!(
+        b["choices"][0]["message"]["content"],
+        "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</function>\n</tool_call>"
+    );
     let _ = std::fs::remove_dir_all(dir);
 }
 

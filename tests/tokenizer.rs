@@ -67,6 +67,70 @@ fn chat_template_follows_hf_conventions() {
     assert!(r.contains("<tool_response>\nsunny\n</tool_response>"));
 }
 
+/// The real tokenizer with the real Qwen3.5 template, as a checkpoint directory would hold them.
+fn qwen_real_template() -> Tokenizer {
+    let d = std::env::temp_dir().join(format!("lily-real-tpl-{}", std::process::id()));
+    std::fs::create_dir_all(&d).unwrap();
+    let _ = std::fs::remove_file(d.join("tokenizer.json"));
+    std::fs::copy(shared_tokenizer_dir().join("tokenizer.json"), d.join("tokenizer.json")).unwrap();
+    std::fs::copy(shared_tokenizer_dir().join("tokenizer_config.json"), d.join("tokenizer_config.json")).unwrap();
+    std::fs::copy(real_template(), d.join("chat_template.jinja")).unwrap();
+    Tokenizer::load(&d, None).unwrap()
+}
+
+/// What OpenAI clients send, normalised by the server's request parser, rendered by the real
+/// template: arguments as a JSON string become the mapping it iterates, earlier reasoning is
+/// kept after the last user query, consecutive tool results share one user turn, text parts join.
+#[test]
+fn real_template_renders_every_client_message_shape() {
+    let tok = qwen_real_template();
+    assert_eq!(tok.tool_format(), lily::constrain::ToolFormat::Xml);
+    let body = json!({
+        "messages": [
+            {"role": "system", "content": [{"type": "text", "text": "Be brief."}]},
+            {"role": "user", "content": [{"type": "text", "text": "Weather in Paris "}, {"type": "text", "text": "and Oslo?"}]},
+            {"role": "assistant", "content": null, "reasoning_content": "Two cities, two calls.",
+             "tool_calls": [
+                {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\", \"days\": 2, \"opts\": {\"unit\": \"C\"}}"}},
+                {"id": "c2", "type": "function", "function": {"name": "get_weather", "arguments": "{\"city\": \"Oslo\"}"}}]},
+            {"role": "tool", "tool_call_id": "c1", "content": "18C"},
+            {"role": "tool", "tool_call_id": "c2", "content": [{"type": "text", "text": "9C"}]}
+        ],
+        "tools": [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    });
+    let req = lily::server::openai::parse_chat(&body).unwrap();
+    let msgs = Value::Array(req.messages.clone());
+    let out = tok.apply_chat_template(&msgs, req.tools.as_ref(), true, &req.template_kwargs).unwrap();
+    assert!(out.starts_with("<|im_start|>system\n# Tools\n\nYou have access to the following functions:\n\n<tools>\n{\"type\": \"function\""), "{out}");
+    assert!(out.contains("</IMPORTANT>\n\nBe brief.<|im_end|>\n"), "{out}");
+    let tail = "<|im_start|>user\nWeather in Paris and Oslo?<|im_end|>\n\
+        <|im_start|>assistant\n<think>\nTwo cities, two calls.\n</think>\n\n\
+        <tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n<parameter=days>\n2\n</parameter>\n\
+        <parameter=opts>\n{\"unit\": \"C\"}\n</parameter>\n</function>\n</tool_call>\n\
+        <tool_call>\n<function=get_weather>\n<parameter=city>\nOslo\n</parameter>\n</function>\n</tool_call><|im_end|>\n\
+        <|im_start|>user\n<tool_response>\n18C\n</tool_response>\n<tool_response>\n9C\n</tool_response><|im_end|>\n\
+        <|im_start|>assistant\n<think>\n";
+    assert!(out.ends_with(tail), "{out}");
+    // Reasoning of turns before the last user query is dropped, as the template says.
+    let body = json!({"messages": [
+        {"role": "user", "content": "a"}, {"role": "assistant", "content": "b", "reasoning_content": "old thoughts"},
+        {"role": "user", "content": "c"}], "reasoning_effort": "none"});
+    let req = lily::server::openai::parse_chat(&body).unwrap();
+    let out = tok.apply_chat_template(&Value::Array(req.messages), None, true, &req.template_kwargs).unwrap();
+    assert_eq!(out, "<|im_start|>user\na<|im_end|>\n<|im_start|>assistant\nb<|im_end|>\n<|im_start|>user\nc<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n");
+    // The template's own errors come back with its message.
+    for (msgs, want) in [
+        (json!([{"role": "system", "content": "x"}]), "No user query found in messages."),
+        (
+            json!([{"role": "user", "content": "x"}, {"role": "system", "content": "y"}]),
+            "System message must be at the beginning.",
+        ),
+    ] {
+        let e = tok.apply_chat_template(&msgs, None, true, &Default::default()).unwrap_err();
+        assert!(format!("{e:#}").contains(want), "{e:#}");
+    }
+}
+
 #[test]
 fn template_errors_are_reported() {
     let d = std::env::temp_dir().join(format!("lily-tpl-{}", std::process::id()));

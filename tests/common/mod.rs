@@ -28,13 +28,35 @@ pub fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
     a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max)
 }
 
-pub fn fixtures() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures")
+/// The checkout the tests read their fixtures from: `LILY_REPO` when set (test executables
+/// carried to another machine, where the build-time path does not exist), else the build-time one.
+pub fn repo() -> PathBuf {
+    match std::env::var_os("LILY_REPO") {
+        Some(r) => PathBuf::from(r),
+        None => PathBuf::from(env!("CARGO_MANIFEST_DIR")),
+    }
 }
 
-/// The shared Qwen3.6 tokenizer directory; panics (fails the test loudly) when it is missing.
+pub fn fixtures() -> PathBuf {
+    let d = repo().join("tests/fixtures");
+    assert!(d.is_dir(), "test fixtures missing at {} (set LILY_REPO to the checkout)", d.display());
+    d
+}
+
+/// The real Qwen3.5 chat template (`../shared/data/qwen3.5-chat-template`); fails loudly when missing.
+pub fn real_template() -> PathBuf {
+    let p = repo().join("../shared/data/qwen3.5-chat-template/chat_template.jinja");
+    assert!(p.exists(), "the real chat template is missing at {} (tests need ../shared)", p.display());
+    p
+}
+
+/// The shared Qwen3.6 tokenizer directory (`LILY_TOKENIZER_DIR` overrides); panics (fails the
+/// test loudly) when it is missing.
 pub fn shared_tokenizer_dir() -> PathBuf {
-    let d = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../shared/data/qwen3.6-tokenizer");
+    let d = match std::env::var_os("LILY_TOKENIZER_DIR") {
+        Some(d) => PathBuf::from(d),
+        None => repo().join("../shared/data/qwen3.6-tokenizer"),
+    };
     assert!(
         d.join("tokenizer.json").exists(),
         "the shared Qwen3.6 tokenizer is missing at {} (tests need ../shared beside the checkout)",

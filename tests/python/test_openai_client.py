@@ -2,9 +2,14 @@
 
 Run after `cargo build`: `python -m pytest tests/python -q` (LILY_BIN overrides target/debug/lily;
 LILY_SERVE_ARGS adds server options, e.g. `--device cuda`).
-The fixture model has random weights (its text is gibberish), so the reasoning and tool-call
-paths use the server's test-only LILY_TEST_SCRIPTS hook: a request whose last message contains a
-trigger generates a fixed text through the real model, sampler, stop strings and parsers.
+The fixture model has random weights (its text is gibberish), so the free-form reasoning and
+tool-call paths use the server's test-only LILY_TEST_SCRIPTS hook: a request whose last message
+contains a trigger generates a fixed text through the real model, sampler, stop strings and
+parsers. The constrained cases (tool_choice required/named, json_schema) run without it: the mask
+alone must make the random model's output parse and match the schema.
+
+The checkpoint carries the real Qwen3.5 chat template, read from ../shared (XML tool calls); the
+tests fail when it is missing.
 """
 
 import concurrent.futures as cf
@@ -18,22 +23,25 @@ import subprocess
 import time
 import urllib.request
 
+import jsonschema
 import openai
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 BIN = os.environ.get("LILY_BIN", str(ROOT / "target" / "debug" / "lily"))
 FIXTURE = ROOT / "tests" / "fixtures" / "tiny-hf"
+REAL_TEMPLATE = ROOT.parent / "shared" / "data" / "qwen3.5-chat-template" / "chat_template.jinja"
 KEY = "test-key"
 
 SCRIPTS = {
     "SCRIPT_THINK": "The user greets me.\n</think>\n\nHello there!",
-    "SCRIPT_TOOL": 'Weather needed.\n</think>\n\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>',
+    "SCRIPT_TOOL": "Weather needed.\n</think>\n\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>",
     "SCRIPT_AFTER_TOOL": "Done.\n</think>\n\nIt is 22C in Paris.",
-    "SCRIPT_BADTOOL": "Hmm.\n</think>\n\n<tool_call>\n{not json}\n</tool_call>",
+    "SCRIPT_BADTOOL": "Hmm.\n</think>\n\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</tool_call>",
     "SCRIPT_STOP": "alpha beta STOP gamma delta",
     "SCRIPT_LONG": "word " * 400,
-    "SCRIPT_TWO_TOOLS": 'Two.\n</think>\n\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>',
+    "SCRIPT_TWO_TOOLS": "Two.\n</think>\n\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n</function>\n</tool_call>\n<tool_call>\n<function=get_weather>\n<parameter=city>\nOslo, \"the <north>\"\nline two\n</parameter>\n</function>\n</tool_call>",
+    "SCRIPT_JSON_TOOL": 'Old style.\n</think>\n\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>',
 }
 
 TOOLS = [
@@ -42,20 +50,49 @@ TOOLS = [
         "function": {
             "name": "get_weather",
             "description": "Current weather for a city",
-            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "city": {"type": "string", "minLength": 1, "maxLength": 12},
+                    "days": {"type": "integer", "minimum": 1, "maximum": 7},
+                    "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+                },
+                "required": ["city"],
+            },
         },
-    }
+    },
+    {
+        "type": "function",
+        "function": {
+            "name": "book_table",
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "when": {
+                        "type": "object",
+                        "properties": {"day": {"type": "integer", "minimum": 1, "maximum": 31}, "late": {"type": "boolean"}},
+                        "required": ["day", "late"],
+                        "additionalProperties": False,
+                    },
+                    "guests": {"type": "array", "items": {"type": "string", "maxLength": 6}, "minItems": 1, "maxItems": 3},
+                },
+                "required": ["when", "guests"],
+            },
+        },
+    },
 ]
 
 
-def model_dir(tmp: pathlib.Path) -> pathlib.Path:
-    """The tiny checkpoint with the Qwen3.6 tool-calling chat template."""
+def model_dir(tmp: pathlib.Path, template=None) -> pathlib.Path:
+    """The tiny checkpoint with the real Qwen3.5 chat template (or `template`)."""
+    template = template or REAL_TEMPLATE
+    assert template.exists(), f"the real chat template is needed at {template} (../shared)"
     d = tmp / "tiny-hf-tools"
     d.mkdir()
     for f in FIXTURE.iterdir():
         if f.name != "chat_template.jinja":
             (d / f.name).symlink_to(f)
-    shutil.copy(pathlib.Path(__file__).with_name("chat_template_tools.jinja"), d / "chat_template.jinja")
+    (d / "chat_template.jinja").symlink_to(template)
     return d
 
 
@@ -102,7 +139,7 @@ class Server:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    s = Server(model_dir(tmp_path_factory.mktemp("m")), "--api-key", KEY, "--max-seq", "1024", "--max-body-bytes", "65536")
+    s = Server(model_dir(tmp_path_factory.mktemp("m")), "--api-key", KEY, "--max-seq", "4096", "--max-body-bytes", "65536")
     yield s
     assert s.alive(), "the server died during the tests"
     s.stop()
@@ -113,7 +150,8 @@ def user(text):
 
 
 def stream_text(stream):
-    content, reasoning, calls, finish, usage = "", "", [], None, None
+    """Reassembles a chat stream; tool calls as (name, arguments) from their deltas by index."""
+    content, reasoning, calls, finish, usage = "", "", {}, None, None
     for chunk in stream:
         if chunk.usage is not None:
             usage = chunk.usage
@@ -124,10 +162,17 @@ def stream_text(stream):
         content += d.content or ""
         reasoning += getattr(d, "reasoning_content", None) or ""
         for tc in d.tool_calls or []:
-            calls.append((tc.function.name, tc.function.arguments))
+            if tc.index not in calls:
+                # The first delta of a call carries its id, type and name.
+                assert tc.id and tc.type == "function" and tc.function.name, tc
+                calls[tc.index] = [tc.function.name, ""]
+            else:
+                assert tc.id is None and not tc.function.name, tc
+            calls[tc.index][1] += tc.function.arguments or ""
         if ch.finish_reason:
             finish = ch.finish_reason
-    return content, reasoning, calls, finish, usage
+    assert sorted(calls) == list(range(len(calls)))
+    return content, reasoning, [tuple(calls[i]) for i in sorted(calls)], finish, usage
 
 
 def test_models_health_metrics(server):
@@ -227,60 +272,175 @@ def test_thinking_split(server):
 def test_tool_call_round_trip(server):
     c = server.client()
     msgs = user("SCRIPT_TOOL What's the weather in Paris?")
-    r = c.chat.completions.create(model="m", messages=msgs, tools=TOOLS, max_tokens=80, temperature=0)
+    r = c.chat.completions.create(model="m", messages=msgs, tools=TOOLS, max_tokens=200, temperature=0)
     ch = r.choices[0]
     assert ch.finish_reason == "tool_calls"
     assert ch.message.content is None
     assert ch.message.reasoning_content == "Weather needed.\n"
     (call,) = ch.message.tool_calls
     assert call.type == "function" and call.function.name == "get_weather"
-    assert json.loads(call.function.arguments) == {"city": "Paris"}
+    # `days` is an integer in the schema, so the XML text "3" becomes 3.
+    assert json.loads(call.function.arguments) == {"city": "Paris", "days": 3}
     _, reasoning, calls, finish, _ = stream_text(
-        c.chat.completions.create(model="m", messages=msgs, tools=TOOLS, max_tokens=80, temperature=0, stream=True)
+        c.chat.completions.create(model="m", messages=msgs, tools=TOOLS, max_tokens=200, temperature=0, stream=True)
     )
     assert finish == "tool_calls" and calls == [("get_weather", call.function.arguments)]
-    # Send the result back: the assistant tool call and the tool message go through the template.
+    # Send the result back: the assistant tool call (with its reasoning) and the tool message go
+    # through the template.
     msgs2 = msgs + [
-        ch.message.model_dump(exclude_none=True, include={"role", "content", "tool_calls"}),
+        ch.message.model_dump(exclude_none=True, include={"role", "content", "tool_calls", "reasoning_content"}),
         {"role": "tool", "tool_call_id": call.id, "content": "SCRIPT_AFTER_TOOL 22C"},
     ]
-    r2 = c.chat.completions.create(model="m", messages=msgs2, tools=TOOLS, max_tokens=80, temperature=0)
+    r2 = c.chat.completions.create(model="m", messages=msgs2, tools=TOOLS, max_tokens=200, temperature=0)
     assert r2.choices[0].message.content == "It is 22C in Paris."
     assert r2.choices[0].finish_reason == "stop"
     # The conversation prefix (system tools block, user turn) came from the prefix cache.
     assert r2.usage.prompt_tokens_details.cached_tokens > 0
     # tool_choice "none": tools are not offered, tags are plain text.
-    r3 = c.chat.completions.create(model="m", messages=msgs, tools=TOOLS, tool_choice="none", max_tokens=80, temperature=0)
+    r3 = c.chat.completions.create(model="m", messages=msgs, tools=TOOLS, tool_choice="none", max_tokens=200, temperature=0)
     assert r3.choices[0].message.tool_calls is None and "<tool_call>" in r3.choices[0].message.content
 
 
 def test_parallel_tool_calls(server):
     c = server.client()
     msgs = user("SCRIPT_TWO_TOOLS")
-    r = c.chat.completions.create(model="m", messages=msgs, tools=TOOLS, max_tokens=120, temperature=0)
+    r = c.chat.completions.create(model="m", messages=msgs, tools=TOOLS, max_tokens=300, temperature=0)
     cities = [json.loads(t.function.arguments)["city"] for t in r.choices[0].message.tool_calls]
-    assert cities == ["Paris", "Oslo"] and r.choices[0].finish_reason == "tool_calls"
+    assert cities == ["Paris", 'Oslo, "the <north>"\nline two'] and r.choices[0].finish_reason == "tool_calls"
     assert len({t.id for t in r.choices[0].message.tool_calls}) == 2
-    _, _, calls, _, _ = stream_text(c.chat.completions.create(model="m", messages=msgs, tools=TOOLS, max_tokens=120, temperature=0, stream=True))
-    assert [json.loads(a)["city"] for _, a in calls] == ["Paris", "Oslo"]
-    one = c.chat.completions.create(model="m", messages=msgs, tools=TOOLS, max_tokens=120, temperature=0, parallel_tool_calls=False)
+    _, _, calls, _, _ = stream_text(c.chat.completions.create(model="m", messages=msgs, tools=TOOLS, max_tokens=300, temperature=0, stream=True))
+    # The streamed deltas, joined, are the non-streamed arguments.
+    assert calls == [(t.function.name, t.function.arguments) for t in r.choices[0].message.tool_calls]
+    one = c.chat.completions.create(model="m", messages=msgs, tools=TOOLS, max_tokens=300, temperature=0, parallel_tool_calls=False)
     assert len(one.choices[0].message.tool_calls) == 1
     _, _, calls, _, _ = stream_text(
-        c.chat.completions.create(model="m", messages=msgs, tools=TOOLS, max_tokens=120, temperature=0, stream=True, parallel_tool_calls=False)
+        c.chat.completions.create(model="m", messages=msgs, tools=TOOLS, max_tokens=300, temperature=0, stream=True, parallel_tool_calls=False)
     )
     assert len(calls) == 1
 
 
 def test_malformed_tool_call_falls_back_to_content(server):
     c = server.client()
-    r = c.chat.completions.create(model="m", messages=user("SCRIPT_BADTOOL"), tools=TOOLS, max_tokens=80, temperature=0)
+    r = c.chat.completions.create(model="m", messages=user("SCRIPT_BADTOOL"), tools=TOOLS, max_tokens=200, temperature=0)
     ch = r.choices[0]
     assert ch.finish_reason == "stop" and not ch.message.tool_calls
-    assert ch.message.content == "<tool_call>\n{not json}\n</tool_call>"
+    assert ch.message.content == "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</tool_call>"
     content, _, calls, finish, _ = stream_text(
-        c.chat.completions.create(model="m", messages=user("SCRIPT_BADTOOL"), tools=TOOLS, max_tokens=80, temperature=0, stream=True)
+        c.chat.completions.create(model="m", messages=user("SCRIPT_BADTOOL"), tools=TOOLS, max_tokens=200, temperature=0, stream=True)
     )
     assert (content, calls, finish) == (ch.message.content, [], "stop")
+
+
+NO_THINK = {"reasoning_effort": "none"}
+
+
+def test_agent_loop_with_every_message_shape(server):
+    """User, tool call, several tool results, answer; earlier reasoning, text parts and
+    arguments as JSON strings, all through the real template."""
+    c = server.client()
+    msgs = [
+        {"role": "system", "content": [{"type": "text", "text": "Be brief."}]},
+        {"role": "user", "content": [{"type": "text", "text": "Weather in Paris "}, {"type": "text", "text": "and Oslo?"}]},
+        {
+            "role": "assistant",
+            "content": None,
+            "reasoning_content": "Two cities, two calls.",
+            "tool_calls": [
+                {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris", "days": 2}'}},
+                {"id": "c2", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}},
+            ],
+        },
+        {"role": "tool", "tool_call_id": "c1", "content": "18C"},
+        {"role": "tool", "tool_call_id": "c2", "content": [{"type": "text", "text": "SCRIPT_AFTER_TOOL 9C"}]},
+    ]
+    r = c.chat.completions.create(model="m", messages=msgs, tools=TOOLS, max_tokens=60, temperature=0)
+    assert r.choices[0].message.content == "It is 22C in Paris."
+    assert r.choices[0].message.reasoning_content == "Done.\n"
+    # (What the template renders from these shapes is checked in tests/tokenizer.rs.)
+
+
+def test_template_errors_are_400s_quoting_the_template(server):
+    chat = "/v1/chat/completions"
+    err, _ = expect_error(server, 400, chat, json.dumps({"messages": [{"role": "system", "content": "only a system turn"}]}))
+    assert "No user query found in messages." in err["message"], err
+    bad_order = [{"role": "user", "content": "hi"}, {"role": "system", "content": "late"}]
+    err, _ = expect_error(server, 400, chat, json.dumps({"messages": bad_order}))
+    assert "System message must be at the beginning." in err["message"], err
+    assert server.alive()
+
+
+def test_tool_choice_required_and_named_without_the_hook(server):
+    c = server.client()
+    for seed in range(6):
+        for choice in ["required", {"type": "function", "function": {"name": "book_table"}}]:
+            kw = dict(model="m", messages=user("plan something"), tools=TOOLS, tool_choice=choice, max_tokens=200,
+                      temperature=1.0, seed=seed, extra_body=NO_THINK)
+            r = c.chat.completions.create(**kw)
+            ch = r.choices[0]
+            assert ch.finish_reason == "tool_calls", (seed, choice, ch)
+            assert ch.message.tool_calls and not ch.message.content, ch.message
+            if isinstance(choice, dict):
+                assert [t.function.name for t in ch.message.tool_calls] == ["book_table"]
+            for t in ch.message.tool_calls:
+                schema = next(x["function"]["parameters"] for x in TOOLS if x["function"]["name"] == t.function.name)
+                jsonschema.validate(json.loads(t.function.arguments), schema)
+            # The same seed streamed gives the same calls.
+            _, _, calls, finish, _ = stream_text(c.chat.completions.create(stream=True, **kw))
+            assert finish == "tool_calls"
+            assert calls == [(t.function.name, t.function.arguments) for t in ch.message.tool_calls]
+
+
+def test_json_schema_output_without_the_hook(server):
+    c = server.client()
+    schema = {
+        "type": "object",
+        "properties": {
+            "title": {"type": "string", "maxLength": 10},
+            "rating": {"type": "integer", "minimum": 1, "maximum": 5},
+            "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}, "maxItems": 3},
+            "meta": {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"], "additionalProperties": False},
+        },
+        "required": ["title", "rating", "meta"],
+        "additionalProperties": False,
+    }
+    fmt = {"type": "json_schema", "json_schema": {"name": "review", "schema": schema, "strict": True}}
+    for seed in range(10):
+        r = c.chat.completions.create(model="m", messages=user("review it"), response_format=fmt, max_tokens=150,
+                                      temperature=1.0, seed=seed, extra_body=NO_THINK)
+        assert r.choices[0].finish_reason == "stop", r.choices[0]
+        jsonschema.validate(json.loads(r.choices[0].message.content), schema)
+    # json_object: any JSON object (greedy, so the random model's choice is repeatable).
+    r = c.chat.completions.create(model="m", messages=user("json please"), response_format={"type": "json_object"},
+                                  max_tokens=150, temperature=0, extra_body=NO_THINK)
+    if r.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(r.choices[0].message.content), dict)
+    else:  # ran out of tokens inside an unbounded object: still a valid prefix of one
+        assert r.choices[0].message.content.startswith("{")
+    chat = "/v1/chat/completions"
+    bad = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object", "properties": {"a": {"$ref": "#/missing"}}}}}
+    err, _ = expect_error(server, 400, chat, json.dumps({"messages": user("x"), "response_format": bad}), "response_format")
+    expect_error(server, 400, chat, json.dumps({"messages": user("x"), "tools": TOOLS,
+                 "tool_choice": {"type": "function", "function": {"name": "nope"}}}), "tool_choice")
+    expect_error(server, 400, chat, json.dumps({"messages": user("x"), "tools": [5]}), "tools[0]")
+
+
+def test_json_tool_format_for_templates_that_ask_for_it(tmp_path):
+    """A template that asks for JSON inside <tool_call> still gets JSON parsed, and a forced call
+    in that format."""
+    s = Server(model_dir(tmp_path, pathlib.Path(__file__).with_name("chat_template_tools.jinja")), "--api-key", KEY)
+    try:
+        c = s.client()
+        r = c.chat.completions.create(model="m", messages=user("SCRIPT_JSON_TOOL"), tools=TOOLS, max_tokens=200, temperature=0)
+        (call,) = r.choices[0].message.tool_calls
+        assert json.loads(call.function.arguments) == {"city": "Paris"}
+        r = c.chat.completions.create(model="m", messages=user("go"), tools=TOOLS, tool_choice="required", max_tokens=200,
+                                      temperature=1.0, seed=3, extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+        assert r.choices[0].finish_reason == "tool_calls", r.choices[0]
+        for t in r.choices[0].message.tool_calls:
+            schema = next(x["function"]["parameters"] for x in TOOLS if x["function"]["name"] == t.function.name)
+            jsonschema.validate(json.loads(t.function.arguments), schema)
+    finally:
+        s.stop()
 
 
 def test_logprobs(server):
@@ -359,11 +519,11 @@ def test_error_paths(server):
     expect_error(server, 400, chat, json.dumps({"messages": [{"role": "wizard", "content": "x"}]}), "messages[0].role")
     expect_error(server, 400, chat, json.dumps({"messages": ok_msgs, "n": 3}), "n")
     expect_error(server, 400, chat, json.dumps({"messages": ok_msgs, "frobnicate": True}), "frobnicate")
-    expect_error(server, 400, chat, json.dumps({"messages": ok_msgs, "tool_choice": "required", "tools": TOOLS}), "tool_choice")
+    expect_error(server, 400, chat, json.dumps({"messages": ok_msgs, "tool_choice": "required"}), "tool_choice")
     expect_error(server, 400, "/v1/completions", json.dumps({"prompt": [1, 99999]}), "prompt")
-    # Context overflow (the server runs with --max-seq 1024): a clear 400.
-    err, _ = expect_error(server, 400, chat, json.dumps({"messages": user("word " * 2000)}))
-    assert err["code"] == "context_length_exceeded" and "1024" in err["message"]
+    # Context overflow (the server runs with --max-seq 4096): a clear 400.
+    err, _ = expect_error(server, 400, chat, json.dumps({"messages": user("word " * 5000)}))
+    assert err["code"] == "context_length_exceeded" and "4096" in err["message"]
     err, _ = expect_error(server, 400, chat, json.dumps({"messages": ok_msgs, "max_tokens": 100000}), "max_tokens")
     assert err["code"] == "context_length_exceeded"
     # Oversized body (--max-body-bytes 65536): 413.
@@ -379,7 +539,7 @@ def test_error_paths(server):
     with pytest.raises(openai.AuthenticationError):
         server.client(key="nope").chat.completions.create(model="m", messages=ok_msgs)
     with pytest.raises(openai.BadRequestError):
-        c.chat.completions.create(model="m", messages=user("w " * 3000))
+        c.chat.completions.create(model="m", messages=user("w " * 6000))
     assert server.alive()
 
 
