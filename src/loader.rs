@@ -16,7 +16,17 @@ pub fn load(spec: &str, layers: Option<usize>) -> Result<Loaded> {
     if let Some(name) = spec.strip_prefix("synthetic:") {
         let tok_dir = Tokenizer::find_dir(None);
         let tokenizer = match &tok_dir {
-            Some(d) => Some(Tokenizer::load(d, None)?),
+            Some(d) => {
+                let mut t = Tokenizer::load(d, None)?;
+                // The shared tokenizer's own template is a stand-in; the checkpoints' real one
+                // (XML tool calls) sits beside it.
+                if let Some(real) = d.parent().map(|p| p.join("qwen3.5-chat-template/chat_template.jinja")) {
+                    if real.exists() {
+                        t.set_chat_template_file(&real)?;
+                    }
+                }
+                Some(t)
+            }
             None => None,
         };
         // The real vocabulary size when the real tokenizer is here; a small one otherwise.

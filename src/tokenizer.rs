@@ -122,6 +122,13 @@ impl Tokenizer {
         self.chat_template.is_some()
     }
 
+    /// Replaces the chat template with the one in `path`.
+    pub fn set_chat_template_file(&mut self, path: &Path) -> Result<()> {
+        self.chat_template =
+            Some(std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?);
+        Ok(())
+    }
+
     /// How the chat template asks for tool calls (XML for the real Qwen3.5/3.6 template).
     pub fn tool_format(&self) -> crate::constrain::ToolFormat {
         crate::constrain::ToolFormat::of_template(self.chat_template.as_deref().unwrap_or(""))
