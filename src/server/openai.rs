@@ -456,7 +456,7 @@ pub fn check_schema(v: &Value, at: &str) -> R<()> {
         }
     }
     if let Some(e) = o.get("enum") {
-        if !e.as_array().is_some_and(|a| !a.is_empty()) {
+        if e.as_array().is_none_or(|a| a.is_empty()) {
             return Err(ApiError::param(format!("{at}.enum"), "`enum` must be a non-empty array"));
         }
     }
