@@ -127,6 +127,11 @@ fn bad_input_gives_clear_errors() {
         (vec!["run", "--model", "synthetic:tiny", "--prompt-tokens", "1", "--top-p", "0"], "top_p"),
         (vec!["run", "--model", "synthetic:tiny", "--prompt-tokens", "1", "--device", "cuda"], "cuda"),
         (vec!["perplexity", "--model", "synthetic:tiny"], "--tokens-file"),
+        // A negative number is an invalid value, not an unknown argument.
+        (vec!["run", "--model", "synthetic:tiny", "--prompt-tokens", "1", "--temperature", "-1"], "temperature"),
+        (vec!["run", "--model", "synthetic:tiny", "--prompt-tokens", "1", "--max-tokens", "-3"], "invalid value '-3'"),
+        // Contexts beyond the model's are refused before any prefill runs.
+        (vec!["bench", "--model", "synthetic:tiny", "--contexts", "16,262144"], "exceed the model's context"),
     ];
     for (args, want) in cases {
         let (ok, _, err) = lily(&args);

@@ -25,13 +25,13 @@ pub struct BenchArgs {
     /// Prompt lengths, comma-separated (e.g. 256,4096).
     #[arg(long, default_value = "256")]
     pub contexts: String,
-    #[arg(long, default_value_t = 64)]
+    #[arg(allow_negative_numbers = true, long, default_value_t = 64)]
     pub decode_steps: usize,
     /// Warm-up runs of the exact shape before the measured one.
-    #[arg(long, default_value_t = 1)]
+    #[arg(allow_negative_numbers = true, long, default_value_t = 1)]
     pub warmup: usize,
     /// Measured runs per context; the table shows the median of each rate.
-    #[arg(long, default_value_t = 1)]
+    #[arg(allow_negative_numbers = true, long, default_value_t = 1)]
     pub repeat: usize,
     /// Also measure the machine's memory read bandwidth to put decode in context.
     #[arg(long)]
@@ -108,6 +108,16 @@ pub fn run(a: BenchArgs) -> Result<()> {
     }
     let loaded = a.model.load()?;
     let model = &loaded.model;
+    // Every context is checked before any timed work (a long prefill must not run only to fail).
+    let limit = model.cfg.max_position_embeddings;
+    if let Some(&ctx) = contexts.iter().find(|&&c| c.saturating_add(a.decode_steps) > limit) {
+        bail!(
+            "--contexts {ctx}: {ctx} prompt tokens plus {} decode steps exceed the model's context of {limit} tokens \
+             (the largest context that fits is {})",
+            a.decode_steps,
+            limit.saturating_sub(a.decode_steps)
+        );
+    }
     let bytes = model.decode_bytes_per_token();
     let gpu = lily::cuda::uploaded(&loaded.model).map(|m| m.gpu.clone());
     let membw = match &gpu {

@@ -24,13 +24,13 @@ pub struct ModelArgs {
     #[arg(long)]
     pub model: String,
     /// Number of layers of a synthetic model (keeps the 3:1 GDN/attention pattern).
-    #[arg(long)]
+    #[arg(allow_negative_numbers = true, long)]
     pub layers: Option<usize>,
     /// Where to run.
     #[arg(long, value_enum, default_value = "auto")]
     pub device: Device,
     /// CPU threads (default: all cores).
-    #[arg(long)]
+    #[arg(allow_negative_numbers = true, long)]
     pub threads: Option<usize>,
     /// CPU: quantize activations to int8 for the products with 4/8-bit weights (faster, less
     /// exact; also `LILY_CPU_INT8=1`). Default: fp32 activations.

@@ -20,7 +20,7 @@ pub struct PerplexityArgs {
     #[arg(long)]
     pub dump_logits: Option<PathBuf>,
     /// Tokens per forward call (the state carries across chunks).
-    #[arg(long, default_value_t = 512)]
+    #[arg(allow_negative_numbers = true, long, default_value_t = 512)]
     pub chunk: usize,
     #[arg(long)]
     pub json: bool,

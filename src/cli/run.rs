@@ -12,20 +12,20 @@ use std::io::{BufRead, Write};
 #[derive(Args, Clone, Debug)]
 pub struct SampleArgs {
     /// Maximum tokens to generate.
-    #[arg(long, default_value_t = 256)]
+    #[arg(allow_negative_numbers = true, long, default_value_t = 256)]
     pub max_tokens: usize,
     /// Sampling temperature; 0 = greedy.
-    #[arg(long, default_value_t = 0.0)]
+    #[arg(allow_negative_numbers = true, long, default_value_t = 0.0)]
     pub temperature: f32,
-    #[arg(long, default_value_t = 1.0)]
+    #[arg(allow_negative_numbers = true, long, default_value_t = 1.0)]
     pub top_p: f32,
     /// 0 = off.
-    #[arg(long, default_value_t = 0)]
+    #[arg(allow_negative_numbers = true, long, default_value_t = 0)]
     pub top_k: usize,
     /// 0 = off.
-    #[arg(long, default_value_t = 0.0)]
+    #[arg(allow_negative_numbers = true, long, default_value_t = 0.0)]
     pub min_p: f32,
-    #[arg(long, default_value_t = 0)]
+    #[arg(allow_negative_numbers = true, long, default_value_t = 0)]
     pub seed: u64,
     /// Disable thinking (renders the template with enable_thinking=false).
     #[arg(long)]

@@ -15,23 +15,23 @@ pub struct ServeArgs {
     #[arg(long, default_value = "127.0.0.1:8000")]
     pub bind: String,
     /// Context limit per request, prompt plus completion (default: the model's).
-    #[arg(long)]
+    #[arg(allow_negative_numbers = true, long)]
     pub max_seq: Option<usize>,
     /// Require `Authorization: Bearer KEY` (everything but /health).
     #[arg(long)]
     pub api_key: Option<String>,
     /// Requests that may wait while one generates; beyond that the server answers 503.
-    #[arg(long, default_value_t = 64)]
+    #[arg(allow_negative_numbers = true, long, default_value_t = 64)]
     pub queue_size: usize,
     /// Largest request body in bytes (larger: 413).
-    #[arg(long, default_value_t = 8 << 20)]
+    #[arg(allow_negative_numbers = true, long, default_value_t = 8 << 20)]
     pub max_body_bytes: usize,
     /// Seconds a client has to send its request head, and then its body (else the connection
     /// closes, or 408).
-    #[arg(long, default_value_t = 30)]
+    #[arg(allow_negative_numbers = true, long, default_value_t = 30)]
     pub read_timeout_secs: u64,
     /// Memory for prefix-cache snapshots, in MiB (0 disables the cache).
-    #[arg(long, default_value_t = 2048)]
+    #[arg(allow_negative_numbers = true, long, default_value_t = 2048)]
     pub prefix_cache_mb: usize,
     /// The model name reported by /v1/models and in responses (default: the directory name).
     #[arg(long)]

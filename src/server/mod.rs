@@ -142,11 +142,7 @@ async fn guard(State(app): State<Arc<App>>, req: Request, next: Next) -> Respons
     };
     let resp = match &app.cfg.api_key {
         Some(key) if path != "/health" => {
-            let given = req
-                .headers()
-                .get(header::AUTHORIZATION)
-                .and_then(|v| v.to_str().ok())
-                .and_then(|v| v.strip_prefix("Bearer "));
+            let given = req.headers().get(header::AUTHORIZATION).and_then(|v| v.to_str().ok()).and_then(bearer_token);
             if given.is_some_and(|g| constant_time_eq(g.trim().as_bytes(), key.as_bytes())) {
                 next.run(req).await
             } else {
@@ -166,6 +162,29 @@ async fn guard(State(app): State<Arc<App>>, req: Request, next: Next) -> Respons
     resp
 }
 
+/// The credentials of an `Authorization: Bearer TOKEN` header; the scheme name is
+/// case-insensitive (RFC 9110 §11.1).
+fn bearer_token(v: &str) -> Option<&str> {
+    let (scheme, rest) = v.trim_start().split_once(' ')?;
+    scheme.eq_ignore_ascii_case("bearer").then(|| rest.trim())
+}
+
+#[cfg(test)]
+mod auth_tests {
+    #[test]
+    fn bearer_scheme_is_case_insensitive() {
+        for h in ["Bearer k", "bearer k", "BEARER  k ", " BeArEr k"] {
+            assert_eq!(super::bearer_token(h), Some("k"), "{h:?}");
+        }
+        for h in ["Basic k", "Bearerk", "k", ""] {
+            assert_eq!(super::bearer_token(h), None, "{h:?}");
+        }
+        assert!(super::constant_time_eq(b"abc", b"abc") && !super::constant_time_eq(b"abc", b"abd"));
+        assert!(!super::constant_time_eq(b"abc", b"ab"));
+    }
+}
+
+/// Compares without an early exit on the first differing byte (the key's length is not secret).
 fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
     a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
