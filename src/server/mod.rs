@@ -169,21 +169,6 @@ fn bearer_token(v: &str) -> Option<&str> {
     scheme.eq_ignore_ascii_case("bearer").then(|| rest.trim())
 }
 
-#[cfg(test)]
-mod auth_tests {
-    #[test]
-    fn bearer_scheme_is_case_insensitive() {
-        for h in ["Bearer k", "bearer k", "BEARER  k ", " BeArEr k"] {
-            assert_eq!(super::bearer_token(h), Some("k"), "{h:?}");
-        }
-        for h in ["Basic k", "Bearerk", "k", ""] {
-            assert_eq!(super::bearer_token(h), None, "{h:?}");
-        }
-        assert!(super::constant_time_eq(b"abc", b"abc") && !super::constant_time_eq(b"abc", b"abd"));
-        assert!(!super::constant_time_eq(b"abc", b"ab"));
-    }
-}
-
 /// Compares without an early exit on the first differing byte (the key's length is not secret).
 fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
     a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
@@ -320,4 +305,19 @@ async fn signal() {
     }
     #[cfg(not(unix))]
     ctrl_c.await;
+}
+
+#[cfg(test)]
+mod auth_tests {
+    #[test]
+    fn bearer_scheme_is_case_insensitive() {
+        for h in ["Bearer k", "bearer k", "BEARER  k ", " BeArEr k"] {
+            assert_eq!(super::bearer_token(h), Some("k"), "{h:?}");
+        }
+        for h in ["Basic k", "Bearerk", "k", ""] {
+            assert_eq!(super::bearer_token(h), None, "{h:?}");
+        }
+        assert!(super::constant_time_eq(b"abc", b"abc") && !super::constant_time_eq(b"abc", b"abd"));
+        assert!(!super::constant_time_eq(b"abc", b"ab"));
+    }
 }
