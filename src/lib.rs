@@ -6,6 +6,7 @@ pub mod constrain;
 pub mod cpu;
 pub mod cuda;
 pub mod generate;
+pub mod hub;
 pub mod kernels;
 pub mod linear;
 pub mod loader;

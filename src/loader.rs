@@ -38,8 +38,22 @@ pub fn load(spec: &str, layers: Option<usize>) -> Result<Loaded> {
         bail!("--layers only applies to synthetic models");
     }
     let dir = Path::new(spec);
+    let gguf = |p: &Path| p.extension().is_some_and(|e| e.eq_ignore_ascii_case("gguf"));
+    if gguf(dir)
+        || (dir.is_dir()
+            && !dir.join("config.json").exists()
+            && std::fs::read_dir(dir).into_iter().flatten().flatten().any(|e| gguf(&e.path())))
+    {
+        bail!(
+            "{spec}: GGUF is not supported; lily reads safetensors checkpoints in the MLX (mlx-community) or \
+             Hugging Face layout (a directory with config.json), or a Hugging Face id such as mlx-community/Qwen3.6-35B-A3B-4bit"
+        );
+    }
     if !dir.is_dir() {
-        bail!("model directory {spec} does not exist (or use --model synthetic:tiny)");
+        bail!(
+            "model directory {spec} does not exist (give a checkpoint directory, a Hugging Face id ORG/NAME, \
+             or synthetic:tiny)"
+        );
     }
     let model = crate::weights::load_model(dir).with_context(|| format!("loading model from {spec}"))?;
     let tokenizer = match Tokenizer::find_dir(Some(dir)) {

@@ -1,4 +1,4 @@
-//! The `lily` command line: run, chat, perplexity, tokenize, bench.
+//! The `lily` command line: run, chat, perplexity, tokenize, bench, serve, download.
 
 mod cli;
 
@@ -25,6 +25,8 @@ enum Cmd {
     Bench(cli::bench::BenchArgs),
     /// OpenAI-compatible HTTP server (chat completions, completions, models, health, metrics).
     Serve(cli::serve::ServeArgs),
+    /// Fetch a checkpoint by Hugging Face id into the hub cache (without running it).
+    Download(cli::download::DownloadArgs),
 }
 
 /// Keeps freed activation buffers in the heap instead of returning them to the kernel after
@@ -49,6 +51,7 @@ fn main() {
         Cmd::Tokenize(a) => cli::tokenize::run(a),
         Cmd::Bench(a) => cli::bench::run(a),
         Cmd::Serve(a) => cli::serve::run(a),
+        Cmd::Download(a) => cli::download::run(a),
     };
     if let Err(e) = result {
         eprintln!("error: {e:#}");

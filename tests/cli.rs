@@ -130,6 +130,7 @@ fn bad_input_gives_clear_errors() {
         // A negative number is an invalid value, not an unknown argument.
         (vec!["run", "--model", "synthetic:tiny", "--prompt-tokens", "1", "--temperature", "-1"], "temperature"),
         (vec!["run", "--model", "synthetic:tiny", "--prompt-tokens", "1", "--max-tokens", "-3"], "invalid value '-3'"),
+        (vec!["run", "--model", "/nonexistent/model.gguf", "--prompt-tokens", "1"], "GGUF is not supported"),
         // Contexts beyond the model's are refused before any prefill runs.
         (vec!["bench", "--model", "synthetic:tiny", "--contexts", "16,262144"], "exceed the model's context"),
     ];

@@ -1,6 +1,7 @@
 //! Subcommands of the `lily` binary and the options they share.
 
 pub mod bench;
+pub mod download;
 pub mod perplexity;
 pub mod run;
 pub mod serve;
@@ -20,9 +21,17 @@ pub enum Device {
 
 #[derive(Args, Clone, Debug)]
 pub struct ModelArgs {
-    /// Model directory (MLX or Hugging Face layout) or `synthetic:tiny` / `synthetic:qwen3.6-35b-a3b`.
+    /// Model directory (MLX or Hugging Face layout), Hugging Face id (`ORG/NAME[@REVISION]`, from
+    /// the hub cache or downloaded into it) or `synthetic:tiny` / `synthetic:qwen3.6-35b-a3b`.
     #[arg(long)]
     pub model: String,
+    /// Revision (branch, tag or commit) of a Hugging Face id.
+    #[arg(long)]
+    pub revision: Option<String>,
+    /// Hugging Face token for gated or private repositories (default: HF_TOKEN, then the token
+    /// file huggingface-cli writes).
+    #[arg(long)]
+    pub token: Option<String>,
     /// Number of layers of a synthetic model (keeps the 3:1 GDN/attention pattern).
     #[arg(allow_negative_numbers = true, long)]
     pub layers: Option<usize>,
@@ -58,11 +67,17 @@ impl ModelArgs {
             }
             Device::Auto => lily::cuda::gpu().is_ok(),
         };
-        let loaded = lily::loader::load(&self.model, self.layers)?;
+        let loaded = lily::loader::load(&self.resolve()?, self.layers)?;
         if use_cuda {
             lily::cuda::upload_cached(&loaded.model)?;
         }
         Ok(loaded)
+    }
+
+    /// The directory (or `synthetic:NAME`) that `--model` names: a Hugging Face id becomes its
+    /// snapshot in the hub cache, downloaded first if needed.
+    pub fn resolve(&self) -> Result<String> {
+        resolve_model(&self.model, self.revision.as_deref(), self.token.clone())
     }
 
     /// A fresh session on the chosen device (Send, so a server worker thread can own it): the
@@ -85,6 +100,32 @@ impl ModelArgs {
             ),
         }
     }
+}
+
+/// `--model` as a local path (a Hugging Face id resolved through the hub cache).
+pub fn resolve_model(model: &str, revision: Option<&str>, token: Option<String>) -> Result<String> {
+    let opts = lily::hub::HubOptions::from_env(token);
+    Ok(match lily::hub::resolve(model, revision, &opts)? {
+        Some(dir) => dir.to_string_lossy().into_owned(),
+        None => model.to_string(),
+    })
+}
+
+/// The name a model is known by: the repository name of a hub id or of a hub-cache snapshot
+/// (`models--ORG--NAME/snapshots/COMMIT`), else the directory's name.
+pub fn model_name(model: &str) -> String {
+    if lily::hub::HubId::parse(model, None).is_some() && !std::path::Path::new(model).exists() {
+        return model.split('@').next().unwrap_or(model).to_string();
+    }
+    let p = std::path::Path::new(model);
+    let canon = std::fs::canonicalize(p).unwrap_or_else(|_| p.to_path_buf());
+    let parts: Vec<String> = canon.components().map(|c| c.as_os_str().to_string_lossy().into_owned()).collect();
+    if let Some(i) = parts.iter().rposition(|c| c == "snapshots") {
+        if let Some(repo) = i.checked_sub(1).and_then(|j| parts[j].strip_prefix("models--")) {
+            return repo.replacen("--", "/", 1);
+        }
+    }
+    p.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_else(|| model.to_string())
 }
 
 /// Parses `1,2,3` or `1 2 3` (any mix of commas and whitespace) into token ids.

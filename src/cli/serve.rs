@@ -98,10 +98,10 @@ pub fn run(a: ServeArgs) -> Result<()> {
     if max_seq > model_max {
         bail!("--max-seq {max_seq} exceeds the model's context of {model_max} tokens");
     }
-    let dir = Path::new(&a.model.model);
-    let model_id = a.served_model_name.clone().unwrap_or_else(|| {
-        dir.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_else(|| a.model.model.clone())
-    });
+    // Already in the cache after `load` (a hub id is resolved once more, without the network).
+    let resolved = a.model.resolve()?;
+    let dir = Path::new(&resolved);
+    let model_id = a.served_model_name.clone().unwrap_or_else(|| super::model_name(&a.model.model));
     let cfg = Config {
         bind: a.bind,
         model_id,

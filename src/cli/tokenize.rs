@@ -5,9 +5,16 @@ use clap::Args;
 
 #[derive(Args, Debug)]
 pub struct TokenizeArgs {
-    /// Model directory (its tokenizer.json) or `synthetic:NAME` (the shared Qwen3.6 tokenizer).
+    /// Model directory (its tokenizer.json), Hugging Face id (`ORG/NAME[@REVISION]`) or
+    /// `synthetic:NAME` (the shared Qwen3.6 tokenizer).
     #[arg(long)]
     pub model: String,
+    /// Revision of a Hugging Face id.
+    #[arg(long)]
+    pub revision: Option<String>,
+    /// Hugging Face token (default: HF_TOKEN).
+    #[arg(long)]
+    pub token: Option<String>,
     #[arg(long)]
     pub text: String,
     /// Print `{"ids": [...], "tokens": [...]}`.
@@ -15,7 +22,8 @@ pub struct TokenizeArgs {
     pub json: bool,
 }
 
-pub fn run(a: TokenizeArgs) -> Result<()> {
+pub fn run(mut a: TokenizeArgs) -> Result<()> {
+    a.model = super::resolve_model(&a.model, a.revision.as_deref(), a.token.clone())?;
     let dir = if a.model.starts_with("synthetic:") {
         lily::tokenizer::Tokenizer::find_dir(None)
     } else {
