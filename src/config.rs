@@ -70,6 +70,9 @@ pub struct ModelConfig {
     pub quantization: Option<QuantConfig>,
 }
 
+/// Checked before the per-layer list is built.
+const MAX_LAYERS: usize = 1024;
+
 const MOE_TYPES: [&str; 2] = ["qwen3_5_moe", "qwen3_5_moe_text"];
 const DENSE_TYPES: [&str; 2] = ["qwen3_5", "qwen3_5_text"];
 
@@ -85,7 +88,7 @@ impl Fields<'_> {
     fn usize(&self, name: &str) -> Result<usize> {
         let v = self.get(name).with_context(|| format!("config.json: missing field `{name}`"))?;
         v.as_u64()
-            .map(|x| x as usize)
+            .and_then(|x| usize::try_from(x).ok())
             .with_context(|| format!("config.json: field `{name}` must be a non-negative integer, got {v}"))
     }
     fn usize_or(&self, name: &str, default: usize) -> Result<usize> {
@@ -150,6 +153,9 @@ impl ModelConfig {
             )
         };
         let num_hidden_layers = f.usize("num_hidden_layers")?;
+        if num_hidden_layers > MAX_LAYERS {
+            bail!("config.json: field `num_hidden_layers` = {num_hidden_layers} is larger than lily accepts (at most {MAX_LAYERS})");
+        }
         let layer_kinds = parse_layer_kinds(&f, num_hidden_layers)?;
         let head_dim = f.usize("head_dim")?;
         let (rope_theta, partial) = parse_rope(&f)?;
@@ -211,6 +217,33 @@ impl ModelConfig {
         for (name, v) in nonzero {
             if v == 0 {
                 bail!("config.json: field `{name}` must be positive");
+            }
+        }
+        // Upper bounds far above any real model of the family (Qwen3.5-397B-A17B: hidden 4096,
+        // 60 layers, 512 experts), so that every size derived from them fits in memory
+        // arithmetic without overflow, and a crafted config fails here with its field's name.
+        let at_most = [
+            ("vocab_size", self.vocab_size, 1 << 22),
+            ("hidden_size", self.hidden_size, 1 << 16),
+            ("num_hidden_layers", self.num_hidden_layers, MAX_LAYERS),
+            ("num_attention_heads", self.num_attention_heads, 1024),
+            ("num_key_value_heads", self.num_key_value_heads, 1024),
+            ("head_dim", self.head_dim, 4096),
+            ("linear_num_key_heads", self.linear_num_key_heads, 1024),
+            ("linear_num_value_heads", self.linear_num_value_heads, 1024),
+            ("linear_key_head_dim", self.linear_key_head_dim, 4096),
+            ("linear_value_head_dim", self.linear_value_head_dim, 4096),
+            ("linear_conv_kernel_dim", self.linear_conv_kernel_dim, 64),
+            ("num_experts", self.num_experts, 1 << 16),
+            ("num_experts_per_tok", self.num_experts_per_tok, 1024),
+            ("moe_intermediate_size", self.moe_intermediate_size, 1 << 20),
+            ("shared_expert_intermediate_size", self.shared_expert_intermediate_size, 1 << 20),
+            ("intermediate_size", self.intermediate_size, 1 << 20),
+            ("max_position_embeddings", self.max_position_embeddings, 1 << 24),
+        ];
+        for (name, v, max) in at_most {
+            if v > max {
+                bail!("config.json: field `{name}` = {v} is larger than lily accepts (at most {max})");
             }
         }
         if !self.num_attention_heads.is_multiple_of(self.num_key_value_heads) {

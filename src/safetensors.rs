@@ -201,6 +201,7 @@ impl SafeFile {
         let header = header.as_object().with_context(|| format!("{what}: safetensors header is not a JSON object"))?;
         let data_len = all.len() - 8 - n;
         let mut tensors = BTreeMap::new();
+        let mut ranges: Vec<(usize, usize, &str)> = Vec::new();
         for (name, info) in header {
             if name == "__metadata__" {
                 continue;
@@ -208,6 +209,24 @@ impl SafeFile {
             let t = parse_entry(info, data_len).with_context(|| format!("{what}: tensor `{name}`"))?;
             let (dtype, shape, begin, end) = t;
             tensors.insert(name.clone(), TensorData { dtype, shape, bytes: bytes.slice(8 + n + begin, end - begin) });
+            ranges.push((begin, end, name.as_str()));
+        }
+        // Byte ranges may not overlap (the format says so; two tensors sharing bytes is a
+        // corrupt or crafted file).
+        ranges.retain(|r| r.1 > r.0);
+        ranges.sort_unstable();
+        for w in ranges.windows(2) {
+            if w[1].0 < w[0].1 {
+                bail!(
+                    "{what}: tensors `{}` [{}, {}) and `{}` [{}, {}) overlap (corrupt file?)",
+                    w[0].2,
+                    w[0].0,
+                    w[0].1,
+                    w[1].2,
+                    w[1].0,
+                    w[1].1
+                );
+            }
         }
         Ok(SafeFile { path: path.to_path_buf(), tensors })
     }
@@ -221,14 +240,14 @@ fn parse_entry(info: &Value, data_len: usize) -> Result<(Dtype, Vec<usize>, usiz
         .and_then(Value::as_array)
         .context("missing `shape`")?
         .iter()
-        .map(|d| d.as_u64().map(|x| x as usize).context("shape entries must be integers"))
+        .map(|d| d.as_u64().and_then(|x| usize::try_from(x).ok()).context("shape entries must be integers"))
         .collect::<Result<_>>()?;
     let offs = info.get("data_offsets").and_then(Value::as_array).context("missing `data_offsets`")?;
     if offs.len() != 2 {
         bail!("`data_offsets` must hold two integers");
     }
-    let begin = offs[0].as_u64().context("bad data_offsets")? as usize;
-    let end = offs[1].as_u64().context("bad data_offsets")? as usize;
+    let off = |v: &Value| v.as_u64().and_then(|x| usize::try_from(x).ok()).context("bad data_offsets");
+    let (begin, end) = (off(&offs[0])?, off(&offs[1])?);
     let numel = shape.iter().try_fold(1usize, |a, &d| a.checked_mul(d)).context("shape overflows")?;
     let want = numel.checked_mul(dtype.size()).context("shape overflows")?;
     if end < begin || end - begin != want {

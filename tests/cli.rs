@@ -131,6 +131,7 @@ fn bad_input_gives_clear_errors() {
         (vec!["run", "--model", "synthetic:tiny", "--prompt-tokens", "1", "--temperature", "-1"], "temperature"),
         (vec!["run", "--model", "synthetic:tiny", "--prompt-tokens", "1", "--max-tokens", "-3"], "invalid value '-3'"),
         (vec!["run", "--model", "/nonexistent/model.gguf", "--prompt-tokens", "1"], "GGUF is not supported"),
+        (vec!["run", "--model", "synthetic:tiny", "--prompt-tokens", "1", "--threads", "100000"], "far above"),
         // Contexts beyond the model's are refused before any prefill runs.
         (vec!["bench", "--model", "synthetic:tiny", "--contexts", "16,262144"], "exceed the model's context"),
     ];

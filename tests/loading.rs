@@ -107,6 +107,12 @@ fn corrupt_safetensors_files_are_errors() {
     let h = br#"{"a":{"dtype":"F32","shape":[4,4],"data_offsets":[0,60]}}"#;
     std::fs::write(&p, [(h.len() as u64).to_le_bytes().to_vec(), h.to_vec(), vec![0; 64]].concat()).unwrap();
     assert!(err_of(SafeFile::open(&p)).contains("needs 64"));
+    // Two tensors sharing bytes.
+    let p = d.join("overlap.safetensors");
+    let h = br#"{"a":{"dtype":"F32","shape":[4,4],"data_offsets":[0,64]},"b":{"dtype":"F32","shape":[2],"data_offsets":[56,64]}}"#;
+    std::fs::write(&p, [(h.len() as u64).to_le_bytes().to_vec(), h.to_vec(), vec![0; 64]].concat()).unwrap();
+    let e = err_of(SafeFile::open(&p));
+    assert!(e.contains("`a`") && e.contains("`b`") && e.contains("overlap"), "{e}");
 }
 
 /// Rewrites one file of a copied checkpoint through `edit` (name, dtype, shape, bytes).

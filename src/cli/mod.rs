@@ -53,6 +53,11 @@ impl ModelArgs {
             if n == 0 {
                 bail!("--threads must be at least 1");
             }
+            let cores = std::thread::available_parallelism().map(|c| c.get()).unwrap_or(1);
+            let limit = (8 * cores).max(16);
+            if n > limit {
+                bail!("--threads {n} is far above this machine's {cores} cores (at most {limit})");
+            }
             rayon::ThreadPoolBuilder::new().num_threads(n).build_global().ok();
         }
         if self.cpu_int8 {
