@@ -110,11 +110,52 @@ fn shard_files(dir: &Path) -> Result<Vec<PathBuf>> {
     Ok(files)
 }
 
-/// Loads config.json and the weights of a model directory.
+/// Loads config.json and the weights of a model directory. Non-finite scales, biases or norm
+/// weights are reported on stderr (the model would load and then produce garbage).
 pub fn load_model(dir: &Path) -> Result<Model> {
     let cfg = ModelConfig::from_file(&dir.join("config.json"))?;
     let ck = Checkpoint::open(dir)?;
+    for (name, n) in non_finite_tensors(&ck) {
+        eprintln!(
+            "warning: {}: tensor `{name}` holds {n} NaN or infinite values; the model's output will be garbage",
+            dir.display()
+        );
+    }
     build_model(cfg, &ck)
+}
+
+/// The small float tensors (quantization scales and biases, norm weights, GDN gate parameters)
+/// that hold NaN or infinite values, with their counts. The packed weights are not scanned.
+pub fn non_finite_tensors(ck: &Checkpoint) -> Vec<(String, usize)> {
+    use rayon::prelude::*;
+    let small = |n: &str| {
+        n.ends_with(".scales")
+            || n.ends_with(".biases")
+            || n.ends_with("norm.weight")
+            || n.ends_with("A_log")
+            || n.ends_with("dt_bias")
+    };
+    let mut out: Vec<(String, usize)> = ck
+        .tensors
+        .par_iter()
+        .filter(|(n, _)| small(n))
+        .filter_map(|(n, t)| {
+            let b = t.bytes.as_slice();
+            let bad = match t.dtype {
+                Dtype::BF16 => {
+                    b.chunks_exact(2).filter(|c| u16::from_le_bytes([c[0], c[1]]) & 0x7f80 == 0x7f80).count()
+                }
+                Dtype::F16 => b.chunks_exact(2).filter(|c| u16::from_le_bytes([c[0], c[1]]) & 0x7c00 == 0x7c00).count(),
+                Dtype::F32 => {
+                    b.chunks_exact(4).filter(|c| !f32::from_le_bytes([c[0], c[1], c[2], c[3]]).is_finite()).count()
+                }
+                _ => 0,
+            };
+            (bad > 0).then(|| (n.clone(), bad))
+        })
+        .collect();
+    out.sort();
+    out
 }
 
 struct Builder<'a> {

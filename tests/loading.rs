@@ -225,3 +225,33 @@ fn ignored_and_canonical_names() {
     assert_eq!(canonical_name("language_model.lm_head.scales").unwrap(), "lm_head.scales");
     assert_eq!(canonical_name("model.layers.0.mlp.gate.weight").unwrap(), "model.layers.0.mlp.gate.weight");
 }
+
+#[test]
+fn non_finite_scales_and_norms_are_reported_by_name() {
+    let d = tmpdir("nan");
+    copy_dir(&fixtures().join("tiny-mlx4"), &d);
+    let ck = lily::weights::Checkpoint::open(&d).unwrap();
+    assert!(lily::weights::non_finite_tensors(&ck).is_empty(), "the fixture is finite");
+    drop(ck);
+    let scales = "language_model.model.layers.1.mlp.switch_mlp.up_proj.scales";
+    let norm = "language_model.model.layers.2.input_layernorm.weight";
+    rewrite(&d.join("model.safetensors"), |n, dt, shape, mut b| {
+        if n == scales {
+            b[2..4].copy_from_slice(&0x7fc0u16.to_le_bytes()); // bf16 NaN
+            b[6..8].copy_from_slice(&0xff80u16.to_le_bytes()); // bf16 -inf
+        }
+        if n == norm {
+            b[0..2].copy_from_slice(&0x7f80u16.to_le_bytes()); // bf16 +inf
+        }
+        Some((dt, shape, b))
+    });
+    let ck = lily::weights::Checkpoint::open(&d).unwrap();
+    let bad = lily::weights::non_finite_tensors(&ck);
+    let names: Vec<(&str, usize)> = bad.iter().map(|(n, c)| (n.as_str(), *c)).collect();
+    assert_eq!(
+        names,
+        vec![("model.layers.1.mlp.switch_mlp.up_proj.scales", 2), ("model.layers.2.input_layernorm.weight", 1)]
+    );
+    // It still loads (the warning is on stderr), as the issue asks: warn, not refuse.
+    assert!(lily::weights::load_model(&d).is_ok());
+}

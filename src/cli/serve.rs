@@ -30,9 +30,10 @@ pub struct ServeArgs {
     /// closes, or 408).
     #[arg(allow_negative_numbers = true, long, default_value_t = 30)]
     pub read_timeout_secs: u64,
-    /// Memory for prefix-cache snapshots, in MiB (0 disables the cache).
-    #[arg(allow_negative_numbers = true, long, default_value_t = 2048)]
-    pub prefix_cache_mb: usize,
+    /// Memory for prefix-cache snapshots, in MiB (0 disables the cache). Default: 16 whole-state
+    /// snapshots of this model at 4,096 tokens (or --max-seq), at most a tenth of available memory.
+    #[arg(allow_negative_numbers = true, long)]
+    pub prefix_cache_mb: Option<usize>,
     /// The model name reported by /v1/models and in responses (default: the directory name).
     #[arg(long)]
     pub served_model_name: Option<String>,
@@ -82,6 +83,22 @@ fn scripts() -> Result<Vec<(String, String)>> {
         .collect()
 }
 
+/// Bytes of available host memory (`MemAvailable`), where the system says.
+fn available_memory() -> Option<usize> {
+    let t = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let kb: usize = t.lines().find(|l| l.starts_with("MemAvailable:"))?.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kb << 10)
+}
+
+/// The default prefix-cache budget: 16 snapshots (recurrent and conv state plus the KV cache at
+/// `min(max_seq, 4096)` positions), at most a tenth of `available` bytes.
+fn default_cache_bytes(state: (usize, usize), max_seq: usize, available: Option<usize>) -> usize {
+    let (fixed, kv_per_pos) = state;
+    let snapshot = fixed + kv_per_pos * max_seq.min(4096);
+    let want = 16 * snapshot;
+    available.map_or(want, |a| want.min(a / 10))
+}
+
 pub fn run(a: ServeArgs) -> Result<()> {
     if a.queue_size == 0 {
         bail!("--queue-size must be at least 1");
@@ -98,6 +115,19 @@ pub fn run(a: ServeArgs) -> Result<()> {
     if max_seq > model_max {
         bail!("--max-seq {max_seq} exceeds the model's context of {model_max} tokens");
     }
+    let cache_bytes = match a.prefix_cache_mb {
+        Some(mb) => mb.checked_mul(1 << 20).context("--prefix-cache-mb is too large")?,
+        None => default_cache_bytes(loaded.model.state_bytes(), max_seq, available_memory()),
+    };
+    eprintln!(
+        "lily serve: prefix cache budget {} MiB{}",
+        cache_bytes >> 20,
+        if a.prefix_cache_mb.is_none() {
+            " (16 snapshots of this model, at most 1/10 of free memory; --prefix-cache-mb sets it)"
+        } else {
+            ""
+        }
+    );
     // Already in the cache after `load` (a hub id is resolved once more, without the network).
     let resolved = a.model.resolve()?;
     let dir = Path::new(&resolved);
@@ -110,9 +140,24 @@ pub fn run(a: ServeArgs) -> Result<()> {
         queue_size: a.queue_size,
         max_body_bytes: a.max_body_bytes,
         read_timeout: std::time::Duration::from_secs(a.read_timeout_secs.max(1)),
-        prefix_cache_bytes: a.prefix_cache_mb << 20,
+        prefix_cache_bytes: cache_bytes,
         defaults: if dir.is_dir() { defaults(dir) } else { Defaults::default() },
         scripts,
     };
     lily::server::serve(cfg, tok, session)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::default_cache_bytes;
+
+    #[test]
+    fn the_default_prefix_cache_follows_the_model_and_the_memory() {
+        // 35B-A3B shape: 63 MiB of GDN + conv state, 40 KiB of fp32 KV per position.
+        let big = (63 << 20, 40 << 10);
+        assert_eq!(default_cache_bytes(big, 262_144, None), 16 * ((63 << 20) + (40 << 10) * 4096));
+        assert_eq!(default_cache_bytes(big, 262_144, Some(8 << 30)), (8 << 30) / 10);
+        // A tiny model gets a tiny cache, not 2 GiB.
+        assert!(default_cache_bytes((100 << 10, 512), 1024, Some(16 << 30)) < 16 << 20);
+    }
 }
