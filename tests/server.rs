@@ -305,6 +305,36 @@ fn bad_input_gets_openai_errors_and_never_crashes() {
     assert_eq!(req(&s.addr, "POST", chat, ok, Some("k")).status, 200);
 }
 
+/// What the HTTP layer refuses still carries the OpenAI error object.
+#[test]
+fn http_layer_errors_have_error_bodies() {
+    let s = start(&fixture(), &[]);
+    let many: String = (0..150).map(|i| format!("X-{i}: y\r\n")).collect();
+    let huge = format!("GET /health HTTP/1.1\r\nX-Big: {}\r\n\r\n", "a".repeat(70 << 10));
+    let cases: Vec<(Vec<u8>, u16)> = vec![
+        (b"\x00\x01 garbage line\r\n\r\n".to_vec(), 400),
+        (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: ten\r\n\r\n".to_vec(), 400),
+        (b"POST /v1/completions HTTP/1.1\r\nContent-Length: 3\r\nContent-Length: 4\r\n\r\nabc".to_vec(), 400),
+        (format!("GET /health HTTP/1.1\r\n{many}\r\n").into_bytes(), 431),
+        (huge.into_bytes(), 431),
+    ];
+    for (bytes, status) in cases {
+        let r = raw(&s.addr, &bytes);
+        assert_eq!(r.status, status, "{}", String::from_utf8_lossy(&bytes[..bytes.len().min(80)]));
+        let e = r.json();
+        assert!(e["error"]["message"].as_str().is_some_and(|m| !m.is_empty()), "{}", r.body);
+        assert_eq!(e["error"]["type"], "invalid_request_error");
+    }
+    // Keep-alive still works after the first head.
+    let mut c = TcpStream::connect(&s.addr).unwrap();
+    c.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+    c.write_all(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\nGET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        .unwrap();
+    let mut buf = Vec::new();
+    let _ = c.read_to_end(&mut buf);
+    assert_eq!(String::from_utf8_lossy(&buf).matches("HTTP/1.1 200").count(), 2);
+}
+
 #[test]
 fn slow_clients_are_cut_off() {
     let s = start(&fixture(), &["--read-timeout-secs", "1"]);

@@ -5,6 +5,7 @@
 //! snapshots), `parse` (reasoning / tool-call splitting), `metrics` (Prometheus text).
 
 pub mod handlers;
+mod head;
 pub mod metrics;
 pub mod openai;
 pub mod parse;
@@ -271,9 +272,18 @@ async fn accept_loop(listener: tokio::net::TcpListener, router: Router, read_tim
         };
         let svc = hyper_util::service::TowerToHyperService::new(router.clone());
         tokio::spawn(async move {
+            let mut stream = stream;
+            // The first head is checked here, so that what hyper would refuse without a body
+            // gets an error object (head.rs).
+            let first = match head::read_first(&mut stream, read_timeout).await {
+                head::First::Head(bytes) => bytes,
+                head::First::Refused(r) => return head::refuse(stream, &r).await,
+                head::First::Gone => return,
+            };
             let mut b = hyper::server::conn::http1::Builder::new();
             b.timer(hyper_util::rt::TokioTimer::new()).header_read_timeout(read_timeout);
-            let _ = b.serve_connection(hyper_util::rt::TokioIo::new(stream), svc).await;
+            let io = hyper_util::rt::TokioIo::new(head::Replay::new(first, stream));
+            let _ = b.serve_connection(io, svc).await;
         });
     }
 }
