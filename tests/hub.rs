@@ -446,6 +446,30 @@ fn a_cache_in_huggingface_hub_layout_loads() {
     std::fs::remove_dir_all(&home).ok();
 }
 
+/// A full disk: a 200 KiB tmpfs as the cache (the weights are 730 KiB). Needs the right to
+/// mount, which CI's container and the developers' machine have; elsewhere it says so and
+/// checks nothing.
+#[test]
+fn a_full_disk_is_a_clear_error() {
+    let hub = start_hub();
+    hub.state.lock().unwrap().repos.insert("org/tiny".into(), tiny_repo(COMMIT, None, None));
+    let mnt = tmp("full");
+    let ok = Command::new("mount")
+        .args(["-t", "tmpfs", "-o", "size=200k", "tmpfs"])
+        .arg(&mnt)
+        .status()
+        .is_ok_and(|s| s.success());
+    if !ok {
+        eprintln!("SKIPPED: cannot mount a small tmpfs here");
+        return;
+    }
+    let (ok, _, err) = lily(&mnt, &hub.addr, &[], &["download", "org/tiny"]);
+    let _ = Command::new("umount").arg(&mnt).status();
+    assert!(!ok && err.contains("no space left"), "{err}");
+    assert!(!err.contains("panicked"), "{err}");
+    std::fs::remove_dir_all(&mnt).ok();
+}
+
 #[test]
 fn a_local_directory_named_like_an_id_wins() {
     let cwd = tmp("local");
