@@ -2,7 +2,7 @@
 # GPU check and benchmark for the CUDA backend, in two halves:
 #
 #   scripts/gpu.sh            here (no GPU needed): release build of `lily` and of the CUDA test
-#                             executables, stripped and packed with the Qwen3.6 tokenizer into
+#                             executables, stripped and packed into
 #                             .gpu/bundle.tar.gz (git-ignored), then prints the device command.
 #   scripts/gpu.sh device     on the GPU machine (run from the repository root): unpacks the
 #                             bundle, runs the GPU tests, then `lily bench --device cuda` on the
@@ -31,8 +31,6 @@ for line in sys.stdin:
   cp target/release/lily .gpu/stage/bin/lily
   cp target/release/examples/gemv_bench .gpu/stage/bin/gemv_bench
   strip .gpu/stage/bin/* 2>/dev/null || true
-  tok=../shared/data/qwen3.6-tokenizer
-  if [ -f $tok/tokenizer.json ]; then cp $tok/tokenizer.json $tok/tokenizer_config.json .gpu/stage/tok/; fi
   tar -C .gpu/stage -czf .gpu/bundle.tar.gz .
   rm -rf .gpu/stage
   ls -la .gpu/bundle.tar.gz
@@ -47,7 +45,6 @@ OUTDIR=${OUT:-.gpu/out}
 mkdir -p "$OUTDIR" .gpu/x
 tar -C .gpu/x -xzf .gpu/bundle.tar.gz
 export LILY_REPO=$PWD
-export LILY_TOKENIZER_DIR=$PWD/.gpu/x/tok
 export LILY_KERNEL_CACHE=$PWD/.gpu/kcache
 export LD_LIBRARY_PATH=${LD_LIBRARY_PATH:-}:/usr/local/cuda/targets/x86_64-linux/lib
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv | tee "$OUTDIR/gpu.txt"

@@ -9,30 +9,37 @@ use std::sync::Arc;
 pub struct Loaded {
     pub model: Arc<Model>,
     pub tokenizer: Option<Tokenizer>,
+    /// The checkpoint directory (None for synthetic models).
+    pub dir: Option<std::path::PathBuf>,
+}
+
+impl Loaded {
+    /// The tokenizer, or an error naming the file that was looked for.
+    pub fn tokenizer(&self, what: &str) -> Result<&Tokenizer> {
+        self.tokenizer.as_ref().with_context(|| {
+            let p = self.dir.as_ref().map(|d| d.join("tokenizer.json").display().to_string()).unwrap_or_default();
+            format!("{p} does not exist: this checkpoint has no tokenizer; {what}")
+        })
+    }
 }
 
 /// `layers` only applies to synthetic models.
 pub fn load(spec: &str, layers: Option<usize>) -> Result<Loaded> {
     if let Some(name) = spec.strip_prefix("synthetic:") {
-        let tok_dir = Tokenizer::find_dir(None);
-        let tokenizer = match &tok_dir {
+        // LILY_TOKENIZER_DIR when set, else the built-in Qwen3.6 tokenizer and real template.
+        let tokenizer = match Tokenizer::find_dir(None) {
             Some(d) => {
-                let mut t = Tokenizer::load(d, None)?;
-                // The shared tokenizer's own template is a stand-in; the checkpoints' real one
-                // (XML tool calls) sits beside it.
-                if let Some(real) = d.parent().map(|p| p.join("qwen3.5-chat-template/chat_template.jinja")) {
-                    if real.exists() {
-                        t.set_chat_template_file(&real)?;
-                    }
-                }
-                Some(t)
+                let mut t = Tokenizer::load(&d, None)?;
+                t.set_chat_template(crate::tokenizer::BUILTIN_TEMPLATE);
+                t
             }
-            None => None,
+            None => Tokenizer::builtin()?,
         };
-        // The real vocabulary size when the real tokenizer is here; a small one otherwise.
-        let vocab = if tokenizer.is_some() { 248_320 } else { 1024 };
+        // The real vocabulary (248,077 ids) padded to the real model's 248,320 rows.
+        let vocab = 248_320;
+        let tokenizer = Some(tokenizer);
         let model = crate::synthetic::build(name, layers, vocab)?;
-        return Ok(Loaded { model: Arc::new(model), tokenizer });
+        return Ok(Loaded { model: Arc::new(model), tokenizer, dir: None });
     }
     if layers.is_some() {
         bail!("--layers only applies to synthetic models");
@@ -60,5 +67,5 @@ pub fn load(spec: &str, layers: Option<usize>) -> Result<Loaded> {
         Some(d) if d == dir => Some(Tokenizer::load(&d, Some(dir))?),
         _ => None,
     };
-    Ok(Loaded { model: Arc::new(model), tokenizer })
+    Ok(Loaded { model: Arc::new(model), tokenizer, dir: Some(dir.to_path_buf()) })
 }

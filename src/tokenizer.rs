@@ -13,8 +13,26 @@ pub struct Tokenizer {
     eos_token: Option<String>,
     /// Ids that end generation (config.json, generation_config.json, tokenizer_config.json).
     pub eos_ids: Vec<u32>,
-    /// The `tokenizer.json` this was read from (constrained decoding builds its own view of it).
-    pub json_path: PathBuf,
+    /// Where `tokenizer.json` came from (constrained decoding builds its own view of it).
+    source: Source,
+}
+
+#[derive(Clone, Debug)]
+enum Source {
+    File(PathBuf),
+    Builtin,
+}
+
+/// The Qwen3.6 tokenizer and the real Qwen3.5 chat template, compiled in (assets/README.md).
+const BUILTIN_JSON_GZ: &[u8] = include_bytes!("../assets/qwen3.6-tokenizer.json.gz");
+pub const BUILTIN_TEMPLATE: &str = include_str!("../assets/qwen3.5-chat_template.jinja");
+
+/// The built-in tokenizer's `tokenizer.json`.
+pub fn builtin_json() -> Result<Vec<u8>> {
+    use std::io::Read;
+    let mut out = Vec::with_capacity(17 << 20);
+    flate2::read::GzDecoder::new(BUILTIN_JSON_GZ).read_to_end(&mut out).context("unpacking the built-in tokenizer")?;
+    Ok(out)
 }
 
 fn read_json(path: &Path) -> Result<Option<Value>> {
@@ -81,23 +99,42 @@ impl Tokenizer {
         }
         eos_ids.sort_unstable();
         eos_ids.dedup();
-        Ok(Tokenizer { inner, chat_template, bos_token, eos_token, eos_ids, json_path: tj })
+        Ok(Tokenizer { inner, chat_template, bos_token, eos_token, eos_ids, source: Source::File(tj) })
     }
 
-    /// Finds a tokenizer for a model directory: its own, else the shared Qwen3.6 tokenizer.
+    /// The built-in Qwen3.6 tokenizer with the real chat template (for models that carry none).
+    pub fn builtin() -> Result<Tokenizer> {
+        let inner =
+            tokenizers::Tokenizer::from_bytes(builtin_json()?).map_err(|e| anyhow!("the built-in tokenizer: {e}"))?;
+        let eos = "<|im_end|>";
+        let eos_ids = inner.token_to_id(eos).into_iter().collect();
+        Ok(Tokenizer {
+            inner,
+            chat_template: Some(BUILTIN_TEMPLATE.to_string()),
+            bos_token: None,
+            eos_token: Some(eos.to_string()),
+            eos_ids,
+            source: Source::Builtin,
+        })
+    }
+
+    /// The bytes of the `tokenizer.json` this tokenizer was read from.
+    pub fn json_bytes(&self) -> Result<Vec<u8>> {
+        match &self.source {
+            Source::File(p) => std::fs::read(p).with_context(|| format!("reading {}", p.display())),
+            Source::Builtin => builtin_json(),
+        }
+    }
+
+    /// Finds a tokenizer directory for a model directory: its own, else `LILY_TOKENIZER_DIR`
+    /// (None: use [`Tokenizer::builtin`] for synthetic models).
     pub fn find_dir(model_dir: Option<&Path>) -> Option<PathBuf> {
         if let Some(d) = model_dir {
             if d.join("tokenizer.json").exists() {
                 return Some(d.to_path_buf());
             }
         }
-        let mut candidates = Vec::new();
-        if let Some(p) = std::env::var_os("LILY_TOKENIZER_DIR") {
-            candidates.push(PathBuf::from(p));
-        }
-        candidates.push(PathBuf::from("../shared/data/qwen3.6-tokenizer"));
-        candidates.push(PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../shared/data/qwen3.6-tokenizer")));
-        candidates.into_iter().find(|d| d.join("tokenizer.json").exists())
+        std::env::var_os("LILY_TOKENIZER_DIR").map(PathBuf::from).filter(|d| d.join("tokenizer.json").exists())
     }
 
     pub fn vocab_size(&self) -> usize {
@@ -122,11 +159,9 @@ impl Tokenizer {
         self.chat_template.is_some()
     }
 
-    /// Replaces the chat template with the one in `path`.
-    pub fn set_chat_template_file(&mut self, path: &Path) -> Result<()> {
-        self.chat_template =
-            Some(std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?);
-        Ok(())
+    /// Replaces the chat template.
+    pub fn set_chat_template(&mut self, template: &str) {
+        self.chat_template = Some(template.to_string());
     }
 
     /// How the chat template asks for tool calls (XML for the real Qwen3.5/3.6 template).

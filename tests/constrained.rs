@@ -4,7 +4,7 @@
 //! with a JSON-schema validator written here for the keywords these schemas use, and with the
 //! server's own tool-call parser reading the XML back.
 //!
-//! Needs ../shared/data/qwen3.6-tokenizer (fails, does not skip, when it is missing).
+//! Uses the Qwen3.6 tokenizer built into lily (assets/).
 
 use lily::constrain::{json_grammar, tool_grammar, Constraint, Grammars, ToolFormat};
 use lily::generate::{decode_with, Flow, GenerateOptions, Session, Snapshot};
@@ -16,12 +16,6 @@ use std::sync::OnceLock;
 
 const VOCAB: usize = 248_320;
 
-fn tokenizer_path() -> std::path::PathBuf {
-    let p = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../shared/data/qwen3.6-tokenizer/tokenizer.json");
-    assert!(p.exists(), "the real Qwen3.6 tokenizer is needed at {} (../shared)", p.display());
-    p
-}
-
 struct World {
     tok: tokenizers::Tokenizer,
     grammars: Grammars,
@@ -32,11 +26,11 @@ struct World {
 fn world() -> &'static World {
     static W: OnceLock<World> = OnceLock::new();
     W.get_or_init(|| {
-        let path = tokenizer_path();
-        let tok = tokenizers::Tokenizer::from_file(&path).unwrap();
+        let json = lily::tokenizer::builtin_json().unwrap();
+        let tok = tokenizers::Tokenizer::from_bytes(&json).unwrap();
         let eos = vec![tok.token_to_id("<|im_end|>").unwrap(), tok.token_to_id("<|endoftext|>").unwrap()];
         let think_end = tok.token_to_id("</think>").unwrap();
-        let grammars = Grammars::new(&std::fs::read(&path).unwrap(), VOCAB, &eos).unwrap();
+        let grammars = Grammars::new(&json, VOCAB, &eos).unwrap();
         World { tok, grammars, eos, think_end }
     })
 }

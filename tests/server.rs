@@ -12,11 +12,9 @@ fn fixture() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/tiny-hf")
 }
 
-/// The real Qwen3.5 chat template (XML tool calls), read in place from ../shared.
+/// The real Qwen3.5 chat template (XML tool calls), the copy built into lily.
 fn real_template() -> PathBuf {
-    let p = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../shared/data/qwen3.5-chat-template/chat_template.jinja");
-    assert!(p.exists(), "the real chat template is needed at {} (../shared)", p.display());
-    p
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("assets/qwen3.5-chat_template.jinja")
 }
 
 /// The tiny checkpoint with the real Qwen3.5 chat template, in a fresh temp directory.

@@ -6,8 +6,9 @@ use common::*;
 use lily::tokenizer::{StreamDecoder, Tokenizer};
 use serde_json::{json, Value};
 
+/// The built-in Qwen3.6 tokenizer and the real Qwen3.5 chat template (assets/).
 fn qwen() -> Tokenizer {
-    Tokenizer::load(&shared_tokenizer_dir(), None).expect("loading the shared Qwen3.6 tokenizer")
+    Tokenizer::builtin().expect("loading the built-in Qwen3.6 tokenizer")
 }
 
 #[test]
@@ -61,7 +62,9 @@ fn chat_template_follows_hf_conventions() {
     ]);
     let r = tok.apply_chat_template(&conv, Some(&tools), true, &kw).unwrap();
     assert!(
-        r.contains("<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n</tool_call>"),
+        r.contains(
+            "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n</function>\n</tool_call>"
+        ),
         "{r}"
     );
     assert!(r.contains("<tool_response>\nsunny\n</tool_response>"));
@@ -72,8 +75,8 @@ fn qwen_real_template() -> Tokenizer {
     let d = std::env::temp_dir().join(format!("lily-real-tpl-{}", std::process::id()));
     std::fs::create_dir_all(&d).unwrap();
     let _ = std::fs::remove_file(d.join("tokenizer.json"));
-    std::fs::copy(shared_tokenizer_dir().join("tokenizer.json"), d.join("tokenizer.json")).unwrap();
-    std::fs::copy(shared_tokenizer_dir().join("tokenizer_config.json"), d.join("tokenizer_config.json")).unwrap();
+    std::fs::write(d.join("tokenizer.json"), lily::tokenizer::builtin_json().unwrap()).unwrap();
+    std::fs::write(d.join("tokenizer_config.json"), r#"{"eos_token": "<|im_end|>", "bos_token": null}"#).unwrap();
     std::fs::copy(real_template(), d.join("chat_template.jinja")).unwrap();
     Tokenizer::load(&d, None).unwrap()
 }
@@ -135,7 +138,7 @@ fn real_template_renders_every_client_message_shape() {
 fn template_errors_are_reported() {
     let d = std::env::temp_dir().join(format!("lily-tpl-{}", std::process::id()));
     std::fs::create_dir_all(&d).unwrap();
-    std::fs::copy(shared_tokenizer_dir().join("tokenizer.json"), d.join("tokenizer.json")).unwrap();
+    std::fs::write(d.join("tokenizer.json"), lily::tokenizer::builtin_json().unwrap()).unwrap();
     std::fs::write(
         d.join("chat_template.jinja"),
         "{% if messages[0].role != 'user' %}{{ raise_exception('first message must be from the user') }}{% endif %}ok",

@@ -38,7 +38,7 @@ pub fn run(a: PerplexityArgs) -> Result<()> {
         }
         (None, Some(f)) => {
             let s = std::fs::read_to_string(f).with_context(|| format!("reading {}", f.display()))?;
-            loaded.tokenizer.as_ref().context("this model has no tokenizer.json: use --tokens-file")?.encode(&s)?
+            loaded.tokenizer("use --tokens-file")?.encode(&s)?
         }
         (None, None) => bail!("give --tokens-file or --text-file"),
     };

@@ -1,7 +1,7 @@
 //! `lily run` (one prompt) and `lily chat` (interactive).
 
 use super::{parse_token_list, ModelArgs};
-use anyhow::{bail, Context, Result};
+use anyhow::{bail, Result};
 use clap::Args;
 use lily::generate::{generate, Flow, GenerateOptions};
 use lily::sampling::SamplingParams;
@@ -80,7 +80,7 @@ pub fn run(a: RunArgs) -> Result<()> {
     let prompt: Vec<u32> = match (&a.prompt, &a.prompt_tokens) {
         (_, Some(ids)) => parse_token_list(ids)?,
         (Some(text), None) => {
-            let tok = tok.context("this model has no tokenizer.json: pass --prompt-tokens instead of --prompt")?;
+            let tok = loaded.tokenizer("pass --prompt-tokens instead of --prompt")?;
             if a.raw {
                 tok.encode(text)?
             } else {
@@ -167,7 +167,7 @@ pub struct ChatArgs {
 pub fn chat(a: ChatArgs) -> Result<()> {
     a.sample.params().validate()?;
     let loaded = a.model.load()?;
-    let tok: &Tokenizer = loaded.tokenizer.as_ref().context("chat needs a model with tokenizer.json")?;
+    let tok: &Tokenizer = loaded.tokenizer("chat needs one")?;
     let mut session = a.model.session(&loaded);
     let mut cached: Vec<u32> = Vec::new();
     let mut messages: Vec<Value> = Vec::new();

@@ -108,7 +108,8 @@ pub fn run(a: ServeArgs) -> Result<()> {
         eprintln!("lily serve: LILY_TEST_SCRIPTS is set: {} scripted test outputs are active", scripts.len());
     }
     let mut loaded = a.model.load()?;
-    let tok = loaded.tokenizer.take().context("serve needs a model with tokenizer.json")?;
+    loaded.tokenizer("serve needs one")?;
+    let tok = loaded.tokenizer.take().context("no tokenizer")?;
     let session = a.model.session(&loaded);
     let model_max = session.max_positions();
     let max_seq = a.max_seq.unwrap_or(model_max);

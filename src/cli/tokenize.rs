@@ -24,14 +24,17 @@ pub struct TokenizeArgs {
 
 pub fn run(mut a: TokenizeArgs) -> Result<()> {
     a.model = super::resolve_model(&a.model, a.revision.as_deref(), a.token.clone())?;
-    let dir = if a.model.starts_with("synthetic:") {
-        lily::tokenizer::Tokenizer::find_dir(None)
+    let tok = if a.model.starts_with("synthetic:") {
+        match lily::tokenizer::Tokenizer::find_dir(None) {
+            Some(d) => lily::tokenizer::Tokenizer::load(&d, None)?,
+            None => lily::tokenizer::Tokenizer::builtin()?,
+        }
     } else {
-        lily::tokenizer::Tokenizer::find_dir(Some(std::path::Path::new(&a.model)))
-    }
-    .with_context(|| format!("no tokenizer.json found for {}", a.model))?;
-    let model_dir = (!a.model.starts_with("synthetic:")).then(|| std::path::Path::new(&a.model));
-    let tok = lily::tokenizer::Tokenizer::load(&dir, model_dir)?;
+        let model_dir = std::path::Path::new(&a.model);
+        let dir = lily::tokenizer::Tokenizer::find_dir(Some(model_dir))
+            .with_context(|| format!("{}: no tokenizer.json", model_dir.join("tokenizer.json").display()))?;
+        lily::tokenizer::Tokenizer::load(&dir, Some(model_dir))?
+    };
     let ids = tok.encode(&a.text)?;
     if a.json {
         let pieces: Vec<String> = ids.iter().map(|&i| tok.decode(&[i]).unwrap_or_default()).collect();

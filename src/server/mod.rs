@@ -81,8 +81,7 @@ impl App {
     pub fn grammars(&self) -> Result<Arc<crate::constrain::Grammars>, ApiError> {
         self.grammars
             .get_or_init(|| {
-                let bytes = std::fs::read(&self.tok.json_path)
-                    .map_err(|e| format!("reading {}: {e}", self.tok.json_path.display()))?;
+                let bytes = self.tok.json_bytes().map_err(|e| format!("{e:#}"))?;
                 crate::constrain::Grammars::new(&bytes, self.vocab_size, &self.tok.eos_ids)
                     .map(Arc::new)
                     .map_err(|e| format!("{e:#}"))

@@ -43,26 +43,11 @@ pub fn fixtures() -> PathBuf {
     d
 }
 
-/// The real Qwen3.5 chat template (`../shared/data/qwen3.5-chat-template`); fails loudly when missing.
+/// The real Qwen3.5 chat template (the copy built into lily, `assets/`).
 pub fn real_template() -> PathBuf {
-    let p = repo().join("../shared/data/qwen3.5-chat-template/chat_template.jinja");
-    assert!(p.exists(), "the real chat template is missing at {} (tests need ../shared)", p.display());
+    let p = repo().join("assets/qwen3.5-chat_template.jinja");
+    assert!(p.exists(), "the real chat template is missing at {}", p.display());
     p
-}
-
-/// The shared Qwen3.6 tokenizer directory (`LILY_TOKENIZER_DIR` overrides); panics (fails the
-/// test loudly) when it is missing.
-pub fn shared_tokenizer_dir() -> PathBuf {
-    let d = match std::env::var_os("LILY_TOKENIZER_DIR") {
-        Some(d) => PathBuf::from(d),
-        None => repo().join("../shared/data/qwen3.6-tokenizer"),
-    };
-    assert!(
-        d.join("tokenizer.json").exists(),
-        "the shared Qwen3.6 tokenizer is missing at {} (tests need ../shared beside the checkout)",
-        d.display()
-    );
-    d
 }
 
 /// Bound on logits against the stored mlx-lm fp32 references, as a fraction of each row's logit

@@ -8,8 +8,8 @@ contains a trigger generates a fixed text through the real model, sampler, stop 
 parsers. The constrained cases (tool_choice required/named, json_schema) run without it: the mask
 alone must make the random model's output parse and match the schema.
 
-The checkpoint carries the real Qwen3.5 chat template, read from ../shared (XML tool calls); the
-tests fail when it is missing.
+The checkpoint carries the real Qwen3.5 chat template (XML tool calls), the copy built into lily
+(assets/).
 """
 
 import concurrent.futures as cf
@@ -30,7 +30,7 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 BIN = os.environ.get("LILY_BIN", str(ROOT / "target" / "debug" / "lily"))
 FIXTURE = ROOT / "tests" / "fixtures" / "tiny-hf"
-REAL_TEMPLATE = ROOT.parent / "shared" / "data" / "qwen3.5-chat-template" / "chat_template.jinja"
+REAL_TEMPLATE = ROOT / "assets" / "qwen3.5-chat_template.jinja"
 KEY = "test-key"
 
 SCRIPTS = {
@@ -86,7 +86,7 @@ TOOLS = [
 def model_dir(tmp: pathlib.Path, template=None) -> pathlib.Path:
     """The tiny checkpoint with the real Qwen3.5 chat template (or `template`)."""
     template = template or REAL_TEMPLATE
-    assert template.exists(), f"the real chat template is needed at {template} (../shared)"
+    assert template.exists(), f"the chat template is missing at {template}"
     d = tmp / "tiny-hf-tools"
     d.mkdir()
     for f in FIXTURE.iterdir():
