@@ -5,7 +5,11 @@ mod cli;
 use clap::{Parser, Subcommand};
 
 #[derive(Parser)]
-#[command(name = "lily", version, about = "Qwen3.5/3.6 MoE inference engine (CPU reference backend)")]
+#[command(
+    name = "lily",
+    version = concat!(env!("CARGO_PKG_VERSION"), " (commit ", env!("LILY_GIT_COMMIT"), "; backends: cpu, cuda via NVRTC and the driver, loaded at run time)"),
+    about = "Inference engine for the Qwen3.5/3.6 family (CPU and CUDA backends)"
+)]
 struct Cli {
     #[command(subcommand)]
     cmd: Cmd,

@@ -142,3 +142,46 @@ fn bad_input_gives_clear_errors() {
         assert!(!err.contains("panicked"), "{args:?} panicked: {err}");
     }
 }
+
+/// The short and familiar flags of llama.cpp / mlx-lm users are aliases of the long ones: the
+/// same tokens either way.
+#[test]
+fn familiar_flags_are_aliases() {
+    let m = model("tiny-mlx4");
+    let long = [
+        "run",
+        "--model",
+        &m,
+        "--prompt",
+        "hi",
+        "--max-tokens",
+        "4",
+        "--temperature",
+        "0.8",
+        "--seed",
+        "5",
+        "--threads",
+        "1",
+        "--raw",
+        "--json",
+    ];
+    let short =
+        ["run", "-m", &m, "-p", "hi", "-n", "4", "--temp", "0.8", "-s", "5", "-t", "1", "--raw", "--json", "-c", "64"];
+    let (ok, a, err) = lily(&long);
+    assert!(ok, "{err}");
+    let (ok, b, err) = lily(&short);
+    assert!(ok, "{err}");
+    let tokens = |out: &str| {
+        serde_json::from_str::<serde_json::Value>(out.trim().lines().last().unwrap()).unwrap()["tokens"].clone()
+    };
+    assert_eq!(tokens(&a), tokens(&b));
+    assert_eq!(tokens(&a).as_array().unwrap().len(), 4);
+    // --ctx-size caps the generation, and a prompt that fills it is refused.
+    let (ok, out, err) = lily(&["run", "-m", &m, "--prompt-tokens", "1,2,3", "-n", "50", "-c", "6", "--json"]);
+    assert!(ok, "{err}");
+    assert_eq!(tokens(&out).as_array().unwrap().len(), 3, "6 - 3 prompt tokens");
+    let (ok, _, err) = lily(&["run", "-m", &m, "--prompt-tokens", "1,2,3", "-c", "3"]);
+    assert!(!ok && err.contains("--ctx-size"), "{err}");
+    let (ok, out, _) = lily(&["--version"]);
+    assert!(ok && out.contains("commit") && out.contains("cuda"), "{out}");
+}

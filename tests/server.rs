@@ -427,3 +427,20 @@ fn resuming_from_a_snapshot_matches_one_shot_prefill() {
         assert_eq!(lily::sampling::argmax(&one_shot), lily::sampling::argmax(&resumed));
     }
 }
+
+/// `lily serve MODEL --host H --port P`, as llama-server and vllm take it.
+#[test]
+fn serve_takes_a_positional_model_and_host_port() {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_lily"))
+        .args(["serve", fixture().to_str().unwrap(), "--host", "127.0.0.1", "--port", "0", "--threads", "1"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    BufReader::new(child.stdout.take().unwrap()).read_line(&mut line).unwrap();
+    let s = Server { child, addr: line.trim().rsplit("http://").next().unwrap().to_string() };
+    assert!(s.addr.starts_with("127.0.0.1:"), "{line}");
+    assert_eq!(req(&s.addr, "GET", "/health", "", None).status, 200);
+    assert_eq!(req(&s.addr, "GET", "/v1/models", "", None).json()["data"][0]["id"], "tiny-hf");
+}

@@ -23,7 +23,7 @@ pub enum Device {
 pub struct ModelArgs {
     /// Model directory (MLX or Hugging Face layout), Hugging Face id (`ORG/NAME[@REVISION]`, from
     /// the hub cache or downloaded into it) or `synthetic:tiny` / `synthetic:qwen3.6-35b-a3b`.
-    #[arg(long)]
+    #[arg(short = 'm', long, default_value = "", hide_default_value = true)]
     pub model: String,
     /// Revision (branch, tag or commit) of a Hugging Face id.
     #[arg(long)]
@@ -39,7 +39,7 @@ pub struct ModelArgs {
     #[arg(long, value_enum, default_value = "auto")]
     pub device: Device,
     /// CPU threads (default: all cores).
-    #[arg(allow_negative_numbers = true, long)]
+    #[arg(allow_negative_numbers = true, short = 't', long)]
     pub threads: Option<usize>,
     /// CPU: quantize activations to int8 for the products with 4/8-bit weights (faster, less
     /// exact; also `LILY_CPU_INT8=1`). Default: fp32 activations.
@@ -82,6 +82,9 @@ impl ModelArgs {
     /// The directory (or `synthetic:NAME`) that `--model` names: a Hugging Face id becomes its
     /// snapshot in the hub cache, downloaded first if needed.
     pub fn resolve(&self) -> Result<String> {
+        if self.model.is_empty() {
+            bail!("no model given: pass --model DIR, --model ORG/NAME (a Hugging Face id) or --model synthetic:tiny");
+        }
         resolve_model(&self.model, self.revision.as_deref(), self.token.clone())
     }
 

@@ -12,10 +12,10 @@ use std::io::{BufRead, Write};
 #[derive(Args, Clone, Debug)]
 pub struct SampleArgs {
     /// Maximum tokens to generate.
-    #[arg(allow_negative_numbers = true, long, default_value_t = 256)]
+    #[arg(allow_negative_numbers = true, short = 'n', long, default_value_t = 256)]
     pub max_tokens: usize,
     /// Sampling temperature; 0 = greedy.
-    #[arg(allow_negative_numbers = true, long, default_value_t = 0.0)]
+    #[arg(allow_negative_numbers = true, long, visible_alias = "temp", default_value_t = 0.0)]
     pub temperature: f32,
     #[arg(allow_negative_numbers = true, long, default_value_t = 1.0)]
     pub top_p: f32,
@@ -25,14 +25,33 @@ pub struct SampleArgs {
     /// 0 = off.
     #[arg(allow_negative_numbers = true, long, default_value_t = 0.0)]
     pub min_p: f32,
-    #[arg(allow_negative_numbers = true, long, default_value_t = 0)]
+    #[arg(allow_negative_numbers = true, short = 's', long, default_value_t = 0)]
     pub seed: u64,
+    /// Context size in tokens, prompt plus generation (default: the model's); generation stops
+    /// when it is full.
+    #[arg(allow_negative_numbers = true, short = 'c', long)]
+    pub ctx_size: Option<usize>,
     /// Disable thinking (renders the template with enable_thinking=false).
     #[arg(long)]
     pub no_think: bool,
 }
 
 impl SampleArgs {
+    /// Tokens that may be generated after a prompt of `prompt` tokens: `--max-tokens`, within
+    /// `--ctx-size` (itself within the model's `limit`).
+    fn room(&self, prompt: usize, limit: usize) -> Result<usize> {
+        let ctx = match self.ctx_size {
+            Some(0) => bail!("--ctx-size must be at least 1"),
+            Some(c) if c > limit => bail!("--ctx-size {c} exceeds the model's context of {limit} tokens"),
+            Some(c) => c,
+            None => limit,
+        };
+        if prompt >= ctx {
+            bail!("the prompt has {prompt} tokens and fills the context of {ctx} (--ctx-size)");
+        }
+        Ok(self.max_tokens.min(ctx - prompt))
+    }
+
     fn params(&self) -> SamplingParams {
         SamplingParams {
             temperature: self.temperature,
@@ -51,7 +70,7 @@ pub struct RunArgs {
     #[command(flatten)]
     pub sample: SampleArgs,
     /// The prompt (a user message, rendered with the chat template unless --raw).
-    #[arg(long, conflicts_with = "prompt_tokens")]
+    #[arg(short = 'p', long, conflicts_with = "prompt_tokens")]
     pub prompt: Option<String>,
     /// Prompt as token ids, e.g. `1,2,3` (no template).
     #[arg(long)]
@@ -101,8 +120,8 @@ pub fn run(a: RunArgs) -> Result<()> {
         Some(t) => t.eos_ids.clone(),
         None => loaded.model.cfg.eos_token_ids.clone(),
     };
-    let opts =
-        GenerateOptions { max_tokens: a.sample.max_tokens, sampling: a.sample.params(), eos_ids, ..Default::default() };
+    let max_tokens = a.sample.room(prompt.len(), session.max_positions())?;
+    let opts = GenerateOptions { max_tokens, sampling: a.sample.params(), eos_ids, ..Default::default() };
     let mut dec = StreamDecoder::new();
     let mut text = String::new();
     let stdout = std::io::stdout();
@@ -205,8 +224,17 @@ pub fn chat(a: ChatArgs) -> Result<()> {
             session = a.model.session(&loaded);
             full.clone()
         };
+        let max_tokens = match a.sample.room(full.len(), session.max_positions()) {
+            Ok(n) => n,
+            Err(e) => {
+                // The conversation no longer fits: say so and keep the session (/reset).
+                eprintln!("lily chat: {e:#}; type /reset to start over");
+                messages.pop();
+                continue;
+            }
+        };
         let opts = GenerateOptions {
-            max_tokens: a.sample.max_tokens,
+            max_tokens,
             sampling: SamplingParams { seed: a.sample.seed.wrapping_add(messages.len() as u64), ..a.sample.params() },
             eos_ids: tok.eos_ids.clone(),
             ..Default::default()

@@ -11,11 +11,20 @@ use std::path::Path;
 pub struct ServeArgs {
     #[command(flatten)]
     pub model: ModelArgs,
-    /// Address to listen on (loopback by default; port 0 picks a free port).
-    #[arg(long, default_value = "127.0.0.1:8000")]
+    /// The model, as with --model (`lily serve ORG/NAME`).
+    #[arg(value_name = "MODEL", conflicts_with = "model")]
+    pub model_positional: Option<String>,
+    /// Address to listen on, HOST:PORT or :PORT (loopback by default; port 0 picks a free port).
+    #[arg(long, default_value = "127.0.0.1:8000", conflicts_with_all = ["host", "port"])]
     pub bind: String,
+    /// Host to listen on (with --port; default 127.0.0.1).
+    #[arg(long)]
+    pub host: Option<String>,
+    /// Port to listen on (with --host; default 8000).
+    #[arg(long)]
+    pub port: Option<u16>,
     /// Context limit per request, prompt plus completion (default: the model's).
-    #[arg(allow_negative_numbers = true, long)]
+    #[arg(allow_negative_numbers = true, short = 'c', long, visible_alias = "ctx-size")]
     pub max_seq: Option<usize>,
     /// Require `Authorization: Bearer KEY` (everything but /health).
     #[arg(long)]
@@ -99,7 +108,23 @@ fn default_cache_bytes(state: (usize, usize), max_seq: usize, available: Option<
     available.map_or(want, |a| want.min(a / 10))
 }
 
-pub fn run(a: ServeArgs) -> Result<()> {
+/// The listening address from --bind or --host/--port; `:PORT` means loopback.
+fn bind_address(a: &ServeArgs) -> String {
+    if a.host.is_some() || a.port.is_some() {
+        let host = a.host.clone().unwrap_or_else(|| "127.0.0.1".into());
+        let host = if host.contains(':') && !host.starts_with('[') { format!("[{host}]") } else { host };
+        return format!("{host}:{}", a.port.unwrap_or(8000));
+    }
+    match a.bind.strip_prefix(':') {
+        Some(port) => format!("127.0.0.1:{port}"),
+        None => a.bind.clone(),
+    }
+}
+
+pub fn run(mut a: ServeArgs) -> Result<()> {
+    if let Some(m) = a.model_positional.take() {
+        a.model.model = m;
+    }
     if a.queue_size == 0 {
         bail!("--queue-size must be at least 1");
     }
@@ -134,7 +159,7 @@ pub fn run(a: ServeArgs) -> Result<()> {
     let dir = Path::new(&resolved);
     let model_id = a.served_model_name.clone().unwrap_or_else(|| super::model_name(&a.model.model));
     let cfg = Config {
-        bind: a.bind,
+        bind: bind_address(&a),
         model_id,
         max_seq,
         api_key: a.api_key,
