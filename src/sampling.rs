@@ -168,21 +168,143 @@ impl Sampler {
         cand
     }
 
+    /// Draws one token from [`Sampler::distribution`]'s distribution without sorting the whole
+    /// vocabulary: one pass for the softmax weights, a threshold for min-p, and for top-p a sort
+    /// of only the tokens above a cut-off that provably holds the nucleus. Without top-p the
+    /// draw walks the kept tokens in id order (top-k: in the order `distribution` gives).
     pub fn sample(&mut self, logits: &[f32]) -> u32 {
-        if self.params.temperature == 0.0 {
+        let p = &self.params;
+        if p.temperature == 0.0 {
             return argmax(logits);
         }
-        let cand = self.distribution(logits);
-        let u = self.rng.next_f64() as f32;
-        let mut acc = 0f32;
-        for c in &cand {
-            acc += c.1;
-            if u < acc {
+        if p.top_k > 0 && p.top_k < logits.len() {
+            // The k best in one pass (a bounded min-heap), then the reference filters on them.
+            let k = p.top_k;
+            let mut heap: std::collections::BinaryHeap<std::cmp::Reverse<(Ordf, std::cmp::Reverse<u32>)>> =
+                std::collections::BinaryHeap::with_capacity(k + 1);
+            for (i, &l) in logits.iter().enumerate() {
+                let key = (Ordf(l), std::cmp::Reverse(i as u32));
+                if heap.len() < k {
+                    heap.push(std::cmp::Reverse(key));
+                } else if heap.peek().is_some_and(|m| key > m.0) {
+                    heap.pop();
+                    heap.push(std::cmp::Reverse(key));
+                }
+            }
+            let mut sub: Vec<f32> = Vec::with_capacity(k);
+            let mut ids: Vec<u32> = Vec::with_capacity(k);
+            for std::cmp::Reverse((Ordf(l), std::cmp::Reverse(i))) in heap.into_vec() {
+                sub.push(l);
+                ids.push(i);
+            }
+            // The same candidates, filtered exactly as `distribution` filters them.
+            let only = Sampler { params: SamplingParams { top_k: 0, ..p.clone() }, rng: Rng::new(0) };
+            let cand: Vec<(u32, f32)> =
+                only.distribution(&sub).into_iter().map(|(j, q)| (ids[j as usize], q)).collect();
+            return draw(&cand, self.rng.next_f64());
+        }
+        let t = p.temperature.max(1e-6);
+        let m = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max) / t;
+        // Weights relative to the best token (1.0); min-p keeps w >= min_p.
+        let floor = if p.min_p > 0.0 { p.min_p } else { 0.0 };
+        let mut all = 0f64;
+        let w: Vec<f32> = logits
+            .iter()
+            .map(|&l| {
+                let x = (l / t - m).exp();
+                all += x as f64;
+                if x >= floor && x > 0.0 {
+                    x
+                } else {
+                    0.0
+                }
+            })
+            .collect();
+        let total: f64 = w.iter().map(|&x| x as f64).sum();
+        let u = self.rng.next_f64();
+        if p.top_p >= 1.0 {
+            let target = u * total;
+            let mut acc = 0f64;
+            let mut last = 0u32;
+            for (i, &x) in w.iter().enumerate() {
+                if x > 0.0 {
+                    acc += x as f64;
+                    last = i as u32;
+                    if acc > target {
+                        return i as u32;
+                    }
+                }
+            }
+            return last;
+        }
+        // The nucleus: the smallest best-first prefix holding top_p of the mass. All tokens at
+        // or above a cut-off `tau` come first in that order, so once they hold enough mass the
+        // nucleus lies among them.
+        // As in `distribution`: top-p counts probability under the softmax before min-p.
+        let need = (p.top_p as f64 * all).min(total);
+        let mut tau = 1e-3f32;
+        let head: Vec<(u32, f32)> = loop {
+            let h: Vec<(u32, f32)> =
+                w.iter().enumerate().filter(|(_, &x)| x > 0.0 && x >= tau).map(|(i, &x)| (i as u32, x)).collect();
+            let mass: f64 = h.iter().map(|c| c.1 as f64).sum();
+            if mass >= need || tau < 1e-30 {
+                break h;
+            }
+            tau /= 64.0;
+        };
+        let mut head = head;
+        head.sort_by(|a, b| b.1.partial_cmp(&a.1).unwrap_or(std::cmp::Ordering::Equal).then(a.0.cmp(&b.0)));
+        let mut acc = 0f64;
+        let mut keep = head.len();
+        for (i, c) in head.iter().enumerate() {
+            acc += c.1 as f64;
+            if acc >= need {
+                keep = i + 1;
+                break;
+            }
+        }
+        head.truncate(keep);
+        let sum: f64 = head.iter().map(|c| c.1 as f64).sum();
+        let target = u * sum;
+        let mut acc = 0f64;
+        for c in &head {
+            acc += c.1 as f64;
+            if acc > target {
                 return c.0;
             }
         }
-        cand.last().map(|c| c.0).unwrap_or(0)
+        head.last().map(|c| c.0).unwrap_or(0)
     }
+}
+
+/// A float ordered totally (NaN lowest), for the top-k heap.
+#[derive(Clone, Copy, PartialEq)]
+struct Ordf(f32);
+
+impl Eq for Ordf {}
+impl PartialOrd for Ordf {
+    fn partial_cmp(&self, o: &Self) -> Option<std::cmp::Ordering> {
+        Some(self.cmp(o))
+    }
+}
+impl Ord for Ordf {
+    fn cmp(&self, o: &Self) -> std::cmp::Ordering {
+        let key = |x: f32| if x.is_nan() { f32::NEG_INFINITY } else { x };
+        key(self.0).partial_cmp(&key(o.0)).unwrap_or(std::cmp::Ordering::Equal)
+    }
+}
+
+/// A draw from (token, probability) pairs that sum to 1.
+fn draw(cand: &[(u32, f32)], u: f64) -> u32 {
+    let u = u as f32;
+    let mut acc = 0f32;
+    for c in cand {
+        acc += c.1;
+        if u < acc {
+            return c.0;
+        }
+    }
+    cand.last().map(|c| c.0).unwrap_or(0)
 }
 
 #[cfg(test)]
