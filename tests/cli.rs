@@ -27,6 +27,8 @@ fn run_json_gives_mlx_lm_greedy_tokens() {
         &prompt.join(","),
         "--max-tokens",
         "8",
+        "--temperature",
+        "0",
         "--json",
     ]);
     assert!(ok, "{err}");
@@ -106,6 +108,19 @@ fn perplexity_dumps_the_reference_logits() {
     // Same bound as tests/reference.rs, against mlx-lm.
     assert!(max_abs_diff(&got, &want) < 1e-3, "{}", max_abs_diff(&got, &want));
     std::fs::remove_dir_all(&dir).ok();
+}
+
+/// Without sampling flags `run` takes the checkpoint's generation_config.json (the fixture's:
+/// temperature 1, top_k 20, top_p 0.95), as `serve` does; flags override it.
+#[test]
+fn run_takes_the_generation_config_defaults() {
+    let m = model("tiny-mlx4");
+    let (ok, _, err) = lily(&["run", "-m", &m, "--prompt-tokens", "1,2", "-n", "2"]);
+    assert!(ok, "{err}");
+    assert!(err.contains("temperature 1, top_k 20, top_p 0.95") && err.contains("generation_config.json"), "{err}");
+    let (ok, _, err) = lily(&["run", "-m", &m, "--prompt-tokens", "1,2", "-n", "2", "--temp", "0"]);
+    assert!(ok, "{err}");
+    assert!(err.contains("greedy"), "{err}");
 }
 
 #[test]

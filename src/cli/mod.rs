@@ -110,6 +110,32 @@ impl ModelArgs {
     }
 }
 
+/// The sampling defaults of a checkpoint's generation_config.json, if it has one (fields it
+/// leaves out take OpenAI's: temperature 1, no truncation; `do_sample: false` is greedy).
+pub fn generation_defaults(dir: &std::path::Path) -> Option<lily::server::Defaults> {
+    use serde_json::Value;
+    let mut d = lily::server::Defaults::default();
+    let text = std::fs::read_to_string(dir.join("generation_config.json")).ok()?;
+    let v = serde_json::from_str::<Value>(&text).ok()?;
+    let f = |k: &str| v.get(k).and_then(Value::as_f64);
+    if let Some(t) = f("temperature") {
+        d.temperature = t as f32;
+    }
+    if let Some(t) = f("top_p") {
+        d.top_p = t as f32;
+    }
+    if let Some(t) = v.get("top_k").and_then(Value::as_u64) {
+        d.top_k = t as usize;
+    }
+    if let Some(t) = f("min_p") {
+        d.min_p = t as f32;
+    }
+    if v.get("do_sample") == Some(&Value::Bool(false)) {
+        d.temperature = 0.0;
+    }
+    Some(d)
+}
+
 /// `--model` as a local path (a Hugging Face id resolved through the hub cache).
 pub fn resolve_model(model: &str, revision: Option<&str>, token: Option<String>) -> Result<String> {
     let opts = lily::hub::HubOptions::from_env(token);

@@ -14,17 +14,21 @@ pub struct SampleArgs {
     /// Maximum tokens to generate.
     #[arg(allow_negative_numbers = true, short = 'n', long, default_value_t = 256)]
     pub max_tokens: usize,
-    /// Sampling temperature; 0 = greedy.
-    #[arg(allow_negative_numbers = true, long, visible_alias = "temp", default_value_t = 0.0)]
-    pub temperature: f32,
-    #[arg(allow_negative_numbers = true, long, default_value_t = 1.0)]
-    pub top_p: f32,
+    /// Sampling temperature; 0 = greedy. Unset sampling flags take the checkpoint's
+    /// generation_config.json; without one, greedy.
+    #[arg(allow_negative_numbers = true, long, visible_alias = "temp")]
+    pub temperature: Option<f32>,
+    #[arg(allow_negative_numbers = true, long)]
+    pub top_p: Option<f32>,
     /// 0 = off.
-    #[arg(allow_negative_numbers = true, long, default_value_t = 0)]
-    pub top_k: usize,
+    #[arg(allow_negative_numbers = true, long)]
+    pub top_k: Option<usize>,
     /// 0 = off.
-    #[arg(allow_negative_numbers = true, long, default_value_t = 0.0)]
-    pub min_p: f32,
+    #[arg(allow_negative_numbers = true, long)]
+    pub min_p: Option<f32>,
+    /// The checkpoint's generation_config.json sampling defaults (filled in by `resolve`).
+    #[arg(skip)]
+    pub defaults: Option<lily::server::Defaults>,
     #[arg(allow_negative_numbers = true, short = 's', long, default_value_t = 0)]
     pub seed: u64,
     /// Context size in tokens, prompt plus generation (default: the model's); generation stops
@@ -52,13 +56,36 @@ impl SampleArgs {
         Ok(self.max_tokens.min(ctx - prompt))
     }
 
+    /// Flags first, then the checkpoint's generation_config.json, then greedy.
     fn params(&self) -> SamplingParams {
+        let d = self.defaults.clone().unwrap_or(lily::server::Defaults {
+            temperature: 0.0,
+            top_p: 1.0,
+            top_k: 0,
+            min_p: 0.0,
+        });
         SamplingParams {
-            temperature: self.temperature,
-            top_k: self.top_k,
-            top_p: self.top_p,
-            min_p: self.min_p,
+            temperature: self.temperature.unwrap_or(d.temperature),
+            top_k: self.top_k.unwrap_or(d.top_k),
+            top_p: self.top_p.unwrap_or(d.top_p),
+            min_p: self.min_p.unwrap_or(d.min_p),
             seed: self.seed,
+        }
+    }
+
+    /// Reads the checkpoint's sampling defaults (after `load`, so a hub id is in the cache) and
+    /// says on stderr how the run samples.
+    fn resolve(&mut self, loaded: &lily::loader::Loaded) {
+        self.defaults = loaded.dir.as_deref().and_then(super::generation_defaults);
+        let p = self.params();
+        let from = if self.defaults.is_some() { " (unset flags from generation_config.json)" } else { "" };
+        if p.temperature == 0.0 {
+            eprintln!("lily: sampling: greedy{from}");
+        } else {
+            eprintln!(
+                "lily: sampling: temperature {}, top_k {}, top_p {}, min_p {}, seed {}{from}; --temp 0 for greedy",
+                p.temperature, p.top_k, p.top_p, p.min_p, p.seed
+            );
         }
     }
 }
@@ -92,9 +119,11 @@ fn template_kwargs(no_think: bool) -> serde_json::Map<String, Value> {
     m
 }
 
-pub fn run(a: RunArgs) -> Result<()> {
+pub fn run(mut a: RunArgs) -> Result<()> {
     a.sample.params().validate()?;
     let loaded = a.model.load()?;
+    a.sample.resolve(&loaded);
+    a.sample.params().validate()?;
     let tok = loaded.tokenizer.as_ref();
     let prompt: Vec<u32> = match (&a.prompt, &a.prompt_tokens) {
         (_, Some(ids)) => parse_token_list(ids)?,
@@ -183,9 +212,10 @@ pub struct ChatArgs {
 
 /// Multi-turn chat. Each turn re-renders the conversation; when the cached tokens are a prefix
 /// of the new rendering only the new suffix is prefilled, otherwise the session starts over.
-pub fn chat(a: ChatArgs) -> Result<()> {
+pub fn chat(mut a: ChatArgs) -> Result<()> {
     a.sample.params().validate()?;
     let loaded = a.model.load()?;
+    a.sample.resolve(&loaded);
     let tok: &Tokenizer = loaded.tokenizer("chat needs one")?;
     let mut session = a.model.session(&loaded);
     let mut cached: Vec<u32> = Vec::new();

@@ -3,7 +3,7 @@
 use super::ModelArgs;
 use anyhow::{bail, Context, Result};
 use clap::Args;
-use lily::server::{Config, Defaults};
+use lily::server::Config;
 use serde_json::Value;
 use std::path::Path;
 
@@ -49,32 +49,6 @@ pub struct ServeArgs {
 }
 
 /// Sampling defaults from the checkpoint's generation_config.json, else OpenAI's.
-fn defaults(dir: &Path) -> Defaults {
-    let mut d = Defaults::default();
-    let Ok(text) = std::fs::read_to_string(dir.join("generation_config.json")) else {
-        return d;
-    };
-    let Ok(v) = serde_json::from_str::<Value>(&text) else {
-        return d;
-    };
-    let f = |k: &str| v.get(k).and_then(Value::as_f64);
-    if let Some(t) = f("temperature") {
-        d.temperature = t as f32;
-    }
-    if let Some(t) = f("top_p") {
-        d.top_p = t as f32;
-    }
-    if let Some(t) = v.get("top_k").and_then(Value::as_u64) {
-        d.top_k = t as usize;
-    }
-    if let Some(t) = f("min_p") {
-        d.min_p = t as f32;
-    }
-    if v.get("do_sample") == Some(&Value::Bool(false)) {
-        d.temperature = 0.0;
-    }
-    d
-}
 
 /// `LILY_TEST_SCRIPTS='{"trigger": "output", ...}'`: a test-only hook that makes requests whose
 /// last message contains `trigger` generate exactly `output` (see `lily::server::Config::scripts`).
@@ -167,7 +141,7 @@ pub fn run(mut a: ServeArgs) -> Result<()> {
         max_body_bytes: a.max_body_bytes,
         read_timeout: std::time::Duration::from_secs(a.read_timeout_secs.max(1)),
         prefix_cache_bytes: cache_bytes,
-        defaults: if dir.is_dir() { defaults(dir) } else { Defaults::default() },
+        defaults: super::generation_defaults(dir).unwrap_or_default(),
         scripts,
     };
     lily::server::serve(cfg, tok, session)
