@@ -444,3 +444,36 @@ fn serve_takes_a_positional_model_and_host_port() {
     assert_eq!(req(&s.addr, "GET", "/health", "", None).status, 200);
     assert_eq!(req(&s.addr, "GET", "/v1/models", "", None).json()["data"][0]["id"], "tiny-hf");
 }
+
+#[test]
+fn cors_model_by_id_and_a_default_completion_length() {
+    let s = start(&fixture(), &["--allowed-origins", "http://ui.example", "--max-tokens-default", "3"]);
+    let pre = raw(
+        &s.addr,
+        b"OPTIONS /v1/chat/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\nOrigin: http://ui.example\r\nAccess-Control-Request-Method: POST\r\nAccess-Control-Request-Headers: content-type\r\n\r\n",
+    );
+    let h = pre.headers.to_ascii_lowercase();
+    assert_eq!(pre.status, 204, "{}", pre.headers);
+    assert!(h.contains("access-control-allow-origin: http://ui.example"), "{h}");
+    assert!(h.contains("access-control-allow-methods"), "{h}");
+    let bad = raw(
+        &s.addr,
+        b"OPTIONS /v1/chat/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\nOrigin: http://evil.example\r\n\r\n",
+    );
+    assert_eq!(bad.status, 403, "{}", bad.body);
+    assert!(bad.body.contains("--allowed-origins"), "{}", bad.body);
+    let m = raw(
+        &s.addr,
+        b"GET /v1/models/tiny-hf HTTP/1.1\r\nHost: x\r\nConnection: close\r\nOrigin: http://ui.example\r\n\r\n",
+    );
+    assert_eq!((m.status, m.json()["id"].clone()), (200, json!("tiny-hf")));
+    assert!(m.headers.to_ascii_lowercase().contains("access-control-allow-origin: http://ui.example"));
+    let missing = req(&s.addr, "GET", "/v1/models/other", "", None);
+    assert_eq!(missing.status, 404);
+    assert!(missing.body.contains("`other`"), "{}", missing.body);
+    // No max_tokens: the server's default (3) bounds the completion.
+    let body = json!({"messages": [{"role": "user", "content": "hello"}], "temperature": 0});
+    let r = post(&s.addr, "/v1/chat/completions", &body).json();
+    assert_eq!(r["usage"]["completion_tokens"], 3, "{r}");
+    assert_eq!(r["choices"][0]["finish_reason"], "length");
+}

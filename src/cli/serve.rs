@@ -46,6 +46,15 @@ pub struct ServeArgs {
     /// The model name reported by /v1/models and in responses (default: the directory name).
     #[arg(long)]
     pub served_model_name: Option<String>,
+    /// Browser origins allowed to call the API (CORS), comma-separated, or `*` for any.
+    #[arg(long, value_delimiter = ',')]
+    pub allowed_origins: Vec<String>,
+    /// Completion tokens for a request that names no max_tokens (default: the rest of the context).
+    #[arg(allow_negative_numbers = true, long)]
+    pub max_tokens_default: Option<usize>,
+    /// No log line per request.
+    #[arg(long, short = 'q')]
+    pub quiet: bool,
 }
 
 /// Sampling defaults from the checkpoint's generation_config.json, else OpenAI's.
@@ -143,6 +152,9 @@ pub fn run(mut a: ServeArgs) -> Result<()> {
         prefix_cache_bytes: cache_bytes,
         defaults: super::generation_defaults(dir).unwrap_or_default(),
         scripts,
+        allowed_origins: a.allowed_origins.iter().map(|o| o.trim().to_string()).filter(|o| !o.is_empty()).collect(),
+        max_tokens_default: a.max_tokens_default,
+        log_requests: !a.quiet,
     };
     lily::server::serve(cfg, tok, session)
 }

@@ -85,7 +85,7 @@ fn context_check(app: &App, n: usize, asked: Option<usize>) -> R<usize> {
             )
         }),
         Some(m) => Ok(m),
-        None => Ok(max - n),
+        None => Ok(app.cfg.max_tokens_default.map_or(max - n, |d| d.min(max - n))),
     }
 }
 

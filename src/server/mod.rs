@@ -61,6 +61,12 @@ pub struct Config {
     /// Test hook (`LILY_TEST_SCRIPTS`): (trigger, output) pairs; a request whose last message
     /// contains `trigger` gets `output` as its generated text.
     pub scripts: Vec<(String, String)>,
+    /// Browser origins allowed by CORS (`*` for any); empty: no CORS headers.
+    pub allowed_origins: Vec<String>,
+    /// Completion tokens for a request that names no `max_tokens` (None: the rest of the context).
+    pub max_tokens_default: Option<usize>,
+    /// One log line per request on stderr.
+    pub log_requests: bool,
 }
 
 pub struct App {
@@ -125,6 +131,7 @@ pub fn router(app: Arc<App>) -> Router {
         .route("/v1/chat/completions", post(handlers::chat))
         .route("/v1/completions", post(handlers::completions))
         .route("/v1/models", get(models))
+        .route("/v1/models/{*id}", get(model_by_id))
         .route("/health", get(health))
         .route("/metrics", get(metrics_text))
         .fallback(not_found)
@@ -133,11 +140,52 @@ pub fn router(app: Arc<App>) -> Router {
         .with_state(app)
 }
 
-/// Authentication (everything but /health when an API key is set) and request counting.
+/// The CORS headers for a request from `origin`, when it is allowed.
+fn cors(app: &App, origin: Option<&HeaderValue>, r: &mut Response) {
+    let Some(o) = origin.and_then(|o| o.to_str().ok()) else { return };
+    let ok = app.cfg.allowed_origins.iter().any(|a| a == "*" || a.eq_ignore_ascii_case(o));
+    if ok {
+        let h = r.headers_mut();
+        if let Ok(v) = HeaderValue::from_str(o) {
+            h.insert(header::ACCESS_CONTROL_ALLOW_ORIGIN, v);
+        }
+        h.insert(header::VARY, HeaderValue::from_static("Origin"));
+        h.insert(header::ACCESS_CONTROL_EXPOSE_HEADERS, HeaderValue::from_static("Retry-After"));
+    }
+}
+
+/// Authentication (everything but /health when an API key is set), CORS, request counting and
+/// the request log line.
 async fn guard(State(app): State<Arc<App>>, req: Request, next: Next) -> Response {
     let path = req.uri().path().to_string();
+    let method = req.method().clone();
+    let origin = req.headers().get(header::ORIGIN).cloned();
+    let t0 = std::time::Instant::now();
+    // A CORS preflight from an allowed origin: no authentication, no body.
+    if method == axum::http::Method::OPTIONS && origin.is_some() && !app.cfg.allowed_origins.is_empty() {
+        let mut r = StatusCode::NO_CONTENT.into_response();
+        cors(&app, origin.as_ref(), &mut r);
+        if r.headers().contains_key(header::ACCESS_CONTROL_ALLOW_ORIGIN) {
+            let h = r.headers_mut();
+            h.insert(header::ACCESS_CONTROL_ALLOW_METHODS, HeaderValue::from_static("GET, POST, OPTIONS"));
+            let asked = req.headers().get(header::ACCESS_CONTROL_REQUEST_HEADERS).cloned();
+            h.insert(
+                header::ACCESS_CONTROL_ALLOW_HEADERS,
+                asked.unwrap_or(HeaderValue::from_static("authorization, content-type")),
+            );
+            h.insert(header::ACCESS_CONTROL_MAX_AGE, HeaderValue::from_static("600"));
+            return r;
+        }
+        return error_response(&ApiError::new(
+            403,
+            "invalid_request_error",
+            None,
+            "origin not allowed (--allowed-origins)",
+        ));
+    }
     let endpoint = match path.as_str() {
         "/v1/chat/completions" | "/v1/completions" | "/v1/models" | "/health" | "/metrics" => path.as_str(),
+        p if p.starts_with("/v1/models/") => "/v1/models",
         _ => "other",
     };
     let resp = match &app.cfg.api_key {
@@ -158,7 +206,12 @@ async fn guard(State(app): State<Arc<App>>, req: Request, next: Next) -> Respons
         }
         _ => next.run(req).await,
     };
+    let mut resp = resp;
+    cors(&app, origin.as_ref(), &mut resp);
     app.metrics.request(endpoint, resp.status().as_u16());
+    if app.cfg.log_requests {
+        eprintln!("lily serve: {method} {path} {} {:.1} ms", resp.status().as_u16(), t0.elapsed().as_secs_f64() * 1e3);
+    }
     resp
 }
 
@@ -188,6 +241,21 @@ async fn models(State(app): State<Arc<App>>) -> Response {
         "id": app.cfg.model_id, "object": "model", "created": app.started, "owned_by": "lily",
         "max_model_len": app.cfg.max_seq,
     }]});
+    json_response(StatusCode::OK, &v)
+}
+
+/// `GET /v1/models/{id}`: this server's model, or a 404 naming the id.
+async fn model_by_id(State(app): State<Arc<App>>, axum::extract::Path(id): axum::extract::Path<String>) -> Response {
+    if id != app.cfg.model_id {
+        return error_response(&ApiError::new(
+            404,
+            "invalid_request_error",
+            Some("model_not_found"),
+            format!("The model `{id}` does not exist (this server serves `{}`)", app.cfg.model_id),
+        ));
+    }
+    let v = json!({"id": app.cfg.model_id, "object": "model", "created": app.started, "owned_by": "lily",
+        "max_model_len": app.cfg.max_seq});
     json_response(StatusCode::OK, &v)
 }
 
