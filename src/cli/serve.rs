@@ -57,7 +57,6 @@ pub struct ServeArgs {
     pub quiet: bool,
 }
 
-/// Sampling defaults from the checkpoint's generation_config.json, else OpenAI's.
 
 /// `LILY_TEST_SCRIPTS='{"trigger": "output", ...}'`: a test-only hook that makes requests whose
 /// last message contains `trigger` generate exactly `output` (see `lily::server::Config::scripts`).
