@@ -1,5 +1,9 @@
 /*
- * attention.cu: gated full attention for one new token over an fp32 KV cache.
+ * attention.cu: gated full attention for one new token over the KV cache.
+ *
+ * KV cache element type: every kernel that touches the cache exists twice, over an fp32 cache
+ * (the names below) and over a bf16 one (the same name with `_bf16`: KV = u16, stored rounded to
+ * nearest even, widened to fp32 on load). Scores, softmax and accumulation are fp32 either way.
  *
  * The position is read from device memory (pos_p[0]; L = pos + 1 cached positions) so that a
  * captured CUDA graph replays every decode step unchanged.
@@ -11,7 +15,7 @@
  *   q_norm, partial NeoX RoPE on dims [0, R): for i < R/2, theta = pos * base^(-2i/R) (double),
  *   x[i] <- x[i] cos - x[i+R/2] sin, x[i+R/2] <- x[i+R/2] cos + x[i] sin. Writes q_out[b].
  *   Block H_q + h: k head h likewise with k_norm, written to kc[pos, h]; v copied to vc[pos, h].
- *   Caches kc, vc: [capacity, H_kv, D] fp32.
+ *   Caches kc, vc: [capacity, H_kv, D] of KV (fp32 or bf16).
  *
  * attn_decode (flash-decoding): grid (H_q, S splits), block 256 = 8 warps. Query head h reads KV
  *   head h / (H_q/H_kv); split s covers positions [s*ceil(L/S), (s+1)*ceil(L/S)) ∩ [0, L).
@@ -45,10 +49,62 @@
  *   reading all partials made it slower at 4K). Requires G in {1, 2, 4, 8}, D % 32 == 0,
  *   D <= 256.
  */
-extern "C" __global__ void attn_prep(const float* qg, const float* kin, const float* vin, const float* qn,
-                                     const float* kn, float* q_out, float* kc, float* vc, int nh, int hkv, int hd,
-                                     int gated, int rot, const int* pos_p, double theta, float eps,
-                                     long long ld) {
+
+/* KV cache element loads and stores (fp32, or bf16 bits in a u16). */
+__device__ __forceinline__ float kv_ld(const float* p) { return *p; }
+__device__ __forceinline__ float kv_ld(const u16* p) { return bf16_to_f32(*p); }
+__device__ __forceinline__ void kv_st(float* p, float v) { *p = v; }
+__device__ __forceinline__ void kv_st(u16* p, float v) { *p = (u16)bf16_bits(v); }
+/* Four consecutive elements (16-byte aligned for fp32, 8-byte for bf16). */
+__device__ __forceinline__ float4 kv_ld4(const float* p) { return *(const float4*)p; }
+__device__ __forceinline__ float4 kv_ld4(const u16* p) {
+    uint2 u = *(const uint2*)p;
+    return make_float4(__uint_as_float(u.x << 16), __uint_as_float(u.x & 0xffff0000u), __uint_as_float(u.y << 16),
+                       __uint_as_float(u.y & 0xffff0000u));
+}
+
+/* Which head dimension a lane holds as its value i (i < nd = D/32): an fp32 cache is read with
+   dims lane + 32i (each load instruction covers 128 contiguous bytes of a row), a bf16 one with
+   dims nd*lane + i, so a lane reads its nd values in one 2*nd-byte load (16 B at D = 256). The
+   queries and outputs follow the same map. */
+__device__ __forceinline__ int kv_dim(const float*, int lane, int i, int nd) { return lane + 32 * i; }
+__device__ __forceinline__ int kv_dim(const u16*, int lane, int i, int nd) { return nd * lane + i; }
+/* A lane's nd values of one cache row (row points at dim 0 of the head); zeros when !ok. */
+__device__ __forceinline__ void kv_row(const float* row, int lane, int nd, bool ok, float (&o)[8]) {
+#pragma unroll
+    for (int i = 0; i < 8; i++) o[i] = ok && i < nd ? row[lane + 32 * i] : 0.f;
+}
+__device__ __forceinline__ void kv_row(const u16* row, int lane, int nd, bool ok, float (&o)[8]) {
+    const u16* p = row + nd * lane;
+    if (nd == 8 || nd == 4 || nd == 2) {
+        u32 w[4] = {0u, 0u, 0u, 0u};
+        if (ok) {
+            if (nd == 8) {
+                uint4 v = *(const uint4*)p;
+                w[0] = v.x; w[1] = v.y; w[2] = v.z; w[3] = v.w;
+            } else if (nd == 4) {
+                uint2 v = *(const uint2*)p;
+                w[0] = v.x; w[1] = v.y;
+            } else {
+                w[0] = *(const u32*)p;
+            }
+        }
+#pragma unroll
+        for (int j = 0; j < 4; j++) {
+            o[2 * j] = __uint_as_float(w[j] << 16);
+            o[2 * j + 1] = __uint_as_float(w[j] & 0xffff0000u);
+        }
+    } else {
+#pragma unroll
+        for (int i = 0; i < 8; i++) o[i] = ok && i < nd ? bf16_to_f32(p[i]) : 0.f;
+    }
+}
+
+template <typename KV>
+__device__ __forceinline__ void attn_prep_t(const float* qg, const float* kin, const float* vin, const float* qn,
+                                            const float* kn, float* q_out, KV* kc, KV* vc, int nh, int hkv, int hd,
+                                            int gated, int rot, const int* pos_p, double theta, float eps,
+                                            long long ld) {
     pdl_begin();
     int pos = pos_p[0] + blockIdx.y;
     qg += blockIdx.y * ld;
@@ -79,14 +135,24 @@ extern "C" __global__ void attn_prep(const float* qg, const float* kin, const fl
         if (isq) q_out[(long long)h * hd + j] = outv;
         else {
             long long off = ((long long)pos * hkv + h) * hd + j;
-            kc[off] = outv;
-            vc[off] = vin[(long long)h * hd + j];
+            kv_st(kc + off, outv);
+            kv_st(vc + off, vin[(long long)h * hd + j]);
         }
     }
 }
 
-extern "C" __global__ void attn_decode(const float* q, const float* kc, const float* vc, float* part, int nh,
-                                       int hkv, int hd, const int* pos_p, float scale) {
+#define ATTN_PREP(NAME, KV)                                                                                        \
+    extern "C" __global__ void NAME(const float* qg, const float* kin, const float* vin, const float* qn,          \
+                                    const float* kn, float* q_out, KV* kc, KV* vc, int nh, int hkv, int hd,         \
+                                    int gated, int rot, const int* pos_p, double theta, float eps, long long ld) { \
+        attn_prep_t<KV>(qg, kin, vin, qn, kn, q_out, kc, vc, nh, hkv, hd, gated, rot, pos_p, theta, eps, ld);     \
+    }
+ATTN_PREP(attn_prep, float)
+ATTN_PREP(attn_prep_bf16, u16)
+
+template <typename KV>
+__device__ __forceinline__ void attn_decode_t(const float* q, const KV* kc, const KV* vc, float* part, int nh,
+                                              int hkv, int hd, const int* pos_p, float scale) {
     pdl_begin();
     __shared__ float so[8][256];
     __shared__ float sm[8], sl[8];
@@ -99,7 +165,7 @@ extern "C" __global__ void attn_decode(const float* q, const float* kc, const fl
     int lo = split * chunk, hi = min(L, lo + chunk);
     float qv[8], o[8];
     for (int i = 0; i < 8; i++) {
-        qv[i] = i < nd ? q[(long long)h * hd + lane + 32 * i] : 0.f;
+        qv[i] = i < nd ? q[(long long)h * hd + kv_dim(kc, lane, i, nd)] : 0.f;
         o[i] = 0.f;
     }
     float m = -INFINITY, l = 0.f;
@@ -112,10 +178,10 @@ extern "C" __global__ void attn_decode(const float* q, const float* kc, const fl
             int p = p0 + u;
             float acc = 0.f;
             if (p < hi) {
-                const float* kp = kc + ((long long)p * hkv + kvh) * hd;
+                float kr[8];
+                kv_row(kc + ((long long)p * hkv + kvh) * hd, lane, nd, true, kr);
 #pragma unroll
-                for (int i = 0; i < 8; i++)
-                    if (i < nd) acc += qv[i] * kp[lane + 32 * i];
+                for (int i = 0; i < 8; i++) acc += qv[i] * kr[i];
             }
             d[u] = acc;
         }
@@ -135,15 +201,15 @@ extern "C" __global__ void attn_decode(const float* q, const float* kc, const fl
             if (p < hi) {
                 float pw = expf(d[u] - mx);
                 l += pw;
-                const float* vp = vc + ((long long)p * hkv + kvh) * hd;
+                float vr[8];
+                kv_row(vc + ((long long)p * hkv + kvh) * hd, lane, nd, true, vr);
 #pragma unroll
-                for (int i = 0; i < 8; i++)
-                    if (i < nd) o[i] += pw * vp[lane + 32 * i];
+                for (int i = 0; i < 8; i++) o[i] += pw * vr[i];
             }
         }
         m = mx;
     }
-    for (int i = 0; i < nd; i++) so[warp][lane + 32 * i] = o[i];
+    for (int i = 0; i < nd; i++) so[warp][kv_dim(kc, lane, i, nd)] = o[i];
     if (lane == 0) {
         sm[warp] = m;
         sl[warp] = l;
@@ -165,6 +231,14 @@ extern "C" __global__ void attn_decode(const float* q, const float* kc, const fl
         pp[2 + d] = acc;
     }
 }
+
+#define ATTN_DECODE(NAME, KV)                                                                                  \
+    extern "C" __global__ void NAME(const float* q, const KV* kc, const KV* vc, float* part, int nh, int hkv,  \
+                                    int hd, const int* pos_p, float scale) {                                   \
+        attn_decode_t<KV>(q, kc, vc, part, nh, hkv, hd, pos_p, scale);                                         \
+    }
+ATTN_DECODE(attn_decode, float)
+ATTN_DECODE(attn_decode_bf16, u16)
 
 extern "C" __global__ void attn_combine(const float* part, const float* qg, float* out, int nh, int hd, int S,
                                         int gated) {
@@ -219,8 +293,8 @@ __device__ __forceinline__ float reduce_scatter(float (&d)[1 << LG], int lane) {
     return v;
 }
 
-template <int LG>
-__device__ __forceinline__ void attn_gqa(const float* q, const float* kc, const float* vc, float* part, int hkv,
+template <int LG, typename KV>
+__device__ __forceinline__ void attn_gqa(const float* q, const KV* kc, const KV* vc, float* part, int hkv,
                                          int hd, const int* pos_p, float scale) {
     constexpr int G = 1 << LG, U = 4;
     __shared__ float acc[G * 256];
@@ -240,7 +314,7 @@ __device__ __forceinline__ void attn_gqa(const float* q, const float* kc, const 
     for (int g = 0; g < G; g++)
 #pragma unroll
         for (int i = 0; i < 8; i++) {
-            qv[g][i] = i < nd ? q[(long long)(kvh * G + g) * hd + lane + 32 * i] * scale : 0.f;
+            qv[g][i] = i < nd ? q[(long long)(kvh * G + g) * hd + kv_dim(kc, lane, i, nd)] * scale : 0.f;
             o[g][i] = 0.f;
         }
     float m = -INFINITY, l = 0.f;
@@ -249,14 +323,9 @@ __device__ __forceinline__ void attn_gqa(const float* q, const float* kc, const 
         float kr[U][8], vr[U][8];
 #pragma unroll
         for (int u = 0; u < U; u++) {
-            const float* kp = kc + (p0 + u) * rs + kvh * hd + lane;
-            const float* vp = vc + (p0 + u) * rs + kvh * hd + lane;
             bool ok = p0 + u < hi;
-#pragma unroll
-            for (int i = 0; i < 8; i++) {
-                kr[u][i] = ok && i < nd ? kp[32 * i] : 0.f;
-                vr[u][i] = ok && i < nd ? vp[32 * i] : 0.f;
-            }
+            kv_row(kc + (p0 + u) * rs + kvh * hd, lane, nd, ok, kr[u]);
+            kv_row(vc + (p0 + u) * rs + kvh * hd, lane, nd, ok, vr[u]);
         }
         float sc[U];
 #pragma unroll
@@ -321,7 +390,7 @@ __device__ __forceinline__ void attn_gqa(const float* q, const float* kc, const 
 #pragma unroll
                 for (int i = 0; i < 8; i++)
                     if (i < nd) {
-                        float* a = &acc[g * hd + lane + 32 * i];
+                        float* a = &acc[g * hd + kv_dim(kc, lane, i, nd)];
                         *a = (w == 0 ? 0.f : *a) + o[g][i] * f[g];
                     }
         __syncthreads();
@@ -341,13 +410,17 @@ __device__ __forceinline__ void attn_gqa(const float* q, const float* kc, const 
     }
 }
 
-#define ATTN_GQA(LG, NAME)                                                                                    \
-    extern "C" __global__ void __launch_bounds__(256, 1) NAME(const float* q, const float* kc, const float* vc,  \
+#define ATTN_GQA(LG, NAME, KV)                                                                                \
+    extern "C" __global__ void __launch_bounds__(256, 1) NAME(const float* q, const KV* kc, const KV* vc,        \
                                                               float* part, int hkv, int hd, const int* pos_p,    \
                                                               float scale) {                                     \
-        attn_gqa<LG>(q, kc, vc, part, hkv, hd, pos_p, scale);                                                    \
+        attn_gqa<LG, KV>(q, kc, vc, part, hkv, hd, pos_p, scale);                                                \
     }
-ATTN_GQA(0, attn_decode_gqa1)
-ATTN_GQA(1, attn_decode_gqa2)
-ATTN_GQA(2, attn_decode_gqa4)
-ATTN_GQA(3, attn_decode_gqa8)
+ATTN_GQA(0, attn_decode_gqa1, float)
+ATTN_GQA(1, attn_decode_gqa2, float)
+ATTN_GQA(2, attn_decode_gqa4, float)
+ATTN_GQA(3, attn_decode_gqa8, float)
+ATTN_GQA(0, attn_decode_gqa1_bf16, u16)
+ATTN_GQA(1, attn_decode_gqa2_bf16, u16)
+ATTN_GQA(2, attn_decode_gqa4_bf16, u16)
+ATTN_GQA(3, attn_decode_gqa8_bf16, u16)

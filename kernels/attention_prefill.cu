@@ -1,5 +1,6 @@
 /*
- * attention_prefill.cu: causal gated attention for T new tokens (prefill) over the fp32 KV cache,
+ * attention_prefill.cu: causal gated attention for T new tokens (prefill) over the KV cache (fp32,
+ *   or bf16 for the `_bf16` entry points; see attention.cu),
  * after attn_prep has written their K/V rows and normalized, rotated queries.
  *
  * attn_prefill: query rows r = t*G + gi (G = H_q/H_kv query heads per KV head, head h = kvh*G + gi);
@@ -13,9 +14,10 @@
  *   q [T, H_q, D]; caches [capacity, H_kv, D]; out[t, h] = o / l, times sigmoid(gate) when gated
  *   (gate at qg[t*ldg + h*2D + D + d]). scale = 1/sqrt(D).
  */
-extern "C" __global__ void attn_prefill(const float* q, const float* kc, const float* vc, const float* qg,
-                                        long long ldg, float* out, int nh, int hkv, int hd, int T,
-                                        const int* pos_p, float scale, int gated) {
+template <typename KV>
+__device__ __forceinline__ void attn_prefill_t(const float* q, const KV* kc, const KV* vc, const float* qg,
+                                               long long ldg, float* out, int nh, int hkv, int hd, int T,
+                                               const int* pos_p, float scale, int gated) {
     __shared__ float Ks[16][256], Vs[16][256];
     int pos0 = pos_p[0];
     int G = nh / hkv, kvh = blockIdx.y;
@@ -42,8 +44,8 @@ extern "C" __global__ void attn_prefill(const float* q, const float* kc, const f
             float kv = 0.f, vv = 0.f;
             if (p < kend) {
                 long long off = ((long long)p * hkv + kvh) * hd + d;
-                kv = kc[off];
-                vv = vc[off];
+                kv = kv_ld(kc + off);
+                vv = kv_ld(vc + off);
             }
             Ks[j][d] = kv;
             Vs[j][d] = vv;
@@ -91,6 +93,15 @@ extern "C" __global__ void attn_prefill(const float* q, const float* kc, const f
     }
 }
 
+#define ATTN_PREFILL(NAME, KV)                                                                                 \
+    extern "C" __global__ void NAME(const float* q, const KV* kc, const KV* vc, const float* qg, long long ldg, \
+                                    float* out, int nh, int hkv, int hd, int T, const int* pos_p, float scale,  \
+                                    int gated) {                                                                \
+        attn_prefill_t<KV>(q, kc, vc, qg, ldg, out, nh, hkv, hd, T, pos_p, scale, gated);                       \
+    }
+ATTN_PREFILL(attn_prefill, float)
+ATTN_PREFILL(attn_prefill_bf16, u16)
+
 /*
  * attn_prefill_tc: the same attention on tensor cores (mma.sync m16n8k16, bf16 inputs, fp32
  *   accumulation and softmax), the fast prefill mode.
@@ -104,10 +115,10 @@ extern "C" __global__ void attn_prefill(const float* q, const float* kc, const f
  *   to bf16 and reused directly as the A fragments of O += P V (FlashAttention-2 register layout).
  *   Rows past T*G compute with the last valid token and are not written.
  */
-extern "C" __global__ void __launch_bounds__(128) attn_prefill_tc(const float* q, const float* kc, const float* vc,
-                                                                  const float* qg, long long ldg, float* out, int nh,
-                                                                  int hkv, int hd, int T, const int* pos_p,
-                                                                  float scale, int gated) {
+template <typename KV>
+__device__ __forceinline__ void attn_prefill_tc_t(const float* q, const KV* kc, const KV* vc, const float* qg,
+                                                  long long ldg, float* out, int nh, int hkv, int hd, int T,
+                                                  const int* pos_p, float scale, int gated) {
     __shared__ __align__(16) u16 Ks[32 * 264];
     __shared__ __align__(16) u16 Vt[256 * 40];
     const int LDK = hd + 8, LDV = 40;
@@ -160,8 +171,8 @@ extern "C" __global__ void __launch_bounds__(128) attn_prefill_tc(const float* q
             float4 kv = make_float4(0.f, 0.f, 0.f, 0.f), vv = kv;
             if (p < kend) {
                 long long off = ((long long)p * hkv + kvh) * hd + d;
-                kv = *(const float4*)(kc + off);
-                vv = *(const float4*)(vc + off);
+                kv = kv_ld4(kc + off);
+                vv = kv_ld4(vc + off);
             }
             *(uint2*)(Ks + j * LDK + d) = make_uint2(pack_bf16(kv.x, kv.y), pack_bf16(kv.z, kv.w));
             Vt[(d + 0) * LDV + j] = (u16)bf16_bits(vv.x);
@@ -272,3 +283,13 @@ extern "C" __global__ void __launch_bounds__(128) attn_prefill_tc(const float* q
         }
     }
 }
+
+#define ATTN_PREFILL_TC(NAME, KV)                                                                              \
+    extern "C" __global__ void __launch_bounds__(128) NAME(const float* q, const KV* kc, const KV* vc,          \
+                                                           const float* qg, long long ldg, float* out, int nh,  \
+                                                           int hkv, int hd, int T, const int* pos_p,            \
+                                                           float scale, int gated) {                            \
+        attn_prefill_tc_t<KV>(q, kc, vc, qg, ldg, out, nh, hkv, hd, T, pos_p, scale, gated);                    \
+    }
+ATTN_PREFILL_TC(attn_prefill_tc, float)
+ATTN_PREFILL_TC(attn_prefill_tc_bf16, u16)

@@ -83,6 +83,12 @@ if [ -n "${BENCH_LONG:-}" ]; then
   timeout "${BENCH_TIMEOUT:-420}" .gpu/x/bin/lily bench --device cuda --model synthetic:qwen3.6-35b-a3b \
     --contexts "$BENCH_LONG" --warmup 0 2>&1 | tee "$OUTDIR/bench_long.txt" || status=1
 fi
+if [ -n "${KV_AB:-}" ]; then
+  # The same long contexts with the fp32 KV cache (the exact mode's), for an A/B in one lease.
+  echo "== bench, fp32 KV cache (--kv-cache-dtype f32, --warmup 0)"
+  timeout "${BENCH_TIMEOUT:-420}" .gpu/x/bin/lily bench --device cuda --model synthetic:qwen3.6-35b-a3b \
+    --contexts "$KV_AB" --warmup 0 --kv-cache-dtype f32 2>&1 | tee "$OUTDIR/bench_kv_f32.txt" || status=1
+fi
 if [ -n "${ABLATE:-}" ]; then
   echo "== ablation: decode tok/s at context 256 with kernels left out (LILY_CUDA_SKIP; garbage results)"
   for k in none $ABLATE; do
@@ -110,4 +116,5 @@ echo "== summary (tests exit status $status)"
 grep -h "test result" "$OUTDIR"/cuda_*.log || true
 [ -f "$OUTDIR/bench.txt" ] && tail -n 6 "$OUTDIR/bench.txt"
 [ -f "$OUTDIR/bench_long.txt" ] && tail -n 3 "$OUTDIR/bench_long.txt"
+[ -f "$OUTDIR/bench_kv_f32.txt" ] && tail -n 3 "$OUTDIR/bench_kv_f32.txt"
 exit $status

@@ -13,8 +13,9 @@ use lily::cpu::attention::{attention, AttnDims};
 use lily::cpu::gdn::GdnDims;
 use lily::cpu::norm::{rms_norm, sigmoid};
 use lily::cpu::rope::Rope;
-use lily::cuda::{AttnDecode, AttnKernel, GemvKernel, GpuLinear};
+use lily::cuda::{AttnDecode, AttnKernel, GemvKernel, GpuLinear, KvDtype};
 use lily::linear::{FloatType, Linear};
+use lily::safetensors::{bf16_to_f32, f32_to_bf16};
 
 const TOL: f64 = 1e-9;
 
@@ -271,6 +272,7 @@ fn attention_decode_matches_cpu() {
                     pos: posb.ptr,
                     theta,
                     eps: 1e-6,
+                    kv: KvDtype::F32,
                 },
                 1,
                 0,
@@ -297,6 +299,7 @@ fn attention_decode_matches_cpu() {
                     gated: true,
                     part: part.ptr,
                     splits,
+                    kv: KvDtype::F32,
                 };
                 g.attn_decode(&a, kernel).unwrap();
                 if pos < 3 || pos + 1 == steps || pos % 67 == 0 {
@@ -471,6 +474,7 @@ fn attention_decode_long_context_matches_cpu() {
             gated: true,
             part: part.ptr,
             splits,
+            kv: KvDtype::F32,
         };
         g.attn_decode(&a, kernel).unwrap();
         check(
@@ -479,6 +483,51 @@ fn attention_decode_long_context_matches_cpu() {
             &want,
             TOL,
         );
+    }
+    // A bf16 cache: the kernels widen each element exactly, so against the CPU attention over the
+    // same bf16-rounded K/V they keep the fp32 bound; against the fp32 cache the distance is the
+    // rounding's (relative 2^-9 per element: NMSE about 1e-6 on these uniform inputs; bound 1e-5).
+    let round: fn(&[f32]) -> Vec<f32> = |v| v.iter().map(|&x| bf16_to_f32(f32_to_bf16(x))).collect();
+    let (kr, vr) = (round(&kc), round(&vc));
+    let mut want_r = vec![0f32; nh * hd];
+    attention(
+        &AttnDims { heads: nh, kv_heads: hkv, head_dim: hd },
+        &q,
+        1,
+        len - 1,
+        &kr,
+        &vr,
+        1.0 / (hd as f32).sqrt(),
+        &mut want_r,
+    );
+    for h in 0..nh {
+        for d in 0..hd {
+            want_r[h * hd + d] *= sigmoid(qg[h * 2 * hd + hd + d]);
+        }
+    }
+    let bytes = |v: &[f32]| -> Vec<u8> { v.iter().flat_map(|&x| f32_to_bf16(x).to_le_bytes()).collect() };
+    let (kb16, vb16) = (g.upload_bytes(&bytes(&kc)).unwrap(), g.upload_bytes(&bytes(&vc)).unwrap());
+    for kernel in [AttnKernel::PerHead, AttnKernel::Packed] {
+        out.write_f32(0, &vec![f32::NAN; nh * hd]).unwrap();
+        let a = AttnDecode {
+            q: qb.ptr,
+            kc: kb16.ptr,
+            vc: vb16.ptr,
+            qg: qgb.ptr,
+            out: out.ptr,
+            nh,
+            hkv,
+            hd,
+            pos: posb.ptr,
+            gated: true,
+            part: part.ptr,
+            splits,
+            kv: KvDtype::Bf16,
+        };
+        g.attn_decode(&a, kernel).unwrap();
+        let got = out.read_f32(0, nh * hd).unwrap();
+        check(&format!("attention decode {kernel:?}, bf16 cache vs cpu on the rounded K/V"), &got, &want_r, TOL);
+        check(&format!("attention decode {kernel:?}, bf16 cache vs the fp32 cache"), &got, &want, 1e-5);
     }
 }
 

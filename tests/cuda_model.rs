@@ -8,7 +8,7 @@
 
 mod common;
 use common::*;
-use lily::cuda::{CudaSession, Precision};
+use lily::cuda::{CudaModel, CudaSession, KvDtype, Precision};
 use lily::generate::{CpuSession, Session};
 use std::sync::Arc;
 
@@ -30,6 +30,13 @@ fn have_gpu() -> bool {
     true
 }
 
+/// A session in the exact mode's cache precision (fp32 K/V); the default cache is bf16.
+fn exact(gm: Arc<CudaModel>) -> CudaSession {
+    let mut s = CudaSession::new(gm);
+    s.set_kv_dtype(KvDtype::F32);
+    s
+}
+
 fn check_model(dir: &str, reference_name: &str) {
     if !have_gpu() {
         return;
@@ -41,7 +48,7 @@ fn check_model(dir: &str, reference_name: &str) {
 
     // The exact mode: batched prefill with fp32 products, and the token-by-token decode path.
     let session = |prefill: Option<Precision>| {
-        let mut s = CudaSession::new(gm.clone());
+        let mut s = exact(gm.clone());
         s.prefill = prefill;
         s
     };
@@ -94,7 +101,7 @@ fn check_model(dir: &str, reference_name: &str) {
     // Snapshot / restore round trip: the restored session continues identically.
     let snap = s2.snapshot();
     let a = s2.forward_last(&[1]).unwrap();
-    let mut s4 = CudaSession::new(gm);
+    let mut s4 = exact(gm);
     s4.restore(&snap).unwrap();
     let b = s4.forward_last(&[1]).unwrap();
     assert_eq!(a, b, "{dir}: restored session differs");
@@ -131,20 +138,20 @@ fn cuda_synthetic_tiny_matches_cpu() {
     let gm = lily::cuda::upload_cached(&model).unwrap();
     let prompt: Vec<u32> = (0..300u32).map(|i| (i * 7919 + 13) % 1024).collect();
     let want = CpuSession::new(model.clone()).forward_all(&prompt).unwrap();
-    let mut graphs = CudaSession::new(gm.clone());
+    let mut graphs = exact(gm.clone());
     graphs.use_graphs = true;
     graphs.prefill = None;
     let got = graphs.forward_all(&prompt).unwrap();
     let worst = compare_rows("synthetic:tiny cuda vs cpu", &got, &want, 1024);
     eprintln!("synthetic:tiny: cuda (graphs) vs cpu worst |Δ|/range = {worst:.2e}");
     // The same kernels launched eagerly give bit-identical logits.
-    let mut eager = CudaSession::new(gm.clone());
+    let mut eager = exact(gm.clone());
     eager.use_graphs = false;
     eager.prefill = None;
     let got_eager = eager.forward_all(&prompt).unwrap();
     assert!(got_eager == got, "graph replay and eager launches differ");
     // The unfused decode kernels (separate norms, MoE tail) agree with the fused ones.
-    let mut unfused = CudaSession::new(gm.clone());
+    let mut unfused = exact(gm.clone());
     unfused.fused = false;
     unfused.prefill = None;
     let got_unfused = unfused.forward_all(&prompt).unwrap();
@@ -153,7 +160,7 @@ fn cuda_synthetic_tiny_matches_cpu() {
     // The GQA-packed attention kernel from the first position, and switched to at position 150
     // (graphs for both kernels in one session).
     for from in [0usize, 150] {
-        let mut packed = CudaSession::new(gm.clone());
+        let mut packed = exact(gm.clone());
         packed.prefill = None;
         packed.attn_from = from;
         let got = packed.forward_all(&prompt).unwrap();
@@ -161,7 +168,7 @@ fn cuda_synthetic_tiny_matches_cpu() {
         eprintln!("synthetic:tiny: cuda packed attention from position {from} vs cpu worst |Δ|/range = {worst:.2e}");
     }
     // Batched fp32 prefill in chunks of 128 (the KV cache grows between chunks).
-    let mut batched = CudaSession::new(gm);
+    let mut batched = exact(gm);
     batched.prefill = Some(Precision::F32);
     batched.chunk = 128;
     let got = batched.forward_all(&prompt).unwrap();
@@ -231,7 +238,9 @@ fn cuda_layers_match_cpu_locally() {
             xs.push(x.clone());
         }
         for (prec, bound) in [(Precision::F32, 1e-9), (Precision::Bf16, 1e-3)] {
-            let mut s = CudaSession::new(gm.clone());
+            // The exact mode with the fp32 cache; bf16 products with the default bf16 cache.
+            let mut s = if prec == Precision::F32 { exact(gm.clone()) } else { CudaSession::new(gm.clone()) };
+            s.set_kv_dtype(if prec == Precision::F32 { KvDtype::F32 } else { KvDtype::Bf16 });
             let mut worst = 0f64;
             for i in 0..model.layers.len() {
                 let got = s.layer_rows(i, &xs[i], prec).unwrap();
@@ -242,5 +251,61 @@ fn cuda_layers_match_cpu_locally() {
             }
             eprintln!("{dir}: {prec:?} batched prefill, worst layer-local update nmse {worst:.2e}");
         }
+    }
+}
+
+/// The default bf16 KV cache against the fp32 one, token by token over 300 positions of
+/// synthetic:tiny (the cache grows once) and over the reference fixtures' prompts: K/V rounded to
+/// 8 mantissa bits (relative 2^-9 per element) moves the logits by a few 1e-3 of their range at
+/// most; bound 1e-2 (an indexing or layout error moves them by the whole range). Decode after a
+/// batched prefill into the bf16 cache equals decode after a token-by-token prefill within the
+/// same bound, and a bf16 session's snapshot restores bit-identically.
+#[test]
+fn cuda_bf16_kv_cache_tracks_fp32() {
+    if !have_gpu() {
+        return;
+    }
+    let tiny = Arc::new(lily::synthetic::build("tiny", None, 1024).unwrap());
+    let mut cases: Vec<(String, Arc<lily::model::Model>, Vec<u32>)> =
+        vec![("synthetic:tiny".into(), tiny, (0..300u32).map(|i| (i * 7919 + 13) % 1024).collect())];
+    for (dir, r) in [("tiny-mlx4", "tiny-mlx4"), ("tiny-hf", "tiny-hf")] {
+        let m = Arc::new(lily::weights::load_model(&fixtures().join(dir)).unwrap());
+        cases.push((dir.into(), m, reference(r).prompt));
+    }
+    for (name, model, prompt) in cases {
+        let gm = lily::cuda::upload_cached(&model).unwrap();
+        let v = model.cfg.vocab_size;
+        let step = |kv: KvDtype| {
+            let mut s = CudaSession::new(gm.clone());
+            s.set_kv_dtype(kv);
+            s.prefill = None;
+            assert_eq!(s.kv_dtype(), kv);
+            s
+        };
+        let f32_rows = step(KvDtype::F32).forward_all(&prompt).unwrap();
+        let mut s16 = step(KvDtype::Bf16);
+        let b16_rows = s16.forward_all(&prompt).unwrap();
+        let worst = rows_worst(&b16_rows, &f32_rows, v);
+        eprintln!("{name}: bf16 vs fp32 KV cache, token by token, worst |Δ|/range {worst:.2e}");
+        assert!(worst <= 1e-2, "{name}: bf16 KV cache moves the logits by {worst:.2e} of their range");
+        // Batched prefill of all but the last 8 tokens, then decode them.
+        let split = prompt.len() - 8;
+        let mut b = CudaSession::new(gm.clone());
+        b.set_kv_dtype(KvDtype::Bf16);
+        b.prefill = Some(Precision::F32);
+        b.forward_all(&prompt[..split]).unwrap();
+        let mut tail = Vec::new();
+        for &t in &prompt[split..] {
+            tail.extend(b.forward_last(&[t]).unwrap());
+        }
+        let worst = rows_worst(&tail, &b16_rows[split * v..], v);
+        eprintln!("{name}: bf16 KV, decode after batched prefill vs token by token, worst |Δ|/range {worst:.2e}");
+        assert!(worst <= 1e-2, "{name}: decode after a batched bf16-cache prefill differs by {worst:.2e}");
+        // Snapshot and restore of a bf16 cache.
+        let snap = s16.snapshot();
+        let a = s16.forward_last(&[1]).unwrap();
+        let mut r = step(KvDtype::Bf16);
+        r.restore(&snap).unwrap();
+        assert_eq!(r.forward_last(&[1]).unwrap(), a, "{name}: restored bf16-cache session differs");
     }
 }

@@ -23,6 +23,7 @@ use lily::cpu::norm::{rms_norm, sigmoid};
 use lily::cpu::rope::Rope;
 use lily::cuda::{gdn_chunk_floats, GdnPrefill, GdnPrefillKernel, GdnStep, GpuLinear, Precision};
 use lily::linear::{FloatType, Linear};
+use lily::safetensors::{bf16_to_f32, f32_to_bf16};
 
 const TOL: f64 = 1e-9;
 const TOL_BF16: f64 = 1e-4;
@@ -435,6 +436,7 @@ fn attention_prefill_matches_cpu() {
             pos: posb.ptr,
             theta,
             eps: 1e-6,
+            kv: lily::cuda::KvDtype::F32,
         };
         g.attn_prep(&prep, t, ld).unwrap();
         let name = format!("attention prefill H{nh} H_kv{hkv} D{hd} R{rot} p0 {p0} T {t}");
@@ -443,10 +445,51 @@ fn attention_prefill_matches_cpu() {
         check(&format!("{name} v cache"), &gvc.read_f32(0, (p0 + t) * kvd).unwrap(), &vc, 0.0);
         for prec in [Precision::F32, Precision::Bf16] {
             out.write_f32(0, &vec![f32::NAN; t * nh * hd]).unwrap();
-            g.attn_prefill(prec, qo.ptr, gkc.ptr, gvc.ptr, (pb.ptr, ld), out.ptr, (nh, hkv, hd), t, posb.ptr, true)
-                .unwrap();
+            g.attn_prefill(
+                prec,
+                qo.ptr,
+                gkc.ptr,
+                gvc.ptr,
+                (pb.ptr, ld),
+                out.ptr,
+                (nh, hkv, hd),
+                t,
+                posb.ptr,
+                true,
+                lily::cuda::KvDtype::F32,
+            )
+            .unwrap();
             let bound = if prec == Precision::F32 { TOL } else { TOL_ATTN_BF16 };
             check(&format!("{name} out {prec:?}"), &out.read_f32(0, t * nh * hd).unwrap(), &want, bound);
+        }
+        // The same over a bf16 cache: V rows are stored rounded to nearest even (exactly the
+        // host's rounding), K rows after the norm and RoPE (rounding of a value within fp32
+        // ulps of the CPU's); the output is within the rounding's distance of the fp32-cache
+        // result (relative 2^-9 per element: NMSE about 1e-6 here; bound 1e-5).
+        let b16 = |v: &[f32]| -> Vec<u8> { v.iter().flat_map(|&x| f32_to_bf16(x).to_le_bytes()).collect() };
+        let n = (p0 + t) * kvd;
+        let (mut k16, mut v16) = (b16(&kc[..p0 * kvd]), b16(&vc[..p0 * kvd]));
+        k16.resize(2 * n, 0xff);
+        v16.resize(2 * n, 0xff);
+        let (hkc, hvc) = (g.upload_bytes(&k16).unwrap(), g.upload_bytes(&v16).unwrap());
+        let prep16 = lily::cuda::AttnPrep { kc: hkc.ptr, vc: hvc.ptr, kv: lily::cuda::KvDtype::Bf16, ..prep };
+        g.attn_prep(&prep16, t, ld).unwrap();
+        let widen = |b: &lily::cuda::DevBuf| -> Vec<f32> {
+            let w = b.read_f32(0, n / 2).unwrap();
+            w.iter()
+                .flat_map(|x| [f32::from_bits(x.to_bits() << 16), f32::from_bits(x.to_bits() & 0xffff_0000)])
+                .collect()
+        };
+        let vr: Vec<f32> = vc.iter().map(|&x| bf16_to_f32(f32_to_bf16(x))).collect();
+        check(&format!("{name} bf16 v cache"), &widen(&hvc), &vr, 0.0);
+        check(&format!("{name} bf16 k cache"), &widen(&hkc), &kc, 1e-5);
+        for prec in [Precision::F32, Precision::Bf16] {
+            out.write_f32(0, &vec![f32::NAN; t * nh * hd]).unwrap();
+            let kv = lily::cuda::KvDtype::Bf16;
+            g.attn_prefill(prec, qo.ptr, hkc.ptr, hvc.ptr, (pb.ptr, ld), out.ptr, (nh, hkv, hd), t, posb.ptr, true, kv)
+                .unwrap();
+            let bound = if prec == Precision::F32 { 1e-5 } else { TOL_ATTN_BF16 };
+            check(&format!("{name} out {prec:?}, bf16 cache"), &out.read_f32(0, t * nh * hd).unwrap(), &want, bound);
         }
     }
 }

@@ -45,6 +45,10 @@ pub struct ModelArgs {
     /// exact; also `LILY_CPU_INT8=1`). Default: fp32 activations.
     #[arg(long)]
     pub cpu_int8: bool,
+    /// KV cache element type on the GPU: bf16 (default; scores and softmax in fp32) or f32 (the
+    /// exact mode). The CPU backend keeps an f32 cache.
+    #[arg(long, value_parser = ["auto", "bf16", "f32"], default_value = "auto")]
+    pub kv_cache_dtype: String,
 }
 
 impl ModelArgs {
@@ -72,6 +76,9 @@ impl ModelArgs {
             }
             Device::Auto => lily::cuda::gpu().is_ok(),
         };
+        if !use_cuda && self.kv_cache_dtype == "bf16" {
+            bail!("--kv-cache-dtype bf16 needs the CUDA backend (the CPU backend keeps an f32 KV cache)");
+        }
         let loaded = lily::loader::load(&self.resolve()?, self.layers)?;
         if use_cuda {
             lily::cuda::upload_cached(&loaded.model)?;
@@ -92,7 +99,14 @@ impl ModelArgs {
     /// GPU when `load` uploaded the model there, else the CPU.
     pub fn session(&self, loaded: &Loaded) -> Box<dyn Session + Send> {
         match lily::cuda::uploaded(&loaded.model) {
-            Some(m) => Box::new(lily::cuda::CudaSession::new(m)),
+            Some(m) => {
+                let mut s = lily::cuda::CudaSession::new(m);
+                if self.kv_cache_dtype != "auto" {
+                    // The value parser admits only bf16 and f32 besides auto.
+                    s.set_kv_dtype(lily::cuda::KvDtype::parse(&self.kv_cache_dtype).unwrap_or(s.kv_dtype()));
+                }
+                Box::new(s)
+            }
             None => Box::new(CpuSession::new(loaded.model.clone())),
         }
     }
@@ -100,7 +114,13 @@ impl ModelArgs {
     /// The device sessions of this model run on, for reports.
     pub fn device_name(&self, loaded: &Loaded) -> String {
         match lily::cuda::uploaded(&loaded.model) {
-            Some(m) => format!("cuda ({})", m.gpu.name),
+            Some(m) => {
+                let kv = match self.kv_cache_dtype.as_str() {
+                    "auto" => lily::cuda::KvDtype::from_env().map_or("?".into(), |k| format!("{k:?}").to_lowercase()),
+                    k => k.to_string(),
+                };
+                format!("cuda ({}, {kv} KV cache)", m.gpu.name)
+            }
             None => format!(
                 "cpu ({} threads{})",
                 rayon::current_num_threads(),

@@ -57,7 +57,6 @@ pub struct ServeArgs {
     pub quiet: bool,
 }
 
-
 /// `LILY_TEST_SCRIPTS='{"trigger": "output", ...}'`: a test-only hook that makes requests whose
 /// last message contains `trigger` generate exactly `output` (see `lily::server::Config::scripts`).
 fn scripts() -> Result<Vec<(String, String)>> {

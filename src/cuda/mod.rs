@@ -16,7 +16,7 @@ mod ops;
 pub use model::{upload_cached, uploaded, CudaModel, CudaSession};
 pub use ops::{
     gdn_chunk_floats, gdn_prefill_default, gemv_default, sampling_params_bytes, AttnDecode, AttnKernel, AttnPrep,
-    GdnPrefill, GdnPrefillKernel, GdnStep, GemvKernel, GpuLinear, Precision,
+    GdnPrefill, GdnPrefillKernel, GdnStep, GemvKernel, GpuLinear, KvDtype, Precision,
 };
 
 /// A captured CUDA graph, ready to replay on [`Gpu::stream`].
@@ -56,7 +56,7 @@ pub const SOURCES: [(&str, &str); 12] = [
 ];
 
 /// Kernel entry points loaded from the module.
-pub const KERNELS: [&str; 40] = [
+pub const KERNELS: [&str; 48] = [
     "rms_norm",
     "silu_mul",
     "silu_mul_pairs",
@@ -90,6 +90,14 @@ pub const KERNELS: [&str; 40] = [
     "attn_decode_gqa8",
     "attn_prefill",
     "attn_prefill_tc",
+    "attn_prep_bf16",
+    "attn_decode_bf16",
+    "attn_decode_gqa1_bf16",
+    "attn_decode_gqa2_bf16",
+    "attn_decode_gqa4_bf16",
+    "attn_decode_gqa8_bf16",
+    "attn_prefill_bf16",
+    "attn_prefill_tc_bf16",
     "moe_topk",
     "moe_align",
     "moe_combine",
@@ -246,7 +254,7 @@ unsafe impl Sync for Gpu {}
 /// Kernels that call `pdl_wait()` before touching activations (kernels/common.cuh) and so may be
 /// launched as programmatic dependents: their launch and weight reads overlap the previous
 /// kernel's tail.
-pub const PDL_KERNELS: [&str; 24] = [
+pub const PDL_KERNELS: [&str; 30] = [
     "sample_io",
     "attn_prep",
     "attn_decode",
@@ -255,6 +263,12 @@ pub const PDL_KERNELS: [&str; 24] = [
     "attn_decode_gqa2",
     "attn_decode_gqa4",
     "attn_decode_gqa8",
+    "attn_prep_bf16",
+    "attn_decode_bf16",
+    "attn_decode_gqa1_bf16",
+    "attn_decode_gqa2_bf16",
+    "attn_decode_gqa4_bf16",
+    "attn_decode_gqa8_bf16",
     "conv_step",
     "gdn_step",
     "gdn_step_par",

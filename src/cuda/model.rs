@@ -12,7 +12,7 @@
 //! attention over the cache, and routed experts grouped by expert on the GPU (`moe_align` →
 //! grouped GEMM → combine).
 
-use super::ops::{AttnDecode, AttnKernel, AttnPrep, GdnStep, GpuLinear, Precision};
+use super::ops::{AttnDecode, AttnKernel, AttnPrep, GdnStep, GpuLinear, KvDtype, Precision};
 use super::{gpu, DevBuf, Gpu, Graph};
 use crate::config::ModelConfig;
 use crate::generate::{Session, Snapshot};
@@ -278,6 +278,7 @@ pub(crate) fn attn_prep_args(
     q_out: u64,
     kv: [&DevBuf; 2],
     pos: u64,
+    dtype: KvDtype,
 ) -> AttnPrep {
     let (qd, kvd) = (c.q_proj_dim(), c.kv_dim());
     AttnPrep {
@@ -297,6 +298,7 @@ pub(crate) fn attn_prep_args(
         pos,
         theta: c.rope_theta,
         eps: c.rms_norm_eps,
+        kv: dtype,
     }
 }
 
@@ -401,6 +403,8 @@ pub struct CudaSession {
     /// Cached positions from which decode steps use the long-context kernel (public so tests
     /// can move the switch; graphs are keyed by the kernel, so changing it between steps is fine).
     pub attn_from: usize,
+    /// Element type of the KV caches ([`CudaSession::set_kv_dtype`]).
+    kv: KvDtype,
 }
 
 impl CudaSession {
@@ -432,6 +436,26 @@ impl CudaSession {
             fused: std::env::var("LILY_CUDA_FUSED").map_or(true, |v| v != "0"),
             routed: std::env::var("LILY_CUDA_ROUTED").map_or(true, |v| v != "0")
                 && super::gemv_default().0 != super::GemvKernel::Old,
+            kv: KvDtype::from_env().unwrap_or_else(|e| {
+                eprintln!("warning: {e:#}; using bf16");
+                KvDtype::Bf16
+            }),
+        }
+    }
+
+    /// The KV caches' element type.
+    pub fn kv_dtype(&self) -> KvDtype {
+        self.kv
+    }
+
+    /// Sets the KV caches' element type; a session that has run starts over (empty caches).
+    pub fn set_kv_dtype(&mut self, kv: KvDtype) {
+        if kv != self.kv {
+            self.kv = kv;
+            self.scratch = None;
+            self.states.clear();
+            self.graphs = Default::default();
+            self.pos = 0;
         }
     }
 
@@ -489,8 +513,8 @@ impl CudaSession {
                 }
                 LayerState::Attention { .. } => {
                     let cap = 256;
-                    let n = cap * c.kv_dim();
-                    Ok(GState::Attn { k: g.zeros(4 * n)?, v: g.zeros(4 * n)?, cap })
+                    let n = cap * c.kv_dim() * self.kv.bytes();
+                    Ok(GState::Attn { k: g.zeros(n)?, v: g.zeros(n)?, cap })
                 }
             })
             .collect()
@@ -619,12 +643,12 @@ impl CudaSession {
     /// addresses, so they are dropped).
     fn grow_kv(&mut self, need: usize) -> Result<()> {
         let g = self.model.gpu.clone();
-        let kvd = self.model.cfg.kv_dim();
+        let row = self.model.cfg.kv_dim() * self.kv.bytes();
         for st in self.states.iter_mut() {
             if let GState::Attn { k, v, cap } = st {
                 if need > *cap {
                     let ncap = (*cap * 2).max(need);
-                    let (nk, nv) = (g.zeros(4 * ncap * kvd)?, g.zeros(4 * ncap * kvd)?);
+                    let (nk, nv) = (g.zeros(ncap * row)?, g.zeros(ncap * row)?);
                     nk.copy_from(0, k.ptr, k.bytes)?;
                     nv.copy_from(0, v.ptr, v.bytes)?;
                     *k = nk;
@@ -674,7 +698,8 @@ impl CudaSession {
                 (GMixer::Attn { proj, o, q_norm, k_norm }, GState::Attn { k: kc, v: vc, .. }) => {
                     let (nh, hkv, hd) = (c.num_attention_heads, c.num_key_value_heads, c.head_dim);
                     proj.run(g, xin, in_norm, s.proj.ptr)?;
-                    g.attn_prep(&attn_prep_args(c, s.proj.ptr, [q_norm, k_norm], s.q.ptr, [kc, vc], pos_p), 1, 0)?;
+                    let prep = attn_prep_args(c, s.proj.ptr, [q_norm, k_norm], s.q.ptr, [kc, vc], pos_p, self.kv);
+                    g.attn_prep(&prep, 1, 0)?;
                     let a = AttnDecode {
                         q: s.q.ptr,
                         kc: kc.ptr,
@@ -688,6 +713,7 @@ impl CudaSession {
                         gated: c.attn_output_gate,
                         part: s.part.ptr,
                         splits: self.attn[long as usize].1,
+                        kv: self.kv,
                     };
                     g.attn_decode(&a, self.attn[long as usize].0)?;
                     g.gemv(o, s.o.ptr, 0, s.x.ptr, 1, 0, true)?;
@@ -800,8 +826,8 @@ impl CudaSession {
                 }
                 (LayerState::Attention { k, v }, GState::Attn { k: gk, v: gv, .. }) => {
                     let n = self.pos * c.kv_dim();
-                    *k = gk.read_f32(0, n)?;
-                    *v = gv.read_f32(0, n)?;
+                    *k = read_kv(gk, n, self.kv)?;
+                    *v = read_kv(gv, n, self.kv)?;
                 }
                 _ => bail!("state kinds differ"),
             }
@@ -829,19 +855,49 @@ impl CudaSession {
                     let need = k.len() / c.kv_dim().max(1);
                     if need > *cap {
                         let ncap = need.next_power_of_two().max(256);
-                        *gk = g.zeros(4 * ncap * c.kv_dim())?;
-                        *gv = g.zeros(4 * ncap * c.kv_dim())?;
+                        *gk = g.zeros(ncap * c.kv_dim() * self.kv.bytes())?;
+                        *gv = g.zeros(ncap * c.kv_dim() * self.kv.bytes())?;
                         *cap = ncap;
                         self.graphs = Default::default();
                     }
-                    gk.write_f32(0, k)?;
-                    gv.write_f32(0, v)?;
+                    write_kv(gk, k, self.kv)?;
+                    write_kv(gv, v, self.kv)?;
                 }
                 _ => bail!("snapshot is from a different model"),
             }
         }
         self.pos = st.pos;
         Ok(())
+    }
+}
+
+/// The first `n` cache elements as f32 (a bf16 cache widened exactly).
+fn read_kv(b: &DevBuf, n: usize, kv: KvDtype) -> Result<Vec<f32>> {
+    match kv {
+        KvDtype::F32 => b.read_f32(0, n),
+        KvDtype::Bf16 => {
+            // Two bf16 per f32 word: read the words, then split them.
+            let words = b.read_f32(0, n.div_ceil(2))?;
+            let mut out = Vec::with_capacity(n);
+            for w in words {
+                let u = w.to_bits();
+                out.push(f32::from_bits(u << 16));
+                out.push(f32::from_bits(u & 0xffff_0000));
+            }
+            out.truncate(n);
+            Ok(out)
+        }
+    }
+}
+
+/// Writes f32 cache rows (rounded to nearest even for a bf16 cache).
+fn write_kv(b: &DevBuf, data: &[f32], kv: KvDtype) -> Result<()> {
+    match kv {
+        KvDtype::F32 => b.write_f32(0, data),
+        KvDtype::Bf16 => {
+            let bytes: Vec<u8> = data.iter().flat_map(|&x| crate::safetensors::f32_to_bf16(x).to_le_bytes()).collect();
+            b.write_bytes(0, &bytes)
+        }
     }
 }
 

@@ -745,14 +745,17 @@ impl Gpu {
         t: usize,
         pos0: u64,
         gated: bool,
+        kv: KvDtype,
     ) -> Result<()> {
         let (nh, hkv, hd) = dims;
         if !hd.is_multiple_of(32) || hd > 256 || !nh.is_multiple_of(hkv) {
             bail!("attn_prefill: head dim {hd} / heads {nh}:{hkv} unsupported");
         }
-        let (name, grid, block) = match prec {
-            Precision::F32 => ("attn_prefill", blocks(t * (nh / hkv), 8), 256),
-            Precision::Bf16 => ("attn_prefill_tc", blocks(t * (nh / hkv), 64), 128),
+        let (name, grid, block) = match (prec, kv) {
+            (Precision::F32, KvDtype::F32) => ("attn_prefill", blocks(t * (nh / hkv), 8), 256),
+            (Precision::F32, KvDtype::Bf16) => ("attn_prefill_bf16", blocks(t * (nh / hkv), 8), 256),
+            (Precision::Bf16, KvDtype::F32) => ("attn_prefill_tc", blocks(t * (nh / hkv), 64), 128),
+            (Precision::Bf16, KvDtype::Bf16) => ("attn_prefill_tc_bf16", blocks(t * (nh / hkv), 64), 128),
         };
         self.launch(
             name,
@@ -833,7 +836,7 @@ impl Gpu {
             bail!("attention: head dim {} unsupported (multiple of 32, at most 256)", p.hd);
         }
         self.launch(
-            "attn_prep",
+            if p.kv == KvDtype::Bf16 { "attn_prep_bf16" } else { "attn_prep" },
             ((p.nh + p.hkv) as u32, t as u32, 1),
             p.hd as u32,
             &[
@@ -874,12 +877,19 @@ impl Gpu {
             _ => None,
         };
         // Both kernels take (q, kc, vc, part, heads.., hd, pos, scale); the packed one only H_kv.
+        let bf16 = a.kv == KvDtype::Bf16;
         let (name, grid_x, heads) = match packed {
             Some(g) => {
-                let names = ["attn_decode_gqa1", "attn_decode_gqa2", "attn_decode_gqa4", "attn_decode_gqa8"];
+                let names = if bf16 {
+                    ["attn_decode_gqa1_bf16", "attn_decode_gqa2_bf16", "attn_decode_gqa4_bf16", "attn_decode_gqa8_bf16"]
+                } else {
+                    ["attn_decode_gqa1", "attn_decode_gqa2", "attn_decode_gqa4", "attn_decode_gqa8"]
+                };
                 (names[g.trailing_zeros() as usize], hkv, vec![Arg::I(hkv as i32)])
             }
-            None => ("attn_decode", nh, vec![Arg::I(nh as i32), Arg::I(hkv as i32)]),
+            None => {
+                (if bf16 { "attn_decode_bf16" } else { "attn_decode" }, nh, vec![Arg::I(nh as i32), Arg::I(hkv as i32)])
+            }
         };
         let args = [
             &[Arg::P(a.q), Arg::P(a.kc), Arg::P(a.vc), Arg::P(a.part)][..],
@@ -1165,6 +1175,40 @@ pub struct AttnDecode {
     /// `[H_q, splits, D + 2]` f32 scratch.
     pub part: u64,
     pub splits: usize,
+    /// Element type of `kc`/`vc`.
+    pub kv: KvDtype,
+}
+
+/// Element type of the KV cache: bf16 (the default: half the bytes per decode step, scores and
+/// softmax still fp32) or fp32 (the exact mode; `LILY_CUDA_KV=f32`, `--kv-cache-dtype f32`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum KvDtype {
+    F32,
+    Bf16,
+}
+
+impl KvDtype {
+    /// Bytes per cached element.
+    pub fn bytes(self) -> usize {
+        match self {
+            KvDtype::F32 => 4,
+            KvDtype::Bf16 => 2,
+        }
+    }
+
+    /// `f32` or `bf16` (also what `--kv-cache-dtype` and `LILY_CUDA_KV` take).
+    pub fn parse(s: &str) -> Result<KvDtype> {
+        match s {
+            "f32" | "fp32" | "float32" => Ok(KvDtype::F32),
+            "bf16" | "bfloat16" => Ok(KvDtype::Bf16),
+            _ => bail!("KV cache dtype `{s}`: expected bf16 or f32"),
+        }
+    }
+
+    /// The process default: `LILY_CUDA_KV`, else bf16.
+    pub fn from_env() -> Result<KvDtype> {
+        std::env::var("LILY_CUDA_KV").map_or(Ok(KvDtype::Bf16), |v| KvDtype::parse(&v))
+    }
 }
 
 /// Arguments of [`Gpu::attn_prep`].
@@ -1186,4 +1230,6 @@ pub struct AttnPrep {
     pub pos: u64,
     pub theta: f64,
     pub eps: f32,
+    /// Element type of `kc`/`vc`.
+    pub kv: KvDtype,
 }

@@ -182,7 +182,8 @@ impl CudaSession {
                 let (qd, kvd) = (c.q_proj_dim(), c.kv_dim());
                 let ldp = qd + 2 * kvd;
                 proj.run_rows(g, prec, p.xn.ptr, h, p.proj.ptr, ldp, t)?;
-                let prep = super::attn_prep_args(c, p.proj.ptr, [q_norm, k_norm], p.q.ptr, [kc, vc], p.pos.ptr);
+                let prep =
+                    super::attn_prep_args(c, p.proj.ptr, [q_norm, k_norm], p.q.ptr, [kc, vc], p.pos.ptr, self.kv);
                 g.attn_prep(&prep, t, ldp)?;
                 g.attn_prefill(
                     prec,
@@ -195,6 +196,7 @@ impl CudaSession {
                     t,
                     p.pos.ptr,
                     c.attn_output_gate,
+                    self.kv,
                 )?;
                 g.gemm(o, prec, p.o.ptr, nh * hd, p.x.ptr, h, t, true)?;
             }
