@@ -47,7 +47,9 @@
  *   into the split's partial part[h, s] = (M_s, l_s, o_s), merged by attn_combine (one block per
  *   query head; a merge inside the last block of each KV head was tried: one SM per KV head
  *   reading all partials made it slower at 4K). Requires G in {1, 2, 4, 8}, D % 32 == 0,
- *   D <= 256.
+ *   D <= 256. Over a bf16 cache a lane's rows stay packed (4 words: dims nd*lane..) and the next
+ *   round's 2U rows are loaded before the current round is computed (register double buffer), so
+ *   a warp always has a round of loads in flight.
  */
 
 /* KV cache element loads and stores (fp32, or bf16 bits in a u16). */
@@ -99,6 +101,37 @@ __device__ __forceinline__ void kv_row(const u16* row, int lane, int nd, bool ok
         for (int i = 0; i < 8; i++) o[i] = ok && i < nd ? bf16_to_f32(p[i]) : 0.f;
     }
 }
+
+/* A lane's nd bf16 values of one cache row, packed two per word (zeros when !ok or past nd). */
+__device__ __forceinline__ uint4 kv_raw(const u16* row, int lane, int nd, bool ok) {
+    uint4 v = make_uint4(0u, 0u, 0u, 0u);
+    if (!ok) return v;
+    const u16* p = row + nd * lane;
+    if (nd == 8) {
+        v = *(const uint4*)p;
+    } else if (nd == 4) {
+        uint2 h = *(const uint2*)p;
+        v.x = h.x;
+        v.y = h.y;
+    } else if (nd == 2) {
+        v.x = *(const u32*)p;
+    } else {
+        u32 w[4] = {0u, 0u, 0u, 0u};
+#pragma unroll
+        for (int i = 0; i < 8; i++)
+            if (i < nd) w[i >> 1] |= (u32)p[i] << (16 * (i & 1));
+        v = make_uint4(w[0], w[1], w[2], w[3]);
+    }
+    return v;
+}
+/* Value i (0..7) of a packed row. */
+__device__ __forceinline__ float bf16_word(uint4 v, int i) {
+    u32 w = (i >> 1) == 0 ? v.x : (i >> 1) == 1 ? v.y : (i >> 1) == 2 ? v.z : v.w;
+    return __uint_as_float((i & 1) ? (w & 0xffff0000u) : (w << 16));
+}
+template <typename KV> __device__ __forceinline__ constexpr bool bf16_cache() { return false; }
+template <> __device__ __forceinline__ constexpr bool bf16_cache<u16>() { return true; }
+__device__ __forceinline__ uint4 kv_raw(const float*, int, int, bool) { return make_uint4(0u, 0u, 0u, 0u); }
 
 template <typename KV>
 __device__ __forceinline__ void attn_prep_t(const float* qg, const float* kin, const float* vin, const float* qn,
@@ -293,6 +326,56 @@ __device__ __forceinline__ float reduce_scatter(float (&d)[1 << LG], int lane) {
     return v;
 }
 
+/* One round of the packed decode kernel: U positions p0 .. p0 + U - 1 (those >= hi masked) of
+   G query heads; kat(u, i) / vat(u, i) give value i of this lane's share of position u's K / V
+   row. Scores by a reduce-scatter (lane l ends with head l >> (5 - LG)), one online-softmax update
+   per round, then the V accumulation with the weights broadcast from the owning lanes. */
+template <int LG, int U, typename KF, typename VF>
+__device__ __forceinline__ void gqa_round(int p0, int hi, const float (&qv)[1 << LG][8], float (&o)[1 << LG][8],
+                                          float& m, float& l, int lane, KF kat, VF vat) {
+    constexpr int G = 1 << LG;
+    float sc[U];
+#pragma unroll
+    for (int u = 0; u < U; u++) {
+        float d[G];
+#pragma unroll
+        for (int g = 0; g < G; g++) {
+            float a = 0.f;
+#pragma unroll
+            for (int i = 0; i < 8; i++) a += qv[g][i] * kat(u, i);
+            d[g] = a;
+        }
+        float v = reduce_scatter<LG>(d, lane);
+        sc[u] = p0 + u < hi ? v : -INFINITY;
+    }
+    float mx = m;
+#pragma unroll
+    for (int u = 0; u < U; u++) mx = fmaxf(mx, sc[u]);
+    float corr = expf(m - mx), pw[U];
+    l *= corr;
+#pragma unroll
+    for (int u = 0; u < U; u++) {
+        pw[u] = expf(sc[u] - mx);
+        l += pw[u];
+    }
+    m = mx;
+#pragma unroll
+    for (int g = 0; g < G; g++) {
+        const int src = g << (5 - LG);
+        float c = __shfl_sync(0xffffffffu, corr, src);
+        float pg[U];
+#pragma unroll
+        for (int u = 0; u < U; u++) pg[u] = __shfl_sync(0xffffffffu, pw[u], src);
+#pragma unroll
+        for (int i = 0; i < 8; i++) {
+            float a = o[g][i] * c;
+#pragma unroll
+            for (int u = 0; u < U; u++) a += pg[u] * vat(u, i);
+            o[g][i] = a;
+        }
+    }
+}
+
 template <int LG, typename KV>
 __device__ __forceinline__ void attn_gqa(const float* q, const KV* kc, const KV* vc, float* part, int hkv,
                                          int hd, const int* pos_p, float scale) {
@@ -319,53 +402,43 @@ __device__ __forceinline__ void attn_gqa(const float* q, const KV* kc, const KV*
         }
     float m = -INFINITY, l = 0.f;
     const long long rs = (long long)hkv * hd; /* cache row stride */
-    for (int p0 = lo + warp * U; p0 < hi; p0 += 8 * U) {
-        float kr[U][8], vr[U][8];
+    if constexpr (bf16_cache<KV>()) {
+        /* bf16: rows stay packed (4 words per lane) and the next round's rows are loaded before
+           this round is computed, so every warp keeps a round of loads in flight. */
+        uint4 kb[U], vb[U];
+        int p0 = lo + warp * U;
 #pragma unroll
         for (int u = 0; u < U; u++) {
-            bool ok = p0 + u < hi;
-            kv_row(kc + (p0 + u) * rs + kvh * hd, lane, nd, ok, kr[u]);
-            kv_row(vc + (p0 + u) * rs + kvh * hd, lane, nd, ok, vr[u]);
+            kb[u] = kv_raw(kc + (long long)(p0 + u) * rs + kvh * hd, lane, nd, p0 + u < hi);
+            vb[u] = kv_raw(vc + (long long)(p0 + u) * rs + kvh * hd, lane, nd, p0 + u < hi);
         }
-        float sc[U];
+        for (; p0 < hi; p0 += 8 * U) {
+            uint4 kn[U], vn[U];
+            const int p1 = p0 + 8 * U;
 #pragma unroll
-        for (int u = 0; u < U; u++) {
-            float d[G];
-#pragma unroll
-            for (int g = 0; g < G; g++) {
-                float a = 0.f;
-#pragma unroll
-                for (int i = 0; i < 8; i++) a += qv[g][i] * kr[u][i];
-                d[g] = a;
+            for (int u = 0; u < U; u++) {
+                kn[u] = kv_raw(kc + (long long)(p1 + u) * rs + kvh * hd, lane, nd, p1 + u < hi);
+                vn[u] = kv_raw(vc + (long long)(p1 + u) * rs + kvh * hd, lane, nd, p1 + u < hi);
             }
-            float v = reduce_scatter<LG>(d, lane);
-            sc[u] = p0 + u < hi ? v : -INFINITY;
-        }
-        float mx = m;
+            gqa_round<LG, U>(p0, hi, qv, o, m, l, lane, [&](int u, int i) { return bf16_word(kb[u], i); },
+                             [&](int u, int i) { return bf16_word(vb[u], i); });
 #pragma unroll
-        for (int u = 0; u < U; u++) mx = fmaxf(mx, sc[u]);
-        float corr = expf(m - mx), pw[U];
-        l *= corr;
-#pragma unroll
-        for (int u = 0; u < U; u++) {
-            pw[u] = expf(sc[u] - mx);
-            l += pw[u];
-        }
-        m = mx;
-#pragma unroll
-        for (int g = 0; g < G; g++) {
-            const int src = g << (5 - LG);
-            float c = __shfl_sync(0xffffffffu, corr, src);
-            float pg[U];
-#pragma unroll
-            for (int u = 0; u < U; u++) pg[u] = __shfl_sync(0xffffffffu, pw[u], src);
-#pragma unroll
-            for (int i = 0; i < 8; i++) {
-                float a = o[g][i] * c;
-#pragma unroll
-                for (int u = 0; u < U; u++) a += pg[u] * vr[u][i];
-                o[g][i] = a;
+            for (int u = 0; u < U; u++) {
+                kb[u] = kn[u];
+                vb[u] = vn[u];
             }
+        }
+    } else {
+        for (int p0 = lo + warp * U; p0 < hi; p0 += 8 * U) {
+            float kr[U][8], vr[U][8];
+#pragma unroll
+            for (int u = 0; u < U; u++) {
+                bool ok = p0 + u < hi;
+                kv_row(kc + (p0 + u) * rs + kvh * hd, lane, nd, ok, kr[u]);
+                kv_row(vc + (p0 + u) * rs + kvh * hd, lane, nd, ok, vr[u]);
+            }
+            gqa_round<LG, U>(p0, hi, qv, o, m, l, lane, [&](int u, int i) { return kr[u][i]; },
+                             [&](int u, int i) { return vr[u][i]; });
         }
     }
     /* Merge the 8 warps: block max per head, then rescaled sums added warp by warp in a fixed
