@@ -72,11 +72,57 @@ impl ModelArgs {
             }
             Device::Auto => lily::cuda::gpu().is_ok(),
         };
+        let why = match self.device {
+            Device::Cpu => "--device cpu",
+            Device::Cuda => "--device cuda",
+            Device::Auto if use_cuda => "auto: a CUDA GPU was found",
+            Device::Auto => "auto: no CUDA GPU/driver found",
+        };
         let loaded = lily::loader::load(&self.resolve()?, self.layers)?;
         if use_cuda {
             lily::cuda::upload_cached(&loaded.model)?;
         }
+        eprintln!("{}", self.banner(&loaded, why));
         Ok(loaded)
+    }
+
+    /// The start-up banner: what was loaded, where it runs and why, and its memory.
+    fn banner(&self, loaded: &Loaded, why: &str) -> String {
+        let m = &loaded.model;
+        let c = &m.cfg;
+        let (params, bytes) = m.weight_totals();
+        let format = match &c.quantization {
+            Some(q) => format!("MLX {}-bit, group {}", q.bits, q.group_size),
+            None => format!("HF {:?}", m.embed.w.format().2).to_lowercase(),
+        };
+        let n_attn = c.num_attention_layers();
+        let ffn = if c.num_experts > 0 {
+            format!("{} experts top-{} + shared", c.num_experts, c.num_experts_per_tok)
+        } else {
+            "dense MLP".into()
+        };
+        let (state, kv_f32) = m.state_bytes();
+        let gpu = lily::cuda::uploaded(m).is_some();
+        let kv = if gpu && self.kv_cache_dtype != "f32" && lily::cuda::KvDtype::from_env().ok() != Some(lily::cuda::KvDtype::F32) {
+            kv_f32 / 2
+        } else {
+            kv_f32
+        };
+        let gib = |b: usize| b as f64 / (1u64 << 30) as f64;
+        format!(
+            "lily | {} ({}, {format}) | {:.2}B parameters, {:.2} GiB of weights | {} layers ({} Gated DeltaNet + {n_attn} attention), {ffn} | context {} | device {} ({why}) | KV cache {} KiB per token ({:.2} GiB at the full context) + {:.0} MiB recurrent state",
+            self.model,
+            c.model_type,
+            params as f64 / 1e9,
+            gib(bytes),
+            c.num_hidden_layers,
+            c.num_hidden_layers - n_attn,
+            c.max_position_embeddings,
+            self.device_name(loaded),
+            kv >> 10,
+            gib(kv * c.max_position_embeddings),
+            (state / 2) as f64 / (1u64 << 20) as f64,
+        )
     }
 
     /// The directory (or `synthetic:NAME`) that `--model` names: a Hugging Face id becomes its
