@@ -133,6 +133,11 @@ pub struct GenerateOptions {
     pub presence_penalty: f32,
     /// OpenAI frequency penalty: subtracted per occurrence in the generated tokens.
     pub frequency_penalty: f32,
+    /// vLLM's repetition penalty (None or 1: off): the logit of every token seen in
+    /// `penalty_prompt` or generated so far is divided by it when positive, multiplied when not.
+    pub repetition_penalty: Option<f32>,
+    /// The prompt tokens the repetition penalty counts (the caller's prompt).
+    pub penalty_prompt: Vec<u32>,
     /// Report the log-probability of each sampled token and this many top alternatives.
     pub logprobs: Option<usize>,
 }
@@ -234,7 +239,10 @@ pub fn decode_with(
     let mut counts: HashMap<u32, u32> = HashMap::new();
     let mut finish = FinishReason::Length;
     let mut eos_token = None;
-    let penalize = opts.presence_penalty != 0.0 || opts.frequency_penalty != 0.0;
+    let repetition = opts.repetition_penalty.filter(|&p| p != 1.0);
+    let mut seen: std::collections::HashSet<u32> =
+        if repetition.is_some() { opts.penalty_prompt.iter().copied().collect() } else { Default::default() };
+    let penalize = opts.presence_penalty != 0.0 || opts.frequency_penalty != 0.0 || repetition.is_some();
     // Without penalties or logprobs the session picks the next token itself (on the GPU for
     // CUDA sessions: argmax, or a seeded draw), one token per call so EOS and stop strings end
     // it exactly. The first token, from the prompt's logits, is drawn here.
@@ -247,6 +255,9 @@ pub fn decode_with(
         let lp = opts.logprobs.map(|k| (log_softmax(&logits), k));
         if penalize {
             apply_penalties(&mut logits, &counts, opts.presence_penalty, opts.frequency_penalty);
+            if let Some(p) = repetition {
+                crate::sampling::apply_repetition_penalty(&mut logits, &seen, p);
+            }
         }
         if let Some(c) = constraint.as_deref_mut().filter(|c| c.is_active()) {
             let mask = match next_mask.take() {
@@ -266,6 +277,9 @@ pub fn decode_with(
         }
         tokens.push(next);
         *counts.entry(next).or_insert(0) += 1;
+        if repetition.is_some() {
+            seen.insert(next);
+        }
         let info = lp.map(|(lp, k)| TokenLogprobs { token: next, logprob: lp[next as usize], top: top_k_of(&lp, k) });
         if let Flow::Stop = on_step(&Step { token: next, logprobs: info.as_ref() })? {
             finish = FinishReason::Stopped;
@@ -501,6 +515,21 @@ mod tests {
         let logits = s.forward_last(&[0]).unwrap();
         let g = decode(&mut s, logits, &opts, |_| Ok(Flow::Continue)).unwrap();
         assert_eq!(g.tokens, vec![2, 1, 2]);
+        // vLLM's repetition penalty counts the prompt: 2 (in the prompt) drops to 5/1.5 < 4, so
+        // 1 comes first; once both are seen 2 leads again.
+        let mut s = Fake { pos: 0, next: vec![2], vocab: 4 };
+        let opts = GenerateOptions {
+            max_tokens: 3,
+            repetition_penalty: Some(1.5),
+            penalty_prompt: vec![0, 2],
+            ..Default::default()
+        };
+        let logits = s.forward_last(&[0, 2]).unwrap();
+        let g = decode(&mut s, logits, &opts, |_| Ok(Flow::Continue)).unwrap();
+        assert_eq!(g.tokens, vec![1, 2, 2]);
+        let mut l = vec![-2.0, 3.0, 1.0];
+        crate::sampling::apply_repetition_penalty(&mut l, &[0u32, 1].into_iter().collect(), 2.0);
+        assert_eq!(l, vec![-4.0, 1.5, 1.0]);
     }
 
     #[test]

@@ -48,6 +48,15 @@ fn tune_allocator() {
 fn main() {
     tune_allocator();
     let cli = Cli::parse();
+    // Log lines (the server's per-request lines) on stderr; RUST_LOG filters them (default info).
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_target(false)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        .init();
     let result = match cli.cmd {
         Cmd::Run(a) => cli::run::run(a),
         Cmd::Chat(a) => cli::run::chat(a),

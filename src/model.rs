@@ -109,6 +109,38 @@ impl Model {
         total
     }
 
+    /// Parameters of the weight matrices (every expert; norms and other vectors left out) and
+    /// the bytes they are stored in, for the start-up banner.
+    pub fn weight_totals(&self) -> (usize, usize) {
+        let (mut params, mut bytes) = (0usize, 0usize);
+        let mut add = |l: &crate::linear::Linear| {
+            params += l.rows * l.cols;
+            bytes += l.nbytes();
+        };
+        add(&self.embed);
+        if !self.cfg.tie_word_embeddings {
+            add(&self.lm_head);
+        }
+        for l in &self.layers {
+            match &l.mixer {
+                Mixer::Gdn(g) => [&g.in_qkv, &g.in_z, &g.in_b, &g.in_a, &g.out].into_iter().for_each(&mut add),
+                Mixer::Attention(a) => [&a.q, &a.k, &a.v, &a.o].into_iter().for_each(&mut add),
+            }
+            let mlps: Vec<&Mlp> = match &l.ffn {
+                Ffn::Dense(m) => vec![m],
+                Ffn::Moe(m) => {
+                    add(&m.router);
+                    add(&m.shared_gate);
+                    std::iter::once(&m.shared).chain(&m.experts).collect()
+                }
+            };
+            for m in mlps {
+                [&m.gate, &m.up, &m.down].into_iter().for_each(&mut add);
+            }
+        }
+        (params, bytes)
+    }
+
     /// Multiply-adds of the weight products for one token (the experts a token uses: top-k and
     /// the shared one; the lm_head; not the embedding gather).
     pub fn macs_per_token(&self) -> usize {

@@ -1,43 +1,48 @@
-//! A one-line progress bar on stderr, drawn only when stderr is a terminal.
+//! Progress bars on stderr (indicatif), drawn only when stderr is a terminal and
+//! `LILY_NO_PROGRESS` is unset.
 
-use std::io::{IsTerminal, Write};
-use std::time::Instant;
+use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+use std::io::IsTerminal;
 
 pub struct Progress {
-    label: &'static str,
-    total: usize,
-    done: usize,
-    start: Instant,
-    enabled: bool,
+    bar: ProgressBar,
+}
+
+/// Whether bars are drawn: stderr is a terminal and `LILY_NO_PROGRESS` is unset.
+pub fn enabled() -> bool {
+    std::io::stderr().is_terminal() && std::env::var_os("LILY_NO_PROGRESS").is_none()
 }
 
 impl Progress {
-    pub fn new(label: &'static str, total: usize) -> Progress {
-        let enabled = std::io::stderr().is_terminal() && std::env::var_os("LILY_NO_PROGRESS").is_none();
-        Progress { label, total, done: 0, start: Instant::now(), enabled }
+    /// A bar of `total` steps labelled `label`.
+    pub fn new(label: &str, total: usize) -> Progress {
+        let bar = ProgressBar::with_draw_target(
+            Some(total as u64),
+            if enabled() { ProgressDrawTarget::stderr() } else { ProgressDrawTarget::hidden() },
+        );
+        let style = ProgressStyle::with_template("{prefix} [{bar:30}] {pos}/{len} {elapsed_precise} {msg}")
+            .unwrap_or_else(|_| ProgressStyle::default_bar())
+            .progress_chars("#>-");
+        bar.set_style(style);
+        bar.set_prefix(label.to_string());
+        Progress { bar }
     }
 
     pub fn tick(&mut self) {
-        self.done += 1;
-        if self.enabled {
-            let width = 30;
-            let filled = width * self.done / self.total.max(1);
-            eprint!(
-                "\r{} [{}{}] {}/{} {:.1}s",
-                self.label,
-                "#".repeat(filled),
-                " ".repeat(width - filled),
-                self.done,
-                self.total,
-                self.start.elapsed().as_secs_f32()
-            );
-            let _ = std::io::stderr().flush();
-        }
+        self.bar.inc(1);
     }
 
+    pub fn inc(&mut self, n: usize) {
+        self.bar.inc(n as u64);
+    }
+
+    /// Text after the bar (a running value, say).
+    pub fn message(&mut self, msg: String) {
+        self.bar.set_message(msg);
+    }
+
+    /// Leaves the finished bar on its line.
     pub fn finish(&mut self) {
-        if self.enabled {
-            eprintln!();
-        }
+        self.bar.finish();
     }
 }

@@ -112,6 +112,16 @@ pub fn apply_penalties(
     }
 }
 
+/// vLLM's repetition penalty: for every token `t` in `seen` (the prompt's and the generated
+/// tokens), `logit[t] /= p` when positive, `logit[t] *= p` otherwise (p > 1 discourages repeats).
+pub fn apply_repetition_penalty(logits: &mut [f32], seen: &std::collections::HashSet<u32>, p: f32) {
+    for &t in seen {
+        if let Some(l) = logits.get_mut(t as usize) {
+            *l = if *l > 0.0 { *l / p } else { *l * p };
+        }
+    }
+}
+
 pub struct Sampler {
     pub params: SamplingParams,
     rng: Rng,

@@ -4,6 +4,20 @@ mod common;
 use common::*;
 use std::process::Command;
 
+fn lily_stdin(args: &[&str], input: &str) -> (bool, String, String) {
+    use std::io::Write;
+    let mut child = Command::new(env!("CARGO_BIN_EXE_lily"))
+        .args(args)
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("running lily");
+    child.stdin.take().unwrap().write_all(input.as_bytes()).unwrap();
+    let out = child.wait_with_output().unwrap();
+    (out.status.success(), String::from_utf8_lossy(&out.stdout).into(), String::from_utf8_lossy(&out.stderr).into())
+}
+
 fn lily(args: &[&str]) -> (bool, String, String) {
     let out = Command::new(env!("CARGO_BIN_EXE_lily")).args(args).output().expect("running lily");
     (out.status.success(), String::from_utf8_lossy(&out.stdout).into(), String::from_utf8_lossy(&out.stderr).into())
@@ -29,6 +43,7 @@ fn run_json_gives_mlx_lm_greedy_tokens() {
         "8",
         "--temperature",
         "0",
+        "--exact",
         "--json",
     ]);
     assert!(ok, "{err}");
@@ -96,6 +111,7 @@ fn perplexity_dumps_the_reference_logits() {
         dump.to_str().unwrap(),
         "--chunk",
         "64",
+        "--exact",
         "--json",
     ]);
     assert!(ok, "{err}");
@@ -199,4 +215,67 @@ fn familiar_flags_are_aliases() {
     assert!(!ok && err.contains("--ctx-size"), "{err}");
     let (ok, out, _) = lily(&["--version"]);
     assert!(ok && out.contains("commit") && out.contains("cuda"), "{out}");
+}
+
+/// The CPU runs int8 activations unless --exact (or LILY_EXACT=1) asks for the fp32 reference;
+/// the banner says which, and contradicting flags are refused.
+#[test]
+fn the_fast_path_is_the_default_and_exact_a_flag_away() {
+    let m = model("tiny-mlx4");
+    let args = ["run", "-m", &m, "--prompt-tokens", "1,2,3", "-n", "2", "--device", "cpu"];
+    let (ok, _, err) = lily(&args);
+    assert!(ok && err.contains("int8 activations"), "{err}");
+    let (ok, _, err) = lily(&[&args[..], &["--exact"]].concat());
+    assert!(ok && err.contains("fp32 activations (exact)"), "{err}");
+    let out = Command::new(env!("CARGO_BIN_EXE_lily")).args(args).env("LILY_EXACT", "1").output().unwrap();
+    assert!(String::from_utf8_lossy(&out.stderr).contains("fp32 activations (exact)"));
+    let (ok, _, err) = lily(&[&args[..], &["--exact", "--cpu-int8"]].concat());
+    assert!(!ok && err.contains("contradict"), "{err}");
+    // The banner names the model's shape and memory.
+    let (_, _, err) = lily(&args);
+    assert!(err.contains("qwen3_5_moe") && err.contains("MLX 4-bit") && err.contains("KV cache"), "{err}");
+}
+
+/// chat: commands answer on stderr, an overflowing context is reported and the session goes on.
+#[test]
+fn chat_commands_answer_and_errors_keep_the_session() {
+    let input = "/help\n/think off\nhello\n/bogus\n/reset\n/quit\n";
+    let (ok, out, err) = lily_stdin(&["chat", "-m", "synthetic:tiny", "-n", "3", "--device", "cpu"], input);
+    assert!(ok, "{err}");
+    assert!(err.contains("/think on|off") && err.contains("thinking off"), "{err}");
+    assert!(err.contains("unknown command /bogus"), "{err}");
+    assert!(err.contains("conversation cleared (2 messages forgotten)"), "{err}");
+    assert!(err.contains("3 tokens") && err.contains("tok/s"), "per-turn stats: {err}");
+    assert!(!out.is_empty());
+    // A context too small for the message: reported, and the next command still runs.
+    let (ok, _, err) =
+        lily_stdin(&["chat", "-m", "synthetic:tiny", "-c", "4", "--device", "cpu"], "hello there\n/reset\n");
+    assert!(ok, "{err}");
+    assert!(err.contains("/reset to start over") && err.contains("conversation cleared (0 messages"), "{err}");
+}
+
+/// perplexity in windows with a stride: every token after the first is scored once, with a
+/// standard error; windows must fit the model.
+#[test]
+fn perplexity_scores_in_strided_windows() {
+    let dir = std::env::temp_dir().join(format!("lily-pplw-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let toks = dir.join("tokens.txt");
+    std::fs::write(&toks, (0..100).map(|i| ((i * 37) % 500).to_string()).collect::<Vec<_>>().join(" ")).unwrap();
+    let m = model("tiny-mlx4");
+    let base = ["perplexity", "-m", &m, "--tokens-file", toks.to_str().unwrap(), "--json"];
+    let (ok, out, err) = lily(&[&base[..], &["--ctx-size", "32", "--stride", "16"]].concat());
+    assert!(ok, "{err}");
+    let v: serde_json::Value = serde_json::from_str(out.trim()).unwrap();
+    assert_eq!(v["scored"], 99);
+    assert_eq!(v["windows"], 6, "{v}");
+    assert!(v["perplexity_stderr"].as_f64().unwrap() > 0.0 && v["perplexity"].as_f64().unwrap() > 1.0);
+    let (ok, out, _) = lily(&base);
+    assert!(ok);
+    assert_eq!(serde_json::from_str::<serde_json::Value>(out.trim()).unwrap()["windows"], 1);
+    let (ok, _, err) = lily(&[&base[..], &["--ctx-size", "300000"]].concat());
+    assert!(!ok && err.contains("exceeds the model's context"), "{err}");
+    let (ok, _, err) = lily(&[&base[..], &["--ctx-size", "32", "--stride", "40"]].concat());
+    assert!(!ok && err.contains("--stride"), "{err}");
+    std::fs::remove_dir_all(&dir).ok();
 }

@@ -114,7 +114,8 @@ fn run(lark: &str, seed: u64, think_at: Option<usize>, temperature: f32) -> (Str
 fn type_ok(v: &Value, t: &str) -> bool {
     match t {
         "string" => v.is_string(),
-        "integer" => v.is_i64() || v.is_u64(),
+        // JSON Schema: any number with a zero fractional part (`-0`, `2.0`).
+        "integer" => v.is_i64() || v.is_u64() || v.as_f64().is_some_and(|f| f.fract() == 0.0),
         "number" => v.is_number(),
         "boolean" => v.is_boolean(),
         "null" => v.is_null(),

@@ -126,7 +126,9 @@ pub fn run(a: BenchArgs) -> Result<()> {
         None => None,
     };
     let peak = gpu.as_ref().and_then(|g| g.bf16_peak_tflops());
-    let (rec_bytes, kv_per_pos) = model.state_bytes();
+    let (rec_bytes, kv_f32) = model.state_bytes();
+    // The GPU's cache may be bf16 (the CPU's is fp32).
+    let kv_per_pos = if gpu.is_some() { kv_f32 / 4 * a.model.gpu_kv().bytes() } else { kv_f32 };
     let c = &model.cfg;
     let n_attn = model.layers.iter().filter(|l| matches!(l.mixer, lily::model::Mixer::Attention(_))).count();
     // Bytes a decode step moves at context `ctx`, and FLOPs per prompt token of a `ctx` prefill.
@@ -135,6 +137,34 @@ pub fn run(a: BenchArgs) -> Result<()> {
         2.0 * model.macs_per_token() as f64
             + (n_attn * 2 * 2 * c.num_attention_heads * c.head_dim) as f64 * ctx as f64 / 2.0
     };
+    let threads = rayon::current_num_threads();
+    let device = a.model.device_name(&loaded);
+    let pct = |v: f64, of: Option<f64>| of.map(|o| format!("{:.1}%", 100.0 * v / o)).unwrap_or("-".into());
+    if !a.json {
+        println!(
+            "lily bench | device {device} | commit {} | model {} ({} layers) | weights read per decode token {:.1} MB{}",
+            env!("LILY_GIT_COMMIT"),
+            a.model.model,
+            model.cfg.num_hidden_layers,
+            bytes as f64 / 1e6,
+            membw.map(|b| format!(" | memory bandwidth {b:.0} GB/s (measured)")).unwrap_or_default()
+        );
+        if a.repeat > 1 {
+            println!("rates are medians of {} measured runs per context", a.repeat);
+        }
+        if let Some(g) = &gpu {
+            println!(
+                "driver CUDA {} | kernels: {} | bf16 tensor-core peak {}",
+                g.driver_version(),
+                g.kernel_flags(),
+                peak.map(|p| format!("{p:.0} TFLOP/s (specification)")).unwrap_or("unknown".into())
+            );
+        }
+        println!(
+            "| context | prefill tok/s | prefill TFLOP/s | share of bf16 peak | decode tok/s | decode GB/s | share of memory bw |"
+        );
+        println!("|---:|---:|---:|---:|---:|---:|---:|");
+    }
     let mut rows = Vec::new();
     for &ctx in &contexts {
         let prompt = prompt_tokens(ctx, model.cfg.vocab_size);
@@ -150,11 +180,25 @@ pub fn run(a: BenchArgs) -> Result<()> {
         }
         let prefill_tps = median(runs.iter().map(|r| r.0).collect());
         let decode_tps = median(runs.iter().map(|r| r.1).collect());
-        rows.push(Row { context: ctx, prefill_tps, decode_tps, runs });
+        let r = Row { context: ctx, prefill_tps, decode_tps, runs };
+        if !a.json {
+            // Each row as soon as it is measured (long contexts take minutes).
+            let gbs = r.decode_tps * step_bytes(r.context) as f64 / 1e9;
+            let tflops = r.prefill_tps * prefill_flops(r.context) / 1e12;
+            println!(
+                "| {} | {:.1} | {:.1} | {} | {:.2} | {:.1} | {} |",
+                r.context,
+                r.prefill_tps,
+                tflops,
+                pct(tflops, peak),
+                r.decode_tps,
+                gbs,
+                pct(gbs, membw)
+            );
+            std::io::Write::flush(&mut std::io::stdout())?;
+        }
+        rows.push(r);
     }
-    let threads = rayon::current_num_threads();
-    let device = a.model.device_name(&loaded);
-    let pct = |v: f64, of: Option<f64>| of.map(|o| format!("{:.1}%", 100.0 * v / o)).unwrap_or("-".into());
     if a.json {
         let r: Vec<_> = rows
             .iter()
@@ -174,42 +218,6 @@ pub fn run(a: BenchArgs) -> Result<()> {
                 "layers": model.cfg.num_hidden_layers, "decode_weight_bytes_per_token": bytes, "memory_read_gb_per_s": membw,
                 "driver": gpu.as_ref().map(|g| g.driver_version()), "kernel_flags": gpu.as_ref().map(|g| g.kernel_flags()),
                 "bf16_peak_tflops": peak, "rows": r})
-        );
-        return Ok(());
-    }
-    println!(
-        "lily bench | device {device} | commit {} | model {} ({} layers) | weights read per decode token {:.1} MB{}",
-        env!("LILY_GIT_COMMIT"),
-        a.model.model,
-        model.cfg.num_hidden_layers,
-        bytes as f64 / 1e6,
-        membw.map(|b| format!(" | memory bandwidth {b:.0} GB/s (measured)")).unwrap_or_default()
-    );
-    if a.repeat > 1 {
-        println!("rates are medians of {} measured runs per context", a.repeat);
-    }
-    if let Some(g) = &gpu {
-        println!(
-            "driver CUDA {} | kernels: {} | bf16 tensor-core peak {}",
-            g.driver_version(),
-            g.kernel_flags(),
-            peak.map(|p| format!("{p:.0} TFLOP/s (specification)")).unwrap_or("unknown".into())
-        );
-    }
-    println!("| context | prefill tok/s | prefill TFLOP/s | share of bf16 peak | decode tok/s | decode GB/s | share of memory bw |");
-    println!("|---:|---:|---:|---:|---:|---:|---:|");
-    for r in &rows {
-        let gbs = r.decode_tps * step_bytes(r.context) as f64 / 1e9;
-        let tflops = r.prefill_tps * prefill_flops(r.context) / 1e12;
-        println!(
-            "| {} | {:.1} | {:.1} | {} | {:.2} | {:.1} | {} |",
-            r.context,
-            r.prefill_tps,
-            tflops,
-            pct(tflops, peak),
-            r.decode_tps,
-            gbs,
-            pct(gbs, membw)
         );
     }
     Ok(())

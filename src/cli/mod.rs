@@ -41,10 +41,15 @@ pub struct ModelArgs {
     /// CPU threads (default: all cores).
     #[arg(allow_negative_numbers = true, short = 't', long)]
     pub threads: Option<usize>,
-    /// CPU: quantize activations to int8 for the products with 4/8-bit weights (faster, less
-    /// exact; also `LILY_CPU_INT8=1`). Default: fp32 activations.
+    /// CPU: int8 activations for the products with 4/8-bit weights. This is the default; the
+    /// flag is kept for scripts (--exact turns it off).
     #[arg(long)]
     pub cpu_int8: bool,
+    /// The fp32 reference paths on every backend (also `LILY_EXACT=1`): fp32 activations on the
+    /// CPU; fp32 prefill products and an fp32 KV cache on the GPU. Slower; what the reference
+    /// tests compare against mlx-lm and transformers.
+    #[arg(long)]
+    pub exact: bool,
     /// KV cache element type on the GPU: bf16 (default; scores and softmax in fp32) or f32 (the
     /// exact mode). The CPU backend keeps an f32 cache.
     #[arg(long, value_parser = ["auto", "bf16", "f32"], default_value = "auto")]
@@ -64,9 +69,6 @@ impl ModelArgs {
             }
             rayon::ThreadPoolBuilder::new().num_threads(n).build_global().ok();
         }
-        if self.cpu_int8 {
-            lily::kernels::q8::set_cpu_int8(true);
-        }
         // Check for a GPU before loading (a clear error instead of a long load, then a failure).
         let use_cuda = match self.device {
             Device::Cpu => false,
@@ -76,14 +78,81 @@ impl ModelArgs {
             }
             Device::Auto => lily::cuda::gpu().is_ok(),
         };
+        let exact = self.exact_mode();
+        if exact && self.cpu_int8 {
+            bail!("--exact and --cpu-int8 contradict each other (--exact uses fp32 activations)");
+        }
+        if exact && self.kv_cache_dtype == "bf16" {
+            bail!("--exact and --kv-cache-dtype bf16 contradict each other (--exact keeps an fp32 KV cache)");
+        }
         if !use_cuda && self.kv_cache_dtype == "bf16" {
             bail!("--kv-cache-dtype bf16 needs the CUDA backend (the CPU backend keeps an f32 KV cache)");
         }
+        // The fast path by default: int8 activations on the CPU (the GPU defaults to its bf16
+        // prefill and KV cache); --exact is the fp32 reference on both.
+        lily::kernels::q8::set_cpu_int8(!exact);
+        let why = match self.device {
+            Device::Cpu => "--device cpu",
+            Device::Cuda => "--device cuda",
+            Device::Auto if use_cuda => "auto: a CUDA GPU was found",
+            Device::Auto => "auto: no CUDA GPU/driver found",
+        };
         let loaded = lily::loader::load(&self.resolve()?, self.layers)?;
         if use_cuda {
             lily::cuda::upload_cached(&loaded.model)?;
         }
+        eprintln!("{}", self.banner(&loaded, why));
         Ok(loaded)
+    }
+
+    /// `--exact` or `LILY_EXACT=1` (any value but `0`/empty).
+    pub fn exact_mode(&self) -> bool {
+        self.exact || std::env::var("LILY_EXACT").is_ok_and(|v| !v.is_empty() && v != "0")
+    }
+
+    /// The KV cache type GPU sessions get.
+    pub fn gpu_kv(&self) -> lily::cuda::KvDtype {
+        use lily::cuda::KvDtype;
+        match self.kv_cache_dtype.as_str() {
+            _ if self.exact_mode() => KvDtype::F32,
+            "auto" => KvDtype::from_env().unwrap_or(KvDtype::Bf16),
+            k => KvDtype::parse(k).unwrap_or(KvDtype::Bf16),
+        }
+    }
+
+    /// The start-up banner: what was loaded, where it runs and why, and its memory.
+    fn banner(&self, loaded: &Loaded, why: &str) -> String {
+        let m = &loaded.model;
+        let c = &m.cfg;
+        let (params, bytes) = m.weight_totals();
+        let format = match &c.quantization {
+            Some(q) => format!("MLX {}-bit, group {}", q.bits, q.group_size),
+            None => format!("HF {:?}", m.embed.w.format().2).to_lowercase(),
+        };
+        let n_attn = c.num_attention_layers();
+        let ffn = if c.num_experts > 0 {
+            format!("{} experts top-{} + shared", c.num_experts, c.num_experts_per_tok)
+        } else {
+            "dense MLP".into()
+        };
+        let (state, kv_f32) = m.state_bytes();
+        let gpu = lily::cuda::uploaded(m).is_some();
+        let kv = if gpu { kv_f32 / 4 * self.gpu_kv().bytes() } else { kv_f32 };
+        let gib = |b: usize| b as f64 / (1u64 << 30) as f64;
+        format!(
+            "lily | {} ({}, {format}) | {} parameters, {:.2} GiB of weights | {} layers ({} Gated DeltaNet + {n_attn} attention), {ffn} | context {} | device {} ({why}) | KV cache {} KiB per token ({:.2} GiB at the full context) + {:.1} MiB recurrent state",
+            self.model,
+            c.model_type,
+            if params >= 1_000_000_000 { format!("{:.2}B", params as f64 / 1e9) } else { format!("{:.1}M", params as f64 / 1e6) },
+            gib(bytes),
+            c.num_hidden_layers,
+            c.num_hidden_layers - n_attn,
+            c.max_position_embeddings,
+            self.device_name(loaded),
+            kv >> 10,
+            gib(kv * c.max_position_embeddings),
+            (state / 2) as f64 / (1u64 << 20) as f64,
+        )
     }
 
     /// The directory (or `synthetic:NAME`) that `--model` names: a Hugging Face id becomes its
@@ -101,9 +170,9 @@ impl ModelArgs {
         match lily::cuda::uploaded(&loaded.model) {
             Some(m) => {
                 let mut s = lily::cuda::CudaSession::new(m);
-                if self.kv_cache_dtype != "auto" {
-                    // The value parser admits only bf16 and f32 besides auto.
-                    s.set_kv_dtype(lily::cuda::KvDtype::parse(&self.kv_cache_dtype).unwrap_or(s.kv_dtype()));
+                s.set_kv_dtype(self.gpu_kv());
+                if self.exact_mode() {
+                    s.prefill = Some(lily::cuda::Precision::F32);
                 }
                 Box::new(s)
             }
@@ -114,17 +183,16 @@ impl ModelArgs {
     /// The device sessions of this model run on, for reports.
     pub fn device_name(&self, loaded: &Loaded) -> String {
         match lily::cuda::uploaded(&loaded.model) {
-            Some(m) => {
-                let kv = match self.kv_cache_dtype.as_str() {
-                    "auto" => lily::cuda::KvDtype::from_env().map_or("?".into(), |k| format!("{k:?}").to_lowercase()),
-                    k => k.to_string(),
-                };
-                format!("cuda ({}, {kv} KV cache)", m.gpu.name)
-            }
+            Some(m) => format!(
+                "cuda ({}, {} KV cache{})",
+                m.gpu.name,
+                format!("{:?}", self.gpu_kv()).to_lowercase(),
+                if self.exact_mode() { ", exact: fp32 prefill" } else { "" }
+            ),
             None => format!(
                 "cpu ({} threads{})",
                 rayon::current_num_threads(),
-                if lily::kernels::q8::cpu_int8() { ", int8 activations" } else { "" }
+                if lily::kernels::q8::cpu_int8() { ", int8 activations" } else { ", fp32 activations (exact)" }
             ),
         }
     }

@@ -7,7 +7,7 @@ use lily::generate::{generate, Flow, GenerateOptions};
 use lily::sampling::SamplingParams;
 use lily::tokenizer::{StreamDecoder, Tokenizer};
 use serde_json::{json, Value};
-use std::io::{BufRead, Write};
+use std::io::Write;
 
 #[derive(Args, Clone, Debug)]
 pub struct SampleArgs {
@@ -210,9 +210,35 @@ pub struct ChatArgs {
     pub system: Option<String>,
 }
 
+const CHAT_HELP: &str = "commands:
+  /help           this list
+  /reset          forget the conversation (keeps --system)
+  /think on|off   let the model reason before answering, or not
+  /quit, /exit    leave (also Ctrl-D, or Ctrl-C twice at the prompt)
+Ctrl-C during an answer stops it and keeps the conversation; Up/Down recall earlier lines.";
+
+/// Text on a terminal: dimmed (the reasoning, the stats), else as it is.
+struct Style {
+    tty: bool,
+}
+
+impl Style {
+    fn dim(&self, s: &str) -> String {
+        if self.tty && !s.is_empty() {
+            format!("\x1b[2m{s}\x1b[0m")
+        } else {
+            s.to_string()
+        }
+    }
+}
+
 /// Multi-turn chat. Each turn re-renders the conversation; when the cached tokens are a prefix
 /// of the new rendering only the new suffix is prefilled, otherwise the session starts over.
 pub fn chat(mut a: ChatArgs) -> Result<()> {
+    use rustyline::error::ReadlineError;
+    use std::io::IsTerminal;
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::Arc;
     a.sample.params().validate()?;
     let loaded = a.model.load()?;
     a.sample.resolve(&loaded);
@@ -223,31 +249,81 @@ pub fn chat(mut a: ChatArgs) -> Result<()> {
     if let Some(s) = &a.system {
         messages.push(json!({"role": "system", "content": s}));
     }
-    let kwargs = template_kwargs(a.sample.no_think);
-    eprintln!("lily chat: type a message, /reset to start over, /quit or Ctrl-D to leave.");
-    let stdin = std::io::stdin();
-    loop {
-        eprint!("> ");
-        std::io::stderr().flush().ok();
-        let mut line = String::new();
-        if stdin.lock().read_line(&mut line)? == 0 {
-            break;
+    let mut think = !a.sample.no_think;
+    let style = Style { tty: std::io::stdout().is_terminal() };
+    // Ctrl-C while generating sets the flag (the answer stops at the next token); at the prompt
+    // the line editor reads it as a key.
+    let stop = Arc::new(AtomicBool::new(false));
+    {
+        let stop = stop.clone();
+        if let Err(e) = ctrlc::set_handler(move || stop.store(true, Ordering::SeqCst)) {
+            eprintln!("lily chat: Ctrl-C will end the process ({e})");
         }
-        let line = line.trim_end_matches(['\n', '\r']);
-        match line.trim() {
-            "" => continue,
-            "/quit" | "/exit" => break,
-            "/reset" => {
+    }
+    let mut rl = rustyline::DefaultEditor::new()?;
+    eprintln!(
+        "lily chat | {} | context {} tokens | thinking {} | /help for commands",
+        a.model.model,
+        a.sample.ctx_size.unwrap_or(session.max_positions()),
+        if think { "on" } else { "off" }
+    );
+    let mut interrupted = false;
+    loop {
+        let line = match rl.readline("> ") {
+            Ok(l) => {
+                interrupted = false;
+                l
+            }
+            Err(ReadlineError::Interrupted) if !interrupted => {
+                interrupted = true;
+                eprintln!("(Ctrl-C again, /quit or Ctrl-D to leave)");
+                continue;
+            }
+            Err(ReadlineError::Interrupted | ReadlineError::Eof) => break,
+            Err(e) => return Err(e.into()),
+        };
+        let line = line.trim_end_matches(['\n', '\r']).to_string();
+        if !line.trim().is_empty() {
+            let _ = rl.add_history_entry(line.as_str());
+        }
+        let cmd: Vec<&str> = line.split_whitespace().collect();
+        match cmd.as_slice() {
+            [] => continue,
+            ["/quit" | "/exit"] => break,
+            ["/help" | "/?"] => {
+                eprintln!("{CHAT_HELP}");
+                continue;
+            }
+            ["/reset"] => {
+                let n = messages.iter().filter(|m| m["role"] != "system").count();
                 messages.retain(|m| m["role"] == "system");
                 session = a.model.session(&loaded);
                 cached.clear();
+                eprintln!("conversation cleared ({n} messages forgotten)");
+                continue;
+            }
+            ["/think", v @ ("on" | "off")] => {
+                think = *v == "on";
+                eprintln!("thinking {v} from the next message");
+                continue;
+            }
+            [c, ..] if c.starts_with('/') => {
+                eprintln!("unknown command {c}; /help lists them");
                 continue;
             }
             _ => {}
         }
         messages.push(json!({"role": "user", "content": line}));
-        let rendered = tok.apply_chat_template(&Value::Array(messages.clone()), None, true, &kwargs)?;
-        let full = tok.encode(&rendered)?;
+        let kwargs = template_kwargs(!think);
+        let rendered = tok.apply_chat_template(&Value::Array(messages.clone()), None, true, &kwargs);
+        let (rendered, full) = match rendered.and_then(|r| tok.encode(&r).map(|ids| (r, ids))) {
+            Ok(x) => x,
+            Err(e) => {
+                eprintln!("lily chat: {e:#}");
+                messages.pop();
+                continue;
+            }
+        };
         let suffix: Vec<u32> = if !cached.is_empty() && full.len() > cached.len() && full.starts_with(&cached) {
             full[cached.len()..].to_vec()
         } else {
@@ -270,17 +346,69 @@ pub fn chat(mut a: ChatArgs) -> Result<()> {
             ..Default::default()
         };
         let mut dec = StreamDecoder::new();
-        let mut reply = String::new();
+        // The rendered prompt ends inside `<think>` when thinking is on.
+        let mut in_think = rendered.trim_end().ends_with("<think>");
+        let (mut reasoning, mut answer) = (String::new(), String::new());
+        stop.store(false, Ordering::SeqCst);
+        let mut show = |piece: &str, in_think: &mut bool| -> std::io::Result<()> {
+            let mut out = std::io::stdout().lock();
+            let mut rest = piece;
+            while !rest.is_empty() {
+                let tag = if *in_think { "</think>" } else { "<think>" };
+                let (text, after) = match rest.find(tag) {
+                    Some(i) => (&rest[..i], Some(&rest[i + tag.len()..])),
+                    None => (rest, None),
+                };
+                if *in_think {
+                    reasoning.push_str(text);
+                    write!(out, "{}", style.dim(text))?;
+                } else {
+                    answer.push_str(text);
+                    write!(out, "{text}")?;
+                }
+                match after {
+                    Some(r) => {
+                        *in_think = !*in_think;
+                        rest = r;
+                    }
+                    None => break,
+                }
+            }
+            out.flush()
+        };
         let gen = generate(session.as_mut(), &suffix, &opts, |id| {
             let piece = dec.push(tok, id)?;
-            reply.push_str(&piece);
-            print!("{piece}");
-            std::io::stdout().flush()?;
-            Ok(Flow::Continue)
-        })?;
+            show(&piece, &mut in_think)?;
+            Ok(if stop.load(Ordering::SeqCst) { Flow::Stop } else { Flow::Continue })
+        });
+        let gen = match gen {
+            Ok(g) => g,
+            Err(e) => {
+                // A failed turn leaves the conversation as it was before it.
+                eprintln!("\nlily chat: {e:#}");
+                messages.pop();
+                session = a.model.session(&loaded);
+                cached.clear();
+                continue;
+            }
+        };
         let rest = dec.flush(tok)?;
-        reply.push_str(&rest);
-        println!("{rest}");
+        show(&rest, &mut in_think)?;
+        println!();
+        let stopped = stop.swap(false, Ordering::SeqCst);
+        let n = gen.tokens.len();
+        let tps = if n > 1 { (n - 1) as f64 / gen.decode_secs.max(1e-9) } else { 0.0 };
+        eprintln!(
+            "{}",
+            Style { tty: std::io::stderr().is_terminal() }.dim(&format!(
+                "[{}{n} tokens, {tps:.1} tok/s | prompt {} new tokens in {:.2} s | context {}/{}]",
+                if stopped { "stopped (Ctrl-C) after " } else { "" },
+                gen.prompt_tokens,
+                gen.prefill_secs,
+                full.len() + n,
+                a.sample.ctx_size.unwrap_or(session.max_positions())
+            ))
+        );
         // The cache now holds the prompt and every generated token except a final EOS.
         cached = full;
         cached.extend(&gen.tokens);
@@ -289,7 +417,11 @@ pub fn chat(mut a: ChatArgs) -> Result<()> {
             session.forward_last(&[eos])?;
             cached.push(eos);
         }
-        messages.push(json!({"role": "assistant", "content": reply}));
+        let mut msg = json!({"role": "assistant", "content": answer.trim_start()});
+        if !reasoning.trim().is_empty() {
+            msg["reasoning_content"] = json!(reasoning.trim());
+        }
+        messages.push(msg);
     }
     Ok(())
 }

@@ -104,7 +104,9 @@ fn job_options(app: &App, p: &GenParams, max_tokens: usize) -> GenerateOptions {
         eos_ids: app.tok.eos_ids.clone(),
         presence_penalty: p.presence_penalty,
         frequency_penalty: p.frequency_penalty,
+        repetition_penalty: p.repetition_penalty,
         logprobs: p.logprobs,
+        ..Default::default()
     }
 }
 
@@ -113,7 +115,13 @@ fn internal(e: impl std::fmt::Display) -> ApiError {
 }
 
 /// Queues the job; the receiver yields its events.
-fn submit(app: &App, prep: &mut Prepared, p: &GenParams, max_tokens: usize) -> R<UnboundedReceiver<Event>> {
+fn submit(
+    app: &App,
+    prep: &mut Prepared,
+    p: &GenParams,
+    max_tokens: usize,
+    endpoint: &'static str,
+) -> R<UnboundedReceiver<Event>> {
     let script = app
         .cfg
         .scripts
@@ -126,12 +134,17 @@ fn submit(app: &App, prep: &mut Prepared, p: &GenParams, max_tokens: usize) -> R
     let job = Job {
         prompt: prep.prompt.clone(),
         boundary: prep.boundary,
-        opts: job_options(app, p, max_tokens),
+        opts: GenerateOptions {
+            // The repetition penalty counts the prompt's tokens too (vLLM).
+            penalty_prompt: if p.repetition_penalty.is_some() { prep.prompt.clone() } else { Vec::new() },
+            ..job_options(app, p, max_tokens)
+        },
         stop: p.stop.clone(),
         script,
         constraint: prep.constraint.take(),
         events: tx,
         arrived: Instant::now(),
+        log: app.cfg.log_requests.then_some(endpoint),
     };
     match app.queue.submit(job) {
         Ok(()) => Ok(rx),
@@ -313,7 +326,7 @@ async fn chat_inner(app: Arc<App>, req: Request) -> R<Response> {
     let (mut prep, req) =
         tokio::task::spawn_blocking(move || prepare_chat(&a, &req).map(|p| (p, req))).await.map_err(internal)??;
     let max_tokens = context_check(&app, prep.prompt.len(), req.params.max_tokens)?;
-    let rx = submit(&app, &mut prep, &req.params, max_tokens)?;
+    let rx = submit(&app, &mut prep, &req.params, max_tokens, "POST /v1/chat/completions")?;
     let id = new_id(&app, "chatcmpl");
     let created = now_secs();
     if req.params.stream {
@@ -503,7 +516,7 @@ async fn completions_inner(app: Arc<App>, req: Request) -> R<Response> {
         .await
         .map_err(internal)??;
     let max_tokens = context_check(&app, prep.prompt.len(), req.params.max_tokens)?;
-    let rx = submit(&app, &mut prep, &req.params, max_tokens)?;
+    let rx = submit(&app, &mut prep, &req.params, max_tokens, "POST /v1/completions")?;
     let id = new_id(&app, "cmpl");
     let created = now_secs();
     let p = req.params;

@@ -209,8 +209,10 @@ async fn guard(State(app): State<Arc<App>>, req: Request, next: Next) -> Respons
     let mut resp = resp;
     cors(&app, origin.as_ref(), &mut resp);
     app.metrics.request(endpoint, resp.status().as_u16());
-    if app.cfg.log_requests {
-        eprintln!("lily serve: {method} {path} {} {:.1} ms", resp.status().as_u16(), t0.elapsed().as_secs_f64() * 1e3);
+    // A generation that was accepted is logged by the worker when it ends (tokens, TTFT, tok/s).
+    let generation = matches!(path.as_str(), "/v1/chat/completions" | "/v1/completions") && resp.status().is_success();
+    if app.cfg.log_requests && !generation {
+        tracing::info!("{method} {path} {} | {:.1} ms", resp.status().as_u16(), t0.elapsed().as_secs_f64() * 1e3);
     }
     resp
 }

@@ -51,6 +51,8 @@ pub struct GenParams {
     pub stop: Vec<String>,
     pub presence_penalty: f32,
     pub frequency_penalty: f32,
+    /// vLLM's repetition penalty (1 = off): over the prompt's and the generated tokens.
+    pub repetition_penalty: Option<f32>,
     /// Some(k): report the sampled token's logprob and k alternatives.
     pub logprobs: Option<usize>,
     pub stream: bool,
@@ -108,7 +110,7 @@ pub struct CompletionRequest {
 type R<T> = Result<T, ApiError>;
 
 const HARMLESS: [&str; 4] = ["user", "store", "metadata", "service_tier"];
-const SHARED: [&str; 15] = [
+const SHARED: [&str; 16] = [
     "model",
     "max_tokens",
     "temperature",
@@ -119,6 +121,7 @@ const SHARED: [&str; 15] = [
     "stop",
     "presence_penalty",
     "frequency_penalty",
+    "repetition_penalty",
     "logprobs",
     "n",
     "stream",
@@ -228,6 +231,13 @@ fn gen_params(o: &Map<String, Value>, chat: bool) -> R<GenParams> {
     p.seed = int(o, "seed", i64::MIN, i64::MAX)?.map(|x| x as u64);
     p.presence_penalty = num(o, "presence_penalty", -2.0, 2.0)?.unwrap_or(0.0) as f32;
     p.frequency_penalty = num(o, "frequency_penalty", -2.0, 2.0)?.unwrap_or(0.0) as f32;
+    p.repetition_penalty = match num(o, "repetition_penalty", 0.0, 2.0)? {
+        Some(x) if x <= 0.0 => {
+            return Err(ApiError::param("repetition_penalty", "`repetition_penalty` must be in (0, 2]"))
+        }
+        Some(x) if x != 1.0 => Some(x as f32),
+        _ => None,
+    };
     p.stop = match present(o, "stop") {
         None => Vec::new(),
         Some(Value::String(s)) => vec![s.clone()],
@@ -737,6 +747,18 @@ mod tests {
         assert_eq!(r.params.max_tokens, Some(5));
         assert!(r.params.include_usage && r.tools.is_some());
         assert_eq!(r.constraint, None);
+    }
+
+    #[test]
+    fn repetition_penalty_is_vllms_range() {
+        let m = json!([{"role": "user", "content": "hi"}]);
+        let p = |v: Value| parse_chat(&json!({"messages": m, "repetition_penalty": v}));
+        assert_eq!(p(json!(1.3)).unwrap().params.repetition_penalty, Some(1.3));
+        assert_eq!(p(json!(1)).unwrap().params.repetition_penalty, None, "1 is off");
+        for bad in [json!(0), json!(-1), json!(2.5), json!("x")] {
+            let e = p(bad.clone()).expect_err(&format!("{bad} must be refused"));
+            assert_eq!(e.param.as_deref(), Some("repetition_penalty"));
+        }
     }
 
     #[test]

@@ -34,6 +34,8 @@ pub struct Job {
     pub constraint: Option<Constraint>,
     pub events: UnboundedSender<Event>,
     pub arrived: Instant,
+    /// `METHOD /path` for the log line at the end of the generation (None: no log line).
+    pub log: Option<&'static str>,
 }
 
 #[derive(Debug)]
@@ -226,9 +228,11 @@ impl Worker {
             None => self.session.as_mut(),
         };
         let t1 = Instant::now();
+        let mut ttft = 0.0;
         let gen = decode_with(session, logits, &job.opts, job.constraint.as_mut(), |step| {
             if first {
-                metrics.ttft(job.arrived.elapsed().as_secs_f64());
+                ttft = job.arrived.elapsed().as_secs_f64();
+                metrics.ttft(ttft);
                 first = false;
             }
             generated.push(step.token);
@@ -246,10 +250,23 @@ impl Worker {
             Ok(Flow::Continue)
         })?;
         let n = gen.tokens.len();
-        self.metrics.decode(n.saturating_sub(1), t1.elapsed().as_secs_f64());
+        let decode_secs = t1.elapsed().as_secs_f64();
+        self.metrics.decode(n.saturating_sub(1), decode_secs);
         self.metrics.completion_tokens.fetch_add(n as u64, Relaxed);
+        let log = |what: &str| {
+            if let Some(endpoint) = job.log {
+                tracing::info!(
+                    "{endpoint} {what} | prompt {} tokens ({start} cached) | completion {n} tokens | ttft {:.0} ms | {:.1} tok/s | {:.2} s",
+                    prompt.len(),
+                    ttft * 1e3,
+                    n.saturating_sub(1) as f64 / decode_secs.max(1e-9),
+                    job.arrived.elapsed().as_secs_f64()
+                );
+            }
+        };
         if cancelled {
             self.metrics.cancelled.fetch_add(1, Relaxed);
+            log("cancelled (client gone)");
             return Ok(());
         }
         if !stop_hit {
@@ -273,6 +290,13 @@ impl Worker {
             }
         }
         let finish = if stop_hit { FinishReason::Stopped } else { gen.finish };
+        log(&format!(
+            "200 finish {}",
+            match finish {
+                FinishReason::Eos | FinishReason::Stopped => "stop",
+                FinishReason::Length => "length",
+            }
+        ));
         let _ = job.events.send(Event::Done(Summary {
             finish,
             prompt_tokens: prompt.len(),
