@@ -279,3 +279,40 @@ fn perplexity_scores_in_strided_windows() {
     assert!(!ok && err.contains("--stride"), "{err}");
     std::fs::remove_dir_all(&dir).ok();
 }
+
+/// Ctrl-C (SIGINT) during an answer stops it and keeps the session: the next command still runs.
+#[test]
+fn ctrl_c_stops_the_answer_not_the_chat() {
+    use std::io::{BufRead, BufReader, Write};
+    let mut child = Command::new(env!("CARGO_BIN_EXE_lily"))
+        .args(["chat", "-m", "synthetic:tiny", "-n", "30000", "--device", "cpu", "--temp", "1"])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("running lily");
+    let mut stdin = child.stdin.take().unwrap();
+    stdin.write_all(b"hello\n").unwrap();
+    // Wait until the answer is streaming, then interrupt it.
+    let mut out = BufReader::new(child.stdout.take().unwrap());
+    let mut first = Vec::new();
+    out.read_until(b' ', &mut first).unwrap();
+    // SAFETY: sends SIGINT to our own child process.
+    unsafe { libc::kill(child.id() as i32, libc::SIGINT) };
+    let mut err = BufReader::new(child.stderr.take().unwrap());
+    let mut line = String::new();
+    loop {
+        line.clear();
+        assert!(err.read_line(&mut line).unwrap() > 0, "stderr ended before the turn's stats");
+        if line.contains("tok/s") {
+            break;
+        }
+    }
+    assert!(line.contains("stopped (Ctrl-C)"), "{line}");
+    stdin.write_all(b"/reset\n/quit\n").unwrap();
+    drop(stdin);
+    let mut rest = String::new();
+    std::io::Read::read_to_string(&mut err, &mut rest).unwrap();
+    assert!(child.wait().unwrap().success());
+    assert!(rest.contains("conversation cleared (2 messages forgotten)"), "{rest}");
+}

@@ -56,6 +56,10 @@ fn scripts() -> String {
 }
 
 fn start(model: &std::path::Path, args: &[&str]) -> Server {
+    start_with_stderr(model, args, Stdio::null())
+}
+
+fn start_with_stderr(model: &std::path::Path, args: &[&str], stderr: Stdio) -> Server {
     let mut child = Command::new(env!("CARGO_BIN_EXE_lily"))
         .args(["serve", "--model", model.to_str().unwrap(), "--bind", "127.0.0.1:0", "--threads", "2"])
         .args(args)
@@ -63,7 +67,7 @@ fn start(model: &std::path::Path, args: &[&str]) -> Server {
         .args(std::env::var("LILY_SERVE_ARGS").unwrap_or_default().split_whitespace())
         .env("LILY_TEST_SCRIPTS", scripts())
         .stdout(Stdio::piped())
-        .stderr(Stdio::null())
+        .stderr(stderr)
         .spawn()
         .expect("starting lily serve");
     let mut line = String::new();
@@ -476,4 +480,33 @@ fn cors_model_by_id_and_a_default_completion_length() {
     let r = post(&s.addr, "/v1/chat/completions", &body).json();
     assert_eq!(r["usage"]["completion_tokens"], 3, "{r}");
     assert_eq!(r["choices"][0]["finish_reason"], "length");
+}
+
+/// One log line per request: a generation's when it ends (tokens, TTFT, tok/s), every other
+/// request's (and every error's) with its status; `--quiet` turns them off.
+#[test]
+fn requests_are_logged_on_stderr() {
+    let log = std::env::temp_dir().join(format!("lily-serve-log-{}.txt", std::process::id()));
+    {
+        let s = start_with_stderr(&fixture(), &[], Stdio::from(std::fs::File::create(&log).unwrap()));
+        let body = json!({"messages": [{"role": "user", "content": "hello"}], "max_tokens": 4, "temperature": 0});
+        assert_eq!(post(&s.addr, "/v1/chat/completions", &body).status, 200);
+        assert_eq!(req(&s.addr, "GET", "/nope", "", None).status, 404);
+        assert_eq!(post(&s.addr, "/v1/chat/completions", &json!({"messages": []})).status, 400);
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    let text = std::fs::read_to_string(&log).unwrap();
+    let gen = text.lines().find(|l| l.contains("POST /v1/chat/completions 200")).unwrap_or_else(|| panic!("{text}"));
+    for part in ["prompt", "completion 4 tokens", "ttft", "tok/s", "finish length"] {
+        assert!(gen.contains(part), "{part} missing from {gen}");
+    }
+    assert!(text.contains("GET /nope 404"), "{text}");
+    assert!(text.contains("POST /v1/chat/completions 400"), "{text}");
+    {
+        let s = start_with_stderr(&fixture(), &["--quiet"], Stdio::from(std::fs::File::create(&log).unwrap()));
+        assert_eq!(req(&s.addr, "GET", "/nope", "", None).status, 404);
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    assert!(!std::fs::read_to_string(&log).unwrap().contains("/nope"));
+    std::fs::remove_file(&log).ok();
 }
