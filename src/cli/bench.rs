@@ -168,6 +168,10 @@ pub fn run(a: BenchArgs) -> Result<()> {
     let mut rows = Vec::new();
     for &ctx in &contexts {
         let prompt = prompt_tokens(ctx, model.cfg.vocab_size);
+        eprintln!(
+            "lily bench: context {ctx}: {} warm-up and {} measured run(s) of {ctx} prompt + {} decode tokens",
+            a.warmup, a.repeat, a.decode_steps
+        );
         for _ in 0..a.warmup {
             let mut s = a.model.session(&loaded);
             one_run(s.as_mut(), &prompt, a.decode_steps)?;

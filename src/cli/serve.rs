@@ -49,9 +49,10 @@ pub struct ServeArgs {
     /// Browser origins allowed to call the API (CORS), comma-separated, or `*` for any.
     #[arg(long, value_delimiter = ',')]
     pub allowed_origins: Vec<String>,
-    /// Completion tokens for a request that names no max_tokens (default: the rest of the context).
-    #[arg(allow_negative_numbers = true, long)]
-    pub max_tokens_default: Option<usize>,
+    /// Completion tokens for a request that names no max_tokens, within the context (Qwen's
+    /// recommended output length for thinking answers; 0: the rest of the context).
+    #[arg(allow_negative_numbers = true, long, default_value_t = 32768)]
+    pub max_tokens_default: usize,
     /// No log line per request.
     #[arg(long, short = 'q')]
     pub quiet: bool,
@@ -151,7 +152,7 @@ pub fn run(mut a: ServeArgs) -> Result<()> {
         defaults: super::generation_defaults(dir).unwrap_or_default(),
         scripts,
         allowed_origins: a.allowed_origins.iter().map(|o| o.trim().to_string()).filter(|o| !o.is_empty()).collect(),
-        max_tokens_default: a.max_tokens_default,
+        max_tokens_default: (a.max_tokens_default > 0).then_some(a.max_tokens_default),
         log_requests: !a.quiet,
     };
     lily::server::serve(cfg, tok, session)
