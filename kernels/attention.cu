@@ -65,10 +65,12 @@ __device__ __forceinline__ float4 kv_ld4(const u16* p) {
                        __uint_as_float(u.y & 0xffff0000u));
 }
 
-/* Which head dimension a lane holds as its value i (i < nd = D/32): an fp32 cache is read with
-   dims lane + 32i (each load instruction covers 128 contiguous bytes of a row), a bf16 one with
-   dims nd*lane + i, so a lane reads its nd values in one 2*nd-byte load (16 B at D = 256). The
-   queries and outputs follow the same map. */
+/* The packed kernel's map of head dimensions to lanes (value i < nd = D/32 of a lane): an fp32
+   cache is read with dims lane + 32i (each load instruction covers 128 contiguous bytes of a
+   row), a bf16 one with dims nd*lane + i, so a lane reads its nd values in one 2*nd-byte load
+   (16 B at D = 256; as 2-byte loads it ran at half the speed). The queries and outputs follow the
+   same map. The per-head kernel keeps dims lane + 32i for both (short contexts; with the wide map
+   it needed 96 registers instead of 55 and ran 40% slower at 4K). */
 __device__ __forceinline__ int kv_dim(const float*, int lane, int i, int nd) { return lane + 32 * i; }
 __device__ __forceinline__ int kv_dim(const u16*, int lane, int i, int nd) { return nd * lane + i; }
 /* A lane's nd values of one cache row (row points at dim 0 of the head); zeros when !ok. */
@@ -198,7 +200,7 @@ __device__ __forceinline__ void attn_decode_t(const float* q, const KV* kc, cons
     int lo = split * chunk, hi = min(L, lo + chunk);
     float qv[8], o[8];
     for (int i = 0; i < 8; i++) {
-        qv[i] = i < nd ? q[(long long)h * hd + kv_dim(kc, lane, i, nd)] : 0.f;
+        qv[i] = i < nd ? q[(long long)h * hd + lane + 32 * i] : 0.f;
         o[i] = 0.f;
     }
     float m = -INFINITY, l = 0.f;
@@ -211,10 +213,10 @@ __device__ __forceinline__ void attn_decode_t(const float* q, const KV* kc, cons
             int p = p0 + u;
             float acc = 0.f;
             if (p < hi) {
-                float kr[8];
-                kv_row(kc + ((long long)p * hkv + kvh) * hd, lane, nd, true, kr);
+                const KV* kp = kc + ((long long)p * hkv + kvh) * hd;
 #pragma unroll
-                for (int i = 0; i < 8; i++) acc += qv[i] * kr[i];
+                for (int i = 0; i < 8; i++)
+                    if (i < nd) acc += qv[i] * kv_ld(kp + lane + 32 * i);
             }
             d[u] = acc;
         }
@@ -234,15 +236,15 @@ __device__ __forceinline__ void attn_decode_t(const float* q, const KV* kc, cons
             if (p < hi) {
                 float pw = expf(d[u] - mx);
                 l += pw;
-                float vr[8];
-                kv_row(vc + ((long long)p * hkv + kvh) * hd, lane, nd, true, vr);
+                const KV* vp = vc + ((long long)p * hkv + kvh) * hd;
 #pragma unroll
-                for (int i = 0; i < 8; i++) o[i] += pw * vr[i];
+                for (int i = 0; i < 8; i++)
+                    if (i < nd) o[i] += pw * kv_ld(vp + lane + 32 * i);
             }
         }
         m = mx;
     }
-    for (int i = 0; i < nd; i++) so[warp][kv_dim(kc, lane, i, nd)] = o[i];
+    for (int i = 0; i < nd; i++) so[warp][lane + 32 * i] = o[i];
     if (lane == 0) {
         sm[warp] = m;
         sl[warp] = l;
