@@ -133,7 +133,6 @@ __device__ __forceinline__ float bf16_word(uint4 v, int i) {
 }
 template <typename KV> __device__ __forceinline__ constexpr bool bf16_cache() { return false; }
 template <> __device__ __forceinline__ constexpr bool bf16_cache<u16>() { return true; }
-__device__ __forceinline__ uint4 kv_raw(const float*, int, int, bool) { return make_uint4(0u, 0u, 0u, 0u); }
 
 template <typename KV>
 __device__ __forceinline__ void attn_prep_t(const float* qg, const float* kin, const float* vin, const float* qn,

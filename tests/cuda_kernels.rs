@@ -437,34 +437,31 @@ fn attention_decode_long_context_matches_cpu() {
     let qg = uniform(&mut r, nh * 2 * hd, 2.0);
     let kc = uniform(&mut r, len * kvd, 1.0);
     let vc = uniform(&mut r, len * kvd, 1.0);
-    let mut want = vec![0f32; nh * hd];
-    attention(
-        &AttnDims { heads: nh, kv_heads: hkv, head_dim: hd },
-        &q,
-        1,
-        len - 1,
-        &kc,
-        &vc,
-        1.0 / (hd as f32).sqrt(),
-        &mut want,
-    );
-    for h in 0..nh {
-        for d in 0..hd {
-            want[h * hd + d] *= sigmoid(qg[h * 2 * hd + hd + d]);
+    // The CPU attention of the query over (k, v), gated.
+    let cpu = |k: &[f32], v: &[f32]| {
+        let mut want = vec![0f32; nh * hd];
+        let dims = AttnDims { heads: nh, kv_heads: hkv, head_dim: hd };
+        attention(&dims, &q, 1, len - 1, k, v, 1.0 / (hd as f32).sqrt(), &mut want);
+        for h in 0..nh {
+            for d in 0..hd {
+                want[h * hd + d] *= sigmoid(qg[h * 2 * hd + hd + d]);
+            }
         }
-    }
+        want
+    };
+    let want = cpu(&kc, &vc);
     let gb = |v: &[f32]| g.upload_f32(v).unwrap();
     let (qb, qgb, kb, vb) = (gb(&q), gb(&qg), gb(&kc), gb(&vc));
     let out = gb(&vec![f32::NAN; nh * hd]);
     let part = gb(&vec![f32::NAN; nh * splits * (hd + 2)]);
     let posb = g.upload_bytes(&((len - 1) as i32).to_le_bytes()).unwrap();
-    // The packed kernel twice: the second call sees the first call's partials in the scratch.
-    for kernel in [AttnKernel::PerHead, AttnKernel::Packed, AttnKernel::Packed] {
+    // One decode over the caches at (kc, vc) of element type kv; returns the output.
+    let decode = |kc: u64, vc: u64, kv: KvDtype, kernel: AttnKernel| {
         out.write_f32(0, &vec![f32::NAN; nh * hd]).unwrap();
         let a = AttnDecode {
             q: qb.ptr,
-            kc: kb.ptr,
-            vc: vb.ptr,
+            kc,
+            vc,
             qg: qgb.ptr,
             out: out.ptr,
             nh,
@@ -474,58 +471,25 @@ fn attention_decode_long_context_matches_cpu() {
             gated: true,
             part: part.ptr,
             splits,
-            kv: KvDtype::F32,
+            kv,
         };
         g.attn_decode(&a, kernel).unwrap();
-        check(
-            &format!("attention decode {kernel:?}, 5000 cached positions"),
-            &out.read_f32(0, nh * hd).unwrap(),
-            &want,
-            TOL,
-        );
+        out.read_f32(0, nh * hd).unwrap()
+    };
+    // The packed kernel twice: the second call sees the first call's partials in the scratch.
+    for kernel in [AttnKernel::PerHead, AttnKernel::Packed, AttnKernel::Packed] {
+        let got = decode(kb.ptr, vb.ptr, KvDtype::F32, kernel);
+        check(&format!("attention decode {kernel:?}, 5000 cached positions"), &got, &want, TOL);
     }
     // A bf16 cache: the kernels widen each element exactly, so against the CPU attention over the
     // same bf16-rounded K/V they keep the fp32 bound; against the fp32 cache the distance is the
     // rounding's (relative 2^-9 per element: NMSE about 1e-6 on these uniform inputs; bound 1e-5).
     let round: fn(&[f32]) -> Vec<f32> = |v| v.iter().map(|&x| bf16_to_f32(f32_to_bf16(x))).collect();
-    let (kr, vr) = (round(&kc), round(&vc));
-    let mut want_r = vec![0f32; nh * hd];
-    attention(
-        &AttnDims { heads: nh, kv_heads: hkv, head_dim: hd },
-        &q,
-        1,
-        len - 1,
-        &kr,
-        &vr,
-        1.0 / (hd as f32).sqrt(),
-        &mut want_r,
-    );
-    for h in 0..nh {
-        for d in 0..hd {
-            want_r[h * hd + d] *= sigmoid(qg[h * 2 * hd + hd + d]);
-        }
-    }
+    let want_r = cpu(&round(&kc), &round(&vc));
     let bytes = |v: &[f32]| -> Vec<u8> { v.iter().flat_map(|&x| f32_to_bf16(x).to_le_bytes()).collect() };
     let (kb16, vb16) = (g.upload_bytes(&bytes(&kc)).unwrap(), g.upload_bytes(&bytes(&vc)).unwrap());
     for kernel in [AttnKernel::PerHead, AttnKernel::Packed] {
-        out.write_f32(0, &vec![f32::NAN; nh * hd]).unwrap();
-        let a = AttnDecode {
-            q: qb.ptr,
-            kc: kb16.ptr,
-            vc: vb16.ptr,
-            qg: qgb.ptr,
-            out: out.ptr,
-            nh,
-            hkv,
-            hd,
-            pos: posb.ptr,
-            gated: true,
-            part: part.ptr,
-            splits,
-            kv: KvDtype::Bf16,
-        };
-        g.attn_decode(&a, kernel).unwrap();
-        let got = out.read_f32(0, nh * hd).unwrap();
+        let got = decode(kb16.ptr, vb16.ptr, KvDtype::Bf16, kernel);
         check(&format!("attention decode {kernel:?}, bf16 cache vs cpu on the rounded K/V"), &got, &want_r, TOL);
         check(&format!("attention decode {kernel:?}, bf16 cache vs the fp32 cache"), &got, &want, 1e-5);
     }

@@ -1,0 +1,249 @@
+//! The attention wrappers: q/k norm + RoPE into the KV cache (`attn_prep`), decode attention
+//! (per-head or GQA-packed split-K, then `attn_combine`), causal prefill attention, and the KV
+//! cache element type every one of them is launched for (kernels/attention*.cu).
+
+use super::super::{Arg, Gpu};
+use super::{blocks, Precision};
+use anyhow::{bail, Result};
+
+impl Gpu {
+    /// Causal attention of t new tokens (queries `q: [t, H_q, D]`, K/V already in the caches at
+    /// positions pos0.., pos0 read from the device) with the output gate read from `qg` rows of
+    /// stride ldg; out `[t, H_q·D]`. fp32 SIMT, or bf16 tensor cores.
+    #[allow(clippy::too_many_arguments)]
+    pub fn attn_prefill(
+        &self,
+        prec: Precision,
+        q: u64,
+        kc: u64,
+        vc: u64,
+        (qg, ldg): (u64, usize),
+        out: u64,
+        dims: (usize, usize, usize),
+        t: usize,
+        pos0: u64,
+        gated: bool,
+        kv: KvDtype,
+    ) -> Result<()> {
+        let (nh, hkv, hd) = dims;
+        if !hd.is_multiple_of(32) || hd > 256 || !nh.is_multiple_of(hkv) {
+            bail!("attn_prefill: head dim {hd} / heads {nh}:{hkv} unsupported");
+        }
+        let (name, grid, block) = match (prec, kv) {
+            (Precision::F32, KvDtype::F32) => ("attn_prefill", blocks(t * (nh / hkv), 8), 256),
+            (Precision::F32, KvDtype::Bf16) => ("attn_prefill_bf16", blocks(t * (nh / hkv), 8), 256),
+            (Precision::Bf16, KvDtype::F32) => ("attn_prefill_tc", blocks(t * (nh / hkv), 64), 128),
+            (Precision::Bf16, KvDtype::Bf16) => ("attn_prefill_tc_bf16", blocks(t * (nh / hkv), 64), 128),
+        };
+        self.launch(
+            name,
+            (grid, hkv as u32, 1),
+            block,
+            &[
+                Arg::P(q),
+                Arg::P(kc),
+                Arg::P(vc),
+                Arg::P(qg),
+                Arg::L(ldg as i64),
+                Arg::P(out),
+                Arg::I(nh as i32),
+                Arg::I(hkv as i32),
+                Arg::I(hd as i32),
+                Arg::I(t as i32),
+                Arg::P(pos0),
+                Arg::F(1.0 / (hd as f32).sqrt()),
+                Arg::I(gated as i32),
+            ],
+        )
+    }
+
+    /// q/k RMSNorm + partial RoPE for `t` tokens at positions `pos`.. (inputs in rows of stride
+    /// `ld`); writes the queries and the cache rows.
+    pub fn attn_prep(&self, p: &AttnPrep, t: usize, ld: usize) -> Result<()> {
+        if !p.hd.is_multiple_of(32) || p.hd > 256 || p.rot > p.hd {
+            bail!("attention: head dim {} unsupported (multiple of 32, at most 256)", p.hd);
+        }
+        self.launch(
+            if p.kv == KvDtype::Bf16 { "attn_prep_bf16" } else { "attn_prep" },
+            ((p.nh + p.hkv) as u32, t as u32, 1),
+            p.hd as u32,
+            &[
+                Arg::P(p.qg),
+                Arg::P(p.k),
+                Arg::P(p.v),
+                Arg::P(p.q_norm),
+                Arg::P(p.k_norm),
+                Arg::P(p.q_out),
+                Arg::P(p.kc),
+                Arg::P(p.vc),
+                Arg::I(p.nh as i32),
+                Arg::I(p.hkv as i32),
+                Arg::I(p.hd as i32),
+                Arg::I(p.gated as i32),
+                Arg::I(p.rot as i32),
+                Arg::P(p.pos),
+                Arg::D(p.theta),
+                Arg::F(p.eps),
+                Arg::L(ld as i64),
+            ],
+        )
+    }
+
+    /// Attention of one query token over `pos + 1` cached positions (`pos`: device i32), split
+    /// over `splits` blocks per head (per KV head for the packed kernel; partials in `part`:
+    /// `[H_q, splits, D + 2]` f32), merged by `attn_combine`, which also applies the output gate.
+    pub fn attn_decode(&self, a: &AttnDecode, kernel: AttnKernel) -> Result<()> {
+        let (nh, hkv, hd) = (a.nh, a.hkv, a.hd);
+        if hkv == 0 || !nh.is_multiple_of(hkv) || !hd.is_multiple_of(32) || hd > 256 || !(1..=1024).contains(&a.splits)
+        {
+            bail!("attention decode: heads {nh}:{hkv}, head dim {hd}, {} splits unsupported", a.splits);
+        }
+        let scale = 1.0 / (hd as f32).sqrt();
+        let packed = match (kernel, nh / hkv) {
+            (AttnKernel::Packed, g @ (1 | 2 | 4 | 8)) => Some(g),
+            (AttnKernel::Packed, _) => bail!("attention decode: packed kernel needs H_q/H_kv in 1,2,4,8"),
+            _ => None,
+        };
+        // Both kernels take (q, kc, vc, part, heads.., hd, pos, scale); the packed one only H_kv.
+        let bf16 = a.kv == KvDtype::Bf16;
+        let (name, grid_x, heads) = match packed {
+            Some(g) => {
+                let names = if bf16 {
+                    ["attn_decode_gqa1_bf16", "attn_decode_gqa2_bf16", "attn_decode_gqa4_bf16", "attn_decode_gqa8_bf16"]
+                } else {
+                    ["attn_decode_gqa1", "attn_decode_gqa2", "attn_decode_gqa4", "attn_decode_gqa8"]
+                };
+                (names[g.trailing_zeros() as usize], hkv, vec![Arg::I(hkv as i32)])
+            }
+            None => {
+                (if bf16 { "attn_decode_bf16" } else { "attn_decode" }, nh, vec![Arg::I(nh as i32), Arg::I(hkv as i32)])
+            }
+        };
+        let args = [
+            &[Arg::P(a.q), Arg::P(a.kc), Arg::P(a.vc), Arg::P(a.part)][..],
+            &heads,
+            &[Arg::I(hd as i32), Arg::P(a.pos), Arg::F(scale)],
+        ]
+        .concat();
+        self.launch(name, (grid_x as u32, a.splits as u32, 1), 256, &args)?;
+        self.launch(
+            "attn_combine",
+            (nh as u32, 1, 1),
+            256,
+            &[
+                Arg::P(a.part),
+                Arg::P(a.qg),
+                Arg::P(a.out),
+                Arg::I(nh as i32),
+                Arg::I(hd as i32),
+                Arg::I(a.splits as i32),
+                Arg::I(a.gated as i32),
+            ],
+        )
+    }
+
+    /// The decode attention kernels this device uses for these heads: (kernel, splits) below
+    /// and from a number of cached positions, and that number. The per-head kernel (32 splits
+    /// per query head; many small blocks, quick at short context) up to 8,192 positions, then
+    /// the GQA-packed kernel with about one block per SM (K/V read once instead of G times).
+    /// `LILY_CUDA_ATTN=head|packed` uses one kernel throughout; `LILY_CUDA_ATTN_PACKED_FROM=N`
+    /// moves the switch.
+    pub fn attn_plan(&self, nh: usize, hkv: usize) -> ((AttnKernel, usize), (AttnKernel, usize), usize) {
+        let head = (AttnKernel::PerHead, 32);
+        if hkv == 0 || !nh.is_multiple_of(hkv) || !matches!(nh / hkv, 1 | 2 | 4 | 8) {
+            return (head, head, usize::MAX);
+        }
+        let packed = (AttnKernel::Packed, (self.sms as usize / hkv).clamp(1, 1024));
+        let from = std::env::var("LILY_CUDA_ATTN_PACKED_FROM").ok().and_then(|v| v.parse().ok()).unwrap_or(8192);
+        match std::env::var("LILY_CUDA_ATTN").as_deref() {
+            Ok("head") => (head, head, usize::MAX),
+            Ok("packed") => (packed, packed, 0),
+            _ => (head, packed, from),
+        }
+    }
+}
+
+/// Which decode attention kernel [`Gpu::attn_decode`] launches.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum AttnKernel {
+    /// One block per (query head, split), then `attn_combine`.
+    PerHead,
+    /// One block per (KV head, split) for all the query heads that share it.
+    Packed,
+}
+
+/// Arguments of [`Gpu::attn_decode`] (device pointers; `pos` is an i32 on the device).
+pub struct AttnDecode {
+    /// Queries after norm and RoPE `[H_q, D]`.
+    pub q: u64,
+    pub kc: u64,
+    pub vc: u64,
+    /// Projection holding the gate per head (`[q | gate]`, stride 2D) when `gated`.
+    pub qg: u64,
+    pub out: u64,
+    pub nh: usize,
+    pub hkv: usize,
+    pub hd: usize,
+    pub pos: u64,
+    pub gated: bool,
+    /// `[H_q, splits, D + 2]` f32 scratch.
+    pub part: u64,
+    pub splits: usize,
+    /// Element type of `kc`/`vc`.
+    pub kv: KvDtype,
+}
+
+/// Element type of the KV cache: bf16 (the default: half the bytes per decode step, scores and
+/// softmax still fp32) or fp32 (the exact mode; `LILY_CUDA_KV=f32`, `--kv-cache-dtype f32`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum KvDtype {
+    F32,
+    Bf16,
+}
+
+impl KvDtype {
+    /// Bytes per cached element.
+    pub fn bytes(self) -> usize {
+        match self {
+            KvDtype::F32 => 4,
+            KvDtype::Bf16 => 2,
+        }
+    }
+
+    /// `f32` or `bf16` (also what `--kv-cache-dtype` and `LILY_CUDA_KV` take).
+    pub fn parse(s: &str) -> Result<KvDtype> {
+        match s {
+            "f32" | "fp32" | "float32" => Ok(KvDtype::F32),
+            "bf16" | "bfloat16" => Ok(KvDtype::Bf16),
+            _ => bail!("KV cache dtype `{s}`: expected bf16 or f32"),
+        }
+    }
+
+    /// The process default: `LILY_CUDA_KV`, else bf16.
+    pub fn from_env() -> Result<KvDtype> {
+        std::env::var("LILY_CUDA_KV").map_or(Ok(KvDtype::Bf16), |v| KvDtype::parse(&v))
+    }
+}
+
+/// Arguments of [`Gpu::attn_prep`].
+pub struct AttnPrep {
+    pub qg: u64,
+    pub k: u64,
+    pub v: u64,
+    pub q_norm: u64,
+    pub k_norm: u64,
+    pub q_out: u64,
+    pub kc: u64,
+    pub vc: u64,
+    pub nh: usize,
+    pub hkv: usize,
+    pub hd: usize,
+    pub gated: bool,
+    pub rot: usize,
+    /// Device i32: the position of this token.
+    pub pos: u64,
+    pub theta: f64,
+    pub eps: f32,
+    /// Element type of `kc`/`vc`.
+    pub kv: KvDtype,
+}
