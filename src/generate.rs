@@ -2,12 +2,12 @@
 //! an end-of-sequence token, a stop condition or the token budget.
 
 use crate::constrain::Constraint;
+use crate::engine::picker::{Picker, Want};
 use crate::model::{Logits, Model};
-use crate::sampling::{apply_penalties, log_softmax, Sampler, SamplingParams};
+use crate::sampling::{Sampler, SamplingParams};
 use crate::state::State;
 use anyhow::{bail, Context, Result};
 use std::any::Any;
-use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -231,44 +231,30 @@ pub fn decode_with(
     mut constraint: Option<&mut Constraint>,
     mut on_step: impl FnMut(&Step) -> Result<Flow>,
 ) -> Result<Generation> {
-    opts.sampling.validate()?;
     let limit = session.max_positions();
-    let mut sampler = Sampler::new(opts.sampling.clone());
+    let mut picker = Picker::new(opts, constraint.is_some())?;
     let t1 = Instant::now();
     let mut tokens = Vec::new();
-    let mut counts: HashMap<u32, u32> = HashMap::new();
     let mut finish = FinishReason::Length;
     let mut eos_token = None;
-    let repetition = opts.repetition_penalty.filter(|&p| p != 1.0);
-    let mut seen: std::collections::HashSet<u32> =
-        if repetition.is_some() { opts.penalty_prompt.iter().copied().collect() } else { Default::default() };
-    let penalize = opts.presence_penalty != 0.0 || opts.frequency_penalty != 0.0 || repetition.is_some();
-    // Without penalties or logprobs the session picks the next token itself (on the GPU for
-    // CUDA sessions: argmax, or a seeded draw), one token per call so EOS and stop strings end
-    // it exactly. The first token, from the prompt's logits, is drawn here.
-    let on_session = !penalize && opts.logprobs.is_none() && constraint.is_none();
-    let mut seeds = crate::sampling::Rng::new(opts.sampling.seed ^ 0x6c69_6c79);
+    // A token the session already picked (see [`Picker::want`]); the first one, from the
+    // prompt's logits, is picked here.
     let mut picked: Option<u32> = None;
     // The mask for the coming token, computed during the forward pass that produced its logits.
     let mut next_mask = None;
     while tokens.len() < opts.max_tokens {
-        let lp = opts.logprobs.map(|k| (log_softmax(&logits), k));
-        if penalize {
-            apply_penalties(&mut logits, &counts, opts.presence_penalty, opts.frequency_penalty);
-            if let Some(p) = repetition {
-                crate::sampling::apply_repetition_penalty(&mut logits, &seen, p);
+        let (next, info) = match picked.take() {
+            Some(t) => (t, None),
+            None => {
+                let mask = match constraint.as_deref_mut().filter(|c| c.is_active()) {
+                    Some(c) => Some(match next_mask.take() {
+                        Some(m) => m,
+                        None => c.mask()?,
+                    }),
+                    None => None,
+                };
+                picker.pick(&mut logits, mask.as_ref())?
             }
-        }
-        if let Some(c) = constraint.as_deref_mut().filter(|c| c.is_active()) {
-            let mask = match next_mask.take() {
-                Some(m) => m,
-                None => c.mask()?,
-            };
-            Constraint::apply(&mask, &mut logits)?;
-        }
-        let next = match picked.take() {
-            Some(t) => t,
-            None => sampler.sample(&logits),
         };
         if opts.eos_ids.contains(&next) {
             finish = FinishReason::Eos;
@@ -276,11 +262,7 @@ pub fn decode_with(
             break;
         }
         tokens.push(next);
-        *counts.entry(next).or_insert(0) += 1;
-        if repetition.is_some() {
-            seen.insert(next);
-        }
-        let info = lp.map(|(lp, k)| TokenLogprobs { token: next, logprob: lp[next as usize], top: top_k_of(&lp, k) });
+        picker.accept(next);
         if let Flow::Stop = on_step(&Step { token: next, logprobs: info.as_ref() })? {
             finish = FinishReason::Stopped;
             break;
@@ -298,20 +280,22 @@ pub fn decode_with(
         if session.pos() + 1 > limit {
             break;
         }
-        if on_session && opts.sampling.temperature == 0.0 {
-            picked = Some(session.greedy_steps(next, 1)?[0]);
-        } else if on_session {
-            picked = Some(session.sampled_steps(next, 1, &opts.sampling, seeds.next_u64())?[0]);
-        } else if let Some(c) = constraint.as_deref_mut().filter(|c| c.is_active()) {
-            let (l, m) = std::thread::scope(|s| {
-                let mask = s.spawn(|| c.mask());
-                let l = session.forward_last(&[next]);
-                (l, mask.join())
-            });
-            logits = l?;
-            next_mask = Some(m.map_err(|_| anyhow::anyhow!("constrained decoding: the mask thread panicked"))??);
-        } else {
-            logits = session.forward_last(&[next])?;
+        match picker.want() {
+            Want::Greedy => picked = Some(session.greedy_steps(next, 1)?[0]),
+            Want::Sample(seed) => picked = Some(session.sampled_steps(next, 1, &opts.sampling, seed)?[0]),
+            Want::Logits => match constraint.as_deref_mut().filter(|c| c.is_active()) {
+                Some(c) => {
+                    let (l, m) = std::thread::scope(|s| {
+                        let mask = s.spawn(|| c.mask());
+                        let l = session.forward_last(&[next]);
+                        (l, mask.join())
+                    });
+                    logits = l?;
+                    next_mask =
+                        Some(m.map_err(|_| anyhow::anyhow!("constrained decoding: the mask thread panicked"))??);
+                }
+                None => logits = session.forward_last(&[next])?,
+            },
         }
     }
     Ok(Generation {

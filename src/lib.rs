@@ -5,6 +5,7 @@ pub mod config;
 pub mod constrain;
 pub mod cpu;
 pub mod cuda;
+pub mod engine;
 pub mod generate;
 pub mod hub;
 pub mod kernels;

@@ -84,6 +84,33 @@ pub enum Logits {
     All,
 }
 
+/// One sequence of a batched forward pass: its new tokens and its caches.
+pub struct Seq<'a> {
+    pub tokens: &'a [u32],
+    pub state: &'a mut State,
+}
+
+/// A sequence's rows inside the stacked hidden matrix of one layer call.
+struct Seg<'a> {
+    t: usize,
+    state: &'a mut State,
+}
+
+impl Seg<'_> {
+    fn gdn(&mut self, layer: usize) -> (&mut [f32], &mut [f32]) {
+        match &mut self.state.layers[layer] {
+            LayerState::Gdn { conv, rec } => (conv, rec),
+            _ => unreachable!("state built from the same config"),
+        }
+    }
+    fn kv(&mut self, layer: usize) -> (&mut Vec<f32>, &mut Vec<f32>) {
+        match &mut self.state.layers[layer] {
+            LayerState::Attention { k, v } => (k, v),
+            _ => unreachable!("state built from the same config"),
+        }
+    }
+}
+
 impl Model {
     pub fn new_state(&self) -> State {
         State::new(&self.cfg)
@@ -181,26 +208,44 @@ impl Model {
     /// Runs `tokens` through the model at positions `state.pos..`, updating the caches.
     /// Returns logits `[1, V]` (Last) or `[T, V]` (All).
     pub fn forward(&self, tokens: &[u32], state: &mut State, which: Logits) -> Vec<f32> {
-        in_pool(|| self.forward_here(tokens, state, which))
+        self.forward_batch(&mut [Seq { tokens, state }], which)
     }
 
-    fn forward_here(&self, tokens: &[u32], state: &mut State, which: Logits) -> Vec<f32> {
+    /// Runs several sequences through the model in one pass: their tokens are stacked into one
+    /// `[T_total, H]` matrix, so every projection and every expert reads its weights once for all
+    /// of them (the MoE groups the tokens of all sequences by expert); the mixers (conv, GDN
+    /// recurrence, attention over the sequence's own cache) run per sequence on its rows.
+    /// Returns logits `[S, V]`, one row per sequence (Last), or `[T_total, V]` (All).
+    pub fn forward_batch(&self, seqs: &mut [Seq], which: Logits) -> Vec<f32> {
+        in_pool(|| self.forward_here(seqs, which))
+    }
+
+    fn forward_here(&self, seqs: &mut [Seq], which: Logits) -> Vec<f32> {
         let cfg = &self.cfg;
-        let (t, hid) = (tokens.len(), cfg.hidden_size);
-        assert!(t > 0, "forward: no tokens");
-        let mut x = vec![0f32; t * hid]; // [T, H]
-        for (i, &tok) in tokens.iter().enumerate() {
+        let hid = cfg.hidden_size;
+        assert!(seqs.iter().all(|s| !s.tokens.is_empty()), "forward: a sequence without tokens");
+        let t: usize = seqs.iter().map(|s| s.tokens.len()).sum();
+        let mut x = vec![0f32; t * hid]; // [T_total, H]
+        for (i, &tok) in seqs.iter().flat_map(|s| s.tokens).enumerate() {
             self.embed.row_f32(tok as usize, &mut x[i * hid..(i + 1) * hid]);
         }
+        let mut segs: Vec<Seg> = seqs.iter_mut().map(|s| Seg { t: s.tokens.len(), state: &mut *s.state }).collect();
         for i in 0..self.layers.len() {
-            self.layer(i, &mut x, state);
+            self.layer_batch(i, &mut x, &mut segs);
         }
-        state.pos += t;
-        let rows: &[f32] = match which {
-            Logits::Last => &x[(t - 1) * hid..],
-            Logits::All => &x,
+        for s in seqs.iter_mut() {
+            s.state.pos += s.tokens.len();
+        }
+        let mut h = match which {
+            Logits::Last => {
+                let mut ends = seqs.iter().scan(0, |e, s| {
+                    *e += s.tokens.len();
+                    Some(*e)
+                });
+                ends.by_ref().flat_map(|e| x[(e - 1) * hid..e * hid].to_vec()).collect()
+            }
+            Logits::All => x,
         };
-        let mut h = rows.to_vec();
         rms_norm(&mut h, &self.norm, cfg.rms_norm_eps);
         let n = h.len() / hid;
         let mut logits = vec![0f32; n * cfg.vocab_size];
@@ -208,18 +253,24 @@ impl Model {
         logits
     }
 
-    /// Layer `i` on the hidden rows `x` (`[T, H]`) at positions `state.pos..`, in place, updating
-    /// that layer's caches (the position is moved by the caller once every layer has run).
+    /// Layer `i` on the hidden rows `x` (`[T, H]`) of one sequence at positions `state.pos..`, in
+    /// place, updating that layer's caches (the position is moved by the caller once every layer
+    /// has run).
     pub fn layer(&self, i: usize, x: &mut [f32], state: &mut State) {
+        let t = x.len() / self.cfg.hidden_size;
+        self.layer_batch(i, x, &mut [Seg { t, state }]);
+    }
+
+    /// Layer `i` on the stacked rows of several sequences (`segs` in row order).
+    fn layer_batch(&self, i: usize, x: &mut [f32], segs: &mut [Seg]) {
         let cfg = &self.cfg;
-        let (layer, pos) = (&self.layers[i], state.pos);
+        let layer = &self.layers[i];
         let t = x.len() / cfg.hidden_size;
         let mut xn = vec![0f32; x.len()]; // [T, H]
         rms_norm_into(x, &layer.input_norm, cfg.rms_norm_eps, &mut xn);
-        let mixed = match (&layer.mixer, &mut state.layers[i]) {
-            (Mixer::Gdn(g), LayerState::Gdn { conv, rec }) => self.gdn(g, &xn, t, conv, rec),
-            (Mixer::Attention(a), LayerState::Attention { k, v }) => self.attention(a, &xn, t, pos, k, v),
-            _ => unreachable!("state built from the same config"),
+        let mixed = match &layer.mixer {
+            Mixer::Gdn(g) => self.gdn(g, &xn, t, i, segs),
+            Mixer::Attention(a) => self.attention(a, &xn, t, i, segs),
         };
         add(x, &mixed);
         rms_norm_into(x, &layer.post_norm, cfg.rms_norm_eps, &mut xn);
@@ -230,7 +281,7 @@ impl Model {
         add(x, &ff);
     }
 
-    fn gdn(&self, g: &Gdn, xn: &[f32], t: usize, conv_state: &mut [f32], rec: &mut [f32]) -> Vec<f32> {
+    fn gdn(&self, g: &Gdn, xn: &[f32], t: usize, layer: usize, segs: &mut [Seg]) -> Vec<f32> {
         let cfg = &self.cfg;
         let d = GdnDims {
             hk: cfg.linear_num_key_heads,
@@ -242,7 +293,22 @@ impl Model {
         let [qkv, z, b, a] = proj4([&g.in_qkv, &g.in_z, &g.in_b, &g.in_a], xn, t);
         // qkv: [T, C] = [q | k | v]; z: [T, H_v·D_v]; b, a: [T, H_v]
         let mut conv = vec![0f32; t * cd]; // [T, C]
-        causal_conv1d_silu(&qkv, t, cd, &g.conv, cfg.linear_conv_kernel_dim, conv_state, &mut conv);
+        let mut r0 = 0;
+        for s in segs.iter_mut() {
+            let n = s.t;
+            let (conv_state, _) = s.gdn(layer);
+            let rows = r0 * cd..(r0 + n) * cd;
+            causal_conv1d_silu(
+                &qkv[rows.clone()],
+                n,
+                cd,
+                &g.conv,
+                cfg.linear_conv_kernel_dim,
+                conv_state,
+                &mut conv[rows],
+            );
+            r0 += n;
+        }
         let mut q = vec![0f32; t * kd]; // [T, H_k, D_k]
         let mut k = vec![0f32; t * kd]; // [T, H_k, D_k]
         let mut v = vec![0f32; t * vd]; // [T, H_v, D_v]
@@ -258,8 +324,20 @@ impl Model {
         let gdec: Vec<f32> =
             a.iter().enumerate().map(|(i, &x)| g.neg_a[i % d.hv] * softplus(x + g.dt_bias[i % d.hv])).collect(); // [T, H_v]
         let mut o = vec![0f32; t * vd]; // [T, H_v, D_v]
-        let inputs = GdnInputs { q: &q, k: &k, v: &v, g: &gdec, beta: &beta };
-        gdn::recurrent(d, t, &inputs, rec, &mut o);
+        let mut r0 = 0;
+        for s in segs.iter_mut() {
+            let (r1, n) = (r0 + s.t, s.t);
+            let (_, rec) = s.gdn(layer);
+            let inputs = GdnInputs {
+                q: &q[r0 * kd..r1 * kd],
+                k: &k[r0 * kd..r1 * kd],
+                v: &v[r0 * vd..r1 * vd],
+                g: &gdec[r0 * d.hv..r1 * d.hv],
+                beta: &beta[r0 * d.hv..r1 * d.hv],
+            };
+            gdn::recurrent(d, n, &inputs, rec, &mut o[r0 * vd..r1 * vd]);
+            r0 = r1;
+        }
         // Per head row (the norm's width is D_v): parallel for a single decode token too.
         o.par_chunks_mut(d.dv)
             .zip(z.par_chunks(d.dv))
@@ -268,15 +346,7 @@ impl Model {
         proj(&g.out, &o, t)
     }
 
-    fn attention(
-        &self,
-        a: &Attention,
-        xn: &[f32],
-        t: usize,
-        p0: usize,
-        kc: &mut Vec<f32>,
-        vc: &mut Vec<f32>,
-    ) -> Vec<f32> {
+    fn attention(&self, a: &Attention, xn: &[f32], t: usize, layer: usize, segs: &mut [Seg]) -> Vec<f32> {
         let cfg = &self.cfg;
         let (nh, hd, kvd) = (cfg.num_attention_heads, cfg.head_dim, cfg.kv_dim());
         let mut p = proj_many(&[&a.q, &a.k, &a.v], xn, t).into_iter();
@@ -295,15 +365,22 @@ impl Model {
         }
         rms_norm(&mut q, &a.q_norm, cfg.rms_norm_eps);
         rms_norm(&mut k, &a.k_norm, cfg.rms_norm_eps);
-        for tt in 0..t {
-            self.rope.apply(&mut q[tt * nh * hd..(tt + 1) * nh * hd], hd, p0 + tt);
-            self.rope.apply(&mut k[tt * kvd..(tt + 1) * kvd], hd, p0 + tt);
-        }
-        kc.extend_from_slice(&k);
-        vc.extend_from_slice(&v);
         let mut o = vec![0f32; t * nh * hd]; // [T, H_q, D]
         let dims = AttnDims { heads: nh, kv_heads: cfg.num_key_value_heads, head_dim: hd };
-        attention(&dims, &q, t, p0, kc, vc, 1.0 / (hd as f32).sqrt(), &mut o);
+        let qd = nh * hd;
+        let mut r0 = 0;
+        for s in segs.iter_mut() {
+            let (p0, n, r1) = (s.state.pos, s.t, r0 + s.t);
+            for tt in r0..r1 {
+                self.rope.apply(&mut q[tt * qd..(tt + 1) * qd], hd, p0 + tt - r0);
+                self.rope.apply(&mut k[tt * kvd..(tt + 1) * kvd], hd, p0 + tt - r0);
+            }
+            let (kc, vc) = s.kv(layer);
+            kc.extend_from_slice(&k[r0 * kvd..r1 * kvd]);
+            vc.extend_from_slice(&v[r0 * kvd..r1 * kvd]);
+            attention(&dims, &q[r0 * qd..r1 * qd], n, p0, kc, vc, 1.0 / (hd as f32).sqrt(), &mut o[r0 * qd..r1 * qd]);
+            r0 = r1;
+        }
         if cfg.attn_output_gate {
             for (ov, gv) in o.iter_mut().zip(&gate) {
                 *ov *= sigmoid(*gv);

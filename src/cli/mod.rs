@@ -180,6 +180,19 @@ impl ModelArgs {
         }
     }
 
+    /// `slots` sequence slots for the batching engine: the CPU's batched forward pass, or (on
+    /// the GPU, until its batched step exists) one session per slot stepped in turn.
+    pub fn batch(&self, loaded: &Loaded, slots: usize) -> Result<Box<dyn lily::engine::batch::Batched>> {
+        use lily::engine::batch::{CpuBatch, SerialBatch};
+        Ok(match lily::cuda::uploaded(&loaded.model) {
+            Some(_) => {
+                let kv = loaded.model.state_bytes().1 / 4 * self.gpu_kv().bytes();
+                Box::new(SerialBatch::new((0..slots).map(|_| self.session(loaded)).collect(), kv)?)
+            }
+            None => Box::new(CpuBatch::new(loaded.model.clone(), slots)),
+        })
+    }
+
     /// The device sessions of this model run on, for reports.
     pub fn device_name(&self, loaded: &Loaded) -> String {
         match lily::cuda::uploaded(&loaded.model) {

@@ -53,6 +53,19 @@ pub struct ServeArgs {
     /// recommended output length for thinking answers; 0: the rest of the context).
     #[arg(allow_negative_numbers = true, long, default_value_t = 32768)]
     pub max_tokens_default: usize,
+    /// Sequences generated at once (continuous batching); more requests wait in the queue.
+    /// Default: 8 on the CPU, 4 on the GPU (whose sessions are still stepped one by one).
+    #[arg(allow_negative_numbers = true, long)]
+    pub max_num_seqs: Option<usize>,
+    /// Prompt tokens per engine step over all prefilling requests, so that a long prompt is
+    /// spread over several steps and other streams keep going (default: 512 CPU, 2048 GPU).
+    #[arg(allow_negative_numbers = true, long)]
+    pub max_prefill_tokens: Option<usize>,
+    /// KV-cache positions over all running requests; a request reserves its prompt plus
+    /// max_tokens and waits while that does not fit. Default: max-num-seqs × max-seq, on the
+    /// CPU at most what half of the available memory holds.
+    #[arg(allow_negative_numbers = true, long)]
+    pub kv_budget_tokens: Option<usize>,
     /// No log line per request.
     #[arg(long, short = 'q')]
     pub quiet: bool,
@@ -90,6 +103,13 @@ fn default_cache_bytes(state: (usize, usize), max_seq: usize, available: Option<
     available.map_or(want, |a| want.min(a / 10))
 }
 
+/// The default KV budget: every slot at the full context, on the CPU at most what half of the
+/// `available` bytes hold at `kv_per_token` bytes per position.
+fn default_kv_budget(slots: usize, max_seq: usize, kv_per_token: usize, available: Option<usize>) -> usize {
+    let full = slots.saturating_mul(max_seq);
+    available.map_or(full, |a| full.min(a / 2 / kv_per_token).max(max_seq))
+}
+
 /// The listening address from --bind or --host/--port; `:PORT` means loopback.
 fn bind_address(a: &ServeArgs) -> String {
     if a.host.is_some() || a.port.is_some() {
@@ -117,8 +137,12 @@ pub fn run(mut a: ServeArgs) -> Result<()> {
     let mut loaded = a.model.load()?;
     loaded.tokenizer("serve needs one")?;
     let tok = loaded.tokenizer.take().context("no tokenizer")?;
-    let session = a.model.session(&loaded);
-    let model_max = session.max_positions();
+    let gpu = lily::cuda::uploaded(&loaded.model).is_some();
+    let slots = a.max_num_seqs.unwrap_or(if gpu { 4 } else { 8 });
+    if slots == 0 || slots > 1024 {
+        bail!("--max-num-seqs must be between 1 and 1024, got {slots}");
+    }
+    let model_max = loaded.model.cfg.max_position_embeddings;
     let max_seq = a.max_seq.unwrap_or(model_max);
     if max_seq > model_max {
         bail!("--max-seq {max_seq} exceeds the model's context of {model_max} tokens");
@@ -136,6 +160,21 @@ pub fn run(mut a: ServeArgs) -> Result<()> {
             ""
         }
     );
+    let max_prefill_tokens = a.max_prefill_tokens.unwrap_or(if gpu { 2048 } else { 512 });
+    if max_prefill_tokens == 0 {
+        bail!("--max-prefill-tokens must be at least 1");
+    }
+    let kv_per_token = loaded.model.state_bytes().1.max(1);
+    let kv_budget_tokens = match a.kv_budget_tokens {
+        Some(0) => bail!("--kv-budget-tokens must be at least 1"),
+        Some(n) => n,
+        None => default_kv_budget(slots, max_seq, kv_per_token, (!gpu).then(available_memory).flatten()),
+    };
+    eprintln!(
+        "lily serve: {slots} sequence slots, {max_prefill_tokens} prompt tokens per step, KV budget {kv_budget_tokens} tokens ({} MiB on the CPU layout)",
+        (kv_budget_tokens as u128 * kv_per_token as u128) >> 20
+    );
+    let backend = a.model.batch(&loaded, slots)?;
     // Already in the cache after `load` (a hub id is resolved once more, without the network).
     let resolved = a.model.resolve()?;
     let dir = Path::new(&resolved);
@@ -149,18 +188,29 @@ pub fn run(mut a: ServeArgs) -> Result<()> {
         max_body_bytes: a.max_body_bytes,
         read_timeout: std::time::Duration::from_secs(a.read_timeout_secs.max(1)),
         prefix_cache_bytes: cache_bytes,
+        max_prefill_tokens,
+        kv_budget_tokens,
         defaults: super::generation_defaults(dir).unwrap_or_default(),
         scripts,
         allowed_origins: a.allowed_origins.iter().map(|o| o.trim().to_string()).filter(|o| !o.is_empty()).collect(),
         max_tokens_default: (a.max_tokens_default > 0).then_some(a.max_tokens_default),
         log_requests: !a.quiet,
     };
-    lily::server::serve(cfg, tok, session)
+    lily::server::serve(cfg, tok, backend)
 }
 
 #[cfg(test)]
 mod tests {
-    use super::default_cache_bytes;
+    use super::{default_cache_bytes, default_kv_budget};
+
+    #[test]
+    fn the_default_kv_budget_fits_the_slots_and_the_memory() {
+        assert_eq!(default_kv_budget(8, 4096, 1024, None), 8 * 4096);
+        assert_eq!(default_kv_budget(8, 4096, 1024, Some(1 << 40)), 8 * 4096);
+        // Half of 64 MiB at 1 KiB per position: 32,768 positions, not 8 × 262,144.
+        assert_eq!(default_kv_budget(8, 262_144, 1024, Some(64 << 20)), 262_144);
+        assert_eq!(default_kv_budget(8, 4096, 1024, Some(64 << 20)), 32_768);
+    }
 
     #[test]
     fn the_default_prefix_cache_follows_the_model_and_the_memory() {

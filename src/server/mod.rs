@@ -1,19 +1,19 @@
-//! `lily serve`: an OpenAI-compatible HTTP server over any `Session` backend.
+//! `lily serve`: an OpenAI-compatible HTTP server over any batched backend (`engine::batch`).
 //!
 //! Layout: `openai` (wire types and validation), `handlers` (chat and completions, streaming),
-//! `worker` (bounded queue, the one generation thread, cancellation), `prefix_cache` (hybrid-state
-//! snapshots), `parse` (reasoning / tool-call splitting), `metrics` (Prometheus text).
+//! `worker` (bounded queue, the generation thread running the engine's scheduler, streams and
+//! cancellation), `parse` (reasoning / tool-call splitting). The continuous-batching scheduler,
+//! the prefix cache and the metrics are the engine's (`crate::engine`).
 
 pub mod handlers;
 mod head;
-pub mod metrics;
 pub mod openai;
 pub mod parse;
-pub mod prefix_cache;
 pub mod toolcall;
 pub mod worker;
 
-use crate::generate::Session;
+use crate::engine::batch::Batched;
+use crate::engine::metrics::Metrics;
 use crate::tokenizer::Tokenizer;
 use anyhow::{Context, Result};
 use axum::extract::{Request, State};
@@ -22,7 +22,6 @@ use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::Router;
-use metrics::Metrics;
 use openai::ApiError;
 use serde_json::json;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
@@ -57,6 +56,10 @@ pub struct Config {
     /// A client has this long to send its request head, and then its body (slow-client guard).
     pub read_timeout: std::time::Duration,
     pub prefix_cache_bytes: usize,
+    /// Prompt tokens per engine step over all prefilling sequences.
+    pub max_prefill_tokens: usize,
+    /// KV-cache positions over all running sequences (admission budget).
+    pub kv_budget_tokens: usize,
     pub defaults: Defaults,
     /// Test hook (`LILY_TEST_SCRIPTS`): (trigger, output) pairs; a request whose last message
     /// contains `trigger` gets `output` as its generated text.
@@ -234,6 +237,10 @@ async fn health(State(app): State<Arc<App>>) -> Response {
         "status": "ok",
         "queue_depth": app.metrics.queue_depth.load(Relaxed),
         "running": app.metrics.running.load(Relaxed),
+        "slots": app.metrics.slots.load(Relaxed),
+        "kv_pages_used": app.metrics.kv_pages_used.load(Relaxed),
+        "kv_pages_total": app.metrics.kv_pages_total.load(Relaxed),
+        "kv_page_tokens": app.metrics.kv_page_tokens.load(Relaxed),
     });
     json_response(StatusCode::OK, &v)
 }
@@ -285,16 +292,25 @@ async fn not_found(req: Request) -> Response {
     error_response(&e)
 }
 
+/// Positions per KV-cache page (vLLM's default block size).
+pub const PAGE_TOKENS: usize = 16;
+
 /// Runs the server until Ctrl-C / SIGTERM (open streams get 5 s to finish). Prints
 /// `listening on http://ADDR` on stdout once bound.
-pub fn serve(cfg: Config, tok: Tokenizer, session: Box<dyn Session + Send>) -> Result<()> {
+pub fn serve(cfg: Config, tok: Tokenizer, backend: Box<dyn Batched>) -> Result<()> {
     if cfg.max_seq < 2 {
         anyhow::bail!("--max-seq must be at least 2");
     }
     let tok = Arc::new(tok);
     let metrics = Arc::new(Metrics::default());
-    let vocab_size = session.vocab_size();
-    let queue = worker::start(session, tok.clone(), metrics.clone(), cfg.queue_size, cfg.prefix_cache_bytes)?;
+    let vocab_size = backend.vocab_size();
+    let limits = crate::engine::scheduler::Limits {
+        max_prefill_tokens: cfg.max_prefill_tokens,
+        kv_budget_tokens: cfg.kv_budget_tokens,
+        page_tokens: PAGE_TOKENS,
+        prefix_cache_bytes: cfg.prefix_cache_bytes,
+    };
+    let queue = worker::start(backend, limits, tok.clone(), metrics.clone(), cfg.queue_size)?;
     let app = Arc::new(App {
         cfg,
         tok,

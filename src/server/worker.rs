@@ -1,25 +1,21 @@
-//! The generation worker: one thread owns the session (CPU today, any `Session` backend later)
-//! and runs one request at a time from a bounded queue. Each request streams its events back on
-//! its own channel; when the client goes away the channel closes and the worker stops that
-//! generation at the next token (or skips it if it is still queued).
+//! The generation worker: one thread owns the engine's [`Scheduler`] and feeds it requests
+//! from a bounded queue. Running requests share each forward pass (continuous batching, up to the
+//! backend's slots); each streams its events back on its own channel, and when the client goes
+//! away the channel closes and the scheduler drops that sequence at the next step (or skips it
+//! if it is still queued).
 
-use super::metrics::Metrics;
-use super::prefix_cache::PrefixCache;
 use crate::constrain::Constraint;
-use crate::generate::{
-    decode_with, FinishReason, Flow, GenerateOptions, Session, Snapshot, StopStrings, TokenLogprobs,
-};
+use crate::engine::batch::Batched;
+use crate::engine::metrics::Metrics;
+use crate::engine::scheduler::{Ended, Limits, Request, Scheduler, Sink};
+use crate::generate::{FinishReason, Flow, GenerateOptions, Step, StopStrings, TokenLogprobs};
 use crate::tokenizer::{StreamDecoder, Tokenizer};
-use anyhow::{bail, Result};
+use anyhow::Result;
 use std::sync::atomic::Ordering::Relaxed;
-use std::sync::mpsc::{sync_channel, Receiver, SyncSender, TrySendError};
+use std::sync::mpsc::{sync_channel, Receiver, RecvTimeoutError, SyncSender, TrySendError};
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 use tokio::sync::mpsc::UnboundedSender;
-
-/// Prefill granularity: the worker checks for a departed client between chunks. (The CPU
-/// backend's prefill is split-invariant, so chunking does not change any logit.)
-const PREFILL_CHUNK: usize = 512;
 
 pub struct Job {
     pub prompt: Vec<u32>,
@@ -85,211 +81,179 @@ impl Queue {
     }
 }
 
-/// Starts the worker thread; `capacity` requests may wait while one runs.
+/// Starts the worker thread over `backend`; `capacity` requests may wait in the queue while
+/// the backend's slots are busy.
 pub fn start(
-    session: Box<dyn Session + Send>,
+    backend: Box<dyn Batched>,
+    limits: Limits,
     tok: Arc<Tokenizer>,
     metrics: Arc<Metrics>,
     capacity: usize,
-    cache_bytes: usize,
 ) -> Result<Queue> {
     let (tx, rx) = sync_channel::<Job>(capacity);
     let m = metrics.clone();
     std::thread::Builder::new().name("lily-worker".into()).spawn(move || {
-        let mut w =
-            Worker { session, tok, metrics: m, cache: PrefixCache::new(cache_bytes), cache_budget_bytes: cache_bytes };
-        w.run(rx);
+        let sched = Scheduler::new(backend, limits, m.clone());
+        run(sched, rx, tok, m);
     })?;
     Ok(Queue { tx, metrics })
 }
 
-struct Worker {
-    session: Box<dyn Session + Send>,
-    tok: Arc<Tokenizer>,
-    metrics: Arc<Metrics>,
-    cache: PrefixCache,
-    cache_budget_bytes: usize,
+fn run(mut sched: Scheduler, rx: Receiver<Job>, tok: Arc<Tokenizer>, metrics: Arc<Metrics>) {
+    let sink = |job: Job| Request {
+        prompt: job.prompt.clone(),
+        boundary: job.boundary,
+        opts: job.opts.clone(),
+        constraint: job.constraint,
+        script: job.script,
+        sink: Box::new(StreamSink {
+            tok: tok.clone(),
+            metrics: metrics.clone(),
+            dec: StreamDecoder::new(),
+            stops: StopStrings::new(&job.stop),
+            events: job.events,
+            arrived: job.arrived,
+            log: job.log,
+            first: None,
+            stop_hit: false,
+            cancelled: false,
+        }),
+    };
+    loop {
+        // Pull requests while the scheduler has no backlog of its own, so that the bounded
+        // channel stays the queue (full: 503).
+        if sched.idle() {
+            match rx.recv() {
+                Ok(job) => sched.submit(sink(job)),
+                Err(_) => return,
+            }
+        }
+        while sched.waiting() == 0 {
+            match rx.try_recv() {
+                Ok(job) => sched.submit(sink(job)),
+                Err(_) => break,
+            }
+        }
+        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| sched.step()));
+        match r {
+            Ok(true) => {}
+            Ok(false) => {
+                // Nothing could run (requests waiting for pages that running ones hold cannot
+                // happen, but do not spin): wait for a request or a moment.
+                match rx.recv_timeout(Duration::from_millis(5)) {
+                    Ok(job) => sched.submit(sink(job)),
+                    Err(RecvTimeoutError::Timeout) => {}
+                    Err(RecvTimeoutError::Disconnected) if sched.idle() => return,
+                    Err(RecvTimeoutError::Disconnected) => {}
+                }
+            }
+            Err(p) => {
+                let msg = p
+                    .downcast_ref::<&str>()
+                    .map(|s| s.to_string())
+                    .or_else(|| p.downcast_ref::<String>().cloned())
+                    .unwrap_or_default();
+                // Whatever state the panic left behind is not trusted again.
+                sched.fail_all(&format!("internal error in generation: {msg}"));
+            }
+        }
+    }
 }
 
-impl Worker {
-    fn run(&mut self, rx: Receiver<Job>) {
-        for mut job in rx {
-            self.metrics.queue_depth.fetch_sub(1, Relaxed);
-            if job.events.is_closed() {
-                self.metrics.cancelled.fetch_add(1, Relaxed);
-                continue;
-            }
-            self.metrics.running.fetch_add(1, Relaxed);
-            let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.job(&mut job)));
-            self.metrics.running.fetch_sub(1, Relaxed);
-            let err = match r {
-                Ok(Ok(())) => continue,
-                Ok(Err(e)) => format!("{e:#}"),
-                Err(p) => {
-                    // Whatever state the panic left behind is not trusted again.
-                    self.session.reset();
-                    self.cache = PrefixCache::new(self.cache_budget());
-                    let msg = p
-                        .downcast_ref::<&str>()
-                        .map(|s| s.to_string())
-                        .or_else(|| p.downcast_ref::<String>().cloned())
-                        .unwrap_or_default();
-                    format!("internal error in generation: {msg}")
-                }
-            };
-            eprintln!("lily serve: generation failed: {err}");
-            let _ = job.events.send(Event::Error(err));
-        }
-    }
+/// One request's stream: detokenizes, holds back text that may start a stop string, sends
+/// deltas, and the summary (or the error) at the end.
+struct StreamSink {
+    tok: Arc<Tokenizer>,
+    metrics: Arc<Metrics>,
+    dec: StreamDecoder,
+    stops: StopStrings,
+    events: UnboundedSender<Event>,
+    arrived: Instant,
+    log: Option<&'static str>,
+    /// Time to the first token.
+    first: Option<f64>,
+    stop_hit: bool,
+    cancelled: bool,
+}
 
-    fn cache_budget(&self) -> usize {
-        self.cache_budget_bytes
-    }
-
-    fn save(&mut self, tokens: &[u32], logits: Option<&[f32]>) {
-        if !self.cache.contains(tokens, logits.is_some()) {
-            let snap: Snapshot = self.session.snapshot();
-            self.cache.insert(tokens.to_vec(), snap, logits.map(<[f32]>::to_vec));
-            self.metrics.cache_bytes.store(self.cache.bytes() as u64, Relaxed);
-            self.metrics.cache_entries.store(self.cache.len() as u64, Relaxed);
+impl Sink for StreamSink {
+    fn token(&mut self, step: &Step) -> Flow {
+        if self.first.is_none() {
+            let ttft = self.arrived.elapsed().as_secs_f64();
+            self.metrics.ttft(ttft);
+            self.first = Some(ttft);
         }
-    }
-
-    fn job(&mut self, job: &mut Job) -> Result<()> {
-        let prompt = &job.prompt;
-        if prompt.is_empty() {
-            bail!("the prompt is empty");
-        }
-        let mut logits = Vec::new();
-        let start = match self.cache.lookup(prompt) {
-            Some(hit) => {
-                self.session.restore(hit.snap)?;
-                if let Some(l) = hit.logits {
-                    logits = l.to_vec();
-                }
-                hit.len
-            }
-            None => {
-                self.session.reset();
-                0
+        let piece = match self.dec.push(&self.tok, step.token) {
+            Ok(p) => p,
+            Err(e) => {
+                let _ = self.events.send(Event::Error(format!("{e:#}")));
+                self.cancelled = true;
+                return Flow::Stop;
             }
         };
-        if self.session.pos() != start {
-            bail!("session position {} after restoring a {start}-token prefix", self.session.pos());
+        let (text, hit) = self.stops.push(&piece);
+        let logprobs = step.logprobs.cloned().into_iter().collect();
+        if self.events.send(Event::Delta { text, logprobs }).is_err() {
+            self.cancelled = true;
+            return Flow::Stop;
         }
-        let m = &self.metrics;
-        if start > 0 {
-            m.prefix_hits.fetch_add(1, Relaxed);
-            m.cached_tokens.fetch_add(start as u64, Relaxed);
-        } else {
-            m.prefix_misses.fetch_add(1, Relaxed);
+        if hit {
+            self.stop_hit = true;
+            return Flow::Stop;
         }
-        m.prompt_tokens.fetch_add(prompt.len() as u64, Relaxed);
-        // Prefill in segments ending at the reusable points, saving a snapshot at each.
-        let mut ends: Vec<usize> = job.boundary.into_iter().filter(|&b| b > start && b < prompt.len()).collect();
-        ends.push(prompt.len());
-        if start == prompt.len() {
-            ends.clear(); // the whole prompt and its logits came from the cache
-        }
-        let t0 = Instant::now();
-        let mut pos = start;
-        for end in ends {
-            // In chunks, so that a client who leaves during a long prefill frees the worker soon.
-            while pos < end {
-                let e = (pos + PREFILL_CHUNK).min(end);
-                logits = self.session.forward_last(&prompt[pos..e])?;
-                pos = e;
-                if job.events.is_closed() {
-                    self.metrics.cancelled.fetch_add(1, Relaxed);
-                    return Ok(());
-                }
-            }
-            let last = end == prompt.len();
-            self.save(&prompt[..end], last.then_some(&logits[..]));
-        }
-        self.metrics.prefill(prompt.len() - start, t0.elapsed().as_secs_f64());
+        Flow::Continue
+    }
 
-        let tok = self.tok.clone();
-        let mut dec = StreamDecoder::new();
-        let mut stops = StopStrings::new(&job.stop);
-        let mut generated: Vec<u32> = Vec::new();
-        let mut cancelled = false;
-        let mut stop_hit = false;
-        let mut first = true;
-        let metrics = self.metrics.clone();
-        let mut scripted;
-        let session: &mut dyn Session = match &job.script {
-            Some(script) => {
-                let eos = job.opts.eos_ids.first().copied().unwrap_or(0);
-                force(&mut logits, script.first().copied().unwrap_or(eos));
-                scripted = Scripted { inner: self.session.as_mut(), script, eos, step: 0 };
-                &mut scripted
+    fn gone(&self) -> bool {
+        self.events.is_closed()
+    }
+
+    fn done(&mut self, end: Result<Ended>) {
+        let e = match end {
+            Ok(e) => e,
+            Err(err) => {
+                let err = format!("{err:#}");
+                eprintln!("lily serve: generation failed: {err}");
+                let _ = self.events.send(Event::Error(err));
+                return;
             }
-            None => self.session.as_mut(),
         };
-        let t1 = Instant::now();
-        let mut ttft = 0.0;
-        let gen = decode_with(session, logits, &job.opts, job.constraint.as_mut(), |step| {
-            if first {
-                ttft = job.arrived.elapsed().as_secs_f64();
-                metrics.ttft(ttft);
-                first = false;
-            }
-            generated.push(step.token);
-            let piece = dec.push(&tok, step.token)?;
-            let (text, hit) = stops.push(&piece);
-            let logprobs = step.logprobs.cloned().into_iter().collect();
-            if job.events.send(Event::Delta { text, logprobs }).is_err() {
-                cancelled = true;
-                return Ok(Flow::Stop);
-            }
-            if hit {
-                stop_hit = true;
-                return Ok(Flow::Stop);
-            }
-            Ok(Flow::Continue)
-        })?;
-        let n = gen.tokens.len();
-        let decode_secs = t1.elapsed().as_secs_f64();
-        self.metrics.decode(n.saturating_sub(1), decode_secs);
-        self.metrics.completion_tokens.fetch_add(n as u64, Relaxed);
+        let n = e.tokens.len();
         let log = |what: &str| {
-            if let Some(endpoint) = job.log {
+            if let Some(endpoint) = self.log {
                 tracing::info!(
-                    "{endpoint} {what} | prompt {} tokens ({start} cached) | completion {n} tokens | ttft {:.0} ms | {:.1} tok/s | {:.2} s",
-                    prompt.len(),
-                    ttft * 1e3,
-                    n.saturating_sub(1) as f64 / decode_secs.max(1e-9),
-                    job.arrived.elapsed().as_secs_f64()
+                    "{endpoint} {what} | prompt {} tokens ({} cached) | completion {n} tokens | ttft {:.0} ms | {:.1} tok/s | {:.2} s",
+                    e.prompt_tokens,
+                    e.cached_tokens,
+                    self.first.unwrap_or(0.0) * 1e3,
+                    n.saturating_sub(1) as f64 / e.decode_secs.max(1e-9),
+                    self.arrived.elapsed().as_secs_f64()
                 );
             }
         };
-        if cancelled {
+        if self.cancelled {
             self.metrics.cancelled.fetch_add(1, Relaxed);
             log("cancelled (client gone)");
-            return Ok(());
+            return;
         }
-        if !stop_hit {
-            let rest = dec.flush(&tok)?;
-            let (mut text, hit) = stops.push(&rest);
-            stop_hit = hit;
+        if !self.stop_hit {
+            let rest = match self.dec.flush(&self.tok) {
+                Ok(r) => r,
+                Err(err) => {
+                    let _ = self.events.send(Event::Error(format!("{err:#}")));
+                    return;
+                }
+            };
+            let (mut text, hit) = self.stops.push(&rest);
+            self.stop_hit = hit;
             if !hit {
-                text.push_str(&stops.finish());
+                text.push_str(&self.stops.finish());
             }
             if !text.is_empty() {
-                let _ = job.events.send(Event::Delta { text, logprobs: Vec::new() });
+                let _ = self.events.send(Event::Delta { text, logprobs: Vec::new() });
             }
         }
-        // The state after the prompt and the generated tokens fed back so far.
-        let fed = self.session.pos();
-        if fed > prompt.len() && job.script.is_none() {
-            let mut all = prompt.clone();
-            all.extend(&generated);
-            if fed <= all.len() {
-                self.save(&all[..fed], None);
-            }
-        }
-        let finish = if stop_hit { FinishReason::Stopped } else { gen.finish };
+        let finish = if self.stop_hit { FinishReason::Stopped } else { e.finish };
         log(&format!(
             "200 finish {}",
             match finish {
@@ -297,60 +261,11 @@ impl Worker {
                 FinishReason::Length => "length",
             }
         ));
-        let _ = job.events.send(Event::Done(Summary {
+        let _ = self.events.send(Event::Done(Summary {
             finish,
-            prompt_tokens: prompt.len(),
+            prompt_tokens: e.prompt_tokens,
             completion_tokens: n,
-            cached_tokens: start,
+            cached_tokens: e.cached_tokens,
         }));
-        Ok(())
-    }
-}
-
-/// Makes `target` the clear winner of `logits` (argmax, and probability ≈ 1 when sampling).
-fn force(logits: &mut [f32], target: u32) {
-    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    if let Some(l) = logits.get_mut(target as usize) {
-        *l = max + 60.0;
-    }
-}
-
-/// Test hook (`LILY_TEST_SCRIPTS`): runs the real model but overrides its logits so that decode
-/// produces a fixed token sequence and then end-of-sequence, to drive the reasoning and
-/// tool-call parsers end to end with a random-weight model.
-struct Scripted<'a> {
-    inner: &'a mut (dyn Session + Send),
-    script: &'a [u32],
-    eos: u32,
-    step: usize,
-}
-
-impl Session for Scripted<'_> {
-    fn forward_last(&mut self, tokens: &[u32]) -> Result<Vec<f32>> {
-        let mut l = self.inner.forward_last(tokens)?;
-        self.step += 1;
-        force(&mut l, self.script.get(self.step).copied().unwrap_or(self.eos));
-        Ok(l)
-    }
-    fn forward_all(&mut self, tokens: &[u32]) -> Result<Vec<f32>> {
-        self.inner.forward_all(tokens)
-    }
-    fn pos(&self) -> usize {
-        self.inner.pos()
-    }
-    fn vocab_size(&self) -> usize {
-        self.inner.vocab_size()
-    }
-    fn max_positions(&self) -> usize {
-        self.inner.max_positions()
-    }
-    fn snapshot(&self) -> Snapshot {
-        self.inner.snapshot()
-    }
-    fn restore(&mut self, snap: &Snapshot) -> Result<()> {
-        self.inner.restore(snap)
-    }
-    fn reset(&mut self) {
-        self.inner.reset()
     }
 }

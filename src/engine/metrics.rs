@@ -6,6 +6,8 @@ use std::sync::atomic::{AtomicI64, AtomicU64, Ordering::Relaxed};
 use std::sync::Mutex;
 
 const TTFT_BUCKETS: [f64; 12] = [0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0];
+/// Upper bounds of the batch-size histogram (sequences per forward pass).
+const BATCH_BUCKETS: [u64; 9] = [1, 2, 4, 8, 16, 32, 64, 128, 256];
 
 #[derive(Default)]
 struct Timing {
@@ -18,6 +20,9 @@ struct Timing {
     ttft_counts: [u64; TTFT_BUCKETS.len()],
     ttft_sum: f64,
     ttft_count: u64,
+    batch_counts: [u64; BATCH_BUCKETS.len()],
+    batch_sum: u64,
+    batch_count: u64,
 }
 
 #[derive(Default)]
@@ -31,8 +36,15 @@ pub struct Metrics {
     pub prefix_misses: AtomicU64,
     pub cache_bytes: AtomicU64,
     pub cache_entries: AtomicU64,
+    /// Requests waiting for a sequence slot (in the channel or the scheduler's queue).
     pub queue_depth: AtomicI64,
+    /// Sequences in slots (prefilling or decoding).
     pub running: AtomicI64,
+    /// Sequence slots (`--max-num-seqs`).
+    pub slots: AtomicU64,
+    pub kv_pages_used: AtomicU64,
+    pub kv_pages_total: AtomicU64,
+    pub kv_page_tokens: AtomicU64,
     pub cancelled: AtomicU64,
     pub rejected_busy: AtomicU64,
 }
@@ -53,6 +65,19 @@ impl Metrics {
             }
             t.ttft_sum += secs;
             t.ttft_count += 1;
+        }
+    }
+
+    /// One forward pass over `n` sequences.
+    pub fn batch(&self, n: usize) {
+        if let Ok(mut t) = self.timing.lock() {
+            for (i, b) in BATCH_BUCKETS.iter().enumerate() {
+                if n as u64 <= *b {
+                    t.batch_counts[i] += 1;
+                }
+            }
+            t.batch_sum += n as u64;
+            t.batch_count += 1;
         }
     }
 
@@ -119,15 +144,21 @@ impl Metrics {
         metric(
             "lily_queue_depth",
             "gauge",
-            "Requests waiting for the generation worker.",
+            "Requests waiting for a sequence slot.",
             one(self.queue_depth.load(Relaxed).to_string()),
         );
         metric(
             "lily_requests_running",
             "gauge",
-            "Requests being generated now.",
+            "Sequences in slots now (prefilling or decoding).",
             one(self.running.load(Relaxed).to_string()),
         );
+        let g = |a: &AtomicU64| one(a.load(Relaxed).to_string());
+        metric("lily_sequence_slots", "gauge", "Sequence slots (--max-num-seqs).", g(&self.slots));
+        metric("lily_kv_pages_used", "gauge", "KV-cache pages reserved by running sequences.", g(&self.kv_pages_used));
+        let free = self.kv_pages_total.load(Relaxed).saturating_sub(self.kv_pages_used.load(Relaxed));
+        metric("lily_kv_pages_free", "gauge", "KV-cache pages free.", one(free.to_string()));
+        metric("lily_kv_page_tokens", "gauge", "Positions per KV-cache page.", g(&self.kv_page_tokens));
         metric(
             "lily_requests_cancelled_total",
             "counter",
@@ -175,6 +206,15 @@ impl Metrics {
         h.push(("_sum".into(), format!("{}", t.ttft_sum)));
         h.push(("_count".into(), t.ttft_count.to_string()));
         metric("lily_time_to_first_token_seconds", "histogram", "From arrival to the first generated token.", h);
+        let mut h: Vec<(String, String)> = BATCH_BUCKETS
+            .iter()
+            .zip(t.batch_counts.iter())
+            .map(|(b, n)| (format!("_bucket{{le=\"{b}\"}}"), n.to_string()))
+            .collect();
+        h.push(("_bucket{le=\"+Inf\"}".into(), t.batch_count.to_string()));
+        h.push(("_sum".into(), t.batch_sum.to_string()));
+        h.push(("_count".into(), t.batch_count.to_string()));
+        metric("lily_batch_size", "histogram", "Sequences per forward pass.", h);
         s
     }
 }
@@ -189,11 +229,16 @@ mod tests {
         m.request("/v1/chat/completions", 200);
         m.ttft(0.2);
         m.prefill(10, 0.5);
+        m.batch(3);
+        m.batch(1);
         let s = m.render();
         assert!(s.contains("lily_requests_total{endpoint=\"/v1/chat/completions\",status=\"200\"} 1"));
         assert!(s.contains("lily_time_to_first_token_seconds_bucket{le=\"0.25\"} 1"));
         assert!(s.contains("lily_time_to_first_token_seconds_bucket{le=\"0.1\"} 0"));
         assert!(s.contains("lily_prefill_tokens_per_second 20"));
         assert!(s.contains("# TYPE lily_queue_depth gauge"));
+        assert!(s.contains("lily_batch_size_bucket{le=\"2\"} 1"));
+        assert!(s.contains("lily_batch_size_bucket{le=\"4\"} 2"));
+        assert!(s.contains("lily_batch_size_sum 4"));
     }
 }
