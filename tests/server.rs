@@ -510,3 +510,50 @@ fn requests_are_logged_on_stderr() {
     assert!(!std::fs::read_to_string(&log).unwrap().contains("/nope"));
     std::fs::remove_file(&log).ok();
 }
+
+#[test]
+fn concurrent_requests_are_batched_and_each_equals_itself_alone() {
+    // 6 requests, 4 slots: 4 decode together, 2 wait and join as slots free; prompts of
+    // different lengths prefilled 8 tokens per step while the others decode.
+    let s = start(&fixture(), &["--max-num-seqs", "4", "--max-prefill-tokens", "8", "--prefix-cache-mb", "0"]);
+    let bodies: Vec<Value> = (0..6)
+        .map(|i| {
+            let words = ["alpha", "beta gamma", "delta epsilon zeta eta", "theta", "iota kappa lambda", "mu nu"];
+            let mut b = json!({"prompt": format!("request {i}: {}", words[i].repeat(i + 1)), "max_tokens": 16 + i,
+                "ignore_eos": true, "logprobs": 1});
+            if i % 2 == 1 {
+                b["temperature"] = json!(0.8);
+                b["seed"] = json!(11 + i);
+            } else {
+                b["temperature"] = json!(0);
+            }
+            b
+        })
+        .collect();
+    let handles: Vec<_> = bodies
+        .iter()
+        .map(|b| {
+            let (addr, b) = (s.addr.clone(), b.clone());
+            std::thread::spawn(move || post(&addr, "/v1/completions", &b).json())
+        })
+        .collect();
+    let together: Vec<Value> = handles.into_iter().map(|h| h.join().unwrap()).collect();
+    let m = req(&s.addr, "GET", "/metrics", "", None).body;
+    let batches = |le: &str| -> u64 {
+        let key = format!("lily_batch_size_bucket{{le=\"{le}\"}} ");
+        m.lines().find_map(|l| l.strip_prefix(&key)).unwrap().parse().unwrap()
+    };
+    assert!(batches("+Inf") > batches("1"), "some passes ran more than one sequence:\n{m}");
+    assert!(m.contains("lily_sequence_slots 4"), "{m}");
+    let h = req(&s.addr, "GET", "/health", "", None).json();
+    assert_eq!(h["slots"], 4);
+    assert_eq!(h["kv_pages_used"], 0);
+    // Each request alone, one after another, on the same server.
+    for (b, t) in bodies.iter().zip(&together) {
+        let alone = post(&s.addr, "/v1/completions", b).json();
+        assert_eq!(t["choices"][0]["text"], alone["choices"][0]["text"], "{b}");
+        assert_eq!(t["usage"]["completion_tokens"], b["max_tokens"], "ignore_eos generates max_tokens");
+        let toks = |v: &Value| v["choices"][0]["logprobs"]["tokens"].clone();
+        assert_eq!(toks(t), toks(&alone), "{b}");
+    }
+}

@@ -33,6 +33,11 @@ pub struct BenchArgs {
     /// Measured runs per context; the table shows the median of each rate.
     #[arg(allow_negative_numbers = true, long, default_value_t = 1)]
     pub repeat: usize,
+    /// Batch sizes, comma-separated (e.g. 1,4,16,64): B sequences at once through the batching
+    /// engine, each with a `--contexts` prompt and `--decode-steps` tokens (llama-batched-bench's
+    /// measurement; pass --decode-steps 128 for its usual shape).
+    #[arg(long)]
+    pub batch: Option<String>,
     /// Also measure the machine's memory read bandwidth to put decode in context.
     #[arg(long)]
     pub membw: bool,
@@ -117,6 +122,34 @@ pub fn run(a: BenchArgs) -> Result<()> {
             a.decode_steps,
             limit.saturating_sub(a.decode_steps)
         );
+    }
+    if let Some(list) = &a.batch {
+        let batches: Vec<usize> = list
+            .split(',')
+            .map(|s| s.trim().parse::<usize>().map_err(|_| anyhow::anyhow!("--batch: `{s}` is not a number")))
+            .collect::<Result<_>>()?;
+        if batches.iter().any(|&b| b == 0 || b > 1024) {
+            bail!("--batch entries must be between 1 and 1024");
+        }
+        if !a.json {
+            println!(
+                "lily bench | device {} | commit {} | model {} | batched: {} decode steps per sequence",
+                a.model.device_name(&loaded),
+                env!("LILY_GIT_COMMIT"),
+                a.model.model,
+                a.decode_steps
+            );
+        }
+        let rows = super::bench_batch::run(&a, &loaded, &contexts, &batches)?;
+        if a.json {
+            let r: Vec<_> = rows
+                .iter()
+                .map(|r| serde_json::json!({"context": r.context, "batch": r.batch, "prefill_tokens_per_s": r.prefill_tps,
+                    "decode_tokens_per_s": r.decode_tps, "decode_tokens_per_s_per_sequence": r.decode_tps / r.batch as f64}))
+                .collect();
+            println!("{}", serde_json::json!({"commit": env!("LILY_GIT_COMMIT"), "model": a.model.model, "rows": r}));
+        }
+        return Ok(());
     }
     let bytes = model.decode_bytes_per_token();
     let gpu = lily::cuda::uploaded(&loaded.model).map(|m| m.gpu.clone());

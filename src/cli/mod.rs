@@ -1,6 +1,7 @@
 //! Subcommands of the `lily` binary and the options they share.
 
 pub mod bench;
+pub mod bench_batch;
 pub mod download;
 pub mod perplexity;
 pub mod run;

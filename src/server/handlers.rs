@@ -101,7 +101,7 @@ fn job_options(app: &App, p: &GenParams, max_tokens: usize) -> GenerateOptions {
             min_p: p.min_p.unwrap_or(d.min_p),
             seed: p.seed.unwrap_or_else(|| app.unique()),
         },
-        eos_ids: app.tok.eos_ids.clone(),
+        eos_ids: if p.ignore_eos { Vec::new() } else { app.tok.eos_ids.clone() },
         presence_penalty: p.presence_penalty,
         frequency_penalty: p.frequency_penalty,
         repetition_penalty: p.repetition_penalty,

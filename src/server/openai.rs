@@ -57,6 +57,9 @@ pub struct GenParams {
     pub logprobs: Option<usize>,
     pub stream: bool,
     pub include_usage: bool,
+    /// vLLM's `ignore_eos`: generate through end-of-sequence tokens until `max_tokens` (for
+    /// benchmarks).
+    pub ignore_eos: bool,
 }
 
 /// What `tool_choice` asks for.
@@ -110,7 +113,7 @@ pub struct CompletionRequest {
 type R<T> = Result<T, ApiError>;
 
 const HARMLESS: [&str; 4] = ["user", "store", "metadata", "service_tier"];
-const SHARED: [&str; 16] = [
+const SHARED: [&str; 17] = [
     "model",
     "max_tokens",
     "temperature",
@@ -127,6 +130,7 @@ const SHARED: [&str; 16] = [
     "stream",
     "stream_options",
     "logit_bias",
+    "ignore_eos",
 ];
 
 fn kind(v: &Value) -> &'static str {
@@ -275,6 +279,7 @@ fn gen_params(o: &Map<String, Value>, chat: bool) -> R<GenParams> {
         }
     }
     p.stream = boolean(o, "stream")?.unwrap_or(false);
+    p.ignore_eos = boolean(o, "ignore_eos")?.unwrap_or(false);
     if let Some(so) = present(o, "stream_options") {
         let Some(so) = so.as_object() else {
             return Err(ApiError::param("stream_options", "`stream_options` must be an object"));
