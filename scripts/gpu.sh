@@ -7,11 +7,12 @@
 #   scripts/gpu.sh device     on the GPU machine (run from the repository root): unpacks the
 #                             bundle, runs the GPU tests, then `lily bench --device cuda` on the
 #                             full-size synthetic Qwen3.6-35B-A3B and prints a short table last.
-#                             Logs go to $OUT (or .gpu/out) when set.
+#                             Logs go to $OUT (or .gpu/out) when set. Knobs: ONLY_TESTS, SKIP_TESTS,
+#                             BENCH_CONTEXTS, BENCH_BATCH (e.g. 1,4,16,64), BENCH_LONG, KV_AB, ...
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-TESTS="cuda_compile cuda_kernels cuda_prefill cuda_model"
+TESTS="cuda_compile cuda_kernels cuda_prefill cuda_model cuda_batch"
 
 if [ "${1:-build}" = build ]; then
   cargo build --release
@@ -55,6 +56,7 @@ SAMPLER=$!
 trap 'kill $SAMPLER 2>/dev/null || true' EXIT
 status=0
 [ -n "${SKIP_TESTS:-}" ] && TESTS=""
+[ -n "${ONLY_TESTS:-}" ] && TESTS="$ONLY_TESTS"
 for t in $TESTS; do
   echo "== $t"
   if ! .gpu/x/bin/$t --test-threads=1 --nocapture >"$OUTDIR/$t.log" 2>&1; then status=1; fi
@@ -76,6 +78,13 @@ if [ "$BENCH_CONTEXTS" != none ]; then
   echo "== bench"
   timeout "${BENCH_TIMEOUT:-420}" .gpu/x/bin/lily bench --device cuda --model synthetic:qwen3.6-35b-a3b \
     --contexts "$BENCH_CONTEXTS" 2>&1 | tee "$OUTDIR/bench.txt" || status=1
+fi
+if [ -n "${BENCH_BATCH:-}" ]; then
+  # Batched decode (llama-batched-bench's shape): B sequences of 256 prompt + 128 tokens.
+  echo "== bench, batched (--batch $BENCH_BATCH)"
+  timeout "${BENCH_TIMEOUT:-420}" .gpu/x/bin/lily bench --device cuda --model synthetic:qwen3.6-35b-a3b \
+    --contexts "${BATCH_CONTEXTS:-256}" --batch "$BENCH_BATCH" --decode-steps 128 --warmup "${BATCH_WARMUP:-1}" \
+    2>&1 | tee "$OUTDIR/bench_batch.txt" || status=1
 fi
 if [ -n "${BENCH_LONG:-}" ]; then
   # Long contexts without the exact-shape warm-up (a 128K warm-up prefill alone takes ~50 s).
@@ -116,5 +125,6 @@ echo "== summary (tests exit status $status)"
 grep -h "test result" "$OUTDIR"/cuda_*.log || true
 [ -f "$OUTDIR/bench.txt" ] && tail -n 6 "$OUTDIR/bench.txt"
 [ -f "$OUTDIR/bench_long.txt" ] && tail -n 3 "$OUTDIR/bench_long.txt"
+[ -f "$OUTDIR/bench_batch.txt" ] && grep "^|" "$OUTDIR/bench_batch.txt"
 [ -f "$OUTDIR/bench_kv_f32.txt" ] && tail -n 3 "$OUTDIR/bench_kv_f32.txt"
 exit $status

@@ -151,12 +151,15 @@ fn bad_steps_are_refused_with_the_reason() {
     assert_eq!((b.pos(0), b.pos(1)), (0, 0));
 }
 
+/// Each request's end (None: its client left).
+type Ends = Vec<Option<Result<Ended, String>>>;
+
 /// Collects one request's tokens and end; `leave_after` makes the client go after that many.
 struct Collect {
     tokens: Vec<u32>,
     logprobs: Vec<TokenLogprobs>,
     leave_after: Option<usize>,
-    out: Arc<Mutex<Vec<Option<Result<Ended, String>>>>>,
+    out: Arc<Mutex<Ends>>,
     idx: usize,
     running_seen: Arc<Mutex<usize>>,
     metrics: Arc<Metrics>,
@@ -195,7 +198,7 @@ fn schedule(
     slots: usize,
     limits: Limits,
     cases: &[Case],
-) -> (Vec<Option<Result<Ended, String>>>, usize, Arc<Metrics>) {
+) -> (Ends, usize, Arc<Metrics>) {
     let metrics = Arc::new(Metrics::default());
     let mut s = Scheduler::new(Box::new(CpuBatch::new(m.clone(), slots)), limits, metrics.clone());
     let out = Arc::new(Mutex::new(vec![None; cases.len()]));

@@ -169,27 +169,32 @@ impl ModelArgs {
     /// GPU when `load` uploaded the model there, else the CPU.
     pub fn session(&self, loaded: &Loaded) -> Box<dyn Session + Send> {
         match lily::cuda::uploaded(&loaded.model) {
-            Some(m) => {
-                let mut s = lily::cuda::CudaSession::new(m);
-                s.set_kv_dtype(self.gpu_kv());
-                if self.exact_mode() {
-                    s.prefill = Some(lily::cuda::Precision::F32);
-                }
-                Box::new(s)
-            }
+            Some(m) => Box::new(self.cuda_session(m)),
             None => Box::new(CpuSession::new(loaded.model.clone())),
         }
     }
 
-    /// `slots` sequence slots for the batching engine: the CPU's batched forward pass, or (on
-    /// the GPU, until its batched step exists) one session per slot stepped in turn.
+    /// A GPU session with this command's KV type and precision.
+    fn cuda_session(&self, m: std::sync::Arc<lily::cuda::CudaModel>) -> lily::cuda::CudaSession {
+        let mut s = lily::cuda::CudaSession::new(m);
+        s.set_kv_dtype(self.gpu_kv());
+        if self.exact_mode() {
+            s.prefill = Some(lily::cuda::Precision::F32);
+        }
+        s
+    }
+
+    /// `slots` sequence slots for the batching engine: the CPU's batched forward pass, or the
+    /// GPU's batched decode step (`LILY_CUDA_BATCH=serial`: its sessions stepped in turn, for
+    /// comparison).
     pub fn batch(&self, loaded: &Loaded, slots: usize) -> Result<Box<dyn lily::engine::batch::Batched>> {
         use lily::engine::batch::{CpuBatch, SerialBatch};
         Ok(match lily::cuda::uploaded(&loaded.model) {
-            Some(_) => {
+            Some(_) if std::env::var("LILY_CUDA_BATCH").as_deref() == Ok("serial") => {
                 let kv = loaded.model.state_bytes().1 / 4 * self.gpu_kv().bytes();
                 Box::new(SerialBatch::new((0..slots).map(|_| self.session(loaded)).collect(), kv)?)
             }
+            Some(m) => Box::new(lily::cuda::CudaBatch::new(m.clone(), slots, || self.cuda_session(m.clone()))?),
             None => Box::new(CpuBatch::new(loaded.model.clone(), slots)),
         })
     }

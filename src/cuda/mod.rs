@@ -13,7 +13,7 @@
 mod model;
 mod ops;
 
-pub use model::{upload_cached, uploaded, CudaModel, CudaSession};
+pub use model::{upload_cached, uploaded, CudaBatch, CudaModel, CudaSession};
 pub use ops::{
     gdn_chunk_floats, gdn_prefill_default, gemv_default, sampling_params_bytes, AttnDecode, AttnKernel, AttnPrep,
     GdnPrefill, GdnPrefillKernel, GdnStep, GemvKernel, GpuLinear, KvDtype, Precision,

@@ -23,8 +23,10 @@ use crate::state::{LayerState, State};
 use anyhow::{bail, Context, Result};
 use std::sync::{Arc, Mutex, Weak};
 
+mod batch;
 mod prefill;
 mod state;
+pub use batch::CudaBatch;
 use prefill::PScratch;
 
 /// Several projections of the same input written side by side into one output buffer: one

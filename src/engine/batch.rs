@@ -53,7 +53,9 @@ pub trait Batched: Send {
     fn shares_weights(&self) -> bool;
 }
 
-fn check_work(work: &[Work], slots: usize, vocab: usize, max_pos: usize, pos: impl Fn(usize) -> usize) -> Result<()> {
+/// Refuses a step that names a slot twice or out of range, has an empty or out-of-vocabulary
+/// item, or would run past the context.
+pub fn check_work(work: &[Work], slots: usize, vocab: usize, max_pos: usize, pos: impl Fn(usize) -> usize) -> Result<()> {
     let mut seen = vec![false; slots];
     for w in work {
         if w.slot >= slots {
@@ -155,6 +157,24 @@ impl Batched for CpuBatch {
     }
 }
 
+/// One item of a step on its own session: the prompt chunk or token through the session's own
+/// path (its batched prefill, its decode step), then what the item wants.
+pub fn session_step(s: &mut dyn Session, w: &Work) -> Result<Out> {
+    let (head, last) = w.tokens.split_at(w.tokens.len() - 1);
+    Ok(match w.want {
+        Want::Logits => Out::Logits(s.forward_last(w.tokens)?),
+        want => {
+            if !head.is_empty() {
+                s.forward_last(head)?;
+            }
+            Out::Token(match want {
+                Want::Sample(seed) => s.sampled_steps(last[0], 1, w.sampling, seed)?[0],
+                _ => s.greedy_steps(last[0], 1)?[0],
+            })
+        }
+    })
+}
+
 /// Any [`Session`] backend as slots, one session per slot, stepped one after another.
 pub struct SerialBatch {
     sessions: Vec<Box<dyn Session + Send>>,
@@ -201,24 +221,7 @@ impl Batched for SerialBatch {
     fn step(&mut self, work: &[Work]) -> Result<Vec<Out>> {
         let (n, v, m) = (self.sessions.len(), self.vocab_size(), self.max_positions());
         check_work(work, n, v, m, |s| self.sessions[s].pos())?;
-        let mut outs = Vec::with_capacity(work.len());
-        for w in work {
-            let s = &mut self.sessions[w.slot];
-            let (head, last) = w.tokens.split_at(w.tokens.len() - 1);
-            outs.push(match w.want {
-                Want::Logits => Out::Logits(s.forward_last(w.tokens)?),
-                want => {
-                    if !head.is_empty() {
-                        s.forward_last(head)?;
-                    }
-                    Out::Token(match want {
-                        Want::Sample(seed) => s.sampled_steps(last[0], 1, w.sampling, seed)?[0],
-                        _ => s.greedy_steps(last[0], 1)?[0],
-                    })
-                }
-            });
-        }
-        Ok(outs)
+        work.iter().map(|w| session_step(self.sessions[w.slot].as_mut(), w)).collect()
     }
     fn kv_bytes_per_token(&self) -> usize {
         self.kv_bytes_per_token

@@ -2,42 +2,42 @@
 //! in chunks, over `[T, ·]` activations (see the module doc of `model.rs` and kernels/gemm.cu,
 //! gdn_prefill.cu, attention_prefill.cu).
 
-use super::{CudaSession, GFfn, GMixer, GState};
+use super::{CudaModel, CudaSession, GFfn, GLayer, GMixer, GState};
 use crate::cuda::ops::{gdn_chunk_floats, GdnPrefill, Precision};
 use crate::cuda::DevBuf;
 use anyhow::{bail, Context, Result};
 
 /// Activation scratch of a batched prefill for up to `cap` rows (fp32 unless noted).
 pub(super) struct PScratch {
-    cap: usize,
+    pub(super) cap: usize,
     /// Logit rows it can hold (0 when the chunk only needs the last row's).
-    logit_rows: usize,
-    toks: DevBuf, // i32 [cap]
-    pos: DevBuf,  // i32 [1]: position of the chunk's first token
-    x: DevBuf,
-    xn: DevBuf,
-    proj: DevBuf,
-    conv: DevBuf,
-    qn: DevBuf,
-    kn: DevBuf,
-    kq: DevBuf,
+    pub(super) logit_rows: usize,
+    pub(super) toks: DevBuf, // i32 [cap]
+    pub(super) pos: DevBuf,  // i32 [1]: position of the chunk's first token
+    pub(super) x: DevBuf,
+    pub(super) xn: DevBuf,
+    pub(super) proj: DevBuf,
+    pub(super) conv: DevBuf,
+    pub(super) qn: DevBuf,
+    pub(super) kn: DevBuf,
+    pub(super) kq: DevBuf,
     /// The chunked delta rule's scratch ([`gdn_chunk_floats`]).
-    gchunk: DevBuf,
-    o: DevBuf,
-    q: DevBuf,
-    router: DevBuf,
-    ids: DevBuf, // i32 [cap·K]
-    wts: DevBuf,
-    perm: DevBuf,  // i32 [cap·K]
-    inv: DevBuf,   // i32 [cap·K]
-    tiles: DevBuf, // i32, see moe_align
-    egu: DevBuf,
-    eh: DevBuf,
-    ye: DevBuf,
-    sgu: DevBuf,
-    sh: DevBuf,
-    ys: DevBuf,
-    logits: DevBuf,
+    pub(super) gchunk: DevBuf,
+    pub(super) o: DevBuf,
+    pub(super) q: DevBuf,
+    pub(super) router: DevBuf,
+    pub(super) ids: DevBuf, // i32 [cap·K]
+    pub(super) wts: DevBuf,
+    pub(super) perm: DevBuf,  // i32 [cap·K]
+    pub(super) inv: DevBuf,   // i32 [cap·K]
+    pub(super) tiles: DevBuf, // i32, see moe_align
+    pub(super) egu: DevBuf,
+    pub(super) eh: DevBuf,
+    pub(super) ye: DevBuf,
+    pub(super) sgu: DevBuf,
+    pub(super) sh: DevBuf,
+    pub(super) ys: DevBuf,
+    pub(super) logits: DevBuf,
 }
 
 /// Most tiles a grouped product over `pairs` routed rows can have (tiles of `bm` rows never
@@ -49,7 +49,7 @@ fn max_tiles(pairs: usize, bm: usize, experts: usize) -> usize {
 impl CudaSession {
     /// Prefill scratch for chunks of `cap` rows (with `logit_rows` rows of logits), kept
     /// between calls while large enough.
-    fn ensure_pre(&mut self, cap: usize, logit_rows: usize) -> Result<()> {
+    pub(super) fn ensure_pre(&mut self, cap: usize, logit_rows: usize) -> Result<()> {
         if let Some(p) = &self.pre {
             if p.cap >= cap && p.logit_rows >= logit_rows {
                 return Ok(());
@@ -202,49 +202,7 @@ impl CudaSession {
             }
             _ => bail!("layer state does not match the layer kind"),
         }
-        g.rms_norm(p.x.ptr, layer.post_norm.ptr, p.xn.ptr, t, h, eps)?;
-        match &layer.ffn {
-            GFfn::Moe { router, experts, shared } => {
-                let (e, k) = (c.num_experts, c.num_experts_per_tok);
-                let inter = experts.down.cols;
-                let pairs = t * k;
-                router.run_rows(g, prec, p.xn.ptr, h, p.router.ptr, e + 1, t)?;
-                g.moe_topk_rows(p.router.ptr, e + 1, t, e, k, c.norm_topk_prob, p.ids.ptr, p.wts.ptr, 0, false)?;
-                g.moe_align(p.ids.ptr, pairs, e, prec.bm(), p.perm.ptr, p.inv.ptr, p.tiles.ptr)?;
-                let nt = max_tiles(pairs, prec.bm(), e);
-                g.gemm_grouped(
-                    &experts.gate_up,
-                    prec,
-                    2 * inter,
-                    (p.xn.ptr, h, p.perm.ptr, k),
-                    (p.egu.ptr, 2 * inter),
-                    p.tiles.ptr,
-                    nt,
-                )?;
-                g.silu_mul_pairs(p.egu.ptr, p.eh.ptr, inter, pairs)?;
-                g.gemm_grouped(&experts.down, prec, h, (p.eh.ptr, inter, 0, 1), (p.ye.ptr, h), p.tiles.ptr, nt)?;
-                shared.gate_up.run_rows(g, prec, p.xn.ptr, h, p.sgu.ptr, 2 * shared.inter, t)?;
-                g.silu_mul_pairs(p.sgu.ptr, p.sh.ptr, shared.inter, t)?;
-                g.gemm(&shared.down, prec, p.sh.ptr, shared.inter, p.ys.ptr, h, t, false)?;
-                g.moe_combine_rows(
-                    p.x.ptr,
-                    p.ye.ptr,
-                    p.inv.ptr,
-                    p.wts.ptr,
-                    p.ys.ptr,
-                    (p.router.at(4 * e), e + 1),
-                    h,
-                    k,
-                    t,
-                )?;
-            }
-            GFfn::Dense(mm) => {
-                mm.gate_up.run_rows(g, prec, p.xn.ptr, h, p.sgu.ptr, 2 * mm.inter, t)?;
-                g.silu_mul_pairs(p.sgu.ptr, p.sh.ptr, mm.inter, t)?;
-                g.gemm(&mm.down, prec, p.sh.ptr, mm.inter, p.x.ptr, h, t, true)?;
-            }
-        }
-        Ok(())
+        ffn_rows(m, layer, p, t, prec)
     }
 
     /// Test hook for layer-local error: runs layer `i` alone on the hidden rows `x` (`[t, H]`,
@@ -271,4 +229,56 @@ impl CudaSession {
     pub fn advance(&mut self, t: usize) {
         self.pos += t;
     }
+}
+
+/// The post-attention half of layer `layer` over the `t` rows of the prefill scratch `x`:
+/// RMSNorm, then the MoE (router, top-k, experts grouped by expert, shared expert, combine +
+/// residual) or the dense MLP. Shared by the batched prefill and the batched decode step.
+pub(super) fn ffn_rows(m: &CudaModel, layer: &GLayer, p: &PScratch, t: usize, prec: Precision) -> Result<()> {
+    let g = &m.gpu;
+    let c = &m.cfg;
+    let (h, eps) = (c.hidden_size, c.rms_norm_eps);
+    g.rms_norm(p.x.ptr, layer.post_norm.ptr, p.xn.ptr, t, h, eps)?;
+    match &layer.ffn {
+        GFfn::Moe { router, experts, shared } => {
+            let (e, k) = (c.num_experts, c.num_experts_per_tok);
+            let inter = experts.down.cols;
+            let pairs = t * k;
+            router.run_rows(g, prec, p.xn.ptr, h, p.router.ptr, e + 1, t)?;
+            g.moe_topk_rows(p.router.ptr, e + 1, t, e, k, c.norm_topk_prob, p.ids.ptr, p.wts.ptr, 0, false)?;
+            g.moe_align(p.ids.ptr, pairs, e, prec.bm(), p.perm.ptr, p.inv.ptr, p.tiles.ptr)?;
+            let nt = max_tiles(pairs, prec.bm(), e);
+            g.gemm_grouped(
+                &experts.gate_up,
+                prec,
+                2 * inter,
+                (p.xn.ptr, h, p.perm.ptr, k),
+                (p.egu.ptr, 2 * inter),
+                p.tiles.ptr,
+                nt,
+            )?;
+            g.silu_mul_pairs(p.egu.ptr, p.eh.ptr, inter, pairs)?;
+            g.gemm_grouped(&experts.down, prec, h, (p.eh.ptr, inter, 0, 1), (p.ye.ptr, h), p.tiles.ptr, nt)?;
+            shared.gate_up.run_rows(g, prec, p.xn.ptr, h, p.sgu.ptr, 2 * shared.inter, t)?;
+            g.silu_mul_pairs(p.sgu.ptr, p.sh.ptr, shared.inter, t)?;
+            g.gemm(&shared.down, prec, p.sh.ptr, shared.inter, p.ys.ptr, h, t, false)?;
+            g.moe_combine_rows(
+                p.x.ptr,
+                p.ye.ptr,
+                p.inv.ptr,
+                p.wts.ptr,
+                p.ys.ptr,
+                (p.router.at(4 * e), e + 1),
+                h,
+                k,
+                t,
+            )?;
+        }
+        GFfn::Dense(mm) => {
+            mm.gate_up.run_rows(g, prec, p.xn.ptr, h, p.sgu.ptr, 2 * mm.inter, t)?;
+            g.silu_mul_pairs(p.sgu.ptr, p.sh.ptr, mm.inter, t)?;
+            g.gemm(&mm.down, prec, p.sh.ptr, mm.inter, p.x.ptr, h, t, true)?;
+        }
+    }
+    Ok(())
 }
