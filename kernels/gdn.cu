@@ -6,6 +6,11 @@
  *   y[c] = silu(sum_j w[c, j] * X[j, c]) with X = [state; x]; then state <- last K-1 rows of X.
  *   grid ceil(C/256), block 256, one thread per channel.
  *
+ * Batched decode (both kernels): grid.y = rows of several sequences, row r = blockIdx.y reads its
+ *   inputs at r * ld (x / y, b, a, z, out: f32 elements) and, when the table `states` is not null,
+ *   updates its own sequence's state states[r] (a device address) instead of `state` / S. One
+ *   sequence: grid.y 1, strides 0, states null.
+ *
  * gdn_step: per value head h (key head kh = h / (H_v/H_k)), from y = [q | k | v] ([H_k*D_k | H_k*D_k | H_v*D_v]):
  *   q <- q / sqrt(|q|^2 + 1e-6) / sqrt(D_k);  k <- k / sqrt(|k|^2 + 1e-6)
  *   beta = sigmoid(b[h]);  alpha = exp(neg_a[h] * softplus(a[h] + dt_bias[h]))
@@ -23,9 +28,13 @@
  *   the q/k norms), keeps them in registers for both passes, and the per-part partial sums of
  *   S^T k and S^T q are added through shared memory. Same math and state layout as gdn_step.
  */
-extern "C" __global__ void conv_step(const float* x, float* state, const float* w, float* y, int C, int K) {
+extern "C" __global__ void conv_step(const float* x, float* state, const float* w, float* y, int C, int K,
+                                     const unsigned long long* states, long long ldx, long long ldy) {
     pdl_begin();
     int c = blockIdx.x * blockDim.x + threadIdx.x;
+    x += blockIdx.y * ldx;
+    y += blockIdx.y * ldy;
+    if (states) state = (float*)states[blockIdx.y];
     if (c >= C) return;
     float acc = 0.f;
     for (int j = 0; j < K; j++) {
@@ -62,10 +71,17 @@ __device__ __forceinline__ void gdn_prologue(const float* y, const float* bproj,
 
 extern "C" __global__ void gdn_step(const float* y, const float* bproj, const float* aproj, const float* z,
                                     const float* dt_bias, const float* neg_a, const float* normw, float* S,
-                                    float* out, int hk, int hv, int dk, int dv, float eps) {
+                                    float* out, int hk, int hv, int dk, int dv, float eps,
+                                    const unsigned long long* states, long long ldy, long long ldp, long long ldo) {
     pdl_begin();
     __shared__ float qs[256], ks[256], sh[33];
     int h = blockIdx.x, j = threadIdx.x;
+    y += blockIdx.y * ldy;
+    bproj += blockIdx.y * ldp;
+    aproj += blockIdx.y * ldp;
+    z += blockIdx.y * ldp;
+    out += blockIdx.y * ldo;
+    if (states) S = (float*)states[blockIdx.y];
     int kh = h / (hv / hk);
     int kd = hk * dk;
     float rq, rk, beta, alpha;
@@ -111,13 +127,19 @@ extern "C" __global__ void gdn_step(const float* y, const float* bproj, const fl
     }
 }
 
-extern "C" __global__ void __launch_bounds__(1024) gdn_step_par(const float* y, const float* bproj, const float* aproj,
-                                                                 const float* z, const float* dt_bias, const float* neg_a,
-                                                                 const float* normw, float* S, float* out, int hk, int hv,
-                                                                 int dk, int dv, float eps) {
+template <bool ROWS>
+__device__ __forceinline__ void gdn_step_par_body(const float* y, const float* bproj, const float* aproj, const float* z,
+                                                  const float* dt_bias, const float* neg_a, const float* normw, float* S,
+                                                  float* out, int hk, int hv, int dk, int dv, float eps,
+                                                  const unsigned long long* states, long long ldy, long long ldp,
+                                                  long long ldo) {
     __shared__ float qs[256], ks[256], sh[33];
     __shared__ float part[1024]; /* [P][D_v] partial sums */
     int h = blockIdx.x, tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    /* Row offsets are applied where each input is read (kernel parameters stay in the constant
+       bank instead of 64-bit registers live across the kernel: this block is at 64 registers).
+       The table is written before the step graph is captured, so it may be read before the wait. */
+    if (ROWS) S = (float*)states[blockIdx.y];
     int cg = dv >> 5, p = warp / cg, j = (warp - p * cg) * 32 + lane;
     int nparts = blockDim.x / dv;
     int kh = h / (hv / hk), kd = hk * dk;
@@ -133,7 +155,8 @@ extern "C" __global__ void __launch_bounds__(1024) gdn_step_par(const float* y, 
     }
     pdl_wait();
     float rq, rk, beta, alpha;
-    gdn_prologue(y, bproj, aproj, dt_bias, neg_a, h, kh, kd, dk, qs, ks, sh, &rq, &rk, &beta, &alpha);
+    gdn_prologue(y + (ROWS ? blockIdx.y * ldy : 0), bproj + (ROWS ? blockIdx.y * ldp : 0), aproj + (ROWS ? blockIdx.y * ldp : 0), dt_bias, neg_a, h, kh, kd,
+                 dk, qs, ks, sh, &rq, &rk, &beta, &alpha);
     float u = 0.f;
 #pragma unroll
     for (int ii = 0; ii < 32; ii++) {
@@ -144,7 +167,7 @@ extern "C" __global__ void __launch_bounds__(1024) gdn_step_par(const float* y, 
     __syncthreads();
     u = 0.f;
     for (int pp = 0; pp < nparts; pp++) u += part[pp * dv + j];
-    float delta = beta * (y[2 * kd + h * dv + j] - u);
+    float delta = beta * (y[(ROWS ? blockIdx.y * ldy : 0) + 2 * kd + h * dv + j] - u);
     float o = 0.f;
 #pragma unroll
     for (int ii = 0; ii < 32; ii++) {
@@ -163,6 +186,27 @@ extern "C" __global__ void __launch_bounds__(1024) gdn_step_par(const float* y, 
     float ss = block_sum(p == 0 ? o * o : 0.f, sh);
     if (p == 0) {
         float r = 1.f / sqrtf(ss / (float)dv + eps);
-        out[h * dv + j] = o * r * normw[j] * silu_f(z[h * dv + j]);
+        out[(ROWS ? blockIdx.y * ldo : 0) + h * dv + j] = o * r * normw[j] * silu_f(z[(ROWS ? blockIdx.y * ldp : 0) + h * dv + j]);
     }
+}
+
+/* One sequence (up to 1024 threads: 64 registers). */
+extern "C" __global__ void __launch_bounds__(1024) gdn_step_par(const float* y, const float* bproj, const float* aproj,
+                                                                 const float* z, const float* dt_bias, const float* neg_a,
+                                                                 const float* normw, float* S, float* out, int hk, int hv,
+                                                                 int dk, int dv, float eps) {
+    gdn_step_par_body<false>(y, bproj, aproj, z, dt_bias, neg_a, normw, S, out, hk, hv, dk, dv, eps, nullptr, 0, 0, 0);
+}
+
+/* The batched decode's rows (grid.y), each on its own state (at most 512 threads, so the row
+   offsets and the table fit in registers beside the 32 state entries per thread). */
+extern "C" __global__ void __launch_bounds__(512) gdn_step_par_rows(const float* y, const float* bproj,
+                                                                     const float* aproj, const float* z,
+                                                                     const float* dt_bias, const float* neg_a,
+                                                                     const float* normw, float* out, int hk, int hv,
+                                                                     int dk, int dv, float eps,
+                                                                     const unsigned long long* states, long long ldy,
+                                                                     long long ldp, long long ldo) {
+    gdn_step_par_body<true>(y, bproj, aproj, z, dt_bias, neg_a, normw, nullptr, out, hk, hv, dk, dv, eps, states, ldy,
+                            ldp, ldo);
 }

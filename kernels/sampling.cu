@@ -3,6 +3,7 @@
  *
  * argmax: x [n] -> out[0] = the index of the largest value (ties: lower index, NaN ignored),
  *   grid 1, block 1024: a strided scan per thread, then a shared-memory tree over the block.
+ *   With grid R: row r = blockIdx.x of x [R, n] into out[r] (the batched decode's tokens).
  *
  * argmax_io (the device-resident greedy loop): the same argmax, then thread 0 feeds it back:
  *   io = [token, position, count] (the step's input slot, read by embed_row/attention): token <-
@@ -63,8 +64,8 @@ __device__ __forceinline__ int argmax_block(const float* x, int n) {
 
 extern "C" __global__ void argmax(const float* x, int n, int* out) {
     pdl_begin();
-    int t = argmax_block(x, n);
-    if (threadIdx.x == 0) out[0] = t;
+    int t = argmax_block(x + (long long)blockIdx.x * n, n);
+    if (threadIdx.x == 0) out[blockIdx.x] = t;
 }
 
 extern "C" __global__ void argmax_io(const float* x, int n, int* io, int* ring) {

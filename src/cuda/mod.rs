@@ -16,7 +16,7 @@ mod ops;
 pub use model::{upload_cached, uploaded, CudaBatch, CudaModel, CudaSession};
 pub use ops::{
     gdn_chunk_floats, gdn_prefill_default, gemv_default, sampling_params_bytes, AttnDecode, AttnKernel, AttnPrep,
-    GdnPrefill, GdnPrefillKernel, GdnStep, GemvKernel, GpuLinear, KvDtype, Precision,
+    GdnPrefill, GdnPrefillKernel, GdnRows, GdnStep, GemvKernel, GpuLinear, KvDtype, Precision,
 };
 
 /// A captured CUDA graph, ready to replay on [`Gpu::stream`].
@@ -56,7 +56,7 @@ pub const SOURCES: [(&str, &str); 12] = [
 ];
 
 /// Kernel entry points loaded from the module.
-pub const KERNELS: [&str; 48] = [
+pub const KERNELS: [&str; 49] = [
     "rms_norm",
     "silu_mul",
     "silu_mul_pairs",
@@ -74,6 +74,7 @@ pub const KERNELS: [&str; 48] = [
     "conv_step",
     "gdn_step",
     "gdn_step_par",
+    "gdn_step_par_rows",
     "conv_prefill",
     "conv_state",
     "gdn_qk_prep",
@@ -254,7 +255,7 @@ unsafe impl Sync for Gpu {}
 /// Kernels that call `pdl_wait()` before touching activations (kernels/common.cuh) and so may be
 /// launched as programmatic dependents: their launch and weight reads overlap the previous
 /// kernel's tail.
-pub const PDL_KERNELS: [&str; 30] = [
+pub const PDL_KERNELS: [&str; 31] = [
     "sample_io",
     "attn_prep",
     "attn_decode",
@@ -272,6 +273,7 @@ pub const PDL_KERNELS: [&str; 30] = [
     "conv_step",
     "gdn_step",
     "gdn_step_par",
+    "gdn_step_par_rows",
     "moe_down",
     "moe_down_q",
     "embed_row",

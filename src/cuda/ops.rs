@@ -236,6 +236,26 @@ impl Gpu {
         self.gemv_raw(w, x, xstride, y, slots, ids, accumulate, (0, 0.0))
     }
 
+    /// `slots` products with the same matrix, input row z at `x + z·xstride` (each row RMS-
+    /// normalized first when `norm` has weights), output rows `y: [slots, rows]`: the batched
+    /// decode's projections (weights read from memory about once, the slots' blocks share L2).
+    #[allow(clippy::too_many_arguments)]
+    pub fn gemv_rows(
+        &self,
+        w: &GpuLinear,
+        x: u64,
+        xstride: usize,
+        y: u64,
+        slots: usize,
+        accumulate: bool,
+        norm: (u64, f32),
+    ) -> Result<()> {
+        if norm.0 != 0 && (w.cols > GEMV_XMAX || !w.cols.is_multiple_of(4)) {
+            bail!("gemv_rows: {} columns with a norm (at most {GEMV_XMAX}, a multiple of 4)", w.cols);
+        }
+        self.gemv_raw(w, x, xstride, y, slots, 0, accumulate, norm)
+    }
+
     /// [`Gpu::gemv`] of the RMS-normalized input `x · rsqrt(mean(x²) + eps) · normw` (the norm
     /// computed inside, identical to [`Gpu::rms_norm`]); inputs of at most 8192 columns.
     #[allow(clippy::too_many_arguments)]
@@ -742,44 +762,63 @@ impl Gpu {
 
     /// One token of the causal conv1d + SiLU over C channels with K taps.
     pub fn conv_step(&self, x: u64, state: u64, w: u64, y: u64, c: usize, k: usize) -> Result<()> {
+        self.conv_step_rows(x, state, w, y, c, k, &GdnRows::one())
+    }
+
+    /// [`Gpu::conv_step`] for `r.rows` sequences at once: row i's input at `x + i·r.ldx`, output
+    /// at `y + i·r.ldy`, state `r.states[i]` (x stride: `r.ldp`, the projection row).
+    #[allow(clippy::too_many_arguments)]
+    pub fn conv_step_rows(&self, x: u64, state: u64, w: u64, y: u64, c: usize, k: usize, r: &GdnRows) -> Result<()> {
         self.launch(
             "conv_step",
-            (blocks(c, 256), 1, 1),
+            (blocks(c, 256), r.rows as u32, 1),
             256,
-            &[Arg::P(x), Arg::P(state), Arg::P(w), Arg::P(y), Arg::I(c as i32), Arg::I(k as i32)],
+            &[
+                Arg::P(x),
+                Arg::P(state),
+                Arg::P(w),
+                Arg::P(y),
+                Arg::I(c as i32),
+                Arg::I(k as i32),
+                Arg::P(r.states),
+                Arg::L(r.ldp as i64),
+                Arg::L(r.ldy as i64),
+            ],
         )
     }
 
     /// One gated-delta-rule step for every value head, with the gated RMSNorm.
     pub fn gdn_step(&self, p: &GdnStep) -> Result<()> {
+        self.gdn_step_rows(p, &GdnRows::one())
+    }
+
+    /// [`Gpu::gdn_step`] for `r.rows` sequences at once (see [`GdnRows`]).
+    pub fn gdn_step_rows(&self, p: &GdnStep, r: &GdnRows) -> Result<()> {
         if !p.dv.is_multiple_of(32) || p.dv > 1024 || p.dk > 256 || !p.hv.is_multiple_of(p.hk) {
             bail!("gdn_step: unsupported head dims (D_v {} D_k {})", p.dv, p.dk);
         }
-        // The row-split kernel when D_v x ceil(D_k/32)*32 fits one block (Qwen3.6: 128 x 128).
+        // The row-split kernel when D_v x ceil(D_k/32)*32 fits one block (Qwen3.6: 128 x 128);
+        // its batched form up to 512 threads.
         let threads = p.dv * p.dk.div_ceil(32);
-        let par = threads <= 1024 && std::env::var("LILY_CUDA_GDN_STEP").as_deref() != Ok("serial");
-        let (name, block) = if par { ("gdn_step_par", threads as u32) } else { ("gdn_step", p.dv as u32) };
-        self.launch(
-            name,
-            (p.hv as u32, 1, 1),
-            block,
-            &[
-                Arg::P(p.y),
-                Arg::P(p.b),
-                Arg::P(p.a),
-                Arg::P(p.z),
-                Arg::P(p.dt_bias),
-                Arg::P(p.neg_a),
-                Arg::P(p.norm),
-                Arg::P(p.state),
-                Arg::P(p.out),
-                Arg::I(p.hk as i32),
-                Arg::I(p.hv as i32),
-                Arg::I(p.dk as i32),
-                Arg::I(p.dv as i32),
-                Arg::F(p.eps),
-            ],
-        )
+        let batched = r.rows > 1 || r.states != 0;
+        let par = threads <= if batched { 512 } else { 1024 }
+            && std::env::var("LILY_CUDA_GDN_STEP").as_deref() != Ok("serial");
+        let mut a = vec![Arg::P(p.y), Arg::P(p.b), Arg::P(p.a), Arg::P(p.z), Arg::P(p.dt_bias), Arg::P(p.neg_a)];
+        a.push(Arg::P(p.norm));
+        if !(par && batched) {
+            a.push(Arg::P(p.state));
+        }
+        a.extend([Arg::P(p.out), Arg::I(p.hk as i32), Arg::I(p.hv as i32), Arg::I(p.dk as i32)]);
+        a.extend([Arg::I(p.dv as i32), Arg::F(p.eps)]);
+        if !par || batched {
+            a.extend([Arg::P(r.states), Arg::L(r.ldy as i64), Arg::L(r.ldp as i64), Arg::L(r.ldo as i64)]);
+        }
+        let (name, block) = match (par, batched) {
+            (true, false) => ("gdn_step_par", threads as u32),
+            (true, true) => ("gdn_step_par_rows", threads as u32),
+            (false, _) => ("gdn_step", p.dv as u32),
+        };
+        self.launch(name, (p.hv as u32, r.rows as u32, 1), block, &a)
     }
 
     /// Softmax + top-k of E router logits into device ids (i32) and weights (f32); when `ids2` is
@@ -852,7 +891,12 @@ impl Gpu {
 
     /// Index of the largest of n values into out (i32).
     pub fn argmax(&self, x: u64, n: usize, out: u64) -> Result<()> {
-        self.launch("argmax", (1, 1, 1), 1024, &[Arg::P(x), Arg::I(n as i32), Arg::P(out)])
+        self.argmax_rows(x, n, out, 1)
+    }
+
+    /// The argmax of each of `rows` rows of `x: [rows, n]` into `out: [rows]` (i32), one block per row.
+    pub fn argmax_rows(&self, x: u64, n: usize, out: u64, rows: usize) -> Result<()> {
+        self.launch("argmax", (rows as u32, 1, 1), 1024, &[Arg::P(x), Arg::I(n as i32), Arg::P(out)])
     }
 
     /// Argmax fed back into the step's input slot: `io = [token, pos, count]` gets the argmax as
@@ -900,6 +944,24 @@ pub fn sampling_params_bytes(p: &crate::sampling::SamplingParams, seed: u64) -> 
     b[16..20].copy_from_slice(&(seed as u32).to_le_bytes());
     b[20..24].copy_from_slice(&((seed >> 32) as u32).to_le_bytes());
     Ok(b)
+}
+
+/// Several sequences' GDN decode steps in one launch: row i reads its conv output at
+/// `y + i·ldy`, its projection (b, a, z; and the conv input) at `+ i·ldp`, writes `out + i·ldo`
+/// (f32 elements), and updates the state at `states[i]` (a device table of addresses; 0: the one
+/// state of the arguments).
+pub struct GdnRows {
+    pub rows: usize,
+    pub states: u64,
+    pub ldy: usize,
+    pub ldp: usize,
+    pub ldo: usize,
+}
+
+impl GdnRows {
+    pub fn one() -> GdnRows {
+        GdnRows { rows: 1, states: 0, ldy: 0, ldp: 0, ldo: 0 }
+    }
 }
 
 /// Arguments of [`Gpu::gdn_step`] (device addresses).

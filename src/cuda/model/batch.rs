@@ -4,12 +4,15 @@
 //! step whose items are all single tokens of two or more sequences runs as one pass over
 //! `[B, ·]` activations in the prefill scratch of a driver session:
 //!
-//! embed B rows → per layer {RMSNorm (B rows) → mixer input projections as one many-row product
-//! (weights read once for all B) → per row, on that row's own slot: conv_step + gdn_step (GDN)
-//! or attn_prep + attn_decode (attention, the slot's kernel for its context) → out-projection
-//! and residual as one product → the FFN of the batched prefill (router, top-k, experts grouped
-//! by expert across the B sequences, shared expert, combine)} → final RMSNorm → lm_head over
-//! the B rows → a device argmax per row.
+//! embed B rows → per layer {mixer input projections as one multi-slot GEMV with the RMSNorm
+//! fused (the slots' blocks read each weight tile at about the same time, so it comes from HBM
+//! about once) → GDN: one batched conv_step and one batched gdn_step over all rows, each row on
+//! its own slot's states (address tables); attention: per row attn_prep + attn_decode on the
+//! slot's cache with the slot's kernel for its context → out-projection + residual as one
+//! multi-slot GEMV → router and shared expert as multi-slot GEMVs, routed experts as the
+//! prefill's grouped products (experts grouped across the B sequences, each read once) →
+//! combine} → final RMSNorm + lm_head (GEMV slots for up to 4 rows, else one many-row product)
+//! → one argmax launch over the B rows.
 //!
 //! The pass is captured as a CUDA graph, reused while the same slots (with the same cache
 //! buffers and attention kernels) step together; tokens and positions come from device buffers
@@ -19,8 +22,8 @@
 //! Products use the session's prefill precision: bf16 tensor cores by default, fp32 in the exact
 //! mode (then a batched step equals the same steps alone to fp32 rounding).
 
-use super::{attn_prep_args, gdn_step_args, prefill::ffn_rows, CudaModel, CudaSession, GMixer, GState};
-use crate::cuda::ops::{AttnDecode, Precision};
+use super::{attn_prep_args, gdn_step_args, CudaModel, CudaSession, GFfn, GLayer, GMixer, GState, Proj};
+use crate::cuda::ops::{AttnDecode, GdnRows, Precision};
 use crate::cuda::{DevBuf, Graph};
 use crate::engine::batch::{Batched, Out, Work};
 use crate::engine::picker::Want;
@@ -41,8 +44,11 @@ pub struct CudaBatch {
     seqs: Vec<CudaSession>,
     /// Owns the `[B, ·]` scratch of the batched pass (its prefill scratch), never a sequence.
     driver: CudaSession,
-    /// Per row: position (i32) and the argmax token (i32); attention split partials.
-    rows: Option<(DevBuf, DevBuf, DevBuf, usize)>,
+    /// Per row: position (i32) and the argmax token (i32); attention split partials; the row
+    /// capacity; the per-layer tables of the rows' GDN state addresses (u64 `[layers, 2, cap]`).
+    rows: Option<(DevBuf, DevBuf, DevBuf, usize, DevBuf)>,
+    /// The slots the state tables were written for.
+    tables_for: Option<Key>,
     graph: Option<(Key, Graph)>,
     prec: Precision,
     kv_bytes_per_token: usize,
@@ -62,7 +68,7 @@ impl CudaBatch {
         let c = &model.cfg;
         let n_attn = c.layer_kinds.iter().filter(|k| matches!(k, crate::config::LayerKind::Attention)).count();
         let kv_bytes_per_token = n_attn * 2 * c.kv_dim() * kv.bytes();
-        Ok(CudaBatch { model, seqs, driver, rows: None, graph: None, prec, kv_bytes_per_token })
+        Ok(CudaBatch { model, seqs, driver, rows: None, tables_for: None, graph: None, prec, kv_bytes_per_token })
     }
 
     fn key(&self, slots: &[usize]) -> Key {
@@ -96,9 +102,42 @@ impl CudaBatch {
         let c = &self.model.cfg;
         let splits = self.driver.attn[0].1.max(self.driver.attn[1].1);
         let part = g.zeros(4 * c.num_attention_heads * splits * (c.head_dim + 2))?;
-        self.rows = Some((g.zeros(4 * cap)?, g.zeros(4 * cap)?, part, cap));
+        let tab = g.zeros(8 * 2 * self.model.layers.len() * cap)?;
+        self.rows = Some((g.zeros(4 * cap)?, g.zeros(4 * cap)?, part, cap, tab));
         self.graph = None;
+        self.tables_for = None;
         Ok(())
+    }
+
+    /// Writes the per-layer tables of the slots' GDN conv and recurrent state addresses (read
+    /// by the batched conv_step / gdn_step of the captured pass).
+    fn write_tables(&self, slots: &[usize]) -> Result<()> {
+        let (_, _, _, cap, tab) = self.rows.as_ref().context("batch rows")?;
+        let mut t = vec![0u64; 2 * self.model.layers.len() * cap];
+        for (li, _) in self.model.layers.iter().enumerate() {
+            for (i, &s) in slots.iter().enumerate() {
+                if let GState::Gdn { conv, rec } = &self.seqs[s].states[li] {
+                    t[2 * li * cap + i] = conv.ptr;
+                    t[(2 * li + 1) * cap + i] = rec.ptr;
+                }
+            }
+        }
+        tab.write_bytes(0, &t.iter().flat_map(|v| v.to_le_bytes()).collect::<Vec<u8>>())
+    }
+
+    /// `out = W · rms_norm(x)` for `b` rows (output row stride `ldo`, the projection's height):
+    /// one multi-slot GEMV when the parts are fused, else the norm and one many-row product per part.
+    #[allow(clippy::too_many_arguments)]
+    fn proj_rows(&self, proj: &Proj, x: u64, norm: (u64, f32), out: u64, ldo: usize, b: usize) -> Result<()> {
+        let (g, h) = (&self.model.gpu, self.model.cfg.hidden_size);
+        match &proj.fused {
+            Some(f) => g.gemv_rows(f, x, h, out, b, false, norm),
+            None => {
+                let p = self.driver.pre.as_ref().context("batch scratch")?;
+                g.rms_norm(x, norm.0, p.xn.ptr, b, h, norm.1)?;
+                proj.run_rows(g, self.prec, p.xn.ptr, h, out, ldo, b)
+            }
+        }
     }
 
     /// Queues the batched pass over `slots` (row i = slot `slots[i]`).
@@ -107,30 +146,30 @@ impl CudaBatch {
         let (g, c) = (&m.gpu, &m.cfg);
         let (h, eps, b, prec) = (c.hidden_size, c.rms_norm_eps, slots.len(), self.prec);
         let p = self.driver.pre.as_ref().context("batch scratch")?;
-        let (pos, amax, part, _) = self.rows.as_ref().context("batch rows")?;
+        let (pos, amax, part, cap, tab) = self.rows.as_ref().context("batch rows")?;
         g.embed(&m.embed, p.toks.ptr, p.x.ptr, b)?;
         for (li, layer) in m.layers.iter().enumerate() {
-            g.rms_norm(p.x.ptr, layer.input_norm.ptr, p.xn.ptr, b, h, eps)?;
+            let in_norm = (layer.input_norm.ptr, eps);
             match &layer.mixer {
                 GMixer::Gdn { proj, conv, dt_bias, neg_a, norm, out } => {
                     let (cd, vd, hv) = (c.gdn_conv_dim(), c.gdn_value_dim(), c.linear_num_value_heads);
                     let ldp = cd + vd + 2 * hv;
-                    proj.run_rows(g, prec, p.xn.ptr, h, p.proj.ptr, ldp, b)?;
-                    for (i, &s) in slots.iter().enumerate() {
-                        let GState::Gdn { conv: cs, rec } = &self.seqs[s].states[li] else {
-                            bail!("layer state does not match the layer kind");
-                        };
-                        let (pr, cr, or) = (p.proj.at(4 * i * ldp), p.conv.at(4 * i * cd), p.o.at(4 * i * vd));
-                        g.conv_step(pr, cs.ptr, conv.ptr, cr, cd, c.linear_conv_kernel_dim)?;
-                        g.gdn_step(&gdn_step_args(c, pr, cr, [dt_bias, neg_a, norm], rec, or))?;
-                    }
-                    g.gemm(out, prec, p.o.ptr, vd, p.x.ptr, h, b, true)?;
+                    self.proj_rows(proj, p.x.ptr, in_norm, p.proj.ptr, ldp, b)?;
+                    let GState::Gdn { rec, .. } = &self.seqs[slots[0]].states[li] else {
+                        bail!("layer state does not match the layer kind");
+                    };
+                    let table = |k: usize| tab.at(8 * (2 * li + k) * cap);
+                    let conv_rows = GdnRows { rows: b, states: table(0), ldy: cd, ldp, ldo: 0 };
+                    g.conv_step_rows(p.proj.ptr, 0, conv.ptr, p.conv.ptr, cd, c.linear_conv_kernel_dim, &conv_rows)?;
+                    let step = gdn_step_args(c, p.proj.ptr, p.conv.ptr, [dt_bias, neg_a, norm], rec, p.o.ptr);
+                    g.gdn_step_rows(&step, &GdnRows { rows: b, states: table(1), ldy: cd, ldp, ldo: vd })?;
+                    g.gemv_rows(out, p.o.ptr, vd, p.x.ptr, b, true, (0, 0.0))?;
                 }
                 GMixer::Attn { proj, o, q_norm, k_norm } => {
                     let (nh, hkv, hd) = (c.num_attention_heads, c.num_key_value_heads, c.head_dim);
                     let (qd, kvd, od) = (c.q_proj_dim(), c.kv_dim(), nh * hd);
                     let ldp = qd + 2 * kvd;
-                    proj.run_rows(g, prec, p.xn.ptr, h, p.proj.ptr, ldp, b)?;
+                    self.proj_rows(proj, p.x.ptr, in_norm, p.proj.ptr, ldp, b)?;
                     for (i, &s) in slots.iter().enumerate() {
                         let q = &self.seqs[s];
                         let GState::Attn { k: kc, v: vc, .. } = &q.states[li] else {
@@ -156,17 +195,57 @@ impl CudaBatch {
                         };
                         g.attn_decode(&a, q.attn[long].0)?;
                     }
-                    g.gemm(o, prec, p.o.ptr, od, p.x.ptr, h, b, true)?;
+                    g.gemv_rows(o, p.o.ptr, od, p.x.ptr, b, true, (0, 0.0))?;
                 }
             }
-            ffn_rows(m, layer, p, b, prec)?;
+            self.ffn(layer, b)?;
         }
-        g.rms_norm(p.x.ptr, m.norm.ptr, p.xn.ptr, b, h, eps)?;
-        g.gemm(&m.lm_head, prec, p.xn.ptr, h, p.logits.ptr, c.vocab_size, b, false)?;
-        for i in 0..b {
-            g.argmax(p.logits.at(4 * i * c.vocab_size), c.vocab_size, amax.at(4 * i))?;
+        // The lm_head: per-row GEMVs for few rows, else one many-row product (for many rows the
+        // slots' GEMV blocks no longer meet in L2 over its 250+ MB).
+        if b <= 4 {
+            g.gemv_rows(&m.lm_head, p.x.ptr, h, p.logits.ptr, b, false, (m.norm.ptr, eps))?;
+        } else {
+            g.rms_norm(p.x.ptr, m.norm.ptr, p.xn.ptr, b, h, eps)?;
+            g.gemm(&m.lm_head, prec, p.xn.ptr, h, p.logits.ptr, c.vocab_size, b, false)?;
         }
-        Ok(())
+        g.argmax_rows(p.logits.ptr, c.vocab_size, amax.ptr, b)
+    }
+
+    /// The post-attention half of a layer for the `b` rows: router and shared expert (or the
+    /// dense MLP) as multi-slot GEMVs with the RMSNorm fused, the routed experts as the
+    /// prefill's grouped products (each chosen expert read once for all rows that chose it).
+    fn ffn(&self, layer: &GLayer, b: usize) -> Result<()> {
+        let m = &self.model;
+        let (g, c) = (&m.gpu, &m.cfg);
+        let (h, eps, prec) = (c.hidden_size, c.rms_norm_eps, self.prec);
+        let p = self.driver.pre.as_ref().context("batch scratch")?;
+        let post = (layer.post_norm.ptr, eps);
+        match &layer.ffn {
+            GFfn::Moe { router, experts, shared } => {
+                let (e, k) = (c.num_experts, c.num_experts_per_tok);
+                let inter = experts.down.cols;
+                let pairs = b * k;
+                self.proj_rows(router, p.x.ptr, post, p.router.ptr, e + 1, b)?;
+                g.rms_norm(p.x.ptr, layer.post_norm.ptr, p.xn.ptr, b, h, eps)?;
+                g.moe_topk_rows(p.router.ptr, e + 1, b, e, k, c.norm_topk_prob, p.ids.ptr, p.wts.ptr, 0, false)?;
+                g.moe_align(p.ids.ptr, pairs, e, prec.bm(), p.perm.ptr, p.inv.ptr, p.tiles.ptr)?;
+                let nt = super::prefill::max_tiles(pairs, prec.bm(), e);
+                let gu = (p.egu.ptr, 2 * inter);
+                g.gemm_grouped(&experts.gate_up, prec, 2 * inter, (p.xn.ptr, h, p.perm.ptr, k), gu, p.tiles.ptr, nt)?;
+                g.silu_mul_pairs(p.egu.ptr, p.eh.ptr, inter, pairs)?;
+                g.gemm_grouped(&experts.down, prec, h, (p.eh.ptr, inter, 0, 1), (p.ye.ptr, h), p.tiles.ptr, nt)?;
+                self.proj_rows(&shared.gate_up, p.x.ptr, post, p.sgu.ptr, 2 * shared.inter, b)?;
+                g.silu_mul_pairs(p.sgu.ptr, p.sh.ptr, shared.inter, b)?;
+                g.gemv_rows(&shared.down, p.sh.ptr, shared.inter, p.ys.ptr, b, false, (0, 0.0))?;
+                let gate = (p.router.at(4 * e), e + 1);
+                g.moe_combine_rows(p.x.ptr, p.ye.ptr, p.inv.ptr, p.wts.ptr, p.ys.ptr, gate, h, k, b)
+            }
+            GFfn::Dense(mm) => {
+                self.proj_rows(&mm.gate_up, p.x.ptr, post, p.sgu.ptr, 2 * mm.inter, b)?;
+                g.silu_mul_pairs(p.sgu.ptr, p.sh.ptr, mm.inter, b)?;
+                g.gemv_rows(&mm.down, p.sh.ptr, mm.inter, p.x.ptr, b, true, (0, 0.0))
+            }
+        }
     }
 
     /// One batched pass over the single-token items `work` (two or more, distinct slots).
@@ -186,8 +265,12 @@ impl CudaBatch {
         p.toks.write_bytes(0, &toks)?;
         let pos: Vec<u8> = slots.iter().flat_map(|&s| (self.seqs[s].pos as i32).to_le_bytes()).collect();
         self.rows.as_ref().context("batch rows")?.0.write_bytes(0, &pos)?;
+        let key = self.key(&slots);
+        if self.tables_for.as_ref() != Some(&key) {
+            self.write_tables(&slots)?;
+            self.tables_for = Some(key.clone());
+        }
         if self.driver.use_graphs {
-            let key = self.key(&slots);
             if self.graph.as_ref().is_none_or(|(k, _)| *k != key) {
                 self.graph = None;
                 let graph = g.capture(|| self.record(&slots))?;

@@ -42,7 +42,7 @@ pub(super) struct PScratch {
 
 /// Most tiles a grouped product over `pairs` routed rows can have (tiles of `bm` rows never
 /// span two experts).
-fn max_tiles(pairs: usize, bm: usize, experts: usize) -> usize {
+pub(super) fn max_tiles(pairs: usize, bm: usize, experts: usize) -> usize {
     pairs.div_ceil(bm) + experts + 1
 }
 
