@@ -19,7 +19,8 @@
  *   so results do not). tiles = [count, (e, m0, m1) x count] with tiles of at most bm rows that
  *   never span two experts (count <= P/bm + E). grid 1, block 1024, E <= 1024.
  *
- * moe_combine_rows (prefill): x[t, r] += sum_k w[t, k] ye[inv[t*K + k], r] + sigmoid(sg[t*sgs]) ys[t, r].
+ * moe_combine_rows (prefill): x[t, r] += sum_k w[t, k] ye[inv[t*K + k], r] + sigmoid(sg[t*sgs]) ys[t, r]
+ *   (inv null: the pairs in token order, row t*K + k; the batched decode's).
  *   grid (ceil(H/256), T), block 256.
  *
  * moe_combine: x[r] += sum_k w_k * ye[k, r] + g * ys[r], g = sigmoid(sg[0]) when sg, else 1
@@ -83,6 +84,7 @@ extern "C" __global__ void moe_topk(const float* logits, int E, int K, int renor
     logits += blockIdx.x * lstride;
     ids += blockIdx.x * K;
     wout += blockIdx.x * K;
+    if (ids2) ids2 += blockIdx.x * 2 * K; /* rows only without the shared slot (as ids) */
     route_topk(logits, E, K, renorm, shared, ls, chosen, wsel);
     int n = K + (shared ? 1 : 0);
     for (int k = threadIdx.x; k < n; k += 32) {
@@ -143,6 +145,6 @@ extern "C" __global__ void moe_combine_rows(float* x, const float* ye, const int
     if (r >= H) return;
     float acc = 0.f;
     if (ys) acc = (sg ? sigmoid_f(sg[t * sgs]) : 1.f) * ys[(long long)t * H + r];
-    for (int k = 0; k < K; k++) acc += w[t * K + k] * ye[(long long)inv[t * K + k] * H + r];
+    for (int k = 0; k < K; k++) acc += w[t * K + k] * ye[(long long)(inv ? inv[t * K + k] : t * K + k) * H + r];
     x[(long long)t * H + r] += acc;
 }

@@ -306,6 +306,30 @@ impl Gpu {
         slots: usize,
         ids: u64,
         accumulate: bool,
+        norm: (u64, f32),
+    ) -> Result<()> {
+        self.gemv_launch(kernel, bpsm, w, (x, xstride, 1), y, slots, ids, accumulate, norm)
+    }
+
+    /// [`Gpu::gemv`] where slot z reads input row `z / xdiv` (`x + (z / xdiv)·xstride`): the
+    /// batched decode's expert products, slot (token t, choice j) = t·xdiv + j.
+    #[allow(clippy::too_many_arguments)]
+    pub fn gemv_pairs(&self, w: &GpuLinear, x: u64, xstride: usize, xdiv: usize, y: u64, slots: usize, ids: u64) -> Result<()> {
+        let (k, bpsm) = gemv_default();
+        self.gemv_launch(k, bpsm, w, (x, xstride, xdiv.max(1)), y, slots, ids, false, (0, 0.0))
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn gemv_launch(
+        &self,
+        kernel: GemvKernel,
+        bpsm: u32,
+        w: &GpuLinear,
+        (x, xstride, xdiv): (u64, usize, usize),
+        y: u64,
+        slots: usize,
+        ids: u64,
+        accumulate: bool,
         (normw, eps): (u64, f32),
     ) -> Result<()> {
         let mut a = w.wargs().to_vec();
@@ -319,6 +343,7 @@ impl Gpu {
             Arg::I(accumulate as i32),
             Arg::P(normw),
             Arg::F(eps),
+            Arg::I(xdiv as i32),
         ]);
         let streaming = w.streams() && w.cols <= GEMV_XMAX && xstride.is_multiple_of(4);
         let name = match kernel {

@@ -9,9 +9,8 @@
 //! about once) → GDN: one batched conv_step and one batched gdn_step over all rows, each row on
 //! its own slot's states (address tables); attention: per row attn_prep + attn_decode on the
 //! slot's cache with the slot's kernel for its context → out-projection + residual as one
-//! multi-slot GEMV → router and shared expert as multi-slot GEMVs, routed experts as the
-//! prefill's grouped products (experts grouped across the B sequences, each read once) →
-//! combine} → final RMSNorm + lm_head (GEMV slots for up to 4 rows, else one many-row product)
+//! multi-slot GEMV → router, shared expert and routed experts as multi-slot GEMVs (one slot per
+//! row and choice, the expert's matrix picked by id on the device) → combine} → final RMSNorm + lm_head (GEMV slots for up to 4 rows, else one many-row product)
 //! → one argmax launch over the B rows.
 //!
 //! The pass is captured as a CUDA graph, reused while the same slots (with the same cache
@@ -39,19 +38,34 @@ struct Key {
     slots: Vec<(usize, bool, Vec<u64>)>,
 }
 
+/// Per-row device buffers of the batched pass, for up to `cap` rows.
+struct Rows {
+    cap: usize,
+    /// Position of each row's token (i32).
+    pos: DevBuf,
+    /// Each row's argmax token (i32).
+    amax: DevBuf,
+    /// Attention split partials (shared by the rows, which run one after another).
+    part: DevBuf,
+    /// Per layer the rows' GDN conv and recurrent state addresses (u64 `[layers, 2, cap]`).
+    tab: DevBuf,
+    /// Gate/up matrix ids of each row's choices (i32 `[cap, 2K]`).
+    ids2: DevBuf,
+}
+
 pub struct CudaBatch {
     model: Arc<CudaModel>,
     seqs: Vec<CudaSession>,
     /// Owns the `[B, ·]` scratch of the batched pass (its prefill scratch), never a sequence.
     driver: CudaSession,
-    /// Per row: position (i32) and the argmax token (i32); attention split partials; the row
-    /// capacity; the per-layer tables of the rows' GDN state addresses (u64 `[layers, 2, cap]`).
-    rows: Option<(DevBuf, DevBuf, DevBuf, usize, DevBuf)>,
+    rows: Option<Rows>,
     /// The slots the state tables were written for.
     tables_for: Option<Key>,
     graph: Option<(Key, Graph)>,
     prec: Precision,
     kv_bytes_per_token: usize,
+    /// Most rows whose lm_head runs as GEMV slots (`LILY_CUDA_LMHEAD_GEMV_ROWS`, default 4).
+    lm_head_gemv_rows: usize,
 }
 
 impl CudaBatch {
@@ -68,7 +82,19 @@ impl CudaBatch {
         let c = &model.cfg;
         let n_attn = c.layer_kinds.iter().filter(|k| matches!(k, crate::config::LayerKind::Attention)).count();
         let kv_bytes_per_token = n_attn * 2 * c.kv_dim() * kv.bytes();
-        Ok(CudaBatch { model, seqs, driver, rows: None, tables_for: None, graph: None, prec, kv_bytes_per_token })
+        let lm_head_gemv_rows =
+            std::env::var("LILY_CUDA_LMHEAD_GEMV_ROWS").ok().and_then(|v| v.parse().ok()).unwrap_or(4);
+        Ok(CudaBatch {
+            model,
+            seqs,
+            driver,
+            rows: None,
+            tables_for: None,
+            graph: None,
+            prec,
+            kv_bytes_per_token,
+            lm_head_gemv_rows,
+        })
     }
 
     fn key(&self, slots: &[usize]) -> Key {
@@ -92,7 +118,7 @@ impl CudaBatch {
 
     /// Scratch for `b` rows (kept while large enough; a new one drops the graph).
     fn ensure_rows(&mut self, b: usize) -> Result<()> {
-        if self.rows.as_ref().is_some_and(|r| r.3 >= b) {
+        if self.rows.as_ref().is_some_and(|r| r.cap >= b) {
             return Ok(());
         }
         let cap = b.next_power_of_two().max(8);
@@ -103,7 +129,8 @@ impl CudaBatch {
         let splits = self.driver.attn[0].1.max(self.driver.attn[1].1);
         let part = g.zeros(4 * c.num_attention_heads * splits * (c.head_dim + 2))?;
         let tab = g.zeros(8 * 2 * self.model.layers.len() * cap)?;
-        self.rows = Some((g.zeros(4 * cap)?, g.zeros(4 * cap)?, part, cap, tab));
+        let ids2 = g.zeros(4 * 2 * cap * c.num_experts_per_tok.max(1))?;
+        self.rows = Some(Rows { cap, pos: g.zeros(4 * cap)?, amax: g.zeros(4 * cap)?, part, tab, ids2 });
         self.graph = None;
         self.tables_for = None;
         Ok(())
@@ -112,7 +139,8 @@ impl CudaBatch {
     /// Writes the per-layer tables of the slots' GDN conv and recurrent state addresses (read
     /// by the batched conv_step / gdn_step of the captured pass).
     fn write_tables(&self, slots: &[usize]) -> Result<()> {
-        let (_, _, _, cap, tab) = self.rows.as_ref().context("batch rows")?;
+        let r = self.rows.as_ref().context("batch rows")?;
+        let (cap, tab) = (r.cap, &r.tab);
         let mut t = vec![0u64; 2 * self.model.layers.len() * cap];
         for (li, _) in self.model.layers.iter().enumerate() {
             for (i, &s) in slots.iter().enumerate() {
@@ -146,7 +174,8 @@ impl CudaBatch {
         let (g, c) = (&m.gpu, &m.cfg);
         let (h, eps, b, prec) = (c.hidden_size, c.rms_norm_eps, slots.len(), self.prec);
         let p = self.driver.pre.as_ref().context("batch scratch")?;
-        let (pos, amax, part, cap, tab) = self.rows.as_ref().context("batch rows")?;
+        let rows = self.rows.as_ref().context("batch rows")?;
+        let (pos, amax, part, cap, tab) = (&rows.pos, &rows.amax, &rows.part, rows.cap, &rows.tab);
         g.embed(&m.embed, p.toks.ptr, p.x.ptr, b)?;
         for (li, layer) in m.layers.iter().enumerate() {
             let in_norm = (layer.input_norm.ptr, eps);
@@ -200,9 +229,9 @@ impl CudaBatch {
             }
             self.ffn(layer, b)?;
         }
-        // The lm_head: per-row GEMVs for few rows, else one many-row product (for many rows the
-        // slots' GEMV blocks no longer meet in L2 over its 250+ MB).
-        if b <= 4 {
+        // The lm_head: GEMV slots for few rows, else one many-row product (over its 250+ MB the
+        // slots' GEMV blocks need not meet in L2).
+        if b <= self.lm_head_gemv_rows {
             g.gemv_rows(&m.lm_head, p.x.ptr, h, p.logits.ptr, b, false, (m.norm.ptr, eps))?;
         } else {
             g.rms_norm(p.x.ptr, m.norm.ptr, p.xn.ptr, b, h, eps)?;
@@ -211,14 +240,16 @@ impl CudaBatch {
         g.argmax_rows(p.logits.ptr, c.vocab_size, amax.ptr, b)
     }
 
-    /// The post-attention half of a layer for the `b` rows: router and shared expert (or the
-    /// dense MLP) as multi-slot GEMVs with the RMSNorm fused, the routed experts as the
-    /// prefill's grouped products (each chosen expert read once for all rows that chose it).
+    /// The post-attention half of a layer for the `b` rows, all as multi-slot GEMVs: router
+    /// and shared expert (or the dense MLP) with the RMSNorm fused; the routed experts with one
+    /// slot per (row, choice) reading the expert's matrix by id (rows that chose the same expert
+    /// meet in L2), then the weighted combine + residual.
     fn ffn(&self, layer: &GLayer, b: usize) -> Result<()> {
         let m = &self.model;
         let (g, c) = (&m.gpu, &m.cfg);
-        let (h, eps, prec) = (c.hidden_size, c.rms_norm_eps, self.prec);
+        let (h, eps) = (c.hidden_size, c.rms_norm_eps);
         let p = self.driver.pre.as_ref().context("batch scratch")?;
+        let ids2 = self.rows.as_ref().context("batch rows")?.ids2.ptr;
         let post = (layer.post_norm.ptr, eps);
         match &layer.ffn {
             GFfn::Moe { router, experts, shared } => {
@@ -227,18 +258,15 @@ impl CudaBatch {
                 let pairs = b * k;
                 self.proj_rows(router, p.x.ptr, post, p.router.ptr, e + 1, b)?;
                 g.rms_norm(p.x.ptr, layer.post_norm.ptr, p.xn.ptr, b, h, eps)?;
-                g.moe_topk_rows(p.router.ptr, e + 1, b, e, k, c.norm_topk_prob, p.ids.ptr, p.wts.ptr, 0, false)?;
-                g.moe_align(p.ids.ptr, pairs, e, prec.bm(), p.perm.ptr, p.inv.ptr, p.tiles.ptr)?;
-                let nt = super::prefill::max_tiles(pairs, prec.bm(), e);
-                let gu = (p.egu.ptr, 2 * inter);
-                g.gemm_grouped(&experts.gate_up, prec, 2 * inter, (p.xn.ptr, h, p.perm.ptr, k), gu, p.tiles.ptr, nt)?;
+                g.moe_topk_rows(p.router.ptr, e + 1, b, e, k, c.norm_topk_prob, p.ids.ptr, p.wts.ptr, ids2, false)?;
+                g.gemv_pairs(&experts.gate_up, p.xn.ptr, h, 2 * k, p.egu.ptr, 2 * pairs, ids2)?;
                 g.silu_mul_pairs(p.egu.ptr, p.eh.ptr, inter, pairs)?;
-                g.gemm_grouped(&experts.down, prec, h, (p.eh.ptr, inter, 0, 1), (p.ye.ptr, h), p.tiles.ptr, nt)?;
+                g.gemv_pairs(&experts.down, p.eh.ptr, inter, 1, p.ye.ptr, pairs, p.ids.ptr)?;
                 self.proj_rows(&shared.gate_up, p.x.ptr, post, p.sgu.ptr, 2 * shared.inter, b)?;
                 g.silu_mul_pairs(p.sgu.ptr, p.sh.ptr, shared.inter, b)?;
                 g.gemv_rows(&shared.down, p.sh.ptr, shared.inter, p.ys.ptr, b, false, (0, 0.0))?;
                 let gate = (p.router.at(4 * e), e + 1);
-                g.moe_combine_rows(p.x.ptr, p.ye.ptr, p.inv.ptr, p.wts.ptr, p.ys.ptr, gate, h, k, b)
+                g.moe_combine_rows(p.x.ptr, p.ye.ptr, 0, p.wts.ptr, p.ys.ptr, gate, h, k, b)
             }
             GFfn::Dense(mm) => {
                 self.proj_rows(&mm.gate_up, p.x.ptr, post, p.sgu.ptr, 2 * mm.inter, b)?;
@@ -264,7 +292,7 @@ impl CudaBatch {
         let toks: Vec<u8> = work.iter().flat_map(|w| (w.tokens[0] as i32).to_le_bytes()).collect();
         p.toks.write_bytes(0, &toks)?;
         let pos: Vec<u8> = slots.iter().flat_map(|&s| (self.seqs[s].pos as i32).to_le_bytes()).collect();
-        self.rows.as_ref().context("batch rows")?.0.write_bytes(0, &pos)?;
+        self.rows.as_ref().context("batch rows")?.pos.write_bytes(0, &pos)?;
         let key = self.key(&slots);
         if self.tables_for.as_ref() != Some(&key) {
             self.write_tables(&slots)?;
@@ -285,7 +313,7 @@ impl CudaBatch {
         }
         let v = self.model.cfg.vocab_size;
         let p = self.driver.pre.as_ref().context("batch scratch")?;
-        let amax = self.rows.as_ref().context("batch rows")?.1.read_i32(b)?;
+        let amax = self.rows.as_ref().context("batch rows")?.amax.read_i32(b)?;
         let mut outs = Vec::with_capacity(b);
         for (i, w) in work.iter().enumerate() {
             outs.push(match w.want {
