@@ -8,6 +8,12 @@
  * The position is read from device memory (pos_p[0]; L = pos + 1 cached positions) so that a
  * captured CUDA graph replays every decode step unchanged.
  *
+ * Batched decode (kvt not null, a device table [2R] of each row's K and V cache addresses): row
+ * r (attn_prep: blockIdx.y; attn_decode*, attn_combine: blockIdx.z) is one token of its own
+ * sequence at position pos_p[r] over its own cache; queries, partials and outputs are packed per
+ * row (q + r*H_q*D, part + r*H_q*S*(D+2), out + r*H_q*D; attn_combine's gate rows at
+ * qg + r*ldqg). Without the table every kernel is the one-sequence kernel above (grid.z = 1).
+ *
  * attn_prep: grid (H_q + H_kv, T), block = head dim D threads (D <= 256, multiple of 32).
  *   Token t = blockIdx.y sits at position pos_p[0] + t; its inputs are at qg/k/v + t*ld and its
  *   query goes to q_out + t*H_q*D (decode: T = 1).
@@ -138,9 +144,13 @@ template <typename KV>
 __device__ __forceinline__ void attn_prep_t(const float* qg, const float* kin, const float* vin, const float* qn,
                                             const float* kn, float* q_out, KV* kc, KV* vc, int nh, int hkv, int hd,
                                             int gated, int rot, const int* pos_p, double theta, float eps,
-                                            long long ld) {
+                                            long long ld, const unsigned long long* kvt) {
     pdl_begin();
-    int pos = pos_p[0] + blockIdx.y;
+    int pos = kvt ? pos_p[blockIdx.y] : pos_p[0] + blockIdx.y;
+    if (kvt) {
+        kc = (KV*)kvt[2 * blockIdx.y];
+        vc = (KV*)kvt[2 * blockIdx.y + 1];
+    }
     qg += blockIdx.y * ld;
     kin += blockIdx.y * ld;
     vin += blockIdx.y * ld;
@@ -178,18 +188,28 @@ __device__ __forceinline__ void attn_prep_t(const float* qg, const float* kin, c
 #define ATTN_PREP(NAME, KV)                                                                                        \
     extern "C" __global__ void NAME(const float* qg, const float* kin, const float* vin, const float* qn,          \
                                     const float* kn, float* q_out, KV* kc, KV* vc, int nh, int hkv, int hd,         \
-                                    int gated, int rot, const int* pos_p, double theta, float eps, long long ld) { \
-        attn_prep_t<KV>(qg, kin, vin, qn, kn, q_out, kc, vc, nh, hkv, hd, gated, rot, pos_p, theta, eps, ld);     \
+                                    int gated, int rot, const int* pos_p, double theta, float eps, long long ld,  \
+                                    const unsigned long long* kvt) {                                               \
+        attn_prep_t<KV>(qg, kin, vin, qn, kn, q_out, kc, vc, nh, hkv, hd, gated, rot, pos_p, theta, eps, ld, kvt); \
     }
 ATTN_PREP(attn_prep, float)
 ATTN_PREP(attn_prep_bf16, u16)
 
 template <typename KV>
 __device__ __forceinline__ void attn_decode_t(const float* q, const KV* kc, const KV* vc, float* part, int nh,
-                                              int hkv, int hd, const int* pos_p, float scale) {
+                                              int hkv, int hd, const int* pos_p, float scale,
+                                              const unsigned long long* kvt) {
     pdl_begin();
     __shared__ float so[8][256];
     __shared__ float sm[8], sl[8];
+    if (kvt) {
+        int r = blockIdx.z;
+        kc = (const KV*)kvt[2 * r];
+        vc = (const KV*)kvt[2 * r + 1];
+        pos_p += r;
+        q += (long long)r * nh * hd;
+        part += (long long)r * nh * gridDim.y * (hd + 2);
+    }
     int L = pos_p[0] + 1;
     int h = blockIdx.x, split = blockIdx.y, S = gridDim.y;
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -268,17 +288,20 @@ __device__ __forceinline__ void attn_decode_t(const float* q, const KV* kc, cons
 
 #define ATTN_DECODE(NAME, KV)                                                                                  \
     extern "C" __global__ void NAME(const float* q, const KV* kc, const KV* vc, float* part, int nh, int hkv,  \
-                                    int hd, const int* pos_p, float scale) {                                   \
-        attn_decode_t<KV>(q, kc, vc, part, nh, hkv, hd, pos_p, scale);                                         \
+                                    int hd, const int* pos_p, float scale, const unsigned long long* kvt) {    \
+        attn_decode_t<KV>(q, kc, vc, part, nh, hkv, hd, pos_p, scale, kvt);                                    \
     }
 ATTN_DECODE(attn_decode, float)
 ATTN_DECODE(attn_decode_bf16, u16)
 
 extern "C" __global__ void attn_combine(const float* part, const float* qg, float* out, int nh, int hd, int S,
-                                        int gated) {
+                                        int gated, long long ldqg) {
     __shared__ float w[1024], red[33];
     pdl_begin();
     int h = blockIdx.x;
+    part += (long long)blockIdx.z * nh * S * (hd + 2);
+    qg += blockIdx.z * ldqg;
+    out += (long long)blockIdx.z * nh * hd;
     const float* ph = part + (long long)h * S * (hd + 2);
     /* M = max_s M_s (NaN-free: M_s is finite or -inf), then the weights e^{M_s - M} in shared
        memory, each split's loads issued by its own thread */
@@ -379,11 +402,19 @@ __device__ __forceinline__ void gqa_round(int p0, int hi, const float (&qv)[1 <<
 
 template <int LG, typename KV>
 __device__ __forceinline__ void attn_gqa(const float* q, const KV* kc, const KV* vc, float* part, int hkv,
-                                         int hd, const int* pos_p, float scale) {
+                                         int hd, const int* pos_p, float scale, const unsigned long long* kvt) {
     constexpr int G = 1 << LG, U = 4;
     __shared__ float acc[G * 256];
     __shared__ float sm[8][G], sl[8][G];
     pdl_begin();
+    if (kvt) {
+        int r = blockIdx.z;
+        kc = (const KV*)kvt[2 * r];
+        vc = (const KV*)kvt[2 * r + 1];
+        pos_p += r;
+        q += (long long)r * hkv * G * hd;
+        part += (long long)r * hkv * G * gridDim.y * (hd + 2);
+    }
     const int L = pos_p[0] + 1;
     const int kvh = blockIdx.x, split = blockIdx.y, S = gridDim.y;
     const int chunk = max(64, (L + S - 1) / S);
@@ -487,8 +518,8 @@ __device__ __forceinline__ void attn_gqa(const float* q, const KV* kc, const KV*
 #define ATTN_GQA(LG, NAME, KV)                                                                                \
     extern "C" __global__ void __launch_bounds__(256, 1) NAME(const float* q, const KV* kc, const KV* vc,        \
                                                               float* part, int hkv, int hd, const int* pos_p,    \
-                                                              float scale) {                                     \
-        attn_gqa<LG, KV>(q, kc, vc, part, hkv, hd, pos_p, scale);                                                \
+                                                              float scale, const unsigned long long* kvt) {      \
+        attn_gqa<LG, KV>(q, kc, vc, part, hkv, hd, pos_p, scale, kvt);                                           \
     }
 ATTN_GQA(0, attn_decode_gqa1, float)
 ATTN_GQA(1, attn_decode_gqa2, float)

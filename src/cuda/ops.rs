@@ -7,7 +7,7 @@ use anyhow::{bail, Result};
 use std::sync::Arc;
 
 mod attention;
-pub use attention::{AttnDecode, AttnKernel, AttnPrep, KvDtype};
+pub use attention::{AttnDecode, AttnKernel, AttnPrep, AttnRows, KvDtype};
 
 fn ty_code(t: FloatType) -> i32 {
     match t {

@@ -7,8 +7,9 @@
 //! embed B rows → per layer {mixer input projections as one multi-slot GEMV with the RMSNorm
 //! fused (the slots' blocks read each weight tile at about the same time, so it comes from HBM
 //! about once) → GDN: one batched conv_step and one batched gdn_step over all rows, each row on
-//! its own slot's states (address tables); attention: per row attn_prep + attn_decode on the
-//! slot's cache with the slot's kernel for its context → out-projection + residual as one
+//! its own slot's states (address tables); attention: one batched attn_prep, attn_decode and
+//! attn_combine over all rows, each on its own slot's cache (address tables; one row at a time
+//! when the slots straddle the long-context kernel switch) → out-projection + residual as one
 //! multi-slot GEMV → router, shared expert and routed experts as multi-slot GEMVs (one slot per
 //! row and choice, the expert's matrix picked by id on the device) → combine} → final RMSNorm + lm_head (GEMV slots for up to 4 rows, else one many-row product)
 //! → one argmax launch over the B rows.
@@ -22,7 +23,7 @@
 //! mode (then a batched step equals the same steps alone to fp32 rounding).
 
 use super::{attn_prep_args, gdn_step_args, CudaModel, CudaSession, GFfn, GLayer, GMixer, GState, Proj};
-use crate::cuda::ops::{AttnDecode, GdnRows, Precision};
+use crate::cuda::ops::{AttnDecode, AttnRows, GdnRows, Precision};
 use crate::cuda::{DevBuf, Graph};
 use crate::engine::batch::{Batched, Out, Work};
 use crate::engine::picker::Want;
@@ -51,6 +52,8 @@ struct Rows {
     tab: DevBuf,
     /// Gate/up matrix ids of each row's choices (i32 `[cap, 2K]`).
     ids2: DevBuf,
+    /// Per layer the rows' K and V cache addresses (u64 `[layers, cap, 2]`).
+    kvt: DevBuf,
 }
 
 pub struct CudaBatch {
@@ -127,10 +130,11 @@ impl CudaBatch {
         let g = &self.model.gpu;
         let c = &self.model.cfg;
         let splits = self.driver.attn[0].1.max(self.driver.attn[1].1);
-        let part = g.zeros(4 * c.num_attention_heads * splits * (c.head_dim + 2))?;
+        let part = g.zeros(4 * cap * c.num_attention_heads * splits * (c.head_dim + 2))?;
         let tab = g.zeros(8 * 2 * self.model.layers.len() * cap)?;
         let ids2 = g.zeros(4 * 2 * cap * c.num_experts_per_tok.max(1))?;
-        self.rows = Some(Rows { cap, pos: g.zeros(4 * cap)?, amax: g.zeros(4 * cap)?, part, tab, ids2 });
+        let kvt = g.zeros(8 * 2 * self.model.layers.len() * cap)?;
+        self.rows = Some(Rows { cap, pos: g.zeros(4 * cap)?, amax: g.zeros(4 * cap)?, part, tab, ids2, kvt });
         self.graph = None;
         self.tables_for = None;
         Ok(())
@@ -142,15 +146,24 @@ impl CudaBatch {
         let r = self.rows.as_ref().context("batch rows")?;
         let (cap, tab) = (r.cap, &r.tab);
         let mut t = vec![0u64; 2 * self.model.layers.len() * cap];
+        let mut kv = t.clone();
         for (li, _) in self.model.layers.iter().enumerate() {
             for (i, &s) in slots.iter().enumerate() {
-                if let GState::Gdn { conv, rec } = &self.seqs[s].states[li] {
-                    t[2 * li * cap + i] = conv.ptr;
-                    t[(2 * li + 1) * cap + i] = rec.ptr;
+                match &self.seqs[s].states[li] {
+                    GState::Gdn { conv, rec } => {
+                        t[2 * li * cap + i] = conv.ptr;
+                        t[(2 * li + 1) * cap + i] = rec.ptr;
+                    }
+                    GState::Attn { k, v, .. } => {
+                        kv[2 * (li * cap + i)] = k.ptr;
+                        kv[2 * (li * cap + i) + 1] = v.ptr;
+                    }
                 }
             }
         }
-        tab.write_bytes(0, &t.iter().flat_map(|v| v.to_le_bytes()).collect::<Vec<u8>>())
+        let bytes = |t: &[u64]| t.iter().flat_map(|v| v.to_le_bytes()).collect::<Vec<u8>>();
+        tab.write_bytes(0, &bytes(&t))?;
+        r.kvt.write_bytes(0, &bytes(&kv))
     }
 
     /// `out = W · rms_norm(x)` for `b` rows (output row stride `ldo`, the projection's height):
@@ -176,6 +189,10 @@ impl CudaBatch {
         let p = self.driver.pre.as_ref().context("batch scratch")?;
         let rows = self.rows.as_ref().context("batch rows")?;
         let (pos, amax, part, cap, tab) = (&rows.pos, &rows.amax, &rows.part, rows.cap, &rows.tab);
+        // One attention plan for all rows (every slot is on the same side of the long-context
+        // switch): batched attention launches; else one row at a time.
+        let first = &self.seqs[slots[0]];
+        let one_plan = slots.iter().all(|&s| self.seqs[s].long_attn(self.seqs[s].pos) == first.long_attn(first.pos));
         g.embed(&m.embed, p.toks.ptr, p.x.ptr, b)?;
         for (li, layer) in m.layers.iter().enumerate() {
             let in_norm = (layer.input_norm.ptr, eps);
@@ -199,30 +216,40 @@ impl CudaBatch {
                     let (qd, kvd, od) = (c.q_proj_dim(), c.kv_dim(), nh * hd);
                     let ldp = qd + 2 * kvd;
                     self.proj_rows(proj, p.x.ptr, in_norm, p.proj.ptr, ldp, b)?;
-                    for (i, &s) in slots.iter().enumerate() {
-                        let q = &self.seqs[s];
-                        let GState::Attn { k: kc, v: vc, .. } = &q.states[li] else {
+                    let decode = |q: &CudaSession, i: usize, kc: &DevBuf, vc: &DevBuf| AttnDecode {
+                        q: p.q.at(4 * i * od),
+                        kc: kc.ptr,
+                        vc: vc.ptr,
+                        qg: p.proj.at(4 * i * ldp),
+                        out: p.o.at(4 * i * od),
+                        nh,
+                        hkv,
+                        hd,
+                        pos: pos.at(4 * i),
+                        gated: c.attn_output_gate,
+                        part: part.ptr,
+                        splits: q.attn[q.long_attn(q.pos) as usize].1,
+                        kv: q.kv,
+                    };
+                    if one_plan {
+                        let GState::Attn { k: kc, v: vc, .. } = &first.states[li] else {
                             bail!("layer state does not match the layer kind");
                         };
-                        let (pr, qr, or, pp) = (p.proj.at(4 * i * ldp), p.q.at(4 * i * od), p.o.at(4 * i * od), pos.at(4 * i));
-                        g.attn_prep(&attn_prep_args(c, pr, [q_norm, k_norm], qr, [kc, vc], pp, q.kv), 1, 0)?;
-                        let long = q.long_attn(q.pos) as usize;
-                        let a = AttnDecode {
-                            q: qr,
-                            kc: kc.ptr,
-                            vc: vc.ptr,
-                            qg: pr,
-                            out: or,
-                            nh,
-                            hkv,
-                            hd,
-                            pos: pp,
-                            gated: c.attn_output_gate,
-                            part: part.ptr,
-                            splits: q.attn[long].1,
-                            kv: q.kv,
-                        };
-                        g.attn_decode(&a, q.attn[long].0)?;
+                        let kvt = rows.kvt.at(8 * 2 * li * cap);
+                        let prep = attn_prep_args(c, p.proj.ptr, [q_norm, k_norm], p.q.ptr, [kc, vc], pos.ptr, first.kv);
+                        g.attn_prep_rows(&prep, b, ldp, kvt)?;
+                        let kernel = first.attn[first.long_attn(first.pos) as usize].0;
+                        g.attn_decode_rows(&decode(first, 0, kc, vc), kernel, &AttnRows { rows: b, kvt, ldqg: ldp })?;
+                    } else {
+                        for (i, &s) in slots.iter().enumerate() {
+                            let q = &self.seqs[s];
+                            let GState::Attn { k: kc, v: vc, .. } = &q.states[li] else {
+                                bail!("layer state does not match the layer kind");
+                            };
+                            let (pr, qr) = (p.proj.at(4 * i * ldp), p.q.at(4 * i * od));
+                            g.attn_prep(&attn_prep_args(c, pr, [q_norm, k_norm], qr, [kc, vc], pos.at(4 * i), q.kv), 1, 0)?;
+                            g.attn_decode(&decode(q, i, kc, vc), q.attn[q.long_attn(q.pos) as usize].0)?;
+                        }
                     }
                     g.gemv_rows(o, p.o.ptr, od, p.x.ptr, b, true, (0, 0.0))?;
                 }

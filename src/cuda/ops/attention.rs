@@ -60,6 +60,13 @@ impl Gpu {
     /// q/k RMSNorm + partial RoPE for `t` tokens at positions `pos`.. (inputs in rows of stride
     /// `ld`); writes the queries and the cache rows.
     pub fn attn_prep(&self, p: &AttnPrep, t: usize, ld: usize) -> Result<()> {
+        self.attn_prep_rows(p, t, ld, 0)
+    }
+
+    /// [`Gpu::attn_prep`] for `t` rows of different sequences when `kvt` (a device table `[2t]`
+    /// of the rows' K and V cache addresses) is not 0: row r at position `pos[r]` into its own
+    /// cache (`p.kc`/`p.vc` unused).
+    pub fn attn_prep_rows(&self, p: &AttnPrep, t: usize, ld: usize, kvt: u64) -> Result<()> {
         if !p.hd.is_multiple_of(32) || p.hd > 256 || p.rot > p.hd {
             bail!("attention: head dim {} unsupported (multiple of 32, at most 256)", p.hd);
         }
@@ -85,6 +92,7 @@ impl Gpu {
                 Arg::D(p.theta),
                 Arg::F(p.eps),
                 Arg::L(ld as i64),
+                Arg::P(kvt),
             ],
         )
     }
@@ -93,6 +101,13 @@ impl Gpu {
     /// over `splits` blocks per head (per KV head for the packed kernel; partials in `part`:
     /// `[H_q, splits, D + 2]` f32), merged by `attn_combine`, which also applies the output gate.
     pub fn attn_decode(&self, a: &AttnDecode, kernel: AttnKernel) -> Result<()> {
+        self.attn_decode_rows(a, kernel, &AttnRows { rows: 1, kvt: 0, ldqg: 0 })
+    }
+
+    /// [`Gpu::attn_decode`] for `r.rows` tokens of different sequences (see [`AttnRows`]); `a.q`,
+    /// `a.qg`, `a.out`, `a.part` are the first row's, `a.pos` the rows' positions, `a.kc`/`a.vc`
+    /// unused when `r.kvt` is not 0.
+    pub fn attn_decode_rows(&self, a: &AttnDecode, kernel: AttnKernel, r: &AttnRows) -> Result<()> {
         let (nh, hkv, hd) = (a.nh, a.hkv, a.hd);
         if hkv == 0 || !nh.is_multiple_of(hkv) || !hd.is_multiple_of(32) || hd > 256 || !(1..=1024).contains(&a.splits)
         {
@@ -122,13 +137,14 @@ impl Gpu {
         let args = [
             &[Arg::P(a.q), Arg::P(a.kc), Arg::P(a.vc), Arg::P(a.part)][..],
             &heads,
-            &[Arg::I(hd as i32), Arg::P(a.pos), Arg::F(scale)],
+            &[Arg::I(hd as i32), Arg::P(a.pos), Arg::F(scale), Arg::P(r.kvt)],
         ]
         .concat();
-        self.launch(name, (grid_x as u32, a.splits as u32, 1), 256, &args)?;
+        let rows = r.rows.max(1) as u32;
+        self.launch(name, (grid_x as u32, a.splits as u32, rows), 256, &args)?;
         self.launch(
             "attn_combine",
-            (nh as u32, 1, 1),
+            (nh as u32, 1, rows),
             256,
             &[
                 Arg::P(a.part),
@@ -138,6 +154,7 @@ impl Gpu {
                 Arg::I(hd as i32),
                 Arg::I(a.splits as i32),
                 Arg::I(a.gated as i32),
+                Arg::L(r.ldqg as i64),
             ],
         )
     }
@@ -173,6 +190,15 @@ pub enum AttnKernel {
 }
 
 /// Arguments of [`Gpu::attn_decode`] (device pointers; `pos` is an i32 on the device).
+/// Several sequences' decode attention in one launch: `rows` tokens, row r over the cache at
+/// `kvt[2r]` (K) and `kvt[2r + 1]` (V) (a device table; 0: the one cache of the arguments), its
+/// gate at `qg + r·ldqg` (f32 elements).
+pub struct AttnRows {
+    pub rows: usize,
+    pub kvt: u64,
+    pub ldqg: usize,
+}
+
 pub struct AttnDecode {
     /// Queries after norm and RoPE `[H_q, D]`.
     pub q: u64,
