@@ -3,8 +3,7 @@
  * or bf16, group a power of two >= 32), built to stream weights at HBM rate.
  *
  * Math (slot z = grid.y, e = ids ? ids[z] : 0, xz = x + (z / xdiv)*xstride; xdiv > 1 lets the
- *   batched decode's expert slots (token t, choice j) = t*xdiv + j read token t's row; with xmap,
- *   slot z reads row xmap[z / xdiv] / xk: slots in expert order, xmap = moe_align's perm):
+ *   batched decode's expert slots (token t, choice j) = t*xdiv + j read token t's row):
  *   y[z*rows + r] (+)= rr * sum_c W[e*rows + r, c] * xw[c],   xw = xz * normw (or xz),
  *   rr = rsqrt(mean(xz^2) + eps) with a norm (the fused RMSNorm), else 1.
  *   Per 128-bit load of codes (EPV = 32 4-bit or 16 8-bit values, inside one group):
@@ -320,15 +319,14 @@ __device__ __forceinline__ void gq_body(const u32* w, const u16* sc, const u16* 
                                                            int group, int ty, const float* x, long long xstride,   \
                                                            float* y, int rows, int cols, const int* ids,           \
                                                            int accumulate, const float* normw, float eps,          \
-                                                           int xdiv, const int* xmap, int xk) {                    \
+                                                           int xdiv) {                                             \
         extern __shared__ __align__(16) float xs[]; /* cols + cols/EPV floats */                                  \
         __shared__ float red[33];                                                                                  \
         int z = blockIdx.y;                                                                                        \
         pdl_trigger();                                                                                             \
         if (ids) pdl_wait(); /* the expert ids come from the previous kernel */                                    \
         long long E0 = (long long)(ids ? ids[z] : 0) * rows;                                                       \
-        int xrow = xmap ? xmap[z / xdiv] / xk : z / xdiv;                                                          \
-        const float* xg = x + (long long)xrow * xstride;                                                           \
+        const float* xg = x + (long long)(z / xdiv) * xstride;                                                     \
         float* yz = y + (long long)z * rows;                                                                       \
         const u32* W = (const u32*)w;                                                                              \
         const u16 *S = (const u16*)sc, *B = (const u16*)bi;                                                        \

@@ -195,8 +195,7 @@ __device__ __forceinline__ void gemv_body(const void* w, const void* sc, const v
 
 extern "C" __global__ void __launch_bounds__(256, 2) linear_gemv(const void* w, const void* sc, const void* bi, int bits, int group, int ty,
                                        const float* x, long long xstride, float* y, int rows, int cols,
-                                       const int* ids, int accumulate, const float* normw, float eps, int xdiv,
-                                       const int* xmap, int xk) {
+                                       const int* ids, int accumulate, const float* normw, float eps, int xdiv) {
     pdl_begin();
     extern __shared__ __align__(16) float xsh[]; /* cols floats (dynamic, 0 when cols > GEMV_XMAX) */
     __shared__ float red[33];
@@ -205,8 +204,7 @@ extern "C" __global__ void __launch_bounds__(256, 2) linear_gemv(const void* w, 
     int r0 = (blockIdx.x * (blockDim.x >> 5) + warp) * GEMV_NR;
     int nvalid = r0 < rows ? min(GEMV_NR, rows - r0) : 0;
     long long R0 = (long long)(ids ? ids[z] : 0) * rows + min(r0, rows - 1);
-    int xrow = xmap ? xmap[z / xdiv] / xk : z / xdiv;
-    const float* xg = x + (long long)xrow * xstride;
+    const float* xg = x + (long long)(z / xdiv) * xstride;
     float* yz = y + (long long)z * rows;
     if (bits == 4)
         gemv_body<4>(w, sc, bi, group, ty, xg, yz, rows, cols, R0, r0, nvalid, accumulate, normw, eps, xsh, red);

@@ -19,11 +19,6 @@
  *   so results do not). tiles = [count, (e, m0, m1) x count] with tiles of at most bm rows that
  *   never span two experts (count <= P/bm + E). grid 1, block 1024, E <= 1024.
  *
- * moe_sorted_ids (batched decode): the pairs in moe_align's expert order, s -> pair perm[s]:
- *   sids[s] = ids[perm[s]], sids2[2s + g] = 2 sids[s] + g (the gate/up rows of an interleaved
- *   stack), so the expert GEMVs' slots of one expert are adjacent (co-scheduled, sharing L2).
- *   grid ceil(P/256), block 256.
- *
  * moe_combine_rows (prefill): x[t, r] += sum_k w[t, k] ye[inv[t*K + k], r] + sigmoid(sg[t*sgs]) ys[t, r]
  *   (inv null: the pairs in token order, row t*K + k; the batched decode's).
  *   grid (ceil(H/256), T), block 256.
@@ -110,15 +105,6 @@ extern "C" __global__ void moe_combine(float* x, const float* ye, const float* w
     if (ys) acc = (sg ? sigmoid_f(sg[0]) : 1.f) * ys[r];
     for (int k = 0; k < K; k++) acc += w[k] * ye[(long long)k * H + r];
     x[r] += acc;
-}
-
-extern "C" __global__ void moe_sorted_ids(const int* ids, const int* perm, int P, int* sids, int* sids2) {
-    int s = blockIdx.x * blockDim.x + threadIdx.x;
-    if (s >= P) return;
-    int e = ids[perm[s]];
-    sids[s] = e;
-    sids2[2 * s] = 2 * e;
-    sids2[2 * s + 1] = 2 * e + 1;
 }
 
 extern "C" __global__ void moe_align(const int* ids, int P, int E, int bm, int* perm, int* inv, int* tiles) {

@@ -56,14 +56,13 @@ pub const SOURCES: [(&str, &str); 12] = [
 ];
 
 /// Kernel entry points loaded from the module.
-pub const KERNELS: [&str; 50] = [
+pub const KERNELS: [&str; 49] = [
     "rms_norm",
     "silu_mul",
     "silu_mul_pairs",
     "add_inplace",
     "linear_gemv",
     "moe_down",
-    "moe_sorted_ids",
     "gemv_q2",
     "gemv_q_loadonly",
     "moe_down_q",

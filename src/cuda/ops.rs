@@ -308,30 +308,15 @@ impl Gpu {
         accumulate: bool,
         norm: (u64, f32),
     ) -> Result<()> {
-        self.gemv_launch(kernel, bpsm, w, (x, xstride, 1, 0, 1), y, slots, ids, accumulate, norm)
+        self.gemv_launch(kernel, bpsm, w, (x, xstride, 1), y, slots, ids, accumulate, norm)
     }
 
-    /// [`Gpu::gemv`] where slot z reads input row `z / xdiv` (`x + (z / xdiv)·xstride`), or with
-    /// `xmap` (device i32, 0: none) row `xmap[z / xdiv] / xk`: the batched decode's expert
-    /// products, slot (token t, choice j) = t·xdiv + j, or slots in expert order.
+    /// [`Gpu::gemv`] where slot z reads input row `z / xdiv` (`x + (z / xdiv)·xstride`): the
+    /// batched decode's expert products, slot (token t, choice j) = t·xdiv + j.
     #[allow(clippy::too_many_arguments)]
-    pub fn gemv_pairs(
-        &self,
-        w: &GpuLinear,
-        (x, xstride, xdiv): (u64, usize, usize),
-        (xmap, xk): (u64, usize),
-        y: u64,
-        slots: usize,
-        ids: u64,
-    ) -> Result<()> {
+    pub fn gemv_pairs(&self, w: &GpuLinear, x: u64, xstride: usize, xdiv: usize, y: u64, slots: usize, ids: u64) -> Result<()> {
         let (k, bpsm) = gemv_default();
-        self.gemv_launch(k, bpsm, w, (x, xstride, xdiv.max(1), xmap, xk.max(1)), y, slots, ids, false, (0, 0.0))
-    }
-
-    /// The routed pairs' expert ids in `perm`'s order (see kernels/moe.cu `moe_sorted_ids`).
-    pub fn moe_sorted_ids(&self, ids: u64, perm: u64, pairs: usize, sids: u64, sids2: u64) -> Result<()> {
-        let a = [Arg::P(ids), Arg::P(perm), Arg::I(pairs as i32), Arg::P(sids), Arg::P(sids2)];
-        self.launch("moe_sorted_ids", (blocks(pairs, 256), 1, 1), 256, &a)
+        self.gemv_launch(k, bpsm, w, (x, xstride, xdiv.max(1)), y, slots, ids, false, (0, 0.0))
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -340,7 +325,7 @@ impl Gpu {
         kernel: GemvKernel,
         bpsm: u32,
         w: &GpuLinear,
-        (x, xstride, xdiv, xmap, xk): (u64, usize, usize, u64, usize),
+        (x, xstride, xdiv): (u64, usize, usize),
         y: u64,
         slots: usize,
         ids: u64,
@@ -359,8 +344,6 @@ impl Gpu {
             Arg::P(normw),
             Arg::F(eps),
             Arg::I(xdiv as i32),
-            Arg::P(xmap),
-            Arg::I(xk as i32),
         ]);
         let streaming = w.streams() && w.cols <= GEMV_XMAX && xstride.is_multiple_of(4);
         let name = match kernel {

@@ -54,8 +54,6 @@ struct Rows {
     ids2: DevBuf,
     /// Per layer the rows' K and V cache addresses (u64 `[layers, cap, 2]`).
     kvt: DevBuf,
-    /// The choices' expert ids in expert order (i32 `[cap, K]`).
-    sids: DevBuf,
 }
 
 pub struct CudaBatch {
@@ -71,9 +69,6 @@ pub struct CudaBatch {
     kv_bytes_per_token: usize,
     /// Most rows whose lm_head runs as GEMV slots (`LILY_CUDA_LMHEAD_GEMV_ROWS`, default 4).
     lm_head_gemv_rows: usize,
-    /// Rows from which the expert GEMV slots go in expert order (`LILY_CUDA_MOE_SORT_FROM`,
-    /// default 16).
-    pub moe_sort_from: usize,
 }
 
 impl CudaBatch {
@@ -102,7 +97,6 @@ impl CudaBatch {
             prec,
             kv_bytes_per_token,
             lm_head_gemv_rows,
-            moe_sort_from: std::env::var("LILY_CUDA_MOE_SORT_FROM").ok().and_then(|v| v.parse().ok()).unwrap_or(16),
         })
     }
 
@@ -140,8 +134,7 @@ impl CudaBatch {
         let tab = g.zeros(8 * 2 * self.model.layers.len() * cap)?;
         let ids2 = g.zeros(4 * 2 * cap * c.num_experts_per_tok.max(1))?;
         let kvt = g.zeros(8 * 2 * self.model.layers.len() * cap)?;
-        let sids = g.zeros(4 * cap * c.num_experts_per_tok.max(1))?;
-        self.rows = Some(Rows { cap, pos: g.zeros(4 * cap)?, amax: g.zeros(4 * cap)?, part, tab, ids2, kvt, sids });
+        self.rows = Some(Rows { cap, pos: g.zeros(4 * cap)?, amax: g.zeros(4 * cap)?, part, tab, ids2, kvt });
         self.graph = None;
         self.tables_for = None;
         Ok(())
@@ -283,8 +276,7 @@ impl CudaBatch {
         let (g, c) = (&m.gpu, &m.cfg);
         let (h, eps) = (c.hidden_size, c.rms_norm_eps);
         let p = self.driver.pre.as_ref().context("batch scratch")?;
-        let rows = self.rows.as_ref().context("batch rows")?;
-        let (ids2, sids) = (rows.ids2.ptr, rows.sids.ptr);
+        let ids2 = self.rows.as_ref().context("batch rows")?.ids2.ptr;
         let post = (layer.post_norm.ptr, eps);
         match &layer.ffn {
             GFfn::Moe { router, experts, shared } => {
@@ -294,25 +286,14 @@ impl CudaBatch {
                 self.proj_rows(router, p.x.ptr, post, p.router.ptr, e + 1, b)?;
                 g.rms_norm(p.x.ptr, layer.post_norm.ptr, p.xn.ptr, b, h, eps)?;
                 g.moe_topk_rows(p.router.ptr, e + 1, b, e, k, c.norm_topk_prob, p.ids.ptr, p.wts.ptr, ids2, false)?;
-                // From `moe_sort_from` rows the slots go in expert order (rows that chose the
-                // same expert run side by side and share its weights in L2; ye then in that order).
-                let sorted = b >= self.moe_sort_from;
-                let (gu_ids, dn_ids, xin, inv) = if sorted {
-                    // One tile per expert (the tile list is not used here; at most E + 1 entries).
-                    g.moe_align(p.ids.ptr, pairs, e, pairs, p.perm.ptr, p.inv.ptr, p.tiles.ptr)?;
-                    g.moe_sorted_ids(p.ids.ptr, p.perm.ptr, pairs, sids, ids2)?;
-                    (ids2, sids, ((p.xn.ptr, h, 2), (p.perm.ptr, k)), p.inv.ptr)
-                } else {
-                    (ids2, p.ids.ptr, ((p.xn.ptr, h, 2 * k), (0, 1)), 0)
-                };
-                g.gemv_pairs(&experts.gate_up, xin.0, xin.1, p.egu.ptr, 2 * pairs, gu_ids)?;
+                g.gemv_pairs(&experts.gate_up, p.xn.ptr, h, 2 * k, p.egu.ptr, 2 * pairs, ids2)?;
                 g.silu_mul_pairs(p.egu.ptr, p.eh.ptr, inter, pairs)?;
-                g.gemv_pairs(&experts.down, (p.eh.ptr, inter, 1), (0, 1), p.ye.ptr, pairs, dn_ids)?;
+                g.gemv_pairs(&experts.down, p.eh.ptr, inter, 1, p.ye.ptr, pairs, p.ids.ptr)?;
                 self.proj_rows(&shared.gate_up, p.x.ptr, post, p.sgu.ptr, 2 * shared.inter, b)?;
                 g.silu_mul_pairs(p.sgu.ptr, p.sh.ptr, shared.inter, b)?;
                 g.gemv_rows(&shared.down, p.sh.ptr, shared.inter, p.ys.ptr, b, false, (0, 0.0))?;
                 let gate = (p.router.at(4 * e), e + 1);
-                g.moe_combine_rows(p.x.ptr, p.ye.ptr, inv, p.wts.ptr, p.ys.ptr, gate, h, k, b)
+                g.moe_combine_rows(p.x.ptr, p.ye.ptr, 0, p.wts.ptr, p.ys.ptr, gate, h, k, b)
             }
             GFfn::Dense(mm) => {
                 self.proj_rows(&mm.gate_up, p.x.ptr, post, p.sgu.ptr, 2 * mm.inter, b)?;
