@@ -17,7 +17,7 @@ fn main() {
     println!("cargo:rerun-if-changed=.git/HEAD");
     println!("cargo:rerun-if-changed=.git/refs/heads");
     println!("cargo:rerun-if-changed=.git/index");
-    for d in ["src", "kernels", "tests", "Cargo.toml"] {
+    for d in ["src", "tests", "Cargo.toml"] {
         println!("cargo:rerun-if-changed={d}");
     }
 }

@@ -30,7 +30,7 @@ fn main() {
     let x: Vec<f32> = (0..t * cols).map(|i| (i as f32 * 0.01).sin()).collect();
     let mut y = vec![0f32; t * rows];
     let mut best = f64::MAX;
-    let xa = lily::kernels::q8::cpu_int8().then(|| lin.quantize_input(&x));
+    let xa = lily::cpu::kernels::q8::cpu_int8().then(|| lin.quantize_input(&x));
     for _ in 0..std::env::var("REPS").ok().and_then(|s| s.parse().ok()).unwrap_or(10) {
         let s = Instant::now();
         if let Some(xa) = &xa {
@@ -41,7 +41,7 @@ fn main() {
         }
         best = best.min(s.elapsed().as_secs_f64());
     }
-    let mode = if lily::kernels::q8::cpu_int8() { "int8 x" } else { "fp32 x" };
+    let mode = if lily::cpu::kernels::q8::cpu_int8() { "int8 x" } else { "fp32 x" };
     println!(
         "threads {threads}, {mode}: matmul {rows}x{cols} 4-bit × {t} tokens: best {:.2} ms, {:.1} GFLOP/s",
         best * 1e3,

@@ -45,7 +45,7 @@ fn main() {
         lin.matvec(&x, &mut y);
         best = best.min(t.elapsed().as_secs_f64());
     }
-    let mode = if lily::kernels::q8::cpu_int8() { "int8 x" } else { "fp32 x" };
+    let mode = if lily::cpu::kernels::q8::cpu_int8() { "int8 x" } else { "fp32 x" };
     println!(
         "threads {threads}, {mode}: matvec {rows}x{cols} 4-bit: best {:.2} ms, {:.2} GB/s",
         best * 1e3,

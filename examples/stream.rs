@@ -5,7 +5,7 @@
 //! GB/s of weights streamed. `cargo run --release --example stream [threads]`; `HUGE=1` asks for
 //! transparent huge pages (madvise) on the packed weights.
 
-use lily::kernels::q8::Q8Act;
+use lily::cpu::kernels::q8::Q8Act;
 use lily::linear::{matmul_q8_batch, FloatType, Linear};
 use lily::safetensors::Bytes;
 use std::time::Instant;

@@ -8,7 +8,6 @@ pub mod cuda;
 pub mod engine;
 pub mod generate;
 pub mod hub;
-pub mod kernels;
 pub mod linear;
 pub mod loader;
 pub mod model;

@@ -11,7 +11,7 @@
 //! Matrix-matrix products dequantize one block of rows into a small per-thread f32 tile and reuse it
 //! across all tokens.
 
-use crate::kernels;
+use crate::cpu::kernels;
 use crate::safetensors::{Bytes, Dtype};
 use anyhow::{bail, Result};
 use rayon::prelude::*;

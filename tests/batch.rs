@@ -193,12 +193,7 @@ struct Case {
 }
 
 /// Runs `cases` through a scheduler and returns each one's end (None: the client left).
-fn schedule(
-    m: &Arc<Model>,
-    slots: usize,
-    limits: Limits,
-    cases: &[Case],
-) -> (Ends, usize, Arc<Metrics>) {
+fn schedule(m: &Arc<Model>, slots: usize, limits: Limits, cases: &[Case]) -> (Ends, usize, Arc<Metrics>) {
     let metrics = Arc::new(Metrics::default());
     let mut s = Scheduler::new(Box::new(CpuBatch::new(m.clone(), slots)), limits, metrics.clone());
     let out = Arc::new(Mutex::new(vec![None; cases.len()]));

@@ -1,4 +1,4 @@
-//! The opt-in int8-activation products (`lily::kernels::q8`) against naive f64 sums.
+//! The opt-in int8-activation products (`lily::cpu::kernels::q8`) against naive f64 sums.
 //!
 //! This file is its own test binary because the switch is process-wide: every test here that goes
 //! through `Linear` or the model turns it on (and none turns it off), so the other test binaries
@@ -6,8 +6,8 @@
 
 mod common;
 use common::*;
+use lily::cpu::kernels::q8::{self, Q8Act};
 use lily::generate::{CpuSession, Session};
-use lily::kernels::q8::{self, Q8Act};
 use lily::linear::{FloatType, Linear, Weight};
 use lily::safetensors::{bf16_to_f32, f32_to_bf16, Bytes};
 use std::sync::Arc;

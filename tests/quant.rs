@@ -3,7 +3,7 @@
 
 mod common;
 use common::*;
-use lily::kernels;
+use lily::cpu::kernels;
 use lily::linear::{FloatType, Linear};
 use lily::safetensors::{bf16_to_f32, f32_to_bf16, Bytes};
 

@@ -54,7 +54,12 @@ fn one_run(b: &mut dyn Batched, prompts: &[Vec<u32>], steps: usize) -> Result<(f
     Ok((prefill, t1.elapsed().as_secs_f64()))
 }
 
-pub fn run(a: &BenchArgs, loaded: &lily::loader::Loaded, contexts: &[usize], batches: &[usize]) -> Result<Vec<BatchRow>> {
+pub fn run(
+    a: &BenchArgs,
+    loaded: &lily::loader::Loaded,
+    contexts: &[usize],
+    batches: &[usize],
+) -> Result<Vec<BatchRow>> {
     let vocab = loaded.model.cfg.vocab_size;
     let bytes = loaded.model.decode_bytes_per_token() as f64;
     if !a.json {

@@ -91,7 +91,7 @@ impl ModelArgs {
         }
         // The fast path by default: int8 activations on the CPU (the GPU defaults to its bf16
         // prefill and KV cache); --exact is the fp32 reference on both.
-        lily::kernels::q8::set_cpu_int8(!exact);
+        lily::cpu::kernels::q8::set_cpu_int8(!exact);
         let why = match self.device {
             Device::Cpu => "--device cpu",
             Device::Cuda => "--device cuda",
@@ -211,7 +211,7 @@ impl ModelArgs {
             None => format!(
                 "cpu ({} threads{})",
                 rayon::current_num_threads(),
-                if lily::kernels::q8::cpu_int8() { ", int8 activations" } else { ", fp32 activations (exact)" }
+                if lily::cpu::kernels::q8::cpu_int8() { ", int8 activations" } else { ", fp32 activations (exact)" }
             ),
         }
     }

@@ -5,7 +5,7 @@
 //! `q: [T, H, D]`; cache `k, v: [L, H_kv, D]`; `out: [T, H, D]`;
 //! `out[t,h] = Σ_{j ≤ p0+t} softmax_j(scale · q[t,h]·k[j,h/g]) v[j,h/g]`.
 
-use crate::kernels::dot_f32;
+use crate::cpu::kernels::dot_f32;
 use rayon::prelude::*;
 
 pub struct AttnDims {

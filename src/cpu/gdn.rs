@@ -146,7 +146,7 @@ unsafe fn step_blocks<const NB: usize>(s: &mut [f32], q: &[f32], k: &[f32], v: &
 
 fn step(s: &mut [f32], q: &[f32], k: &[f32], v: &[f32], a: f32, b: f32, u: &mut [f32], o: &mut [f32]) {
     #[cfg(target_arch = "x86_64")]
-    if crate::kernels::has_avx2() && v.len().is_multiple_of(8) {
+    if crate::cpu::kernels::has_avx2() && v.len().is_multiple_of(8) {
         // SAFETY: AVX2 and FMA were detected; shapes are checked inside.
         return unsafe { step_avx2(s, q, k, v, a, b, o) };
     }

@@ -41,18 +41,18 @@ use std::sync::{Arc, OnceLock};
 
 /// Every kernel source, in compile order (the prelude first). One NVRTC program, one module.
 pub const SOURCES: [(&str, &str); 12] = [
-    ("common.cuh", include_str!("../../kernels/common.cuh")),
-    ("norm.cu", include_str!("../../kernels/norm.cu")),
-    ("linear.cu", include_str!("../../kernels/linear.cu")),
-    ("gemm.cu", include_str!("../../kernels/gemm.cu")),
-    ("gdn.cu", include_str!("../../kernels/gdn.cu")),
-    ("gdn_prefill.cu", include_str!("../../kernels/gdn_prefill.cu")),
-    ("gdn_chunk.cu", include_str!("../../kernels/gdn_chunk.cu")),
-    ("attention.cu", include_str!("../../kernels/attention.cu")),
-    ("attention_prefill.cu", include_str!("../../kernels/attention_prefill.cu")),
-    ("moe.cu", include_str!("../../kernels/moe.cu")),
-    ("gemv.cu", include_str!("../../kernels/gemv.cu")),
-    ("sampling.cu", include_str!("../../kernels/sampling.cu")),
+    ("common.cuh", include_str!("kernels/common.cuh")),
+    ("norm.cu", include_str!("kernels/norm.cu")),
+    ("linear.cu", include_str!("kernels/linear.cu")),
+    ("gemm.cu", include_str!("kernels/gemm.cu")),
+    ("gdn.cu", include_str!("kernels/gdn.cu")),
+    ("gdn_prefill.cu", include_str!("kernels/gdn_prefill.cu")),
+    ("gdn_chunk.cu", include_str!("kernels/gdn_chunk.cu")),
+    ("attention.cu", include_str!("kernels/attention.cu")),
+    ("attention_prefill.cu", include_str!("kernels/attention_prefill.cu")),
+    ("moe.cu", include_str!("kernels/moe.cu")),
+    ("gemv.cu", include_str!("kernels/gemv.cu")),
+    ("sampling.cu", include_str!("kernels/sampling.cu")),
 ];
 
 /// Kernel entry points loaded from the module.

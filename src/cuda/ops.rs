@@ -314,7 +314,16 @@ impl Gpu {
     /// [`Gpu::gemv`] where slot z reads input row `z / xdiv` (`x + (z / xdiv)·xstride`): the
     /// batched decode's expert products, slot (token t, choice j) = t·xdiv + j.
     #[allow(clippy::too_many_arguments)]
-    pub fn gemv_pairs(&self, w: &GpuLinear, x: u64, xstride: usize, xdiv: usize, y: u64, slots: usize, ids: u64) -> Result<()> {
+    pub fn gemv_pairs(
+        &self,
+        w: &GpuLinear,
+        x: u64,
+        xstride: usize,
+        xdiv: usize,
+        y: u64,
+        slots: usize,
+        ids: u64,
+    ) -> Result<()> {
         let (k, bpsm) = gemv_default();
         self.gemv_launch(k, bpsm, w, (x, xstride, xdiv.max(1)), y, slots, ids, false, (0, 0.0))
     }

@@ -55,7 +55,13 @@ pub trait Batched: Send {
 
 /// Refuses a step that names a slot twice or out of range, has an empty or out-of-vocabulary
 /// item, or would run past the context.
-pub fn check_work(work: &[Work], slots: usize, vocab: usize, max_pos: usize, pos: impl Fn(usize) -> usize) -> Result<()> {
+pub fn check_work(
+    work: &[Work],
+    slots: usize,
+    vocab: usize,
+    max_pos: usize,
+    pos: impl Fn(usize) -> usize,
+) -> Result<()> {
     let mut seen = vec![false; slots];
     for w in work {
         if w.slot >= slots {

@@ -236,7 +236,8 @@ impl CudaBatch {
                             bail!("layer state does not match the layer kind");
                         };
                         let kvt = rows.kvt.at(8 * 2 * li * cap);
-                        let prep = attn_prep_args(c, p.proj.ptr, [q_norm, k_norm], p.q.ptr, [kc, vc], pos.ptr, first.kv);
+                        let prep =
+                            attn_prep_args(c, p.proj.ptr, [q_norm, k_norm], p.q.ptr, [kc, vc], pos.ptr, first.kv);
                         g.attn_prep_rows(&prep, b, ldp, kvt)?;
                         let kernel = first.attn[first.long_attn(first.pos) as usize].0;
                         g.attn_decode_rows(&decode(first, 0, kc, vc), kernel, &AttnRows { rows: b, kvt, ldqg: ldp })?;
@@ -247,7 +248,11 @@ impl CudaBatch {
                                 bail!("layer state does not match the layer kind");
                             };
                             let (pr, qr) = (p.proj.at(4 * i * ldp), p.q.at(4 * i * od));
-                            g.attn_prep(&attn_prep_args(c, pr, [q_norm, k_norm], qr, [kc, vc], pos.at(4 * i), q.kv), 1, 0)?;
+                            g.attn_prep(
+                                &attn_prep_args(c, pr, [q_norm, k_norm], qr, [kc, vc], pos.at(4 * i), q.kv),
+                                1,
+                                0,
+                            )?;
                             g.attn_decode(&decode(q, i, kc, vc), q.attn[q.long_attn(q.pos) as usize].0)?;
                         }
                     }
