@@ -12,7 +12,8 @@
 //! when the slots straddle the long-context kernel switch) → out-projection + residual as one
 //! multi-slot GEMV → router, shared expert and routed experts as multi-slot GEMVs (one slot per
 //! row and choice, the expert's matrix picked by id on the device) → combine} → final RMSNorm + lm_head (GEMV slots for up to 4 rows, else one many-row product)
-//! → one argmax launch over the B rows.
+//! → one argmax launch over the B rows; rows that sample draw with `sample_io` as a lone step
+//! does (same parameters, seed and step count), after the pass.
 //!
 //! The pass is captured as a CUDA graph, reused while the same slots (with the same cache
 //! buffers and attention kernels) step together; tokens and positions come from device buffers
@@ -28,7 +29,6 @@ use crate::cuda::{DevBuf, Graph};
 use crate::engine::batch::{Batched, Out, Work};
 use crate::engine::picker::Want;
 use crate::generate::{Session, Snapshot};
-use crate::sampling::{Sampler, SamplingParams};
 use anyhow::{bail, Context, Result};
 use std::sync::Arc;
 
@@ -54,6 +54,9 @@ struct Rows {
     ids2: DevBuf,
     /// Per layer the rows' K and V cache addresses (u64 `[layers, cap, 2]`).
     kvt: DevBuf,
+    /// The sampled rows' `sample_io` state (i32 `[cap, 3]`) and parameters (`[cap, 24]` bytes).
+    sio: DevBuf,
+    sp: DevBuf,
 }
 
 pub struct CudaBatch {
@@ -134,7 +137,8 @@ impl CudaBatch {
         let tab = g.zeros(8 * 2 * self.model.layers.len() * cap)?;
         let ids2 = g.zeros(4 * 2 * cap * c.num_experts_per_tok.max(1))?;
         let kvt = g.zeros(8 * 2 * self.model.layers.len() * cap)?;
-        self.rows = Some(Rows { cap, pos: g.zeros(4 * cap)?, amax: g.zeros(4 * cap)?, part, tab, ids2, kvt });
+        let (sio, sp) = (g.zeros(12 * cap)?, g.zeros(24 * cap)?);
+        self.rows = Some(Rows { cap, pos: g.zeros(4 * cap)?, amax: g.zeros(4 * cap)?, part, tab, ids2, kvt, sio, sp });
         self.graph = None;
         self.tables_for = None;
         Ok(())
@@ -345,16 +349,34 @@ impl CudaBatch {
         }
         let v = self.model.cfg.vocab_size;
         let p = self.driver.pre.as_ref().context("batch scratch")?;
-        let amax = self.rows.as_ref().context("batch rows")?.amax.read_i32(b)?;
+        let rows = self.rows.as_ref().context("batch rows")?;
+        // Sampled rows draw on the device as a lone session's step does (sample_io with the
+        // draw's seed and step count 0), so a sequence gets the same tokens batched or alone;
+        // the token lands in the row's argmax slot.
+        let samples: Vec<(usize, u64)> = (0..b)
+            .filter_map(|i| match work[i].want {
+                Want::Sample(seed) => Some((i, seed)),
+                _ => None,
+            })
+            .collect();
+        if !samples.is_empty() {
+            let mut sp = Vec::with_capacity(24 * samples.len());
+            for &(i, seed) in &samples {
+                sp.extend(crate::cuda::ops::sampling_params_bytes(work[i].sampling, seed)?);
+            }
+            rows.sp.write_bytes(0, &sp)?;
+            rows.sio.write_bytes(0, &vec![0u8; 12 * samples.len()])?;
+            let cand = self.driver.scratch.as_ref().context("driver scratch")?.cand.ptr;
+            for (j, &(i, _)) in samples.iter().enumerate() {
+                g.sample_io(p.logits.at(4 * i * v), v, rows.sio.at(12 * j), rows.amax.at(4 * i), rows.sp.at(24 * j), cand)?;
+            }
+        }
+        let amax = rows.amax.read_i32(b)?;
         let mut outs = Vec::with_capacity(b);
         for (i, w) in work.iter().enumerate() {
             outs.push(match w.want {
-                Want::Greedy => Out::Token(amax[i] as u32),
                 Want::Logits => Out::Logits(p.logits.read_f32(i * v, v)?),
-                Want::Sample(seed) => {
-                    let l = p.logits.read_f32(i * v, v)?;
-                    Out::Token(Sampler::new(SamplingParams { seed, ..w.sampling.clone() }).sample(&l))
-                }
+                Want::Greedy | Want::Sample(_) => Out::Token(amax[i] as u32),
             });
         }
         Ok(outs)
