@@ -54,7 +54,7 @@ pub struct ServeArgs {
     #[arg(allow_negative_numbers = true, long, default_value_t = 32768)]
     pub max_tokens_default: usize,
     /// Sequences generated at once (continuous batching); more requests wait in the queue.
-    /// Default: 8 on the CPU, 4 on the GPU (whose sessions are still stepped one by one).
+    /// Default: 8 on the CPU, 16 on the GPU.
     #[arg(allow_negative_numbers = true, long)]
     pub max_num_seqs: Option<usize>,
     /// Prompt tokens per engine step over all prefilling requests, so that a long prompt is
@@ -138,7 +138,7 @@ pub fn run(mut a: ServeArgs) -> Result<()> {
     loaded.tokenizer("serve needs one")?;
     let tok = loaded.tokenizer.take().context("no tokenizer")?;
     let gpu = lily::cuda::uploaded(&loaded.model).is_some();
-    let slots = a.max_num_seqs.unwrap_or(if gpu { 4 } else { 8 });
+    let slots = a.max_num_seqs.unwrap_or(if gpu { 16 } else { 8 });
     if slots == 0 || slots > 1024 {
         bail!("--max-num-seqs must be between 1 and 1024, got {slots}");
     }
