@@ -158,7 +158,12 @@ fn cuda_batched_sampling_equals_each_sequence_alone() {
     for step in 0..8u64 {
         let toks: Vec<[u32; 1]> = next.iter().map(|&t| [t]).collect();
         let work: Vec<Work> = (0..3)
-            .map(|i| Work { slot: i, tokens: &toks[i], want: Want::Sample(1000 * step + i as u64), sampling: &params[i] })
+            .map(|i| Work {
+                slot: i,
+                tokens: &toks[i],
+                want: Want::Sample(1000 * step + i as u64),
+                sampling: &params[i],
+            })
             .collect();
         let outs = b.step(&work).unwrap();
         for (i, o) in outs.into_iter().enumerate() {

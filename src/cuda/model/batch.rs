@@ -368,7 +368,14 @@ impl CudaBatch {
             rows.sio.write_bytes(0, &vec![0u8; 12 * samples.len()])?;
             let cand = self.driver.scratch.as_ref().context("driver scratch")?.cand.ptr;
             for (j, &(i, _)) in samples.iter().enumerate() {
-                g.sample_io(p.logits.at(4 * i * v), v, rows.sio.at(12 * j), rows.amax.at(4 * i), rows.sp.at(24 * j), cand)?;
+                g.sample_io(
+                    p.logits.at(4 * i * v),
+                    v,
+                    rows.sio.at(12 * j),
+                    rows.amax.at(4 * i),
+                    rows.sp.at(24 * j),
+                    cand,
+                )?;
             }
         }
         let amax = rows.amax.read_i32(b)?;
