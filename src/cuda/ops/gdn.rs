@@ -1,0 +1,346 @@
+//! The Gated DeltaNet wrappers: the decode step (conv_step + gdn_step, for one sequence or
+//! several rows on state-address tables) and the prefill over t tokens (conv_prefill, then the
+//! chunked delta rule or the serial scan; kernels/gdn*.cu), with their argument structs.
+
+use super::super::{Arg, Gpu};
+use super::blocks;
+use anyhow::{bail, Result};
+
+impl Gpu {
+    /// Causal conv1d + SiLU over t tokens (input rows of stride ldx), updating the state.
+    #[allow(clippy::too_many_arguments)]
+    pub fn conv_prefill(
+        &self,
+        x: u64,
+        ldx: usize,
+        state: u64,
+        w: u64,
+        y: u64,
+        c: usize,
+        k: usize,
+        t: usize,
+    ) -> Result<()> {
+        if !(1..=8).contains(&k) {
+            bail!("conv_prefill: {k} taps unsupported (at most 8)");
+        }
+        self.launch(
+            "conv_prefill",
+            (blocks(c, 256), t as u32, 1),
+            256,
+            &[
+                Arg::P(x),
+                Arg::L(ldx as i64),
+                Arg::P(state),
+                Arg::P(w),
+                Arg::P(y),
+                Arg::I(c as i32),
+                Arg::I(k as i32),
+                Arg::I(t as i32),
+            ],
+        )?;
+        self.launch(
+            "conv_state",
+            (blocks(c, 256), 1, 1),
+            256,
+            &[Arg::P(x), Arg::L(ldx as i64), Arg::P(state), Arg::I(c as i32), Arg::I(k as i32), Arg::I(t as i32)],
+        )
+    }
+
+    /// The gated delta rule over t tokens: q/k normalization (kernels/gdn_prefill.cu), the
+    /// recurrence by the kernel [`gdn_prefill_default`] picks, and the gated RMSNorm (output
+    /// `p.out`: `[t, H_v·D_v]`).
+    pub fn gdn_prefill(&self, p: &GdnPrefill) -> Result<()> {
+        self.gdn_prefill_with(p, gdn_prefill_default())
+    }
+
+    /// [`Gpu::gdn_prefill`] with the recurrence done by `kernel` (the chunked form falls back to
+    /// the scan for D_k > 128).
+    pub fn gdn_prefill_with(&self, p: &GdnPrefill, kernel: GdnPrefillKernel) -> Result<()> {
+        let s = &p.step;
+        if !s.dk.is_multiple_of(32)
+            || s.dk > 256
+            || !s.dv.is_multiple_of(32)
+            || s.dv > 1024
+            || !s.hv.is_multiple_of(s.hk)
+        {
+            bail!("gdn_prefill: unsupported head dims (D_v {} D_k {})", s.dv, s.dk);
+        }
+        let t = p.t;
+        self.launch(
+            "gdn_qk_prep",
+            (s.hk as u32, t as u32, 1),
+            128,
+            &[
+                Arg::P(s.y),
+                Arg::L(p.ldy as i64),
+                Arg::P(p.qn),
+                Arg::P(p.kn),
+                Arg::P(p.kq),
+                Arg::I(s.hk as i32),
+                Arg::I(s.dk as i32),
+            ],
+        )?;
+        if kernel == GdnPrefillKernel::Chunked && s.dk <= 128 {
+            self.gdn_chunked(p)?;
+        } else {
+            self.gdn_scan(p)?;
+        }
+        self.launch(
+            "gdn_out_norm",
+            ((t * s.hv) as u32, 1, 1),
+            s.dv as u32,
+            &[
+                Arg::P(s.out),
+                Arg::P(s.z),
+                Arg::L(p.ldp as i64),
+                Arg::P(s.norm),
+                Arg::I(s.hv as i32),
+                Arg::I(s.dv as i32),
+                Arg::F(s.eps),
+            ],
+        )
+    }
+
+    /// The chunked recurrence (kernels/gdn_chunk.cu): per-chunk preparation, then the scan over
+    /// chunks; writes `p.step.out` (before the norm) and updates the state.
+    fn gdn_chunked(&self, p: &GdnPrefill) -> Result<()> {
+        let s = &p.step;
+        let t = p.t;
+        if t == 0 {
+            return Ok(());
+        }
+        let nch = t.div_ceil(GDN_CHUNK);
+        let [wt, qt, u, mt, g] = gdn_chunk_parts(p.chunk, t, s.hv, s.dk, s.dv);
+        self.launch(
+            "gdn_chunk_prep",
+            (nch as u32, s.hv as u32, (s.dk + s.dv).div_ceil(256) as u32),
+            256,
+            &[
+                Arg::P(p.qn),
+                Arg::P(p.kn),
+                Arg::P(s.y),
+                Arg::L(p.ldy as i64),
+                Arg::P(s.b),
+                Arg::P(s.a),
+                Arg::L(p.ldp as i64),
+                Arg::P(s.dt_bias),
+                Arg::P(s.neg_a),
+                Arg::P(wt),
+                Arg::P(qt),
+                Arg::P(u),
+                Arg::P(mt),
+                Arg::P(g),
+                Arg::I(s.hk as i32),
+                Arg::I(s.hv as i32),
+                Arg::I(s.dk as i32),
+                Arg::I(s.dv as i32),
+                Arg::I(t as i32),
+            ],
+        )?;
+        self.launch(
+            "gdn_chunk_scan",
+            (s.hv as u32, (s.dv / 32) as u32, 1),
+            256,
+            &[
+                Arg::P(p.kn),
+                Arg::P(wt),
+                Arg::P(qt),
+                Arg::P(u),
+                Arg::P(mt),
+                Arg::P(g),
+                Arg::P(s.state),
+                Arg::P(s.out),
+                Arg::I(s.hk as i32),
+                Arg::I(s.hv as i32),
+                Arg::I(s.dk as i32),
+                Arg::I(s.dv as i32),
+                Arg::I(t as i32),
+            ],
+        )
+    }
+
+    /// The serial recurrence (gdn_prefill.cu's gdn_scan), state in registers.
+    fn gdn_scan(&self, p: &GdnPrefill) -> Result<()> {
+        let s = &p.step;
+        let t = p.t;
+        self.launch(
+            "gdn_scan",
+            (s.hv as u32, s.dv.div_ceil(32) as u32, 1),
+            128,
+            &[
+                Arg::P(p.qn),
+                Arg::P(p.kn),
+                Arg::P(p.kq),
+                Arg::P(s.y),
+                Arg::L(p.ldy as i64),
+                Arg::P(s.b),
+                Arg::P(s.a),
+                Arg::L(p.ldp as i64),
+                Arg::P(s.dt_bias),
+                Arg::P(s.neg_a),
+                Arg::P(s.state),
+                Arg::P(s.out),
+                Arg::I(s.hk as i32),
+                Arg::I(s.hv as i32),
+                Arg::I(s.dk as i32),
+                Arg::I(s.dv as i32),
+                Arg::I(t as i32),
+            ],
+        )
+    }
+
+    /// One token of the causal conv1d + SiLU over C channels with K taps.
+    pub fn conv_step(&self, x: u64, state: u64, w: u64, y: u64, c: usize, k: usize) -> Result<()> {
+        self.conv_step_rows(x, state, w, y, c, k, &GdnRows::one())
+    }
+
+    /// [`Gpu::conv_step`] for `r.rows` sequences at once: row i's input at `x + i·r.ldx`, output
+    /// at `y + i·r.ldy`, state `r.states[i]` (x stride: `r.ldp`, the projection row).
+    #[allow(clippy::too_many_arguments)]
+    pub fn conv_step_rows(&self, x: u64, state: u64, w: u64, y: u64, c: usize, k: usize, r: &GdnRows) -> Result<()> {
+        self.launch(
+            "conv_step",
+            (blocks(c, 256), r.rows as u32, 1),
+            256,
+            &[
+                Arg::P(x),
+                Arg::P(state),
+                Arg::P(w),
+                Arg::P(y),
+                Arg::I(c as i32),
+                Arg::I(k as i32),
+                Arg::P(r.states),
+                Arg::L(r.ldp as i64),
+                Arg::L(r.ldy as i64),
+            ],
+        )
+    }
+
+    /// One gated-delta-rule step for every value head, with the gated RMSNorm.
+    pub fn gdn_step(&self, p: &GdnStep) -> Result<()> {
+        self.gdn_step_rows(p, &GdnRows::one())
+    }
+
+    /// [`Gpu::gdn_step`] for `r.rows` sequences at once (see [`GdnRows`]).
+    pub fn gdn_step_rows(&self, p: &GdnStep, r: &GdnRows) -> Result<()> {
+        if !p.dv.is_multiple_of(32) || p.dv > 1024 || p.dk > 256 || !p.hv.is_multiple_of(p.hk) {
+            bail!("gdn_step: unsupported head dims (D_v {} D_k {})", p.dv, p.dk);
+        }
+        // The row-split kernel when D_v x ceil(D_k/32)*32 fits one block (Qwen3.6: 128 x 128);
+        // its batched form up to 512 threads.
+        let threads = p.dv * p.dk.div_ceil(32);
+        let batched = r.rows > 1 || r.states != 0;
+        let par = threads <= if batched { 512 } else { 1024 }
+            && std::env::var("LILY_CUDA_GDN_STEP").as_deref() != Ok("serial");
+        let mut a = vec![Arg::P(p.y), Arg::P(p.b), Arg::P(p.a), Arg::P(p.z), Arg::P(p.dt_bias), Arg::P(p.neg_a)];
+        a.push(Arg::P(p.norm));
+        if !(par && batched) {
+            a.push(Arg::P(p.state));
+        }
+        a.extend([Arg::P(p.out), Arg::I(p.hk as i32), Arg::I(p.hv as i32), Arg::I(p.dk as i32)]);
+        a.extend([Arg::I(p.dv as i32), Arg::F(p.eps)]);
+        if !par || batched {
+            a.extend([Arg::P(r.states), Arg::L(r.ldy as i64), Arg::L(r.ldp as i64), Arg::L(r.ldo as i64)]);
+        }
+        let (name, block) = match (par, batched) {
+            (true, false) => ("gdn_step_par", threads as u32),
+            (true, true) => ("gdn_step_par_rows", threads as u32),
+            (false, _) => ("gdn_step", p.dv as u32),
+        };
+        self.launch(name, (p.hv as u32, r.rows as u32, 1), block, &a)
+    }
+}
+
+/// Several sequences' GDN decode steps in one launch: row i reads its conv output at
+/// `y + i·ldy`, its projection (b, a, z; and the conv input) at `+ i·ldp`, writes `out + i·ldo`
+/// (f32 elements), and updates the state at `states[i]` (a device table of addresses; 0: the one
+/// state of the arguments).
+pub struct GdnRows {
+    pub rows: usize,
+    pub states: u64,
+    pub ldy: usize,
+    pub ldp: usize,
+    pub ldo: usize,
+}
+
+impl GdnRows {
+    pub fn one() -> GdnRows {
+        GdnRows { rows: 1, states: 0, ldy: 0, ldp: 0, ldo: 0 }
+    }
+}
+
+/// Arguments of [`Gpu::gdn_step`] (device addresses).
+pub struct GdnStep {
+    /// Conv output `[q | k | v]`.
+    pub y: u64,
+    pub b: u64,
+    pub a: u64,
+    pub z: u64,
+    pub dt_bias: u64,
+    pub neg_a: u64,
+    pub norm: u64,
+    /// `[H_v, D_k, D_v]` fp32, updated in place.
+    pub state: u64,
+    pub out: u64,
+    pub hk: usize,
+    pub hv: usize,
+    pub dk: usize,
+    pub dv: usize,
+    pub eps: f32,
+}
+
+/// Arguments of [`Gpu::gdn_prefill`]: the one-token arguments (with `y`, `z`, `b`, `a` now the
+/// first of `t` rows and `out` a `[t, H_v·D_v]` buffer) plus row strides and scratch.
+pub struct GdnPrefill {
+    pub step: GdnStep,
+    pub t: usize,
+    /// Row stride of the conv output y (f32 elements).
+    pub ldy: usize,
+    /// Row stride of the projections holding z, b, a.
+    pub ldp: usize,
+    /// Scratch: normalized q, k `[t, H_k, D_k]` and k·q `[t, H_k]`.
+    pub qn: u64,
+    pub kn: u64,
+    pub kq: u64,
+    /// Scratch of the chunked recurrence: [`gdn_chunk_floats`] f32 for these t and dims (unused
+    /// by the scan).
+    pub chunk: u64,
+}
+
+/// Which kernel runs the recurrence of [`Gpu::gdn_prefill`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum GdnPrefillKernel {
+    /// kernels/gdn_chunk.cu: chunks of 64 tokens in the WY/UT form (D_k <= 128; else the scan).
+    Chunked,
+    /// gdn_prefill.cu's gdn_scan: one token after another.
+    Scan,
+}
+
+/// `LILY_CUDA_GDN_PREFILL=scan` selects the serial scan; the chunked form otherwise. Read once.
+pub fn gdn_prefill_default() -> GdnPrefillKernel {
+    static D: std::sync::OnceLock<GdnPrefillKernel> = std::sync::OnceLock::new();
+    *D.get_or_init(|| match std::env::var("LILY_CUDA_GDN_PREFILL").as_deref() {
+        Ok("scan") => GdnPrefillKernel::Scan,
+        _ => GdnPrefillKernel::Chunked,
+    })
+}
+
+/// Tokens per chunk of kernels/gdn_chunk.cu.
+const GDN_CHUNK: usize = 64;
+
+/// f32 elements of [`GdnPrefill::chunk`] for up to `t` tokens: per value head, with t rounded up
+/// to a multiple of 64 (Tpad), Wt and Qt (Tpad·D_k each), U (Tpad·D_v), Mt (Tpad·64), G (Tpad).
+pub fn gdn_chunk_floats(t: usize, hv: usize, dk: usize, dv: usize) -> usize {
+    hv * t.div_ceil(GDN_CHUNK) * GDN_CHUNK * (2 * dk + dv + GDN_CHUNK + 1)
+}
+
+/// Device addresses of Wt, Qt, U, Mt, G inside the chunk scratch (each part a multiple of 256
+/// bytes long, so every part stays 16-byte aligned).
+fn gdn_chunk_parts(base: u64, t: usize, hv: usize, dk: usize, dv: usize) -> [u64; 5] {
+    let tp = (hv * t.div_ceil(GDN_CHUNK) * GDN_CHUNK) as u64;
+    let qt = base + 4 * tp * dk as u64;
+    let u = qt + 4 * tp * dk as u64;
+    let mt = u + 4 * tp * dv as u64;
+    let g = mt + 4 * tp * GDN_CHUNK as u64;
+    [base, qt, u, mt, g]
+}
