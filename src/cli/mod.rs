@@ -191,8 +191,7 @@ impl ModelArgs {
         use lily::engine::batch::{CpuBatch, SerialBatch};
         Ok(match lily::cuda::uploaded(&loaded.model) {
             Some(_) if std::env::var("LILY_CUDA_BATCH").as_deref() == Ok("serial") => {
-                let kv = loaded.model.state_bytes().1 / 4 * self.gpu_kv().bytes();
-                Box::new(SerialBatch::new((0..slots).map(|_| self.session(loaded)).collect(), kv)?)
+                Box::new(SerialBatch::new((0..slots).map(|_| self.session(loaded)).collect())?)
             }
             Some(m) => Box::new(lily::cuda::CudaBatch::new(m.clone(), slots, || self.cuda_session(m.clone()))?),
             None => Box::new(CpuBatch::new(loaded.model.clone(), slots)),

@@ -252,9 +252,6 @@ impl Gpu {
         accumulate: bool,
         norm: (u64, f32),
     ) -> Result<()> {
-        if norm.0 != 0 && (w.cols > GEMV_XMAX || !w.cols.is_multiple_of(4)) {
-            bail!("gemv_rows: {} columns with a norm (at most {GEMV_XMAX}, a multiple of 4)", w.cols);
-        }
         self.gemv_raw(w, x, xstride, y, slots, 0, accumulate, norm)
     }
 
@@ -271,9 +268,6 @@ impl Gpu {
         ids: u64,
         accumulate: bool,
     ) -> Result<()> {
-        if w.cols > GEMV_XMAX || !w.cols.is_multiple_of(4) {
-            bail!("gemv_norm: {} columns (at most {GEMV_XMAX}, a multiple of 4)", w.cols);
-        }
         self.gemv_raw(w, x, 0, y, slots, ids, accumulate, (normw, eps))
     }
 
@@ -289,6 +283,9 @@ impl Gpu {
         accumulate: bool,
         norm: (u64, f32),
     ) -> Result<()> {
+        if norm.0 != 0 && (w.cols > GEMV_XMAX || !w.cols.is_multiple_of(4)) {
+            bail!("gemv with a fused norm: {} columns (at most {GEMV_XMAX}, a multiple of 4)", w.cols);
+        }
         let (k, bpsm) = gemv_default();
         self.gemv_variant(k, bpsm, w, x, xstride, y, slots, ids, accumulate, norm)
     }

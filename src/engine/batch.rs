@@ -47,10 +47,6 @@ pub trait Batched: Send {
     /// Appends each item's tokens to its slot's sequence (a slot at most once per step) and
     /// returns, in order, what each item wants.
     fn step(&mut self, work: &[Work]) -> Result<Vec<Out>>;
-    /// Bytes of KV cache per cached token (all attention layers), for the page budget.
-    fn kv_bytes_per_token(&self) -> usize;
-    /// Whether the sequences of one step share the weight reads (a true batched forward).
-    fn shares_weights(&self) -> bool;
 }
 
 /// Refuses a step that names a slot twice or out of range, has an empty or out-of-vocabulary
@@ -155,12 +151,6 @@ impl Batched for CpuBatch {
         let v = c.vocab_size;
         Ok(work.iter().zip(logits.chunks_exact(v)).map(|(w, l)| answer(l.to_vec(), w.want, w.sampling)).collect())
     }
-    fn kv_bytes_per_token(&self) -> usize {
-        self.model.state_bytes().1
-    }
-    fn shares_weights(&self) -> bool {
-        true
-    }
 }
 
 /// One item of a step on its own session: the prompt chunk or token through the session's own
@@ -184,21 +174,19 @@ pub fn session_step(s: &mut dyn Session, w: &Work) -> Result<Out> {
 /// Any [`Session`] backend as slots, one session per slot, stepped one after another.
 pub struct SerialBatch {
     sessions: Vec<Box<dyn Session + Send>>,
-    kv_bytes_per_token: usize,
 }
 
 impl SerialBatch {
-    pub fn new(sessions: Vec<Box<dyn Session + Send>>, kv_bytes_per_token: usize) -> Result<SerialBatch> {
+    pub fn new(sessions: Vec<Box<dyn Session + Send>>) -> Result<SerialBatch> {
         if sessions.is_empty() {
             bail!("no sessions");
         }
-        Ok(SerialBatch { sessions, kv_bytes_per_token })
+        Ok(SerialBatch { sessions })
     }
     /// CPU sessions (for tests of the serial path).
     pub fn cpu(model: Arc<Model>, slots: usize) -> SerialBatch {
-        let kv = model.state_bytes().1;
         let sessions = (0..slots.max(1)).map(|_| Box::new(CpuSession::new(model.clone())) as Box<dyn Session + Send>);
-        SerialBatch { sessions: sessions.collect(), kv_bytes_per_token: kv }
+        SerialBatch { sessions: sessions.collect() }
     }
 }
 
@@ -228,11 +216,5 @@ impl Batched for SerialBatch {
         let (n, v, m) = (self.sessions.len(), self.vocab_size(), self.max_positions());
         check_work(work, n, v, m, |s| self.sessions[s].pos())?;
         work.iter().map(|w| session_step(self.sessions[w.slot].as_mut(), w)).collect()
-    }
-    fn kv_bytes_per_token(&self) -> usize {
-        self.kv_bytes_per_token
-    }
-    fn shares_weights(&self) -> bool {
-        false
     }
 }

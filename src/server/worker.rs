@@ -101,9 +101,9 @@ pub fn start(
 
 fn run(mut sched: Scheduler, rx: Receiver<Job>, tok: Arc<Tokenizer>, metrics: Arc<Metrics>) {
     let sink = |job: Job| Request {
-        prompt: job.prompt.clone(),
+        prompt: job.prompt,
         boundary: job.boundary,
-        opts: job.opts.clone(),
+        opts: job.opts,
         constraint: job.constraint,
         script: job.script,
         sink: Box::new(StreamSink {

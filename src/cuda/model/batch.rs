@@ -69,7 +69,6 @@ pub struct CudaBatch {
     tables_for: Option<Key>,
     graph: Option<(Key, Graph)>,
     prec: Precision,
-    kv_bytes_per_token: usize,
     /// Most rows whose lm_head runs as GEMV slots (`LILY_CUDA_LMHEAD_GEMV_ROWS`, default 4).
     lm_head_gemv_rows: usize,
 }
@@ -84,23 +83,9 @@ impl CudaBatch {
         let seqs: Vec<CudaSession> = (0..slots).map(|_| make()).collect();
         let driver = make();
         let prec = driver.prefill.unwrap_or(Precision::Bf16);
-        let kv = driver.kv_dtype();
-        let c = &model.cfg;
-        let n_attn = c.layer_kinds.iter().filter(|k| matches!(k, crate::config::LayerKind::Attention)).count();
-        let kv_bytes_per_token = n_attn * 2 * c.kv_dim() * kv.bytes();
         let lm_head_gemv_rows =
             std::env::var("LILY_CUDA_LMHEAD_GEMV_ROWS").ok().and_then(|v| v.parse().ok()).unwrap_or(4);
-        Ok(CudaBatch {
-            model,
-            seqs,
-            driver,
-            rows: None,
-            tables_for: None,
-            graph: None,
-            prec,
-            kv_bytes_per_token,
-            lm_head_gemv_rows,
-        })
+        Ok(CudaBatch { model, seqs, driver, rows: None, tables_for: None, graph: None, prec, lm_head_gemv_rows })
     }
 
     fn key(&self, slots: &[usize]) -> Key {
@@ -429,11 +414,5 @@ impl Batched for CudaBatch {
             }
         }
         Ok(outs.into_iter().map(|o| o.expect("every item answered")).collect())
-    }
-    fn kv_bytes_per_token(&self) -> usize {
-        self.kv_bytes_per_token
-    }
-    fn shares_weights(&self) -> bool {
-        true
     }
 }
