@@ -8,7 +8,8 @@
 #                             bundle, runs the GPU tests, then `lily bench --device cuda` on the
 #                             full-size synthetic Qwen3.6-35B-A3B and prints a short table last.
 #                             Logs go to $OUT (or .gpu/out) when set. Knobs: ONLY_TESTS, SKIP_TESTS,
-#                             BENCH_CONTEXTS, BENCH_BATCH (e.g. 1,4,16,64), BENCH_LONG, KV_AB, ...
+#                             BENCH_CONTEXTS, BENCH_BATCH (e.g. 1,4,16,64), BENCH_LONG, KV_AB,
+#                             AB_OLD (another build's lily binary: batch-1 A/B), ...
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -97,6 +98,17 @@ if [ -n "${KV_AB:-}" ]; then
   echo "== bench, fp32 KV cache (--kv-cache-dtype f32, --warmup 0)"
   timeout "${BENCH_TIMEOUT:-420}" .gpu/x/bin/lily bench --device cuda --model synthetic:qwen3.6-35b-a3b \
     --contexts "$KV_AB" --warmup 0 --kv-cache-dtype f32 2>&1 | tee "$OUTDIR/bench_kv_f32.txt" || status=1
+fi
+if [ -n "${AB_OLD:-}" ]; then
+  # Batch-1 A/B in one lease: another build's lily binary (AB_OLD) and this one, alternating.
+  echo "== A/B: $AB_OLD vs this build, alternating (--contexts ${AB_CONTEXTS:-256})"
+  for i in 1 2; do
+    for b in "$AB_OLD" .gpu/x/bin/lily; do
+      echo "-- $b"
+      timeout 200 "$b" bench --device cuda --model synthetic:qwen3.6-35b-a3b --contexts "${AB_CONTEXTS:-256}" 2>&1 \
+        | grep "^|" | tail -n 2 | tee -a "$OUTDIR/ab.txt" || status=1
+    done
+  done
 fi
 if [ -n "${ABLATE:-}" ]; then
   echo "== ablation: decode tok/s at context 256 with kernels left out (LILY_CUDA_SKIP; garbage results)"

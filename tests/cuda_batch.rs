@@ -11,7 +11,8 @@
 //! on bf16 tensor cores where the lone decode keeps fp32 activations; on these random weights a
 //! bf16 rounding can flip an expert choice, about 1e-2 of the range each (tests/cuda_model.rs),
 //! and the caches carry it into later steps, so the bound is 5e-2 (an indexing or layout error
-//! moves logits by the whole range); the distance is printed.
+//! moves logits by the whole range); the distance is printed. Each case runs twice: with the
+//! GEMV slots these few rows take by default, and with the many-row products of 8+ rows.
 
 mod common;
 use common::*;
@@ -50,7 +51,7 @@ fn rel(got: &[f32], want: &[f32]) -> f32 {
     max_abs_diff(got, want) / (hi - lo).max(1e-30)
 }
 
-fn check(dir: &str, exact: bool) {
+fn check(dir: &str, exact: bool, gemm_from: Option<usize>) {
     let model = Arc::new(lily::weights::load_model(&fixtures().join(dir)).unwrap());
     let gm = lily::cuda::upload_cached(&model).unwrap();
     let v = model.cfg.vocab_size;
@@ -70,6 +71,9 @@ fn check(dir: &str, exact: bool) {
         })
         .collect();
     let mut b = CudaBatch::new(gm.clone(), 4, || session(&gm, exact)).unwrap();
+    if let Some(r) = gemm_from {
+        b.set_gemm_from(r);
+    }
     let g = SamplingParams::default();
     let slot = [2usize, 0, 3];
     let mut got: Vec<usize> = vec![0; 3];
@@ -114,7 +118,7 @@ fn check(dir: &str, exact: bool) {
     }
     assert!(batched_steps >= 8, "{batched_steps} steps ran as one batched pass");
     assert_eq!(b.pos(slot[0]), prompts[0].len() + 7);
-    eprintln!("{dir} exact={exact}: worst batched-vs-alone |Δ|/range {worst:.2e} over {batched_steps} batched steps");
+    eprintln!("{dir} exact={exact} gemm_from={gemm_from:?}: worst batched-vs-alone |Δ|/range {worst:.2e} over {batched_steps} batched steps");
 }
 
 #[test]
@@ -123,8 +127,12 @@ fn cuda_batched_decode_equals_each_sequence_alone() {
         return;
     }
     for dir in ["tiny-mlx4", "tiny-hf", "tiny-mlx8-g32"] {
-        check(dir, true);
-        check(dir, false);
+        // The default switch (GEMV slots at these 2-3 rows), and many-row products from 2 rows
+        // (the skinny tensor-core kernel, experts grouped by expert), as at 8+ rows.
+        for gemm_from in [None, Some(2)] {
+            check(dir, true, gemm_from);
+            check(dir, false, gemm_from);
+        }
     }
 }
 

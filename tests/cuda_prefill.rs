@@ -21,7 +21,7 @@ use lily::cpu::attention::{attention, AttnDims};
 use lily::cpu::gdn::GdnDims;
 use lily::cpu::norm::{rms_norm, sigmoid};
 use lily::cpu::rope::Rope;
-use lily::cuda::{gdn_chunk_floats, GdnPrefill, GdnPrefillKernel, GdnStep, GpuLinear, Precision};
+use lily::cuda::{gdn_chunk_floats, GdnPrefill, GdnPrefillKernel, GdnStep, GemmKernel, GpuLinear, Precision};
 use lily::linear::{FloatType, Linear};
 use lily::safetensors::{bf16_to_f32, f32_to_bf16};
 
@@ -40,6 +40,16 @@ fn i32_bytes(v: &[i32]) -> Vec<u8> {
     v.iter().flat_map(|i| i.to_le_bytes()).collect()
 }
 
+/// The product kernels to check: fp32, the bf16 tiles and the bf16 skinny kernel at each pass
+/// width (when it reads the format).
+fn kernels(gl: &GpuLinear) -> Vec<(Precision, GemmKernel)> {
+    let mut v = vec![(Precision::F32, GemmKernel::Auto), (Precision::Bf16, GemmKernel::Tiles)];
+    if gl.skinny_ok() {
+        v.extend([8, 16, 32].map(|tn| (Precision::Bf16, GemmKernel::Skinny(tn))));
+    }
+    v
+}
+
 #[test]
 fn gemm_matches_cpu_in_both_precisions() {
     let Some(g) = gpu() else { return };
@@ -48,14 +58,19 @@ fn gemm_matches_cpu_in_both_precisions() {
     for (bits, group) in [(4u32, 32usize), (4, 64), (4, 128), (8, 64), (8, 32)] {
         cases.push((format!("q{bits} g{group} 133x{}", 3 * group), quant(&mut r, 133, 3 * group, bits, group)));
     }
+    // Widths that the skinny kernel reads (multiples of 64), with 1, 2 and 16 chunks per K quarter.
+    for (bits, group, rows, cols) in [(4u32, 32usize, 133usize, 256usize), (8, 32, 70, 128), (4, 64, 77, 4096)] {
+        cases.push((format!("q{bits} g{group} {rows}x{cols}"), quant(&mut r, rows, cols, bits, group)));
+    }
     cases.push(("q4 g64 45x2048".into(), quant(&mut r, 45, 2048, 4, 64)));
     for ty in [FloatType::F32, FloatType::F16, FloatType::BF16] {
         cases.push((format!("dense {ty:?} 29x96"), dense(&mut r, 29, 96, ty)));
     }
+    cases.push(("dense BF16 29x192".into(), dense(&mut r, 29, 192, FloatType::BF16)));
     for (name, l) in &cases {
         let gl = GpuLinear::upload(&g, l).unwrap();
         // 1100 rows take the 128-row-tile kernel (plain products of at least 1024 rows).
-        let ms: &[usize] = if l.cols <= 2048 && l.rows < 64 { &[1, 13, 130, 1100] } else { &[1, 13, 130] };
+        let ms: &[usize] = if l.cols <= 2048 && l.rows < 64 { &[1, 13, 40, 130, 1100] } else { &[1, 13, 40, 130] };
         for &m in ms {
             let x = uniform(&mut r, m * l.cols, 1.0);
             let mut want = vec![0f32; m * l.rows];
@@ -63,18 +78,18 @@ fn gemm_matches_cpu_in_both_precisions() {
             // Output rows of stride rows + 3: the 3 guard columns must stay NaN.
             let ldy = l.rows + 3;
             let xb = g.upload_f32(&x).unwrap();
-            for prec in [Precision::F32, Precision::Bf16] {
+            for (prec, kern) in kernels(&gl) {
                 let yb = g.upload_f32(&vec![f32::NAN; m * ldy]).unwrap();
-                g.gemm(&gl, prec, xb.ptr, l.cols, yb.ptr, ldy, m, false).unwrap();
+                g.gemm_with(kern, &gl, prec, xb.ptr, l.cols, yb.ptr, ldy, m, false).unwrap();
                 let y = yb.read_f32(0, m * ldy).unwrap();
                 let got: Vec<f32> = y.chunks(ldy).flat_map(|row| row[..l.rows].to_vec()).collect();
                 assert!(y.chunks(ldy).all(|row| row[l.rows..].iter().all(|v| v.is_nan())), "{name}: guard written");
-                check(&format!("gemm {prec:?} {name} M={m}"), &got, &want, tol(prec));
-                g.gemm(&gl, prec, xb.ptr, l.cols, yb.ptr, ldy, m, true).unwrap();
+                check(&format!("gemm {prec:?} {kern:?} {name} M={m}"), &got, &want, tol(prec));
+                g.gemm_with(kern, &gl, prec, xb.ptr, l.cols, yb.ptr, ldy, m, true).unwrap();
                 let y = yb.read_f32(0, m * ldy).unwrap();
                 let got: Vec<f32> = y.chunks(ldy).flat_map(|row| row[..l.rows].to_vec()).collect();
                 let twice: Vec<f32> = want.iter().map(|v| 2.0 * v).collect();
-                check(&format!("gemm {prec:?} accumulate {name} M={m}"), &got, &twice, tol(prec));
+                check(&format!("gemm {prec:?} {kern:?} accumulate {name} M={m}"), &got, &twice, tol(prec));
             }
         }
     }
@@ -136,7 +151,7 @@ fn grouped_experts_match_cpu() {
     assert_eq!(idb.read_i32(pairs).unwrap(), want_ids, "batched moe_topk ids");
     check("batched moe_topk weights", &wb.read_f32(0, pairs).unwrap(), &want_w, 1e-12);
 
-    for prec in [Precision::F32, Precision::Bf16] {
+    for (prec, kern) in kernels(&gu) {
         let bm = prec.bm();
         let max_tiles = pairs.div_ceil(bm) + e + 1;
         let (perm, inv, tiles) =
@@ -172,8 +187,8 @@ fn grouped_experts_match_cpu() {
         let egu = g.upload_f32(&vec![f32::NAN; pairs * 2 * inter]).unwrap();
         let eh = g.upload_f32(&vec![f32::NAN; pairs * inter]).unwrap();
         let ye = g.upload_f32(&vec![f32::NAN; pairs * h]).unwrap();
-        g.gemm_grouped(&gu, prec, 2 * inter, (xb.ptr, h, perm.ptr, k), (egu.ptr, 2 * inter), tiles.ptr, max_tiles)
-            .unwrap();
+        let tl = (tiles.ptr, max_tiles, pairs);
+        g.gemm_grouped_with(kern, &gu, prec, 2 * inter, (xb.ptr, h, perm.ptr, k), (egu.ptr, 2 * inter), tl).unwrap();
         // Row inv[i] of the gate/up output is pair i's [gate | up].
         let got = egu.read_f32(0, pairs * 2 * inter).unwrap();
         let mut want_gu = vec![0f32; pairs * 2 * inter];
@@ -183,13 +198,18 @@ fn grouped_experts_match_cpu() {
             gate_up[2 * ex].matvec(&x[tt * h..(tt + 1) * h], &mut want_gu[o..o + inter]);
             gate_up[2 * ex + 1].matvec(&x[tt * h..(tt + 1) * h], &mut want_gu[o + inter..o + 2 * inter]);
         }
-        check(&format!("grouped gate/up {prec:?}"), &got, &want_gu, tol(prec));
+        check(&format!("grouped gate/up {prec:?} {kern:?}"), &got, &want_gu, tol(prec));
         g.silu_mul_pairs(egu.ptr, eh.ptr, inter, pairs).unwrap();
-        g.gemm_grouped(&dn, prec, h, (eh.ptr, inter, 0, 1), (ye.ptr, h), tiles.ptr, max_tiles).unwrap();
+        g.gemm_grouped_with(kern, &dn, prec, h, (eh.ptr, inter, 0, 1), (ye.ptr, h), tl).unwrap();
         let xs = g.upload_f32(&x0).unwrap();
         let ysb = g.upload_f32(&ys).unwrap();
         g.moe_combine_rows(xs.ptr, ye.ptr, inv.ptr, wb.ptr, ysb.ptr, (lb.at(4 * e), e + 1), h, k, t).unwrap();
-        check(&format!("grouped experts + combine {prec:?}"), &xs.read_f32(0, t * h).unwrap(), &want_x, tol(prec));
+        check(
+            &format!("grouped experts + combine {prec:?} {kern:?}"),
+            &xs.read_f32(0, t * h).unwrap(),
+            &want_x,
+            tol(prec),
+        );
     }
 }
 

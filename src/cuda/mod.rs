@@ -16,7 +16,7 @@ mod ops;
 pub use model::{upload_cached, uploaded, CudaBatch, CudaModel, CudaSession};
 pub use ops::{
     gdn_chunk_floats, gdn_prefill_default, gemv_default, sampling_params_bytes, AttnDecode, AttnKernel, AttnPrep,
-    GdnPrefill, GdnPrefillKernel, GdnRows, GdnStep, GemvKernel, GpuLinear, KvDtype, Precision,
+    GdnPrefill, GdnPrefillKernel, GdnRows, GdnStep, GemmKernel, GemvKernel, GpuLinear, KvDtype, Precision,
 };
 
 /// A captured CUDA graph, ready to replay on [`Gpu::stream`].
@@ -40,11 +40,12 @@ use std::path::PathBuf;
 use std::sync::{Arc, OnceLock};
 
 /// Every kernel source, in compile order (the prelude first). One NVRTC program, one module.
-pub const SOURCES: [(&str, &str); 12] = [
+pub const SOURCES: [(&str, &str); 13] = [
     ("common.cuh", include_str!("kernels/common.cuh")),
     ("norm.cu", include_str!("kernels/norm.cu")),
     ("linear.cu", include_str!("kernels/linear.cu")),
     ("gemm.cu", include_str!("kernels/gemm.cu")),
+    ("gemm_skinny.cu", include_str!("kernels/gemm_skinny.cu")),
     ("gdn.cu", include_str!("kernels/gdn.cu")),
     ("gdn_prefill.cu", include_str!("kernels/gdn_prefill.cu")),
     ("gdn_chunk.cu", include_str!("kernels/gdn_chunk.cu")),
@@ -56,7 +57,7 @@ pub const SOURCES: [(&str, &str); 12] = [
 ];
 
 /// Kernel entry points loaded from the module.
-pub const KERNELS: [&str; 49] = [
+pub const KERNELS: [&str; 52] = [
     "rms_norm",
     "silu_mul",
     "silu_mul_pairs",
@@ -70,6 +71,9 @@ pub const KERNELS: [&str; 49] = [
     "gemm_f32",
     "gemm_bf16",
     "gemm_bf16_m128",
+    "gemm_skinny8",
+    "gemm_skinny16",
+    "gemm_skinny32",
     "embed_row",
     "conv_step",
     "gdn_step",
@@ -238,6 +242,9 @@ pub struct Gpu {
     pub total_mem: usize,
     /// Streaming multiprocessors (grid sizes of the persistent kernels).
     pub sms: u32,
+    /// Dynamic shared memory a block may opt in to (bytes; set on the kernels that use more
+    /// than 48 KB).
+    pub smem_optin: usize,
     /// Programmatic dependent launch for [`PDL_KERNELS`]: on devices that have it (compute
     /// capability 9.0+) unless `LILY_CUDA_PDL=0`.
     pub pdl: bool,
@@ -255,7 +262,7 @@ unsafe impl Sync for Gpu {}
 /// Kernels that call `pdl_wait()` before touching activations (kernels/common.cuh) and so may be
 /// launched as programmatic dependents: their launch and weight reads overlap the previous
 /// kernel's tail.
-pub const PDL_KERNELS: [&str; 31] = [
+pub const PDL_KERNELS: [&str; 34] = [
     "sample_io",
     "attn_prep",
     "attn_decode",
@@ -283,6 +290,9 @@ pub const PDL_KERNELS: [&str; 31] = [
     "linear_gemv",
     "gemv_q2",
     "gemv_q2_routed",
+    "gemm_skinny8",
+    "gemm_skinny16",
+    "gemm_skinny32",
     "rms_norm",
     "silu_mul",
     "silu_mul_pairs",
@@ -407,9 +417,26 @@ impl Gpu {
                 .map_err(|e| anyhow!("kernel {k} missing from the module: {e:?}"))?;
             funcs.insert(k, f);
         }
+        let optin = ctx
+            .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
+            .unwrap_or(48 * 1024)
+            .max(48 * 1024) as usize;
+        let smem_optin = optin.min(160 * 1024);
+        for k in ["gemm_skinny8", "gemm_skinny16", "gemm_skinny32"] {
+            // SAFETY: a valid function handle and attribute; the value is within the device limit.
+            unsafe {
+                sys::cuFuncSetAttribute(
+                    funcs[k],
+                    sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                    smem_optin as i32,
+                )
+            }
+            .result()
+            .map_err(|e| anyhow!("shared memory opt-in for {k}: {e:?}"))?;
+        }
         let stream = drv::stream::create(drv::stream::StreamKind::Default).map_err(|e| anyhow!("{e:?}"))?;
         let pdl = maj >= 9 && std::env::var("LILY_CUDA_PDL").map_or(true, |v| v != "0");
-        Ok(Gpu { ctx, name, arch, total_mem, sms, pdl, funcs, stream })
+        Ok(Gpu { ctx, name, arch, total_mem, sms, smem_optin, pdl, funcs, stream })
     }
 
     /// Makes the context current on this thread (sessions may move between threads).
@@ -422,7 +449,8 @@ impl Gpu {
         self.launch_shared(name, grid, block, 0, args)
     }
 
-    /// [`Gpu::launch`] with `shared` bytes of dynamic shared memory (at most 48 KB).
+    /// [`Gpu::launch`] with `shared` bytes of dynamic shared memory (at most 48 KB, or
+    /// [`Gpu::smem_optin`] for the kernels opted in at load).
     pub fn launch_shared(
         &self,
         name: &str,

@@ -135,6 +135,17 @@ impl GpuLinear {
             && self.count * self.rows * self.cols * (self.bits as usize) / 128 < (1 << 31)
     }
 
+    /// Whether gemm_skinny reads this format: 4/8-bit codes in groups of a multiple of 16
+    /// columns, or dense bf16; width a multiple of 64.
+    pub fn skinny_ok(&self) -> bool {
+        let fmt = match self.bits {
+            4 | 8 => self.group >= 16 && self.group % 16 == 0,
+            0 => self.ty == 2,
+            _ => false,
+        };
+        fmt && self.cols.is_multiple_of(64)
+    }
+
     fn wargs(&self) -> [Arg; 6] {
         [
             Arg::P(self.w.ptr),
@@ -480,13 +491,32 @@ impl Gpu {
         m: usize,
         accumulate: bool,
     ) -> Result<()> {
+        self.gemm_with(GemmKernel::Auto, w, prec, x, ldx, y, ldy, m, accumulate)
+    }
+
+    /// [`Gpu::gemm`] with the bf16 kernel chosen by the caller (tests, benchmarks).
+    #[allow(clippy::too_many_arguments)]
+    pub fn gemm_with(
+        &self,
+        kern: GemmKernel,
+        w: &GpuLinear,
+        prec: Precision,
+        x: u64,
+        ldx: usize,
+        y: u64,
+        ldy: usize,
+        m: usize,
+        accumulate: bool,
+    ) -> Result<()> {
         let tiles = m.div_ceil(prec.bm());
-        self.gemm_raw(w, prec, w.rows, (x, ldx, 0, 1), (y, ldy), m, (0, tiles), accumulate)
+        let kern = kern.pick(w, m, m, 1);
+        self.gemm_raw(w, prec, kern, w.rows, (x, ldx, 0, 1), (y, ldy), m, (0, tiles), accumulate)
     }
 
     /// The routed-expert product: rows grouped by expert through `tiles` (from [`Gpu::moe_align`],
-    /// built for `prec.bm()`, at most `max_tiles`); row m reads x row `gather[m] / gdiv` (or m
-    /// when gather is 0) and uses matrix e of the stack seen as matrices of `n` rows.
+    /// built for `prec.bm()`, at most `max_tiles`) over `pairs` rows in all; row m reads x row
+    /// `gather[m] / gdiv` (or m when gather is 0) and uses matrix e of the stack seen as matrices
+    /// of `n` rows.
     #[allow(clippy::too_many_arguments)]
     pub fn gemm_grouped(
         &self,
@@ -495,13 +525,28 @@ impl Gpu {
         n: usize,
         x: (u64, usize, u64, usize),
         y: (u64, usize),
-        tiles: u64,
-        max_tiles: usize,
+        (tiles, max_tiles, pairs): (u64, usize, usize),
+    ) -> Result<()> {
+        self.gemm_grouped_with(GemmKernel::Auto, w, prec, n, x, y, (tiles, max_tiles, pairs))
+    }
+
+    /// [`Gpu::gemm_grouped`] with the bf16 kernel chosen by the caller.
+    #[allow(clippy::too_many_arguments)]
+    pub fn gemm_grouped_with(
+        &self,
+        kern: GemmKernel,
+        w: &GpuLinear,
+        prec: Precision,
+        n: usize,
+        x: (u64, usize, u64, usize),
+        y: (u64, usize),
+        (tiles, max_tiles, pairs): (u64, usize, usize),
     ) -> Result<()> {
         if !(w.rows * w.count).is_multiple_of(n) {
             bail!("gemm_grouped: {n} rows per matrix do not divide the stack");
         }
-        self.gemm_raw(w, prec, n, x, y, 0, (tiles, max_tiles), false)
+        let kern = kern.pick(w, pairs, 64, (w.rows * w.count / n).max(1));
+        self.gemm_raw(w, prec, kern, n, x, y, 0, (tiles, max_tiles), false)
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -509,6 +554,7 @@ impl Gpu {
         &self,
         w: &GpuLinear,
         prec: Precision,
+        kern: GemmKernel,
         n: usize,
         (x, ldx, gather, gdiv): (u64, usize, u64, usize),
         (y, ldy): (u64, usize),
@@ -539,12 +585,25 @@ impl Gpu {
             Arg::P(tiles),
             Arg::I(accumulate as i32),
         ]);
-        match prec {
-            Precision::F32 => self.launch("gemm_f32", (blocks(n, 8), ntiles as u32, 1), 256, &a),
-            Precision::Bf16 if tiles == 0 && m >= 1024 => {
+        match (prec, kern) {
+            (Precision::F32, _) => self.launch("gemm_f32", (blocks(n, 8), ntiles as u32, 1), 256, &a),
+            (Precision::Bf16, GemmKernel::Skinny(tn)) => {
+                if !w.skinny_ok() {
+                    bail!("gemm_skinny: {}-bit weights of width {} (group {}) unsupported", w.bits, w.cols, w.group);
+                }
+                let tn = skinny_tn(tn, w.cols, self.smem_optin);
+                let name = match tn {
+                    8 => "gemm_skinny8",
+                    16 => "gemm_skinny16",
+                    _ => "gemm_skinny32",
+                };
+                let grid = (blocks(n, 64), ntiles as u32, 1);
+                self.launch_shared(name, grid, 256, skinny_smem(tn, w.cols) as u32, &a)
+            }
+            (Precision::Bf16, _) if tiles == 0 && m >= 1024 => {
                 self.launch("gemm_bf16_m128", (blocks(n, 128), m.div_ceil(128) as u32, 1), 256, &a)
             }
-            Precision::Bf16 => self.launch("gemm_bf16", (blocks(n, 128), ntiles as u32, 1), 256, &a),
+            (Precision::Bf16, _) => self.launch("gemm_bf16", (blocks(n, 128), ntiles as u32, 1), 256, &a),
         }
     }
 
@@ -737,6 +796,72 @@ pub fn sampling_params_bytes(p: &crate::sampling::SamplingParams, seed: u64) -> 
 }
 
 /// Which arithmetic the many-row products use.
+/// Which bf16 kernel runs a many-row product.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum GemmKernel {
+    /// By shape: [`GemmKernel::Skinny`] for few rows per matrix, else [`GemmKernel::Tiles`].
+    Auto,
+    /// gemm_bf16: 64- or 128-row tiles of inputs against 128 weight rows.
+    Tiles,
+    /// gemm_skinny: weight rows on the MMA's M side, up to this many input rows (8, 16 or 32)
+    /// per pass; each weight read once per pass.
+    Skinny(usize),
+}
+
+/// Most rows of a plain product that go to the skinny kernel (`LILY_CUDA_SKINNY_MAX_M`).
+fn skinny_max_m() -> usize {
+    static V: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *V.get_or_init(|| std::env::var("LILY_CUDA_SKINNY_MAX_M").ok().and_then(|v| v.parse().ok()).unwrap_or(64))
+}
+
+/// Most input rows per matrix, on average, for which grouped products go to the skinny kernel
+/// (`LILY_CUDA_SKINNY_MAX_AVG`).
+fn skinny_max_avg() -> usize {
+    static V: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *V.get_or_init(|| std::env::var("LILY_CUDA_SKINNY_MAX_AVG").ok().and_then(|v| v.parse().ok()).unwrap_or(24))
+}
+
+impl GemmKernel {
+    /// The kernel for `rows` input rows over `mats` matrices (at most `per_tile` in one tile).
+    fn pick(self, w: &GpuLinear, rows: usize, per_tile: usize, mats: usize) -> GemmKernel {
+        match self {
+            GemmKernel::Auto => {
+                let avg = rows.div_ceil(mats.max(1)).min(per_tile);
+                let small = if mats > 1 { avg <= skinny_max_avg() } else { rows <= skinny_max_m() };
+                if small && w.skinny_ok() {
+                    GemmKernel::Skinny(if avg <= 6 {
+                        8
+                    } else if avg <= 16 {
+                        16
+                    } else {
+                        32
+                    })
+                } else {
+                    GemmKernel::Tiles
+                }
+            }
+            k => k,
+        }
+    }
+}
+
+/// Dynamic shared memory of gemm_skinny for `tn` rows per pass and width `k`.
+fn skinny_smem(tn: usize, k: usize) -> usize {
+    (tn * k * 2).max(4 * 64 * (tn + 1) * 4)
+}
+
+/// `tn` (8, 16 or 32) lowered until its shared memory fits `optin` bytes (and at most
+/// `LILY_CUDA_SKINNY_TN`).
+fn skinny_tn(tn: usize, k: usize, optin: usize) -> usize {
+    static CAP: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    let cap = *CAP.get_or_init(|| std::env::var("LILY_CUDA_SKINNY_TN").ok().and_then(|v| v.parse().ok()).unwrap_or(32));
+    let mut tn = tn.clamp(8, 32).min(cap.max(8)).next_power_of_two();
+    while tn > 8 && skinny_smem(tn, k) > optin {
+        tn /= 2;
+    }
+    tn
+}
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Precision {
     /// fp32 FMAs (exact mode: tests against the fp32 references).

@@ -25,7 +25,7 @@
 
 use super::{attn_prep_args, gdn_step_args, CudaModel, CudaSession, GFfn, GLayer, GMixer, GState, Proj};
 use crate::cuda::ops::{AttnDecode, AttnRows, GdnRows, Precision};
-use crate::cuda::{DevBuf, Graph};
+use crate::cuda::{DevBuf, GpuLinear, Graph};
 use crate::engine::batch::{Batched, Out, Work};
 use crate::engine::picker::Want;
 use crate::generate::{Session, Snapshot};
@@ -71,6 +71,10 @@ pub struct CudaBatch {
     prec: Precision,
     /// Most rows whose lm_head runs as GEMV slots (`LILY_CUDA_LMHEAD_GEMV_ROWS`, default 4).
     lm_head_gemv_rows: usize,
+    /// From this many rows the projections and experts run as many-row products (the skinny
+    /// tensor-core kernel, experts grouped by expert) instead of GEMV slots
+    /// (`LILY_CUDA_BATCH_GEMM_FROM`).
+    gemm_from: usize,
 }
 
 impl CudaBatch {
@@ -85,7 +89,24 @@ impl CudaBatch {
         let prec = driver.prefill.unwrap_or(Precision::Bf16);
         let lm_head_gemv_rows =
             std::env::var("LILY_CUDA_LMHEAD_GEMV_ROWS").ok().and_then(|v| v.parse().ok()).unwrap_or(4);
-        Ok(CudaBatch { model, seqs, driver, rows: None, tables_for: None, graph: None, prec, lm_head_gemv_rows })
+        let gemm_from = std::env::var("LILY_CUDA_BATCH_GEMM_FROM").ok().and_then(|v| v.parse().ok()).unwrap_or(8);
+        Ok(CudaBatch {
+            model,
+            seqs,
+            driver,
+            rows: None,
+            tables_for: None,
+            graph: None,
+            prec,
+            lm_head_gemv_rows,
+            gemm_from,
+        })
+    }
+
+    /// Sets the row count from which the pass uses many-row products (drops the captured graph).
+    pub fn set_gemm_from(&mut self, rows: usize) {
+        self.gemm_from = rows.max(2);
+        self.graph = None;
     }
 
     fn key(&self, slots: &[usize]) -> Key {
@@ -161,12 +182,22 @@ impl CudaBatch {
     fn proj_rows(&self, proj: &Proj, x: u64, norm: (u64, f32), out: u64, ldo: usize, b: usize) -> Result<()> {
         let (g, h) = (&self.model.gpu, self.model.cfg.hidden_size);
         match &proj.fused {
-            Some(f) => g.gemv_rows(f, x, h, out, b, false, norm),
-            None => {
+            Some(f) if b < self.gemm_from => g.gemv_rows(f, x, h, out, b, false, norm),
+            _ => {
                 let p = self.driver.pre.as_ref().context("batch scratch")?;
                 g.rms_norm(x, norm.0, p.xn.ptr, b, h, norm.1)?;
                 proj.run_rows(g, self.prec, p.xn.ptr, h, out, ldo, b)
             }
+        }
+    }
+
+    /// `x += W · o` for `b` rows (an out-projection and its residual).
+    fn out_rows(&self, w: &GpuLinear, o: u64, k: usize, x: u64, b: usize) -> Result<()> {
+        let g = &self.model.gpu;
+        if b < self.gemm_from {
+            g.gemv_rows(w, o, k, x, b, true, (0, 0.0))
+        } else {
+            g.gemm(w, self.prec, o, k, x, self.model.cfg.hidden_size, b, true)
         }
     }
 
@@ -198,7 +229,7 @@ impl CudaBatch {
                     g.conv_step_rows(p.proj.ptr, 0, conv.ptr, p.conv.ptr, cd, c.linear_conv_kernel_dim, &conv_rows)?;
                     let step = gdn_step_args(c, p.proj.ptr, p.conv.ptr, [dt_bias, neg_a, norm], rec, p.o.ptr);
                     g.gdn_step_rows(&step, &GdnRows { rows: b, states: table(1), ldy: cd, ldp, ldo: vd })?;
-                    g.gemv_rows(out, p.o.ptr, vd, p.x.ptr, b, true, (0, 0.0))?;
+                    self.out_rows(out, p.o.ptr, vd, p.x.ptr, b)?;
                 }
                 GMixer::Attn { proj, o, q_norm, k_norm } => {
                     let (nh, hkv, hd) = (c.num_attention_heads, c.num_key_value_heads, c.head_dim);
@@ -245,7 +276,7 @@ impl CudaBatch {
                             g.attn_decode(&decode(q, i, kc, vc), q.attn[q.long_attn(q.pos) as usize].0)?;
                         }
                     }
-                    g.gemv_rows(o, p.o.ptr, od, p.x.ptr, b, true, (0, 0.0))?;
+                    self.out_rows(o, p.o.ptr, od, p.x.ptr, b)?;
                 }
             }
             self.ffn(layer, b)?;
@@ -272,6 +303,9 @@ impl CudaBatch {
         let p = self.driver.pre.as_ref().context("batch scratch")?;
         let ids2 = self.rows.as_ref().context("batch rows")?.ids2.ptr;
         let post = (layer.post_norm.ptr, eps);
+        if b >= self.gemm_from {
+            return super::prefill::ffn_rows(m, layer, p, b, self.prec);
+        }
         match &layer.ffn {
             GFfn::Moe { router, experts, shared } => {
                 let (e, k) = (c.num_experts, c.num_experts_per_tok);

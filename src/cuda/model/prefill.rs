@@ -254,11 +254,10 @@ pub(super) fn ffn_rows(m: &CudaModel, layer: &GLayer, p: &PScratch, t: usize, pr
                 2 * inter,
                 (p.xn.ptr, h, p.perm.ptr, k),
                 (p.egu.ptr, 2 * inter),
-                p.tiles.ptr,
-                nt,
+                (p.tiles.ptr, nt, pairs),
             )?;
             g.silu_mul_pairs(p.egu.ptr, p.eh.ptr, inter, pairs)?;
-            g.gemm_grouped(&experts.down, prec, h, (p.eh.ptr, inter, 0, 1), (p.ye.ptr, h), p.tiles.ptr, nt)?;
+            g.gemm_grouped(&experts.down, prec, h, (p.eh.ptr, inter, 0, 1), (p.ye.ptr, h), (p.tiles.ptr, nt, pairs))?;
             shared.gate_up.run_rows(g, prec, p.xn.ptr, h, p.sgu.ptr, 2 * shared.inter, t)?;
             g.silu_mul_pairs(p.sgu.ptr, p.sh.ptr, shared.inter, t)?;
             g.gemm(&shared.down, prec, p.sh.ptr, shared.inter, p.ys.ptr, h, t, false)?;

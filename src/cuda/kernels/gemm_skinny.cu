@@ -1,0 +1,266 @@
+/*
+ * gemm_skinny.cu: weight products for few rows per matrix (the batched decode step's projections
+ * and experts, the routed experts of short prompts), with the weights on the tensor cores' M side
+ * and the rows ("tokens") on the N side, so each weight is read from HBM and dequantized once per
+ * block whatever the number of tokens, and the multiply-adds run as mma.
+ *
+ *   Y[m, n] (+)= sum_k X[xr(m), k] * W[e*N + n, k]
+ *
+ * Same contract and row map as gemm.cu (plain: tiles == 0, 64-row tiles of m; grouped: the
+ * moe_align tile list, xr(m) = gather[m] / gdiv). A tile's m rows run in sub-tiles of TN = 8·NT
+ * tokens (the kernel's template width), each over all K.
+ *
+ * Weights: MLX affine 4-bit or 8-bit (W = s*q + b per group of `group` columns, group a multiple
+ * of 16), or dense bf16 (ty 2). Requires K % 64 == 0, X rows 16-byte aligned.
+ *
+ * Math: mma.sync.m16n8k16 bf16 x bf16 -> fp32. Sixteen weight rows are the A tile (m16), eight
+ * tokens the B tile (n8). The k order inside each 64-column chunk is permuted identically for A
+ * and B (a dot product does not care), so that thread (g = lane/4, t = lane%4) owns physical
+ * columns 16t .. 16t+15 of its rows g and g+8 (one 8-byte load of 4-bit codes per row) and, in k
+ * step s (0..3), its fragment slots {2t, 2t+1} hold columns 16t + 8(s>>1) + 2(s&1) + {0, 4} and
+ * slots {2t+8, 2t+9} the same + 1. The 4-bit codes of such a pair sit at nibbles a and a+4 of one
+ * word, so (w >> 4a) & 0x000F000F | 0x43004300 is the bf16 pair (128+q_a, 128+q_{a+4}); one
+ * bf16x2 FMA removes the 128 (exact) and one more gives bf16(s*q + b) with a single rounding.
+ * 8-bit codes go through fp32 (exact) and one cvt.rn.bf16x2; bf16 weights are paired by PRMT.
+ *
+ * X staging: the sub-tile's TN x K inputs, rounded to bf16, in shared memory in fragment order:
+ * uint4 slot ((c*NT + j)*2 + h)*32 + (4*(n%8) + t) holds, for token n = 8j + n%8 and columns
+ * k0 = 64c + 16t + 8h, the pairs (x[k0+e], x[k0+e+4]) for e = 0..3: one conflict-free 16-byte
+ * shared load per thread, token tile and half chunk.
+ *
+ * Launch: block 256 threads = 8 warps as 2 row halves (32 rows: two m16 tiles) x 4 K quarters
+ * (contiguous ranges of 64-column chunks); block tile 64 weight rows. Each warp keeps D chunks
+ * of weight codes and scales in flight in registers (a ring refilled as each chunk is used; D = 3
+ * for 4-bit codes, 2 for 8-bit, 1 for bf16). NT = 4 runs one block of
+ * 255 registers per SM (its 128 KB of staged inputs at K = 2048 allow no more). The
+ * four K-quarter partials are added in a fixed order through shared memory (deterministic).
+ * grid (ceil(N/64), tiles). Dynamic shared memory max(TN*K*2, 4*64*(TN+1)*4) bytes.
+ */
+#define SK_BN 64
+
+__device__ __forceinline__ u32 bf16x2_f32(float lo, float hi) {
+    u32 d;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
+    return d;
+}
+__device__ __forceinline__ u32 fma_bf16x2(u32 a, u32 b, u32 c) {
+    u32 d;
+    asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+    return d;
+}
+__device__ __forceinline__ u32 prmt(u32 a, u32 b, u32 sel) {
+    u32 d;
+    asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(sel));
+    return d;
+}
+__device__ __forceinline__ void mma_bf16(float* c, const u32* a, u32 b0, u32 b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+/* Code words per row and chunk of one thread (16 columns), and the ring depth. */
+template <int BITS, int NT>
+struct SkFmt {
+    static constexpr int QW = BITS == 4 ? 2 : BITS == 8 ? 4 : 8;
+    static constexpr int D = BITS == 4 ? 3 : BITS == 8 ? 2 : 1;
+};
+
+/* The bf16 pair of weights (columns base+r, base+r+4) of one row for k step s, r in {0, 1}. */
+template <int BITS>
+__device__ __forceinline__ u32 sk_pair(const u32* q, int s, int r, u32 sp, u32 bp, float sf, float bf) {
+    if (BITS == 4) {
+        u32 w = q[s >> 1];
+        int a = 2 * (s & 1) + r;
+        u32 code = ((w >> (4 * a)) & 0x000F000Fu) | 0x43004300u;
+        u32 qv = fma_bf16x2(code, 0x3F803F80u, 0xC300C300u); /* code*1 - 128 = q, exact */
+        return fma_bf16x2(qv, sp, bp);
+    } else if (BITS == 8) {
+        int b = 2 * (s & 1) + r;
+        u32 w0 = q[2 * (s >> 1)], w1 = q[2 * (s >> 1) + 1];
+        float q0 = __uint_as_float(prmt(w0, 0x4B000000u, 0x7440u + b)) - 8388608.f;
+        float q1 = __uint_as_float(prmt(w1, 0x4B000000u, 0x7440u + b)) - 8388608.f;
+        return bf16x2_f32(fmaf(sf, q0, bf), fmaf(sf, q1, bf));
+    } else {
+        int wi = 4 * (s >> 1) + (s & 1);
+        return prmt(q[wi], q[wi + 2], r ? 0x7632u : 0x5410u);
+    }
+}
+
+template <int NT, int BITS>
+__device__ __forceinline__ void gemm_skinny_body(const void* w, const void* sc, const void* bi, int group, int ty,
+                                                 const float* x, long long ldx, const int* gather, int gdiv,
+                                                 float* y, long long ldy, int M, int N, int K, const int* tiles,
+                                                 int accumulate, uint4* xs) {
+    constexpr int TN = 8 * NT, QW = SkFmt<BITS, NT>::QW, D = SkFmt<BITS, NT>::D;
+    GemmTile tl;
+    if (!gemm_tile(tiles, M, 64, tl)) return;
+    int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
+    int rh = warp & 1, ks = warp >> 1;
+    int n0 = blockIdx.x * SK_BN;
+    int nch = K >> 6, c_beg = (ks * nch) >> 2, c_end = ((ks + 1) * nch) >> 2;
+    int words = BITS == 4 ? K / 8 : BITS == 8 ? K / 4 : K / 2;
+
+    /* this thread's 4 weight rows: [mi][h] = n0 + 32 rh + 16 mi + g + 8 h (clamped into the matrix) */
+    int wrow[2][2];
+#pragma unroll
+    for (int mi = 0; mi < 2; mi++)
+#pragma unroll
+        for (int h = 0; h < 2; h++) wrow[mi][h] = tl.e * N + min(n0 + 32 * rh + 16 * mi + g + 8 * h, N - 1);
+
+    u32 qr[D][2][2][QW];
+    float sr[D][2][2], br[D][2][2];
+    auto load = [&](int slot, int c) {
+        int col = 64 * c + 16 * t;
+#pragma unroll
+        for (int mi = 0; mi < 2; mi++)
+#pragma unroll
+            for (int h = 0; h < 2; h++) {
+                const u32* p = (const u32*)w + (long long)wrow[mi][h] * words + col * QW / 16;
+                if (QW == 2) {
+                    uint2 v = *(const uint2*)p;
+                    qr[slot][mi][h][0] = v.x;
+                    qr[slot][mi][h][QW > 1 ? 1 : 0] = v.y;
+                } else {
+#pragma unroll
+                    for (int u = 0; u < QW / 4; u++) {
+                        uint4 v = ((const uint4*)p)[u];
+                        qr[slot][mi][h][4 * u] = v.x;
+                        qr[slot][mi][h][4 * u + 1] = v.y;
+                        qr[slot][mi][h][4 * u + 2] = v.z;
+                        qr[slot][mi][h][4 * u + 3] = v.w;
+                    }
+                }
+                if (BITS) {
+                    long long gi = (long long)wrow[mi][h] * (K / group) + col / group;
+                    sr[slot][mi][h] = load_elem(sc, gi, ty);
+                    br[slot][mi][h] = load_elem(bi, gi, ty);
+                }
+            }
+    };
+
+    for (int mb = tl.m0; mb < tl.m1; mb += TN) {
+        int ntok = min(TN, tl.m1 - mb);
+        /* stage the sub-tile's inputs (the previous sub-tile's reduction is done with xs) */
+        __syncthreads();
+        int kb8 = K >> 3;
+        for (int u = tid; u < TN * kb8; u += blockDim.x) {
+            int n = u / kb8, k0 = 8 * (u - n * kb8);
+            float4 a = make_float4(0.f, 0.f, 0.f, 0.f), b = a;
+            if (n < ntok) {
+                const float* xp = x + gemm_xrow(gather, gdiv, mb + n) * ldx + k0;
+                a = ((const float4*)xp)[0];
+                b = ((const float4*)xp)[1];
+            }
+            int c = k0 >> 6, tt = (k0 >> 4) & 3, hh = (k0 >> 3) & 1, j = n >> 3, gg = n & 7;
+            xs[((c * NT + j) * 2 + hh) * 32 + 4 * gg + tt] =
+                make_uint4(bf16x2_f32(a.x, b.x), bf16x2_f32(a.y, b.y), bf16x2_f32(a.z, b.z), bf16x2_f32(a.w, b.w));
+        }
+        __syncthreads();
+
+        float acc[2][NT][4];
+#pragma unroll
+        for (int mi = 0; mi < 2; mi++)
+#pragma unroll
+            for (int j = 0; j < NT; j++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) acc[mi][j][e] = 0.f;
+
+#pragma unroll
+        for (int i = 0; i < D; i++)
+            if (c_beg + i < c_end) load(i, c_beg + i);
+        for (int cb = c_beg; cb < c_end; cb += D) {
+#pragma unroll
+            for (int i = 0; i < D; i++) {
+                int c = cb + i;
+                if (c < c_end) {
+                    u32 sp[2][2] = {{0, 0}, {0, 0}}, bp[2][2] = {{0, 0}, {0, 0}};
+                    if (BITS == 4) {
+#pragma unroll
+                        for (int mi = 0; mi < 2; mi++)
+#pragma unroll
+                            for (int h = 0; h < 2; h++) {
+                                sp[mi][h] = bf16x2_f32(sr[i][mi][h], sr[i][mi][h]);
+                                bp[mi][h] = bf16x2_f32(br[i][mi][h], br[i][mi][h]);
+                            }
+                    }
+#pragma unroll
+                    for (int hh = 0; hh < 2; hh++) {
+                        uint4 xv[NT];
+#pragma unroll
+                        for (int j = 0; j < NT; j++) xv[j] = xs[((c * NT + j) * 2 + hh) * 32 + lane];
+#pragma unroll
+                        for (int s1 = 0; s1 < 2; s1++) {
+                            int s = 2 * hh + s1;
+                            u32 af[2][4];
+#pragma unroll
+                            for (int mi = 0; mi < 2; mi++)
+#pragma unroll
+                                for (int h = 0; h < 2; h++)
+#pragma unroll
+                                    for (int r = 0; r < 2; r++)
+                                        af[mi][h + 2 * r] = sk_pair<BITS>(qr[i][mi][h], s, r, sp[mi][h], bp[mi][h],
+                                                                          sr[i][mi][h], br[i][mi][h]);
+#pragma unroll
+                            for (int j = 0; j < NT; j++) {
+                                u32 b0 = s1 ? xv[j].z : xv[j].x, b1 = s1 ? xv[j].w : xv[j].y;
+#pragma unroll
+                                for (int mi = 0; mi < 2; mi++) mma_bf16(acc[mi][j], af[mi], b0, b1);
+                            }
+                        }
+                    }
+                    if (c + D < c_end) load(i, c + D);
+                }
+            }
+        }
+
+        /* the four K quarters, added in order */
+        __syncthreads();
+        float* red = (float*)xs;
+        constexpr int RS = TN + 1;
+#pragma unroll
+        for (int mi = 0; mi < 2; mi++)
+#pragma unroll
+            for (int j = 0; j < NT; j++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    int rr = 32 * rh + 16 * mi + g + 8 * (e >> 1), col = 8 * j + 2 * t + (e & 1);
+                    red[(ks * SK_BN + rr) * RS + col] = acc[mi][j][e];
+                }
+        __syncthreads();
+        for (int u = tid; u < SK_BN * TN; u += blockDim.x) {
+            int col = u / SK_BN, rr = u - col * SK_BN, n = n0 + rr;
+            if (n < N && col < ntok) {
+                float v = red[rr * RS + col];
+#pragma unroll
+                for (int q = 1; q < 4; q++) v += red[(q * SK_BN + rr) * RS + col];
+                float* o = y + (long long)(mb + col) * ldy + n;
+                *o = accumulate ? *o + v : v;
+            }
+        }
+    }
+}
+
+#define GEMM_SKINNY(NAME, NT, MINB)                                                                                   \
+    extern "C" __global__ void __launch_bounds__(256, MINB)                                                           \
+        NAME(const void* w, const void* sc, const void* bi, int bits, int group, int ty, const float* x,              \
+             long long ldx, const int* gather, int gdiv, float* y, long long ldy, int M, int N, int K,                \
+             const int* tiles, int accumulate) {                                                                      \
+        extern __shared__ uint4 sk_smem[];                                                                                 \
+        pdl_begin();                                                                                                  \
+        if (bits == 4)                                                                                                \
+            gemm_skinny_body<NT, 4>(w, sc, bi, group, ty, x, ldx, gather, gdiv, y, ldy, M, N, K, tiles, accumulate, \
+                                    sk_smem);                                                                         \
+        else if (bits == 8)                                                                                           \
+            gemm_skinny_body<NT, 8>(w, sc, bi, group, ty, x, ldx, gather, gdiv, y, ldy, M, N, K, tiles, accumulate, \
+                                    sk_smem);                                                                         \
+        else                                                                                                          \
+            gemm_skinny_body<NT, 0>(w, sc, bi, group, ty, x, ldx, gather, gdiv, y, ldy, M, N, K, tiles, accumulate, \
+                                    sk_smem);                                                                         \
+    }
+
+GEMM_SKINNY(gemm_skinny8, 1, 2)
+GEMM_SKINNY(gemm_skinny16, 2, 2)
+GEMM_SKINNY(gemm_skinny32, 4, 1)
