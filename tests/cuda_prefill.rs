@@ -58,8 +58,11 @@ fn gemm_matches_cpu_in_both_precisions() {
     for (bits, group) in [(4u32, 32usize), (4, 64), (4, 128), (8, 64), (8, 32)] {
         cases.push((format!("q{bits} g{group} 133x{}", 3 * group), quant(&mut r, 133, 3 * group, bits, group)));
     }
-    // Widths that the skinny kernel reads (multiples of 64), with 1, 2 and 16 chunks per K quarter.
-    for (bits, group, rows, cols) in [(4u32, 32usize, 133usize, 256usize), (8, 32, 70, 128), (4, 64, 77, 4096)] {
+    // Widths that the skinny kernel reads (multiples of 64): its blocks split K in 1, 2 or 4 parts
+    // of 2 to 16 chunks; 300 rows span two 128-row block tiles.
+    for (bits, group, rows, cols) in
+        [(4u32, 32usize, 133usize, 256usize), (8, 32, 70, 128), (4, 64, 300, 1024), (4, 64, 77, 4096)]
+    {
         cases.push((format!("q{bits} g{group} {rows}x{cols}"), quant(&mut r, rows, cols, bits, group)));
     }
     cases.push(("q4 g64 45x2048".into(), quant(&mut r, 45, 2048, 4, 64)));

@@ -597,7 +597,10 @@ impl Gpu {
                     16 => "gemm_skinny16",
                     _ => "gemm_skinny32",
                 };
-                let grid = (blocks(n, 64), ntiles as u32, 1);
+                let kq = skinny_kq(w.cols);
+                let bn = 256 / kq;
+                a.push(Arg::I(kq as i32));
+                let grid = (blocks(n, bn), ntiles as u32, 1);
                 self.launch_shared(name, grid, 256, skinny_smem(tn, w.cols) as u32, &a)
             }
             (Precision::Bf16, _) if tiles == 0 && m >= 1024 => {
@@ -847,7 +850,23 @@ impl GemmKernel {
 
 /// Dynamic shared memory of gemm_skinny for `tn` rows per pass and width `k`.
 fn skinny_smem(tn: usize, k: usize) -> usize {
-    (tn * k * 2).max(4 * 64 * (tn + 1) * 4)
+    (tn * k * 2).max(256 * (tn + 1) * 4)
+}
+
+/// How many parts of K the 8 warps of a gemm_skinny block split (1, 2 or 4; the block then
+/// covers 256 / kq weight rows): about 8 chunks of 64 columns per warp
+/// (`LILY_CUDA_SKINNY_KQ` overrides).
+fn skinny_kq(k: usize) -> usize {
+    static V: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
+    let forced = *V.get_or_init(|| std::env::var("LILY_CUDA_SKINNY_KQ").ok().and_then(|v| v.parse().ok()));
+    match forced {
+        Some(q @ (1 | 2 | 4)) => q,
+        _ => match k / 64 {
+            c if c >= 32 => 4,
+            c if c >= 16 => 2,
+            _ => 1,
+        },
+    }
 }
 
 /// `tn` (8, 16 or 32) lowered until its shared memory fits `optin` bytes (and at most

@@ -28,15 +28,15 @@
  * k0 = 64c + 16t + 8h, the pairs (x[k0+e], x[k0+e+4]) for e = 0..3: one conflict-free 16-byte
  * shared load per thread, token tile and half chunk.
  *
- * Launch: block 256 threads = 8 warps as 2 row halves (32 rows: two m16 tiles) x 4 K quarters
- * (contiguous ranges of 64-column chunks); block tile 64 weight rows. Each warp keeps D chunks
+ * Launch: block 256 threads = 8 warps as 8/kq row groups (32 rows each: two m16 tiles) x kq
+ * parts of K (kq = 1, 2 or 4 contiguous ranges of 64-column chunks); block tile bn = 256/kq
+ * weight rows. Each warp keeps D chunks
  * of weight codes and scales in flight in registers (a ring refilled as each chunk is used; D = 3
- * for 4-bit codes, 2 for 8-bit, 1 for bf16). NT = 4 runs one block of
+ * for 4-bit codes, 2 for 8-bit at NT = 1, else 1: within 128 registers). NT = 4 runs one block of
  * 255 registers per SM (its 128 KB of staged inputs at K = 2048 allow no more). The
- * four K-quarter partials are added in a fixed order through shared memory (deterministic).
- * grid (ceil(N/64), tiles). Dynamic shared memory max(TN*K*2, 4*64*(TN+1)*4) bytes.
+ * kq K-part partials are added in a fixed order through shared memory (deterministic).
+ * grid (ceil(N/bn), tiles). Dynamic shared memory max(TN*K*2, 256*(TN+1)*4) bytes.
  */
-#define SK_BN 64
 
 __device__ __forceinline__ u32 bf16x2_f32(float lo, float hi) {
     u32 d;
@@ -65,7 +65,7 @@ __device__ __forceinline__ void mma_bf16(float* c, const u32* a, u32 b0, u32 b1)
 template <int BITS, int NT>
 struct SkFmt {
     static constexpr int QW = BITS == 4 ? 2 : BITS == 8 ? 4 : 8;
-    static constexpr int D = BITS == 4 ? 3 : BITS == 8 ? 2 : 1;
+    static constexpr int D = BITS == 4 ? 3 : BITS == 8 && NT == 1 ? 2 : 1;
 };
 
 /* The bf16 pair of weights (columns base+r, base+r+4) of one row for k step s, r in {0, 1}. */
@@ -93,22 +93,21 @@ template <int NT, int BITS>
 __device__ __forceinline__ void gemm_skinny_body(const void* w, const void* sc, const void* bi, int group, int ty,
                                                  const float* x, long long ldx, const int* gather, int gdiv,
                                                  float* y, long long ldy, int M, int N, int K, const int* tiles,
-                                                 int accumulate, uint4* xs) {
+                                                 int accumulate, int kq, uint4* xs) {
     constexpr int TN = 8 * NT, QW = SkFmt<BITS, NT>::QW, D = SkFmt<BITS, NT>::D;
     GemmTile tl;
     if (!gemm_tile(tiles, M, 64, tl)) return;
     int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
-    int rh = warp & 1, ks = warp >> 1;
-    int n0 = blockIdx.x * SK_BN;
-    int nch = K >> 6, c_beg = (ks * nch) >> 2, c_end = ((ks + 1) * nch) >> 2;
+    int nrh = 8 / kq, bn = 32 * nrh; /* row groups of 32 rows; block tile bn rows */
+    int rh = warp % nrh, ks = warp / nrh;
+    int n0 = blockIdx.x * bn;
+    /* this warp's part (of kq) of the K chunks */
+    int nch = K >> 6, c_beg = ks * nch / kq, c_end = (ks + 1) * nch / kq;
     int words = BITS == 4 ? K / 8 : BITS == 8 ? K / 4 : K / 2;
 
-    /* this thread's 4 weight rows: [mi][h] = n0 + 32 rh + 16 mi + g + 8 h (clamped into the matrix) */
-    int wrow[2][2];
-#pragma unroll
-    for (int mi = 0; mi < 2; mi++)
-#pragma unroll
-        for (int h = 0; h < 2; h++) wrow[mi][h] = tl.e * N + min(n0 + 32 * rh + 16 * mi + g + 8 * h, N - 1);
+    /* this thread's 4 weight rows: n0 + 32 rh + 16 mi + g + 8 h (mi, h in {0, 1}; clamped into the matrix) */
+    int wbase = n0 + 32 * rh + g;
+    auto wrow = [&](int mi, int h) { return tl.e * N + min(wbase + 16 * mi + 8 * h, N - 1); };
 
     u32 qr[D][2][2][QW];
     float sr[D][2][2], br[D][2][2];
@@ -118,7 +117,7 @@ __device__ __forceinline__ void gemm_skinny_body(const void* w, const void* sc, 
         for (int mi = 0; mi < 2; mi++)
 #pragma unroll
             for (int h = 0; h < 2; h++) {
-                const u32* p = (const u32*)w + (long long)wrow[mi][h] * words + col * QW / 16;
+                const u32* p = (const u32*)w + (long long)wrow(mi, h) * words + col * QW / 16;
                 if (QW == 2) {
                     uint2 v = *(const uint2*)p;
                     qr[slot][mi][h][0] = v.x;
@@ -134,7 +133,7 @@ __device__ __forceinline__ void gemm_skinny_body(const void* w, const void* sc, 
                     }
                 }
                 if (BITS) {
-                    long long gi = (long long)wrow[mi][h] * (K / group) + col / group;
+                    long long gi = (long long)wrow(mi, h) * (K / group) + col / group;
                     sr[slot][mi][h] = load_elem(sc, gi, ty);
                     br[slot][mi][h] = load_elem(bi, gi, ty);
                 }
@@ -216,7 +215,7 @@ __device__ __forceinline__ void gemm_skinny_body(const void* w, const void* sc, 
             }
         }
 
-        /* the four K quarters, added in order */
+        /* the kq parts of K, added in order */
         __syncthreads();
         float* red = (float*)xs;
         constexpr int RS = TN + 1;
@@ -227,15 +226,14 @@ __device__ __forceinline__ void gemm_skinny_body(const void* w, const void* sc, 
 #pragma unroll
                 for (int e = 0; e < 4; e++) {
                     int rr = 32 * rh + 16 * mi + g + 8 * (e >> 1), col = 8 * j + 2 * t + (e & 1);
-                    red[(ks * SK_BN + rr) * RS + col] = acc[mi][j][e];
+                    red[(ks * bn + rr) * RS + col] = acc[mi][j][e];
                 }
         __syncthreads();
-        for (int u = tid; u < SK_BN * TN; u += blockDim.x) {
-            int col = u / SK_BN, rr = u - col * SK_BN, n = n0 + rr;
+        for (int u = tid; u < bn * TN; u += blockDim.x) {
+            int col = u / bn, rr = u - col * bn, n = n0 + rr;
             if (n < N && col < ntok) {
                 float v = red[rr * RS + col];
-#pragma unroll
-                for (int q = 1; q < 4; q++) v += red[(q * SK_BN + rr) * RS + col];
+                for (int q = 1; q < kq; q++) v += red[(q * bn + rr) * RS + col];
                 float* o = y + (long long)(mb + col) * ldy + n;
                 *o = accumulate ? *o + v : v;
             }
@@ -247,17 +245,17 @@ __device__ __forceinline__ void gemm_skinny_body(const void* w, const void* sc, 
     extern "C" __global__ void __launch_bounds__(256, MINB)                                                           \
         NAME(const void* w, const void* sc, const void* bi, int bits, int group, int ty, const float* x,              \
              long long ldx, const int* gather, int gdiv, float* y, long long ldy, int M, int N, int K,                \
-             const int* tiles, int accumulate) {                                                                      \
+             const int* tiles, int accumulate, int kq) {                                                              \
         extern __shared__ uint4 sk_smem[];                                                                                 \
         pdl_begin();                                                                                                  \
         if (bits == 4)                                                                                                \
-            gemm_skinny_body<NT, 4>(w, sc, bi, group, ty, x, ldx, gather, gdiv, y, ldy, M, N, K, tiles, accumulate, \
+            gemm_skinny_body<NT, 4>(w, sc, bi, group, ty, x, ldx, gather, gdiv, y, ldy, M, N, K, tiles, accumulate, kq, \
                                     sk_smem);                                                                         \
         else if (bits == 8)                                                                                           \
-            gemm_skinny_body<NT, 8>(w, sc, bi, group, ty, x, ldx, gather, gdiv, y, ldy, M, N, K, tiles, accumulate, \
+            gemm_skinny_body<NT, 8>(w, sc, bi, group, ty, x, ldx, gather, gdiv, y, ldy, M, N, K, tiles, accumulate, kq, \
                                     sk_smem);                                                                         \
         else                                                                                                          \
-            gemm_skinny_body<NT, 0>(w, sc, bi, group, ty, x, ldx, gather, gdiv, y, ldy, M, N, K, tiles, accumulate, \
+            gemm_skinny_body<NT, 0>(w, sc, bi, group, ty, x, ldx, gather, gdiv, y, ldy, M, N, K, tiles, accumulate, kq, \
                                     sk_smem);                                                                         \
     }
 

@@ -75,6 +75,10 @@ pub struct CudaBatch {
     /// tensor-core kernel, experts grouped by expert) instead of GEMV slots
     /// (`LILY_CUDA_BATCH_GEMM_FROM`).
     gemm_from: usize,
+    /// The same switch for the mixers' input and output projections
+    /// (`LILY_CUDA_BATCH_PROJ_GEMM_FROM`, default `gemm_from`); the router and the shared expert
+    /// follow the experts.
+    proj_gemm_from: usize,
 }
 
 impl CudaBatch {
@@ -89,7 +93,9 @@ impl CudaBatch {
         let prec = driver.prefill.unwrap_or(Precision::Bf16);
         let lm_head_gemv_rows =
             std::env::var("LILY_CUDA_LMHEAD_GEMV_ROWS").ok().and_then(|v| v.parse().ok()).unwrap_or(4);
-        let gemm_from = std::env::var("LILY_CUDA_BATCH_GEMM_FROM").ok().and_then(|v| v.parse().ok()).unwrap_or(8);
+        let var = |k: &str| std::env::var(k).ok().and_then(|v| v.parse::<usize>().ok());
+        let gemm_from = var("LILY_CUDA_BATCH_GEMM_FROM").unwrap_or(8);
+        let proj_gemm_from = var("LILY_CUDA_BATCH_PROJ_GEMM_FROM").unwrap_or(gemm_from);
         Ok(CudaBatch {
             model,
             seqs,
@@ -100,12 +106,14 @@ impl CudaBatch {
             prec,
             lm_head_gemv_rows,
             gemm_from,
+            proj_gemm_from,
         })
     }
 
     /// Sets the row count from which the pass uses many-row products (drops the captured graph).
     pub fn set_gemm_from(&mut self, rows: usize) {
         self.gemm_from = rows.max(2);
+        self.proj_gemm_from = self.gemm_from;
         self.graph = None;
     }
 
@@ -182,7 +190,7 @@ impl CudaBatch {
     fn proj_rows(&self, proj: &Proj, x: u64, norm: (u64, f32), out: u64, ldo: usize, b: usize) -> Result<()> {
         let (g, h) = (&self.model.gpu, self.model.cfg.hidden_size);
         match &proj.fused {
-            Some(f) if b < self.gemm_from => g.gemv_rows(f, x, h, out, b, false, norm),
+            Some(f) if b < self.proj_gemm_from => g.gemv_rows(f, x, h, out, b, false, norm),
             _ => {
                 let p = self.driver.pre.as_ref().context("batch scratch")?;
                 g.rms_norm(x, norm.0, p.xn.ptr, b, h, norm.1)?;
@@ -194,7 +202,7 @@ impl CudaBatch {
     /// `x += W · o` for `b` rows (an out-projection and its residual).
     fn out_rows(&self, w: &GpuLinear, o: u64, k: usize, x: u64, b: usize) -> Result<()> {
         let g = &self.model.gpu;
-        if b < self.gemm_from {
+        if b < self.proj_gemm_from {
             g.gemv_rows(w, o, k, x, b, true, (0, 0.0))
         } else {
             g.gemm(w, self.prec, o, k, x, self.model.cfg.hidden_size, b, true)
