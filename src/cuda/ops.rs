@@ -600,7 +600,11 @@ impl Gpu {
                 let kq = skinny_kq(w.cols);
                 let bn = 256 / kq;
                 a.push(Arg::I(kq as i32));
-                let grid = (blocks(n, bn), ntiles as u32, 1);
+                let grid = if tiles == 0 {
+                    (blocks(n, bn) * m.div_ceil(tn) as u32, 1, 1)
+                } else {
+                    (blocks(n, bn), ntiles as u32, 1)
+                };
                 self.launch_shared(name, grid, 256, skinny_smem(tn, w.cols) as u32, &a)
             }
             (Precision::Bf16, _) if tiles == 0 && m >= 1024 => {

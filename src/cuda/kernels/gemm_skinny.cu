@@ -6,9 +6,10 @@
  *
  *   Y[m, n] (+)= sum_k X[xr(m), k] * W[e*N + n, k]
  *
- * Same contract and row map as gemm.cu (plain: tiles == 0, 64-row tiles of m; grouped: the
- * moe_align tile list, xr(m) = gather[m] / gdiv). A tile's m rows run in sub-tiles of TN = 8·NT
- * tokens (the kernel's template width), each over all K.
+ * Same contract as gemm.cu. Plain (tiles == 0): block x covers row tile x / ceil(M/TN) and rows
+ * m in [TN*(x % ceil(M/TN)), +TN) (TN = 8·NT, the kernel's template width), so the blocks that
+ * share a weight tile run next to each other and meet in L2. Grouped: the moe_align tile list
+ * as in gemm.cu (xr(m) = gather[m] / gdiv); a tile's rows run in sub-tiles of TN, each over all K.
  *
  * Weights: MLX affine 4-bit or 8-bit (W = s*q + b per group of `group` columns, group a multiple
  * of 16), or dense bf16 (ty 2). Requires K % 64 == 0, X rows 16-byte aligned.
@@ -35,7 +36,7 @@
  * for 4-bit codes, 2 for 8-bit at NT = 1, else 1: within 128 registers). NT = 4 runs one block of
  * 255 registers per SM (its 128 KB of staged inputs at K = 2048 allow no more). The
  * kq K-part partials are added in a fixed order through shared memory (deterministic).
- * grid (ceil(N/bn), tiles). Dynamic shared memory max(TN*K*2, 256*(TN+1)*4) bytes.
+ * grid (ceil(N/bn) * ceil(M/TN)) plain, (ceil(N/bn), tiles) grouped. Dynamic shared memory max(TN*K*2, 256*(TN+1)*4) bytes.
  */
 
 __device__ __forceinline__ u32 bf16x2_f32(float lo, float hi) {
@@ -96,11 +97,22 @@ __device__ __forceinline__ void gemm_skinny_body(const void* w, const void* sc, 
                                                  int accumulate, int kq, uint4* xs) {
     constexpr int TN = 8 * NT, QW = SkFmt<BITS, NT>::QW, D = SkFmt<BITS, NT>::D;
     GemmTile tl;
-    if (!gemm_tile(tiles, M, 64, tl)) return;
+    /* plain products: one block per (row tile, sub-tile of TN rows), the sub-tiles of a row tile
+       adjacent in launch order (they share its weights through L2); grouped: (row tile, tile) */
+    int bx = blockIdx.x;
+    if (!tiles) {
+        int gy = (M + TN - 1) / TN;
+        bx = blockIdx.x / gy;
+        tl.e = 0;
+        tl.m0 = (blockIdx.x - bx * gy) * TN;
+        tl.m1 = min(M, tl.m0 + TN);
+    } else if (!gemm_tile(tiles, M, 64, tl)) {
+        return;
+    }
     int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
     int nrh = 8 / kq, bn = 32 * nrh; /* row groups of 32 rows; block tile bn rows */
     int rh = warp % nrh, ks = warp / nrh;
-    int n0 = blockIdx.x * bn;
+    int n0 = bx * bn;
     /* this warp's part (of kq) of the K chunks */
     int nch = K >> 6, c_beg = ks * nch / kq, c_end = (ks + 1) * nch / kq;
     int words = BITS == 4 ? K / 8 : BITS == 8 ? K / 4 : K / 2;
