@@ -31,12 +31,13 @@
  *
  * Launch: block 256 threads = 8 warps as 8/kq row groups (32 rows each: two m16 tiles) x kq
  * parts of K (kq = 1, 2 or 4 contiguous ranges of 64-column chunks); block tile bn = 256/kq
- * weight rows. Each warp keeps D chunks
- * of weight codes and scales in flight in registers (a ring refilled as each chunk is used; D = 3
- * for 4-bit codes, 2 for 8-bit at NT = 1, else 1: within 128 registers). NT = 4 runs one block of
- * 255 registers per SM (its 128 KB of staged inputs at K = 2048 allow no more). The
- * kq K-part partials are added in a fixed order through shared memory (deterministic).
- * grid (ceil(N/bn) * ceil(M/TN)) plain, (ceil(N/bn), tiles) grouped. Dynamic shared memory max(TN*K*2, 256*(TN+1)*4) bytes.
+ * weight rows. Each warp keeps D chunks of weight codes and scales in flight in registers (a
+ * ring refilled as each chunk is used; D = 3 for 4-bit codes, 2 for 8-bit at NT = 1, else 1:
+ * within 128 registers at NT <= 2; NT = 4 is one block per SM, about 190 registers, since its
+ * 128 KB of staged inputs at K = 2048 allow no second one). The kq K-part partials are added in
+ * a fixed order through shared memory (deterministic).
+ * grid (ceil(N/bn) * ceil(M/TN)) plain, (ceil(N/bn), tiles) grouped. Dynamic shared memory
+ * max(TN*K*2, 256*(TN+1)*4) bytes.
  */
 
 __device__ __forceinline__ u32 bf16x2_f32(float lo, float hi) {
