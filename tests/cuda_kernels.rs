@@ -588,10 +588,14 @@ fn device_sampling_matches_host_distribution() {
         (248_320, sp(1.0, 0, 0.5, 0.0), 1000),
         // Peaked like a trained model's logits: 64 tokens near the top, the rest 25-40 below.
         (248_320, sp(1.0, 0, 1.0, 0.0), 2000),
+        // 128 blocks, the last one short; top-k, then min-p.
+        (300_001, sp(0.9, 300, 1.0, 0.01), 2000),
+        // Peaked, top-k above the number of candidates (all of them kept), then top-p.
+        (248_320, sp(1.0, 100_000, 0.9, 0.0), 2000),
     ];
     for (ci, (v, params, n)) in cases.into_iter().enumerate() {
         let mut logits = uniform(&mut r, v, 6.0);
-        if ci == 8 {
+        if ci == 8 || ci == 10 {
             logits
                 .iter_mut()
                 .enumerate()
@@ -601,7 +605,7 @@ fn device_sampling_matches_host_distribution() {
         let name = format!("case {ci}: V {v} {params:?}");
         let lb = g.upload_f32(&logits).unwrap();
         let ring = g.zeros(4 * n).unwrap();
-        let cand = g.zeros(16 * v).unwrap();
+        let cand = g.zeros(lily::cuda::SAMPLE_WS_BYTES).unwrap();
         let draw = |seed: u64| -> Vec<u32> {
             let io = g.zeros(12).unwrap();
             let spb = g.upload_bytes(&lily::cuda::sampling_params_bytes(&params, seed).unwrap()).unwrap();
@@ -644,5 +648,42 @@ fn device_sampling_matches_host_distribution() {
             counts.len()
         );
         assert_ne!(draw(8), got, "{name}: another seed gave the same {n} tokens");
+    }
+}
+
+/// argmax_io (the greedy loop's last launch, spread over up to 128 blocks) against the host
+/// argmax: rows of sizes that leave the last block short or empty-handed, the maximum repeated
+/// in several blocks (the lowest id wins), the maximum in the last id, and repeated draws that
+/// advance io = [token, position, count] and fill the ring.
+#[test]
+fn device_argmax_io_matches_host() {
+    let Some(g) = gpu() else { return };
+    let mut r = rng(22);
+    let ws = g.zeros(lily::cuda::SAMPLE_WS_BYTES).unwrap();
+    for (ci, v) in [1usize, 7, 1000, 2049, 248_320, 300_001].into_iter().enumerate() {
+        let mut rows = Vec::new();
+        let base = uniform(&mut r, v, 4.0);
+        rows.push(base.clone());
+        let mut last = base.clone();
+        last[v - 1] = 9.0;
+        rows.push(last);
+        let mut ties = base.clone();
+        for j in [v / 2, v / 3, v - 1, 2 * v / 3] {
+            ties[j] = 9.5;
+        }
+        rows.push(ties);
+        let io = g.zeros(12).unwrap();
+        let ring = g.zeros(4 * rows.len()).unwrap();
+        let mut want = Vec::new();
+        for row in &rows {
+            let lb = g.upload_f32(row).unwrap();
+            g.argmax_io(lb.ptr, v, io.ptr, ring.ptr, ws.ptr).unwrap();
+            g.sync().unwrap();
+            want.push(lily::sampling::argmax(row) as i32);
+        }
+        let io_after = io.read_i32(3).unwrap();
+        let n = rows.len() as i32;
+        assert_eq!(io_after, vec![*want.last().unwrap(), n, n], "case {ci}: V {v}: io");
+        assert_eq!(ring.read_i32(rows.len()).unwrap(), want, "case {ci}: V {v}: tokens");
     }
 }

@@ -17,6 +17,7 @@ pub use model::{upload_cached, uploaded, CudaBatch, CudaModel, CudaSession};
 pub use ops::{
     gdn_chunk_floats, gdn_prefill_default, gemv_default, sampling_params_bytes, AttnDecode, AttnKernel, AttnPrep,
     GdnPrefill, GdnPrefillKernel, GdnRows, GdnStep, GemmKernel, GemvKernel, GpuLinear, KvDtype, Precision,
+    SAMPLE_WS_BYTES,
 };
 
 /// A captured CUDA graph, ready to replay on [`Gpu::stream`].
@@ -57,7 +58,7 @@ pub const SOURCES: [(&str, &str); 13] = [
 ];
 
 /// Kernel entry points loaded from the module.
-pub const KERNELS: [&str; 52] = [
+pub const KERNELS: [&str; 55] = [
     "rms_norm",
     "silu_mul",
     "silu_mul_pairs",
@@ -109,7 +110,10 @@ pub const KERNELS: [&str; 52] = [
     "moe_combine_rows",
     "argmax",
     "argmax_io",
-    "sample_io",
+    "samp_max",
+    "samp_radix",
+    "samp_zsum",
+    "samp_draw",
 ];
 
 /// The concatenated program text.
@@ -262,8 +266,11 @@ unsafe impl Sync for Gpu {}
 /// Kernels that call `pdl_wait()` before touching activations (kernels/common.cuh) and so may be
 /// launched as programmatic dependents: their launch and weight reads overlap the previous
 /// kernel's tail.
-pub const PDL_KERNELS: [&str; 34] = [
-    "sample_io",
+pub const PDL_KERNELS: [&str; 37] = [
+    "samp_max",
+    "samp_radix",
+    "samp_zsum",
+    "samp_draw",
     "attn_prep",
     "attn_decode",
     "attn_combine",

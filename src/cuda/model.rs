@@ -240,7 +240,8 @@ struct Scratch {
     /// i32 [token, position, count] of the step being run (read by the kernels, so graphs
     /// replay; `count` indexes the greedy loop's ring of produced tokens).
     io: DevBuf,
-    /// The sampling loop's parameters (`sampling_params_bytes`) and candidate scratch `[4V]`.
+    /// The sampling loop's parameters (`sampling_params_bytes`) and the device token choice's
+    /// workspace (`SAMPLE_WS_BYTES`).
     sp: DevBuf,
     cand: DevBuf,
 }
@@ -384,7 +385,7 @@ impl CudaSession {
             part: f(c.num_attention_heads * self.attn[0].1.max(self.attn[1].1) * (c.head_dim + 2))?,
             io: f(3)?,
             sp: f(6)?,
-            cand: f(4 * c.vocab_size)?,
+            cand: g.zeros(super::SAMPLE_WS_BYTES)?,
         });
         self.states = self.fresh_states()?;
         self.graphs = Default::default();
@@ -499,7 +500,7 @@ impl CudaSession {
             if sampled {
                 g.sample_io(s.logits.ptr, v, s.io.ptr, ring, s.sp.ptr, s.cand.ptr)
             } else {
-                g.argmax_io(s.logits.ptr, v, s.io.ptr, ring)
+                g.argmax_io(s.logits.ptr, v, s.io.ptr, ring, s.cand.ptr)
             }
         };
         // Steps before the long-context attention threshold, then the rest.

@@ -756,32 +756,43 @@ impl Gpu {
     }
 
     /// Argmax fed back into the step's input slot: `io = [token, pos, count]` gets the argmax as
-    /// its token, `pos + 1`, and `ring[count]` the token, `count + 1`.
-    pub fn argmax_io(&self, x: u64, n: usize, io: u64, ring: u64) -> Result<()> {
-        self.launch("argmax_io", (1, 1, 1), 1024, &[Arg::P(x), Arg::I(n as i32), Arg::P(io), Arg::P(ring)])
+    /// its token, `pos + 1`, and `ring[count]` the token, `count + 1`. `ws` is
+    /// [`SAMPLE_WS_BYTES`] of zeroed workspace (kernels/sampling.cu).
+    pub fn argmax_io(&self, x: u64, n: usize, io: u64, ring: u64, ws: u64) -> Result<()> {
+        let g = sample_blocks(n)?;
+        self.launch("argmax_io", (g, 1, 1), 512, &[Arg::P(x), Arg::I(n as i32), Arg::P(io), Arg::P(ring), Arg::P(ws)])
     }
 
     /// Like [`Gpu::argmax_io`] with the token drawn by temperature / top-k / min-p / top-p
-    /// sampling; `sp` holds [`sampling_params_bytes`], `cand` is `16n` bytes of scratch
-    /// (kernels/sampling.cu).
-    pub fn sample_io(&self, x: u64, n: usize, io: u64, ring: u64, sp: u64, cand: u64) -> Result<()> {
-        if n == 0 || n > i32::MAX as usize {
-            bail!("sample_io: {n} logits");
+    /// sampling; `sp` holds [`sampling_params_bytes`]. Nine launches over the row: max, the
+    /// top-k radix select, Z_k, the top-p radix select, the draw (kernels/sampling.cu).
+    pub fn sample_io(&self, x: u64, n: usize, io: u64, ring: u64, sp: u64, ws: u64) -> Result<()> {
+        let g = (sample_blocks(n)?, 1, 1);
+        let (xa, na, spa, wsa) = (Arg::P(x), Arg::I(n as i32), Arg::P(sp), Arg::P(ws));
+        self.launch("samp_max", g, 512, &[xa, na, spa, wsa])?;
+        for sel in 0..2 {
+            if sel == 1 {
+                self.launch("samp_zsum", g, 512, &[xa, na, spa, wsa])?;
+            }
+            for pass in 0..3 {
+                self.launch("samp_radix", g, 512, &[xa, na, spa, wsa, Arg::I(sel), Arg::I(pass)])?;
+            }
         }
-        let q = 4 * n as u64;
-        let args = [
-            Arg::P(x),
-            Arg::I(n as i32),
-            Arg::P(io),
-            Arg::P(ring),
-            Arg::P(sp),
-            Arg::P(cand),
-            Arg::P(cand + q),
-            Arg::P(cand + 2 * q),
-            Arg::P(cand + 3 * q),
-        ];
-        self.launch("sample_io", (1, 1, 1), 1024, &args)
+        self.launch("samp_draw", g, 512, &[xa, na, Arg::P(io), Arg::P(ring), spa, wsa])
     }
+}
+
+/// Bytes of the workspace [`Gpu::argmax_io`] and [`Gpu::sample_io`] share between their passes
+/// (`struct SampWs`, 18,480 bytes, rounded up); allocate it zeroed.
+pub const SAMPLE_WS_BYTES: usize = 32768;
+
+/// Blocks over which the device loops spread a row of n logits (kernels/sampling.cu: at most 128,
+/// each owning at least 2,048 ids).
+fn sample_blocks(n: usize) -> Result<u32> {
+    if n == 0 || n > i32::MAX as usize {
+        bail!("device token choice over {n} logits");
+    }
+    Ok(n.div_ceil(2048).clamp(1, 128) as u32)
 }
 
 /// The 24 bytes `sample_io` reads: `[T, top_p, min_p]` f32, `top_k` i32, the seed as two u32.
