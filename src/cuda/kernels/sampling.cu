@@ -108,7 +108,8 @@ struct SampWs {
     int argm;       /* first id holding it */
     u32 lo_k, lo_p; /* top-k and top-p key thresholds (0: none) */
     float inv_z;    /* 1 / Z_k */
-    u32 prefix, pmask, fail; /* the radix select in progress */
+    u32 prefix, pmask; /* the radix select in progress */
+    u32 fail;       /* sel + 1 when select sel ended early */
     u64 above;      /* weight in the bins above the prefix */
     u32 ticket, pad;
     float pf[SMAXG];
@@ -300,14 +301,10 @@ extern "C" __global__ void __launch_bounds__(SB)
     const float m = __ldcg(&ws->m);
     const bool on = sel == 0 ? p.top_k > 0 : p.top_p < 1.f;
     if (!on || m == -INFINITY) return;
-    if (__ldcg(&ws->fail)) { /* an earlier pass found too little weight: no cut-off */
-        if (pass == 2 && blockIdx.x == 0 && threadIdx.x == 0) {
-            if (sel == 0) ws->lo_k = 0; else ws->lo_p = 0;
-            ws->prefix = ws->pmask = ws->fail = 0;
-            ws->above = 0;
-        }
-        return;
-    }
+    /* An earlier pass of this select found too little weight: it stored "no cut-off" (0) and
+       marked the rest of the select done (the mark is only ever written by a pass's last block,
+       so no block of the same launch can see it change). */
+    if (__ldcg(&ws->fail) == (u32)sel + 1) return;
     const u32 prefix = __ldcg(&ws->prefix), pmask = __ldcg(&ws->pmask), lo_k = __ldcg(&ws->lo_k);
     const float inv_z = __ldcg(&ws->inv_z);
     const int shift = pass == 0 ? 21 : pass == 1 ? 10 : 0, nb = pass == 2 ? 1024 : 2048;
@@ -361,18 +358,16 @@ extern "C" __global__ void __launch_bounds__(SB)
     __syncthreads();
     for (int b = threadIdx.x; b < nb; b += SB) ws->hist[b] = 0;
     if (threadIdx.x == 0) {
-        if (!s_found) {
-            ws->fail = 1;
-        } else {
+        if (s_found && pass < 2) {
             ws->prefix = s_prefix;
             ws->above = s_above;
             ws->pmask = pmask | ((u32)(nb - 1) << shift);
-        }
-        if (pass == 2) {
+        } else { /* the select ends: its threshold (0: fewer than the target, no cut-off) */
             u32 lo = s_found ? s_prefix : 0;
             if (sel == 0) ws->lo_k = lo; else ws->lo_p = lo;
-            ws->prefix = ws->pmask = ws->fail = 0;
+            ws->prefix = ws->pmask = 0;
             ws->above = 0;
+            if (!s_found) ws->fail = (u32)sel + 1;
         }
     }
 }
