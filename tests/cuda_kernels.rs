@@ -138,6 +138,56 @@ fn gemv_with_device_expert_ids_matches_cpu() {
 /// conv_step + gdn_step for several tokens (state carried) against the CPU ops of model.rs; the
 /// last two shapes take the row-split kernel with a ragged last part (D_k 40) and the serial one
 /// (D_v x D_k too large for one block).
+/// gemv_q2_conv (the GDN input projection with conv_step folded into its epilogue) against the
+/// CPU: the projection W · rms_norm(x) over every row, then the causal conv + SiLU of rows < C
+/// with the carried state, over several steps (the state must shift exactly as conv_step's).
+/// Shapes: the real one (8192 conv channels of 12,352 rows, 2048 columns), odd channel counts,
+/// K = 2 / 4 / 8 / 16, 8-bit codes; a K that is not a power of two is refused.
+#[test]
+fn gemv_conv_matches_cpu() {
+    use lily::cpu::conv::causal_conv1d_silu;
+    let Some(g) = gpu() else { return };
+    let mut r = rng(23);
+    for (c, extra, cols, k, bits, group) in [
+        (8192usize, 4160usize, 2048usize, 4usize, 4u32, 64usize),
+        (37, 0, 256, 4, 4, 64),
+        (101, 13, 512, 2, 8, 32),
+        (64, 5, 128, 8, 4, 32),
+        (33, 31, 256, 16, 8, 64),
+    ] {
+        let name = format!("gemv_conv C{c}+{extra} K{cols} taps {k} q{bits}");
+        let l = quant(&mut r, c + extra, cols, bits, group);
+        let gl = GpuLinear::upload(&g, &l).unwrap();
+        assert!(lily::cuda::Gpu::gemv_conv_ok(&gl, c, k), "{name}: not fused");
+        let conv_w = uniform(&mut r, c * k, 0.5);
+        let nw = uniform(&mut r, cols, 1.5);
+        let mut cstate = uniform(&mut r, (k - 1) * c, 1.0);
+        let gb = |v: &[f32]| g.upload_f32(v).unwrap();
+        let (cwb, nwb, gcs) = (gb(&conv_w), gb(&nw), gb(&cstate));
+        let (yb, cyb) = (gb(&vec![f32::NAN; c + extra]), gb(&vec![f32::NAN; c]));
+        for step in 0..3 {
+            let x = uniform(&mut r, cols, 1.0);
+            let mut xn = x.clone();
+            rms_norm(&mut xn, &nw, 1e-6);
+            let mut proj = vec![0f32; c + extra];
+            l.matvec(&xn, &mut proj);
+            let mut conv = vec![0f32; c];
+            causal_conv1d_silu(&proj[..c], 1, c, &conv_w, k, &mut cstate, &mut conv);
+            let xb = gb(&x);
+            g.gemv_conv(&gl, xb.ptr, (nwb.ptr, 1e-6), yb.ptr, (gcs.ptr, cwb.ptr, cyb.ptr), c, k).unwrap();
+            let s = format!("{name} step {step}");
+            check(&format!("{s} projection"), &yb.read_f32(0, c + extra).unwrap(), &proj, TOL);
+            check(&format!("{s} conv"), &cyb.read_f32(0, c).unwrap(), &conv, TOL);
+            check(&format!("{s} conv state"), &gcs.read_f32(0, cstate.len()).unwrap(), &cstate, TOL);
+        }
+    }
+    let l = quant(&mut r, 40, 256, 4, 64);
+    let gl = GpuLinear::upload(&g, &l).unwrap();
+    assert!(!lily::cuda::Gpu::gemv_conv_ok(&gl, 32, 3), "a 3-tap conv must not be fused");
+    let e = g.gemv_conv(&gl, 0, (0, 0.0), 0, (0, 0, 0), 32, 3).expect_err("3 taps must be refused");
+    assert!(e.to_string().contains("not fused"), "{e}");
+}
+
 #[test]
 fn gdn_decode_steps_match_cpu() {
     let Some(g) = gpu() else { return };

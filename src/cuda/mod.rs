@@ -58,7 +58,7 @@ pub const SOURCES: [(&str, &str); 13] = [
 ];
 
 /// Kernel entry points loaded from the module.
-pub const KERNELS: [&str; 55] = [
+pub const KERNELS: [&str; 56] = [
     "rms_norm",
     "silu_mul",
     "silu_mul_pairs",
@@ -66,6 +66,7 @@ pub const KERNELS: [&str; 55] = [
     "linear_gemv",
     "moe_down",
     "gemv_q2",
+    "gemv_q2_conv",
     "gemv_q_loadonly",
     "moe_down_q",
     "gemv_q2_routed",
@@ -266,7 +267,8 @@ unsafe impl Sync for Gpu {}
 /// Kernels that call `pdl_wait()` before touching activations (kernels/common.cuh) and so may be
 /// launched as programmatic dependents: their launch and weight reads overlap the previous
 /// kernel's tail.
-pub const PDL_KERNELS: [&str; 37] = [
+pub const PDL_KERNELS: [&str; 38] = [
+    "gemv_q2_conv",
     "samp_max",
     "samp_radix",
     "samp_zsum",

@@ -580,9 +580,17 @@ impl CudaSession {
             };
             match (&layer.mixer, st) {
                 (GMixer::Gdn { proj, conv, dt_bias, neg_a, norm, out }, GState::Gdn { conv: cs, rec }) => {
-                    let cd = c.gdn_conv_dim();
-                    proj.run(g, xin, in_norm, s.proj.ptr)?;
-                    g.conv_step(s.proj.ptr, cs.ptr, conv.ptr, s.conv.ptr, cd, c.linear_conv_kernel_dim)?;
+                    let (cd, taps) = (c.gdn_conv_dim(), c.linear_conv_kernel_dim);
+                    match &proj.fused {
+                        // The conv runs in the projection's epilogue (one launch fewer per layer).
+                        Some(f) if Gpu::gemv_conv_ok(f, cd, taps) => {
+                            g.gemv_conv(f, xin, in_norm, s.proj.ptr, (cs.ptr, conv.ptr, s.conv.ptr), cd, taps)?
+                        }
+                        _ => {
+                            proj.run(g, xin, in_norm, s.proj.ptr)?;
+                            g.conv_step(s.proj.ptr, cs.ptr, conv.ptr, s.conv.ptr, cd, taps)?;
+                        }
+                    }
                     g.gdn_step(&gdn_step_args(c, s.proj.ptr, s.conv.ptr, [dt_bias, neg_a, norm], rec, s.o.ptr))?;
                     g.gemv(out, s.o.ptr, 0, s.x.ptr, 1, 0, true)?;
                 }

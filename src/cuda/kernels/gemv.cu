@@ -246,11 +246,21 @@ __device__ __forceinline__ float moe_stage(const float* gu, const float* wk, int
 
 /* The row-group walk shared by the GEMV and moe_down (MOE: the input is S slots of `cols` staged
    by moe_stage from xg = gu and normw = wts; slot k's weights are expert ids[k]'s). */
-template <int BITS, int TY, int NR, int U, bool LOADONLY, bool MOE>
+/* The GDN input projection's conv epilogue (gemv_q2_conv): rows c < C of the output are the conv
+   channels; their causal depthwise conv (K taps, K a power of two <= 16) runs where the row's dot
+   product is finished, lanes K*r + j of the warp holding tap j of row r of the group. */
+struct ConvEpi {
+    float* state;   /* [K-1, C] raw past inputs */
+    const float* w; /* [C, K], tap K-1 = the current token */
+    float* y;       /* [C] silu(conv) */
+    int C, K;
+};
+
+template <int BITS, int TY, int NR, int U, bool LOADONLY, bool MOE, bool CONV = false>
 __device__ __forceinline__ void gq_body(const u32* w, const u16* sc, const u16* bi, int group,
                                         const float* xg, float* y, int rows, int cols, long long E0, int accumulate,
                                         const float* normw, float eps, float* xs, float* red, const int* ids = 0,
-                                        int S = 1) {
+                                        int S = 1, ConvEpi cv = ConvEpi{0, 0, 0, 0, 1}) {
     constexpr int EPV = 128 / BITS;
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     int n4 = cols / EPV, ng = cols / group, gsh = __ffs(group) - 1;
@@ -261,8 +271,20 @@ __device__ __forceinline__ void gq_body(const u32* w, const u16* sc, const u16* 
     int gstride = gridDim.x * nwarps;
     int g = blockIdx.x * nwarps + warp, t = 0;
     GqTrip<NR, U> cur, nxt;
+    /* conv epilogue: this lane's tap (row cr of the group, tap cj) weight and past input, loaded
+       with the group's first trip (the state is this kernel's alone within a step) */
+    const int cr = lane / cv.K, cj = lane - cr * cv.K;
+    float cw_cur = 0.f, cs_cur = 0.f, cw_nxt = 0.f, cs_nxt = 0.f;
+    auto conv_load = [&](int r0g, float& cwv, float& csv) {
+        int row = r0g + cr;
+        if (CONV && cr < NR && row < cv.C) {
+            cwv = cv.w[(long long)row * cv.K + cj];
+            csv = cj < cv.K - 1 ? cv.state[(long long)cj * cv.C + row] : 0.f;
+        }
+    };
     if (g < ngroups) {
         int r0 = g * NR;
+        conv_load(r0, cw_cur, cs_cur);
         if (MOE)
             gq_load_moe<BITS, NR, U>(cur, w, sc, bi, r0, min(NR, rows - r0), n4, nv, ng, gsh, lane, ids, rows);
         else if (rows - r0 >= NR && 32 * U <= nv)
@@ -285,6 +307,7 @@ __device__ __forceinline__ void gq_body(const u32* w, const u16* sc, const u16* 
         }
         if (g2 < ngroups) {
             int r2 = g2 * NR;
+            if (t2 == 0) conv_load(r2, cw_nxt, cs_nxt);
             if (MOE)
                 gq_load_moe<BITS, NR, U>(nxt, w, sc, bi, r2, min(NR, rows - r2), n4, nv, ng, gsh, t2 * 32 * U + lane, ids,
                                       rows);
@@ -298,15 +321,30 @@ __device__ __forceinline__ void gq_body(const u32* w, const u16* sc, const u16* 
         else
             gq_compute<BITS, TY, NR, U, LOADONLY, false>(cur, nvalid, nv, t * 32 * U + lane, xs, xsum, acc);
         if (t + 1 == tpr) {
+            float mine = 0.f; /* row cr's finished value */
 #pragma unroll
             for (int r = 0; r < NR; r++) {
                 float a = warp_sum(acc[r]) * rr;
                 acc[r] = 0.f;
+                if (r == cr) mine = a;
                 if (lane == 0 && r < nvalid) {
                     float* o = y + r0 + r;
                     *o = accumulate ? *o + a : a;
                 }
             }
+            if (CONV) {
+                /* X = [state; a] of row r0 + cr: y = silu(sum_j w_j X_j), state <- X[1..K) */
+                int row = r0 + cr;
+                bool act = cr < NR && cr < nvalid && row < cv.C;
+                float xin = cj == cv.K - 1 ? mine : cs_cur;
+                float v = act ? cw_cur * xin : 0.f;
+                for (int o = 1; o < cv.K; o <<= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+                float nx = __shfl_down_sync(0xffffffffu, xin, 1);
+                if (act && cj < cv.K - 1) cv.state[(long long)cj * cv.C + row] = nx;
+                if (act && cj == 0) cv.y[row] = silu_f(v);
+            }
+            cw_cur = cw_nxt;
+            cs_cur = cs_nxt;
         }
         cur = nxt;
         g = g2;
@@ -342,6 +380,29 @@ __device__ __forceinline__ void gq_body(const u32* w, const u16* sc, const u16* 
 
 GQ_KERNEL(gemv_q2, 2, false)
 GQ_KERNEL(gemv_q_loadonly, 2, true)
+
+/* gemv_q2_conv: gemv_q2 for one slot (the batch-1 GDN input projection, x RMS-normalized when
+   normw is set) whose rows c < C then go through conv_step's causal conv + SiLU into cy, updating
+   the conv state; saves the conv_step launch. Same result as gemv_q2 then conv_step. */
+extern "C" __global__ void __launch_bounds__(512) gemv_q2_conv(const void* w, const void* sc, const void* bi, int bits,
+                                                               int group, int ty, const float* x, float* y, int rows,
+                                                               int cols, const float* normw, float eps, float* cstate,
+                                                               const float* cw, float* cy, int C, int K) {
+    extern __shared__ __align__(16) float xs[];
+    __shared__ float red[33];
+    pdl_trigger();
+    const u32* W = (const u32*)w;
+    const u16 *S = (const u16*)sc, *B = (const u16*)bi;
+    ConvEpi cv{cstate, cw, cy, C, K};
+    if (bits == 4 && ty == TY_BF16)
+        gq_body<4, TY_BF16, 2, 2, false, false, true>(W, S, B, group, x, y, rows, cols, 0, 0, normw, eps, xs, red, 0, 1, cv);
+    else if (bits == 4)
+        gq_body<4, TY_F16, 2, 2, false, false, true>(W, S, B, group, x, y, rows, cols, 0, 0, normw, eps, xs, red, 0, 1, cv);
+    else if (ty == TY_BF16)
+        gq_body<8, TY_BF16, 2, 2, false, false, true>(W, S, B, group, x, y, rows, cols, 0, 0, normw, eps, xs, red, 0, 1, cv);
+    else
+        gq_body<8, TY_F16, 2, 2, false, false, true>(W, S, B, group, x, y, rows, cols, 0, 0, normw, eps, xs, red, 0, 1, cv);
+}
 
 /* moe_down_q (decode): x[r] += sum_{k < S} wts[k] * (W[ids[k]*rows + r, :] . h_k),
    h_k = silu(gu[2k, :]) * gu[2k+1, :] (gu [2S, cols]: the gate/up GEMV's output), for MLX 4/8-bit

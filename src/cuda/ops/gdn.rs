@@ -3,7 +3,7 @@
 //! chunked delta rule or the serial scan; kernels/gdn*.cu), with their argument structs.
 
 use super::super::{Arg, Gpu};
-use super::blocks;
+use super::{blocks, gemv_default, GemvKernel, GpuLinear, GEMV_XMAX};
 use anyhow::{bail, Result};
 
 impl Gpu {
@@ -192,6 +192,65 @@ impl Gpu {
     /// One token of the causal conv1d + SiLU over C channels with K taps.
     pub fn conv_step(&self, x: u64, state: u64, w: u64, y: u64, c: usize, k: usize) -> Result<()> {
         self.conv_step_rows(x, state, w, y, c, k, &GdnRows::one())
+    }
+
+    /// Whether [`Gpu::gemv_conv`] takes this projection and conv width: a streaming format, at
+    /// most 8192 columns (a multiple of 4), K a power of two up to 16, the streaming GEMV
+    /// selected (`LILY_CUDA_GEMV`), and not switched off (`LILY_CUDA_CONV_FUSED=0`).
+    pub fn gemv_conv_ok(w: &GpuLinear, c: usize, k: usize) -> bool {
+        static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        let on = *ON.get_or_init(|| std::env::var("LILY_CUDA_CONV_FUSED").map_or(true, |v| v != "0"));
+        on && w.streams()
+            && w.count == 1
+            && w.cols <= GEMV_XMAX
+            && w.cols.is_multiple_of(4)
+            && k.is_power_of_two()
+            && k <= 16
+            && c <= w.rows
+            && matches!(gemv_default().0, GemvKernel::Q2 | GemvKernel::Wide)
+    }
+
+    /// One token of the GDN input projection with the conv folded in: `y = W · rms_norm(x)`
+    /// (norm weights 0: x as it is), then rows `c' < c` of y through [`Gpu::conv_step`]'s conv
+    /// + SiLU into `cy` with `state` updated, in one launch (gemv_q2_conv).
+    #[allow(clippy::too_many_arguments)]
+    pub fn gemv_conv(
+        &self,
+        w: &GpuLinear,
+        x: u64,
+        (normw, eps): (u64, f32),
+        y: u64,
+        (state, cw, cy): (u64, u64, u64),
+        c: usize,
+        k: usize,
+    ) -> Result<()> {
+        if !Gpu::gemv_conv_ok(w, c, k) {
+            bail!(
+                "gemv_conv: {}x{} {}-bit projection with a {k}-tap conv over {c} channels is not fused",
+                w.rows,
+                w.cols,
+                w.bits
+            );
+        }
+        let mut a = w.wargs().to_vec();
+        a.extend([
+            Arg::P(x),
+            Arg::P(y),
+            Arg::I(w.rows as i32),
+            Arg::I(w.cols as i32),
+            Arg::P(normw),
+            Arg::F(eps),
+            Arg::P(state),
+            Arg::P(cw),
+            Arg::P(cy),
+            Arg::I(c as i32),
+            Arg::I(k as i32),
+        ]);
+        let (kernel, bpsm) = gemv_default();
+        let (threads, per_sm) = kernel.geometry(bpsm);
+        let gx = self.stream_grid(w.rows, threads, per_sm, 1);
+        let shared = (4 * (w.cols + w.cols / (128 / w.bits as usize))) as u32;
+        self.launch_shared("gemv_q2_conv", (gx, 1, 1), threads, shared, &a)
     }
 
     /// [`Gpu::conv_step`] for `r.rows` sequences at once: row i's input at `x + i·r.ldx`, output
