@@ -466,6 +466,17 @@ fn fused_decode_moe_matches_cpu() {
         xb.write_f32(0, &x).unwrap();
         g.moe_down(&dn, egu_r.ptr, ids_r.ptr, wts_r.ptr, k + 1, xb.ptr).unwrap();
         check(&format!("routed decode MoE q{bits} E{e} K{k}"), &xb.read_f32(0, h).unwrap(), &want, TOL);
+        // The whole MoE in one launch (moe_fused_q), three times on one counter (each launch
+        // must wait for its own blocks only).
+        assert!(g.moe_fused_ok(&gu, &dn, e, k), "moe_fused refuses q{bits} E{e} K{k}");
+        let ctr = g.zeros(8).unwrap();
+        for rep in 0..3 {
+            xb.write_f32(0, &x).unwrap();
+            let (ids_f, wts_f) = (g.zeros(4 * (k + 1)).unwrap(), g.zeros(4 * (k + 1)).unwrap());
+            g.moe_fused(&gu, &dn, xb.ptr, (nwb.ptr, 1e-6), egu_r.ptr, route, (ids_f.ptr, wts_f.ptr), ctr.ptr).unwrap();
+            assert_eq!(ids_f.read_i32(k + 1).unwrap(), want_ids, "moe_fused: ids");
+            check(&format!("moe_fused q{bits} E{e} K{k} run {rep}"), &xb.read_f32(0, h).unwrap(), &want, TOL);
+        }
         for (kern, bpsm) in [(GemvKernel::Old, 0), (GemvKernel::Q2, 1), (GemvKernel::Q2, 4)] {
             xb.write_f32(0, &x).unwrap();
             g.moe_down_variant(kern, bpsm, &dn, egu.ptr, ids.ptr, wts.ptr, k + 1, xb.ptr).unwrap();

@@ -58,7 +58,7 @@ pub const SOURCES: [(&str, &str); 13] = [
 ];
 
 /// Kernel entry points loaded from the module.
-pub const KERNELS: [&str; 56] = [
+pub const KERNELS: [&str; 57] = [
     "rms_norm",
     "silu_mul",
     "silu_mul_pairs",
@@ -67,6 +67,7 @@ pub const KERNELS: [&str; 56] = [
     "moe_down",
     "gemv_q2",
     "gemv_q2_conv",
+    "moe_fused_q",
     "gemv_q_loadonly",
     "moe_down_q",
     "gemv_q2_routed",
@@ -267,7 +268,8 @@ unsafe impl Sync for Gpu {}
 /// Kernels that call `pdl_wait()` before touching activations (kernels/common.cuh) and so may be
 /// launched as programmatic dependents: their launch and weight reads overlap the previous
 /// kernel's tail.
-pub const PDL_KERNELS: [&str; 38] = [
+pub const PDL_KERNELS: [&str; 39] = [
+    "moe_fused_q",
     "gemv_q2_conv",
     "samp_max",
     "samp_radix",

@@ -244,6 +244,8 @@ struct Scratch {
     /// workspace (`SAMPLE_WS_BYTES`).
     sp: DevBuf,
     cand: DevBuf,
+    /// The u64 counter moe_fused_q's blocks meet on (zeroed once).
+    sync: DevBuf,
 }
 
 enum GState {
@@ -386,6 +388,7 @@ impl CudaSession {
             io: f(3)?,
             sp: f(6)?,
             cand: g.zeros(super::SAMPLE_WS_BYTES)?,
+            sync: g.zeros(8)?,
         });
         self.states = self.fresh_states()?;
         self.graphs = Default::default();
@@ -625,15 +628,21 @@ impl CudaSession {
                     // gate/up GEMV over the K + 1 experts, one fused down + combine + residual.
                     let (e, k) = (c.num_experts, c.num_experts_per_tok);
                     router.run(g, s.x.ptr, post_norm, s.router.ptr)?;
-                    if self.routed && experts.gate_up.streams() {
-                        let route = (s.router.ptr, e, k, c.norm_topk_prob);
-                        g.gemv_routed(&experts.gate_up, s.x.ptr, post_norm, s.egu.ptr, route, s.ids.ptr, s.wts.ptr)?;
+                    let route = (s.router.ptr, e, k, c.norm_topk_prob);
+                    let (gu, dn) = (&experts.gate_up, &experts.down);
+                    if self.routed && g.moe_fused_ok(gu, dn, e, k) {
+                        // Top-k, gate/up and down + residual in one launch.
+                        g.moe_fused(gu, dn, s.x.ptr, post_norm, s.egu.ptr, route, (s.ids.ptr, s.wts.ptr), s.sync.ptr)?;
+                        continue;
+                    }
+                    if self.routed && gu.streams() {
+                        g.gemv_routed(gu, s.x.ptr, post_norm, s.egu.ptr, route, s.ids.ptr, s.wts.ptr)?;
                     } else {
                         g.moe_topk_shared(s.router.ptr, e, k, c.norm_topk_prob, s.ids.ptr, s.wts.ptr, s.ids2.ptr)?;
                         let n = 2 * (k + 1);
-                        g.gemv_norm(&experts.gate_up, s.x.ptr, post_norm, s.egu.ptr, n, s.ids2.ptr, false)?;
+                        g.gemv_norm(gu, s.x.ptr, post_norm, s.egu.ptr, n, s.ids2.ptr, false)?;
                     }
-                    g.moe_down(&experts.down, s.egu.ptr, s.ids.ptr, s.wts.ptr, k + 1, s.x.ptr)?;
+                    g.moe_down(dn, s.egu.ptr, s.ids.ptr, s.wts.ptr, k + 1, s.x.ptr)?;
                 }
                 GFfn::Moe { router, experts, shared } => {
                     let (e, k) = (c.num_experts, c.num_experts_per_tok);

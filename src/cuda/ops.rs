@@ -431,6 +431,87 @@ impl Gpu {
         self.launch_shared("gemv_q2_routed", (gx, slots as u32, 1), threads, shared, &a)
     }
 
+    /// Whether [`Gpu::moe_fused`] takes these experts: both stacks in one streaming format, the
+    /// gate/up input and the K + 1 slots' intermediate rows within 8192 floats, at most 1024
+    /// experts and 63 chosen, 2(K + 1) slots within the SMs, not switched off
+    /// (`LILY_CUDA_MOE_FUSED=0`), and the streaming GEMV selected.
+    pub fn moe_fused_ok(&self, gate_up: &GpuLinear, down: &GpuLinear, e: usize, k: usize) -> bool {
+        static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        let on = *ON.get_or_init(|| std::env::var("LILY_CUDA_MOE_FUSED").map_or(true, |v| v != "0"));
+        on && gate_up.streams()
+            && down.streams()
+            && gate_up.bits == down.bits
+            && gate_up.ty == down.ty
+            && gate_up.cols == down.rows
+            && down.cols == gate_up.rows
+            && gate_up.cols <= GEMV_XMAX
+            && gate_up.cols.is_multiple_of(4)
+            && (k + 1) * down.cols <= GEMV_XMAX
+            && down.cols.is_multiple_of(4)
+            && e <= 1024
+            && k < 64
+            && k <= e
+            && 2 * (k + 1) <= self.sms as usize
+            && gemv_default().0 != GemvKernel::Old
+    }
+
+    /// Decode MoE in one launch (moe_fused_q): routing ([`Gpu::gemv_routed`]'s top-`k` with the
+    /// shared expert as slot `k`), the gate/up rows of the chosen experts into `gu`
+    /// `[2(k+1), inter]`, then [`Gpu::moe_down`]'s down projections, weighted sum and residual
+    /// into `x`; `ids`/`wts` get the routing; `ctr` is a zeroed u64 the launch's blocks meet on.
+    #[allow(clippy::too_many_arguments)]
+    pub fn moe_fused(
+        &self,
+        gate_up: &GpuLinear,
+        down: &GpuLinear,
+        x: u64,
+        (normw, eps): (u64, f32),
+        gu: u64,
+        (logits, e, k, renorm): (u64, usize, usize, bool),
+        (ids, wts): (u64, u64),
+        ctr: u64,
+    ) -> Result<()> {
+        if !self.moe_fused_ok(gate_up, down, e, k) {
+            bail!("moe_fused: experts of this shape or format are not fused");
+        }
+        let slots = 2 * (k + 1);
+        let bps = (self.sms as usize / slots).max(1);
+        let [wg, sg, bg, bits, gg, ty] = gate_up.wargs();
+        let [wd, sd, bd, _, gd, _] = down.wargs();
+        let a = [
+            wg,
+            sg,
+            bg,
+            wd,
+            sd,
+            bd,
+            bits,
+            gg,
+            gd,
+            ty,
+            Arg::P(x),
+            Arg::P(gu),
+            Arg::I(gate_up.rows as i32),
+            Arg::I(gate_up.cols as i32),
+            Arg::P(normw),
+            Arg::F(eps),
+            Arg::P(logits),
+            Arg::I(e as i32),
+            Arg::I(k as i32),
+            Arg::I(renorm as i32),
+            Arg::P(ids),
+            Arg::P(wts),
+            Arg::P(ctr),
+            Arg::I(bps as i32),
+        ];
+        let epv = 128 / gate_up.bits as usize;
+        let (h, s) = (gate_up.cols, (k + 1) * down.cols);
+        let shared = (4 * (h + h / epv).max(s + s / epv)) as u32;
+        // At least one block per 16 down rows (one row per warp, as moe_down_q), within the SMs.
+        let grid = (bps * slots).max(down.rows.div_ceil(16)).min(self.sms as usize);
+        self.launch_shared("moe_fused_q", (grid as u32, 1, 1), 512, shared, &a)
+    }
+
     /// Decode MoE down projections + weighted sum + residual: `x[r] += Σ_{k<s} wts[k] ·
     /// (W[ids[k]] h_k)[r]` with `h_k = silu(gu[2k]) ⊙ gu[2k+1]` (`gu`: `[2s, cols]`, the gate/up
     /// GEMV output); `s · cols` at most 8192.

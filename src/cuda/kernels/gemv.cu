@@ -232,7 +232,8 @@ __device__ __forceinline__ float moe_stage(const float* gu, const float* wk, int
         float w = wk[k], sum = 0.f;
 #pragma unroll
         for (int j = 0; j < EPV / 4; j++) {
-            float4 g = g4[j], u = u4[j];
+            /* L2 reads: in moe_fused_q other blocks of the same launch wrote gu */
+            float4 g = __ldcg(g4 + j), u = __ldcg(u4 + j);
             float4 h = make_float4(w * (silu_f(g.x) * u.x), w * (silu_f(g.y) * u.y), w * (silu_f(g.z) * u.z),
                                    w * (silu_f(g.w) * u.w));
             ((float4*)xs)[xswz(ch * (EPV / 4) + j)] = h;
@@ -260,7 +261,8 @@ template <int BITS, int TY, int NR, int U, bool LOADONLY, bool MOE, bool CONV = 
 __device__ __forceinline__ void gq_body(const u32* w, const u16* sc, const u16* bi, int group,
                                         const float* xg, float* y, int rows, int cols, long long E0, int accumulate,
                                         const float* normw, float eps, float* xs, float* red, const int* ids = 0,
-                                        int S = 1, ConvEpi cv = ConvEpi{0, 0, 0, 0, 1}) {
+                                        int S = 1, ConvEpi cv = ConvEpi{0, 0, 0, 0, 1}, int vbx = -1, int vgx = 0,
+                                        const u64* spin = 0, u64 spin_target = 0) {
     constexpr int EPV = 128 / BITS;
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     int n4 = cols / EPV, ng = cols / group, gsh = __ffs(group) - 1;
@@ -268,8 +270,13 @@ __device__ __forceinline__ void gq_body(const u32* w, const u16* sc, const u16* 
     int tpr = (nv + 32 * U - 1) / (32 * U); /* trips per row group */
     int ngroups = (rows + NR - 1) / NR;
     int nwarps = blockDim.x >> 5;
-    int gstride = gridDim.x * nwarps;
-    int g = blockIdx.x * nwarps + warp, t = 0;
+    /* a virtual grid (moe_fused_q runs two products in one launch) or the real one */
+    if (vbx < 0) {
+        vbx = blockIdx.x;
+        vgx = gridDim.x;
+    }
+    int gstride = vgx * nwarps;
+    int g = vbx * nwarps + warp, t = 0;
     GqTrip<NR, U> cur, nxt;
     /* conv epilogue: this lane's tap (row cr of the group, tap cj) weight and past input, loaded
        with the group's first trip (the state is this kernel's alone within a step) */
@@ -292,7 +299,17 @@ __device__ __forceinline__ void gq_body(const u32* w, const u16* sc, const u16* 
         else
             gq_load<BITS, NR, U, false>(cur, w, sc, bi, E0 + r0, min(NR, rows - r0), n4, ng, gsh, lane);
     }
-    pdl_wait(); /* weights are read above, activations only from here on */
+    if (spin) { /* moe_fused_q: every block of the launch has finished its gate/up rows */
+        if (threadIdx.x == 0) {
+            u64 v;
+            do {
+                asm volatile("ld.acquire.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(spin) : "memory");
+            } while (v < spin_target);
+        }
+        __syncthreads();
+    } else {
+        pdl_wait(); /* weights are read above, activations only from here on */
+    }
     float* xsum = xs + nv * EPV;
     float rr = MOE ? moe_stage<EPV>(xg, normw, S, cols, xs, xsum) : gq_stage<EPV>(xg, cols, normw, eps, xs, xsum, red);
     float acc[NR];
@@ -463,4 +480,59 @@ extern "C" __global__ void __launch_bounds__(512) gemv_q2_routed(const void* w, 
         gq_body<8, TY_BF16, 2, 2, false, false>(W, S, B, group, x, yz, rows, cols, E0, 0, normw, eps, xs, red);
     else
         gq_body<8, TY_F16, 2, 2, false, false>(W, S, B, group, x, yz, rows, cols, E0, 0, normw, eps, xs, red);
+}
+
+/* moe_fused_q (decode MoE, batch 1): gemv_q2_routed and moe_down_q in one launch. Grid G >=
+   bps * 2(K+1) blocks of 512 threads (one per SM, all resident: G <= SMs; G >= H/16 so that each
+   warp has at most one down row). Every block runs the top-K (route_topk), then block
+   b < bps * 2(K+1) computes the gate/up rows of slot b / bps with the virtual grid
+   (b % bps, bps) into gu; then it arrives at the launch's counter (ctr: u64, zeroed once; launch n
+   of a session raises it from nG to (n+1)G, so it never needs resetting), issues the loads of its
+   first down-projection rows, waits until all G blocks have arrived, and runs moe_down_q's body on
+   the virtual grid (b, G), reading the experts and weights from its own shared top-K. Same result
+   as gemv_q2_routed + moe_down_q; saves one launch and its ramp per MoE layer. */
+extern "C" __global__ void __launch_bounds__(512, 1)
+    moe_fused_q(const void* wg, const void* sg, const void* bg, const void* wd, const void* sd, const void* bd,
+                int bits, int group_g, int group_d, int ty, float* x, float* gu, int inter, int H, const float* normw,
+                float eps, const float* logits, int E, int K, int renorm, int* ids_out, float* wts_out, u64* ctr,
+                int bps) {
+    extern __shared__ __align__(16) float xs[];
+    __shared__ float red[33], ls[1024], wsel[65];
+    __shared__ int chosen[65];
+    __shared__ u64 s_target;
+    pdl_begin();
+    if (threadIdx.x < 32) route_topk(logits, E, K, renorm, 1, ls, chosen, wsel);
+    __syncthreads();
+    if (blockIdx.x == 0 && threadIdx.x <= K) {
+        ids_out[threadIdx.x] = chosen[threadIdx.x];
+        wts_out[threadIdx.x] = wsel[threadIdx.x];
+    }
+    const int z = blockIdx.x / bps, bx = blockIdx.x - z * bps;
+    const long long E0 = (long long)(2 * chosen[z >> 1] + (z & 1)) * inter;
+    float* gz = gu + (long long)z * inter;
+    const ConvEpi nc{0, 0, 0, 0, 1};
+    const u32 *Wg = (const u32*)wg, *Wd = (const u32*)wd;
+    const u16 *Sg = (const u16*)sg, *Bg = (const u16*)bg, *Sd = (const u16*)sd, *Bd = (const u16*)bd;
+#define MF_UP(B, T) gq_body<B, T, 2, 2, false, false>(Wg, Sg, Bg, group_g, x, gz, inter, H, E0, 0, normw, eps, xs, red, 0, 1, nc, bx, bps)
+    if (z >= 2 * (K + 1)) {
+        /* blocks beyond bps * 2(K+1) only take down-projection rows */
+    } else if (bits == 4 && ty == TY_BF16) MF_UP(4, TY_BF16);
+    else if (bits == 4) MF_UP(4, TY_F16);
+    else if (ty == TY_BF16) MF_UP(8, TY_BF16);
+    else MF_UP(8, TY_F16);
+#undef MF_UP
+    __syncthreads(); /* this block's gu rows are written (and its staging is free) */
+    if (threadIdx.x == 0) {
+        __threadfence();
+        u64 old = atomicAdd(ctr, 1ull);
+        s_target = (old / gridDim.x + 1) * gridDim.x;
+    }
+    __syncthreads();
+    const u64 target = s_target;
+#define MF_DOWN(B, T) gq_body<B, T, MD_NR, MD_U, false, true>(Wd, Sd, Bd, group_d, gu, x, H, inter, 0, 1, wsel, 0.f, xs, 0, chosen, K + 1, nc, blockIdx.x, gridDim.x, ctr, target)
+    if (bits == 4 && ty == TY_BF16) MF_DOWN(4, TY_BF16);
+    else if (bits == 4) MF_DOWN(4, TY_F16);
+    else if (ty == TY_BF16) MF_DOWN(8, TY_BF16);
+    else MF_DOWN(8, TY_F16);
+#undef MF_DOWN
 }
