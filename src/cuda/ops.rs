@@ -8,8 +8,12 @@ use std::sync::Arc;
 
 mod attention;
 mod gdn;
+mod moe;
+mod sampling;
+
 pub use attention::{AttnDecode, AttnKernel, AttnPrep, AttnRows, KvDtype};
 pub use gdn::{gdn_chunk_floats, gdn_prefill_default, GdnPrefill, GdnPrefillKernel, GdnRows, GdnStep};
+pub use sampling::{sampling_params_bytes, SAMPLE_WS_BYTES};
 
 fn ty_code(t: FloatType) -> i32 {
     match t {
@@ -144,6 +148,26 @@ impl GpuLinear {
             _ => false,
         };
         fmt && self.cols.is_multiple_of(64)
+    }
+
+    /// The leading arguments of the one-slot streaming GEMVs that normalize their input
+    /// (gemv_q2_routed, gemv_q2_conv): the weights, then x, y, rows, cols, the norm.
+    fn norm_gemv_args(&self, x: u64, y: u64, normw: u64, eps: f32) -> Vec<Arg> {
+        let mut a = self.wargs().to_vec();
+        a.extend([
+            Arg::P(x),
+            Arg::P(y),
+            Arg::I(self.rows as i32),
+            Arg::I(self.cols as i32),
+            Arg::P(normw),
+            Arg::F(eps),
+        ]);
+        a
+    }
+
+    /// Dynamic shared memory of the streaming GEMVs: the staged input and its per-chunk sums.
+    fn stream_smem(&self) -> u32 {
+        (4 * (self.cols + self.cols / (128 / self.bits as usize))) as u32
     }
 
     fn wargs(&self) -> [Arg; 6] {
@@ -373,8 +397,7 @@ impl Gpu {
                 return self.launch_shared("linear_gemv", (blocks(w.rows, 32), slots as u32, 1), 256, shared, &a);
             }
         };
-        let epv = 128 / w.bits as usize;
-        let shared = (4 * (w.cols + w.cols / epv)) as u32;
+        let shared = w.stream_smem();
         let (threads, per_sm) = kernel.geometry(bpsm);
         let gx = self.stream_grid(w.rows, threads, per_sm, slots);
         self.launch_shared(name, (gx, slots as u32, 1), threads, shared, &a)
@@ -386,176 +409,6 @@ impl Gpu {
         let need = rows.div_ceil(2).div_ceil(threads as usize / 32);
         let fill = ((self.sms * per_sm) as usize / slots.max(1)).max(1);
         need.min(fill).max(1) as u32
-    }
-
-    /// Decode MoE gate/up with the routing inside: top-`k` of the `e` router logits (the shared
-    /// expert's gate logit at `logits[e]`, its matrices at stack slot `e`), then `y[2(k+1), rows]`
-    /// = the gate/up rows of the chosen experts applied to the normalized `x`; `ids`/`wts` `[k+1]`
-    /// get the routing for [`Gpu::moe_down`]. Err when the streaming kernel does not take this
-    /// format (the caller then routes with [`Gpu::moe_topk_shared`]).
-    #[allow(clippy::too_many_arguments)]
-    pub fn gemv_routed(
-        &self,
-        w: &GpuLinear,
-        x: u64,
-        (normw, eps): (u64, f32),
-        y: u64,
-        (logits, e, k, renorm): (u64, usize, usize, bool),
-        ids: u64,
-        wts: u64,
-    ) -> Result<()> {
-        if !w.streams() || w.cols > GEMV_XMAX || e > 1024 || k >= 64 || k > e {
-            bail!("gemv_routed: unsupported shape or format");
-        }
-        let mut a = w.wargs().to_vec();
-        a.extend([
-            Arg::P(x),
-            Arg::P(y),
-            Arg::I(w.rows as i32),
-            Arg::I(w.cols as i32),
-            Arg::P(normw),
-            Arg::F(eps),
-            Arg::P(logits),
-            Arg::I(e as i32),
-            Arg::I(k as i32),
-            Arg::I(renorm as i32),
-            Arg::P(ids),
-            Arg::P(wts),
-        ]);
-        let epv = 128 / w.bits as usize;
-        let shared = (4 * (w.cols + w.cols / epv)) as u32;
-        let slots = 2 * (k + 1);
-        let (kernel, bpsm) = gemv_default();
-        let (threads, per_sm) = kernel.geometry(bpsm);
-        let gx = self.stream_grid(w.rows, threads, per_sm, slots);
-        self.launch_shared("gemv_q2_routed", (gx, slots as u32, 1), threads, shared, &a)
-    }
-
-    /// Whether [`Gpu::moe_fused`] takes these experts: both stacks in one streaming format, the
-    /// gate/up input and the K + 1 slots' intermediate rows within 8192 floats, at most 1024
-    /// experts and 63 chosen, 2(K + 1) slots within the SMs, not switched off
-    /// (`LILY_CUDA_MOE_FUSED=0`), and the streaming GEMV selected.
-    pub fn moe_fused_ok(&self, gate_up: &GpuLinear, down: &GpuLinear, e: usize, k: usize) -> bool {
-        static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-        let on = *ON.get_or_init(|| std::env::var("LILY_CUDA_MOE_FUSED").map_or(true, |v| v != "0"));
-        on && gate_up.streams()
-            && down.streams()
-            && gate_up.bits == down.bits
-            && gate_up.ty == down.ty
-            && gate_up.cols == down.rows
-            && down.cols == gate_up.rows
-            && gate_up.cols <= GEMV_XMAX
-            && gate_up.cols.is_multiple_of(4)
-            && (k + 1) * down.cols <= GEMV_XMAX
-            && down.cols.is_multiple_of(4)
-            && e <= 1024
-            && k < 64
-            && k <= e
-            && 2 * (k + 1) <= self.sms as usize
-            && gemv_default().0 != GemvKernel::Old
-    }
-
-    /// Decode MoE in one launch (moe_fused_q): routing ([`Gpu::gemv_routed`]'s top-`k` with the
-    /// shared expert as slot `k`), the gate/up rows of the chosen experts into `gu`
-    /// `[2(k+1), inter]`, then [`Gpu::moe_down`]'s down projections, weighted sum and residual
-    /// into `x`; `ids`/`wts` get the routing; `ctr` is a zeroed u64 the launch's blocks meet on.
-    #[allow(clippy::too_many_arguments)]
-    pub fn moe_fused(
-        &self,
-        gate_up: &GpuLinear,
-        down: &GpuLinear,
-        x: u64,
-        (normw, eps): (u64, f32),
-        gu: u64,
-        (logits, e, k, renorm): (u64, usize, usize, bool),
-        (ids, wts): (u64, u64),
-        ctr: u64,
-    ) -> Result<()> {
-        if !self.moe_fused_ok(gate_up, down, e, k) {
-            bail!("moe_fused: experts of this shape or format are not fused");
-        }
-        let slots = 2 * (k + 1);
-        let bps = (self.sms as usize / slots).max(1);
-        let [wg, sg, bg, bits, gg, ty] = gate_up.wargs();
-        let [wd, sd, bd, _, gd, _] = down.wargs();
-        let a = [
-            wg,
-            sg,
-            bg,
-            wd,
-            sd,
-            bd,
-            bits,
-            gg,
-            gd,
-            ty,
-            Arg::P(x),
-            Arg::P(gu),
-            Arg::I(gate_up.rows as i32),
-            Arg::I(gate_up.cols as i32),
-            Arg::P(normw),
-            Arg::F(eps),
-            Arg::P(logits),
-            Arg::I(e as i32),
-            Arg::I(k as i32),
-            Arg::I(renorm as i32),
-            Arg::P(ids),
-            Arg::P(wts),
-            Arg::P(ctr),
-            Arg::I(bps as i32),
-        ];
-        let epv = 128 / gate_up.bits as usize;
-        let (h, s) = (gate_up.cols, (k + 1) * down.cols);
-        let shared = (4 * (h + h / epv).max(s + s / epv)) as u32;
-        // At least one block per 16 down rows (one row per warp, as moe_down_q), within the SMs.
-        let grid = (bps * slots).max(down.rows.div_ceil(16)).min(self.sms as usize);
-        self.launch_shared("moe_fused_q", (grid as u32, 1, 1), 512, shared, &a)
-    }
-
-    /// Decode MoE down projections + weighted sum + residual: `x[r] += Σ_{k<s} wts[k] ·
-    /// (W[ids[k]] h_k)[r]` with `h_k = silu(gu[2k]) ⊙ gu[2k+1]` (`gu`: `[2s, cols]`, the gate/up
-    /// GEMV output); `s · cols` at most 8192.
-    pub fn moe_down(&self, w: &GpuLinear, gu: u64, ids: u64, wts: u64, s: usize, x: u64) -> Result<()> {
-        let (k, bpsm) = gemv_default();
-        self.moe_down_variant(k, bpsm, w, gu, ids, wts, s, x)
-    }
-
-    /// [`Gpu::moe_down`] through a chosen kernel: `moe_down_q` (the streaming GEMV's machinery,
-    /// blocks of 16 warps, one row per warp, `bpsm` blocks per SM at most, though only one fits)
-    /// for the weights it takes, else `moe_down`.
-    #[allow(clippy::too_many_arguments)]
-    pub fn moe_down_variant(
-        &self,
-        kernel: GemvKernel,
-        bpsm: u32,
-        w: &GpuLinear,
-        gu: u64,
-        ids: u64,
-        wts: u64,
-        s: usize,
-        x: u64,
-    ) -> Result<()> {
-        if s * w.cols > GEMV_XMAX || !w.cols.is_multiple_of(4) {
-            bail!("moe_down: {s} slots of {} columns exceed {GEMV_XMAX}", w.cols);
-        }
-        let mut a = w.wargs().to_vec();
-        a.extend([
-            Arg::P(gu),
-            Arg::P(ids),
-            Arg::P(wts),
-            Arg::I(s as i32),
-            Arg::P(x),
-            Arg::I(w.rows as i32),
-            Arg::I(w.cols as i32),
-        ]);
-        if kernel != GemvKernel::Old && w.streams() {
-            let epv = 128 / w.bits as usize;
-            let shared = (4 * (s * w.cols + s * w.cols / epv)) as u32;
-            // Blocks of 16 warps (512 threads at 96 registers: one block per SM).
-            let grid = w.rows.div_ceil(16).min((self.sms * bpsm.max(1)) as usize).max(1);
-            return self.launch_shared("moe_down_q", (grid as u32, 1, 1), 512, shared, &a);
-        }
-        self.launch_shared("moe_down", (blocks(w.rows, 16), 1, 1), 256, 4 * (s * w.cols) as u32, &a)
     }
 
     /// `y[m, :] (+)= W x[m, :]` for m rows (matrix 0 of the stack); row strides ldx, ldy (f32
@@ -695,61 +548,6 @@ impl Gpu {
         }
     }
 
-    /// Groups `p` routed pairs (expert ids[i], i32) by expert: `perm`, `inv` (i32 [p]) and the
-    /// tile list for [`Gpu::gemm_grouped`] with tiles of at most `bm` rows (`tiles`: i32
-    /// [1 + 3·(p/bm + e + 1)]).
-    pub fn moe_align(&self, ids: u64, p: usize, e: usize, bm: usize, perm: u64, inv: u64, tiles: u64) -> Result<()> {
-        if e > 1024 {
-            bail!("moe_align: {e} experts unsupported");
-        }
-        self.launch(
-            "moe_align",
-            (1, 1, 1),
-            1024,
-            &[
-                Arg::P(ids),
-                Arg::I(p as i32),
-                Arg::I(e as i32),
-                Arg::I(bm as i32),
-                Arg::P(perm),
-                Arg::P(inv),
-                Arg::P(tiles),
-            ],
-        )
-    }
-
-    /// `x[t] += Σ_k w[t,k] ye[inv[t·K+k]] + sigmoid(sg[t·sgs]) ys[t]` for t tokens.
-    #[allow(clippy::too_many_arguments)]
-    pub fn moe_combine_rows(
-        &self,
-        x: u64,
-        ye: u64,
-        inv: u64,
-        w: u64,
-        ys: u64,
-        (sg, sgs): (u64, usize),
-        h: usize,
-        k: usize,
-        t: usize,
-    ) -> Result<()> {
-        self.launch(
-            "moe_combine_rows",
-            (blocks(h, 256), t as u32, 1),
-            256,
-            &[
-                Arg::P(x),
-                Arg::P(ye),
-                Arg::P(inv),
-                Arg::P(w),
-                Arg::P(ys),
-                Arg::P(sg),
-                Arg::L(sgs as i64),
-                Arg::I(h as i32),
-                Arg::I(k as i32),
-            ],
-        )
-    }
-
     /// `out[t] = W[rows[t], :]` dequantized to f32 for t < n, the row ids read from the device
     /// i32 array at `rows`.
     pub fn embed(&self, w: &GpuLinear, rows: u64, out: u64, n: usize) -> Result<()> {
@@ -757,144 +555,8 @@ impl Gpu {
         a.extend([Arg::P(rows), Arg::I(w.cols as i32), Arg::P(out)]);
         self.launch("embed_row", (blocks(w.cols, 256), n as u32, 1), 256, &a)
     }
-
-    /// Softmax + top-k of E router logits into device ids (i32) and weights (f32); when `ids2` is
-    /// not 0 it also gets `[2·id, 2·id + 1]` per choice (rows of an interleaved gate/up stack).
-    pub fn moe_topk(&self, logits: u64, e: usize, k: usize, renorm: bool, ids: u64, w: u64, ids2: u64) -> Result<()> {
-        self.moe_topk_rows(logits, 0, 1, e, k, renorm, ids, w, ids2, false)
-    }
-
-    /// [`Gpu::moe_topk`] plus slot k for the shared expert stacked as expert e: id e, weight
-    /// sigmoid(logits[e]) (the gate logit after the router's), ids2 `[2e, 2e+1]`.
-    #[allow(clippy::too_many_arguments)]
-    pub fn moe_topk_shared(
-        &self,
-        logits: u64,
-        e: usize,
-        k: usize,
-        renorm: bool,
-        ids: u64,
-        w: u64,
-        ids2: u64,
-    ) -> Result<()> {
-        self.moe_topk_rows(logits, 0, 1, e, k, renorm, ids, w, ids2, true)
-    }
-
-    /// [`Gpu::moe_topk`] for t tokens (logit rows of stride `ld`; ids and weights `[t, k]`).
-    #[allow(clippy::too_many_arguments)]
-    pub fn moe_topk_rows(
-        &self,
-        logits: u64,
-        ld: usize,
-        t: usize,
-        e: usize,
-        k: usize,
-        renorm: bool,
-        ids: u64,
-        w: u64,
-        ids2: u64,
-        shared: bool,
-    ) -> Result<()> {
-        if e > 1024 || k > 64 || k > e {
-            bail!("moe_topk: {e} experts / top-{k} unsupported");
-        }
-        self.launch(
-            "moe_topk",
-            (t as u32, 1, 1),
-            32,
-            &[
-                Arg::P(logits),
-                Arg::I(e as i32),
-                Arg::I(k as i32),
-                Arg::I(renorm as i32),
-                Arg::P(ids),
-                Arg::P(w),
-                Arg::P(ids2),
-                Arg::L(ld as i64),
-                Arg::I(shared as i32),
-            ],
-        )
-    }
-
-    /// `x += Σ_k w_k ye[k] + g·ys` (g = sigmoid(sg) or 1 when sg = 0; ys = 0 skips it).
-    pub fn moe_combine(&self, x: u64, ye: u64, w: u64, ys: u64, sg: u64, h: usize, k: usize) -> Result<()> {
-        self.launch(
-            "moe_combine",
-            (blocks(h, 256), 1, 1),
-            256,
-            &[Arg::P(x), Arg::P(ye), Arg::P(w), Arg::P(ys), Arg::P(sg), Arg::I(h as i32), Arg::I(k as i32)],
-        )
-    }
-
-    /// Index of the largest of n values into out (i32).
-    pub fn argmax(&self, x: u64, n: usize, out: u64) -> Result<()> {
-        self.argmax_rows(x, n, out, 1)
-    }
-
-    /// The argmax of each of `rows` rows of `x: [rows, n]` into `out: [rows]` (i32), one block per row.
-    pub fn argmax_rows(&self, x: u64, n: usize, out: u64, rows: usize) -> Result<()> {
-        self.launch("argmax", (rows as u32, 1, 1), 1024, &[Arg::P(x), Arg::I(n as i32), Arg::P(out)])
-    }
-
-    /// Argmax fed back into the step's input slot: `io = [token, pos, count]` gets the argmax as
-    /// its token, `pos + 1`, and `ring[count]` the token, `count + 1`. `ws` is
-    /// [`SAMPLE_WS_BYTES`] of zeroed workspace (kernels/sampling.cu).
-    pub fn argmax_io(&self, x: u64, n: usize, io: u64, ring: u64, ws: u64) -> Result<()> {
-        let g = sample_blocks(n)?;
-        self.launch("argmax_io", (g, 1, 1), 512, &[Arg::P(x), Arg::I(n as i32), Arg::P(io), Arg::P(ring), Arg::P(ws)])
-    }
-
-    /// Like [`Gpu::argmax_io`] with the token drawn by temperature / top-k / min-p / top-p
-    /// sampling; `sp` holds [`sampling_params_bytes`]. Nine launches over the row: max, the
-    /// top-k radix select, Z_k, the top-p radix select, the draw (kernels/sampling.cu).
-    pub fn sample_io(&self, x: u64, n: usize, io: u64, ring: u64, sp: u64, ws: u64) -> Result<()> {
-        let g = (sample_blocks(n)?, 1, 1);
-        let (xa, na, spa, wsa) = (Arg::P(x), Arg::I(n as i32), Arg::P(sp), Arg::P(ws));
-        self.launch("samp_max", g, 512, &[xa, na, spa, wsa])?;
-        for sel in 0..2 {
-            if sel == 1 {
-                self.launch("samp_zsum", g, 512, &[xa, na, spa, wsa])?;
-            }
-            for pass in 0..3 {
-                self.launch("samp_radix", g, 512, &[xa, na, spa, wsa, Arg::I(sel), Arg::I(pass)])?;
-            }
-        }
-        self.launch("samp_draw", g, 512, &[xa, na, Arg::P(io), Arg::P(ring), spa, wsa])
-    }
 }
 
-/// Bytes of the workspace [`Gpu::argmax_io`] and [`Gpu::sample_io`] share between their passes
-/// (`struct SampWs`, 18,480 bytes, rounded up); allocate it zeroed.
-pub const SAMPLE_WS_BYTES: usize = 32768;
-
-/// Blocks over which the device loops spread a row of n logits (kernels/sampling.cu: at most 128,
-/// each owning at least 2,048 ids).
-fn sample_blocks(n: usize) -> Result<u32> {
-    if n == 0 || n > i32::MAX as usize {
-        bail!("device token choice over {n} logits");
-    }
-    Ok(n.div_ceil(2048).clamp(1, 128) as u32)
-}
-
-/// The 24 bytes `sample_io` reads: `[T, top_p, min_p]` f32, `top_k` i32, the seed as two u32.
-/// Rejects what the host sampler would reject, and greedy (T = 0: use `argmax_io`).
-pub fn sampling_params_bytes(p: &crate::sampling::SamplingParams, seed: u64) -> Result<[u8; 24]> {
-    p.validate()?;
-    if p.temperature <= 0.0 {
-        bail!("device sampling needs a temperature > 0 (greedy uses argmax_io)");
-    }
-    let top_k = i32::try_from(p.top_k).unwrap_or(i32::MAX);
-    let mut b = [0u8; 24];
-    b[0..4].copy_from_slice(&p.temperature.to_le_bytes());
-    b[4..8].copy_from_slice(&p.top_p.to_le_bytes());
-    b[8..12].copy_from_slice(&p.min_p.to_le_bytes());
-    b[12..16].copy_from_slice(&top_k.to_le_bytes());
-    b[16..20].copy_from_slice(&(seed as u32).to_le_bytes());
-    b[20..24].copy_from_slice(&((seed >> 32) as u32).to_le_bytes());
-    Ok(b)
-}
-
-/// Which arithmetic the many-row products use.
 /// Which bf16 kernel runs a many-row product.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum GemmKernel {
@@ -977,6 +639,7 @@ fn skinny_tn(tn: usize, k: usize, optin: usize) -> usize {
     tn
 }
 
+/// Which arithmetic the many-row products use.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Precision {
     /// fp32 FMAs (exact mode: tests against the fp32 references).

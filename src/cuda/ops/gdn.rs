@@ -232,25 +232,12 @@ impl Gpu {
                 w.bits
             );
         }
-        let mut a = w.wargs().to_vec();
-        a.extend([
-            Arg::P(x),
-            Arg::P(y),
-            Arg::I(w.rows as i32),
-            Arg::I(w.cols as i32),
-            Arg::P(normw),
-            Arg::F(eps),
-            Arg::P(state),
-            Arg::P(cw),
-            Arg::P(cy),
-            Arg::I(c as i32),
-            Arg::I(k as i32),
-        ]);
+        let mut a = w.norm_gemv_args(x, y, normw, eps);
+        a.extend([Arg::P(state), Arg::P(cw), Arg::P(cy), Arg::I(c as i32), Arg::I(k as i32)]);
         let (kernel, bpsm) = gemv_default();
         let (threads, per_sm) = kernel.geometry(bpsm);
         let gx = self.stream_grid(w.rows, threads, per_sm, 1);
-        let shared = (4 * (w.cols + w.cols / (128 / w.bits as usize))) as u32;
-        self.launch_shared("gemv_q2_conv", (gx, 1, 1), threads, shared, &a)
+        self.launch_shared("gemv_q2_conv", (gx, 1, 1), threads, w.stream_smem(), &a)
     }
 
     /// [`Gpu::conv_step`] for `r.rows` sequences at once: row i's input at `x + i·r.ldx`, output

@@ -1,0 +1,288 @@
+//! The MoE wrappers: the decode step's routed gate/up GEMV, expert down projections and the
+//! one-launch MoE (kernels/gemv.cu), top-k routing, and the prefill's expert grouping and combine
+//! (kernels/moe.cu).
+
+use super::super::{Arg, Gpu};
+use super::{blocks, gemv_default, GemvKernel, GpuLinear, GEMV_XMAX};
+use anyhow::{bail, Result};
+
+impl Gpu {
+    /// Decode MoE gate/up with the routing inside: top-`k` of the `e` router logits (the shared
+    /// expert's gate logit at `logits[e]`, its matrices at stack slot `e`), then `y[2(k+1), rows]`
+    /// = the gate/up rows of the chosen experts applied to the normalized `x`; `ids`/`wts` `[k+1]`
+    /// get the routing for [`Gpu::moe_down`]. Err when the streaming kernel does not take this
+    /// format (the caller then routes with [`Gpu::moe_topk_shared`]).
+    #[allow(clippy::too_many_arguments)]
+    pub fn gemv_routed(
+        &self,
+        w: &GpuLinear,
+        x: u64,
+        (normw, eps): (u64, f32),
+        y: u64,
+        (logits, e, k, renorm): (u64, usize, usize, bool),
+        ids: u64,
+        wts: u64,
+    ) -> Result<()> {
+        if !w.streams() || w.cols > GEMV_XMAX || e > 1024 || k >= 64 || k > e {
+            bail!("gemv_routed: unsupported shape or format");
+        }
+        let mut a = w.norm_gemv_args(x, y, normw, eps);
+        a.extend([Arg::P(logits), Arg::I(e as i32), Arg::I(k as i32), Arg::I(renorm as i32), Arg::P(ids), Arg::P(wts)]);
+        let shared = w.stream_smem();
+        let slots = 2 * (k + 1);
+        let (kernel, bpsm) = gemv_default();
+        let (threads, per_sm) = kernel.geometry(bpsm);
+        let gx = self.stream_grid(w.rows, threads, per_sm, slots);
+        self.launch_shared("gemv_q2_routed", (gx, slots as u32, 1), threads, shared, &a)
+    }
+
+    /// Whether [`Gpu::moe_fused`] takes these experts: both stacks in one streaming format, the
+    /// gate/up input and the K + 1 slots' intermediate rows within 8192 floats, at most 1024
+    /// experts and 63 chosen, 2(K + 1) slots within the SMs, not switched off
+    /// (`LILY_CUDA_MOE_FUSED=0`), and the streaming GEMV selected.
+    pub fn moe_fused_ok(&self, gate_up: &GpuLinear, down: &GpuLinear, e: usize, k: usize) -> bool {
+        static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        let on = *ON.get_or_init(|| std::env::var("LILY_CUDA_MOE_FUSED").map_or(true, |v| v != "0"));
+        on && gate_up.streams()
+            && down.streams()
+            && gate_up.bits == down.bits
+            && gate_up.ty == down.ty
+            && gate_up.cols == down.rows
+            && down.cols == gate_up.rows
+            && gate_up.cols <= GEMV_XMAX
+            && gate_up.cols.is_multiple_of(4)
+            && (k + 1) * down.cols <= GEMV_XMAX
+            && down.cols.is_multiple_of(4)
+            && e <= 1024
+            && k < 64
+            && k <= e
+            && 2 * (k + 1) <= self.sms as usize
+            && gemv_default().0 != GemvKernel::Old
+    }
+
+    /// Decode MoE in one launch (moe_fused_q): routing ([`Gpu::gemv_routed`]'s top-`k` with the
+    /// shared expert as slot `k`), the gate/up rows of the chosen experts into `gu`
+    /// `[2(k+1), inter]`, then [`Gpu::moe_down`]'s down projections, weighted sum and residual
+    /// into `x`; `ids`/`wts` get the routing; `ctr` is a zeroed u64 the launch's blocks meet on.
+    #[allow(clippy::too_many_arguments)]
+    pub fn moe_fused(
+        &self,
+        gate_up: &GpuLinear,
+        down: &GpuLinear,
+        x: u64,
+        (normw, eps): (u64, f32),
+        gu: u64,
+        (logits, e, k, renorm): (u64, usize, usize, bool),
+        (ids, wts): (u64, u64),
+        ctr: u64,
+    ) -> Result<()> {
+        if !self.moe_fused_ok(gate_up, down, e, k) {
+            bail!("moe_fused: experts of this shape or format are not fused");
+        }
+        let slots = 2 * (k + 1);
+        let bps = (self.sms as usize / slots).max(1);
+        let [wg, sg, bg, bits, gg, ty] = gate_up.wargs();
+        let [wd, sd, bd, _, gd, _] = down.wargs();
+        let a = [
+            wg,
+            sg,
+            bg,
+            wd,
+            sd,
+            bd,
+            bits,
+            gg,
+            gd,
+            ty,
+            Arg::P(x),
+            Arg::P(gu),
+            Arg::I(gate_up.rows as i32),
+            Arg::I(gate_up.cols as i32),
+            Arg::P(normw),
+            Arg::F(eps),
+            Arg::P(logits),
+            Arg::I(e as i32),
+            Arg::I(k as i32),
+            Arg::I(renorm as i32),
+            Arg::P(ids),
+            Arg::P(wts),
+            Arg::P(ctr),
+            Arg::I(bps as i32),
+        ];
+        let epv = 128 / gate_up.bits as usize;
+        let (h, s) = (gate_up.cols, (k + 1) * down.cols);
+        let shared = (4 * (h + h / epv).max(s + s / epv)) as u32;
+        // At least one block per 16 down rows (one row per warp, as moe_down_q), within the SMs.
+        let grid = (bps * slots).max(down.rows.div_ceil(16)).min(self.sms as usize);
+        self.launch_shared("moe_fused_q", (grid as u32, 1, 1), 512, shared, &a)
+    }
+
+    /// Decode MoE down projections + weighted sum + residual: `x[r] += Σ_{k<s} wts[k] ·
+    /// (W[ids[k]] h_k)[r]` with `h_k = silu(gu[2k]) ⊙ gu[2k+1]` (`gu`: `[2s, cols]`, the gate/up
+    /// GEMV output); `s · cols` at most 8192.
+    pub fn moe_down(&self, w: &GpuLinear, gu: u64, ids: u64, wts: u64, s: usize, x: u64) -> Result<()> {
+        let (k, bpsm) = gemv_default();
+        self.moe_down_variant(k, bpsm, w, gu, ids, wts, s, x)
+    }
+
+    /// [`Gpu::moe_down`] through a chosen kernel: `moe_down_q` (the streaming GEMV's machinery,
+    /// blocks of 16 warps, one row per warp, `bpsm` blocks per SM at most, though only one fits)
+    /// for the weights it takes, else `moe_down`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn moe_down_variant(
+        &self,
+        kernel: GemvKernel,
+        bpsm: u32,
+        w: &GpuLinear,
+        gu: u64,
+        ids: u64,
+        wts: u64,
+        s: usize,
+        x: u64,
+    ) -> Result<()> {
+        if s * w.cols > GEMV_XMAX || !w.cols.is_multiple_of(4) {
+            bail!("moe_down: {s} slots of {} columns exceed {GEMV_XMAX}", w.cols);
+        }
+        let mut a = w.wargs().to_vec();
+        a.extend([
+            Arg::P(gu),
+            Arg::P(ids),
+            Arg::P(wts),
+            Arg::I(s as i32),
+            Arg::P(x),
+            Arg::I(w.rows as i32),
+            Arg::I(w.cols as i32),
+        ]);
+        if kernel != GemvKernel::Old && w.streams() {
+            let epv = 128 / w.bits as usize;
+            let shared = (4 * (s * w.cols + s * w.cols / epv)) as u32;
+            // Blocks of 16 warps (512 threads at 96 registers: one block per SM).
+            let grid = w.rows.div_ceil(16).min((self.sms * bpsm.max(1)) as usize).max(1);
+            return self.launch_shared("moe_down_q", (grid as u32, 1, 1), 512, shared, &a);
+        }
+        self.launch_shared("moe_down", (blocks(w.rows, 16), 1, 1), 256, 4 * (s * w.cols) as u32, &a)
+    }
+
+    /// Groups `p` routed pairs (expert ids[i], i32) by expert: `perm`, `inv` (i32 [p]) and the
+    /// tile list for [`Gpu::gemm_grouped`] with tiles of at most `bm` rows (`tiles`: i32
+    /// [1 + 3·(p/bm + e + 1)]).
+    pub fn moe_align(&self, ids: u64, p: usize, e: usize, bm: usize, perm: u64, inv: u64, tiles: u64) -> Result<()> {
+        if e > 1024 {
+            bail!("moe_align: {e} experts unsupported");
+        }
+        self.launch(
+            "moe_align",
+            (1, 1, 1),
+            1024,
+            &[
+                Arg::P(ids),
+                Arg::I(p as i32),
+                Arg::I(e as i32),
+                Arg::I(bm as i32),
+                Arg::P(perm),
+                Arg::P(inv),
+                Arg::P(tiles),
+            ],
+        )
+    }
+
+    /// `x[t] += Σ_k w[t,k] ye[inv[t·K+k]] + sigmoid(sg[t·sgs]) ys[t]` for t tokens.
+    #[allow(clippy::too_many_arguments)]
+    pub fn moe_combine_rows(
+        &self,
+        x: u64,
+        ye: u64,
+        inv: u64,
+        w: u64,
+        ys: u64,
+        (sg, sgs): (u64, usize),
+        h: usize,
+        k: usize,
+        t: usize,
+    ) -> Result<()> {
+        self.launch(
+            "moe_combine_rows",
+            (blocks(h, 256), t as u32, 1),
+            256,
+            &[
+                Arg::P(x),
+                Arg::P(ye),
+                Arg::P(inv),
+                Arg::P(w),
+                Arg::P(ys),
+                Arg::P(sg),
+                Arg::L(sgs as i64),
+                Arg::I(h as i32),
+                Arg::I(k as i32),
+            ],
+        )
+    }
+
+    /// Softmax + top-k of E router logits into device ids (i32) and weights (f32); when `ids2` is
+    /// not 0 it also gets `[2·id, 2·id + 1]` per choice (rows of an interleaved gate/up stack).
+    pub fn moe_topk(&self, logits: u64, e: usize, k: usize, renorm: bool, ids: u64, w: u64, ids2: u64) -> Result<()> {
+        self.moe_topk_rows(logits, 0, 1, e, k, renorm, ids, w, ids2, false)
+    }
+
+    /// [`Gpu::moe_topk`] plus slot k for the shared expert stacked as expert e: id e, weight
+    /// sigmoid(logits[e]) (the gate logit after the router's), ids2 `[2e, 2e+1]`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn moe_topk_shared(
+        &self,
+        logits: u64,
+        e: usize,
+        k: usize,
+        renorm: bool,
+        ids: u64,
+        w: u64,
+        ids2: u64,
+    ) -> Result<()> {
+        self.moe_topk_rows(logits, 0, 1, e, k, renorm, ids, w, ids2, true)
+    }
+
+    /// [`Gpu::moe_topk`] for t tokens (logit rows of stride `ld`; ids and weights `[t, k]`).
+    #[allow(clippy::too_many_arguments)]
+    pub fn moe_topk_rows(
+        &self,
+        logits: u64,
+        ld: usize,
+        t: usize,
+        e: usize,
+        k: usize,
+        renorm: bool,
+        ids: u64,
+        w: u64,
+        ids2: u64,
+        shared: bool,
+    ) -> Result<()> {
+        if e > 1024 || k > 64 || k > e {
+            bail!("moe_topk: {e} experts / top-{k} unsupported");
+        }
+        self.launch(
+            "moe_topk",
+            (t as u32, 1, 1),
+            32,
+            &[
+                Arg::P(logits),
+                Arg::I(e as i32),
+                Arg::I(k as i32),
+                Arg::I(renorm as i32),
+                Arg::P(ids),
+                Arg::P(w),
+                Arg::P(ids2),
+                Arg::L(ld as i64),
+                Arg::I(shared as i32),
+            ],
+        )
+    }
+
+    /// `x += Σ_k w_k ye[k] + g·ys` (g = sigmoid(sg) or 1 when sg = 0; ys = 0 skips it).
+    pub fn moe_combine(&self, x: u64, ye: u64, w: u64, ys: u64, sg: u64, h: usize, k: usize) -> Result<()> {
+        self.launch(
+            "moe_combine",
+            (blocks(h, 256), 1, 1),
+            256,
+            &[Arg::P(x), Arg::P(ye), Arg::P(w), Arg::P(ys), Arg::P(sg), Arg::I(h as i32), Arg::I(k as i32)],
+        )
+    }
+}
