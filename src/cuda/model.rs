@@ -243,7 +243,7 @@ struct Scratch {
     /// The sampling loop's parameters (`sampling_params_bytes`) and the device token choice's
     /// workspace (`SAMPLE_WS_BYTES`).
     sp: DevBuf,
-    cand: DevBuf,
+    pick_ws: DevBuf,
     /// The u64 counter moe_fused_q's blocks meet on (zeroed once).
     sync: DevBuf,
 }
@@ -387,7 +387,7 @@ impl CudaSession {
             part: f(c.num_attention_heads * self.attn[0].1.max(self.attn[1].1) * (c.head_dim + 2))?,
             io: f(3)?,
             sp: f(6)?,
-            cand: g.zeros(super::SAMPLE_WS_BYTES)?,
+            pick_ws: g.zeros(super::SAMPLE_WS_BYTES)?,
             sync: g.zeros(8)?,
         });
         self.states = self.fresh_states()?;
@@ -501,9 +501,9 @@ impl CudaSession {
             this.record(true, long)?;
             let s = this.scratch.as_ref().context("session scratch")?;
             if sampled {
-                g.sample_io(s.logits.ptr, v, s.io.ptr, ring, s.sp.ptr, s.cand.ptr)
+                g.sample_io(s.logits.ptr, v, s.io.ptr, ring, s.sp.ptr, s.pick_ws.ptr)
             } else {
-                g.argmax_io(s.logits.ptr, v, s.io.ptr, ring, s.cand.ptr)
+                g.argmax_io(s.logits.ptr, v, s.io.ptr, ring, s.pick_ws.ptr)
             }
         };
         // Steps before the long-context attention threshold, then the rest.
@@ -633,16 +633,16 @@ impl CudaSession {
                     if self.routed && g.moe_fused_ok(gu, dn, e, k) {
                         // Top-k, gate/up and down + residual in one launch.
                         g.moe_fused(gu, dn, s.x.ptr, post_norm, s.egu.ptr, route, (s.ids.ptr, s.wts.ptr), s.sync.ptr)?;
-                        continue;
-                    }
-                    if self.routed && gu.streams() {
-                        g.gemv_routed(gu, s.x.ptr, post_norm, s.egu.ptr, route, s.ids.ptr, s.wts.ptr)?;
                     } else {
-                        g.moe_topk_shared(s.router.ptr, e, k, c.norm_topk_prob, s.ids.ptr, s.wts.ptr, s.ids2.ptr)?;
-                        let n = 2 * (k + 1);
-                        g.gemv_norm(gu, s.x.ptr, post_norm, s.egu.ptr, n, s.ids2.ptr, false)?;
+                        if self.routed && gu.streams() {
+                            g.gemv_routed(gu, s.x.ptr, post_norm, s.egu.ptr, route, s.ids.ptr, s.wts.ptr)?;
+                        } else {
+                            g.moe_topk_shared(s.router.ptr, e, k, c.norm_topk_prob, s.ids.ptr, s.wts.ptr, s.ids2.ptr)?;
+                            let n = 2 * (k + 1);
+                            g.gemv_norm(gu, s.x.ptr, post_norm, s.egu.ptr, n, s.ids2.ptr, false)?;
+                        }
+                        g.moe_down(dn, s.egu.ptr, s.ids.ptr, s.wts.ptr, k + 1, s.x.ptr)?;
                     }
-                    g.moe_down(dn, s.egu.ptr, s.ids.ptr, s.wts.ptr, k + 1, s.x.ptr)?;
                 }
                 GFfn::Moe { router, experts, shared } => {
                     let (e, k) = (c.num_experts, c.num_experts_per_tok);

@@ -393,7 +393,7 @@ impl CudaBatch {
             }
             rows.sp.write_bytes(0, &sp)?;
             rows.sio.write_bytes(0, &vec![0u8; 12 * samples.len()])?;
-            let cand = self.driver.scratch.as_ref().context("driver scratch")?.cand.ptr;
+            let ws = self.driver.scratch.as_ref().context("driver scratch")?.pick_ws.ptr;
             for (j, &(i, _)) in samples.iter().enumerate() {
                 g.sample_io(
                     p.logits.at(4 * i * v),
@@ -401,7 +401,7 @@ impl CudaBatch {
                     rows.sio.at(12 * j),
                     rows.amax.at(4 * i),
                     rows.sp.at(24 * j),
-                    cand,
+                    ws,
                 )?;
             }
         }
