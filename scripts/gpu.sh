@@ -9,7 +9,8 @@
 #                             full-size synthetic Qwen3.6-35B-A3B and prints a short table last.
 #                             Logs go to $OUT (or .gpu/out) when set. Knobs: ONLY_TESTS, SKIP_TESTS,
 #                             BENCH_CONTEXTS, BENCH_BATCH (e.g. 1,4,16,64), BENCH_LONG, KV_AB,
-#                             AB_OLD (another build's lily binary: batch-1 A/B), ...
+#                             AB_OLD (another build's lily binary: batch-1 A/B), BATCH_VARIANTS
+#                             (';'-separated env settings: the batched bench per setting), ...
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -87,6 +88,22 @@ if [ -n "${BENCH_BATCH:-}" ]; then
     --contexts "${BATCH_CONTEXTS:-256}" --batch "$BENCH_BATCH" --decode-steps 128 --warmup "${BATCH_WARMUP:-1}" \
     2>&1 | tee "$OUTDIR/bench_batch.txt" || status=1
 fi
+if [ -n "${BATCH_VARIANTS:-}" ]; then
+  # The batched bench once per setting (';'-separated env assignments, "-" for none), and with
+  # AB_OLD's binary first when set: A/Bs of the batched step in one lease.
+  IFS=';' read -ra variants <<<"$BATCH_VARIANTS"
+  bins=(.gpu/x/bin/lily)
+  [ -n "${AB_OLD:-}" ] && bins=("$AB_OLD" .gpu/x/bin/lily)
+  for b in "${bins[@]}"; do
+    for v in "${variants[@]}"; do
+      [ "$b" = "${AB_OLD:-}" ] && [ "$v" != "${variants[0]}" ] && continue
+      echo "-- $b $v"
+      env ${v/#-/} timeout "${BENCH_TIMEOUT:-420}" "$b" bench --device cuda --model synthetic:qwen3.6-35b-a3b \
+        --contexts 256 --batch "${VARIANT_BATCH:-16,64}" --decode-steps 128 --warmup 1 2>&1 \
+        | grep "^|" | tail -n +3 | tee -a "$OUTDIR/batch_variants.txt" || status=1
+    done
+  done
+fi
 if [ -n "${BENCH_LONG:-}" ]; then
   # Long contexts without the exact-shape warm-up (a 128K warm-up prefill alone takes ~50 s).
   echo "== bench, long context (--warmup 0)"
@@ -99,7 +116,7 @@ if [ -n "${KV_AB:-}" ]; then
   timeout "${BENCH_TIMEOUT:-420}" .gpu/x/bin/lily bench --device cuda --model synthetic:qwen3.6-35b-a3b \
     --contexts "$KV_AB" --warmup 0 --kv-cache-dtype f32 2>&1 | tee "$OUTDIR/bench_kv_f32.txt" || status=1
 fi
-if [ -n "${AB_OLD:-}" ]; then
+if [ -n "${AB_OLD:-}" ] && [ "${AB_CONTEXTS:-256}" != none ]; then
   # Batch-1 A/B in one lease: another build's lily binary (AB_OLD) and this one, alternating.
   echo "== A/B: $AB_OLD vs this build, alternating (--contexts ${AB_CONTEXTS:-256})"
   for i in 1 2; do

@@ -46,6 +46,8 @@ fn kernels(gl: &GpuLinear) -> Vec<(Precision, GemmKernel)> {
     let mut v = vec![(Precision::F32, GemmKernel::Auto), (Precision::Bf16, GemmKernel::Tiles)];
     if gl.skinny_ok() {
         v.extend([8, 16, 32].map(|tn| (Precision::Bf16, GemmKernel::Skinny(tn))));
+        // small grids split K over blocks: the same products with each block over all of K
+        v.extend([8, 32].map(|tn| (Precision::Bf16, GemmKernel::SkinnyUnsplit(tn))));
     }
     v
 }

@@ -258,6 +258,24 @@ pub struct Gpu {
     /// The stream every kernel runs on: a blocking stream (it synchronizes with the legacy
     /// default stream, which the synchronous copies use) that CUDA graphs can capture.
     pub stream: sys::CUstream,
+    /// gemm_skinny's split-K workspace: [`SPLITK_PART_BYTES`] of partial sums, then
+    /// [`SPLITK_TICKETS`] u32 arrival tickets (zero between launches). Kernels on the one
+    /// stream use it in turn.
+    pub splitk_ws: u64,
+}
+
+/// Bytes of partial sums a split-K skinny product may write (ksplit · M · N floats).
+pub const SPLITK_PART_BYTES: usize = 8 << 20;
+/// Blocks (row tile, sub-tile) of a split-K skinny product: one ticket each.
+pub const SPLITK_TICKETS: usize = 4096;
+
+impl Drop for Gpu {
+    fn drop(&mut self) {
+        if self.bind().is_ok() {
+            // SAFETY: allocated in Gpu::new, freed once; the context is still alive here.
+            let _ = unsafe { drv::free_sync(self.splitk_ws) };
+        }
+    }
 }
 
 // SAFETY: CUfunction handles are immutable after load and valid in every thread that has the
@@ -447,7 +465,12 @@ impl Gpu {
         }
         let stream = drv::stream::create(drv::stream::StreamKind::Default).map_err(|e| anyhow!("{e:?}"))?;
         let pdl = maj >= 9 && std::env::var("LILY_CUDA_PDL").map_or(true, |v| v != "0");
-        Ok(Gpu { ctx, name, arch, total_mem, sms, smem_optin, pdl, funcs, stream })
+        // SAFETY: a plain device allocation, zeroed (the tickets start at 0), freed in Drop.
+        let splitk_ws = unsafe { drv::malloc_sync(SPLITK_PART_BYTES + SPLITK_TICKETS * 4) }
+            .map_err(|e| anyhow!("split-K workspace: {e:?}"))?;
+        unsafe { drv::memset_d8_sync(splitk_ws, 0, SPLITK_PART_BYTES + SPLITK_TICKETS * 4) }
+            .map_err(|e| anyhow!("{e:?}"))?;
+        Ok(Gpu { ctx, name, arch, total_mem, sms, smem_optin, pdl, funcs, stream, splitk_ws })
     }
 
     /// Makes the context current on this thread (sessions may move between threads).

@@ -521,7 +521,7 @@ impl Gpu {
         ]);
         match (prec, kern) {
             (Precision::F32, _) => self.launch("gemm_f32", (blocks(n, 8), ntiles as u32, 1), 256, &a),
-            (Precision::Bf16, GemmKernel::Skinny(tn)) => {
+            (Precision::Bf16, GemmKernel::Skinny(tn) | GemmKernel::SkinnyUnsplit(tn)) => {
                 if !w.skinny_ok() {
                     bail!("gemm_skinny: {}-bit weights of width {} (group {}) unsupported", w.bits, w.cols, w.group);
                 }
@@ -533,12 +533,17 @@ impl Gpu {
                 };
                 let kq = skinny_kq(w.cols);
                 let bn = 256 / kq;
-                a.push(Arg::I(kq as i32));
-                let grid = if tiles == 0 {
-                    (blocks(n, bn) * m.div_ceil(tn) as u32, 1, 1)
-                } else {
-                    (blocks(n, bn), ntiles as u32, 1)
-                };
+                let grid = if tiles == 0 { blocks(n, bn) * m.div_ceil(tn) as u32 } else { blocks(n, bn) };
+                let split = tiles == 0 && !matches!(kern, GemmKernel::SkinnyUnsplit(_));
+                let ksplit =
+                    if split { skinny_ksplit(grid as usize, self.sms as usize, w.cols / 64, kq, m * n) } else { 1 };
+                a.extend([
+                    Arg::I(kq as i32),
+                    Arg::I(ksplit as i32),
+                    Arg::P(self.splitk_ws),
+                    Arg::P(self.splitk_ws + super::SPLITK_PART_BYTES as u64),
+                ]);
+                let grid = if tiles == 0 { (grid, ksplit as u32, 1) } else { (grid, ntiles as u32, 1) };
                 self.launch_shared(name, grid, 256, skinny_smem(tn, w.cols) as u32, &a)
             }
             (Precision::Bf16, _) if tiles == 0 && m >= 1024 => {
@@ -567,6 +572,8 @@ pub enum GemmKernel {
     /// gemm_skinny: weight rows on the MMA's M side, up to this many input rows (8, 16 or 32)
     /// per pass; each weight read once per pass.
     Skinny(usize),
+    /// [`GemmKernel::Skinny`] with K never split over blocks (tests the one-block sums).
+    SkinnyUnsplit(usize),
 }
 
 /// Most rows of a plain product that go to the skinny kernel (`LILY_CUDA_SKINNY_MAX_M`).
@@ -604,6 +611,22 @@ impl GemmKernel {
             k => k,
         }
     }
+}
+
+/// Blocks over which a plain skinny product of `grid` blocks splits K (`chunks` of 64 columns,
+/// `kq` parts per block, `mn` output values): enough to give every SM a block, at most 8, each
+/// warp keeping at least one chunk, within the workspace; 1 from half the SMs up
+/// (`LILY_CUDA_SKINNY_SPLITK=0` turns it off).
+fn skinny_ksplit(grid: usize, sms: usize, chunks: usize, kq: usize, mn: usize) -> usize {
+    static OFF: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    if *OFF.get_or_init(|| std::env::var("LILY_CUDA_SKINNY_SPLITK").is_ok_and(|v| v == "0")) {
+        return 1;
+    }
+    if 2 * grid >= sms || grid > super::SPLITK_TICKETS {
+        return 1;
+    }
+    let fit = super::SPLITK_PART_BYTES / (4 * mn.max(1));
+    sms.div_ceil(grid).min(8).min(chunks / kq).min(fit).max(1)
 }
 
 /// Dynamic shared memory of gemm_skinny for `tn` rows per pass and width `k`.

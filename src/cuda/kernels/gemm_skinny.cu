@@ -36,7 +36,11 @@
  * within 128 registers at NT <= 2; NT = 4 is one block per SM, about 190 registers, since its
  * 128 KB of staged inputs at K = 2048 allow no second one). The kq K-part partials are added in
  * a fixed order through shared memory (deterministic).
- * grid (ceil(N/bn) * ceil(M/TN)) plain, (ceil(N/bn), tiles) grouped. Dynamic shared memory
+ * A plain product whose grid would leave most SMs idle also splits K over ksplit blocks
+ * (grid.y): each stages and reads only its range of chunks, writes its sums to part[s][m][n],
+ * and the last of the ksplit blocks of a (row tile, sub-tile) to take a ticket (tickets[x],
+ * zero between launches) adds the parts in order s = 0..ksplit-1 into y: deterministic.
+ * grid (ceil(N/bn) * ceil(M/TN), ksplit) plain, (ceil(N/bn), tiles) grouped. Dynamic shared memory
  * max(TN*K*2, 256*(TN+1)*4) bytes.
  */
 
@@ -95,7 +99,8 @@ template <int NT, int BITS>
 __device__ __forceinline__ void gemm_skinny_body(const void* w, const void* sc, const void* bi, int group, int ty,
                                                  const float* x, long long ldx, const int* gather, int gdiv,
                                                  float* y, long long ldy, int M, int N, int K, const int* tiles,
-                                                 int accumulate, int kq, uint4* xs) {
+                                                 int accumulate, int kq, int ksplit, float* part,
+                                                 unsigned* tickets, uint4* xs) {
     constexpr int TN = 8 * NT, QW = SkFmt<BITS, NT>::QW, D = SkFmt<BITS, NT>::D;
     GemmTile tl;
     /* plain products: one block per (row tile, sub-tile of TN rows), the sub-tiles of a row tile
@@ -114,8 +119,11 @@ __device__ __forceinline__ void gemm_skinny_body(const void* w, const void* sc, 
     int nrh = 8 / kq, bn = 32 * nrh; /* row groups of 32 rows; block tile bn rows */
     int rh = warp % nrh, ks = warp / nrh;
     int n0 = bx * bn;
-    /* this warp's part (of kq) of the K chunks */
-    int nch = K >> 6, c_beg = ks * nch / kq, c_end = (ks + 1) * nch / kq;
+    /* this block's part (blockIdx.y of ksplit, plain products only) and this warp's part (of kq)
+       of the K chunks */
+    int nch = K >> 6, sp = tiles ? 0 : blockIdx.y;
+    int b_beg = sp * nch / ksplit, b_len = (sp + 1) * nch / ksplit - b_beg;
+    int c_beg = b_beg + ks * b_len / kq, c_end = b_beg + (ks + 1) * b_len / kq;
     int words = BITS == 4 ? K / 8 : BITS == 8 ? K / 4 : K / 2;
 
     /* this thread's 4 weight rows: n0 + 32 rh + 16 mi + g + 8 h (mi, h in {0, 1}; clamped into the matrix) */
@@ -157,9 +165,9 @@ __device__ __forceinline__ void gemm_skinny_body(const void* w, const void* sc, 
         int ntok = min(TN, tl.m1 - mb);
         /* stage the sub-tile's inputs (the previous sub-tile's reduction is done with xs) */
         __syncthreads();
-        int kb8 = K >> 3;
+        int kb8 = b_len * 8, kbase = 64 * b_beg;
         for (int u = tid; u < TN * kb8; u += blockDim.x) {
-            int n = u / kb8, k0 = 8 * (u - n * kb8);
+            int n = u / kb8, k0 = kbase + 8 * (u - n * kb8);
             float4 a = make_float4(0.f, 0.f, 0.f, 0.f), b = a;
             if (n < ntok) {
                 const float* xp = x + gemm_xrow(gather, gdiv, mb + n) * ldx + k0;
@@ -242,13 +250,48 @@ __device__ __forceinline__ void gemm_skinny_body(const void* w, const void* sc, 
                     red[(ks * bn + rr) * RS + col] = acc[mi][j][e];
                 }
         __syncthreads();
+        if (ksplit == 1) {
+            for (int u = tid; u < bn * TN; u += blockDim.x) {
+                int col = u / bn, rr = u - col * bn, n = n0 + rr;
+                if (n < N && col < ntok) {
+                    float v = red[rr * RS + col];
+                    for (int q = 1; q < kq; q++) v += red[(q * bn + rr) * RS + col];
+                    float* o = y + (long long)(mb + col) * ldy + n;
+                    *o = accumulate ? *o + v : v;
+                }
+            }
+            continue;
+        }
+        /* split K over blocks: this block's sums go to part[sp][m][n]; the last of the ksplit
+           blocks of this (row tile, sub-tile) to arrive adds the ksplit parts in order into y
+           (deterministic) and re-arms the ticket for the next launch */
         for (int u = tid; u < bn * TN; u += blockDim.x) {
             int col = u / bn, rr = u - col * bn, n = n0 + rr;
             if (n < N && col < ntok) {
                 float v = red[rr * RS + col];
                 for (int q = 1; q < kq; q++) v += red[(q * bn + rr) * RS + col];
-                float* o = y + (long long)(mb + col) * ldy + n;
-                *o = accumulate ? *o + v : v;
+                part[((long long)sp * M + mb + col) * N + n] = v;
+            }
+        }
+        __threadfence();
+        __syncthreads();
+        __shared__ unsigned last;
+        unsigned* tk = tickets + blockIdx.x;
+        if (tid == 0) {
+            last = atomicAdd(tk, 1u) == (unsigned)ksplit - 1;
+            if (last) *tk = 0;
+        }
+        __syncthreads();
+        if (last) {
+            __threadfence();
+            for (int u = tid; u < bn * TN; u += blockDim.x) {
+                int col = u / bn, rr = u - col * bn, n = n0 + rr;
+                if (n < N && col < ntok) {
+                    float v = 0.f;
+                    for (int q = 0; q < ksplit; q++) v += __ldcg(part + ((long long)q * M + mb + col) * N + n);
+                    float* o = y + (long long)(mb + col) * ldy + n;
+                    *o = accumulate ? *o + v : v;
+                }
             }
         }
     }
@@ -258,18 +301,18 @@ __device__ __forceinline__ void gemm_skinny_body(const void* w, const void* sc, 
     extern "C" __global__ void __launch_bounds__(256, MINB)                                                           \
         NAME(const void* w, const void* sc, const void* bi, int bits, int group, int ty, const float* x,              \
              long long ldx, const int* gather, int gdiv, float* y, long long ldy, int M, int N, int K,                \
-             const int* tiles, int accumulate, int kq) {                                                              \
+             const int* tiles, int accumulate, int kq, int ksplit, float* part, unsigned* tickets) {                                                              \
         extern __shared__ uint4 sk_smem[];                                                                                 \
         pdl_begin();                                                                                                  \
         if (bits == 4)                                                                                                \
-            gemm_skinny_body<NT, 4>(w, sc, bi, group, ty, x, ldx, gather, gdiv, y, ldy, M, N, K, tiles, accumulate, kq, \
-                                    sk_smem);                                                                         \
+            gemm_skinny_body<NT, 4>(w, sc, bi, group, ty, x, ldx, gather, gdiv, y, ldy, M, N, K, tiles, accumulate, kq, ksplit, \
+                                    part, tickets, sk_smem);                                                                         \
         else if (bits == 8)                                                                                           \
-            gemm_skinny_body<NT, 8>(w, sc, bi, group, ty, x, ldx, gather, gdiv, y, ldy, M, N, K, tiles, accumulate, kq, \
-                                    sk_smem);                                                                         \
+            gemm_skinny_body<NT, 8>(w, sc, bi, group, ty, x, ldx, gather, gdiv, y, ldy, M, N, K, tiles, accumulate, kq, ksplit, \
+                                    part, tickets, sk_smem);                                                                         \
         else                                                                                                          \
-            gemm_skinny_body<NT, 0>(w, sc, bi, group, ty, x, ldx, gather, gdiv, y, ldy, M, N, K, tiles, accumulate, kq, \
-                                    sk_smem);                                                                         \
+            gemm_skinny_body<NT, 0>(w, sc, bi, group, ty, x, ldx, gather, gdiv, y, ldy, M, N, K, tiles, accumulate, kq, ksplit, \
+                                    part, tickets, sk_smem);                                                                         \
     }
 
 GEMM_SKINNY(gemm_skinny8, 1, 2)
