@@ -1,3 +1,8 @@
+#!/usr/bin/env bash
+# Hardware counters of the batched decode step's gemm_skinny launches (on the GPU machine, after
+# `bash scripts/gpu.sh` built .gpu/bundle.tar.gz here): 4 layers, B = 16 and 64, the 32 launches
+# after the prefills (one decode step), ncu --clock-control none; CSVs to $OUT/ncu{16,64}.csv.
+# Metrics: time, DRAM and L2 bytes, warps active, issue utilization, stall reasons per issue.
 set -u
 mkdir -p .gpu/x && tar -C .gpu/x -xzf .gpu/bundle.tar.gz
 export LILY_KERNEL_CACHE=$PWD/.gpu/kcache LILY_REPO=$PWD
