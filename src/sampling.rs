@@ -77,14 +77,31 @@ impl Rng {
     }
 }
 
+/// The first index of the largest logit: what a strict `>` scan from index 0 finds (a NaN never
+/// wins, and one at index 0 keeps 0). Two vectorizable passes: the maximum over 8 independent
+/// lanes, then the first block of 64 that holds it.
 pub fn argmax(logits: &[f32]) -> u32 {
-    let mut best = 0;
-    for (i, &v) in logits.iter().enumerate() {
-        if v > logits[best] {
-            best = i;
+    let Some(&first) = logits.first() else { return 0 };
+    if first.is_nan() {
+        return 0;
+    }
+    let mut lanes = [first; 8];
+    let chunks = logits.chunks_exact(8);
+    let tail = chunks.remainder();
+    for c in chunks {
+        for k in 0..8 {
+            if c[k] > lanes[k] {
+                lanes[k] = c[k];
+            }
         }
     }
-    best as u32
+    let m = lanes.iter().chain(tail).fold(first, |a, &v| if v > a { v } else { a });
+    for (b, c) in logits.chunks(64).enumerate() {
+        if c.iter().fold(false, |hit, &v| hit | (v == m)) {
+            return (64 * b + c.iter().position(|&v| v == m).unwrap_or(0)) as u32;
+        }
+    }
+    0
 }
 
 /// `log(softmax(logits))`, computed in f64 for the normaliser.
@@ -320,6 +337,46 @@ fn draw(cand: &[(u32, f32)], u: f64) -> u32 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The strict `>` scan that `argmax` must equal.
+    fn argmax_scan(l: &[f32]) -> u32 {
+        let mut best = 0;
+        for (i, &v) in l.iter().enumerate() {
+            if v > l[best] {
+                best = i;
+            }
+        }
+        best as u32
+    }
+
+    #[test]
+    fn argmax_equals_the_first_index_scan() {
+        let mut r = Rng::new(5);
+        let mut cases: Vec<Vec<f32>> = vec![
+            vec![],
+            vec![1.0],
+            vec![f32::NAN, 3.0, 2.0],
+            vec![1.0, f32::NAN, 3.0, f32::NAN],
+            vec![-0.0, 0.0, -1.0],
+            vec![f32::NEG_INFINITY; 70],
+            vec![2.0; 130],
+        ];
+        for n in [7usize, 8, 9, 63, 64, 65, 1000, 248_320] {
+            let mut v: Vec<f32> = (0..n).map(|_| (r.next_f64() * 8.0) as f32 - 4.0).collect();
+            // ties: the maximum repeated in a later block and in other lanes
+            let m = v.iter().copied().fold(f32::MIN, f32::max);
+            v[n - 1] = m;
+            v[n / 2] = m;
+            cases.push(v.clone());
+            // quantized values give many ties and NaNs scattered
+            let q: Vec<f32> =
+                v.iter().enumerate().map(|(i, x)| if i % 97 == 5 { f32::NAN } else { x.round() }).collect();
+            cases.push(q);
+        }
+        for (i, c) in cases.iter().enumerate() {
+            assert_eq!(argmax(c), argmax_scan(c), "case {i} (len {})", c.len());
+        }
+    }
 
     #[test]
     fn log_softmax_normalises() {

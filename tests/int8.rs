@@ -118,6 +118,33 @@ fn int8_products_match_f64_within_the_rounding_bound() {
     }
 }
 
+/// The AVX-512 VNNI kernel (`vpdpbusd`) forms the same integer sums in the same lanes as the
+/// AVX2 one (`maddubs` + `madd`), so their products are bit-identical: groups 64 and 128, 1 to 17
+/// tokens (every register-block width), widths with a partial last block of 8 groups.
+#[test]
+fn vnni_and_avx2_int8_products_are_bit_identical() {
+    q8::set_cpu_int8(true);
+    if !lily::cpu::kernels::has_vnni() {
+        eprintln!("this CPU has no AVX-512 VNNI (or LILY_NO_VNNI is set): nothing to compare");
+        return;
+    }
+    for (group, cols) in [(64usize, 128usize), (64, 2048), (128, 384), (64, 64 * 13)] {
+        let p = pack(45, cols, 4, group, 900 + cols as u64);
+        let mut r = rng(31);
+        for t in [1usize, 2, 5, 8, 9, 17] {
+            let x = activations(&mut r, t, cols);
+            let (mut y_vnni, mut y_avx2) = (vec![0f32; t * 45], vec![0f32; t * 45]);
+            lily::cpu::kernels::set_vnni(true);
+            p.lin.matmul(&x, &mut y_vnni);
+            lily::cpu::kernels::set_vnni(false);
+            p.lin.matmul(&x, &mut y_avx2);
+            lily::cpu::kernels::set_vnni(true);
+            let same = y_vnni.iter().zip(&y_avx2).all(|(a, b)| a.to_bits() == b.to_bits());
+            assert!(same, "group {group} cols {cols} t {t}: VNNI and AVX2 products differ");
+        }
+    }
+}
+
 fn check_products(bits: u32, group: usize, cols: usize, rows: usize) {
     let ng = cols / group;
     let p = pack(rows, cols, bits, group, 500 + bits as u64 * 7 + group as u64 + cols as u64);

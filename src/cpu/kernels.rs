@@ -27,6 +27,40 @@ pub fn has_avx2() -> bool {
     false
 }
 
+/// Whether the int8 products use AVX-512 VNNI (`vpdpbusd` on 256-bit registers) where the CPU
+/// has it: on by default with AVX2, off with `LILY_NO_VNNI` (or [`set_vnni`]). The results are
+/// bit-identical either way.
+#[inline]
+pub fn has_vnni() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        VNNI.load(std::sync::atomic::Ordering::Relaxed) && vnni_detected()
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    false
+}
+
+static VNNI: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(true);
+
+/// Turns the VNNI int8 kernels off (`false`) or back on where the CPU has them (tests and
+/// benchmarks compare the two paths).
+pub fn set_vnni(on: bool) {
+    VNNI.store(on, std::sync::atomic::Ordering::Relaxed);
+}
+
+#[cfg(target_arch = "x86_64")]
+fn vnni_detected() -> bool {
+    use std::sync::OnceLock;
+    static HAS: OnceLock<bool> = OnceLock::new();
+    *HAS.get_or_init(|| {
+        has_avx2()
+            && std::env::var_os("LILY_NO_VNNI").is_none()
+            && is_x86_feature_detected!("avx512f")
+            && is_x86_feature_detected!("avx512vl")
+            && is_x86_feature_detected!("avx512vnni")
+    })
+}
+
 /// Little-endian float bytes of type `ty` -> f32.
 pub fn to_f32(ty: FloatType, src: &[u8], out: &mut [f32]) {
     match ty {
@@ -656,11 +690,9 @@ mod avx2 {
         if i + 8 <= n {
             _mm256_loadu_ps(p.add(i))
         } else {
-            let mut tmp = [0f32; 8];
-            for (j, t) in tmp.iter_mut().enumerate().take(n - i) {
-                *t = *p.add(i + j);
-            }
-            _mm256_loadu_ps(tmp.as_ptr())
+            // lanes n - i.. are zero and not read (a masked load, not a copy through memory)
+            let m = _mm256_cmpgt_epi32(_mm256_set1_epi32((n - i) as i32), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+            _mm256_maskload_ps(p.add(i), m)
         }
     }
 

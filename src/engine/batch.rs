@@ -80,12 +80,12 @@ pub fn check_work(
 }
 
 /// What a step returns for `want`, from the logits after the sequence's last token.
-fn answer(logits: Vec<f32>, want: Want, sampling: &SamplingParams) -> Out {
+fn answer(logits: &[f32], want: Want, sampling: &SamplingParams) -> Out {
     match want {
-        Want::Logits => Out::Logits(logits),
-        Want::Greedy => Out::Token(argmax(&logits)),
+        Want::Logits => Out::Logits(logits.to_vec()),
+        Want::Greedy => Out::Token(argmax(logits)),
         // As `Session::sampled_steps`' host default: a sampler seeded by this draw's seed.
-        Want::Sample(seed) => Out::Token(Sampler::new(SamplingParams { seed, ..sampling.clone() }).sample(&logits)),
+        Want::Sample(seed) => Out::Token(Sampler::new(SamplingParams { seed, ..sampling.clone() }).sample(logits)),
     }
 }
 
@@ -149,7 +149,7 @@ impl Batched for CpuBatch {
             self.states[w.slot] = s;
         }
         let v = c.vocab_size;
-        Ok(work.iter().zip(logits.chunks_exact(v)).map(|(w, l)| answer(l.to_vec(), w.want, w.sampling)).collect())
+        Ok(work.iter().zip(logits.chunks_exact(v)).map(|(w, l)| answer(l, w.want, w.sampling)).collect())
     }
 }
 
