@@ -15,6 +15,7 @@ pub mod progress;
 pub mod safetensors;
 pub mod sampling;
 pub mod server;
+pub mod shard;
 pub mod state;
 pub mod synthetic;
 pub mod tokenizer;
