@@ -120,6 +120,45 @@ impl Linear {
         Linear { rows: n, cols: self.cols, w }
     }
 
+    /// Columns `[c0, c0 + n)` of every row as their own matrix (copied: the columns of a row are
+    /// not contiguous across rows). A quantized matrix splits only at whole groups, so `c0` and
+    /// `n` must be multiples of its group; anything else is refused by name.
+    pub fn col_range(&self, c0: usize, n: usize) -> Result<Linear> {
+        if c0 + n > self.cols || n == 0 {
+            bail!("columns [{c0}, {}) are not a non-empty range of a {}-column matrix", c0 + n, self.cols);
+        }
+        let rows = self.rows;
+        let copy = |data: &[u8], row_bytes: usize, off: usize, len: usize| -> Bytes {
+            let mut v = Vec::with_capacity(rows * len);
+            for r in 0..rows {
+                v.extend_from_slice(&data[r * row_bytes + off..r * row_bytes + off + len]);
+            }
+            Bytes::from_vec(v)
+        };
+        let w = match &self.w {
+            Weight::Dense { ty, data } => {
+                let es = ty.size();
+                Weight::Dense { ty: *ty, data: copy(data.as_slice(), self.cols * es, c0 * es, n * es) }
+            }
+            Weight::Quant { bits, group, packed, scales, biases, sty } => {
+                if !c0.is_multiple_of(*group) || !n.is_multiple_of(*group) {
+                    bail!("columns [{c0}, {}) do not fall on the quantization groups of {group}", c0 + n);
+                }
+                let (pb, es) = (*bits as usize, sty.size());
+                let (ng, g0, gn) = (self.cols / group, c0 / group, n / group);
+                Weight::Quant {
+                    bits: *bits,
+                    group: *group,
+                    packed: copy(packed.as_slice(), self.cols * pb / 8, c0 * pb / 8, n * pb / 8),
+                    scales: copy(scales.as_slice(), ng * es, g0 * es, gn * es),
+                    biases: copy(biases.as_slice(), ng * es, g0 * es, gn * es),
+                    sty: *sty,
+                }
+            }
+        };
+        Ok(Linear { rows, cols: n, w })
+    }
+
     /// Bytes this matrix occupies (what one full pass over it streams from memory).
     pub fn nbytes(&self) -> usize {
         match &self.w {
