@@ -286,27 +286,21 @@ mod avx2 {
             let hi1 = _mm256_and_si256(_mm256_srli_epi16(v1, 4), m4);
             let (xs0, xs1) = (row.pq.add(e * NT), row.pq.add((e + 64) * NT));
             for j in 0..NT {
-                if VNNI {
-                    let (a, b) = (xs0.add(64 * j), xs1.add(64 * j));
-                    let mut i =
-                        _mm256_dpbusd_epi32(_mm256_setzero_si256(), lo0, _mm256_loadu_si256(a as *const __m256i));
-                    i = _mm256_dpbusd_epi32(i, hi0, _mm256_loadu_si256(a.add(32) as *const __m256i));
-                    i = _mm256_dpbusd_epi32(i, lo1, _mm256_loadu_si256(b as *const __m256i));
-                    i = _mm256_dpbusd_epi32(i, hi1, _mm256_loadu_si256(b.add(32) as *const __m256i));
-                    let c = _mm256_broadcast_ss(&*row.c.add(j * MAXG + g));
-                    tot[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i), c, tot[j]);
-                    continue;
-                }
-                let p0 = _mm256_add_epi16(
-                    _mm256_maddubs_epi16(lo0, _mm256_loadu_si256(xs0.add(64 * j) as *const __m256i)),
-                    _mm256_maddubs_epi16(hi0, _mm256_loadu_si256(xs0.add(64 * j + 32) as *const __m256i)),
-                );
-                let p1 = _mm256_add_epi16(
-                    _mm256_maddubs_epi16(lo1, _mm256_loadu_si256(xs1.add(64 * j) as *const __m256i)),
-                    _mm256_maddubs_epi16(hi1, _mm256_loadu_si256(xs1.add(64 * j + 32) as *const __m256i)),
-                );
-                // i16 lanes: 8 products of ≤ 15·127 = 15,240 < 2^15.
-                let i = _mm256_madd_epi16(_mm256_add_epi16(p0, p1), ones);
+                let (a, b) = (xs0.add(64 * j), xs1.add(64 * j));
+                let ld = |p: *const i8| _mm256_loadu_si256(p as *const __m256i);
+                let i = if VNNI {
+                    let i = _mm256_dpbusd_epi32(_mm256_setzero_si256(), lo0, ld(a));
+                    let i = _mm256_dpbusd_epi32(i, hi0, ld(a.add(32)));
+                    let i = _mm256_dpbusd_epi32(i, lo1, ld(b));
+                    _mm256_dpbusd_epi32(i, hi1, ld(b.add(32)))
+                } else {
+                    let p0 =
+                        _mm256_add_epi16(_mm256_maddubs_epi16(lo0, ld(a)), _mm256_maddubs_epi16(hi0, ld(a.add(32))));
+                    let p1 =
+                        _mm256_add_epi16(_mm256_maddubs_epi16(lo1, ld(b)), _mm256_maddubs_epi16(hi1, ld(b.add(32))));
+                    // i16 lanes: 8 products of ≤ 15·127 = 15,240 < 2^15.
+                    _mm256_madd_epi16(_mm256_add_epi16(p0, p1), ones)
+                };
                 let c = _mm256_broadcast_ss(&*row.c.add(j * MAXG + g));
                 tot[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i), c, tot[j]);
             }
