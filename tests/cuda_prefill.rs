@@ -21,7 +21,9 @@ use lily::cpu::attention::{attention, AttnDims};
 use lily::cpu::gdn::GdnDims;
 use lily::cpu::norm::{rms_norm, sigmoid};
 use lily::cpu::rope::Rope;
-use lily::cuda::{gdn_chunk_floats, GdnPrefill, GdnPrefillKernel, GdnStep, GemmKernel, GpuLinear, Precision};
+use lily::cuda::{
+    gdn_chunk_floats, GdnPrefill, GdnPrefillKernel, GdnStep, GemmKernel, GpuLinear, Precision, PrefillAttn,
+};
 use lily::linear::{FloatType, Linear};
 use lily::safetensors::{bf16_to_f32, f32_to_bf16};
 
@@ -394,6 +396,11 @@ fn attention_prefill_matches_cpu() {
         (16, 2, 256, 64, 37, 70),
         (3, 1, 32, 32, 5, 17),
         (4, 4, 32, 32, 0, 1),
+        // The flash kernel's shapes: 128-row blocks over several 64-key tiles, chunks starting
+        // off a tile edge, a block of rows from more than one tile of keys, D = 128 with G = 8.
+        (16, 2, 256, 64, 100, 300),
+        (16, 2, 256, 64, 1000, 21),
+        (8, 1, 128, 32, 3, 40),
     ] {
         let theta = 1e7;
         let rope = Rope::new(rot, theta);
@@ -508,13 +515,22 @@ fn attention_prefill_matches_cpu() {
         let vr: Vec<f32> = vc.iter().map(|&x| bf16_to_f32(f32_to_bf16(x))).collect();
         check(&format!("{name} bf16 v cache"), &widen(&hvc), &vr, 0.0);
         check(&format!("{name} bf16 k cache"), &widen(&hkc), &kc, 1e-5);
-        for prec in [Precision::F32, Precision::Bf16] {
+        // Every kernel explicitly (the flash kernel where its head dims allow), and the default.
+        let mut kernels = vec![Some(PrefillAttn::Simt), Some(PrefillAttn::Tc), None];
+        if [64, 128, 256].contains(&hd) {
+            kernels.push(Some(PrefillAttn::Flash));
+        }
+        for k in kernels {
             out.write_f32(0, &vec![f32::NAN; t * nh * hd]).unwrap();
             let kv = lily::cuda::KvDtype::Bf16;
-            g.attn_prefill(prec, qo.ptr, hkc.ptr, hvc.ptr, (pb.ptr, ld), out.ptr, (nh, hkv, hd), t, posb.ptr, true, kv)
-                .unwrap();
-            let bound = if prec == Precision::F32 { 1e-5 } else { TOL_ATTN_BF16 };
-            check(&format!("{name} out {prec:?}, bf16 cache"), &out.read_f32(0, t * nh * hd).unwrap(), &want, bound);
+            let dims = (nh, hkv, hd);
+            match k {
+                Some(k) => g.attn_prefill_with(k, qo.ptr, hkc.ptr, hvc.ptr, (pb.ptr, ld), out.ptr, dims, t, posb.ptr, true, kv),
+                None => g.attn_prefill(Precision::Bf16, qo.ptr, hkc.ptr, hvc.ptr, (pb.ptr, ld), out.ptr, dims, t, posb.ptr, true, kv),
+            }
+            .unwrap();
+            let bound = if k == Some(PrefillAttn::Simt) { 1e-5 } else { TOL_ATTN_BF16 };
+            check(&format!("{name} out {k:?}, bf16 cache"), &out.read_f32(0, t * nh * hd).unwrap(), &want, bound);
         }
     }
 }

@@ -16,7 +16,7 @@ mod ops;
 pub use model::{upload_cached, uploaded, CudaBatch, CudaModel, CudaSession};
 pub use ops::{
     gdn_chunk_floats, gdn_prefill_default, gemv_default, sampling_params_bytes, AttnDecode, AttnKernel, AttnPrep,
-    GdnPrefill, GdnPrefillKernel, GdnRows, GdnStep, GemmKernel, GemvKernel, GpuLinear, KvDtype, Precision,
+    GdnPrefill, GdnPrefillKernel, GdnRows, GdnStep, GemmKernel, GemvKernel, GpuLinear, KvDtype, Precision, PrefillAttn,
     SAMPLE_WS_BYTES,
 };
 
@@ -41,7 +41,7 @@ use std::path::PathBuf;
 use std::sync::{Arc, OnceLock};
 
 /// Every kernel source, in compile order (the prelude first). One NVRTC program, one module.
-pub const SOURCES: [(&str, &str); 13] = [
+pub const SOURCES: [(&str, &str); 14] = [
     ("common.cuh", include_str!("kernels/common.cuh")),
     ("norm.cu", include_str!("kernels/norm.cu")),
     ("linear.cu", include_str!("kernels/linear.cu")),
@@ -52,13 +52,14 @@ pub const SOURCES: [(&str, &str); 13] = [
     ("gdn_chunk.cu", include_str!("kernels/gdn_chunk.cu")),
     ("attention.cu", include_str!("kernels/attention.cu")),
     ("attention_prefill.cu", include_str!("kernels/attention_prefill.cu")),
+    ("attention_fa.cu", include_str!("kernels/attention_fa.cu")),
     ("moe.cu", include_str!("kernels/moe.cu")),
     ("gemv.cu", include_str!("kernels/gemv.cu")),
     ("sampling.cu", include_str!("kernels/sampling.cu")),
 ];
 
 /// Kernel entry points loaded from the module.
-pub const KERNELS: [&str; 57] = [
+pub const KERNELS: [&str; 60] = [
     "rms_norm",
     "silu_mul",
     "silu_mul_pairs",
@@ -106,6 +107,9 @@ pub const KERNELS: [&str; 57] = [
     "attn_decode_gqa8_bf16",
     "attn_prefill_bf16",
     "attn_prefill_tc_bf16",
+    "attn_prefill_fa64",
+    "attn_prefill_fa128",
+    "attn_prefill_fa256",
     "moe_topk",
     "moe_align",
     "moe_combine",
@@ -251,6 +255,9 @@ pub struct Gpu {
     /// Dynamic shared memory a block may opt in to (bytes; set on the kernels that use more
     /// than 48 KB).
     pub smem_optin: usize,
+    /// The device's own opt-in limit (bytes), set on the flash-attention prefill kernels, whose
+    /// tiles need up to 192 KB ([`fa_smem`]).
+    pub smem_optin_max: usize,
     /// Programmatic dependent launch for [`PDL_KERNELS`]: on devices that have it (compute
     /// capability 9.0+) unless `LILY_CUDA_PDL=0`.
     pub pdl: bool,
@@ -399,6 +406,20 @@ pub fn profile_report() {
     p.clear();
 }
 
+/// The flash-attention prefill kernel for head dim `d` (64, 128 or 256; kernels/attention_fa.cu).
+pub fn fa_kernel(d: usize) -> &'static str {
+    match d {
+        64 => "attn_prefill_fa64",
+        128 => "attn_prefill_fa128",
+        _ => "attn_prefill_fa256",
+    }
+}
+
+/// Dynamic shared memory of [`fa_kernel`]`(d)`: Q [128][d] and two K and V tiles [64][d], bf16.
+pub fn fa_smem(d: usize) -> usize {
+    (128 + 4 * 64) * d * 2
+}
+
 static GPU: OnceLock<std::result::Result<Arc<Gpu>, String>> = OnceLock::new();
 
 /// The process-wide GPU (device 0), initialised on first use.
@@ -451,13 +472,15 @@ impl Gpu {
             .unwrap_or(48 * 1024)
             .max(48 * 1024) as usize;
         let smem_optin = optin.min(160 * 1024);
-        for k in ["gemm_skinny8", "gemm_skinny16", "gemm_skinny32"] {
+        let fa = [64, 128, 256].map(|d| (fa_kernel(d), fa_smem(d).min(optin)));
+        let skinny = ["gemm_skinny8", "gemm_skinny16", "gemm_skinny32"].map(|k| (k, smem_optin));
+        for (k, bytes) in skinny.into_iter().chain(fa) {
             // SAFETY: a valid function handle and attribute; the value is within the device limit.
             unsafe {
                 sys::cuFuncSetAttribute(
                     funcs[k],
                     sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                    smem_optin as i32,
+                    bytes as i32,
                 )
             }
             .result()
@@ -470,7 +493,7 @@ impl Gpu {
             .map_err(|e| anyhow!("split-K workspace: {e:?}"))?;
         unsafe { drv::memset_d8_sync(splitk_ws, 0, SPLITK_PART_BYTES + SPLITK_TICKETS * 4) }
             .map_err(|e| anyhow!("{e:?}"))?;
-        Ok(Gpu { ctx, name, arch, total_mem, sms, smem_optin, pdl, funcs, stream, splitk_ws })
+        Ok(Gpu { ctx, name, arch, total_mem, sms, smem_optin, smem_optin_max: optin, pdl, funcs, stream, splitk_ws })
     }
 
     /// Makes the context current on this thread (sessions may move between threads).

@@ -11,7 +11,7 @@ mod gdn;
 mod moe;
 mod sampling;
 
-pub use attention::{AttnDecode, AttnKernel, AttnPrep, AttnRows, KvDtype};
+pub use attention::{AttnDecode, AttnKernel, AttnPrep, AttnRows, KvDtype, PrefillAttn};
 pub use gdn::{gdn_chunk_floats, gdn_prefill_default, GdnPrefill, GdnPrefillKernel, GdnRows, GdnStep};
 pub use sampling::{sampling_params_bytes, SAMPLE_WS_BYTES};
 

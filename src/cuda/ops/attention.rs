@@ -5,15 +5,37 @@
 use super::super::{Arg, Gpu};
 use super::{blocks, Precision};
 use anyhow::{bail, Result};
+use std::sync::OnceLock;
 
 impl Gpu {
     /// Causal attention of t new tokens (queries `q: [t, H_q, D]`, K/V already in the caches at
     /// positions pos0.., pos0 read from the device) with the output gate read from `qg` rows of
-    /// stride ldg; out `[t, H_q·D]`. fp32 SIMT, or bf16 tensor cores.
+    /// stride ldg; out `[t, H_q·D]`. fp32 SIMT, or bf16 tensor cores: the flash kernel
+    /// ([`PrefillAttn::default_for`]).
     #[allow(clippy::too_many_arguments)]
     pub fn attn_prefill(
         &self,
         prec: Precision,
+        q: u64,
+        kc: u64,
+        vc: u64,
+        qg: (u64, usize),
+        out: u64,
+        dims: (usize, usize, usize),
+        t: usize,
+        pos0: u64,
+        gated: bool,
+        kv: KvDtype,
+    ) -> Result<()> {
+        let k = PrefillAttn::default_for(prec, kv, dims.2, self.smem_optin_max);
+        self.attn_prefill_with(k, q, kc, vc, qg, out, dims, t, pos0, gated, kv)
+    }
+
+    /// [`Gpu::attn_prefill`] on a chosen kernel (the kernel tests run each of them).
+    #[allow(clippy::too_many_arguments)]
+    pub fn attn_prefill_with(
+        &self,
+        k: PrefillAttn,
         q: u64,
         kc: u64,
         vc: u64,
@@ -29,11 +51,39 @@ impl Gpu {
         if !hd.is_multiple_of(32) || hd > 256 || !nh.is_multiple_of(hkv) {
             bail!("attn_prefill: head dim {hd} / heads {nh}:{hkv} unsupported");
         }
-        let (name, grid, block) = match (prec, kv) {
-            (Precision::F32, KvDtype::F32) => ("attn_prefill", blocks(t * (nh / hkv), 8), 256),
-            (Precision::F32, KvDtype::Bf16) => ("attn_prefill_bf16", blocks(t * (nh / hkv), 8), 256),
-            (Precision::Bf16, KvDtype::F32) => ("attn_prefill_tc", blocks(t * (nh / hkv), 64), 128),
-            (Precision::Bf16, KvDtype::Bf16) => ("attn_prefill_tc_bf16", blocks(t * (nh / hkv), 64), 128),
+        let g = nh / hkv;
+        if k == PrefillAttn::Flash {
+            if kv != KvDtype::Bf16 || ![64, 128, 256].contains(&hd) || super::super::fa_smem(hd) > self.smem_optin_max {
+                bail!("attn_prefill: the flash kernel needs a bf16 cache and head dim 64/128/256 (got {kv:?}, {hd})");
+            }
+            // scores in the log2 domain: exp2(s·scale·log2 e) = exp(s·scale)
+            let scale_log2 = std::f32::consts::LOG2_E / (hd as f32).sqrt();
+            return self.launch_shared(
+                super::super::fa_kernel(hd),
+                (blocks(t * g, 128), hkv as u32, 1),
+                256,
+                super::super::fa_smem(hd) as u32,
+                &[
+                    Arg::P(q),
+                    Arg::P(kc),
+                    Arg::P(vc),
+                    Arg::P(qg),
+                    Arg::L(ldg as i64),
+                    Arg::P(out),
+                    Arg::I(nh as i32),
+                    Arg::I(hkv as i32),
+                    Arg::I(t as i32),
+                    Arg::P(pos0),
+                    Arg::F(scale_log2),
+                    Arg::I(gated as i32),
+                ],
+            );
+        }
+        let (name, grid, block) = match (k, kv) {
+            (PrefillAttn::Simt, KvDtype::F32) => ("attn_prefill", blocks(t * g, 8), 256),
+            (PrefillAttn::Simt, KvDtype::Bf16) => ("attn_prefill_bf16", blocks(t * g, 8), 256),
+            (_, KvDtype::F32) => ("attn_prefill_tc", blocks(t * g, 64), 128),
+            (_, KvDtype::Bf16) => ("attn_prefill_tc_bf16", blocks(t * g, 64), 128),
         };
         self.launch(
             name,
@@ -272,4 +322,34 @@ pub struct AttnPrep {
     pub eps: f32,
     /// Element type of `kc`/`vc`.
     pub kv: KvDtype,
+}
+
+/// The prefill attention kernels: fp32 SIMT (the exact mode), bf16 tensor cores one 32-key tile
+/// at a time (`attn_prefill_tc*`, any cache), and the flash kernel (kernels/attention_fa.cu:
+/// 128-row blocks, cp.async double buffering, ldmatrix; bf16 cache, head dim 64/128/256).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PrefillAttn {
+    Simt,
+    Tc,
+    Flash,
+}
+
+impl PrefillAttn {
+    /// SIMT in the exact mode; in the bf16 mode the flash kernel where it applies, unless
+    /// `LILY_CUDA_ATTN_PREFILL=tc` (the A/B switch).
+    pub fn default_for(prec: Precision, kv: KvDtype, hd: usize, smem_max: usize) -> PrefillAttn {
+        static TC: OnceLock<bool> = OnceLock::new();
+        let forced_tc = *TC.get_or_init(|| std::env::var("LILY_CUDA_ATTN_PREFILL").is_ok_and(|v| v == "tc"));
+        match prec {
+            Precision::F32 => PrefillAttn::Simt,
+            _ if !forced_tc
+                && kv == KvDtype::Bf16
+                && [64, 128, 256].contains(&hd)
+                && super::super::fa_smem(hd) <= smem_max =>
+            {
+                PrefillAttn::Flash
+            }
+            _ => PrefillAttn::Tc,
+        }
+    }
 }

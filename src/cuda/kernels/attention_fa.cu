@@ -1,0 +1,239 @@
+/*
+ * attention_fa.cu: causal gated attention prefill over a bf16 KV cache, FlashAttention-2 style
+ *   (the fast prefill mode's kernel when the cache is bf16 and D is 64, 128 or 256).
+ *
+ * Math (per query row r = t*G + gi, head h = kvh*G + gi, position qp = pos0 + t):
+ *   s_j = (q_r . k_j) / sqrt(D) for j = 0..qp;  out_r = sum_j softmax(s)_j v_j, times sigmoid(gate)
+ *   when gated (gate at qg[t*ldg + h*2D + D + d]). Online softmax in the log2 domain: scores are
+ *   multiplied by scale*log2(e) and exponentiated with exp2f; running max m, sum l and output o per
+ *   row in fp32; P is rounded to bf16 for the P V product (as the tensor-core path always did).
+ *
+ * Layouts: q [T, H_q, D] fp32 (normalized, rotated, written by attn_prep); caches [capacity, H_kv,
+ *   D] bf16 (position p of KV head kvh at (p*H_kv + kvh)*D); out [T, H_q*D] fp32.
+ *
+ * Launch: grid (ceil(T*G / 128), H_kv), block 256 = 8 warps, dynamic shared memory
+ *   (128 + 4*64) * D * 2 bytes (192 KB at D = 256). Block x (taken in reverse, so the rows with the
+ *   most keys start first) owns query rows 128x .. 128x + 127 of KV head y: with G = 8 these are 16
+ *   tokens times the 8 query heads that read the same K/V, so every staged key serves 128 rows.
+ *   Warp w owns rows 16w .. 16w + 15 (one m16 tile); rows past T*G repeat the last row and are not
+ *   written.
+ *   Shared memory: Q [128][D], K [2][64][D], V [2][64][D], all bf16, each 16-byte chunk c of row i
+ *   stored at chunk c ^ (i & 7), so the 8 row addresses of every ldmatrix phase hit 8 distinct
+ *   bank groups. Q is converted from fp32 once; K/V tiles of 64 positions arrive by cp.async
+ *   (16 bytes per copy, zero-filled past the last key), the next tile in flight while this one
+ *   is computed (two buffers, one __syncthreads before and after each tile's compute).
+ *   Per tile and warp: S = Q K^T (16 x 64: D/16 k-steps x 8 n-tiles of mma.sync m16n8k16, A and B
+ *   by ldmatrix.x4), causal mask on the block's diagonal tiles only, the online-softmax update
+ *   (row max over the quad's 4 lanes; the row sum stays per lane until the end), then O += P V
+ *   (P from the S accumulators re-packed as A fragments, V by ldmatrix.x4.trans; D/8 n-tiles).
+ *   Registers: O is D/2 floats per thread (128 at D = 256), S 32.
+ */
+#define FA_BM 128
+#define FA_BN 64
+
+__device__ __forceinline__ void fa_cp16(u32 dst, const void* src, int bytes) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void fa_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+__device__ __forceinline__ void fa_wait1() { asm volatile("cp.async.wait_group 1;\n" ::: "memory"); }
+__device__ __forceinline__ void fa_ldsm(u32 a, u32& r0, u32& r1, u32& r2, u32& r3) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
+                 : "r"(a));
+}
+__device__ __forceinline__ void fa_ldsm_t(u32 a, u32& r0, u32& r1, u32& r2, u32& r3) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
+                 : "r"(a));
+}
+__device__ __forceinline__ void fa_mma(float (&c)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+/* Byte offset of 16-byte chunk c of row i in a swizzled [rows][D] bf16 array. */
+template <int D> __device__ __forceinline__ u32 fa_off(int i, int c) {
+    return (u32)(i * (D * 2) + ((c ^ (i & 7)) << 4));
+}
+
+template <int D>
+__device__ __forceinline__ void attn_fa_t(const float* q, const u16* kc, const u16* vc, const float* qg, long long ldg,
+                                          float* out, int nh, int hkv, int T, const int* pos_p, float scale_log2,
+                                          int gated) {
+    extern __shared__ __align__(128) unsigned char fa_sm[];
+    const int CH = D / 8; /* 16-byte chunks per row */
+    const u32 TILE = FA_BN * D * 2;
+    u32 sQ = (u32)__cvta_generic_to_shared(fa_sm);
+    u32 sK = sQ + FA_BM * D * 2, sV = sK + 2 * TILE;
+    int pos0 = pos_p[0];
+    int G = nh / hkv, kvh = blockIdx.y;
+    int nrows = T * G;
+    int r0 = (gridDim.x - 1 - blockIdx.x) * FA_BM;
+    int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t4 = lane & 3;
+    int last_row = min(nrows - 1, r0 + FA_BM - 1);
+    int kend = pos0 + last_row / G + 1;
+    int ntiles = (kend + FA_BN - 1) / FA_BN;
+    int diag0 = pos0 + r0 / G; /* tiles reaching past this key need the causal mask */
+    long long kstride = (long long)hkv * D;
+    const u16* kb = kc + (long long)kvh * D;
+    const u16* vb = vc + (long long)kvh * D;
+
+    /* tile 0 in flight while Q is converted */
+    auto load_tile = [&](int tile, int buf) {
+        int k0 = tile * FA_BN;
+#pragma unroll
+        for (int it = 0; it < FA_BN * CH / 256; it++) {
+            int e = tid + 256 * it;
+            int j = e / CH, c = e % CH, p = k0 + j;
+            bool ok = p < kend;
+            long long off = (long long)(ok ? p : 0) * kstride + c * 8;
+            u32 so = buf * TILE + fa_off<D>(j, c);
+            fa_cp16(sK + so, kb + off, ok ? 16 : 0);
+            fa_cp16(sV + so, vb + off, ok ? 16 : 0);
+        }
+    };
+    load_tile(0, 0);
+    fa_commit();
+#pragma unroll 4
+    for (int it = 0; it < FA_BM * CH / 256; it++) {
+        int e = tid + 256 * it;
+        int i = e / CH, c = e % CH;
+        int r = min(r0 + i, nrows - 1);
+        const float* src = q + ((long long)(r / G) * nh + kvh * G + r % G) * D + c * 8;
+        float4 x0 = *(const float4*)src, x1 = *(const float4*)(src + 4);
+        uint4 v = make_uint4(pack_bf16(x0.x, x0.y), pack_bf16(x0.z, x0.w), pack_bf16(x1.x, x1.y),
+                             pack_bf16(x1.z, x1.w));
+        u32 a = sQ + fa_off<D>(i, c);
+        asm volatile("st.shared.v4.u32 [%0], {%1,%2,%3,%4};\n" ::"r"(a), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
+                     : "memory");
+    }
+
+    /* this thread's two rows: g and g + 8 of the warp's tile */
+    int qpos[2];
+#pragma unroll
+    for (int i = 0; i < 2; i++) qpos[i] = pos0 + min(r0 + 16 * warp + g + 8 * i, nrows - 1) / G;
+    float o[D / 8][4];
+#pragma unroll
+    for (int n = 0; n < D / 8; n++)
+#pragma unroll
+        for (int c = 0; c < 4; c++) o[n][c] = 0.f;
+    float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
+    /* ldmatrix lane addresses (see the header): Q rows lane%16, chunk +lane/16; K keys
+       lane%8 + 8*(lane/16), chunk +(lane/8)%2; V keys lane%8 + 8*((lane/8)%2), chunk +lane/16 */
+    int qrow = 16 * warp + (lane & 15), qch = lane >> 4;
+    int krow = (lane & 7) + ((lane >> 4) << 3), kch = (lane >> 3) & 1;
+    int vrow = (lane & 7) + (((lane >> 3) & 1) << 3), vch = lane >> 4;
+
+    for (int tile = 0; tile < ntiles; tile++) {
+        if (tile + 1 < ntiles) load_tile(tile + 1, (tile + 1) & 1);
+        fa_commit();
+        fa_wait1();
+        __syncthreads();
+        u32 kt = sK + (tile & 1) * TILE, vt = sV + (tile & 1) * TILE;
+        int k0 = tile * FA_BN;
+        float s[8][4];
+#pragma unroll
+        for (int n = 0; n < 8; n++)
+#pragma unroll
+            for (int c = 0; c < 4; c++) s[n][c] = 0.f;
+#pragma unroll
+        for (int ks = 0; ks < D / 16; ks++) {
+            u32 a0, a1, a2, a3;
+            fa_ldsm(sQ + fa_off<D>(qrow, 2 * ks + qch), a0, a1, a2, a3);
+#pragma unroll
+            for (int np = 0; np < 4; np++) {
+                u32 b0, b1, b2, b3;
+                fa_ldsm(kt + fa_off<D>(16 * np + krow, 2 * ks + kch), b0, b1, b2, b3);
+                fa_mma(s[2 * np], a0, a1, a2, a3, b0, b1);
+                fa_mma(s[2 * np + 1], a0, a1, a2, a3, b2, b3);
+            }
+        }
+        /* s[n][2i + c]: row g + 8i, key k0 + 8n + 2t4 + c */
+        bool diag = k0 + FA_BN - 1 > diag0;
+        float mx[2] = {m[0], m[1]};
+#pragma unroll
+        for (int n = 0; n < 8; n++)
+#pragma unroll
+            for (int c = 0; c < 4; c++) {
+                int i = c >> 1;
+                float v = s[n][c] * scale_log2;
+                if (diag && k0 + 8 * n + 2 * t4 + (c & 1) > qpos[i]) v = -INFINITY;
+                s[n][c] = v;
+                mx[i] = fmaxf(mx[i], v);
+            }
+        float corr[2];
+#pragma unroll
+        for (int i = 0; i < 2; i++) {
+            mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 1));
+            mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 2));
+            /* every row sees key 0 in tile 0, so mx is finite from the first tile on */
+            corr[i] = exp2f(m[i] - mx[i]);
+            m[i] = mx[i];
+            l[i] *= corr[i];
+        }
+#pragma unroll
+        for (int n = 0; n < 8; n++)
+#pragma unroll
+            for (int c = 0; c < 4; c++) {
+                float p = exp2f(s[n][c] - mx[c >> 1]);
+                s[n][c] = p;
+                l[c >> 1] += p;
+            }
+#pragma unroll
+        for (int n = 0; n < D / 8; n++) {
+            o[n][0] *= corr[0];
+            o[n][1] *= corr[0];
+            o[n][2] *= corr[1];
+            o[n][3] *= corr[1];
+        }
+#pragma unroll
+        for (int kk = 0; kk < 4; kk++) {
+            u32 a0 = pack_bf16(s[2 * kk][0], s[2 * kk][1]);
+            u32 a1 = pack_bf16(s[2 * kk][2], s[2 * kk][3]);
+            u32 a2 = pack_bf16(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+            u32 a3 = pack_bf16(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+#pragma unroll
+            for (int dp = 0; dp < D / 16; dp++) {
+                u32 b0, b1, b2, b3;
+                fa_ldsm_t(vt + fa_off<D>(16 * kk + vrow, 2 * dp + vch), b0, b1, b2, b3);
+                fa_mma(o[2 * dp], a0, a1, a2, a3, b0, b1);
+                fa_mma(o[2 * dp + 1], a0, a1, a2, a3, b2, b3);
+            }
+        }
+        __syncthreads();
+    }
+
+#pragma unroll
+    for (int i = 0; i < 2; i++) {
+        l[i] += __shfl_xor_sync(0xffffffffu, l[i], 1);
+        l[i] += __shfl_xor_sync(0xffffffffu, l[i], 2);
+        int r = r0 + 16 * warp + g + 8 * i;
+        if (r >= nrows) continue;
+        int t = r / G, h = kvh * G + r % G;
+        float inv = 1.f / l[i];
+        float* op = out + ((long long)t * nh + h) * D;
+        const float* gp = qg + (long long)t * ldg + (long long)h * 2 * D + D;
+#pragma unroll
+        for (int n = 0; n < D / 8; n++) {
+            int d = 8 * n + 2 * t4;
+            float x0 = o[n][2 * i] * inv, x1 = o[n][2 * i + 1] * inv;
+            if (gated) {
+                x0 *= sigmoid_f(gp[d]);
+                x1 *= sigmoid_f(gp[d + 1]);
+            }
+            *(float2*)(op + d) = make_float2(x0, x1);
+        }
+    }
+}
+
+#define ATTN_FA(D)                                                                                                 \
+    extern "C" __global__ void __launch_bounds__(256, 1)                                                           \
+        attn_prefill_fa##D(const float* q, const u16* kc, const u16* vc, const float* qg, long long ldg, float* out, \
+                           int nh, int hkv, int T, const int* pos_p, float scale_log2, int gated) {                 \
+        attn_fa_t<D>(q, kc, vc, qg, ldg, out, nh, hkv, T, pos_p, scale_log2, gated);                               \
+    }
+ATTN_FA(64)
+ATTN_FA(128)
+ATTN_FA(256)
