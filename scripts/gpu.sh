@@ -8,8 +8,8 @@
 #                             bundle, runs the GPU tests, then `lily bench --device cuda` on the
 #                             full-size synthetic Qwen3.6-35B-A3B and prints a short table last.
 #                             Logs go to $OUT (or .gpu/out) when set. Knobs: ONLY_TESTS, SKIP_TESTS,
-#                             BENCH_CONTEXTS, BENCH_BATCH (e.g. 1,4,16,64), BENCH_LONG, KV_AB,
-#                             AB_OLD (another build's lily binary: batch-1 A/B), BATCH_VARIANTS
+#                             BENCH_CONTEXTS, BENCH_BATCH (e.g. 1,4,16,64), BENCH_LONG, LONG_ENV, KV_AB,
+#                             ATTN_BENCH, AB_OLD (another build's lily binary: batch-1 A/B), BATCH_VARIANTS
 #                             (';'-separated env settings: the batched bench per setting), ...
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -18,7 +18,7 @@ TESTS="cuda_compile cuda_kernels cuda_prefill cuda_model cuda_batch"
 
 if [ "${1:-build}" = build ]; then
   cargo build --release
-  cargo build --release --example gemv_bench
+  cargo build --release --example gemv_bench --example attn_bench
   rm -rf .gpu/stage && mkdir -p .gpu/stage/bin .gpu/stage/tok
   args=()
   for t in $TESTS; do args+=(--test "$t"); done
@@ -33,6 +33,7 @@ for line in sys.stdin:
 '
   cp target/release/lily .gpu/stage/bin/lily
   cp target/release/examples/gemv_bench .gpu/stage/bin/gemv_bench
+  cp target/release/examples/attn_bench .gpu/stage/bin/attn_bench
   strip .gpu/stage/bin/* 2>/dev/null || true
   tar -C .gpu/stage -czf .gpu/bundle.tar.gz .
   rm -rf .gpu/stage
@@ -67,6 +68,12 @@ done
 if [ -n "${GEMV_BENCH:-}" ]; then
   echo "== decode GEMV kernels (examples/gemv_bench.rs)"
   timeout 120 .gpu/x/bin/gemv_bench 2>&1 | tee "$OUTDIR/gemv_bench.txt" || status=1
+fi
+if [ -n "${ATTN_BENCH:-}" ]; then
+  # ATTN_BENCH="T pos0,pos0,..." (or 1 for the defaults): the prefill attention kernels alone.
+  echo "== prefill attention kernels (examples/attn_bench.rs)"
+  [ "$ATTN_BENCH" = 1 ] && ATTN_BENCH=""
+  timeout 240 .gpu/x/bin/attn_bench $ATTN_BENCH 2>&1 | tee "$OUTDIR/attn_bench.txt" || status=1
 fi
 if [ -n "${PROFILE_LAYERS:-}" ]; then
   PC=${PROFILE_CONTEXT:-256}
@@ -109,6 +116,12 @@ if [ -n "${BENCH_LONG:-}" ]; then
   echo "== bench, long context (--warmup 0)"
   timeout "${BENCH_TIMEOUT:-420}" .gpu/x/bin/lily bench --device cuda --model synthetic:qwen3.6-35b-a3b \
     --contexts "$BENCH_LONG" --warmup 0 2>&1 | tee "$OUTDIR/bench_long.txt" || status=1
+fi
+if [ -n "${LONG_ENV:-}" ]; then
+  # The long bench again under an env setting (e.g. LILY_CUDA_ATTN_PREFILL=tc), for an A/B.
+  echo "== bench, long context with $LONG_ENV (--warmup 0)"
+  env $LONG_ENV timeout "${BENCH_TIMEOUT:-420}" .gpu/x/bin/lily bench --device cuda --model synthetic:qwen3.6-35b-a3b \
+    --contexts "${LONG_ENV_CONTEXTS:-$BENCH_LONG}" --warmup 0 2>&1 | tee "$OUTDIR/bench_long_env.txt" || status=1
 fi
 if [ -n "${KV_AB:-}" ]; then
   # The same long contexts with the fp32 KV cache (the exact mode's), for an A/B in one lease.
@@ -154,6 +167,8 @@ echo "== summary (tests exit status $status)"
 grep -h "test result" "$OUTDIR"/cuda_*.log || true
 [ -f "$OUTDIR/bench.txt" ] && tail -n 6 "$OUTDIR/bench.txt"
 [ -f "$OUTDIR/bench_long.txt" ] && tail -n 3 "$OUTDIR/bench_long.txt"
+[ -f "$OUTDIR/bench_long_env.txt" ] && tail -n 3 "$OUTDIR/bench_long_env.txt"
+[ -f "$OUTDIR/attn_bench.txt" ] && grep "^|" "$OUTDIR/attn_bench.txt"
 [ -f "$OUTDIR/bench_batch.txt" ] && grep "^|" "$OUTDIR/bench_batch.txt"
 [ -f "$OUTDIR/bench_kv_f32.txt" ] && tail -n 3 "$OUTDIR/bench_kv_f32.txt"
 exit $status
