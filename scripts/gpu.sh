@@ -121,7 +121,7 @@ if [ -n "${LONG_ENV:-}" ]; then
   # The long bench again under an env setting (e.g. LILY_CUDA_ATTN_PREFILL=tc), for an A/B.
   echo "== bench, long context with $LONG_ENV (--warmup 0)"
   env $LONG_ENV timeout "${BENCH_TIMEOUT:-420}" .gpu/x/bin/lily bench --device cuda --model synthetic:qwen3.6-35b-a3b \
-    --contexts "${LONG_ENV_CONTEXTS:-$BENCH_LONG}" --warmup 0 2>&1 | tee "$OUTDIR/bench_long_env.txt" || status=1
+    --contexts "${LONG_ENV_CONTEXTS:-$BENCH_LONG}" --warmup "${LONG_ENV_WARMUP:-0}" 2>&1 | tee "$OUTDIR/bench_long_env.txt" || status=1
 fi
 if [ -n "${KV_AB:-}" ]; then
   # The same long contexts with the fp32 KV cache (the exact mode's), for an A/B in one lease.

@@ -46,6 +46,9 @@ fn i32_bytes(v: &[i32]) -> Vec<u8> {
 /// width (when it reads the format).
 fn kernels(gl: &GpuLinear) -> Vec<(Precision, GemmKernel)> {
     let mut v = vec![(Precision::F32, GemmKernel::Auto), (Precision::Bf16, GemmKernel::Tiles)];
+    if gl.pipe_ok() {
+        v.push((Precision::Bf16, GemmKernel::Pipe));
+    }
     if gl.skinny_ok() {
         v.extend([8, 16, 32].map(|tn| (Precision::Bf16, GemmKernel::Skinny(tn))));
         // small grids split K over blocks: the same products with each block over all of K
@@ -70,6 +73,8 @@ fn gemm_matches_cpu_in_both_precisions() {
         cases.push((format!("q{bits} g{group} {rows}x{cols}"), quant(&mut r, rows, cols, bits, group)));
     }
     cases.push(("q4 g64 45x2048".into(), quant(&mut r, 45, 2048, 4, 64)));
+    // 4-bit at 1100 rows (the 128-row pipelined kernel) with groups of 32 (two per k-tile)
+    cases.push(("q4 g32 40x256".into(), quant(&mut r, 40, 256, 4, 32)));
     for ty in [FloatType::F32, FloatType::F16, FloatType::BF16] {
         cases.push((format!("dense {ty:?} 29x96"), dense(&mut r, 29, 96, ty)));
     }

@@ -41,12 +41,13 @@ use std::path::PathBuf;
 use std::sync::{Arc, OnceLock};
 
 /// Every kernel source, in compile order (the prelude first). One NVRTC program, one module.
-pub const SOURCES: [(&str, &str); 14] = [
+pub const SOURCES: [(&str, &str); 15] = [
     ("common.cuh", include_str!("kernels/common.cuh")),
     ("norm.cu", include_str!("kernels/norm.cu")),
     ("linear.cu", include_str!("kernels/linear.cu")),
     ("gemm.cu", include_str!("kernels/gemm.cu")),
     ("gemm_skinny.cu", include_str!("kernels/gemm_skinny.cu")),
+    ("gemm_pipe.cu", include_str!("kernels/gemm_pipe.cu")),
     ("gdn.cu", include_str!("kernels/gdn.cu")),
     ("gdn_prefill.cu", include_str!("kernels/gdn_prefill.cu")),
     ("gdn_chunk.cu", include_str!("kernels/gdn_chunk.cu")),
@@ -59,7 +60,7 @@ pub const SOURCES: [(&str, &str); 14] = [
 ];
 
 /// Kernel entry points loaded from the module.
-pub const KERNELS: [&str; 60] = [
+pub const KERNELS: [&str; 62] = [
     "rms_norm",
     "silu_mul",
     "silu_mul_pairs",
@@ -78,6 +79,8 @@ pub const KERNELS: [&str; 60] = [
     "gemm_skinny8",
     "gemm_skinny16",
     "gemm_skinny32",
+    "gemm_pipe64",
+    "gemm_pipe128",
     "embed_row",
     "conv_step",
     "gdn_step",
@@ -406,6 +409,11 @@ pub fn profile_report() {
     p.clear();
 }
 
+/// Dynamic shared memory of gemm_pipe64 / gemm_pipe128: 3 stages of [64 or 128 rows][64] fp32
+/// inputs (kernels/gemm_pipe.cu).
+pub const GEMM_PIPE_SMEM64: usize = 3 * 64 * 256;
+pub const GEMM_PIPE_SMEM128: usize = 3 * 128 * 256;
+
 /// The flash-attention prefill kernel for head dim `d` (64, 128 or 256; kernels/attention_fa.cu).
 pub fn fa_kernel(d: usize) -> &'static str {
     match d {
@@ -473,8 +481,9 @@ impl Gpu {
             .max(48 * 1024) as usize;
         let smem_optin = optin.min(160 * 1024);
         let fa = [64, 128, 256].map(|d| (fa_kernel(d), fa_smem(d).min(optin)));
+        let pipe = [("gemm_pipe64", GEMM_PIPE_SMEM64), ("gemm_pipe128", GEMM_PIPE_SMEM128)];
         let skinny = ["gemm_skinny8", "gemm_skinny16", "gemm_skinny32"].map(|k| (k, smem_optin));
-        for (k, bytes) in skinny.into_iter().chain(fa) {
+        for (k, bytes) in skinny.into_iter().chain(fa).chain(pipe) {
             // SAFETY: a valid function handle and attribute; the value is within the device limit.
             unsafe {
                 sys::cuFuncSetAttribute(

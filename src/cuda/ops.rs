@@ -141,6 +141,12 @@ impl GpuLinear {
 
     /// Whether gemm_skinny reads this format: 4/8-bit codes in groups of a multiple of 16
     /// columns, or dense bf16; width a multiple of 64.
+    /// Whether gemm_pipe reads this format: MLX 4-bit, each thread's 16 columns inside one
+    /// group, whole 64-column k-tiles.
+    pub fn pipe_ok(&self) -> bool {
+        self.bits == 4 && self.group >= 16 && self.group % 16 == 0 && self.cols.is_multiple_of(64)
+    }
+
     pub fn skinny_ok(&self) -> bool {
         let fmt = match self.bits {
             4 | 8 => self.group >= 16 && self.group % 16 == 0,
@@ -546,6 +552,18 @@ impl Gpu {
                 let grid = if tiles == 0 { (grid, ksplit as u32, 1) } else { (grid, ntiles as u32, 1) };
                 self.launch_shared(name, grid, 256, skinny_smem(tn, w.cols) as u32, &a)
             }
+            (Precision::Bf16, GemmKernel::Pipe) => {
+                if !w.pipe_ok() {
+                    bail!("gemm_pipe: {}-bit weights of width {} (group {}) unsupported", w.bits, w.cols, w.group);
+                }
+                if tiles == 0 && m >= 1024 {
+                    let grid = (blocks(n, 128), m.div_ceil(128) as u32, 1);
+                    self.launch_shared("gemm_pipe128", grid, 256, super::GEMM_PIPE_SMEM128 as u32, &a)
+                } else {
+                    let grid = (blocks(n, 128), ntiles as u32, 1);
+                    self.launch_shared("gemm_pipe64", grid, 256, super::GEMM_PIPE_SMEM64 as u32, &a)
+                }
+            }
             (Precision::Bf16, _) if tiles == 0 && m >= 1024 => {
                 self.launch("gemm_bf16_m128", (blocks(n, 128), m.div_ceil(128) as u32, 1), 256, &a)
             }
@@ -574,6 +592,9 @@ pub enum GemmKernel {
     Skinny(usize),
     /// [`GemmKernel::Skinny`] with K never split over blocks (tests the one-block sums).
     SkinnyUnsplit(usize),
+    /// gemm_pipe: the tiles kernel's product with the inputs in a cp.async pipeline and the 4-bit
+    /// weights dequantized into the mma fragments (`LILY_CUDA_GEMM_PIPE=0`: [`GemmKernel::Tiles`]).
+    Pipe,
 }
 
 /// Most rows of a plain product that go to the skinny kernel (`LILY_CUDA_SKINNY_MAX_M`).
@@ -604,6 +625,8 @@ impl GemmKernel {
                     } else {
                         32
                     })
+                } else if w.pipe_ok() && pipe_on() {
+                    GemmKernel::Pipe
                 } else {
                     GemmKernel::Tiles
                 }
@@ -611,6 +634,12 @@ impl GemmKernel {
             k => k,
         }
     }
+}
+
+/// Whether Auto picks [`GemmKernel::Pipe`] over the tiles kernel (`LILY_CUDA_GEMM_PIPE=0`: no).
+fn pipe_on() -> bool {
+    static V: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *V.get_or_init(|| std::env::var("LILY_CUDA_GEMM_PIPE").map_or(true, |v| v != "0"))
 }
 
 /// Blocks over which a plain skinny product of `grid` blocks splits K (`chunks` of 64 columns,

@@ -31,28 +31,6 @@
 #define FA_BM 128
 #define FA_BN 64
 
-__device__ __forceinline__ void fa_cp16(u32 dst, const void* src, int bytes) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(bytes) : "memory");
-}
-__device__ __forceinline__ void fa_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-__device__ __forceinline__ void fa_wait1() { asm volatile("cp.async.wait_group 1;\n" ::: "memory"); }
-__device__ __forceinline__ void fa_ldsm(u32 a, u32& r0, u32& r1, u32& r2, u32& r3) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
-                 : "r"(a));
-}
-__device__ __forceinline__ void fa_ldsm_t(u32 a, u32& r0, u32& r1, u32& r2, u32& r3) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
-                 : "r"(a));
-}
-__device__ __forceinline__ void fa_mma(float (&c)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-        "{%0,%1,%2,%3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
 /* Byte offset of 16-byte chunk c of row i in a swizzled [rows][D] bf16 array. */
 template <int D> __device__ __forceinline__ u32 fa_off(int i, int c) {
     return (u32)(i * (D * 2) + ((c ^ (i & 7)) << 4));
@@ -90,12 +68,12 @@ __device__ __forceinline__ void attn_fa_t(const float* q, const u16* kc, const u
             bool ok = p < kend;
             long long off = (long long)(ok ? p : 0) * kstride + c * 8;
             u32 so = buf * TILE + fa_off<D>(j, c);
-            fa_cp16(sK + so, kb + off, ok ? 16 : 0);
-            fa_cp16(sV + so, vb + off, ok ? 16 : 0);
+            cp_async16(sK + so, kb + off, ok ? 16 : 0);
+            cp_async16(sV + so, vb + off, ok ? 16 : 0);
         }
     };
     load_tile(0, 0);
-    fa_commit();
+    cp_async_commit();
 #pragma unroll 4
     for (int it = 0; it < FA_BM * CH / 256; it++) {
         int e = tid + 256 * it;
@@ -128,8 +106,8 @@ __device__ __forceinline__ void attn_fa_t(const float* q, const u16* kc, const u
 
     for (int tile = 0; tile < ntiles; tile++) {
         if (tile + 1 < ntiles) load_tile(tile + 1, (tile + 1) & 1);
-        fa_commit();
-        fa_wait1();
+        cp_async_commit();
+        cp_async_wait1();
         __syncthreads();
         u32 kt = sK + (tile & 1) * TILE, vt = sV + (tile & 1) * TILE;
         int k0 = tile * FA_BN;
@@ -141,13 +119,13 @@ __device__ __forceinline__ void attn_fa_t(const float* q, const u16* kc, const u
 #pragma unroll
         for (int ks = 0; ks < D / 16; ks++) {
             u32 a0, a1, a2, a3;
-            fa_ldsm(sQ + fa_off<D>(qrow, 2 * ks + qch), a0, a1, a2, a3);
+            ldsm_x4_at(sQ + fa_off<D>(qrow, 2 * ks + qch), a0, a1, a2, a3);
 #pragma unroll
             for (int np = 0; np < 4; np++) {
                 u32 b0, b1, b2, b3;
-                fa_ldsm(kt + fa_off<D>(16 * np + krow, 2 * ks + kch), b0, b1, b2, b3);
-                fa_mma(s[2 * np], a0, a1, a2, a3, b0, b1);
-                fa_mma(s[2 * np + 1], a0, a1, a2, a3, b2, b3);
+                ldsm_x4_at(kt + fa_off<D>(16 * np + krow, 2 * ks + kch), b0, b1, b2, b3);
+                mma_bf16(s[2 * np], a0, a1, a2, a3, b0, b1);
+                mma_bf16(s[2 * np + 1], a0, a1, a2, a3, b2, b3);
             }
         }
         /* s[n][2i + c]: row g + 8i, key k0 + 8n + 2t4 + c */
@@ -197,9 +175,9 @@ __device__ __forceinline__ void attn_fa_t(const float* q, const u16* kc, const u
 #pragma unroll
             for (int dp = 0; dp < D / 16; dp++) {
                 u32 b0, b1, b2, b3;
-                fa_ldsm_t(vt + fa_off<D>(16 * kk + vrow, 2 * dp + vch), b0, b1, b2, b3);
-                fa_mma(o[2 * dp], a0, a1, a2, a3, b0, b1);
-                fa_mma(o[2 * dp + 1], a0, a1, a2, a3, b2, b3);
+                ldsm_x4_trans_at(vt + fa_off<D>(16 * kk + vrow, 2 * dp + vch), b0, b1, b2, b3);
+                mma_bf16(o[2 * dp], a0, a1, a2, a3, b0, b1);
+                mma_bf16(o[2 * dp + 1], a0, a1, a2, a3, b2, b3);
             }
         }
         __syncthreads();

@@ -1,0 +1,165 @@
+/*
+ * gemm_pipe.cu: the many-row weight product of gemm.cu (same math, row maps, tiles and
+ *   arguments: Y[m, n] (+)= sum_k X[xr(m), k] * W[e*N + n, k], W = s*q + b from MLX 4-bit codes)
+ *   with the inputs streamed through a cp.async pipeline and the weights dequantized straight into
+ *   mma fragments. Numerics as gemm_bf16: X rounded to bf16, s*q + b formed in fp32 and rounded to
+ *   bf16, mma.sync m16n8k16 with fp32 accumulation.
+ *
+ * k order: the dot product may visit k in any order as long as both operands use the same one.
+ *   Within a 64-column k-tile, thread t4 = lane % 4 owns the physical columns 16*t4 .. 16*t4 + 15,
+ *   and in k-step ks (of 4) it presents columns 16*t4 + 4*ks + {0, 1, 2, 3} as the mma's logical
+ *   k = {2t4, 2t4+1, 2t4+8, 2t4+9}. So one weight row's share per k-tile is 16 contiguous codes
+ *   (8 bytes: one load) inside one quantization group (group % 16 == 0),
+ *   and an input row's share per k-step is one float4 from shared memory.
+ *
+ * Launch: block 256 = 8 warps as 2 (m) x 4 (n), block tile BM = 32*MI rows x 128 weight rows,
+ *   warp tile 16*MI x 32 (MI m16 tiles x 4 n8 tiles, 16*MI fp32 accumulators per thread).
+ *   grid (ceil(N/128), tiles) as gemm_bf16 (MI = 2, BM 64: grouped experts and shorter inputs)
+ *   and gemm_bf16_m128 (MI = 4, BM 128: plain products of many rows).
+ *   X: 3 stages of [BM][64] fp32 in dynamic shared memory (BM*768 bytes), filled by cp.async
+ *   (16 bytes per copy, zero-filled for rows past the tile), 16-byte chunk c of row r stored at
+ *   c ^ ((c >> 3) << 1) ^ (r & 1) so the 8 lanes of each float4 load phase (2 rows x 4 chunks)
+ *   hit 8 distinct bank groups. One __syncthreads per k-tile: the copy into the stage read two
+ *   tiles ago is issued after it.
+ *   W: each thread loads the codes and the scale/bias of its 4 weight rows (n0 + 32*wn + 8*ni + g)
+ *   for k-tile kt + 1 into registers while k-tile kt is computed; requires K % 64 == 0.
+ */
+#define GP_STAGES 3
+
+__device__ __forceinline__ u32 gp_bf16x2(float lo, float hi) {
+    u32 r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+/* exact float of a code q < 2^23: the bits 0x4b000000 | q are 2^23 + q */
+__device__ __forceinline__ float gp_code(u32 q) { return __uint_as_float(0x4b000000u | q) - 8388608.f; }
+__device__ __forceinline__ u32 gp_xoff(int r, int c) { return (u32)(r * 256 + ((c ^ ((c >> 3) << 1) ^ (r & 1)) << 4)); }
+
+template <int MI>
+__device__ __forceinline__ void gemm_pipe_body(const void* w, const void* sc, const void* bi, int group, int ty,
+                                               const float* x, long long ldx, const int* gather, int gdiv, float* y,
+                                               long long ldy, int M, int N, int K, const int* tiles, int accumulate) {
+    constexpr int BM = 32 * MI, CPT = BM * 16 / 256; /* 16-byte X chunks per thread per stage */
+    extern __shared__ __align__(128) unsigned char gp_sm[];
+    GemmTile tl;
+    if (!gemm_tile(tiles, M, BM, tl)) return;
+    int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t4 = lane & 3;
+    int wm = warp >> 2, wn = warp & 3;
+    int n0 = blockIdx.x * 128;
+    u32 sX = (u32)__cvta_generic_to_shared(gp_sm);
+    const u32 STAGE = BM * 256;
+
+    /* X copy roles: chunk c = tid % 16 of rows tid/16 + 16*j */
+    int xr[CPT]; /* input row of each copy, -1 past the tile (zero-filled) */
+#pragma unroll
+    for (int j = 0; j < CPT; j++) {
+        int m = tl.m0 + tid / 16 + 16 * j;
+        xr[j] = m < tl.m1 ? (int)gemm_xrow(gather, gdiv, m) : -1;
+    }
+    const float* xk = x + (tid & 15) * 4;
+    auto load_x = [&](int kt, int st) {
+#pragma unroll
+        for (int j = 0; j < CPT; j++)
+            cp_async16(sX + st * STAGE + gp_xoff(tid / 16 + 16 * j, tid & 15),
+                       xk + (long long)max(xr[j], 0) * ldx + kt * 64, xr[j] < 0 ? 0 : 16);
+    };
+
+    /* W rows of this thread (clamped: rows past N compute garbage that is never written) */
+    long long wrow[4];
+#pragma unroll
+    for (int ni = 0; ni < 4; ni++) wrow[ni] = (long long)tl.e * N + min(n0 + wn * 32 + ni * 8 + g, N - 1);
+    u32 cw[4][2], nw[4][2]; /* this thread's 16 codes of each row: 2 words */
+    float cs[4], cb[4], ns[4], nb[4];
+    auto load_w = [&](int kt, u32 (&q)[4][2], float (&s)[4], float (&b)[4]) {
+        int k = kt * 64 + 16 * t4;
+#pragma unroll
+        for (int ni = 0; ni < 4; ni++) {
+            uint2 v = *(const uint2*)((const u32*)w + wrow[ni] * (K / 8) + k / 8);
+            q[ni][0] = v.x;
+            q[ni][1] = v.y;
+            long long gi = wrow[ni] * (K / group) + k / group;
+            s[ni] = load_elem(sc, gi, ty);
+            b[ni] = load_elem(bi, gi, ty);
+        }
+    };
+
+    float acc[MI][4][4];
+#pragma unroll
+    for (int a = 0; a < MI; a++)
+#pragma unroll
+        for (int b = 0; b < 4; b++)
+#pragma unroll
+            for (int c = 0; c < 4; c++) acc[a][b][c] = 0.f;
+
+    int nk = K / 64;
+#pragma unroll
+    for (int st = 0; st < GP_STAGES - 1; st++) {
+        if (st < nk) load_x(st, st);
+        cp_async_commit();
+    }
+    load_w(0, cw, cs, cb);
+    for (int kt = 0; kt < nk; kt++) {
+        asm volatile("cp.async.wait_group %0;\n" ::"n"(GP_STAGES - 2) : "memory");
+        __syncthreads();
+        if (kt + GP_STAGES - 1 < nk) load_x(kt + GP_STAGES - 1, (kt + GP_STAGES - 1) % GP_STAGES);
+        cp_async_commit();
+        if (kt + 1 < nk) load_w(kt + 1, nw, ns, nb);
+        const unsigned char* xs = gp_sm + (kt % GP_STAGES) * STAGE;
+#pragma unroll
+        for (int ks = 0; ks < 4; ks++) {
+            u32 bf[4][2];
+#pragma unroll
+            for (int ni = 0; ni < 4; ni++) {
+                /* codes 4ks .. 4ks + 3 of this thread's 16 */
+                u32 v = cw[ni][ks >> 1] >> (16 * (ks & 1));
+                float f[4];
+#pragma unroll
+                for (int i = 0; i < 4; i++) f[i] = cs[ni] * gp_code((v >> (4 * i)) & 15u) + cb[ni];
+                bf[ni][0] = gp_bf16x2(f[0], f[1]);
+                bf[ni][1] = gp_bf16x2(f[2], f[3]);
+            }
+#pragma unroll
+            for (int mi = 0; mi < MI; mi++) {
+                int r = wm * 16 * MI + mi * 16 + g;
+                float4 x0 = *(const float4*)(xs + gp_xoff(r, 4 * t4 + ks));
+                float4 x1 = *(const float4*)(xs + gp_xoff(r + 8, 4 * t4 + ks));
+                u32 a0 = gp_bf16x2(x0.x, x0.y), a1 = gp_bf16x2(x1.x, x1.y);
+                u32 a2 = gp_bf16x2(x0.z, x0.w), a3 = gp_bf16x2(x1.z, x1.w);
+#pragma unroll
+                for (int ni = 0; ni < 4; ni++) mma_bf16(acc[mi][ni], a0, a1, a2, a3, bf[ni][0], bf[ni][1]);
+            }
+        }
+#pragma unroll
+        for (int ni = 0; ni < 4; ni++) {
+#pragma unroll
+            for (int j = 0; j < 2; j++) cw[ni][j] = nw[ni][j];
+            cs[ni] = ns[ni];
+            cb[ni] = nb[ni];
+        }
+    }
+#pragma unroll
+    for (int mi = 0; mi < MI; mi++)
+#pragma unroll
+        for (int ni = 0; ni < 4; ni++)
+#pragma unroll
+            for (int h = 0; h < 2; h++) {
+                int m = tl.m0 + wm * 16 * MI + mi * 16 + g + 8 * h;
+                int n = n0 + wn * 32 + ni * 8 + 2 * t4;
+                if (m < tl.m1) {
+                    float* o = y + (long long)m * ldy + n;
+#pragma unroll
+                    for (int c = 0; c < 2; c++)
+                        if (n + c < N) o[c] = accumulate ? o[c] + acc[mi][ni][2 * h + c] : acc[mi][ni][2 * h + c];
+                }
+            }
+}
+
+#define GEMM_PIPE(NAME, MI, MINB)                                                                              \
+    extern "C" __global__ void __launch_bounds__(256, MINB)                                                    \
+        NAME(const void* w, const void* sc, const void* bi, int bits, int group, int ty, const float* x,       \
+             long long ldx, const int* gather, int gdiv, float* y, long long ldy, int M, int N, int K,         \
+             const int* tiles, int accumulate) {                                                               \
+        gemm_pipe_body<MI>(w, sc, bi, group, ty, x, ldx, gather, gdiv, y, ldy, M, N, K, tiles, accumulate);    \
+    }
+GEMM_PIPE(gemm_pipe64, 2, 1)
+GEMM_PIPE(gemm_pipe128, 4, 1)
