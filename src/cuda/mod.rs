@@ -409,10 +409,10 @@ pub fn profile_report() {
     p.clear();
 }
 
-/// Dynamic shared memory of gemm_pipe64 / gemm_pipe128: 3 stages of [64 or 128 rows][64] fp32
-/// inputs (kernels/gemm_pipe.cu).
-pub const GEMM_PIPE_SMEM64: usize = 3 * 64 * 256;
-pub const GEMM_PIPE_SMEM128: usize = 3 * 128 * 256;
+/// Dynamic shared memory of gemm_pipe64 / gemm_pipe128: 4 stages of [64 or 128 rows][64] fp32
+/// inputs and [128][32 bytes] of 4-bit codes (kernels/gemm_pipe.cu).
+pub const GEMM_PIPE_SMEM64: usize = 4 * (64 * 256 + 128 * 32);
+pub const GEMM_PIPE_SMEM128: usize = 4 * (128 * 256 + 128 * 32);
 
 /// The flash-attention prefill kernel for head dim `d` (64, 128 or 256; kernels/attention_fa.cu).
 pub fn fa_kernel(d: usize) -> &'static str {

@@ -16,15 +16,17 @@
  *   warp tile 16*MI x 32 (MI m16 tiles x 4 n8 tiles, 16*MI fp32 accumulators per thread).
  *   grid (ceil(N/128), tiles) as gemm_bf16 (MI = 2, BM 64: grouped experts and shorter inputs)
  *   and gemm_bf16_m128 (MI = 4, BM 128: plain products of many rows).
- *   X: 3 stages of [BM][64] fp32 in dynamic shared memory (BM*768 bytes), filled by cp.async
- *   (16 bytes per copy, zero-filled for rows past the tile), 16-byte chunk c of row r stored at
+ *   Shared memory: 4 stages, each the k-tile's inputs X [BM][64] fp32 and the codes of the block's
+ *   128 weight rows [128][32 bytes] (BM*1024 + 16384 bytes in all), filled by cp.async (16 bytes
+ *   per copy; input rows past the tile zero-filled, weight rows past N clamped), so three k-tiles
+ *   of weights are in flight from memory while one is computed. X's 16-byte chunk c of row r is at
  *   c ^ ((c >> 3) << 1) ^ (r & 1) so the 8 lanes of each float4 load phase (2 rows x 4 chunks)
  *   hit 8 distinct bank groups. One __syncthreads per k-tile: the copy into the stage read two
- *   tiles ago is issued after it.
- *   W: each thread loads the codes and the scale/bias of its 4 weight rows (n0 + 32*wn + 8*ni + g)
- *   for k-tile kt + 1 into registers while k-tile kt is computed; requires K % 64 == 0.
+ *   tiles ago is issued after it. Each thread reads the 8 code bytes of its 4 weight rows
+ *   (n0 + 32*wn + 8*ni + g) per k-tile from the stage, and their scale/bias (cached: a row's
+ *   scales are contiguous) into registers one k-tile ahead. Requires K % 64 == 0.
  */
-#define GP_STAGES 3
+#define GP_STAGES 4
 
 __device__ __forceinline__ u32 gp_bf16x2(float lo, float hi) {
     u32 r;
@@ -47,7 +49,7 @@ __device__ __forceinline__ void gemm_pipe_body(const void* w, const void* sc, co
     int wm = warp >> 2, wn = warp & 3;
     int n0 = blockIdx.x * 128;
     u32 sX = (u32)__cvta_generic_to_shared(gp_sm);
-    const u32 STAGE = BM * 256;
+    const u32 XB = BM * 256, STAGE = XB + 128 * 32; /* [BM][64] fp32 inputs, then [128][32 bytes] codes */
 
     /* X copy roles: chunk c = tid % 16 of rows tid/16 + 16*j */
     int xr[CPT]; /* input row of each copy, -1 past the tile (zero-filled) */
@@ -64,19 +66,19 @@ __device__ __forceinline__ void gemm_pipe_body(const void* w, const void* sc, co
                        xk + (long long)max(xr[j], 0) * ldx + kt * 64, xr[j] < 0 ? 0 : 16);
     };
 
+    /* W code copy: row tid/2 of the block's 128, 16-byte half tid%2 of its 32 bytes per k-tile */
+    const u32* wsrc = (const u32*)w + ((long long)tl.e * N + min(n0 + tid / 2, N - 1)) * (K / 8) + (tid & 1) * 4;
+    auto load_wc = [&](int kt, int st) { cp_async16(sX + st * STAGE + XB + tid * 16, wsrc + kt * 8, 16); };
+
     /* W rows of this thread (clamped: rows past N compute garbage that is never written) */
     long long wrow[4];
 #pragma unroll
     for (int ni = 0; ni < 4; ni++) wrow[ni] = (long long)tl.e * N + min(n0 + wn * 32 + ni * 8 + g, N - 1);
-    u32 cw[4][2], nw[4][2]; /* this thread's 16 codes of each row: 2 words */
     float cs[4], cb[4], ns[4], nb[4];
-    auto load_w = [&](int kt, u32 (&q)[4][2], float (&s)[4], float (&b)[4]) {
+    auto load_sb = [&](int kt, float (&s)[4], float (&b)[4]) {
         int k = kt * 64 + 16 * t4;
 #pragma unroll
         for (int ni = 0; ni < 4; ni++) {
-            uint2 v = *(const uint2*)((const u32*)w + wrow[ni] * (K / 8) + k / 8);
-            q[ni][0] = v.x;
-            q[ni][1] = v.y;
             long long gi = wrow[ni] * (K / group) + k / group;
             s[ni] = load_elem(sc, gi, ty);
             b[ni] = load_elem(bi, gi, ty);
@@ -94,17 +96,30 @@ __device__ __forceinline__ void gemm_pipe_body(const void* w, const void* sc, co
     int nk = K / 64;
 #pragma unroll
     for (int st = 0; st < GP_STAGES - 1; st++) {
-        if (st < nk) load_x(st, st);
+        if (st < nk) {
+            load_x(st, st);
+            load_wc(st, st);
+        }
         cp_async_commit();
     }
-    load_w(0, cw, cs, cb);
+    load_sb(0, cs, cb);
     for (int kt = 0; kt < nk; kt++) {
         asm volatile("cp.async.wait_group %0;\n" ::"n"(GP_STAGES - 2) : "memory");
         __syncthreads();
-        if (kt + GP_STAGES - 1 < nk) load_x(kt + GP_STAGES - 1, (kt + GP_STAGES - 1) % GP_STAGES);
+        if (kt + GP_STAGES - 1 < nk) {
+            load_x(kt + GP_STAGES - 1, (kt + GP_STAGES - 1) % GP_STAGES);
+            load_wc(kt + GP_STAGES - 1, (kt + GP_STAGES - 1) % GP_STAGES);
+        }
         cp_async_commit();
-        if (kt + 1 < nk) load_w(kt + 1, nw, ns, nb);
+        if (kt + 1 < nk) load_sb(kt + 1, ns, nb);
         const unsigned char* xs = gp_sm + (kt % GP_STAGES) * STAGE;
+        u32 cw[4][2]; /* this thread's 16 codes of each of its rows */
+#pragma unroll
+        for (int ni = 0; ni < 4; ni++) {
+            uint2 v = *(const uint2*)(xs + XB + (wn * 32 + ni * 8 + g) * 32 + t4 * 8);
+            cw[ni][0] = v.x;
+            cw[ni][1] = v.y;
+        }
 #pragma unroll
         for (int ks = 0; ks < 4; ks++) {
             u32 bf[4][2];
@@ -131,8 +146,6 @@ __device__ __forceinline__ void gemm_pipe_body(const void* w, const void* sc, co
         }
 #pragma unroll
         for (int ni = 0; ni < 4; ni++) {
-#pragma unroll
-            for (int j = 0; j < 2; j++) cw[ni][j] = nw[ni][j];
             cs[ni] = ns[ni];
             cb[ni] = nb[ni];
         }
