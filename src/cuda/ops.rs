@@ -141,10 +141,10 @@ impl GpuLinear {
 
     /// Whether gemm_skinny reads this format: 4/8-bit codes in groups of a multiple of 16
     /// columns, or dense bf16; width a multiple of 64.
-    /// Whether gemm_pipe reads this format: MLX 4-bit, each thread's 16 columns inside one
-    /// group, whole 64-column k-tiles.
+    /// Whether gemm_pipe reads this format: MLX 4-bit with bf16 scales and biases, each
+    /// thread's 16 columns inside one group, whole 64-column k-tiles.
     pub fn pipe_ok(&self) -> bool {
-        self.bits == 4 && self.group >= 16 && self.group % 16 == 0 && self.cols.is_multiple_of(64)
+        self.bits == 4 && self.ty == 2 && self.group >= 16 && self.group % 16 == 0 && self.cols.is_multiple_of(64)
     }
 
     pub fn skinny_ok(&self) -> bool {

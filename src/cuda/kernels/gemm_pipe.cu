@@ -2,15 +2,17 @@
  * gemm_pipe.cu: the many-row weight product of gemm.cu (same math, row maps, tiles and
  *   arguments: Y[m, n] (+)= sum_k X[xr(m), k] * W[e*N + n, k], W = s*q + b from MLX 4-bit codes)
  *   with the inputs streamed through a cp.async pipeline and the weights dequantized straight into
- *   mma fragments. Numerics as gemm_bf16: X rounded to bf16, s*q + b formed in fp32 and rounded to
- *   bf16, mma.sync m16n8k16 with fp32 accumulation.
+ *   mma fragments. Numerics as gemm_bf16 up to the weight rounding: X rounded to bf16, s*q + b
+ *   rounded to bf16 once (by a bf16x2 fma), mma.sync m16n8k16 with fp32 accumulation.
  *
  * k order: the dot product may visit k in any order as long as both operands use the same one.
- *   Within a 64-column k-tile, thread t4 = lane % 4 owns the physical columns 16*t4 .. 16*t4 + 15,
- *   and in k-step ks (of 4) it presents columns 16*t4 + 4*ks + {0, 1, 2, 3} as the mma's logical
- *   k = {2t4, 2t4+1, 2t4+8, 2t4+9}. So one weight row's share per k-tile is 16 contiguous codes
- *   (8 bytes: one load) inside one quantization group (group % 16 == 0),
- *   and an input row's share per k-step is one float4 from shared memory.
+ *   Within a 64-column k-tile, thread t4 = lane % 4 owns the physical columns 16*t4 .. 16*t4 + 15:
+ *   its codes are two words (8 bytes, one load, inside one quantization group as group % 16 == 0).
+ *   Word hw covers columns c = 16*t4 + 8*hw + 0..7 (nibble i = column c + i); k-step 2hw presents
+ *   nibbles {0, 4, 1, 5} and k-step 2hw + 1 nibbles {2, 6, 3, 7} as the mma's logical
+ *   k = {2t4, 2t4+1, 2t4+8, 2t4+9}, so each bf16x2 weight register is the nibble pair at bits 0-3
+ *   and 16-19 of the word shifted by 4j (one AND-OR, then two bf16x2 FMAs: 128 + q exact, then
+ *   s*q + b rounded once; scales and biases bf16), and the inputs of a word are two float4s.
  *
  * Launch: block 256 = 8 warps as 2 (m) x 4 (n), block tile BM = 32*MI rows x 128 weight rows,
  *   warp tile 16*MI x 32 (MI m16 tiles x 4 n8 tiles, 16*MI fp32 accumulators per thread).
@@ -33,8 +35,14 @@ __device__ __forceinline__ u32 gp_bf16x2(float lo, float hi) {
     asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
     return r;
 }
-/* exact float of a code q < 2^23: the bits 0x4b000000 | q are 2^23 + q */
-__device__ __forceinline__ float gp_code(u32 q) { return __uint_as_float(0x4b000000u | q) - 8388608.f; }
+/* Two codes at bits 0-3 and 16-19 of c to bf16x2 s*q + b: 0x4300 | q is the bf16 128 + q, minus
+   128 is exact, and the fma rounds s*q + b once. */
+__device__ __forceinline__ u32 gp_dq2(u32 c, u32 s2, u32 b2) {
+    u32 h = c | 0x43004300u, q, r;
+    asm("fma.rn.bf16x2 %0, %1, %2, %3;\n" : "=r"(q) : "r"(h), "r"(0x3f803f80u), "r"(0xc300c300u));
+    asm("fma.rn.bf16x2 %0, %1, %2, %3;\n" : "=r"(r) : "r"(q), "r"(s2), "r"(b2));
+    return r;
+}
 __device__ __forceinline__ u32 gp_xoff(int r, int c) { return (u32)(r * 256 + ((c ^ ((c >> 3) << 1) ^ (r & 1)) << 4)); }
 
 template <int MI>
@@ -74,14 +82,15 @@ __device__ __forceinline__ void gemm_pipe_body(const void* w, const void* sc, co
     long long wrow[4];
 #pragma unroll
     for (int ni = 0; ni < 4; ni++) wrow[ni] = (long long)tl.e * N + min(n0 + wn * 32 + ni * 8 + g, N - 1);
-    float cs[4], cb[4], ns[4], nb[4];
-    auto load_sb = [&](int kt, float (&s)[4], float (&b)[4]) {
+    u32 cs[4], cb[4], ns[4], nb[4]; /* bf16 scale and bias of each row, in both halves */
+    auto load_sb = [&](int kt, u32 (&s2)[4], u32 (&b2)[4]) {
         int k = kt * 64 + 16 * t4;
 #pragma unroll
         for (int ni = 0; ni < 4; ni++) {
             long long gi = wrow[ni] * (K / group) + k / group;
-            s[ni] = load_elem(sc, gi, ty);
-            b[ni] = load_elem(bi, gi, ty);
+            u32 sv = ((const u16*)sc)[gi], bv = ((const u16*)bi)[gi];
+            s2[ni] = sv | (sv << 16);
+            b2[ni] = bv | (bv << 16);
         }
     };
 
@@ -121,27 +130,30 @@ __device__ __forceinline__ void gemm_pipe_body(const void* w, const void* sc, co
             cw[ni][1] = v.y;
         }
 #pragma unroll
-        for (int ks = 0; ks < 4; ks++) {
-            u32 bf[4][2];
+        for (int hw = 0; hw < 2; hw++) { /* code word hw: k-steps 2hw and 2hw + 1 */
+            u32 bf[4][4];            /* nibble pairs (0,4) (1,5) | (2,6) (3,7) of the word, dequantized */
 #pragma unroll
             for (int ni = 0; ni < 4; ni++) {
-                /* codes 4ks .. 4ks + 3 of this thread's 16 */
-                u32 v = cw[ni][ks >> 1] >> (16 * (ks & 1));
-                float f[4];
+                u32 v = cw[ni][hw];
 #pragma unroll
-                for (int i = 0; i < 4; i++) f[i] = cs[ni] * gp_code((v >> (4 * i)) & 15u) + cb[ni];
-                bf[ni][0] = gp_bf16x2(f[0], f[1]);
-                bf[ni][1] = gp_bf16x2(f[2], f[3]);
+                for (int j = 0; j < 4; j++) bf[ni][j] = gp_dq2((v >> (4 * j)) & 0x000f000fu, cs[ni], cb[ni]);
             }
 #pragma unroll
             for (int mi = 0; mi < MI; mi++) {
                 int r = wm * 16 * MI + mi * 16 + g;
-                float4 x0 = *(const float4*)(xs + gp_xoff(r, 4 * t4 + ks));
-                float4 x1 = *(const float4*)(xs + gp_xoff(r + 8, 4 * t4 + ks));
-                u32 a0 = gp_bf16x2(x0.x, x0.y), a1 = gp_bf16x2(x1.x, x1.y);
-                u32 a2 = gp_bf16x2(x0.z, x0.w), a3 = gp_bf16x2(x1.z, x1.w);
+                /* this thread's columns 16*t4 + 8*hw + 0..3 (lo) and 4..7 (hi), rows g and g + 8 */
+                float4 lo0 = *(const float4*)(xs + gp_xoff(r, 4 * t4 + 2 * hw));
+                float4 hi0 = *(const float4*)(xs + gp_xoff(r, 4 * t4 + 2 * hw + 1));
+                float4 lo1 = *(const float4*)(xs + gp_xoff(r + 8, 4 * t4 + 2 * hw));
+                float4 hi1 = *(const float4*)(xs + gp_xoff(r + 8, 4 * t4 + 2 * hw + 1));
+                u32 a0 = gp_bf16x2(lo0.x, hi0.x), a1 = gp_bf16x2(lo1.x, hi1.x);
+                u32 a2 = gp_bf16x2(lo0.y, hi0.y), a3 = gp_bf16x2(lo1.y, hi1.y);
 #pragma unroll
                 for (int ni = 0; ni < 4; ni++) mma_bf16(acc[mi][ni], a0, a1, a2, a3, bf[ni][0], bf[ni][1]);
+                a0 = gp_bf16x2(lo0.z, hi0.z), a1 = gp_bf16x2(lo1.z, hi1.z);
+                a2 = gp_bf16x2(lo0.w, hi0.w), a3 = gp_bf16x2(lo1.w, hi1.w);
+#pragma unroll
+                for (int ni = 0; ni < 4; ni++) mma_bf16(acc[mi][ni], a0, a1, a2, a3, bf[ni][2], bf[ni][3]);
             }
         }
 #pragma unroll
