@@ -530,8 +530,22 @@ fn attention_prefill_matches_cpu() {
             let kv = lily::cuda::KvDtype::Bf16;
             let dims = (nh, hkv, hd);
             match k {
-                Some(k) => g.attn_prefill_with(k, qo.ptr, hkc.ptr, hvc.ptr, (pb.ptr, ld), out.ptr, dims, t, posb.ptr, true, kv),
-                None => g.attn_prefill(Precision::Bf16, qo.ptr, hkc.ptr, hvc.ptr, (pb.ptr, ld), out.ptr, dims, t, posb.ptr, true, kv),
+                Some(k) => {
+                    g.attn_prefill_with(k, qo.ptr, hkc.ptr, hvc.ptr, (pb.ptr, ld), out.ptr, dims, t, posb.ptr, true, kv)
+                }
+                None => g.attn_prefill(
+                    Precision::Bf16,
+                    qo.ptr,
+                    hkc.ptr,
+                    hvc.ptr,
+                    (pb.ptr, ld),
+                    out.ptr,
+                    dims,
+                    t,
+                    posb.ptr,
+                    true,
+                    kv,
+                ),
             }
             .unwrap();
             let bound = if k == Some(PrefillAttn::Simt) { 1e-5 } else { TOL_ATTN_BF16 };
