@@ -281,7 +281,9 @@ pub struct CudaSession {
     /// products, or token by token through the decode step (None). Default bf16 tensor cores;
     /// `LILY_CUDA_PREFILL=f32` (exact) or `step`.
     pub prefill: Option<Precision>,
-    /// Most tokens per batched prefill chunk (`LILY_PREFILL_CHUNK`, default 2048).
+    /// Most tokens per batched prefill chunk (`LILY_PREFILL_CHUNK`; default 8192 on GPUs of 64 GB
+    /// or more, else 2048: larger chunks give the grouped expert products more rows per expert;
+    /// the scratch grows with the prompt up to it, ~280 KB per row on the 35B model).
     pub chunk: usize,
     pre: Option<PScratch>,
     /// Decode with the RMSNorm fused into the GEMVs and the fused MoE tail (default;
@@ -309,8 +311,10 @@ impl CudaSession {
             _ => Some(Precision::Bf16),
         };
         // At most 16384 (kernel grids put the chunk's tokens on the y axis, limit 65535).
+        // 8192 on GPUs of 64 GB or more (~2.3 GB of scratch at 8192 rows on the 35B model), else 2048.
+        let default = if model.gpu.total_mem >= 64 << 30 { 8192 } else { 2048 };
         let chunk =
-            std::env::var("LILY_PREFILL_CHUNK").ok().and_then(|v| v.parse().ok()).unwrap_or(2048usize).clamp(1, 16384);
+            std::env::var("LILY_PREFILL_CHUNK").ok().and_then(|v| v.parse().ok()).unwrap_or(default).clamp(1, 16384);
         let c = &model.cfg;
         let (short, long, attn_from) = model.gpu.attn_plan(c.num_attention_heads, c.num_key_value_heads);
         CudaSession {
