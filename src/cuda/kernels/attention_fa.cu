@@ -38,9 +38,10 @@ template <int D> __device__ __forceinline__ u32 fa_off(int i, int c) {
 
 template <int D>
 __device__ __forceinline__ void attn_fa_t(const float* q, const u16* kc, const u16* vc, const float* qg, long long ldg,
-                                          float* out, int nh, int hkv, int T, const int* pos_p, float scale_log2,
+                                          float* out, int nh, int hkv, int T, const int* pos_p, float scale,
                                           int gated) {
     extern __shared__ __align__(128) unsigned char fa_sm[];
+    const float scale_log2 = scale * 1.4426950408889634f; /* exp2(s * scale * log2 e) = exp(s * scale) */
     const int CH = D / 8; /* 16-byte chunks per row */
     const u32 TILE = FA_BN * D * 2;
     u32 sQ = (u32)__cvta_generic_to_shared(fa_sm);
@@ -209,8 +210,8 @@ __device__ __forceinline__ void attn_fa_t(const float* q, const u16* kc, const u
 #define ATTN_FA(D)                                                                                                 \
     extern "C" __global__ void __launch_bounds__(256, 1)                                                           \
         attn_prefill_fa##D(const float* q, const u16* kc, const u16* vc, const float* qg, long long ldg, float* out, \
-                           int nh, int hkv, int T, const int* pos_p, float scale_log2, int gated) {                 \
-        attn_fa_t<D>(q, kc, vc, qg, ldg, out, nh, hkv, T, pos_p, scale_log2, gated);                               \
+                           int nh, int hkv, int hd, int T, const int* pos_p, float scale, int gated) {        \
+        attn_fa_t<D>(q, kc, vc, qg, ldg, out, nh, hkv, T, pos_p, scale, gated);                                    \
     }
 ATTN_FA(64)
 ATTN_FA(128)

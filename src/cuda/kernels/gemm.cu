@@ -107,6 +107,29 @@ __device__ __forceinline__ void ldsm_x4(u32& r0, u32& r1, u32& r2, u32& r3, cons
                  : "r"(a));
 }
 
+/* The warp's MI x 4 mma tiles of C (rows r0 + 16*mi + g (+8) of the tile, columns c0 + 8*ni + 2t4
+   (+1)) into Y rows below tl.m1 and columns below N, added when accumulate. */
+template <int MI>
+__device__ __forceinline__ void gemm_store(const float (&acc)[MI][4][4], const GemmTile& tl, int r0, int c0, int lane,
+                                           float* y, long long ldy, int N, int accumulate) {
+    int g = lane >> 2, t4 = lane & 3;
+#pragma unroll
+    for (int mi = 0; mi < MI; mi++)
+#pragma unroll
+        for (int ni = 0; ni < 4; ni++)
+#pragma unroll
+            for (int h = 0; h < 2; h++) {
+                int m = tl.m0 + r0 + mi * 16 + g + 8 * h;
+                int n = c0 + ni * 8 + 2 * t4;
+                if (m < tl.m1) {
+                    float* o = y + (long long)m * ldy + n;
+#pragma unroll
+                    for (int c = 0; c < 2; c++)
+                        if (n + c < N) o[c] = accumulate ? o[c] + acc[mi][ni][2 * h + c] : acc[mi][ni][2 * h + c];
+                }
+            }
+}
+
 /* MI m16 tiles per warp in m: block tile BM = 32*MI (2 warps in m) x 128 (4 warps in n). BITS is
    the weight format (4, 8, or 0 = dense), a template parameter so each instantiation holds only
    its own prefetch registers. */
@@ -243,21 +266,7 @@ __device__ __forceinline__ void gemm_bf16_body(const void* w, const void* sc, co
         }
         __syncthreads();
     }
-#pragma unroll
-    for (int mi = 0; mi < MI; mi++)
-#pragma unroll
-        for (int ni = 0; ni < 4; ni++)
-#pragma unroll
-            for (int h = 0; h < 2; h++) {
-                int m = tl.m0 + wm * 16 * MI + mi * 16 + g + 8 * h;
-                int n = n0 + wn * 32 + ni * 8 + 2 * t4;
-                if (m < tl.m1) {
-                    float* o = y + (long long)m * ldy + n;
-#pragma unroll
-                    for (int c = 0; c < 2; c++)
-                        if (n + c < N) o[c] = accumulate ? o[c] + acc[mi][ni][2 * h + c] : acc[mi][ni][2 * h + c];
-                }
-            }
+    gemm_store<MI>(acc, tl, wm * 16 * MI, n0 + wn * 32, lane, y, ldy, N, accumulate);
 }
 
 /* BM 64: routed experts (about 64 rows per expert in a 2048-token chunk) and short inputs. */

@@ -162,21 +162,7 @@ __device__ __forceinline__ void gemm_pipe_body(const void* w, const void* sc, co
             cb[ni] = nb[ni];
         }
     }
-#pragma unroll
-    for (int mi = 0; mi < MI; mi++)
-#pragma unroll
-        for (int ni = 0; ni < 4; ni++)
-#pragma unroll
-            for (int h = 0; h < 2; h++) {
-                int m = tl.m0 + wm * 16 * MI + mi * 16 + g + 8 * h;
-                int n = n0 + wn * 32 + ni * 8 + 2 * t4;
-                if (m < tl.m1) {
-                    float* o = y + (long long)m * ldy + n;
-#pragma unroll
-                    for (int c = 0; c < 2; c++)
-                        if (n + c < N) o[c] = accumulate ? o[c] + acc[mi][ni][2 * h + c] : acc[mi][ni][2 * h + c];
-                }
-            }
+    gemm_store<MI>(acc, tl, wm * 16 * MI, n0 + wn * 32, lane, y, ldy, N, accumulate);
 }
 
 #define GEMM_PIPE(NAME, MI, MINB)                                                                              \

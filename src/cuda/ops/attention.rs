@@ -52,43 +52,25 @@ impl Gpu {
             bail!("attn_prefill: head dim {hd} / heads {nh}:{hkv} unsupported");
         }
         let g = nh / hkv;
-        if k == PrefillAttn::Flash {
-            if kv != KvDtype::Bf16 || ![64, 128, 256].contains(&hd) || super::super::fa_smem(hd) > self.smem_optin_max {
-                bail!("attn_prefill: the flash kernel needs a bf16 cache and head dim 64/128/256 (got {kv:?}, {hd})");
-            }
-            // scores in the log2 domain: exp2(s·scale·log2 e) = exp(s·scale)
-            let scale_log2 = std::f32::consts::LOG2_E / (hd as f32).sqrt();
-            return self.launch_shared(
-                super::super::fa_kernel(hd),
-                (blocks(t * g, 128), hkv as u32, 1),
-                256,
-                super::super::fa_smem(hd) as u32,
-                &[
-                    Arg::P(q),
-                    Arg::P(kc),
-                    Arg::P(vc),
-                    Arg::P(qg),
-                    Arg::L(ldg as i64),
-                    Arg::P(out),
-                    Arg::I(nh as i32),
-                    Arg::I(hkv as i32),
-                    Arg::I(t as i32),
-                    Arg::P(pos0),
-                    Arg::F(scale_log2),
-                    Arg::I(gated as i32),
-                ],
-            );
+        if k == PrefillAttn::Flash
+            && (kv != KvDtype::Bf16 || ![64, 128, 256].contains(&hd) || super::super::fa_smem(hd) > self.smem_optin_max)
+        {
+            bail!("attn_prefill: the flash kernel needs a bf16 cache and head dim 64/128/256 (got {kv:?}, {hd})");
         }
-        let (name, grid, block) = match (k, kv) {
-            (PrefillAttn::Simt, KvDtype::F32) => ("attn_prefill", blocks(t * g, 8), 256),
-            (PrefillAttn::Simt, KvDtype::Bf16) => ("attn_prefill_bf16", blocks(t * g, 8), 256),
-            (_, KvDtype::F32) => ("attn_prefill_tc", blocks(t * g, 64), 128),
-            (_, KvDtype::Bf16) => ("attn_prefill_tc_bf16", blocks(t * g, 64), 128),
+        let (name, grid, block, shared) = match (k, kv) {
+            (PrefillAttn::Flash, _) => {
+                (super::super::fa_kernel(hd), blocks(t * g, 128), 256, super::super::fa_smem(hd))
+            }
+            (PrefillAttn::Simt, KvDtype::F32) => ("attn_prefill", blocks(t * g, 8), 256, 0),
+            (PrefillAttn::Simt, KvDtype::Bf16) => ("attn_prefill_bf16", blocks(t * g, 8), 256, 0),
+            (_, KvDtype::F32) => ("attn_prefill_tc", blocks(t * g, 64), 128, 0),
+            (_, KvDtype::Bf16) => ("attn_prefill_tc_bf16", blocks(t * g, 64), 128, 0),
         };
-        self.launch(
+        self.launch_shared(
             name,
             (grid, hkv as u32, 1),
             block,
+            shared as u32,
             &[
                 Arg::P(q),
                 Arg::P(kc),
