@@ -9,7 +9,9 @@
 #                             full-size synthetic Qwen3.6-35B-A3B and prints a short table last.
 #                             Logs go to $OUT (or .gpu/out) when set. Knobs: ONLY_TESTS, SKIP_TESTS,
 #                             BENCH_CONTEXTS, BENCH_BATCH (e.g. 1,4,16,64), BENCH_LONG, LONG_ENV, KV_AB,
-#                             ATTN_BENCH, AB_OLD (another build's lily binary: batch-1 A/B), BATCH_VARIANTS
+#                             ATTN_BENCH, AB_OLD (another build's lily binary: batch-1 A/B), BATCH_VARIANTS,
+#                             ENV_AB (env settings, ';'-separated: batch-1 A/B at AB_CONTEXTS),
+#                             ATTN_DEC_BENCH (decode attention kernels alone)
 #                             (';'-separated env settings: the batched bench per setting), ...
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -75,6 +77,12 @@ if [ -n "${ATTN_BENCH:-}" ]; then
   [ "$ATTN_BENCH" = 1 ] && ATTN_BENCH=""
   timeout 240 .gpu/x/bin/attn_bench $ATTN_BENCH 2>&1 | tee "$OUTDIR/attn_bench.txt" || status=1
 fi
+if [ -n "${ATTN_DEC_BENCH:-}" ]; then
+  # ATTN_DEC_BENCH="L,L,..." (or 1 for the defaults): the decode attention kernels alone.
+  echo "== decode attention kernels (examples/attn_bench.rs decode)"
+  [ "$ATTN_DEC_BENCH" = 1 ] && ATTN_DEC_BENCH=""
+  timeout 240 .gpu/x/bin/attn_bench decode $ATTN_DEC_BENCH 2>&1 | tee "$OUTDIR/attn_dec_bench.txt" || status=1
+fi
 if [ -n "${PROFILE_LAYERS:-}" ]; then
   PC=${PROFILE_CONTEXT:-256}
   echo "== per-kernel profile (LILY_CUDA_PROFILE=1, $PROFILE_LAYERS layers, context $PC, 16 decode steps)"
@@ -137,6 +145,18 @@ if [ -n "${AB_OLD:-}" ] && [ "${AB_CONTEXTS:-256}" != none ]; then
       echo "-- $b"
       timeout 200 "$b" bench --device cuda --model synthetic:qwen3.6-35b-a3b --contexts "${AB_CONTEXTS:-256}" 2>&1 \
         | grep "^|" | tail -n 2 | tee -a "$OUTDIR/ab.txt" || status=1
+    done
+  done
+fi
+if [ -n "${ENV_AB:-}" ]; then
+  # Batch-1 A/B of env settings (';'-separated, "-" for none) in one lease, alternating twice.
+  echo "== A/B of settings, alternating (--contexts ${AB_CONTEXTS:-256})"
+  IFS=';' read -ra settings <<<"$ENV_AB"
+  for i in 1 2; do
+    for v in "${settings[@]}"; do
+      echo "-- $v"
+      env ${v/#-/} timeout 200 .gpu/x/bin/lily bench --device cuda --model synthetic:qwen3.6-35b-a3b \
+        --contexts "${AB_CONTEXTS:-256}" 2>&1 | grep "^|" | tail -n +3 | sed "s|^|$v |" | tee -a "$OUTDIR/env_ab.txt" || status=1
     done
   done
 fi

@@ -174,7 +174,17 @@ fn gemv_conv_matches_cpu() {
             let mut conv = vec![0f32; c];
             causal_conv1d_silu(&proj[..c], 1, c, &conv_w, k, &mut cstate, &mut conv);
             let xb = gb(&x);
-            g.gemv_conv(&gl, xb.ptr, (nwb.ptr, 1e-6), yb.ptr, (gcs.ptr, cwb.ptr, cyb.ptr), c, k).unwrap();
+            g.gemv_conv(
+                &gl,
+                xb.ptr,
+                (nwb.ptr, 1e-6),
+                yb.ptr,
+                (gcs.ptr, cwb.ptr, cyb.ptr),
+                c,
+                k,
+                lily::cuda::L2Prefetch::NONE,
+            )
+            .unwrap();
             let s = format!("{name} step {step}");
             check(&format!("{s} projection"), &yb.read_f32(0, c + extra).unwrap(), &proj, TOL);
             check(&format!("{s} conv"), &cyb.read_f32(0, c).unwrap(), &conv, TOL);
@@ -184,7 +194,9 @@ fn gemv_conv_matches_cpu() {
     let l = quant(&mut r, 40, 256, 4, 64);
     let gl = GpuLinear::upload(&g, &l).unwrap();
     assert!(!lily::cuda::Gpu::gemv_conv_ok(&gl, 32, 3), "a 3-tap conv must not be fused");
-    let e = g.gemv_conv(&gl, 0, (0, 0.0), 0, (0, 0, 0), 32, 3).expect_err("3 taps must be refused");
+    let e = g
+        .gemv_conv(&gl, 0, (0, 0.0), 0, (0, 0, 0), 32, 3, lily::cuda::L2Prefetch::NONE)
+        .expect_err("3 taps must be refused");
     assert!(e.to_string().contains("not fused"), "{e}");
 }
 
@@ -473,7 +485,18 @@ fn fused_decode_moe_matches_cpu() {
         for rep in 0..3 {
             xb.write_f32(0, &x).unwrap();
             let (ids_f, wts_f) = (g.zeros(4 * (k + 1)).unwrap(), g.zeros(4 * (k + 1)).unwrap());
-            g.moe_fused(&gu, &dn, xb.ptr, (nwb.ptr, 1e-6), egu_r.ptr, route, (ids_f.ptr, wts_f.ptr), ctr.ptr).unwrap();
+            g.moe_fused(
+                &gu,
+                &dn,
+                xb.ptr,
+                (nwb.ptr, 1e-6),
+                egu_r.ptr,
+                route,
+                (ids_f.ptr, wts_f.ptr),
+                ctr.ptr,
+                lily::cuda::L2Prefetch::NONE,
+            )
+            .unwrap();
             assert_eq!(ids_f.read_i32(k + 1).unwrap(), want_ids, "moe_fused: ids");
             check(&format!("moe_fused q{bits} E{e} K{k} run {rep}"), &xb.read_f32(0, h).unwrap(), &want, TOL);
         }
@@ -487,72 +510,79 @@ fn fused_decode_moe_matches_cpu() {
 }
 
 /// GQA-packed split-K decode over a long cache (5000 positions: many 16-row tiles per split),
-/// against the CPU attention.
+/// against the CPU attention; the tensor-core kernel (8 query heads per KV head, bf16 cache) at
+/// head dims 256, 128 and 64, with a last tile and a last split that are only partly filled.
 #[test]
 fn attention_decode_long_context_matches_cpu() {
     let Some(g) = gpu() else { return };
     let mut r = rng(9);
-    let (nh, hkv, hd, len, splits) = (16usize, 2usize, 256usize, 5000usize, 64usize);
-    let kvd = hkv * hd;
-    let q = uniform(&mut r, nh * hd, 1.0);
-    let qg = uniform(&mut r, nh * 2 * hd, 2.0);
-    let kc = uniform(&mut r, len * kvd, 1.0);
-    let vc = uniform(&mut r, len * kvd, 1.0);
-    // The CPU attention of the query over (k, v), gated.
-    let cpu = |k: &[f32], v: &[f32]| {
-        let mut want = vec![0f32; nh * hd];
-        let dims = AttnDims { heads: nh, kv_heads: hkv, head_dim: hd };
-        attention(&dims, &q, 1, len - 1, k, v, 1.0 / (hd as f32).sqrt(), &mut want);
-        for h in 0..nh {
-            for d in 0..hd {
-                want[h * hd + d] *= sigmoid(qg[h * 2 * hd + hd + d]);
+    for (nh, hkv, hd, len, splits) in
+        [(16usize, 2usize, 256usize, 5000usize, 64usize), (8, 1, 128, 3001, 40), (16, 2, 64, 777, 7)]
+    {
+        let kvd = hkv * hd;
+        let q = uniform(&mut r, nh * hd, 1.0);
+        let qg = uniform(&mut r, nh * 2 * hd, 2.0);
+        let kc = uniform(&mut r, len * kvd, 1.0);
+        let vc = uniform(&mut r, len * kvd, 1.0);
+        // The CPU attention of the query over (k, v), gated.
+        let cpu = |k: &[f32], v: &[f32]| {
+            let mut want = vec![0f32; nh * hd];
+            let dims = AttnDims { heads: nh, kv_heads: hkv, head_dim: hd };
+            attention(&dims, &q, 1, len - 1, k, v, 1.0 / (hd as f32).sqrt(), &mut want);
+            for h in 0..nh {
+                for d in 0..hd {
+                    want[h * hd + d] *= sigmoid(qg[h * 2 * hd + hd + d]);
+                }
             }
-        }
-        want
-    };
-    let want = cpu(&kc, &vc);
-    let gb = |v: &[f32]| g.upload_f32(v).unwrap();
-    let (qb, qgb, kb, vb) = (gb(&q), gb(&qg), gb(&kc), gb(&vc));
-    let out = gb(&vec![f32::NAN; nh * hd]);
-    let part = gb(&vec![f32::NAN; nh * splits * (hd + 2)]);
-    let posb = g.upload_bytes(&((len - 1) as i32).to_le_bytes()).unwrap();
-    // One decode over the caches at (kc, vc) of element type kv; returns the output.
-    let decode = |kc: u64, vc: u64, kv: KvDtype, kernel: AttnKernel| {
-        out.write_f32(0, &vec![f32::NAN; nh * hd]).unwrap();
-        let a = AttnDecode {
-            q: qb.ptr,
-            kc,
-            vc,
-            qg: qgb.ptr,
-            out: out.ptr,
-            nh,
-            hkv,
-            hd,
-            pos: posb.ptr,
-            gated: true,
-            part: part.ptr,
-            splits,
-            kv,
+            want
         };
-        g.attn_decode(&a, kernel).unwrap();
-        out.read_f32(0, nh * hd).unwrap()
-    };
-    // The packed kernel twice: the second call sees the first call's partials in the scratch.
-    for kernel in [AttnKernel::PerHead, AttnKernel::Packed, AttnKernel::Packed] {
-        let got = decode(kb.ptr, vb.ptr, KvDtype::F32, kernel);
-        check(&format!("attention decode {kernel:?}, 5000 cached positions"), &got, &want, TOL);
-    }
-    // A bf16 cache: the kernels widen each element exactly, so against the CPU attention over the
-    // same bf16-rounded K/V they keep the fp32 bound; against the fp32 cache the distance is the
-    // rounding's (relative 2^-9 per element: NMSE about 1e-6 on these uniform inputs; bound 1e-5).
-    let round: fn(&[f32]) -> Vec<f32> = |v| v.iter().map(|&x| bf16_to_f32(f32_to_bf16(x))).collect();
-    let want_r = cpu(&round(&kc), &round(&vc));
-    let bytes = |v: &[f32]| -> Vec<u8> { v.iter().flat_map(|&x| f32_to_bf16(x).to_le_bytes()).collect() };
-    let (kb16, vb16) = (g.upload_bytes(&bytes(&kc)).unwrap(), g.upload_bytes(&bytes(&vc)).unwrap());
-    for kernel in [AttnKernel::PerHead, AttnKernel::Packed] {
-        let got = decode(kb16.ptr, vb16.ptr, KvDtype::Bf16, kernel);
-        check(&format!("attention decode {kernel:?}, bf16 cache vs cpu on the rounded K/V"), &got, &want_r, TOL);
-        check(&format!("attention decode {kernel:?}, bf16 cache vs the fp32 cache"), &got, &want, 1e-5);
+        let want = cpu(&kc, &vc);
+        let gb = |v: &[f32]| g.upload_f32(v).unwrap();
+        let (qb, qgb, kb, vb) = (gb(&q), gb(&qg), gb(&kc), gb(&vc));
+        let out = gb(&vec![f32::NAN; nh * hd]);
+        let part = gb(&vec![f32::NAN; nh * splits * (hd + 2)]);
+        let posb = g.upload_bytes(&((len - 1) as i32).to_le_bytes()).unwrap();
+        // One decode over the caches at (kc, vc) of element type kv; returns the output.
+        let decode = |kc: u64, vc: u64, kv: KvDtype, kernel: AttnKernel| {
+            out.write_f32(0, &vec![f32::NAN; nh * hd]).unwrap();
+            let a = AttnDecode {
+                q: qb.ptr,
+                kc,
+                vc,
+                qg: qgb.ptr,
+                out: out.ptr,
+                nh,
+                hkv,
+                hd,
+                pos: posb.ptr,
+                gated: true,
+                part: part.ptr,
+                splits,
+                kv,
+            };
+            g.attn_decode(&a, kernel).unwrap();
+            out.read_f32(0, nh * hd).unwrap()
+        };
+        let shape = format!("H{nh} H_kv{hkv} D{hd}, {len} cached positions, {splits} splits");
+        // The packed kernel twice: the second call sees the first call's partials in the scratch.
+        for kernel in [AttnKernel::PerHead, AttnKernel::Packed, AttnKernel::Packed] {
+            let got = decode(kb.ptr, vb.ptr, KvDtype::F32, kernel);
+            check(&format!("attention decode {kernel:?}, {shape}"), &got, &want, TOL);
+        }
+        // A bf16 cache: the kernels widen each element exactly, so against the CPU attention over
+        // the same bf16-rounded K/V they keep the fp32 bound (the tensor-core kernel's hi + lo
+        // query and weights included); against the fp32 cache the distance is the rounding's
+        // (relative 2^-9 per element: NMSE about 1e-6 on these uniform inputs; bound 1e-5).
+        let round: fn(&[f32]) -> Vec<f32> = |v| v.iter().map(|&x| bf16_to_f32(f32_to_bf16(x))).collect();
+        let want_r = cpu(&round(&kc), &round(&vc));
+        let bytes = |v: &[f32]| -> Vec<u8> { v.iter().flat_map(|&x| f32_to_bf16(x).to_le_bytes()).collect() };
+        let (kb16, vb16) = (g.upload_bytes(&bytes(&kc)).unwrap(), g.upload_bytes(&bytes(&vc)).unwrap());
+        for kernel in [AttnKernel::PerHead, AttnKernel::Packed, AttnKernel::Tc, AttnKernel::Tc] {
+            let got = decode(kb16.ptr, vb16.ptr, KvDtype::Bf16, kernel);
+            let name = format!("attention decode {kernel:?}, {shape}, bf16 cache");
+            check(&format!("{name} vs cpu on the rounded K/V"), &got, &want_r, TOL);
+            check(&format!("{name} vs the fp32 cache"), &got, &want, 1e-5);
+        }
     }
 }
 

@@ -15,9 +15,9 @@ mod ops;
 
 pub use model::{upload_cached, uploaded, CudaBatch, CudaModel, CudaSession};
 pub use ops::{
-    gdn_chunk_floats, gdn_prefill_default, gemv_default, sampling_params_bytes, AttnDecode, AttnKernel, AttnPrep,
-    GdnPrefill, GdnPrefillKernel, GdnRows, GdnStep, GemmKernel, GemvKernel, GpuLinear, KvDtype, Precision, PrefillAttn,
-    SAMPLE_WS_BYTES,
+    gdn_chunk_floats, gdn_prefill_default, gemv_default, l2_prefetch_level, sampling_params_bytes, AttnDecode,
+    AttnKernel, AttnPrep, GdnPrefill, GdnPrefillKernel, GdnRows, GdnStep, GemmKernel, GemvKernel, GpuLinear, KvDtype,
+    L2Prefetch, Precision, PrefillAttn, SAMPLE_WS_BYTES,
 };
 
 /// A captured CUDA graph, ready to replay on [`Gpu::stream`].
@@ -41,7 +41,7 @@ use std::path::PathBuf;
 use std::sync::{Arc, OnceLock};
 
 /// Every kernel source, in compile order (the prelude first). One NVRTC program, one module.
-pub const SOURCES: [(&str, &str); 15] = [
+pub const SOURCES: [(&str, &str); 16] = [
     ("common.cuh", include_str!("kernels/common.cuh")),
     ("norm.cu", include_str!("kernels/norm.cu")),
     ("linear.cu", include_str!("kernels/linear.cu")),
@@ -52,6 +52,7 @@ pub const SOURCES: [(&str, &str); 15] = [
     ("gdn_prefill.cu", include_str!("kernels/gdn_prefill.cu")),
     ("gdn_chunk.cu", include_str!("kernels/gdn_chunk.cu")),
     ("attention.cu", include_str!("kernels/attention.cu")),
+    ("attention_dec.cu", include_str!("kernels/attention_dec.cu")),
     ("attention_prefill.cu", include_str!("kernels/attention_prefill.cu")),
     ("attention_fa.cu", include_str!("kernels/attention_fa.cu")),
     ("moe.cu", include_str!("kernels/moe.cu")),
@@ -60,7 +61,7 @@ pub const SOURCES: [(&str, &str); 15] = [
 ];
 
 /// Kernel entry points loaded from the module.
-pub const KERNELS: [&str; 62] = [
+pub const KERNELS: [&str; 65] = [
     "rms_norm",
     "silu_mul",
     "silu_mul_pairs",
@@ -108,6 +109,9 @@ pub const KERNELS: [&str; 62] = [
     "attn_decode_gqa2_bf16",
     "attn_decode_gqa4_bf16",
     "attn_decode_gqa8_bf16",
+    "attn_decode_tc64",
+    "attn_decode_tc128",
+    "attn_decode_tc256",
     "attn_prefill_bf16",
     "attn_prefill_tc_bf16",
     "attn_prefill_fa64",
@@ -296,7 +300,7 @@ unsafe impl Sync for Gpu {}
 /// Kernels that call `pdl_wait()` before touching activations (kernels/common.cuh) and so may be
 /// launched as programmatic dependents: their launch and weight reads overlap the previous
 /// kernel's tail.
-pub const PDL_KERNELS: [&str; 39] = [
+pub const PDL_KERNELS: [&str; 42] = [
     "moe_fused_q",
     "gemv_q2_conv",
     "samp_max",
@@ -316,6 +320,9 @@ pub const PDL_KERNELS: [&str; 39] = [
     "attn_decode_gqa2_bf16",
     "attn_decode_gqa4_bf16",
     "attn_decode_gqa8_bf16",
+    "attn_decode_tc64",
+    "attn_decode_tc128",
+    "attn_decode_tc256",
     "conv_step",
     "gdn_step",
     "gdn_step_par",
@@ -428,6 +435,22 @@ pub fn fa_smem(d: usize) -> usize {
     (128 + 4 * 64) * d * 2
 }
 
+/// The tensor-core decode attention kernel for head dim `d` (64, 128 or 256; G = 8 query heads
+/// per KV head, bf16 cache; kernels/attention_dec.cu).
+pub fn attn_dec_kernel(d: usize) -> &'static str {
+    match d {
+        64 => "attn_decode_tc64",
+        128 => "attn_decode_tc128",
+        _ => "attn_decode_tc256",
+    }
+}
+
+/// Dynamic shared memory of [`attn_dec_kernel`]`(d)`: 4 warps' rings of 3 stages of a K and a V
+/// tile [16][d] bf16, and each warp's P buffers (2 x [8][24] u16).
+pub fn attn_dec_smem(d: usize) -> usize {
+    4 * 3 * 2 * 16 * d * 2 + 4 * 2 * 8 * 24 * 2
+}
+
 static GPU: OnceLock<std::result::Result<Arc<Gpu>, String>> = OnceLock::new();
 
 /// The process-wide GPU (device 0), initialised on first use.
@@ -482,8 +505,9 @@ impl Gpu {
         let smem_optin = optin.min(160 * 1024);
         let fa = [64, 128, 256].map(|d| (fa_kernel(d), fa_smem(d).min(optin)));
         let pipe = [("gemm_pipe64", GEMM_PIPE_SMEM64), ("gemm_pipe128", GEMM_PIPE_SMEM128)];
+        let dec = [64, 128, 256].map(|d| (attn_dec_kernel(d), attn_dec_smem(d).min(optin)));
         let skinny = ["gemm_skinny8", "gemm_skinny16", "gemm_skinny32"].map(|k| (k, smem_optin));
-        for (k, bytes) in skinny.into_iter().chain(fa).chain(pipe) {
+        for (k, bytes) in skinny.into_iter().chain(fa).chain(pipe).chain(dec) {
             // SAFETY: a valid function handle and attribute; the value is within the device limit.
             unsafe {
                 sys::cuFuncSetAttribute(

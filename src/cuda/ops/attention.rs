@@ -147,13 +147,21 @@ impl Gpu {
         }
         let scale = 1.0 / (hd as f32).sqrt();
         let packed = match (kernel, nh / hkv) {
-            (AttnKernel::Packed, g @ (1 | 2 | 4 | 8)) => Some(g),
-            (AttnKernel::Packed, _) => bail!("attention decode: packed kernel needs H_q/H_kv in 1,2,4,8"),
+            (AttnKernel::Packed | AttnKernel::Tc, g @ (1 | 2 | 4 | 8)) => Some(g),
+            (AttnKernel::Packed | AttnKernel::Tc, _) => {
+                bail!("attention decode: packed kernel needs H_q/H_kv in 1,2,4,8")
+            }
             _ => None,
         };
-        // Both kernels take (q, kc, vc, part, heads.., hd, pos, scale); the packed one only H_kv.
+        // Every kernel takes (q, kc, vc, part, heads.., hd, pos, scale); the packed ones only H_kv.
         let bf16 = a.kv == KvDtype::Bf16;
+        let tc = kernel == AttnKernel::Tc
+            && bf16
+            && packed == Some(8)
+            && matches!(hd, 64 | 128 | 256)
+            && super::super::attn_dec_smem(hd) <= self.smem_optin_max;
         let (name, grid_x, heads) = match packed {
+            Some(_) if tc => (super::super::attn_dec_kernel(hd), hkv, vec![Arg::I(hkv as i32)]),
             Some(g) => {
                 let names = if bf16 {
                     ["attn_decode_gqa1_bf16", "attn_decode_gqa2_bf16", "attn_decode_gqa4_bf16", "attn_decode_gqa8_bf16"]
@@ -173,7 +181,12 @@ impl Gpu {
         ]
         .concat();
         let rows = r.rows.max(1) as u32;
-        self.launch(name, (grid_x as u32, a.splits as u32, rows), 256, &args)?;
+        let grid = (grid_x as u32, a.splits as u32, rows);
+        if tc {
+            self.launch_shared(name, grid, 128, super::super::attn_dec_smem(hd) as u32, &args)?;
+        } else {
+            self.launch(name, grid, 256, &args)?;
+        }
         self.launch(
             "attn_combine",
             (nh as u32, 1, rows),
@@ -194,22 +207,32 @@ impl Gpu {
     /// The decode attention kernels this device uses for these heads: (kernel, splits) below
     /// and from a number of cached positions, and that number. The per-head kernel (32 splits
     /// per query head; many small blocks, quick at short context) up to 8,192 positions, then
-    /// the GQA-packed kernel with about one block per SM (K/V read once instead of G times).
-    /// `LILY_CUDA_ATTN=head|packed` uses one kernel throughout; `LILY_CUDA_ATTN_PACKED_FROM=N`
-    /// moves the switch.
+    /// the GQA-packed kernel with about one block per SM (K/V read once instead of G times), on
+    /// tensor cores where it applies ([`AttnKernel::Tc`], with `LILY_CUDA_ATTN_TC=1`).
+    /// `LILY_CUDA_ATTN=head|packed|tc` uses one kernel throughout;
+    /// `LILY_CUDA_ATTN_PACKED_FROM=N` moves the switch.
     pub fn attn_plan(&self, nh: usize, hkv: usize) -> ((AttnKernel, usize), (AttnKernel, usize), usize) {
         let head = (AttnKernel::PerHead, 32);
         if hkv == 0 || !nh.is_multiple_of(hkv) || !matches!(nh / hkv, 1 | 2 | 4 | 8) {
             return (head, head, usize::MAX);
         }
-        let packed = (AttnKernel::Packed, (self.sms as usize / hkv).clamp(1, 1024));
+        let splits = (self.sms as usize / hkv).clamp(1, 1024);
+        let packed = (AttnKernel::Packed, splits);
+        let tc = (AttnKernel::Tc, splits);
         let from = std::env::var("LILY_CUDA_ATTN_PACKED_FROM").ok().and_then(|v| v.parse().ok()).unwrap_or(8192);
         match std::env::var("LILY_CUDA_ATTN").as_deref() {
             Ok("head") => (head, head, usize::MAX),
             Ok("packed") => (packed, packed, 0),
-            _ => (head, packed, from),
+            Ok("tc") => (tc, tc, 0),
+            _ => (head, if tc_long() { tc } else { packed }, from),
         }
     }
+}
+
+/// Whether the long-context decode attention runs on tensor cores (`LILY_CUDA_ATTN_TC=1`; off
+/// by default until measured on the H200).
+fn tc_long() -> bool {
+    std::env::var("LILY_CUDA_ATTN_TC").is_ok_and(|v| v == "1")
 }
 
 /// Which decode attention kernel [`Gpu::attn_decode`] launches.
@@ -219,6 +242,9 @@ pub enum AttnKernel {
     PerHead,
     /// One block per (KV head, split) for all the query heads that share it.
     Packed,
+    /// [`AttnKernel::Packed`] on tensor cores (kernels/attention_dec.cu) where it applies: 8
+    /// query heads per KV head, head dim 64/128/256, a bf16 cache; else the packed kernel.
+    Tc,
 }
 
 /// Arguments of [`Gpu::attn_decode`] (device pointers; `pos` is an i32 on the device).

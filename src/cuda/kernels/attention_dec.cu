@@ -1,0 +1,241 @@
+/*
+ * attention_dec.cu: long-context decode attention on tensor cores, for 8 query heads per KV head
+ * over a bf16 cache (attn_decode_tc{64,128,256}: attn_decode_gqa8_bf16's arguments, grid and
+ * partials, so attn_combine merges either).
+ *
+ * Math, per KV head h and split s (positions [lo, hi)), for its G = 8 query heads g:
+ *   s2[g, p] = q_g . k_p * scale * log2(e) (base-2 logits), running max m and sum l per head,
+ *   o[g] = sum_p 2^(s2 - m) v_p; written as part[h*8 + g, s] = (m * ln 2, l, o[0..D)).
+ *   The products are transposed so that the 8 heads are the mma's N = 8 (nothing padded):
+ *     S^T (16 keys x 8 heads) = K tile (16 x D) . Q^T (D x 8)    A: K rows by ldmatrix, B: Q in registers
+ *     O^T (D x 8) += V tile^T (D x 16) . P^T (16 keys x 8)       A: V by ldmatrix.trans, B: P via shared
+ *   Q and P are each split into bf16 hi + lo parts (two mma each) so that the products keep about
+ *   16 mantissa bits, as the fp32-FMA kernel does with its fp32 query; K and V are exact in bf16.
+ *   Accumulation in fp32 (mma), softmax in fp32.
+ * Layouts: kc, vc [capacity, H_kv, D] bf16; q [H_q, D] fp32 (after norm and RoPE); part
+ *   [H_q, S, D + 2] fp32; batched rows (kvt) as in attention.cu.
+ * Geometry: grid (H_kv, S, rows), block 128 = 4 warps; split s covers chunk = max(64, ceil(L/S))
+ *   positions, warp w the 16-key tiles w, w + 4, ... of it. Each warp streams its tiles through
+ *   its own DT_NST-stage ring of K and V tiles (cp.async, 16 x D bf16 each; a row's 16-byte
+ *   chunk c stored at c ^ (row & 7), so the ldmatrix reads of 8 rows hit 8 different bank
+ *   groups). Dynamic shared memory: attn_dec_smem(D) bytes. The 4 warps merge through shared
+ *   memory in a fixed order (bit-identical replays).
+ */
+#define DT_NST 3
+#define DT_PS 24 /* row stride (u16) of a warp's P buffer [8 heads][16 keys]: conflict-free reads */
+
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
+__device__ __forceinline__ u32 smem_u32(const void* p) { return (u32)__cvta_generic_to_shared(p); }
+
+/* (hi, lo) bf16 pair of x: hi = bf16(x), lo = bf16(x - hi). */
+__device__ __forceinline__ void split_bf16(float x, u32& hi, u32& lo) {
+    hi = bf16_bits(x);
+    lo = bf16_bits(x - bf16_to_f32((u16)hi));
+}
+
+template <int D>
+__device__ __forceinline__ void attn_dec_tc(const float* q, const u16* kc, const u16* vc, float* part, int hkv,
+                                            const int* pos_p, float scale, const unsigned long long* kvt) {
+    constexpr int G = 8, KT = 16, CH = D / 8, TILE = KT * D, NK = D / 16;
+    extern __shared__ __align__(16) unsigned char dsm[];
+    pdl_begin();
+    if (kvt) {
+        int r = blockIdx.z;
+        kc = (const u16*)kvt[2 * r];
+        vc = (const u16*)kvt[2 * r + 1];
+        pos_p += r;
+        q += (long long)r * hkv * G * D;
+        part += (long long)r * hkv * G * gridDim.y * (D + 2);
+    }
+    const int L = pos_p[0] + 1;
+    const int kvh = blockIdx.x, split = blockIdx.y, S = gridDim.y;
+    const int chunk = max(64, (L + S - 1) / S);
+    const int lo = split * chunk, hi = min(L, lo + chunk);
+    if (lo >= L) { /* empty split: merges as nothing */
+        if (threadIdx.x < G) part[((long long)(kvh * G + threadIdx.x) * S + split) * (D + 2)] = -INFINITY;
+        return;
+    }
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    u16* ring = (u16*)dsm + warp * DT_NST * 2 * TILE;
+    u16* pb = (u16*)dsm + 4 * DT_NST * 2 * TILE + warp * 2 * G * DT_PS; /* P hi, then P lo */
+    const long long rs = (long long)hkv * D;
+    const u16* kb = kc + kvh * D;
+    const u16* vb = vc + kvh * D;
+    const int ntiles = (hi - lo + KT - 1) / KT;
+    const int mine = ntiles > warp ? (ntiles - warp + 3) / 4 : 0; /* tiles warp, warp + 4, ... */
+
+    /* Copies this warp's j-th tile into stage j % DT_NST (zeros past hi); always commits a group. */
+    auto load = [&](int j) {
+        if (j < mine) {
+            const int key0 = lo + (warp + 4 * j) * KT;
+            u16* kt = ring + (j % DT_NST) * 2 * TILE;
+#pragma unroll 4
+            for (int i = lane; i < KT * CH; i += 32) {
+                const int row = i / CH, c = i - row * CH, key = key0 + row;
+                const bool ok = key < hi;
+                const long long off = ok ? (long long)key * rs + c * 8 : 0;
+                const int so = row * D + ((c ^ (row & 7)) << 3);
+                cp_async16(smem_u32(kt + so), kb + off, ok ? 16 : 0);
+                cp_async16(smem_u32(kt + TILE + so), vb + off, ok ? 16 : 0);
+            }
+        }
+        cp_async_commit();
+    };
+#pragma unroll
+    for (int j = 0; j < DT_NST - 1; j++) load(j);
+
+    /* Q^T as B fragments (k = dim, n = head = lane / 4), prescaled, split into hi and lo. */
+    u32 qh[NK][2], ql[NK][2];
+    {
+        const float* qr = q + (long long)(kvh * G + (lane >> 2)) * D;
+        const float qs = scale * 1.4426950408889634f;
+#pragma unroll
+        for (int ks = 0; ks < NK; ks++)
+#pragma unroll
+            for (int h = 0; h < 2; h++) {
+                const int k = ks * 16 + 2 * (lane & 3) + 8 * h;
+                u32 h0, l0, h1, l1;
+                split_bf16(qr[k] * qs, h0, l0);
+                split_bf16(qr[k + 1] * qs, h1, l1);
+                qh[ks][h] = h0 | (h1 << 16);
+                ql[ks][h] = l0 | (l1 << 16);
+            }
+    }
+    float oacc[NK][4]; /* O^T: (dim 16 mt + lane/4 (+8 for c >= 2), head 2 (lane & 3) + (c & 1)) */
+#pragma unroll
+    for (int mt = 0; mt < NK; mt++) oacc[mt][0] = oacc[mt][1] = oacc[mt][2] = oacc[mt][3] = 0.f;
+    float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f}; /* heads 2 (lane & 3) + j; l per thread */
+
+    for (int j = 0; j < mine; j++) {
+        load(j + DT_NST - 1);
+        cp_async_wait<DT_NST - 1>();
+        __syncwarp();
+        const u16* kt = ring + (j % DT_NST) * 2 * TILE;
+        const u16* vt = kt + TILE;
+        /* S^T = K . Q^T */
+        float s[4] = {0.f, 0.f, 0.f, 0.f};
+        {
+            const int row = (lane & 7) + ((lane >> 3) & 1) * 8, ch = lane >> 4;
+#pragma unroll
+            for (int ks = 0; ks < NK; ks++) {
+                u32 a0, a1, a2, a3;
+                ldsm_x4_at(smem_u32(kt + row * D + (((2 * ks + ch) ^ (row & 7)) << 3)), a0, a1, a2, a3);
+                mma_bf16(s, a0, a1, a2, a3, qh[ks][0], qh[ks][1]);
+                mma_bf16(s, a0, a1, a2, a3, ql[ks][0], ql[ks][1]);
+            }
+        }
+        const int key0 = lo + (warp + 4 * j) * KT, r = lane >> 2;
+        if (key0 + r >= hi) s[0] = s[1] = -INFINITY;
+        if (key0 + r + 8 >= hi) s[2] = s[3] = -INFINITY;
+        /* online softmax per head (the max over the tile's 16 keys: lanes sharing lane & 3) */
+        float corr[2];
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            float t = fmaxf(s[h], s[2 + h]);
+            t = fmaxf(t, __shfl_xor_sync(0xffffffffu, t, 4));
+            t = fmaxf(t, __shfl_xor_sync(0xffffffffu, t, 8));
+            t = fmaxf(t, __shfl_xor_sync(0xffffffffu, t, 16));
+            const float mn = fmaxf(m[h], t); /* finite: every tile has a key < hi */
+            corr[h] = exp2f(m[h] - mn);
+            const float p0 = exp2f(s[h] - mn), p1 = exp2f(s[2 + h] - mn);
+            l[h] = l[h] * corr[h] + (p0 + p1);
+            m[h] = mn;
+            const int head = 2 * (lane & 3) + h;
+            u32 h0, l0, h1, l1;
+            split_bf16(p0, h0, l0);
+            split_bf16(p1, h1, l1);
+            pb[head * DT_PS + r] = (u16)h0;
+            pb[head * DT_PS + r + 8] = (u16)h1;
+            pb[G * DT_PS + head * DT_PS + r] = (u16)l0;
+            pb[G * DT_PS + head * DT_PS + r + 8] = (u16)l1;
+        }
+        __syncwarp();
+        /* P^T as B fragments: (k = key 2 (lane & 3) + {0, 1} (+8), n = head lane / 4) */
+        const u32* pw = (const u32*)pb;
+        const int bo = (lane >> 2) * (DT_PS / 2) + (lane & 3);
+        const u32 ph0 = pw[bo], ph1 = pw[bo + 4];
+        const u32 pl0 = pw[G * DT_PS / 2 + bo], pl1 = pw[G * DT_PS / 2 + bo + 4];
+        /* O^T = O^T * corr + V^T . P^T */
+        {
+            const int row = (lane & 7) + (lane >> 4) * 8, ch = (lane >> 3) & 1;
+#pragma unroll
+            for (int mt = 0; mt < NK; mt++) {
+                oacc[mt][0] *= corr[0];
+                oacc[mt][1] *= corr[1];
+                oacc[mt][2] *= corr[0];
+                oacc[mt][3] *= corr[1];
+                u32 a0, a1, a2, a3;
+                ldsm_x4_trans_at(smem_u32(vt + row * D + (((2 * mt + ch) ^ (row & 7)) << 3)), a0, a1, a2, a3);
+                mma_bf16(oacc[mt], a0, a1, a2, a3, ph0, ph1);
+                mma_bf16(oacc[mt], a0, a1, a2, a3, pl0, pl1);
+            }
+        }
+        __syncwarp(); /* every lane has read this tile and the P buffer before they are reused */
+    }
+    cp_async_wait<0>();
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+        l[h] += __shfl_xor_sync(0xffffffffu, l[h], 4);
+        l[h] += __shfl_xor_sync(0xffffffffu, l[h], 8);
+        l[h] += __shfl_xor_sync(0xffffffffu, l[h], 16);
+    }
+    /* Merge the 4 warps (the rings are free once every warp is here). */
+    __syncthreads();
+    float* acc = (float*)dsm;      /* [8][D] */
+    float* sm = acc + G * D;       /* [4][8] base-2 maxima */
+    float* sl = sm + 4 * G;        /* [4][8] sums */
+    if (lane < 4) {
+        sm[warp * G + 2 * lane] = m[0];
+        sm[warp * G + 2 * lane + 1] = m[1];
+        sl[warp * G + 2 * lane] = l[0];
+        sl[warp * G + 2 * lane + 1] = l[1];
+    }
+    __syncthreads();
+    float f[2];
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+        const int head = 2 * (lane & 3) + h;
+        float M = -INFINITY;
+        for (int w = 0; w < 4; w++) M = fmaxf(M, sm[w * G + head]);
+        f[h] = m[h] == -INFINITY ? 0.f : exp2f(m[h] - M);
+    }
+    for (int w = 0; w < 4; w++) {
+        if (warp == w)
+#pragma unroll
+            for (int mt = 0; mt < NK; mt++)
+#pragma unroll
+                for (int c = 0; c < 4; c++) {
+                    const int dim = 16 * mt + (lane >> 2) + 8 * (c >> 1), head = 2 * (lane & 3) + (c & 1);
+                    float* a = &acc[head * D + dim];
+                    *a = (w == 0 ? 0.f : *a) + oacc[mt][c] * f[c & 1];
+                }
+        __syncthreads();
+    }
+    for (int t = threadIdx.x; t < G * D; t += blockDim.x) {
+        const int g = t / D, dd = t - g * D;
+        float* pp = part + ((long long)(kvh * G + g) * S + split) * (D + 2);
+        pp[2 + dd] = acc[t];
+        if (dd == 0) {
+            float M = -INFINITY, Ls = 0.f;
+            for (int w = 0; w < 4; w++) M = fmaxf(M, sm[w * G + g]);
+            for (int w = 0; w < 4; w++)
+                if (sm[w * G + g] != -INFINITY) Ls += sl[w * G + g] * exp2f(sm[w * G + g] - M);
+            pp[0] = M * 0.6931471805599453f;
+            pp[1] = Ls;
+        }
+    }
+}
+
+#define ATTN_DEC_TC(D)                                                                                          \
+    extern "C" __global__ void __launch_bounds__(128, 1)                                                        \
+        attn_decode_tc##D(const float* q, const u16* kc, const u16* vc, float* part, int hkv, int hd,           \
+                          const int* pos_p, float scale, const unsigned long long* kvt) {                       \
+        attn_dec_tc<D>(q, kc, vc, part, hkv, pos_p, scale, kvt);                                                \
+    }
+ATTN_DEC_TC(64)
+ATTN_DEC_TC(128)
+ATTN_DEC_TC(256)
