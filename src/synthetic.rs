@@ -115,7 +115,12 @@ impl Gen {
 
 /// Builds a synthetic model (weights generated in parallel, deterministic for a given name).
 pub fn build(name: &str, layers: Option<usize>, vocab: usize) -> Result<Model> {
-    let cfg = config(name, layers, vocab)?;
+    build_config(config(name, layers, vocab)?)
+}
+
+/// Builds a model of random weights for any config (tests that need other head shapes than the
+/// named ones); deterministic for a given config.
+pub fn build_config(cfg: ModelConfig) -> Result<Model> {
     let (hid, hv) = (cfg.hidden_size, cfg.linear_num_value_heads);
     let mut g = Gen { seed: 0x1111, bits: 4, group: 64 };
     let embed = g.linear(cfg.vocab_size, hid, 4, 1.0);

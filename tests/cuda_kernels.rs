@@ -174,17 +174,7 @@ fn gemv_conv_matches_cpu() {
             let mut conv = vec![0f32; c];
             causal_conv1d_silu(&proj[..c], 1, c, &conv_w, k, &mut cstate, &mut conv);
             let xb = gb(&x);
-            g.gemv_conv(
-                &gl,
-                xb.ptr,
-                (nwb.ptr, 1e-6),
-                yb.ptr,
-                (gcs.ptr, cwb.ptr, cyb.ptr),
-                c,
-                k,
-                lily::cuda::L2Prefetch::NONE,
-            )
-            .unwrap();
+            g.gemv_conv(&gl, xb.ptr, (nwb.ptr, 1e-6), yb.ptr, (gcs.ptr, cwb.ptr, cyb.ptr), c, k).unwrap();
             let s = format!("{name} step {step}");
             check(&format!("{s} projection"), &yb.read_f32(0, c + extra).unwrap(), &proj, TOL);
             check(&format!("{s} conv"), &cyb.read_f32(0, c).unwrap(), &conv, TOL);
@@ -194,9 +184,7 @@ fn gemv_conv_matches_cpu() {
     let l = quant(&mut r, 40, 256, 4, 64);
     let gl = GpuLinear::upload(&g, &l).unwrap();
     assert!(!lily::cuda::Gpu::gemv_conv_ok(&gl, 32, 3), "a 3-tap conv must not be fused");
-    let e = g
-        .gemv_conv(&gl, 0, (0, 0.0), 0, (0, 0, 0), 32, 3, lily::cuda::L2Prefetch::NONE)
-        .expect_err("3 taps must be refused");
+    let e = g.gemv_conv(&gl, 0, (0, 0.0), 0, (0, 0, 0), 32, 3).expect_err("3 taps must be refused");
     assert!(e.to_string().contains("not fused"), "{e}");
 }
 
@@ -485,18 +473,7 @@ fn fused_decode_moe_matches_cpu() {
         for rep in 0..3 {
             xb.write_f32(0, &x).unwrap();
             let (ids_f, wts_f) = (g.zeros(4 * (k + 1)).unwrap(), g.zeros(4 * (k + 1)).unwrap());
-            g.moe_fused(
-                &gu,
-                &dn,
-                xb.ptr,
-                (nwb.ptr, 1e-6),
-                egu_r.ptr,
-                route,
-                (ids_f.ptr, wts_f.ptr),
-                ctr.ptr,
-                lily::cuda::L2Prefetch::NONE,
-            )
-            .unwrap();
+            g.moe_fused(&gu, &dn, xb.ptr, (nwb.ptr, 1e-6), egu_r.ptr, route, (ids_f.ptr, wts_f.ptr), ctr.ptr).unwrap();
             assert_eq!(ids_f.read_i32(k + 1).unwrap(), want_ids, "moe_fused: ids");
             check(&format!("moe_fused q{bits} E{e} K{k} run {rep}"), &xb.read_f32(0, h).unwrap(), &want, TOL);
         }

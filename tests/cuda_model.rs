@@ -309,3 +309,39 @@ fn cuda_bf16_kv_cache_tracks_fp32() {
         assert_eq!(r.forward_last(&[1]).unwrap(), a, "{name}: restored bf16-cache session differs");
     }
 }
+
+/// The tensor-core decode attention inside the model's step: a tiny model with 8 query heads
+/// per KV head (head dim 64) decodes token by token over a bf16 cache with that kernel from the
+/// first position, and with the per-head kernel throughout. Both track the CPU's fp32 logits
+/// within the bf16 cache's bound, and each other to accumulation order.
+#[test]
+fn cuda_tensor_core_decode_attention_in_the_model() {
+    if !have_gpu() {
+        return;
+    }
+    let mut cfg = lily::synthetic::config("tiny", None, 1024).unwrap();
+    cfg.num_attention_heads = 8 * cfg.num_key_value_heads;
+    let (nh, hkv, hd) = (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim);
+    let model = Arc::new(lily::synthetic::build_config(cfg).unwrap());
+    let gm = lily::cuda::upload_cached(&model).unwrap();
+    assert!(gm.gpu.attn_tc_applies(nh, hkv, hd, KvDtype::Bf16), "the tensor-core kernel must apply to this shape");
+    let prompt: Vec<u32> = (0..200u32).map(|i| (i * 7919 + 13) % 1024).collect();
+    let want = CpuSession::new(model.clone()).forward_all(&prompt).unwrap();
+    let run = |from: usize| {
+        let mut s = CudaSession::new(gm.clone());
+        s.set_kv_dtype(KvDtype::Bf16);
+        s.prefill = None;
+        s.attn_from = from;
+        s.forward_all(&prompt).unwrap()
+    };
+    let (tc, head) = (run(0), run(usize::MAX));
+    let v = model.cfg.vocab_size;
+    for (name, got) in [("tensor-core", &tc), ("per-head", &head)] {
+        let worst = rows_worst(got, &want, v);
+        eprintln!("G=8 tiny model, {name} decode attention, bf16 cache vs cpu fp32: worst |Δ|/range {worst:.2e}");
+        assert!(worst <= 1e-2, "{name} decode attention moves the logits by {worst:.2e} of their range");
+    }
+    let worst = rows_worst(&tc, &head, v);
+    eprintln!("G=8 tiny model, tensor-core vs per-head decode attention: worst |Δ|/range {worst:.2e}");
+    assert!(worst <= 1e-4, "the tensor-core kernel differs from the per-head one by {worst:.2e}");
+}

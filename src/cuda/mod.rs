@@ -15,9 +15,9 @@ mod ops;
 
 pub use model::{upload_cached, uploaded, CudaBatch, CudaModel, CudaSession};
 pub use ops::{
-    gdn_chunk_floats, gdn_prefill_default, gemv_default, l2_prefetch_level, sampling_params_bytes, AttnDecode,
-    AttnKernel, AttnPrep, GdnPrefill, GdnPrefillKernel, GdnRows, GdnStep, GemmKernel, GemvKernel, GpuLinear, KvDtype,
-    L2Prefetch, Precision, PrefillAttn, SAMPLE_WS_BYTES,
+    gdn_chunk_floats, gdn_prefill_default, gemv_default, sampling_params_bytes, AttnDecode, AttnKernel, AttnPlan,
+    AttnPrep, GdnPrefill, GdnPrefillKernel, GdnRows, GdnStep, GemmKernel, GemvKernel, GpuLinear, KvDtype, Precision,
+    PrefillAttn, SAMPLE_WS_BYTES,
 };
 
 /// A captured CUDA graph, ready to replay on [`Gpu::stream`].

@@ -12,9 +12,7 @@
 //! attention over the cache, and routed experts grouped by expert on the GPU (`moe_align` →
 //! grouped GEMM → combine).
 
-use super::ops::{
-    l2_prefetch_level, AttnDecode, AttnKernel, AttnPrep, GdnStep, GpuLinear, KvDtype, L2Prefetch, Precision,
-};
+use super::ops::{AttnDecode, AttnKernel, AttnPrep, GdnStep, GpuLinear, KvDtype, Precision};
 use super::{DevBuf, Gpu, Graph};
 use crate::config::ModelConfig;
 use crate::generate::{Session, Snapshot};
@@ -73,25 +71,6 @@ impl Proj {
                 Ok(())
             }
         }
-    }
-
-    /// [`Proj::run`] whose (first) GEMV also prefetches `pf` into the L2.
-    fn run_pf(&self, g: &Gpu, x: u64, norm: (u64, f32), out: u64, pf: L2Prefetch) -> Result<()> {
-        match &self.fused {
-            Some(f) => g.gemv_pf(f, x, norm, out, false, pf),
-            None => {
-                for (i, (p, o)) in self.parts.iter().zip(&self.offs).enumerate() {
-                    let pf = if i == 0 { pf } else { L2Prefetch::NONE };
-                    g.gemv_pf(p, x, norm, out + 4 * *o as u64, false, pf)?;
-                }
-                Ok(())
-            }
-        }
-    }
-
-    /// The first matrix the projection reads.
-    fn first(&self) -> &GpuLinear {
-        self.fused.as_ref().unwrap_or_else(|| &self.parts[0])
     }
 
     /// The same for `m` rows: `x` rows of stride `ldx`, output rows of stride `ldo`.
@@ -164,23 +143,6 @@ struct GLayer {
     post_norm: DevBuf,
     mixer: GMixer,
     ffn: GFfn,
-}
-
-impl GLayer {
-    /// The first matrix a decode step reads in this layer (the mixer's input projection).
-    fn first_matrix(&self) -> &GpuLinear {
-        match &self.mixer {
-            GMixer::Gdn { proj, .. } | GMixer::Attn { proj, .. } => proj.first(),
-        }
-    }
-
-    /// The first matrix of the feed-forward half (the router, or the dense MLP's gate/up).
-    fn ffn_first(&self) -> &GpuLinear {
-        match &self.ffn {
-            GFfn::Moe { router, .. } => router.first(),
-            GFfn::Dense(mm) => mm.gate_up.first(),
-        }
-    }
 }
 
 /// Weights in device memory, shared by every session of one model.
@@ -354,7 +316,12 @@ impl CudaSession {
         let chunk =
             std::env::var("LILY_PREFILL_CHUNK").ok().and_then(|v| v.parse().ok()).unwrap_or(default).clamp(1, 16384);
         let c = &model.cfg;
-        let (short, long, attn_from) = model.gpu.attn_plan(c.num_attention_heads, c.num_key_value_heads);
+        let kv = KvDtype::from_env().unwrap_or_else(|e| {
+            eprintln!("warning: {e:#}; using bf16");
+            KvDtype::Bf16
+        });
+        let (short, long, attn_from) =
+            model.gpu.attn_plan(c.num_attention_heads, c.num_key_value_heads, c.head_dim, kv);
         CudaSession {
             attn: [short, long],
             attn_from,
@@ -371,10 +338,7 @@ impl CudaSession {
             fused: std::env::var("LILY_CUDA_FUSED").map_or(true, |v| v != "0"),
             routed: std::env::var("LILY_CUDA_ROUTED").map_or(true, |v| v != "0")
                 && super::gemv_default().0 != super::GemvKernel::Old,
-            kv: KvDtype::from_env().unwrap_or_else(|e| {
-                eprintln!("warning: {e:#}; using bf16");
-                KvDtype::Bf16
-            }),
+            kv,
         }
     }
 
@@ -383,9 +347,14 @@ impl CudaSession {
         self.kv
     }
 
-    /// Sets the KV caches' element type; a session that has run starts over (empty caches).
+    /// Sets the KV caches' element type (and the attention plan that goes with it); a session
+    /// that has run starts over (empty caches).
     pub fn set_kv_dtype(&mut self, kv: KvDtype) {
         if kv != self.kv {
+            let c = &self.model.cfg;
+            let (short, long, from) =
+                self.model.gpu.attn_plan(c.num_attention_heads, c.num_key_value_heads, c.head_dim, kv);
+            (self.attn, self.attn_from) = ([short, long], from);
             self.kv = kv;
             self.scratch = None;
             self.states.clear();
@@ -615,13 +584,7 @@ impl CudaSession {
         let s = self.scratch.as_ref().context("session scratch")?;
         let (tok_p, pos_p) = (s.io.ptr, s.io.at(4));
         g.embed(&m.embed, tok_p, s.x.ptr, 1)?;
-        // L2 prefetch: each kernel streams the step's next matrix into the L2 while it runs
-        // (`LILY_CUDA_L2_PREFETCH`; the MoE kernel also its chosen experts' down matrices).
-        let on = self.fused && l2_prefetch_level() >= 1;
-        let pf = |l: Option<&GpuLinear>| l.filter(|_| on).map_or(L2Prefetch::NONE, |l| l.prefetch());
-        for (i, (layer, st)) in m.layers.iter().zip(self.states.iter()).enumerate() {
-            let next_layer = pf(m.layers.get(i + 1).map(|l| l.first_matrix()));
-            let ffn_first = pf(Some(layer.ffn_first()));
+        for (layer, st) in m.layers.iter().zip(self.states.iter()) {
             // Fused: each GEMV normalizes its input; else rms_norm into xn and plain GEMVs.
             let (xin, in_norm, post_norm) = if self.fused {
                 (s.x.ptr, (layer.input_norm.ptr, eps), (layer.post_norm.ptr, eps))
@@ -635,21 +598,19 @@ impl CudaSession {
                     match &proj.fused {
                         // The conv runs in the projection's epilogue (one launch fewer per layer).
                         Some(f) if Gpu::gemv_conv_ok(f, cd, taps) => {
-                            let pf_out = pf(Some(out));
-                            g.gemv_conv(f, xin, in_norm, s.proj.ptr, (cs.ptr, conv.ptr, s.conv.ptr), cd, taps, pf_out)?
+                            g.gemv_conv(f, xin, in_norm, s.proj.ptr, (cs.ptr, conv.ptr, s.conv.ptr), cd, taps)?
                         }
                         _ => {
                             proj.run(g, xin, in_norm, s.proj.ptr)?;
                             g.conv_step(s.proj.ptr, cs.ptr, conv.ptr, s.conv.ptr, cd, taps)?;
                         }
                     }
-                    let args = gdn_step_args(c, s.proj.ptr, s.conv.ptr, [dt_bias, neg_a, norm], rec, s.o.ptr);
-                    g.gdn_step_pf(&args, ffn_first)?;
-                    g.gemv_pf(out, s.o.ptr, (0, 0.0), s.x.ptr, true, L2Prefetch::NONE)?;
+                    g.gdn_step(&gdn_step_args(c, s.proj.ptr, s.conv.ptr, [dt_bias, neg_a, norm], rec, s.o.ptr))?;
+                    g.gemv(out, s.o.ptr, 0, s.x.ptr, 1, 0, true)?;
                 }
                 (GMixer::Attn { proj, o, q_norm, k_norm }, GState::Attn { k: kc, v: vc, .. }) => {
                     let (nh, hkv, hd) = (c.num_attention_heads, c.num_key_value_heads, c.head_dim);
-                    proj.run_pf(g, xin, in_norm, s.proj.ptr, pf(Some(o)))?;
+                    proj.run(g, xin, in_norm, s.proj.ptr)?;
                     let prep = attn_prep_args(c, s.proj.ptr, [q_norm, k_norm], s.q.ptr, [kc, vc], pos_p, self.kv);
                     g.attn_prep(&prep, 1, 0)?;
                     let a = AttnDecode {
@@ -668,7 +629,7 @@ impl CudaSession {
                         kv: self.kv,
                     };
                     g.attn_decode(&a, self.attn[long as usize].0)?;
-                    g.gemv_pf(o, s.o.ptr, (0, 0.0), s.x.ptr, true, ffn_first)?;
+                    g.gemv(o, s.o.ptr, 0, s.x.ptr, 1, 0, true)?;
                 }
                 _ => bail!("layer state does not match the layer kind"),
             }
@@ -677,16 +638,12 @@ impl CudaSession {
                     // Router (+ shared gate logit), top-k with the shared expert as slot K, one
                     // gate/up GEMV over the K + 1 experts, one fused down + combine + residual.
                     let (e, k) = (c.num_experts, c.num_experts_per_tok);
-                    let (gu, dn) = (&experts.gate_up, &experts.down);
-                    // The router prefetches the shared expert's gate/up rows (matrices 2E, 2E + 1).
-                    let shared_gu =
-                        if on { gu.prefetch_rows(2 * e * gu.rows, 2 * (e + 1) * gu.rows) } else { L2Prefetch::NONE };
-                    router.run_pf(g, s.x.ptr, post_norm, s.router.ptr, shared_gu)?;
+                    router.run(g, s.x.ptr, post_norm, s.router.ptr)?;
                     let route = (s.router.ptr, e, k, c.norm_topk_prob);
+                    let (gu, dn) = (&experts.gate_up, &experts.down);
                     if self.routed && g.moe_fused_ok(gu, dn, e, k) {
                         // Top-k, gate/up and down + residual in one launch.
-                        let (io, sync) = ((s.ids.ptr, s.wts.ptr), s.sync.ptr);
-                        g.moe_fused(gu, dn, s.x.ptr, post_norm, s.egu.ptr, route, io, sync, next_layer)?;
+                        g.moe_fused(gu, dn, s.x.ptr, post_norm, s.egu.ptr, route, (s.ids.ptr, s.wts.ptr), s.sync.ptr)?;
                     } else {
                         if self.routed && gu.streams() {
                             g.gemv_routed(gu, s.x.ptr, post_norm, s.egu.ptr, route, s.ids.ptr, s.wts.ptr)?;

@@ -11,7 +11,7 @@ mod gdn;
 mod moe;
 mod sampling;
 
-pub use attention::{AttnDecode, AttnKernel, AttnPrep, AttnRows, KvDtype, PrefillAttn};
+pub use attention::{AttnDecode, AttnKernel, AttnPlan, AttnPrep, AttnRows, KvDtype, PrefillAttn};
 pub use gdn::{gdn_chunk_floats, gdn_prefill_default, GdnPrefill, GdnPrefillKernel, GdnRows, GdnStep};
 pub use sampling::{sampling_params_bytes, SAMPLE_WS_BYTES};
 
@@ -176,22 +176,6 @@ impl GpuLinear {
         (4 * (self.cols + self.cols / (128 / self.bits as usize))) as u32
     }
 
-    /// The whole matrix (every matrix of a stack) as an L2 prefetch.
-    pub fn prefetch(&self) -> L2Prefetch {
-        self.prefetch_rows(0, self.count * self.rows)
-    }
-
-    /// Rows `r0..r1` of the stack (matrix e's rows start at `e · rows`) as an L2 prefetch.
-    pub fn prefetch_rows(&self, r0: usize, r1: usize) -> L2Prefetch {
-        let n = (self.count * self.rows).max(1);
-        let part = |b: &DevBuf| {
-            let per = b.bytes / n;
-            (b.ptr + (r0 * per) as u64, (r1.min(n) - r0.min(n)) * per)
-        };
-        let none = (0, 0);
-        L2Prefetch([part(&self.w), self.s.as_ref().map_or(none, part), self.b.as_ref().map_or(none, part)])
-    }
-
     fn wargs(&self) -> [Arg; 6] {
         [
             Arg::P(self.w.ptr),
@@ -202,29 +186,6 @@ impl GpuLinear {
             Arg::I(self.ty),
         ]
     }
-}
-
-/// Up to three byte ranges (a matrix's codes, scales, biases) that a decode kernel's grid
-/// prefetches into the L2 while it runs (`L2PF_PARAMS` in kernels/common.cuh): the matrix the
-/// step reads next, so the weight stream does not wait for each dependency of the step.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct L2Prefetch(pub [(u64, usize); 3]);
-
-impl L2Prefetch {
-    pub const NONE: L2Prefetch = L2Prefetch([(0, 0); 3]);
-
-    fn args(&self) -> [Arg; 6] {
-        let [a, b, c] = self.0;
-        [Arg::P(a.0), Arg::L(a.1 as i64), Arg::P(b.0), Arg::L(b.1 as i64), Arg::P(c.0), Arg::L(c.1 as i64)]
-    }
-}
-
-/// How much the decode step prefetches into the L2 (`LILY_CUDA_L2_PREFETCH`, read once): 0
-/// nothing (default until measured on the H200), 1 each kernel the next matrix of the step, 2
-/// also the MoE's chosen experts' down matrices while their gate/up rows are computed.
-pub fn l2_prefetch_level() -> u32 {
-    static L: std::sync::OnceLock<u32> = std::sync::OnceLock::new();
-    *L.get_or_init(|| std::env::var("LILY_CUDA_L2_PREFETCH").ok().and_then(|v| v.parse().ok()).unwrap_or(0))
 }
 
 /// The decode GEMV kernel for quantized weights: `gemv_q2` (2 rows per warp, streaming from a
@@ -351,25 +312,6 @@ impl Gpu {
         self.gemv_raw(w, x, 0, y, slots, ids, accumulate, (normw, eps))
     }
 
-    /// One-slot decode [`Gpu::gemv_norm`] (`normw` 0: no norm) whose grid also prefetches `pf`
-    /// into the L2 (the streaming kernel only; others ignore it).
-    #[allow(clippy::too_many_arguments)]
-    pub fn gemv_pf(
-        &self,
-        w: &GpuLinear,
-        x: u64,
-        norm: (u64, f32),
-        y: u64,
-        accumulate: bool,
-        pf: L2Prefetch,
-    ) -> Result<()> {
-        if norm.0 != 0 && (w.cols > GEMV_XMAX || !w.cols.is_multiple_of(4)) {
-            bail!("gemv with a fused norm: {} columns (at most {GEMV_XMAX}, a multiple of 4)", w.cols);
-        }
-        let (k, bpsm) = gemv_default();
-        self.gemv_launch(k, bpsm, w, (x, 0, 1), y, 1, 0, accumulate, norm, pf)
-    }
-
     #[allow(clippy::too_many_arguments)]
     fn gemv_raw(
         &self,
@@ -406,7 +348,7 @@ impl Gpu {
         accumulate: bool,
         norm: (u64, f32),
     ) -> Result<()> {
-        self.gemv_launch(kernel, bpsm, w, (x, xstride, 1), y, slots, ids, accumulate, norm, L2Prefetch::NONE)
+        self.gemv_launch(kernel, bpsm, w, (x, xstride, 1), y, slots, ids, accumulate, norm)
     }
 
     /// [`Gpu::gemv`] where slot z reads input row `z / xdiv` (`x + (z / xdiv)·xstride`): the
@@ -423,7 +365,7 @@ impl Gpu {
         ids: u64,
     ) -> Result<()> {
         let (k, bpsm) = gemv_default();
-        self.gemv_launch(k, bpsm, w, (x, xstride, xdiv.max(1)), y, slots, ids, false, (0, 0.0), L2Prefetch::NONE)
+        self.gemv_launch(k, bpsm, w, (x, xstride, xdiv.max(1)), y, slots, ids, false, (0, 0.0))
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -438,7 +380,6 @@ impl Gpu {
         ids: u64,
         accumulate: bool,
         (normw, eps): (u64, f32),
-        pf: L2Prefetch,
     ) -> Result<()> {
         let mut a = w.wargs().to_vec();
         a.extend([
@@ -462,7 +403,6 @@ impl Gpu {
                 return self.launch_shared("linear_gemv", (blocks(w.rows, 32), slots as u32, 1), 256, shared, &a);
             }
         };
-        a.extend(pf.args());
         let shared = w.stream_smem();
         let (threads, per_sm) = kernel.geometry(bpsm);
         let gx = self.stream_grid(w.rows, threads, per_sm, slots);

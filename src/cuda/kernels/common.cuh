@@ -13,12 +13,6 @@
  *   activation; only reads of weights may come before pdl_wait(). pdl_begin() = both, first
  *   thing. Every such kernel waits before it exits, so completion stays transitive. Without the
  *   launch attribute both instructions return at once.
- * - L2 prefetch (decode): the weight-streaming decode kernels take three byte ranges (L2PF_PARAMS:
- *   the codes, scales and biases of the matrix the step reads next) and spread bulk L2 prefetches
- *   of them over every thread of the grid, after issuing their own first loads and before
- *   waiting for the previous kernel: the next matrix streams into the L2 while this one runs,
- *   so the weight traffic does not stop at every dependency of the step. Fire and forget: the
- *   data is only a hint, a null range prefetches nothing.
  * - All activations are fp32; accurate expf/sqrtf (no fast math), so results track the CPU
  *   reference up to summation order.
  */
@@ -85,30 +79,6 @@ __device__ __forceinline__ void pdl_wait() {
 __device__ __forceinline__ void pdl_begin() {
     pdl_trigger();
     pdl_wait();
-}
-/* Bulk L2 prefetch of bytes [p, p + n) in 8 KB pieces, piece i by prefetch thread i (mod nt); the
-   threads are numbered block-minor (l2pf_tid), so consecutive pieces go to different SMs. */
-#define L2PF_PARAMS const char *pf0, long long pfn0, const char *pf1, long long pfn1, const char *pf2, long long pfn2
-#define L2PF_ARGS pf0, pfn0, pf1, pfn1, pf2, pfn2
-__device__ __forceinline__ void l2_prefetch_range(const char* p, long long n, long long tid, long long nt) {
-#if __CUDA_ARCH__ >= 900
-    const long long P = 8192;
-    if (!p) return;
-    for (long long off = tid * P; off < n; off += nt * P) {
-        u32 sz = (u32)min(P, n - off) & ~15u;
-        if (sz) asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p + off), "r"(sz) : "memory");
-    }
-#endif
-}
-__device__ __forceinline__ long long l2pf_tid() {
-    long long blocks = (long long)gridDim.x * gridDim.y;
-    return (long long)threadIdx.x * blocks + (long long)blockIdx.y * gridDim.x + blockIdx.x;
-}
-__device__ __forceinline__ void l2_prefetch(L2PF_PARAMS) {
-    long long nt = (long long)gridDim.x * gridDim.y * blockDim.x, tid = l2pf_tid();
-    l2_prefetch_range(pf0, pfn0, tid, nt);
-    l2_prefetch_range(pf1, pfn1, tid, nt);
-    l2_prefetch_range(pf2, pfn2, tid, nt);
 }
 /* cp.async (16 bytes; `bytes` < 16 zero-fills the rest), ldmatrix at a shared-space address, and
    mma.sync m16n8k16 bf16 -> fp32 (c += A B), shared by the tensor-core kernels. */

@@ -194,8 +194,7 @@ __device__ __forceinline__ void gdn_step_par_body(const float* y, const float* b
 extern "C" __global__ void __launch_bounds__(1024) gdn_step_par(const float* y, const float* bproj, const float* aproj,
                                                                  const float* z, const float* dt_bias, const float* neg_a,
                                                                  const float* normw, float* S, float* out, int hk, int hv,
-                                                                 int dk, int dv, float eps, L2PF_PARAMS) {
-    l2_prefetch(L2PF_ARGS); /* the next matrix of the step (the state step reads no weights) */
+                                                                 int dk, int dv, float eps) {
     gdn_step_par_body<false>(y, bproj, aproj, z, dt_bias, neg_a, normw, S, out, hk, hv, dk, dv, eps, nullptr, 0, 0, 0);
 }
 

@@ -262,9 +262,7 @@ __device__ __forceinline__ void gq_body(const u32* w, const u16* sc, const u16* 
                                         const float* xg, float* y, int rows, int cols, long long E0, int accumulate,
                                         const float* normw, float eps, float* xs, float* red, const int* ids = 0,
                                         int S = 1, ConvEpi cv = ConvEpi{0, 0, 0, 0, 1}, int vbx = -1, int vgx = 0,
-                                        const u64* spin = 0, u64 spin_target = 0, const char* pf0 = 0,
-                                        long long pfn0 = 0, const char* pf1 = 0, long long pfn1 = 0,
-                                        const char* pf2 = 0, long long pfn2 = 0) {
+                                        const u64* spin = 0, u64 spin_target = 0) {
     constexpr int EPV = 128 / BITS;
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     int n4 = cols / EPV, ng = cols / group, gsh = __ffs(group) - 1;
@@ -301,7 +299,6 @@ __device__ __forceinline__ void gq_body(const u32* w, const u16* sc, const u16* 
         else
             gq_load<BITS, NR, U, false>(cur, w, sc, bi, E0 + r0, min(NR, rows - r0), n4, ng, gsh, lane);
     }
-    l2_prefetch(L2PF_ARGS); /* the next matrix of the step, while this one streams */
     if (spin) { /* moe_fused_q: every block of the launch has finished its gate/up rows */
         if (threadIdx.x == 0) {
             u64 v;
@@ -377,7 +374,7 @@ __device__ __forceinline__ void gq_body(const u32* w, const u16* sc, const u16* 
                                                            int group, int ty, const float* x, long long xstride,   \
                                                            float* y, int rows, int cols, const int* ids,           \
                                                            int accumulate, const float* normw, float eps,          \
-                                                           int xdiv, L2PF_PARAMS) {                                \
+                                                           int xdiv) {                                             \
         extern __shared__ __align__(16) float xs[]; /* cols + cols/EPV floats */                                  \
         __shared__ float red[33];                                                                                  \
         int z = blockIdx.y;                                                                                        \
@@ -389,13 +386,13 @@ __device__ __forceinline__ void gq_body(const u32* w, const u16* sc, const u16* 
         const u32* W = (const u32*)w;                                                                              \
         const u16 *S = (const u16*)sc, *B = (const u16*)bi;                                                        \
         if (bits == 4 && ty == TY_BF16)                                                                            \
-            gq_body<4, TY_BF16, NR, 2, LOADONLY, false>(W, S, B, group, xg, yz, rows, cols, E0, accumulate, normw, eps, xs, red, 0, 1, ConvEpi{0, 0, 0, 0, 1}, -1, 0, 0, 0, L2PF_ARGS); \
+            gq_body<4, TY_BF16, NR, 2, LOADONLY, false>(W, S, B, group, xg, yz, rows, cols, E0, accumulate, normw, eps, xs, red); \
         else if (bits == 4)                                                                                        \
-            gq_body<4, TY_F16, NR, 2, LOADONLY, false>(W, S, B, group, xg, yz, rows, cols, E0, accumulate, normw, eps, xs, red, 0, 1, ConvEpi{0, 0, 0, 0, 1}, -1, 0, 0, 0, L2PF_ARGS); \
+            gq_body<4, TY_F16, NR, 2, LOADONLY, false>(W, S, B, group, xg, yz, rows, cols, E0, accumulate, normw, eps, xs, red); \
         else if (ty == TY_BF16)                                                                                    \
-            gq_body<8, TY_BF16, NR, 2, LOADONLY, false>(W, S, B, group, xg, yz, rows, cols, E0, accumulate, normw, eps, xs, red, 0, 1, ConvEpi{0, 0, 0, 0, 1}, -1, 0, 0, 0, L2PF_ARGS); \
+            gq_body<8, TY_BF16, NR, 2, LOADONLY, false>(W, S, B, group, xg, yz, rows, cols, E0, accumulate, normw, eps, xs, red); \
         else                                                                                                       \
-            gq_body<8, TY_F16, NR, 2, LOADONLY, false>(W, S, B, group, xg, yz, rows, cols, E0, accumulate, normw, eps, xs, red, 0, 1, ConvEpi{0, 0, 0, 0, 1}, -1, 0, 0, 0, L2PF_ARGS); \
+            gq_body<8, TY_F16, NR, 2, LOADONLY, false>(W, S, B, group, xg, yz, rows, cols, E0, accumulate, normw, eps, xs, red); \
     }
 
 GQ_KERNEL(gemv_q2, 2, false)
@@ -407,7 +404,7 @@ GQ_KERNEL(gemv_q_loadonly, 2, true)
 extern "C" __global__ void __launch_bounds__(512) gemv_q2_conv(const void* w, const void* sc, const void* bi, int bits,
                                                                int group, int ty, const float* x, float* y, int rows,
                                                                int cols, const float* normw, float eps, float* cstate,
-                                                               const float* cw, float* cy, int C, int K, L2PF_PARAMS) {
+                                                               const float* cw, float* cy, int C, int K) {
     extern __shared__ __align__(16) float xs[];
     __shared__ float red[33];
     pdl_trigger();
@@ -415,13 +412,13 @@ extern "C" __global__ void __launch_bounds__(512) gemv_q2_conv(const void* w, co
     const u16 *S = (const u16*)sc, *B = (const u16*)bi;
     ConvEpi cv{cstate, cw, cy, C, K};
     if (bits == 4 && ty == TY_BF16)
-        gq_body<4, TY_BF16, 2, 2, false, false, true>(W, S, B, group, x, y, rows, cols, 0, 0, normw, eps, xs, red, 0, 1, cv, -1, 0, 0, 0, L2PF_ARGS);
+        gq_body<4, TY_BF16, 2, 2, false, false, true>(W, S, B, group, x, y, rows, cols, 0, 0, normw, eps, xs, red, 0, 1, cv);
     else if (bits == 4)
-        gq_body<4, TY_F16, 2, 2, false, false, true>(W, S, B, group, x, y, rows, cols, 0, 0, normw, eps, xs, red, 0, 1, cv, -1, 0, 0, 0, L2PF_ARGS);
+        gq_body<4, TY_F16, 2, 2, false, false, true>(W, S, B, group, x, y, rows, cols, 0, 0, normw, eps, xs, red, 0, 1, cv);
     else if (ty == TY_BF16)
-        gq_body<8, TY_BF16, 2, 2, false, false, true>(W, S, B, group, x, y, rows, cols, 0, 0, normw, eps, xs, red, 0, 1, cv, -1, 0, 0, 0, L2PF_ARGS);
+        gq_body<8, TY_BF16, 2, 2, false, false, true>(W, S, B, group, x, y, rows, cols, 0, 0, normw, eps, xs, red, 0, 1, cv);
     else
-        gq_body<8, TY_F16, 2, 2, false, false, true>(W, S, B, group, x, y, rows, cols, 0, 0, normw, eps, xs, red, 0, 1, cv, -1, 0, 0, 0, L2PF_ARGS);
+        gq_body<8, TY_F16, 2, 2, false, false, true>(W, S, B, group, x, y, rows, cols, 0, 0, normw, eps, xs, red, 0, 1, cv);
 }
 
 /* moe_down_q (decode): x[r] += sum_{k < S} wts[k] * (W[ids[k]*rows + r, :] . h_k),
@@ -498,7 +495,7 @@ extern "C" __global__ void __launch_bounds__(512, 1)
     moe_fused_q(const void* wg, const void* sg, const void* bg, const void* wd, const void* sd, const void* bd,
                 int bits, int group_g, int group_d, int ty, float* x, float* gu, int inter, int H, const float* normw,
                 float eps, const float* logits, int E, int K, int renorm, int* ids_out, float* wts_out, u64* ctr,
-                int bps, int pf_down, L2PF_PARAMS) {
+                int bps) {
     extern __shared__ __align__(16) float xs[];
     __shared__ float red[33], ls[1024], wsel[65];
     __shared__ int chosen[65];
@@ -510,27 +507,15 @@ extern "C" __global__ void __launch_bounds__(512, 1)
         ids_out[threadIdx.x] = chosen[threadIdx.x];
         wts_out[threadIdx.x] = wsel[threadIdx.x];
     }
-    if (pf_down) {
-        /* the chosen experts' down matrices into the L2 while the gate/up rows are computed */
-        long long nt = (long long)gridDim.x * blockDim.x, tid = l2pf_tid();
-        long long wb = (long long)H * inter * bits / 8, sb = (long long)H * (inter / group_d) * 2;
-        for (int k = 0; k <= K; k++) {
-            long long e = chosen[k];
-            l2_prefetch_range((const char*)wd + e * wb, wb, tid, nt);
-            l2_prefetch_range((const char*)sd + e * sb, sb, tid, nt);
-            l2_prefetch_range((const char*)bd + e * sb, sb, tid, nt);
-        }
-    }
     const int z = blockIdx.x / bps, bx = blockIdx.x - z * bps;
     const long long E0 = (long long)(2 * chosen[z >> 1] + (z & 1)) * inter;
     float* gz = gu + (long long)z * inter;
     const ConvEpi nc{0, 0, 0, 0, 1};
     const u32 *Wg = (const u32*)wg, *Wd = (const u32*)wd;
     const u16 *Sg = (const u16*)sg, *Bg = (const u16*)bg, *Sd = (const u16*)sd, *Bd = (const u16*)bd;
-#define MF_UP(B, T) gq_body<B, T, 2, 2, false, false>(Wg, Sg, Bg, group_g, x, gz, inter, H, E0, 0, normw, eps, xs, red, 0, 1, nc, bx, bps, 0, 0, L2PF_ARGS)
+#define MF_UP(B, T) gq_body<B, T, 2, 2, false, false>(Wg, Sg, Bg, group_g, x, gz, inter, H, E0, 0, normw, eps, xs, red, 0, 1, nc, bx, bps)
     if (z >= 2 * (K + 1)) {
-        /* blocks beyond bps * 2(K+1) only take down-projection rows (and their prefetches) */
-        l2_prefetch(L2PF_ARGS);
+        /* blocks beyond bps * 2(K+1) only take down-projection rows */
     } else if (bits == 4 && ty == TY_BF16) MF_UP(4, TY_BF16);
     else if (bits == 4) MF_UP(4, TY_F16);
     else if (ty == TY_BF16) MF_UP(8, TY_BF16);

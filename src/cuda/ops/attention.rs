@@ -155,11 +155,7 @@ impl Gpu {
         };
         // Every kernel takes (q, kc, vc, part, heads.., hd, pos, scale); the packed ones only H_kv.
         let bf16 = a.kv == KvDtype::Bf16;
-        let tc = kernel == AttnKernel::Tc
-            && bf16
-            && packed == Some(8)
-            && matches!(hd, 64 | 128 | 256)
-            && super::super::attn_dec_smem(hd) <= self.smem_optin_max;
+        let tc = kernel == AttnKernel::Tc && self.attn_tc_applies(nh, hkv, hd, a.kv);
         let (name, grid_x, heads) = match packed {
             Some(_) if tc => (super::super::attn_dec_kernel(hd), hkv, vec![Arg::I(hkv as i32)]),
             Some(g) => {
@@ -204,14 +200,15 @@ impl Gpu {
         )
     }
 
-    /// The decode attention kernels this device uses for these heads: (kernel, splits) below
-    /// and from a number of cached positions, and that number. The per-head kernel (32 splits
-    /// per query head; many small blocks, quick at short context) up to 8,192 positions, then
-    /// the GQA-packed kernel with about one block per SM (K/V read once instead of G times), on
-    /// tensor cores where it applies ([`AttnKernel::Tc`], with `LILY_CUDA_ATTN_TC=1`).
-    /// `LILY_CUDA_ATTN=head|packed|tc` uses one kernel throughout;
+    /// The decode attention kernels this device uses for these heads and cache: (kernel,
+    /// splits) below and from a number of cached positions, and that number. The per-head
+    /// kernel (32 splits per query head; many small blocks, quick at short context) up to a
+    /// switch, then the GQA-packed kernel with about one block per SM (K/V read once instead of
+    /// G times): on tensor cores where it applies ([`Gpu::attn_tc_applies`]; from 2,048
+    /// positions), else the fp32-FMA one (from 8,192). `LILY_CUDA_ATTN=head|packed|tc` uses one
+    /// kernel throughout, `LILY_CUDA_ATTN_TC=0` keeps the packed kernel off the tensor cores,
     /// `LILY_CUDA_ATTN_PACKED_FROM=N` moves the switch.
-    pub fn attn_plan(&self, nh: usize, hkv: usize) -> ((AttnKernel, usize), (AttnKernel, usize), usize) {
+    pub fn attn_plan(&self, nh: usize, hkv: usize, hd: usize, kv: KvDtype) -> AttnPlan {
         let head = (AttnKernel::PerHead, 32);
         if hkv == 0 || !nh.is_multiple_of(hkv) || !matches!(nh / hkv, 1 | 2 | 4 | 8) {
             return (head, head, usize::MAX);
@@ -219,21 +216,31 @@ impl Gpu {
         let splits = (self.sms as usize / hkv).clamp(1, 1024);
         let packed = (AttnKernel::Packed, splits);
         let tc = (AttnKernel::Tc, splits);
-        let from = std::env::var("LILY_CUDA_ATTN_PACKED_FROM").ok().and_then(|v| v.parse().ok()).unwrap_or(8192);
+        let on = std::env::var("LILY_CUDA_ATTN_TC").map_or(true, |v| v != "0") && self.attn_tc_applies(nh, hkv, hd, kv);
+        let (long, from) = if on { (tc, 2048) } else { (packed, 8192) };
+        let from = std::env::var("LILY_CUDA_ATTN_PACKED_FROM").ok().and_then(|v| v.parse().ok()).unwrap_or(from);
         match std::env::var("LILY_CUDA_ATTN").as_deref() {
             Ok("head") => (head, head, usize::MAX),
             Ok("packed") => (packed, packed, 0),
             Ok("tc") => (tc, tc, 0),
-            _ => (head, if tc_long() { tc } else { packed }, from),
+            _ => (head, long, from),
         }
+    }
+
+    /// Whether [`AttnKernel::Tc`] runs on tensor cores for these heads and cache (else it is the
+    /// packed fp32-FMA kernel): 8 query heads per KV head, head dim 64, 128 or 256, a bf16 cache,
+    /// and its shared memory within the device's opt-in limit.
+    pub fn attn_tc_applies(&self, nh: usize, hkv: usize, hd: usize, kv: KvDtype) -> bool {
+        kv == KvDtype::Bf16
+            && hkv > 0
+            && nh == 8 * hkv
+            && matches!(hd, 64 | 128 | 256)
+            && super::super::attn_dec_smem(hd) <= self.smem_optin_max
     }
 }
 
-/// Whether the long-context decode attention runs on tensor cores (`LILY_CUDA_ATTN_TC=1`; off
-/// by default until measured on the H200).
-fn tc_long() -> bool {
-    std::env::var("LILY_CUDA_ATTN_TC").is_ok_and(|v| v == "1")
-}
+/// [`Gpu::attn_plan`]: (kernel, splits) below the switch, the same from it, the switch.
+pub type AttnPlan = ((AttnKernel, usize), (AttnKernel, usize), usize);
 
 /// Which decode attention kernel [`Gpu::attn_decode`] launches.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

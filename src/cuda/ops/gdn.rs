@@ -3,7 +3,7 @@
 //! chunked delta rule or the serial scan; kernels/gdn*.cu), with their argument structs.
 
 use super::super::{Arg, Gpu};
-use super::{blocks, gemv_default, GemvKernel, GpuLinear, L2Prefetch, GEMV_XMAX};
+use super::{blocks, gemv_default, GemvKernel, GpuLinear, GEMV_XMAX};
 use anyhow::{bail, Result};
 
 impl Gpu {
@@ -223,7 +223,6 @@ impl Gpu {
         (state, cw, cy): (u64, u64, u64),
         c: usize,
         k: usize,
-        pf: L2Prefetch,
     ) -> Result<()> {
         if !Gpu::gemv_conv_ok(w, c, k) {
             bail!(
@@ -235,7 +234,6 @@ impl Gpu {
         }
         let mut a = w.norm_gemv_args(x, y, normw, eps);
         a.extend([Arg::P(state), Arg::P(cw), Arg::P(cy), Arg::I(c as i32), Arg::I(k as i32)]);
-        a.extend(pf.args());
         let (kernel, bpsm) = gemv_default();
         let (threads, per_sm) = kernel.geometry(bpsm);
         let gx = self.stream_grid(w.rows, threads, per_sm, 1);
@@ -266,20 +264,11 @@ impl Gpu {
 
     /// One gated-delta-rule step for every value head, with the gated RMSNorm.
     pub fn gdn_step(&self, p: &GdnStep) -> Result<()> {
-        self.gdn_step_pf(p, L2Prefetch::NONE)
-    }
-
-    /// [`Gpu::gdn_step`] whose grid also prefetches `pf` into the L2 (the row-split kernel only).
-    pub fn gdn_step_pf(&self, p: &GdnStep, pf: L2Prefetch) -> Result<()> {
-        self.gdn_step_launch(p, &GdnRows::one(), pf)
+        self.gdn_step_rows(p, &GdnRows::one())
     }
 
     /// [`Gpu::gdn_step`] for `r.rows` sequences at once (see [`GdnRows`]).
     pub fn gdn_step_rows(&self, p: &GdnStep, r: &GdnRows) -> Result<()> {
-        self.gdn_step_launch(p, r, L2Prefetch::NONE)
-    }
-
-    fn gdn_step_launch(&self, p: &GdnStep, r: &GdnRows, pf: L2Prefetch) -> Result<()> {
         if !p.dv.is_multiple_of(32) || p.dv > 1024 || p.dk > 256 || !p.hv.is_multiple_of(p.hk) {
             bail!("gdn_step: unsupported head dims (D_v {} D_k {})", p.dv, p.dk);
         }
@@ -298,8 +287,6 @@ impl Gpu {
         a.extend([Arg::I(p.dv as i32), Arg::F(p.eps)]);
         if !par || batched {
             a.extend([Arg::P(r.states), Arg::L(r.ldy as i64), Arg::L(r.ldp as i64), Arg::L(r.ldo as i64)]);
-        } else {
-            a.extend(pf.args());
         }
         let (name, block) = match (par, batched) {
             (true, false) => ("gdn_step_par", threads as u32),

@@ -3,7 +3,7 @@
 //! (kernels/moe.cu).
 
 use super::super::{Arg, Gpu};
-use super::{blocks, gemv_default, l2_prefetch_level, GemvKernel, GpuLinear, L2Prefetch, GEMV_XMAX};
+use super::{blocks, gemv_default, GemvKernel, GpuLinear, GEMV_XMAX};
 use anyhow::{bail, Result};
 
 impl Gpu {
@@ -75,7 +75,6 @@ impl Gpu {
         (logits, e, k, renorm): (u64, usize, usize, bool),
         (ids, wts): (u64, u64),
         ctr: u64,
-        pf: L2Prefetch,
     ) -> Result<()> {
         if !self.moe_fused_ok(gate_up, down, e, k) {
             bail!("moe_fused: experts of this shape or format are not fused");
@@ -109,10 +108,7 @@ impl Gpu {
             Arg::P(wts),
             Arg::P(ctr),
             Arg::I(bps as i32),
-            Arg::I((l2_prefetch_level() >= 2) as i32),
         ];
-        let mut a = a.to_vec();
-        a.extend(pf.args());
         let epv = 128 / gate_up.bits as usize;
         let (h, s) = (gate_up.cols, (k + 1) * down.cols);
         let shared = (4 * (h + h / epv).max(s + s / epv)) as u32;
