@@ -28,6 +28,20 @@ fn rand_bf16(n: usize, seed: u64, amp: f32) -> Vec<u8> {
     out
 }
 
+/// Max |Δ| over max |reference| against the first kernel's output (stored on its first call).
+fn rel_err(reference: &mut Option<Vec<f32>>, out: Vec<f32>) -> f32 {
+    match reference {
+        None => {
+            *reference = Some(out);
+            0.0
+        }
+        Some(r) => {
+            let m = r.iter().fold(0f32, |a, v| a.max(v.abs()));
+            r.iter().zip(&out).fold(0f32, |a, (x, y)| a.max((x - y).abs())) / m
+        }
+    }
+}
+
 fn decode(lens: &[usize]) -> Result<()> {
     let (nh, hkv, hd) = (16usize, 2usize, 256usize);
     let g = gpu()?;
@@ -73,17 +87,7 @@ fn decode(lens: &[usize]) -> Result<()> {
             for _ in 0..5 {
                 best = best.min(g.time_ms(run)? / 20.0);
             }
-            let o = out.read_f32(0, nh * hd)?;
-            let err = match &reference {
-                None => {
-                    reference = Some(o);
-                    0.0
-                }
-                Some(r) => {
-                    let m = r.iter().fold(0f32, |a, v| a.max(v.abs()));
-                    r.iter().zip(&o).fold(0f32, |a, (x, y)| a.max((x - y).abs())) / m
-                }
-            };
+            let err = rel_err(&mut reference, out.read_f32(0, nh * hd)?);
             println!("| {l} | {k:?} | {:.1} | {:.0} | {err:.2e} |", best * 1e3, bytes / (best / 1e3) / 1e9);
         }
     }
@@ -148,17 +152,7 @@ fn main() -> Result<()> {
             for _ in 0..5 {
                 best = best.min(g.time_ms(run)?);
             }
-            let o = out.read_f32(0, t * nh * hd)?;
-            let err = match &reference {
-                None => {
-                    reference = Some(o);
-                    0.0
-                }
-                Some(r) => {
-                    let m = r.iter().fold(0f32, |a, v| a.max(v.abs()));
-                    r.iter().zip(&o).fold(0f32, |a, (x, y)| a.max((x - y).abs())) / m
-                }
-            };
+            let err = rel_err(&mut reference, out.read_f32(0, t * nh * hd)?);
             println!("| {p0} | {t} | {k:?} | {best:.3} | {:.1} | {err:.2e} |", flops / best / 1e9);
         }
     }
