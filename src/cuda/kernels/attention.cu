@@ -400,13 +400,14 @@ __device__ __forceinline__ void gqa_round(int p0, int hi, const float (&qv)[1 <<
     }
 }
 
-template <int LG, typename KV>
-__device__ __forceinline__ void attn_gqa(const float* q, const KV* kc, const KV* vc, float* part, int hkv,
-                                         int hd, const int* pos_p, float scale, const unsigned long long* kvt) {
-    constexpr int G = 1 << LG, U = 4;
-    __shared__ float acc[G * 256];
-    __shared__ float sm[8][G], sl[8][G];
-    pdl_begin();
+/* The packed decode kernels' start (grid (H_kv, S, rows)): moves the pointers to row
+   blockIdx.z's cache, position, queries and partials when batched (kvt), and gives the split's
+   positions [lo, hi) (chunk = max(64, ceil(L/S))); false for an empty split, whose G heads'
+   partials it marks M = -inf (merging as nothing). */
+template <typename KV>
+__device__ __forceinline__ bool gqa_split(const float*& q, const KV*& kc, const KV*& vc, float*& part,
+                                          const int*& pos_p, const unsigned long long* kvt, int hkv, int G, int hd,
+                                          int& lo, int& hi) {
     if (kvt) {
         int r = blockIdx.z;
         kc = (const KV*)kvt[2 * r];
@@ -415,14 +416,27 @@ __device__ __forceinline__ void attn_gqa(const float* q, const KV* kc, const KV*
         q += (long long)r * hkv * G * hd;
         part += (long long)r * hkv * G * gridDim.y * (hd + 2);
     }
-    const int L = pos_p[0] + 1;
-    const int kvh = blockIdx.x, split = blockIdx.y, S = gridDim.y;
+    const int L = pos_p[0] + 1, S = gridDim.y, split = blockIdx.y;
     const int chunk = max(64, (L + S - 1) / S);
-    const int lo = split * chunk, hi = min(L, lo + chunk);
-    if (lo >= L) { /* empty split: merges as nothing */
-        if (threadIdx.x < G) part[((long long)(kvh * G + threadIdx.x) * S + split) * (hd + 2)] = -INFINITY;
-        return;
+    lo = split * chunk;
+    hi = min(L, lo + chunk);
+    if (lo >= L) {
+        if (threadIdx.x < G) part[((long long)(blockIdx.x * G + threadIdx.x) * S + split) * (hd + 2)] = -INFINITY;
+        return false;
     }
+    return true;
+}
+
+template <int LG, typename KV>
+__device__ __forceinline__ void attn_gqa(const float* q, const KV* kc, const KV* vc, float* part, int hkv,
+                                         int hd, const int* pos_p, float scale, const unsigned long long* kvt) {
+    constexpr int G = 1 << LG, U = 4;
+    __shared__ float acc[G * 256];
+    __shared__ float sm[8][G], sl[8][G];
+    pdl_begin();
+    int lo, hi;
+    if (!gqa_split<KV>(q, kc, vc, part, pos_p, kvt, hkv, G, hd, lo, hi)) return;
+    const int kvh = blockIdx.x, split = blockIdx.y, S = gridDim.y;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nd = hd / 32, me = lane >> (5 - LG);
     float qv[G][8], o[G][8];
 #pragma unroll

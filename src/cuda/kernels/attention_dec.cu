@@ -43,22 +43,9 @@ __device__ __forceinline__ void attn_dec_tc(const float* q, const u16* kc, const
     constexpr int G = 8, KT = 16, CH = D / 8, TILE = KT * D, NK = D / 16;
     extern __shared__ __align__(16) unsigned char dsm[];
     pdl_begin();
-    if (kvt) {
-        int r = blockIdx.z;
-        kc = (const u16*)kvt[2 * r];
-        vc = (const u16*)kvt[2 * r + 1];
-        pos_p += r;
-        q += (long long)r * hkv * G * D;
-        part += (long long)r * hkv * G * gridDim.y * (D + 2);
-    }
-    const int L = pos_p[0] + 1;
+    int lo, hi;
+    if (!gqa_split<u16>(q, kc, vc, part, pos_p, kvt, hkv, G, D, lo, hi)) return; /* attention.cu */
     const int kvh = blockIdx.x, split = blockIdx.y, S = gridDim.y;
-    const int chunk = max(64, (L + S - 1) / S);
-    const int lo = split * chunk, hi = min(L, lo + chunk);
-    if (lo >= L) { /* empty split: merges as nothing */
-        if (threadIdx.x < G) part[((long long)(kvh * G + threadIdx.x) * S + split) * (D + 2)] = -INFINITY;
-        return;
-    }
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     u16* ring = (u16*)dsm + warp * DT_NST * 2 * TILE;
     u16* pb = (u16*)dsm + 4 * DT_NST * 2 * TILE + warp * 2 * G * DT_PS; /* P hi, then P lo */
