@@ -345,3 +345,61 @@ fn cuda_tensor_core_decode_attention_in_the_model() {
     eprintln!("G=8 tiny model, tensor-core vs per-head decode attention: worst |Δ|/range {worst:.2e}");
     assert!(worst <= 1e-4, "the tensor-core kernel differs from the per-head one by {worst:.2e}");
 }
+
+/// A tiny model in the persistent step's shapes: 16-byte scale rows (every width a multiple of
+/// 8 groups of 64), two attention layers (so the step is three launches with attention between).
+fn persistent_model() -> Arc<lily::model::Model> {
+    let mut cfg = lily::synthetic::config("tiny", Some(8), 1024).unwrap();
+    cfg.hidden_size = 512;
+    (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim) = (8, 2, 64);
+    (cfg.linear_num_key_heads, cfg.linear_num_value_heads) = (2, 4);
+    (cfg.linear_key_head_dim, cfg.linear_value_head_dim) = (32, 128);
+    (cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size) = (512, 512);
+    Arc::new(lily::synthetic::build_config(cfg).unwrap())
+}
+
+/// The persistent decode step (kernels/pstep.cu) against the graph of per-op kernels and the
+/// CPU: token-by-token decode of a prompt (every step's logits), then a batched prefill followed
+/// by greedy steps on the device. Same math as the per-op kernels up to summation order, so the
+/// two GPU paths agree to 1e-4 of the logit range; both track the CPU's fp32 logits within the
+/// bf16 cache's bound (1e-2).
+#[test]
+fn cuda_persistent_step_matches_graph_and_cpu() {
+    if !have_gpu() {
+        return;
+    }
+    let model = persistent_model();
+    let gm = lily::cuda::upload_cached(&model).unwrap();
+    let prompt: Vec<u32> = (0..40u32).map(|i| (i * 7919 + 13) % 1024).collect();
+    let want = CpuSession::new(model.clone()).forward_all(&prompt).unwrap();
+    let session = |persistent: bool| {
+        let mut s = CudaSession::new(gm.clone());
+        s.persistent = persistent;
+        if persistent {
+            s.persistent_step().unwrap_or_else(|e| panic!("the persistent step must take this model: {e}"));
+        }
+        s
+    };
+    let run = |persistent: bool| {
+        let mut s = session(persistent);
+        s.prefill = None;
+        s.forward_all(&prompt).unwrap()
+    };
+    let (ps, graph) = (run(true), run(false));
+    let v = model.cfg.vocab_size;
+    for (name, got) in [("persistent", &ps), ("graph", &graph)] {
+        let worst = rows_worst(got, &want, v);
+        eprintln!("persistent-step model, {name} decode vs cpu fp32: worst |Δ|/range {worst:.2e}");
+        assert!(worst <= 1e-2, "{name} decode moves the logits by {worst:.2e} of their range");
+    }
+    let worst = rows_worst(&ps, &graph, v);
+    eprintln!("persistent vs graph decode: worst |Δ|/range {worst:.2e}");
+    assert!(worst <= 1e-4, "the persistent step differs from the graph step by {worst:.2e}");
+    let greedy = |persistent: bool| {
+        let mut s = session(persistent);
+        let first = s.forward_greedy(&prompt).unwrap();
+        s.greedy_steps(first, 48).unwrap()
+    };
+    let (a, b) = (greedy(true), greedy(false));
+    assert_eq!(a, b, "greedy tokens after a batched prefill: persistent vs graph step");
+}

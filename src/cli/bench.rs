@@ -192,6 +192,13 @@ pub fn run(a: BenchArgs) -> Result<()> {
                 g.kernel_flags(),
                 peak.map(|p| format!("{p:.0} TFLOP/s (specification)")).unwrap_or("unknown".into())
             );
+            if let Some(m) = lily::cuda::uploaded(&loaded.model) {
+                let mut s = lily::cuda::CudaSession::new(m);
+                match s.persistent_step() {
+                    Ok(()) => println!("decode step: persistent kernel (LILY_CUDA_DECODE=graph for the per-op graph)"),
+                    Err(e) => println!("decode step: graph of per-op kernels (persistent kernel: {e})"),
+                }
+            }
         }
         println!(
             "| context | prefill tok/s | prefill TFLOP/s | share of bf16 peak | decode tok/s | decode GB/s | share of memory bw |"

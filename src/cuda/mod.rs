@@ -41,7 +41,7 @@ use std::path::PathBuf;
 use std::sync::{Arc, OnceLock};
 
 /// Every kernel source, in compile order (the prelude first). One NVRTC program, one module.
-pub const SOURCES: [(&str, &str); 16] = [
+pub const SOURCES: [(&str, &str); 17] = [
     ("common.cuh", include_str!("kernels/common.cuh")),
     ("norm.cu", include_str!("kernels/norm.cu")),
     ("linear.cu", include_str!("kernels/linear.cu")),
@@ -58,10 +58,11 @@ pub const SOURCES: [(&str, &str); 16] = [
     ("moe.cu", include_str!("kernels/moe.cu")),
     ("gemv.cu", include_str!("kernels/gemv.cu")),
     ("sampling.cu", include_str!("kernels/sampling.cu")),
+    ("pstep.cu", include_str!("kernels/pstep.cu")),
 ];
 
 /// Kernel entry points loaded from the module.
-pub const KERNELS: [&str; 65] = [
+pub const KERNELS: [&str; 66] = [
     "rms_norm",
     "silu_mul",
     "silu_mul_pairs",
@@ -127,6 +128,7 @@ pub const KERNELS: [&str; 65] = [
     "samp_radix",
     "samp_zsum",
     "samp_draw",
+    "pstep",
 ];
 
 /// The concatenated program text.
@@ -507,7 +509,8 @@ impl Gpu {
         let pipe = [("gemm_pipe64", GEMM_PIPE_SMEM64), ("gemm_pipe128", GEMM_PIPE_SMEM128)];
         let dec = [64, 128, 256].map(|d| (attn_dec_kernel(d), attn_dec_smem(d).min(optin)));
         let skinny = ["gemm_skinny8", "gemm_skinny16", "gemm_skinny32"].map(|k| (k, smem_optin));
-        for (k, bytes) in skinny.into_iter().chain(fa).chain(pipe).chain(dec) {
+        let pstep = [("pstep", optin)];
+        for (k, bytes) in skinny.into_iter().chain(fa).chain(pipe).chain(dec).chain(pstep) {
             // SAFETY: a valid function handle and attribute; the value is within the device limit.
             unsafe {
                 sys::cuFuncSetAttribute(

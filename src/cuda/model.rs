@@ -24,6 +24,7 @@ use std::sync::Arc;
 
 mod batch;
 mod prefill;
+mod pstep;
 mod state;
 mod upload;
 pub use batch::CudaBatch;
@@ -300,6 +301,11 @@ pub struct CudaSession {
     pub attn_from: usize,
     /// Element type of the KV caches ([`CudaSession::set_kv_dtype`]).
     kv: KvDtype,
+    /// Decode through the persistent kernel (`kernels/pstep.cu`) where the model allows
+    /// (default; `LILY_CUDA_DECODE=graph` for the graph of per-op kernels).
+    pub persistent: bool,
+    /// Its plan for the current buffers (None: not built yet; Err: why the model keeps the graph).
+    ps: Option<std::result::Result<pstep::PsPlan, String>>,
 }
 
 impl CudaSession {
@@ -339,6 +345,8 @@ impl CudaSession {
             routed: std::env::var("LILY_CUDA_ROUTED").map_or(true, |v| v != "0")
                 && super::gemv_default().0 != super::GemvKernel::Old,
             kv,
+            persistent: pstep::wanted(),
+            ps: None,
         }
     }
 
@@ -403,6 +411,7 @@ impl CudaSession {
         });
         self.states = self.fresh_states()?;
         self.graphs = Default::default();
+        self.ps = None;
         Ok(())
     }
 
@@ -446,6 +455,7 @@ impl CudaSession {
         let io = [tok as i32, pos as i32];
         s.io.write_bytes(0, &io.iter().flat_map(|v| v.to_le_bytes()).collect::<Vec<u8>>())?;
         let long = self.long_attn(pos);
+        self.ensure_plan();
         if self.use_graphs {
             let i = logits as usize + 4 * long as usize;
             if self.graphs[i].is_none() {
@@ -492,6 +502,7 @@ impl CudaSession {
             bail!("{n} more tokens exceed the model's context of {}", self.model.cfg.max_position_embeddings);
         }
         self.grow_kv(pos + n)?;
+        self.ensure_plan();
         if self.ring.as_ref().is_none_or(|r| r.1 < n) {
             let cap = n.next_power_of_two().max(64);
             self.ring = Some((g.zeros(4 * cap)?, cap));
@@ -573,6 +584,62 @@ impl CudaSession {
         pos >= self.attn_from
     }
 
+    /// Attention layer `li` between its input and output projections (the projections are in
+    /// `proj`): q/k norms, RoPE and the cache write, then decode attention (gated) into `o`.
+    fn attn_mid(&self, li: usize, long: bool) -> Result<()> {
+        let m = &self.model;
+        let (g, c) = (&m.gpu, &m.cfg);
+        let s = self.scratch.as_ref().context("session scratch")?;
+        let (GMixer::Attn { q_norm, k_norm, .. }, GState::Attn { k: kc, v: vc, .. }) =
+            (&m.layers[li].mixer, &self.states[li])
+        else {
+            bail!("layer {li} is not an attention layer");
+        };
+        let pos_p = s.io.at(4);
+        let prep = attn_prep_args(c, s.proj.ptr, [q_norm, k_norm], s.q.ptr, [kc, vc], pos_p, self.kv);
+        g.attn_prep(&prep, 1, 0)?;
+        let a = AttnDecode {
+            q: s.q.ptr,
+            kc: kc.ptr,
+            vc: vc.ptr,
+            qg: s.proj.ptr,
+            out: s.o.ptr,
+            nh: c.num_attention_heads,
+            hkv: c.num_key_value_heads,
+            hd: c.head_dim,
+            pos: pos_p,
+            gated: c.attn_output_gate,
+            part: s.part.ptr,
+            splits: self.attn[long as usize].1,
+            kv: self.kv,
+        };
+        g.attn_decode(&a, self.attn[long as usize].0)
+    }
+
+    /// Builds the persistent step's plan once the session's buffers exist (kept until they
+    /// change; a model it does not take keeps the reason and the graph of per-op kernels).
+    fn ensure_plan(&mut self) {
+        if self.persistent && self.ps.is_none() {
+            if let Some(s) = &self.scratch {
+                self.ps = Some(pstep::PsPlan::build(&self.model, s, &self.states).map_err(|e| format!("{e:#}")));
+            }
+        }
+    }
+
+    /// Whether decode steps run the persistent kernel, or why not.
+    pub fn persistent_step(&mut self) -> std::result::Result<(), String> {
+        if !self.persistent {
+            return Err("off (LILY_CUDA_DECODE=graph)".into());
+        }
+        self.ensure().map_err(|e| format!("{e:#}"))?;
+        self.ensure_plan();
+        match &self.ps {
+            Some(Ok(_)) => Ok(()),
+            Some(Err(e)) => Err(e.clone()),
+            None => Err("no plan".into()),
+        }
+    }
+
     /// Records (or, without graphs, runs) one decode step; `long` picks the attention kernel
     /// (`attn[1]` instead of `attn[0]`).
     fn record(&self, logits: bool, long: bool) -> Result<()> {
@@ -581,10 +648,12 @@ impl CudaSession {
         let c = &m.cfg;
         let h = c.hidden_size;
         let eps = c.rms_norm_eps;
+        if let (true, Some(Ok(plan))) = (self.persistent, &self.ps) {
+            return self.record_persistent(plan, logits, long);
+        }
         let s = self.scratch.as_ref().context("session scratch")?;
-        let (tok_p, pos_p) = (s.io.ptr, s.io.at(4));
-        g.embed(&m.embed, tok_p, s.x.ptr, 1)?;
-        for (layer, st) in m.layers.iter().zip(self.states.iter()) {
+        g.embed(&m.embed, s.io.ptr, s.x.ptr, 1)?;
+        for (li, (layer, st)) in m.layers.iter().zip(self.states.iter()).enumerate() {
             // Fused: each GEMV normalizes its input; else rms_norm into xn and plain GEMVs.
             let (xin, in_norm, post_norm) = if self.fused {
                 (s.x.ptr, (layer.input_norm.ptr, eps), (layer.post_norm.ptr, eps))
@@ -608,27 +677,9 @@ impl CudaSession {
                     g.gdn_step(&gdn_step_args(c, s.proj.ptr, s.conv.ptr, [dt_bias, neg_a, norm], rec, s.o.ptr))?;
                     g.gemv(out, s.o.ptr, 0, s.x.ptr, 1, 0, true)?;
                 }
-                (GMixer::Attn { proj, o, q_norm, k_norm }, GState::Attn { k: kc, v: vc, .. }) => {
-                    let (nh, hkv, hd) = (c.num_attention_heads, c.num_key_value_heads, c.head_dim);
+                (GMixer::Attn { proj, o, .. }, GState::Attn { .. }) => {
                     proj.run(g, xin, in_norm, s.proj.ptr)?;
-                    let prep = attn_prep_args(c, s.proj.ptr, [q_norm, k_norm], s.q.ptr, [kc, vc], pos_p, self.kv);
-                    g.attn_prep(&prep, 1, 0)?;
-                    let a = AttnDecode {
-                        q: s.q.ptr,
-                        kc: kc.ptr,
-                        vc: vc.ptr,
-                        qg: s.proj.ptr,
-                        out: s.o.ptr,
-                        nh,
-                        hkv,
-                        hd,
-                        pos: pos_p,
-                        gated: c.attn_output_gate,
-                        part: s.part.ptr,
-                        splits: self.attn[long as usize].1,
-                        kv: self.kv,
-                    };
-                    g.attn_decode(&a, self.attn[long as usize].0)?;
+                    self.attn_mid(li, long)?;
                     g.gemv(o, s.o.ptr, 0, s.x.ptr, 1, 0, true)?;
                 }
                 _ => bail!("layer state does not match the layer kind"),
@@ -780,6 +831,7 @@ impl Session for CudaSession {
             if let Ok(s) = self.fresh_states() {
                 self.states = s;
                 self.graphs = Default::default();
+                self.ps = None;
             }
         }
     }

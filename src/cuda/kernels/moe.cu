@@ -35,7 +35,7 @@ __device__ __forceinline__ void route_topk(const float* logits, int E, int K, in
     int lane = threadIdx.x & 31;
     float mx = -INFINITY;
     for (int e = lane; e < E; e += 32) {
-        ls[e] = logits[e];
+        ls[e] = __ldcg(logits + e); /* through L2: in pstep other SMs wrote the logits */
         mx = fmaxf(mx, ls[e]);
     }
     mx = warp_max(mx);
@@ -64,12 +64,12 @@ __device__ __forceinline__ void route_topk(const float* logits, int E, int K, in
     }
     if (lane == 0) {
         float sel = 0.f;
-        for (int k = 0; k < K; k++) sel += expf(logits[chosen[k]] - mx);
+        for (int k = 0; k < K; k++) sel += expf(__ldcg(logits + chosen[k]) - mx);
         float den = renorm ? sel : tot;
-        for (int k = 0; k < K; k++) wsel[k] = expf(logits[chosen[k]] - mx) / den;
+        for (int k = 0; k < K; k++) wsel[k] = expf(__ldcg(logits + chosen[k]) - mx) / den;
         if (shared) {
             chosen[K] = E;
-            wsel[K] = sigmoid_f(logits[E]);
+            wsel[K] = sigmoid_f(__ldcg(logits + E));
         }
     }
     __syncwarp();

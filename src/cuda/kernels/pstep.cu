@@ -1,0 +1,533 @@
+/*
+ * pstep.cu: the persistent decode step (batch 1, MLX 4/8-bit weights): one resident block per SM
+ * walks a table of phases built once per session (src/cuda/pstep.rs writes the same PsPhase
+ * layout), so the step's weights stream into shared memory ahead of the activations they meet.
+ *
+ * Phases (every dimension from the table):
+ *   PS_GEMV      y[r] (+)= rr * sum_c W[r, c] xw[c] for the block's rows; the input transform xf:
+ *                PX_PLAIN xw = x; PX_RMS xw = x * normw, rr = rsqrt(mean(x^2) + eps);
+ *                PX_GATED (GDN out-projection) xw[c] = o[c] * rsqrt(mean_head(o^2) + eps) *
+ *                normw[c % dv] * silu(z[c]) over heads of dv. Rows r < conv_c also run the GDN
+ *                conv epilogue: cy[r] = silu(sum_j cw[r, j] X_j), X = [state[0..K-1, r]; y[r]],
+ *                then state <- X[1..K] (the row's owner is the only reader of that state column).
+ *   PS_GDN       the Gated DeltaNet state step, task (h, part) = 32 value columns of head h:
+ *                q, k of key head h / (hv / hk) from cy, l2-normalized (q also / sqrt(dk));
+ *                beta = sigmoid(b[h]), alpha = exp(neg_a[h] softplus(a[h] + dt_bias[h]));
+ *                per column j: uk = S[:, j].k, uq = S[:, j].q, delta = beta (v_j - alpha uk),
+ *                o_j = alpha uq + delta (k.q), S[:, j] <- alpha S[:, j] + k delta  (fp32 S
+ *                [hv, dk, dv]); o pre-norm (the out-projection's PX_GATED finishes it).
+ *   PS_MOE_GU    top-K of the router logits (+ the shared expert as slot K, gate sigmoid(l[E])),
+ *                then gate and up rows of the K + 1 chosen experts: y[(k*2 + m)*rows + r] for
+ *                matrix 2 ids[k] + m of the interleaved gate/up stack, input PX_RMS.
+ *   PS_MOE_DOWN  x[r] += sum_k w_k sum_c D[ids[k]][r, c] silu(g_k[c]) u_k[c].
+ *
+ * Schedule and synchronization: grid = one block per SM (all co-resident: the shared memory
+ *   admits one), 16 consumer warps + 1 producer warp. Phase p's rows are split evenly over the
+ *   blocks; the producer cuts the block's share into chunks that fit a slot of a ring of NS
+ *   shared-memory slots and issues each chunk's codes, scales and biases as cp.async.bulk copies
+ *   completing on the slot's "full" mbarrier, running ahead over later phases as slots free up
+ *   (a phase's weights do not depend on its inputs; only the expert phases wait for the router).
+ *   Consumers take slots in order; before a phase's first chunk they wait until every block has
+ *   finished the previous phase: one u64 counter, each block adds 1 per phase (release), phase
+ *   i waits for counter >= i * nblocks (acquire), which implies every block finished phase i - 1
+ *   because no block signals a phase before waiting for it. The last block to finish resets the
+ *   counter for the next launch. Activations are read through L2 (ld.cg): other SMs wrote them.
+ *
+ * Slot layout of a chunk of n rows from m matrices (m = 1, or K + 1 experts for the down
+ *   projection): codes [m][n][cols*bits/8 B], scales [m][n][cols/group] u16, biases likewise; the
+ *   host guarantees 16-byte rows of scales (cols/group a multiple of 8).
+ */
+#define PS_GEMV 0
+#define PS_GDN 1
+#define PS_MOE_GU 2
+#define PS_MOE_DOWN 3
+
+#define PX_PLAIN 0
+#define PX_RMS 1
+#define PX_GATED 2
+
+#define PS_FIRST 1
+#define PS_LAST 2
+#define PS_END 4
+
+#define PS_WARPS 16
+#define PS_GDN_RPW 8 /* state rows per thread: dk <= PS_GDN_RPW * PS_WARPS */
+#define PS_THREADS (32 * PS_WARPS)
+
+struct PsPhase {
+    int kind, xf, rows, cols;
+    int group, ty, accumulate, conv_c;
+    int conv_k, hk, hv, dk;
+    int dv, nexp, topk, renorm;
+    float eps;
+    int bits; /* 4 or 8 */
+    u64 w, s, b; /* codes, scales, biases */
+    u64 x, y;
+    u64 normw;
+    u64 aux[6];
+};
+
+struct PsHdr {
+    int rel, flags, row0, n;
+};
+
+/* Shared memory: header ring, mbarriers, routing, reductions, the staged input, the slot ring. */
+struct PsShared {
+    PsHdr hdr[8];
+    u64 full[8], empty[8];
+    int chosen[64];
+    float wsel[64];
+    float ls[1024];
+    float red[2 * PS_WARPS * 32];
+    float hs[256];
+    float qs[256], ks[256];
+};
+
+__device__ __forceinline__ void ps_cbar() { asm volatile("bar.sync 1, %0;" ::"n"(PS_THREADS) : "memory"); }
+
+#if __CUDA_ARCH__ >= 900
+__device__ __forceinline__ void mb_init(u64* b, int count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_u32(b)), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mb_wait(u64* b, u32 parity) {
+    u32 a = smem_u32(b), done = 0;
+    while (!done) {
+        asm volatile(
+            "{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
+            : "=r"(done)
+            : "r"(a), "r"(parity)
+            : "memory");
+    }
+}
+__device__ __forceinline__ void mb_arrive(u64* b) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_u32(b)) : "memory");
+}
+__device__ __forceinline__ void mb_expect(u64* b, u32 tx) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(b)), "r"(tx) : "memory");
+}
+__device__ __forceinline__ void bulk_g2s(void* dst, const void* src, u32 bytes, u64* bar) {
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
+                     smem_u32(dst)),
+                 "l"(src), "r"(bytes), "r"(smem_u32(bar))
+                 : "memory");
+}
+#endif
+
+__device__ __forceinline__ u64 ps_load_acquire(const u64* p) {
+    u64 v;
+    asm volatile("ld.acquire.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+    return v;
+}
+/* Lane 0 spins until *ctr >= target (acquire); the warp then proceeds. */
+__device__ __forceinline__ void ps_wait_ctr(const u64* ctr, u64 target) {
+    if ((threadIdx.x & 31) == 0)
+        while (ps_load_acquire(ctr) < target) __nanosleep(32);
+    __syncwarp();
+}
+
+/* Rows of phase p for block b of nb: [lo, hi) of `total`. */
+__device__ __forceinline__ void ps_share(int total, int b, int nb, int& lo, int& hi) {
+    lo = (int)((long long)total * b / nb);
+    hi = (int)((long long)total * (b + 1) / nb);
+}
+
+/* ---- consumers: staging of the phase input into xs (swizzled, with per-32 chunk sums) ---- */
+
+/* PX_PLAIN / PX_RMS (n = cols). Returns rr. */
+__device__ float ps_stage_x(const float* x, const float* normw, int n, float eps, float* xs, float* xsum,
+                            float* red) {
+    int tid = threadIdx.x, nch = n / 32;
+    float ss = 0.f;
+    for (int ch = tid; ch < nch; ch += PS_THREADS) {
+        const float4* x4 = (const float4*)(x + ch * 32);
+        float4 v[8];
+#pragma unroll
+        for (int j = 0; j < 8; j++) v[j] = __ldcg(x4 + j);
+        float sum[2] = {0.f, 0.f};
+#pragma unroll
+        for (int j = 0; j < 8; j++) {
+            float4 a = v[j];
+            ss += a.x * a.x + a.y * a.y + a.z * a.z + a.w * a.w;
+            if (normw) {
+                float4 nw = __ldg((const float4*)(normw + ch * 32) + j);
+                a = make_float4(a.x * nw.x, a.y * nw.y, a.z * nw.z, a.w * nw.w);
+            }
+            ((float4*)xs)[xswz(ch * 8 + j)] = a;
+            sum[j >> 2] += (a.x + a.y) + (a.z + a.w);
+        }
+        xsum[2 * ch] = sum[0];
+        xsum[2 * ch + 1] = sum[1];
+    }
+    if (!normw) {
+        ps_cbar();
+        return 1.f;
+    }
+    ss = warp_sum(ss);
+    if ((tid & 31) == 0) red[tid >> 5] = ss;
+    ps_cbar();
+    float t = 0.f;
+    for (int w = 0; w < PS_WARPS; w++) t += red[w];
+    ps_cbar(); /* red is reused */
+    return 1.f / sqrtf(t / (float)n + eps);
+}
+
+/* PX_GATED: o [hv*dv] normalized per head, times normw[c % dv] and silu(z[c]). */
+__device__ void ps_stage_gated(const float* o, const float* z, const float* normw, int hv, int dv, float eps,
+                               float* xs, float* xsum, float* hs) {
+    int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    for (int h = warp; h < hv; h += PS_WARPS) {
+        float ss = 0.f;
+        for (int c = lane; c < dv; c += 32) {
+            float v = __ldcg(o + h * dv + c);
+            ss += v * v;
+        }
+        ss = warp_sum(ss);
+        if (lane == 0) hs[h] = 1.f / sqrtf(ss / (float)dv + eps);
+    }
+    ps_cbar();
+    int nch = hv * dv / 32;
+    for (int ch = tid; ch < nch; ch += PS_THREADS) {
+        int c0 = ch * 32, h = c0 / dv;
+        float r = hs[h], sum[2] = {0.f, 0.f};
+#pragma unroll
+        for (int j = 0; j < 8; j++) {
+            float4 a = __ldcg((const float4*)(o + c0) + j), g = __ldcg((const float4*)(z + c0) + j);
+            float4 nw = __ldg((const float4*)(normw + (c0 % dv)) + j);
+            a = make_float4(a.x * r * nw.x * silu_f(g.x), a.y * r * nw.y * silu_f(g.y), a.z * r * nw.z * silu_f(g.z),
+                            a.w * r * nw.w * silu_f(g.w));
+            ((float4*)xs)[xswz(ch * 8 + j)] = a;
+            sum[j >> 2] += (a.x + a.y) + (a.z + a.w);
+        }
+        xsum[2 * ch] = sum[0];
+        xsum[2 * ch + 1] = sum[1];
+    }
+    ps_cbar();
+}
+
+/* MoE down input: slot k's w_k silu(g_k) u_k back to back (gu [S][2][inter]). */
+__device__ void ps_stage_moe(const float* gu, const float* wsel, int S, int inter, float* xs, float* xsum) {
+    int per = inter / 32, nch = S * per;
+    for (int ch = threadIdx.x; ch < nch; ch += PS_THREADS) {
+        int k = ch / per, c0 = (ch - k * per) * 32;
+        const float4* g4 = (const float4*)(gu + (long long)(2 * k) * inter + c0);
+        const float4* u4 = (const float4*)(gu + (long long)(2 * k + 1) * inter + c0);
+        float w = wsel[k], sum[2] = {0.f, 0.f};
+#pragma unroll
+        for (int j = 0; j < 8; j++) {
+            float4 g = __ldcg(g4 + j), u = __ldcg(u4 + j);
+            float4 h = make_float4(w * (silu_f(g.x) * u.x), w * (silu_f(g.y) * u.y), w * (silu_f(g.z) * u.z),
+                                   w * (silu_f(g.w) * u.w));
+            ((float4*)xs)[xswz(ch * 8 + j)] = h;
+            sum[j >> 2] += (h.x + h.y) + (h.z + h.w);
+        }
+        xsum[2 * ch] = sum[0];
+        xsum[2 * ch + 1] = sum[1];
+    }
+    ps_cbar();
+}
+
+/* One row's dot product over nm matrices' slices in the slot (row r of n; n4 16-byte chunks of
+   EPV = 128 / BITS codes per matrix row; chunk i of the virtual row is matrix i / n4's chunk
+   i % n4). xsum holds the staged input's sums per 16 columns. */
+template <int BITS>
+__device__ __forceinline__ float ps_row_dot(const unsigned char* slot, int n, int nm, int r, int n4, int ng, int gsh,
+                                            int ty, const float* xs, const float* xsum) {
+    constexpr int EPV = 128 / BITS;
+    const uint4* codes = (const uint4*)slot;
+    const u16* sc = (const u16*)(slot + (long long)nm * n * n4 * 16);
+    const u16* bi = sc + (long long)nm * n * ng;
+    int lane = threadIdx.x & 31, nv = nm * n4;
+    float acc = 0.f;
+    for (int i = lane; i < nv; i += 32) {
+        int k = i / n4, ii = i - k * n4;
+        int mr = k * n + r;
+        uint4 q = codes[(long long)mr * n4 + ii];
+        int gi = mr * ng + ((ii * EPV) >> gsh);
+        float s = half_bits(sc[gi], ty), b = half_bits(bi[gi], ty);
+        float4 x4[32 / BITS];
+        gq_x<BITS>(xs, i, x4);
+        float d = gq_dot<BITS>(q, x4);
+        if (BITS == 4) /* s q.x + b sx with q.x = 32 d - 16 sx */
+            acc += (32.f * s) * d + (b - 16.f * s) * (xsum[2 * i] + xsum[2 * i + 1]);
+        else
+            acc += s * d + b * xsum[i];
+    }
+    return warp_sum(acc);
+}
+
+/* The GDN state step for this block's tasks. */
+__device__ void ps_gdn(const PsPhase& P, float* red, float* qs, float* ks) {
+    int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    int hk = P.hk, hv = P.hv, dk = P.dk, dv = P.dv;
+    int parts = (dv + 31) / 32, ntask = hv * parts, rpw = dk / PS_WARPS;
+    const float* cy = (const float*)P.x;
+    const float *braw = (const float*)P.aux[0], *araw = (const float*)P.aux[1];
+    const float *dtb = (const float*)P.aux[2], *nega = (const float*)P.aux[3];
+    float* S = (float*)P.aux[4];
+    float* out = (float*)P.y;
+    for (int t = blockIdx.x; t < ntask; t += gridDim.x) {
+        int h = t / parts, part = t - h * parts, kh = h / (hv / hk);
+        int c = part * 32 + lane, i0 = warp * rpw;
+        bool valid = c < dv;
+        float* Sp = S + (long long)h * dk * dv + (long long)i0 * dv + c; /* row i0 + j at Sp[j * dv] */
+        float sreg[PS_GDN_RPW];
+#pragma unroll
+        for (int j = 0; j < PS_GDN_RPW; j++)
+            if (j < rpw && valid) sreg[j] = __ldcg(Sp + j * dv);
+        float sq = 0.f, sk = 0.f, sqk = 0.f;
+        for (int i = tid; i < dk; i += PS_THREADS) {
+            float q = __ldcg(cy + kh * dk + i), k = __ldcg(cy + hk * dk + kh * dk + i);
+            qs[i] = q;
+            ks[i] = k;
+            sq += q * q;
+            sk += k * k;
+            sqk += q * k;
+        }
+        sq = warp_sum(sq);
+        sk = warp_sum(sk);
+        sqk = warp_sum(sqk);
+        if (lane == 0) {
+            red[warp] = sq;
+            red[PS_WARPS + warp] = sk;
+            red[2 * PS_WARPS + warp] = sqk;
+        }
+        float v = valid ? __ldcg(cy + 2 * hk * dk + h * dv + c) : 0.f;
+        float beta = sigmoid_f(__ldcg(braw + h));
+        float alpha = expf(__ldg(nega + h) * softplus_f(__ldcg(araw + h) + __ldg(dtb + h)));
+        ps_cbar();
+        float tq = 0.f, tk = 0.f, tqk = 0.f;
+        for (int w = 0; w < PS_WARPS; w++) {
+            tq += red[w];
+            tk += red[PS_WARPS + w];
+            tqk += red[2 * PS_WARPS + w];
+        }
+        float rq = (1.f / sqrtf((float)dk)) / sqrtf(tq + 1e-6f), rk = 1.f / sqrtf(tk + 1e-6f);
+        float uk = 0.f, uq = 0.f;
+#pragma unroll
+        for (int j = 0; j < PS_GDN_RPW; j++)
+            if (j < rpw) {
+                uk += sreg[j] * ks[i0 + j];
+                uq += sreg[j] * qs[i0 + j];
+            }
+        ps_cbar(); /* the sums above are read; red is reused */
+        red[warp * 32 + lane] = uk * rk;
+        red[PS_WARPS * 32 + warp * 32 + lane] = uq * rq;
+        ps_cbar();
+        float UK = 0.f, UQ = 0.f;
+        for (int w = 0; w < PS_WARPS; w++) {
+            UK += red[w * 32 + lane];
+            UQ += red[PS_WARPS * 32 + w * 32 + lane];
+        }
+        float delta = beta * (v - alpha * UK);
+        if (warp == 0 && valid) out[h * dv + c] = alpha * UQ + delta * (tqk * rq * rk);
+        if (valid) {
+            float kd = rk * delta;
+#pragma unroll
+            for (int j = 0; j < PS_GDN_RPW; j++)
+                if (j < rpw) Sp[j * dv] = alpha * sreg[j] + ks[i0 + j] * kd;
+        }
+        ps_cbar(); /* qs, ks, red are reused by the next task */
+    }
+}
+
+/* ---- producer: the chunks of one phase for this block ---- */
+#if __CUDA_ARCH__ >= 900
+struct PsRing {
+    int slot;
+    u32 par; /* bit s: parity of slot s's next use */
+};
+
+/* Waits for a free slot and writes its header; returns the slot's data pointer. */
+__device__ __forceinline__ unsigned char* ps_take(PsShared& sm, unsigned char* ring, int slot_bytes, PsRing& rg,
+                                                  PsHdr h) {
+    int s = rg.slot;
+    mb_wait(&sm.empty[s], ((rg.par >> s) & 1) ^ 1);
+    sm.hdr[s] = h;
+    return ring + (long long)s * slot_bytes;
+}
+__device__ __forceinline__ void ps_next(PsRing& rg, int ns) {
+    rg.par ^= 1u << rg.slot;
+    rg.slot = rg.slot + 1 == ns ? 0 : rg.slot + 1;
+}
+
+__device__ __noinline__ void ps_produce(const PsPhase* phases, int nphase, const u64* ctr, PsShared& sm, unsigned char* ring,
+                           int slot_bytes, int ns) {
+    int lane = threadIdx.x & 31, b = blockIdx.x, nb = gridDim.x;
+    PsRing rg;
+    rg.slot = 0;
+    rg.par = 0;
+    for (int rel = 0; rel < nphase; rel++) {
+        const PsPhase& P = phases[rel];
+        int endf = rel == nphase - 1 ? PS_END : 0;
+        if (P.kind == PS_GDN) {
+            if (lane == 0) {
+                ps_take(sm, ring, slot_bytes, rg, PsHdr{rel, PS_FIRST | PS_LAST | endf, 0, 0});
+                mb_arrive(&sm.full[rg.slot]);
+            }
+            ps_next(rg, ns);
+            continue;
+        }
+        int cb = P.cols * P.bits / 8, sb = 2 * (P.cols / P.group);
+        int nm = 1, total = P.rows, mrows = P.rows;
+        if (P.kind == PS_MOE_GU) {
+            /* the router logits are complete once every block finished the previous phase */
+            ps_wait_ctr(ctr, (u64)rel * nb);
+            route_topk((const float*)P.aux[0], P.nexp, P.topk, P.renorm, 1, sm.ls, sm.chosen, sm.wsel);
+            total = (P.topk + 1) * 2 * P.rows;
+        } else if (P.kind == PS_MOE_DOWN) {
+            nm = P.topk + 1;
+        }
+        int lo, hi;
+        ps_share(total, b, nb, lo, hi);
+        int per = slot_bytes / (nm * (cb + 2 * sb)); /* rows per chunk */
+        int r = lo;
+        bool first = true;
+        do {
+            int n = min(per, hi - r);
+            if (P.kind == PS_MOE_GU) n = min(n, mrows - r % mrows); /* one matrix per chunk */
+            int flags = (first ? PS_FIRST : 0) | (r + n >= hi ? PS_LAST | endf : 0);
+            if (lane == 0) {
+                unsigned char* d = ps_take(sm, ring, slot_bytes, rg, PsHdr{rel, flags, r, n});
+                u64* full = &sm.full[rg.slot];
+                if (n <= 0) {
+                    mb_arrive(full);
+                } else {
+                    mb_expect(full, (u32)(nm * n * (cb + 2 * sb)));
+                    for (int k = 0; k < nm; k++) {
+                        long long row; /* first global row of the copy */
+                        if (P.kind == PS_MOE_GU) {
+                            int v = r / mrows, kk = v >> 1, m = v & 1;
+                            row = (long long)(2 * sm.chosen[kk] + m) * mrows + r % mrows;
+                        } else if (P.kind == PS_MOE_DOWN) {
+                            row = (long long)sm.chosen[k] * P.rows + r;
+                        } else {
+                            row = r;
+                        }
+                        bulk_g2s(d + (long long)(k * n) * cb, (const unsigned char*)P.w + row * cb, (u32)(n * cb), full);
+                        unsigned char* ds = d + (long long)nm * n * cb;
+                        bulk_g2s(ds + (long long)(k * n) * sb, (const unsigned char*)P.s + row * sb, (u32)(n * sb), full);
+                        bulk_g2s(ds + (long long)nm * n * sb + (long long)(k * n) * sb,
+                                 (const unsigned char*)P.b + row * sb, (u32)(n * sb), full);
+                    }
+                }
+            }
+            ps_next(rg, ns);
+            r += max(n, 0);
+            first = false;
+        } while (r < hi);
+    }
+}
+#endif
+
+/* ---- consumers: one chunk ---- */
+__device__ void ps_chunk(const PsPhase& P, const PsHdr& h, const unsigned char* d, float rr, PsShared& sm,
+                         const float* xs, const float* xsum) {
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    int n4 = P.cols * P.bits / 128, ng = P.cols / P.group, gsh = __ffs(P.group) - 1;
+    int nm = P.kind == PS_MOE_DOWN ? P.topk + 1 : 1;
+    float* y = (float*)P.y;
+    for (int r = warp; r < h.n; r += PS_WARPS) {
+        int row = h.row0 + r;
+        /* conv epilogue inputs, loaded before the dot product */
+        bool conv = P.conv_c > row;
+        int K = P.conv_k;
+        float cw = 0.f, cx = 0.f;
+        if (conv && lane < K) {
+            cw = __ldg((const float*)P.aux[1] + (long long)row * K + lane);
+            if (lane < K - 1) cx = __ldcg((const float*)P.aux[0] + (long long)lane * P.conv_c + row);
+        }
+        float acc = (P.bits == 8 ? ps_row_dot<8>(d, h.n, nm, r, n4, ng, gsh, P.ty, xs, xsum)
+                                 : ps_row_dot<4>(d, h.n, nm, r, n4, ng, gsh, P.ty, xs, xsum)) *
+                    rr;
+        if (P.kind == PS_MOE_GU) {
+            if (lane == 0) y[row] = acc; /* virtual row = output index */
+        } else if (P.accumulate) {
+            if (lane == 0) y[row] = __ldcg(y + row) + acc;
+        } else if (lane == 0) {
+            y[row] = acc;
+        }
+        if (conv) {
+            if (lane == K - 1) cx = acc;
+            float p = warp_sum(lane < K ? cw * cx : 0.f);
+            float nx = __shfl_down_sync(0xffffffffu, cx, 1);
+            if (lane == 0) ((float*)P.aux[2])[row] = silu_f(p);
+            if (lane < K - 1) ((float*)P.aux[0])[(long long)lane * P.conv_c + row] = nx;
+        }
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(PS_THREADS + 32, 1)
+    pstep(const PsPhase* phases, int nphase, u64* ctr, int slot_bytes, int ns, int xmax) {
+#if __CUDA_ARCH__ >= 900
+    extern __shared__ __align__(128) unsigned char ps_smem[];
+    PsShared& sm = *(PsShared*)ps_smem;
+    float* xs = (float*)(ps_smem + ((sizeof(PsShared) + 127) / 128) * 128);
+    float* xsum = xs + xmax;
+    unsigned char* ring = (unsigned char*)xs + (((xmax + xmax / 16) * 4 + 127) / 128) * 128;
+    int tid = threadIdx.x, warp = tid >> 5, nb = gridDim.x;
+    if (tid == 0) {
+        for (int i = 0; i < ns; i++) {
+            mb_init(&sm.full[i], 1);
+            mb_init(&sm.empty[i], 1);
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+    __syncthreads();
+    if (warp == PS_WARPS) {
+        ps_produce(phases, nphase, ctr, sm, ring, slot_bytes, ns);
+        return;
+    }
+    int slot = 0;
+    u32 par = 0; /* bit s: parity of slot s's next use */
+    float rr = 1.f;
+    for (;;) {
+        mb_wait(&sm.full[slot], (par >> slot) & 1);
+        PsHdr h = sm.hdr[slot];
+        const PsPhase& P = phases[h.rel];
+        if (h.flags & PS_FIRST) {
+            if (h.rel > 0) {
+                if (tid == 0)
+                    while (ps_load_acquire(ctr) < (u64)h.rel * nb) __nanosleep(32);
+                ps_cbar();
+            }
+            if (P.kind == PS_GDN) {
+                ps_gdn(P, sm.red, sm.qs, sm.ks);
+            } else if (h.n > 0) {
+                if (P.kind == PS_MOE_DOWN)
+                    ps_stage_moe((const float*)P.x, sm.wsel, P.topk + 1, P.cols, xs, xsum), rr = 1.f;
+                else if (P.xf == PX_GATED)
+                    ps_stage_gated((const float*)P.x, (const float*)P.aux[3], (const float*)P.normw, P.hv, P.dv, P.eps,
+                                   xs, xsum, sm.hs),
+                        rr = 1.f;
+                else
+                    rr = ps_stage_x((const float*)P.x, P.xf == PX_RMS ? (const float*)P.normw : 0, P.cols, P.eps, xs,
+                                    xsum, sm.red);
+            }
+        }
+        if (P.kind != PS_GDN && h.n > 0) ps_chunk(P, h, ring + (long long)slot * slot_bytes, rr, sm, xs, xsum);
+        ps_cbar(); /* the slot and (at a phase's end) the staging are free */
+        if (tid == 0) {
+            mb_arrive(&sm.empty[slot]);
+            if (h.flags & PS_LAST) {
+                __threadfence();
+                asm volatile("red.release.gpu.global.add.u64 [%0], 1;" ::"l"(ctr) : "memory");
+            }
+        }
+        par ^= 1u << slot;
+        slot = slot + 1 == ns ? 0 : slot + 1;
+        if (h.flags & PS_END) break;
+    }
+    /* the last block out resets the counters for the next launch */
+    if (tid == 0) {
+        __threadfence();
+        u64 t = atomicAdd(ctr + 1, 1ull);
+        if (t == (u64)nb - 1) {
+            ctr[0] = 0;
+            ctr[1] = 0;
+            __threadfence();
+        }
+    }
+#else
+    __trap();
+#endif
+}

@@ -1,0 +1,290 @@
+//! The persistent decode step (`kernels/pstep.cu`): the phase table of one session, built once
+//! from the model's weights and the session's buffers, and its launches.
+//!
+//! A step is a few launches of `pstep` (one block per SM, resident for many layers): each runs
+//! the phases from one attention layer's output projection to the next attention layer's input
+//! projection (GDN layers and MoE blocks entirely inside), then the attention kernels of that
+//! layer run as today, and the last launch ends with the lm_head. `LILY_CUDA_DECODE=graph`
+//! turns it off (the graph of per-op kernels, the A/B baseline); models or formats it does not
+//! take (weights other than MLX 4/8-bit with 16-byte scale rows, dense MLPs, shapes over its
+//! limits) keep that path too.
+
+use super::{CudaModel, CudaSession, GFfn, GMixer, GState, Scratch};
+use crate::cuda::ops::GpuLinear;
+use crate::cuda::{Arg, DevBuf, Gpu};
+use anyhow::{bail, Result};
+
+const PS_GEMV: i32 = 0;
+const PS_GDN: i32 = 1;
+const PS_MOE_GU: i32 = 2;
+const PS_MOE_DOWN: i32 = 3;
+const PX_PLAIN: i32 = 0;
+const PX_RMS: i32 = 1;
+const PX_GATED: i32 = 2;
+/// Consumer warps + the producer warp.
+const THREADS: u32 = 16 * 32 + 32;
+/// `sizeof(PsShared)` in pstep.cu, rounded up to 128.
+const SHARED_FIXED: usize = 12032;
+
+/// One phase; the same layout as `struct PsPhase` in pstep.cu.
+#[repr(C)]
+#[derive(Clone, Copy, Default, Debug)]
+struct PsPhase {
+    kind: i32,
+    xf: i32,
+    rows: i32,
+    cols: i32,
+    group: i32,
+    ty: i32,
+    accumulate: i32,
+    conv_c: i32,
+    conv_k: i32,
+    hk: i32,
+    hv: i32,
+    dk: i32,
+    dv: i32,
+    nexp: i32,
+    topk: i32,
+    renorm: i32,
+    eps: f32,
+    bits: i32,
+    w: u64,
+    s: u64,
+    b: u64,
+    x: u64,
+    y: u64,
+    normw: u64,
+    aux: [u64; 6],
+}
+
+const PHASE_BYTES: usize = std::mem::size_of::<PsPhase>();
+
+/// One launch: phases `first..first + count`, then the attention of layer `attn` (if any).
+struct Seg {
+    first: usize,
+    count: usize,
+    attn: Option<usize>,
+}
+
+pub(super) struct PsPlan {
+    table: DevBuf,
+    segs: Vec<Seg>,
+    /// [phase counter, exit ticket] (zeroed; each launch leaves them zeroed).
+    ctr: DevBuf,
+    slot: usize,
+    slots: usize,
+    xmax: usize,
+    smem: usize,
+    /// The last phase is the lm_head (else the step's logits come from the separate GEMV).
+    lm_head: bool,
+}
+
+/// Whether pstep streams this matrix: MLX 4/8-bit, f16/bf16 scales, 16-byte rows of scales.
+fn takes(w: &GpuLinear) -> bool {
+    matches!(w.bits, 4 | 8) && w.streams() && w.cols.is_multiple_of(32) && (w.cols / w.group as usize).is_multiple_of(8)
+}
+
+/// Bytes of one row in a slot (codes, scales, biases).
+fn row_bytes(w: &GpuLinear) -> usize {
+    w.cols * w.bits as usize / 8 + 4 * (w.cols / w.group as usize)
+}
+
+fn gemv(w: &GpuLinear, xf: i32, x: u64, normw: u64, eps: f32, y: u64, accumulate: bool) -> PsPhase {
+    PsPhase {
+        kind: PS_GEMV,
+        xf,
+        rows: (w.rows * w.count) as i32,
+        cols: w.cols as i32,
+        group: w.group,
+        ty: w.ty,
+        accumulate: accumulate as i32,
+        eps,
+        bits: w.bits,
+        w: w.w.ptr,
+        s: w.s.as_ref().map_or(0, |s| s.ptr),
+        b: w.b.as_ref().map_or(0, |b| b.ptr),
+        x,
+        y,
+        normw,
+        ..Default::default()
+    }
+}
+
+/// Whether the persistent step is asked for (`LILY_CUDA_DECODE`, default on; `graph` off).
+pub(super) fn wanted() -> bool {
+    std::env::var("LILY_CUDA_DECODE").map_or(true, |v| v != "graph")
+}
+
+impl PsPlan {
+    /// The plan for this session's buffers, or the reason the model's step stays a graph of
+    /// per-op kernels.
+    pub(super) fn build(m: &CudaModel, s: &Scratch, states: &[GState]) -> Result<PsPlan> {
+        let g = &m.gpu;
+        let c = &m.cfg;
+        if !g.arch.starts_with("sm_9") && !g.arch.starts_with("sm_1") {
+            bail!("needs Hopper or newer (cp.async.bulk, mbarrier): {}", g.arch);
+        }
+        let (h, eps) = (c.hidden_size, c.rms_norm_eps);
+        let (e, k) = (c.num_experts, c.num_experts_per_tok);
+        let (hk, hv, dk, dv) =
+            (c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim);
+        let (cd, vd, taps) = (c.gdn_conv_dim(), c.gdn_value_dim(), c.linear_conv_kernel_dim);
+        if e > 1024 || k + 1 > 64 {
+            bail!("{e} experts, top-{k}: over the limits (1024, 63)");
+        }
+        if hv > 256 || dk > 128 || !dk.is_multiple_of(16) || !dv.is_multiple_of(32) || hk == 0 || !hv.is_multiple_of(hk)
+        {
+            bail!("GDN heads {hk}/{hv} of {dk}/{dv}: outside the step's shapes");
+        }
+        if taps == 0 || taps > 32 {
+            bail!("conv kernel of {taps} taps");
+        }
+        let f32p = |b: &DevBuf, off: usize| b.ptr + 4 * off as u64;
+        let mut phases: Vec<PsPhase> = Vec::new();
+        let mut segs = Vec::new();
+        let mut first = 0;
+        let mut mats: Vec<&GpuLinear> = Vec::new();
+        let mut xmax = 0usize;
+        let mut unit = 0usize; // the largest indivisible chunk (one row of every matrix it spans)
+        for (li, (layer, st)) in m.layers.iter().zip(states).enumerate() {
+            let (inorm, pnorm) = (layer.input_norm.ptr, layer.post_norm.ptr);
+            match (&layer.mixer, st) {
+                (GMixer::Gdn { proj, conv, dt_bias, neg_a, norm, out }, GState::Gdn { conv: cs, rec }) => {
+                    let Some(f) = &proj.fused else { bail!("layer {li}: the GDN input projections differ in format") };
+                    if f.rows < cd + vd + 2 * hv {
+                        bail!("layer {li}: GDN projection of {} rows", f.rows);
+                    }
+                    let mut p = gemv(f, PX_RMS, s.x.ptr, inorm, eps, s.proj.ptr, false);
+                    (p.conv_c, p.conv_k) = (cd as i32, taps as i32);
+                    p.aux[..3].copy_from_slice(&[cs.ptr, conv.ptr, s.conv.ptr]);
+                    phases.push(p);
+                    phases.push(PsPhase {
+                        kind: PS_GDN,
+                        hk: hk as i32,
+                        hv: hv as i32,
+                        dk: dk as i32,
+                        dv: dv as i32,
+                        x: s.conv.ptr,
+                        y: s.o.ptr,
+                        aux: [f32p(&s.proj, cd + vd), f32p(&s.proj, cd + vd + hv), dt_bias.ptr, neg_a.ptr, rec.ptr, 0],
+                        ..Default::default()
+                    });
+                    let mut p = gemv(out, PX_GATED, s.o.ptr, norm.ptr, eps, s.x.ptr, true);
+                    (p.hv, p.dv) = (hv as i32, dv as i32);
+                    p.aux[3] = f32p(&s.proj, cd);
+                    if out.cols != vd {
+                        bail!("layer {li}: GDN out-projection width {} != {vd}", out.cols);
+                    }
+                    phases.push(p);
+                    mats.extend([f, out]);
+                }
+                (GMixer::Attn { proj, o, .. }, GState::Attn { .. }) => {
+                    let Some(f) = &proj.fused else { bail!("layer {li}: the attention projections differ in format") };
+                    phases.push(gemv(f, PX_RMS, s.x.ptr, inorm, eps, s.proj.ptr, false));
+                    segs.push(Seg { first, count: phases.len() - first, attn: Some(li) });
+                    first = phases.len();
+                    phases.push(gemv(o, PX_PLAIN, s.o.ptr, 0, eps, s.x.ptr, true));
+                    mats.extend([f, o]);
+                }
+                _ => bail!("layer {li}: state does not match the layer kind"),
+            }
+            match &layer.ffn {
+                GFfn::Moe { router, experts, .. } if experts.shared_slot => {
+                    let Some(r) = &router.fused else { bail!("layer {li}: router and shared gate differ in format") };
+                    let (gu, dn) = (&experts.gate_up, &experts.down);
+                    if r.rows * r.count != e + 1 || gu.cols != h || dn.rows != h || dn.cols != gu.rows {
+                        bail!("layer {li}: MoE shapes do not match the config");
+                    }
+                    phases.push(gemv(r, PX_RMS, s.x.ptr, pnorm, eps, s.router.ptr, false));
+                    let mut p = gemv(gu, PX_RMS, s.x.ptr, pnorm, eps, s.egu.ptr, false);
+                    (p.kind, p.rows, p.nexp, p.topk, p.renorm) =
+                        (PS_MOE_GU, gu.rows as i32, e as i32, k as i32, c.norm_topk_prob as i32);
+                    p.aux[0] = s.router.ptr;
+                    phases.push(p);
+                    let mut p = gemv(dn, PX_PLAIN, s.egu.ptr, 0, eps, s.x.ptr, true);
+                    (p.kind, p.rows, p.topk) = (PS_MOE_DOWN, dn.rows as i32, k as i32);
+                    phases.push(p);
+                    mats.extend([r, gu]);
+                    if !takes(dn) {
+                        bail!("layer {li}: expert down projections are not MLX 4/8-bit with 16-byte scale rows");
+                    }
+                    xmax = xmax.max((k + 1) * dn.cols);
+                    unit = unit.max((k + 1) * row_bytes(dn));
+                }
+                _ => bail!("layer {li}: a dense MLP or an unstacked shared expert"),
+            }
+        }
+        let lm_head = takes(&m.lm_head) && m.lm_head.count == 1;
+        if lm_head {
+            phases.push(gemv(&m.lm_head, PX_RMS, s.x.ptr, m.norm.ptr, eps, s.logits.ptr, false));
+            mats.push(&m.lm_head);
+        }
+        segs.push(Seg { first, count: phases.len() - first, attn: None });
+        for w in &mats {
+            if !takes(w) {
+                bail!(
+                    "a {}-bit matrix ({} x {}, group {}) is not MLX 4/8-bit with 16-byte scale rows",
+                    w.bits,
+                    w.rows,
+                    w.cols,
+                    w.group
+                );
+            }
+            xmax = xmax.max(w.cols);
+            unit = unit.max(row_bytes(w));
+        }
+        let xs = (4 * (xmax + xmax / 16)).div_ceil(128) * 128;
+        let slots: usize = std::env::var("LILY_PSTEP_SLOTS").ok().and_then(|v| v.parse().ok()).unwrap_or(5).clamp(2, 8);
+        let ring = g.smem_optin_max.saturating_sub(SHARED_FIXED + xs);
+        let slot = (ring / slots) / 128 * 128;
+        if slot < unit {
+            bail!("shared memory: {slots} slots of {slot} bytes cannot hold a row group of {unit} bytes");
+        }
+        let smem = SHARED_FIXED + xs + slots * slot;
+        let bytes: Vec<u8> = phases
+            .iter()
+            // SAFETY: PsPhase is repr(C) plain old data (ints, floats, u64s, no padding holes read).
+            .flat_map(|p| unsafe { std::slice::from_raw_parts(p as *const PsPhase as *const u8, PHASE_BYTES) }.to_vec())
+            .collect();
+        let table = g.upload_bytes(&bytes)?;
+        let ctr = g.zeros(16)?;
+        Ok(PsPlan { table, segs, ctr, slot, slots, xmax, smem, lm_head })
+    }
+
+    fn launch(&self, g: &Gpu, first: usize, count: usize) -> Result<()> {
+        let a = [
+            Arg::P(self.table.at(first * PHASE_BYTES)),
+            Arg::I(count as i32),
+            Arg::P(self.ctr.ptr),
+            Arg::I(self.slot as i32),
+            Arg::I(self.slots as i32),
+            Arg::I(self.xmax as i32),
+        ];
+        g.launch_shared("pstep", (g.sms, 1, 1), THREADS, self.smem as u32, &a)
+    }
+}
+
+impl CudaSession {
+    /// One decode step through the persistent kernel (see the module doc); the lm_head runs
+    /// only when `logits`.
+    pub(super) fn record_persistent(&self, plan: &PsPlan, logits: bool, long: bool) -> Result<()> {
+        let m = &self.model;
+        let g = &m.gpu;
+        let s = self.scratch.as_ref().ok_or_else(|| anyhow::anyhow!("session scratch"))?;
+        g.embed(&m.embed, s.io.ptr, s.x.ptr, 1)?;
+        let last = plan.segs.len() - 1;
+        for (i, seg) in plan.segs.iter().enumerate() {
+            let count = if i == last && plan.lm_head && !logits { seg.count - 1 } else { seg.count };
+            if count > 0 {
+                plan.launch(g, seg.first, count)?;
+            }
+            if let Some(li) = seg.attn {
+                self.attn_mid(li, long)?;
+            }
+        }
+        if logits && !plan.lm_head {
+            g.gemv_norm(&m.lm_head, s.x.ptr, (m.norm.ptr, m.cfg.rms_norm_eps), s.logits.ptr, 1, 0, false)?;
+        }
+        Ok(())
+    }
+}
