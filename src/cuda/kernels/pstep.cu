@@ -379,7 +379,8 @@ __device__ __noinline__ void ps_produce(const PsPhase* phases, int nphase, const
         }
         int lo, hi;
         ps_share(total, b, nb, lo, hi);
-        int per = slot_bytes / (nm * (cb + 2 * sb)); /* rows per chunk */
+        int per = slot_bytes / (nm * (cb + 2 * sb)); /* rows per chunk: whole rounds of the warps */
+        if (per > PS_WARPS) per -= per % PS_WARPS;
         int r = lo;
         bool first = true;
         do {
@@ -436,13 +437,15 @@ __device__ void ps_chunk(const PsPhase& P, const PsHdr& h, const unsigned char* 
             cw = __ldg((const float*)P.aux[1] + (long long)row * K + lane);
             if (lane < K - 1) cx = __ldcg((const float*)P.aux[0] + (long long)lane * P.conv_c + row);
         }
+        /* the residual this row adds to, read before the dot product (the row is this warp's) */
+        float prev = P.accumulate && P.kind != PS_MOE_GU && lane == 0 ? __ldcg(y + row) : 0.f;
         float acc = (P.bits == 8 ? ps_row_dot<8>(d, h.n, nm, r, n4, ng, gsh, P.ty, xs, xsum)
                                  : ps_row_dot<4>(d, h.n, nm, r, n4, ng, gsh, P.ty, xs, xsum)) *
                     rr;
         if (P.kind == PS_MOE_GU) {
             if (lane == 0) y[row] = acc; /* virtual row = output index */
         } else if (P.accumulate) {
-            if (lane == 0) y[row] = __ldcg(y + row) + acc;
+            if (lane == 0) y[row] = prev + acc;
         } else if (lane == 0) {
             y[row] = acc;
         }
