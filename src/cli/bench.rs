@@ -195,7 +195,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
             if let Some(m) = lily::cuda::uploaded(&loaded.model) {
                 let mut s = lily::cuda::CudaSession::new(m);
                 match s.persistent_step() {
-                    Ok(()) => println!("decode step: persistent kernel (LILY_CUDA_DECODE=graph for the per-op graph)"),
+                    Ok(()) => println!("decode step: persistent kernel (LILY_CUDA_DECODE=persistent)"),
                     Err(e) => println!("decode step: graph of per-op kernels (persistent kernel: {e})"),
                 }
             }

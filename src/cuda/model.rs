@@ -302,7 +302,7 @@ pub struct CudaSession {
     /// Element type of the KV caches ([`CudaSession::set_kv_dtype`]).
     kv: KvDtype,
     /// Decode through the persistent kernel (`kernels/pstep.cu`) where the model allows
-    /// (default; `LILY_CUDA_DECODE=graph` for the graph of per-op kernels).
+    /// (`LILY_CUDA_DECODE=persistent`; off by default while it is slower than the graph).
     pub persistent: bool,
     /// Its plan for the current buffers (None: not built yet; Err: why the model keeps the graph).
     ps: Option<std::result::Result<pstep::PsPlan, String>>,
@@ -551,6 +551,9 @@ impl CudaSession {
             }
         }
         self.pos += n;
+        if let Some(Ok(plan)) = &self.ps {
+            plan.print_trace(g.sms as usize)?;
+        }
         let out = self.ring.as_ref().unwrap().0.read_i32(n)?;
         Ok(out.into_iter().map(|t| t as u32).collect())
     }
@@ -629,7 +632,7 @@ impl CudaSession {
     /// Whether decode steps run the persistent kernel, or why not.
     pub fn persistent_step(&mut self) -> std::result::Result<(), String> {
         if !self.persistent {
-            return Err("off (LILY_CUDA_DECODE=graph)".into());
+            return Err("off (LILY_CUDA_DECODE=persistent turns it on)".into());
         }
         self.ensure().map_err(|e| format!("{e:#}"))?;
         self.ensure_plan();

@@ -32,6 +32,8 @@
  *   i waits for counter >= i * nblocks (acquire), which implies every block finished phase i - 1
  *   because no block signals a phase before waiting for it. The last block to finish resets the
  *   counter for the next launch. Activations are read through L2 (ld.cg): other SMs wrote them.
+ *   trace (nullable, LILY_PSTEP_TRACE=1): per (phase, block) the global timer when the block
+ *   starts the phase (after its wait) and when it signals it done.
  *
  * Slot layout of a chunk of n rows from m matrices (m = 1, or K + 1 experts for the down
  *   projection): codes [m][n][cols*bits/8 B], scales [m][n][cols/group] u16, biases likewise; the
@@ -117,6 +119,12 @@ __device__ __forceinline__ u64 ps_load_acquire(const u64* p) {
     u64 v;
     asm volatile("ld.acquire.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
     return v;
+}
+/* Nanoseconds (low 32 bits of the global timer), for LILY_PSTEP_TRACE. */
+__device__ __forceinline__ u32 ps_now() {
+    u64 t;
+    asm volatile("mov.u64 %0, %globaltimer;" : "=l"(t));
+    return (u32)t;
 }
 /* Lane 0 spins until *ctr >= target (acquire); the warp then proceeds. */
 __device__ __forceinline__ void ps_wait_ctr(const u64* ctr, u64 target) {
@@ -239,7 +247,7 @@ __device__ __forceinline__ float ps_row_dot(const unsigned char* slot, int n, in
     int lane = threadIdx.x & 31, nv = nm * n4;
     float acc = 0.f;
     for (int i = lane; i < nv; i += 32) {
-        int k = i / n4, ii = i - k * n4;
+        int k = nm == 1 ? 0 : i / n4, ii = i - k * n4;
         int mr = k * n + r;
         uint4 q = codes[(long long)mr * n4 + ii];
         int gi = mr * ng + ((ii * EPV) >> gsh);
@@ -460,7 +468,7 @@ __device__ void ps_chunk(const PsPhase& P, const PsHdr& h, const unsigned char* 
 }
 
 extern "C" __global__ void __launch_bounds__(PS_THREADS + 32, 1)
-    pstep(const PsPhase* phases, int nphase, u64* ctr, int slot_bytes, int ns, int xmax) {
+    pstep(const PsPhase* phases, int nphase, u64* ctr, int slot_bytes, int ns, int xmax, u32* trace) {
 #if __CUDA_ARCH__ >= 900
     extern __shared__ __align__(128) unsigned char ps_smem[];
     PsShared& sm = *(PsShared*)ps_smem;
@@ -493,6 +501,7 @@ extern "C" __global__ void __launch_bounds__(PS_THREADS + 32, 1)
                     while (ps_load_acquire(ctr) < (u64)h.rel * nb) __nanosleep(32);
                 ps_cbar();
             }
+            if (trace && tid == 0) trace[2 * (h.rel * nb + blockIdx.x)] = ps_now();
             if (P.kind == PS_GDN) {
                 ps_gdn(P, sm.red, sm.qs, sm.ks);
             } else if (h.n > 0) {
@@ -512,6 +521,7 @@ extern "C" __global__ void __launch_bounds__(PS_THREADS + 32, 1)
         if (tid == 0) {
             mb_arrive(&sm.empty[slot]);
             if (h.flags & PS_LAST) {
+                if (trace) trace[2 * (h.rel * nb + blockIdx.x) + 1] = ps_now();
                 __threadfence();
                 asm volatile("red.release.gpu.global.add.u64 [%0], 1;" ::"l"(ctr) : "memory");
             }

@@ -4,8 +4,8 @@
 //! A step is a few launches of `pstep` (one block per SM, resident for many layers): each runs
 //! the phases from one attention layer's output projection to the next attention layer's input
 //! projection (GDN layers and MoE blocks entirely inside), then the attention kernels of that
-//! layer run as today, and the last launch ends with the lm_head. `LILY_CUDA_DECODE=graph`
-//! turns it off (the graph of per-op kernels, the A/B baseline); models or formats it does not
+//! layer run as today, and the last launch ends with the lm_head. Opt-in while it is slower
+//! than the graph of per-op kernels: `LILY_CUDA_DECODE=persistent`; models or formats it does not
 //! take (weights other than MLX 4/8-bit with 16-byte scale rows, dense MLPs, shapes over its
 //! limits) keep that path too.
 
@@ -77,6 +77,9 @@ pub(super) struct PsPlan {
     smem: usize,
     /// The last phase is the lm_head (else the step's logits come from the separate GEMV).
     lm_head: bool,
+    /// `LILY_PSTEP_TRACE=1`: per (phase, block) start and end times of the last step (u32 ns).
+    trace: Option<DevBuf>,
+    kinds: Vec<(i32, i32)>,
 }
 
 /// Whether pstep streams this matrix: MLX 4/8-bit, f16/bf16 scales, 16-byte rows of scales.
@@ -110,9 +113,10 @@ fn gemv(w: &GpuLinear, xf: i32, x: u64, normw: u64, eps: f32, y: u64, accumulate
     }
 }
 
-/// Whether the persistent step is asked for (`LILY_CUDA_DECODE`, default on; `graph` off).
+/// Whether the persistent step is asked for (`LILY_CUDA_DECODE=persistent`; off by default
+/// until it beats the graph: 257 against 387 tok/s at 256 on the H200, docs/perf-log.md).
 pub(super) fn wanted() -> bool {
-    std::env::var("LILY_CUDA_DECODE").map_or(true, |v| v != "graph")
+    std::env::var("LILY_CUDA_DECODE").is_ok_and(|v| v == "persistent")
 }
 
 impl PsPlan {
@@ -248,7 +252,12 @@ impl PsPlan {
             .collect();
         let table = g.upload_bytes(&bytes)?;
         let ctr = g.zeros(16)?;
-        Ok(PsPlan { table, segs, ctr, slot, slots, xmax, smem, lm_head })
+        let trace = match std::env::var("LILY_PSTEP_TRACE").as_deref() {
+            Ok("1") => Some(g.zeros(8 * phases.len() * g.sms as usize)?),
+            _ => None,
+        };
+        let kinds = phases.iter().map(|p| (p.kind, p.rows)).collect();
+        Ok(PsPlan { table, segs, ctr, slot, slots, xmax, smem, lm_head, trace, kinds })
     }
 
     fn launch(&self, g: &Gpu, first: usize, count: usize) -> Result<()> {
@@ -259,6 +268,7 @@ impl PsPlan {
             Arg::I(self.slot as i32),
             Arg::I(self.slots as i32),
             Arg::I(self.xmax as i32),
+            Arg::P(self.trace.as_ref().map_or(0, |t| t.at(8 * first * g.sms as usize))),
         ];
         g.launch_shared("pstep", (g.sms, 1, 1), THREADS, self.smem as u32, &a)
     }
@@ -284,6 +294,30 @@ impl CudaSession {
         }
         if logits && !plan.lm_head {
             g.gemv_norm(&m.lm_head, s.x.ptr, (m.norm.ptr, m.cfg.rms_norm_eps), s.logits.ptr, 1, 0, false)?;
+        }
+        Ok(())
+    }
+}
+
+impl PsPlan {
+    /// With `LILY_PSTEP_TRACE=1`: the last step's phases on stderr (span from the first block's
+    /// start to the last block's end, mean time a block spends in the phase, gap after the
+    /// previous phase's last end), in µs.
+    pub(super) fn print_trace(&self, nb: usize) -> Result<()> {
+        let Some(t) = &self.trace else { return Ok(()) };
+        let v = t.read_i32(2 * self.kinds.len() * nb)?;
+        let names = ["gemv", "gdn", "moe_gu", "moe_down"];
+        eprintln!("| phase | kind | rows | span µs | mean busy µs | gap µs |");
+        let base = v[0] as u32;
+        let mut prev_end: Option<u32> = None;
+        for (i, (k, rows)) in self.kinds.iter().enumerate() {
+            let at = |b: usize, j: usize| (v[2 * (i * nb + b) + j] as u32).wrapping_sub(base) as f64 / 1e3;
+            let start = (0..nb).map(|b| at(b, 0)).fold(f64::MAX, f64::min);
+            let end = (0..nb).map(|b| at(b, 1)).fold(0.0, f64::max);
+            let busy = (0..nb).map(|b| at(b, 1) - at(b, 0)).sum::<f64>() / nb as f64;
+            let gap = prev_end.map_or(0.0, |p| start - p as f64 / 1e3);
+            eprintln!("| {i} | {} | {rows} | {:.2} | {:.2} | {:.2} |", names[*k as usize], end - start, busy, gap);
+            prev_end = Some((end * 1e3) as u32);
         }
         Ok(())
     }
