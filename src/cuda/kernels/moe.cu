@@ -58,15 +58,16 @@ __device__ __forceinline__ void route_topk(const float* logits, int E, int K, in
         if (bi == 0x7fffffff) bi = 0;
         if (lane == 0) {
             chosen[k] = bi;
+            wsel[k] = bv; /* the chosen logit, turned into its weight below */
             ls[bi] = -INFINITY;
         }
         __syncwarp();
     }
     if (lane == 0) {
         float sel = 0.f;
-        for (int k = 0; k < K; k++) sel += expf(__ldcg(logits + chosen[k]) - mx);
+        for (int k = 0; k < K; k++) sel += expf(wsel[k] - mx);
         float den = renorm ? sel : tot;
-        for (int k = 0; k < K; k++) wsel[k] = expf(__ldcg(logits + chosen[k]) - mx) / den;
+        for (int k = 0; k < K; k++) wsel[k] = expf(wsel[k] - mx) / den;
         if (shared) {
             chosen[K] = E;
             wsel[K] = sigmoid_f(__ldcg(logits + E));
