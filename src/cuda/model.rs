@@ -12,7 +12,7 @@
 //! attention over the cache, and routed experts grouped by expert on the GPU (`moe_align` →
 //! grouped GEMM → combine).
 
-use super::ops::{AttnDecode, AttnKernel, AttnPrep, GdnStep, GpuLinear, KvDtype, Precision};
+use super::ops::{AttnKernel, AttnPrep, GdnStep, GpuLinear, KvDtype, Precision};
 use super::{DevBuf, Gpu, Graph};
 use crate::config::ModelConfig;
 use crate::generate::{Session, Snapshot};
@@ -22,6 +22,7 @@ use crate::state::{LayerState, State};
 use anyhow::{bail, Context, Result};
 use std::sync::Arc;
 
+mod attn_step;
 mod batch;
 mod prefill;
 mod pstep;
@@ -585,62 +586,6 @@ impl CudaSession {
     /// long-context attention kernel.
     fn long_attn(&self, pos: usize) -> bool {
         pos >= self.attn_from
-    }
-
-    /// Attention layer `li` between its input and output projections (the projections are in
-    /// `proj`): q/k norms, RoPE and the cache write, then decode attention (gated) into `o`.
-    fn attn_mid(&self, li: usize, long: bool) -> Result<()> {
-        let m = &self.model;
-        let (g, c) = (&m.gpu, &m.cfg);
-        let s = self.scratch.as_ref().context("session scratch")?;
-        let (GMixer::Attn { q_norm, k_norm, .. }, GState::Attn { k: kc, v: vc, .. }) =
-            (&m.layers[li].mixer, &self.states[li])
-        else {
-            bail!("layer {li} is not an attention layer");
-        };
-        let pos_p = s.io.at(4);
-        let prep = attn_prep_args(c, s.proj.ptr, [q_norm, k_norm], s.q.ptr, [kc, vc], pos_p, self.kv);
-        g.attn_prep(&prep, 1, 0)?;
-        let a = AttnDecode {
-            q: s.q.ptr,
-            kc: kc.ptr,
-            vc: vc.ptr,
-            qg: s.proj.ptr,
-            out: s.o.ptr,
-            nh: c.num_attention_heads,
-            hkv: c.num_key_value_heads,
-            hd: c.head_dim,
-            pos: pos_p,
-            gated: c.attn_output_gate,
-            part: s.part.ptr,
-            splits: self.attn[long as usize].1,
-            kv: self.kv,
-        };
-        g.attn_decode(&a, self.attn[long as usize].0)
-    }
-
-    /// Builds the persistent step's plan once the session's buffers exist (kept until they
-    /// change; a model it does not take keeps the reason and the graph of per-op kernels).
-    fn ensure_plan(&mut self) {
-        if self.persistent && self.ps.is_none() {
-            if let Some(s) = &self.scratch {
-                self.ps = Some(pstep::PsPlan::build(&self.model, s, &self.states).map_err(|e| format!("{e:#}")));
-            }
-        }
-    }
-
-    /// Whether decode steps run the persistent kernel, or why not.
-    pub fn persistent_step(&mut self) -> std::result::Result<(), String> {
-        if !self.persistent {
-            return Err("off (LILY_CUDA_DECODE=persistent turns it on)".into());
-        }
-        self.ensure().map_err(|e| format!("{e:#}"))?;
-        self.ensure_plan();
-        match &self.ps {
-            Some(Ok(_)) => Ok(()),
-            Some(Err(e)) => Err(e.clone()),
-            None => Err("no plan".into()),
-        }
     }
 
     /// Records (or, without graphs, runs) one decode step; `long` picks the attention kernel

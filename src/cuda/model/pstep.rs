@@ -275,6 +275,30 @@ impl PsPlan {
 }
 
 impl CudaSession {
+    /// Builds the persistent step's plan once the session's buffers exist (kept until they
+    /// change; a model it does not take keeps the reason and the graph of per-op kernels).
+    pub(super) fn ensure_plan(&mut self) {
+        if self.persistent && self.ps.is_none() {
+            if let Some(s) = &self.scratch {
+                self.ps = Some(PsPlan::build(&self.model, s, &self.states).map_err(|e| format!("{e:#}")));
+            }
+        }
+    }
+
+    /// Whether decode steps run the persistent kernel, or why not.
+    pub fn persistent_step(&mut self) -> std::result::Result<(), String> {
+        if !self.persistent {
+            return Err("off (LILY_CUDA_DECODE=persistent turns it on)".into());
+        }
+        self.ensure().map_err(|e| format!("{e:#}"))?;
+        self.ensure_plan();
+        match &self.ps {
+            Some(Ok(_)) => Ok(()),
+            Some(Err(e)) => Err(e.clone()),
+            None => Err("no plan".into()),
+        }
+    }
+
     /// One decode step through the persistent kernel (see the module doc); the lm_head runs
     /// only when `logits`.
     pub(super) fn record_persistent(&self, plan: &PsPlan, logits: bool, long: bool) -> Result<()> {
