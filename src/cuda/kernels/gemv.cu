@@ -451,18 +451,23 @@ extern "C" __global__ void __launch_bounds__(512, 1) moe_down_q(const void* w, c
    top-K of the router logits (route_topk in moe.cu: E routed experts, K chosen, the shared
    expert as slot K), then computes slot z = grid.y of the gate/up GEMV over the 2(K+1) matrices
    2*chosen[z/2] + z%2 of the interleaved gate/up stack (normalized input as gemv_q2).
-   Block (0, 0) also writes ids/wts [K+1] for moe_down_q. Saves the separate top-K launch. */
+   Block (0, 0) also writes ids/wts [K+1] for moe_down_q. Saves the separate top-K launch.
+   rank != 0: the top-K by the whole block (route_rank) instead of one warp (route_topk). */
 extern "C" __global__ void __launch_bounds__(512) gemv_q2_routed(const void* w, const void* sc, const void* bi, int bits,
                                                                  int group, int ty, const float* x, float* y, int rows,
                                                                  int cols, const float* normw, float eps,
                                                                  const float* logits, int E, int K, int renorm,
-                                                                 int* ids_out, float* wts_out) {
+                                                                 int* ids_out, float* wts_out, int rank) {
     extern __shared__ __align__(16) float xs[];
-    __shared__ float red[33], ls[1024], wsel[65];
+    __shared__ float red[33], ls[1024], wsel[65], rk[32 + 512];
     __shared__ int chosen[65];
     pdl_begin();
-    if (threadIdx.x < 32) route_topk(logits, E, K, renorm, 1, ls, chosen, wsel);
-    __syncthreads();
+    if (rank) {
+        route_rank<BarBlock>(logits, E, K, renorm, 1, blockDim.x, ls, rk, chosen, wsel);
+    } else {
+        if (threadIdx.x < 32) route_topk(logits, E, K, renorm, 1, ls, chosen, wsel);
+        __syncthreads();
+    }
     if (blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x <= K) {
         ids_out[threadIdx.x] = chosen[threadIdx.x];
         wts_out[threadIdx.x] = wsel[threadIdx.x];
@@ -495,14 +500,18 @@ extern "C" __global__ void __launch_bounds__(512, 1)
     moe_fused_q(const void* wg, const void* sg, const void* bg, const void* wd, const void* sd, const void* bd,
                 int bits, int group_g, int group_d, int ty, float* x, float* gu, int inter, int H, const float* normw,
                 float eps, const float* logits, int E, int K, int renorm, int* ids_out, float* wts_out, u64* ctr,
-                int bps) {
+                int bps, int rank) {
     extern __shared__ __align__(16) float xs[];
-    __shared__ float red[33], ls[1024], wsel[65];
+    __shared__ float red[33], ls[1024], wsel[65], rk[32 + 512];
     __shared__ int chosen[65];
     __shared__ u64 s_target;
     pdl_begin();
-    if (threadIdx.x < 32) route_topk(logits, E, K, renorm, 1, ls, chosen, wsel);
-    __syncthreads();
+    if (rank) {
+        route_rank<BarBlock>(logits, E, K, renorm, 1, 512, ls, rk, chosen, wsel);
+    } else {
+        if (threadIdx.x < 32) route_topk(logits, E, K, renorm, 1, ls, chosen, wsel);
+        __syncthreads();
+    }
     if (blockIdx.x == 0 && threadIdx.x <= K) {
         ids_out[threadIdx.x] = chosen[threadIdx.x];
         wts_out[threadIdx.x] = wsel[threadIdx.x];

@@ -76,6 +76,76 @@ __device__ __forceinline__ void route_topk(const float* logits, int E, int K, in
     __syncwarp();
 }
 
+/* The same routing by a whole block of nt threads (nt a multiple of 32, at most 1024) meeting at
+   Bar::sync() (every one of them calls this): logit e's rank is the number of logits above it or
+   equal at a lower index (NaN counts as -inf), so the ranks are distinct and rank k < K is
+   route_topk's k-th pick (same experts, same weights up to the order of the softmax sum when not
+   renormalized). With E small the counting of one logit is split over up to 8 threads. A warp
+   alone runs route_topk's K dependent rounds of shuffles (latency-bound, several µs); here every
+   thread does one pass over E values in shared memory. scratch: 32 + nt floats (shared). On
+   return chosen / wsel are visible to the block. */
+struct BarBlock {
+    __device__ static void sync() { __syncthreads(); }
+};
+template <class Bar>
+__device__ void route_rank(const float* logits, int E, int K, int renorm, int shared, int nt, float* ls, float* scratch,
+                           int* chosen, float* wsel) {
+    int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, nw = nt >> 5;
+    float mx = -INFINITY;
+    for (int e = tid; e < E; e += nt) {
+        float v = __ldcg(logits + e);
+        v = v != v ? -INFINITY : v;
+        ls[e] = v;
+        mx = fmaxf(mx, v);
+    }
+    mx = warp_max(mx);
+    if (lane == 0) scratch[warp] = mx;
+    Bar::sync();
+    mx = scratch[0];
+    for (int w = 1; w < nw; w++) mx = fmaxf(mx, scratch[w]);
+    int parts = max(1, min(8, nt / E)), span = (E + parts - 1) / parts;
+    int* cnt = (int*)scratch + 32; /* [parts][E] partial ranks (E * parts <= nt when parts > 1) */
+    float tsum = 0.f;
+    for (int t = tid; t < E * parts; t += nt) {
+        int e = t % E, part = t / E, j0 = part * span, j1 = min(E, j0 + span);
+        float v = ls[e];
+        int rank = 0;
+#pragma unroll 4
+        for (int j = j0; j < j1; j++) {
+            float u = ls[j];
+            rank += (u > v) | ((u == v) & (j < e));
+        }
+        if (parts == 1) {
+            if (rank < K) chosen[rank] = e, wsel[rank] = v;
+        } else {
+            cnt[t] = rank;
+        }
+        if (part == 0) tsum += expf(v - mx);
+    }
+    tsum = warp_sum(tsum);
+    Bar::sync(); /* mx is read, the partial ranks are written */
+    if (lane == 0) scratch[warp] = tsum;
+    if (parts > 1)
+        for (int e = tid; e < E; e += nt) {
+            int rank = 0;
+            for (int q = 0; q < parts; q++) rank += cnt[q * E + e];
+            if (rank < K) chosen[rank] = e, wsel[rank] = ls[e];
+        }
+    Bar::sync();
+    if (tid == 0) {
+        float tot = 0.f, sel = 0.f;
+        for (int w = 0; w < nw; w++) tot += scratch[w];
+        for (int k = 0; k < K; k++) sel += expf(wsel[k] - mx);
+        float den = renorm ? sel : tot;
+        for (int k = 0; k < K; k++) wsel[k] = expf(wsel[k] - mx) / den;
+        if (shared) {
+            chosen[K] = E;
+            wsel[K] = sigmoid_f(__ldcg(logits + E));
+        }
+    }
+    Bar::sync();
+}
+
 extern "C" __global__ void moe_topk(const float* logits, int E, int K, int renorm, int* ids, float* wout,
                                     int* ids2, long long lstride, int shared) {
     pdl_begin();

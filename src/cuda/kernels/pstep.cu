@@ -32,8 +32,14 @@
  *   i waits for counter >= i * nblocks (acquire), which implies every block finished phase i - 1
  *   because no block signals a phase before waiting for it. The last block to finish resets the
  *   counter for the next launch. Activations are read through L2 (ld.cg): other SMs wrote them.
- *   trace (nullable, LILY_PSTEP_TRACE=1): per (phase, block) the global timer when the block
- *   starts the phase (after its wait) and when it signals it done.
+ *   trace (nullable, LILY_PSTEP_TRACE=1): per (phase, block) PS_TW u32 of global-timer readings (ns):
+ *   [0] the block starts the phase (after its wait), [1] signals it done, [2] the producer issued
+ *   the phase's first copies, [3] the consumers saw its first slot full, [4] / [5] the producer
+ *   passed the router wait / its top-k (expert phases), [6] the consumers' total wait for full
+ *   slots in the phase, [7] the producer's total wait for empty slots in the phase, [8] the
+ *   consumers staged the phase's input.
+ *   dbg: measurement switches (LILY_PSTEP_DEBUG): bit 0 routes every token to experts 0..K-1
+ *   (wrong outputs; shows what reading scattered experts costs).
  *
  * Slot layout of a chunk of n rows from m matrices (m = 1, or K + 1 experts for the down
  *   projection): codes [m][n][cols*bits/8 B], scales [m][n][cols/group] u16, biases likewise; the
@@ -55,6 +61,7 @@
 #define PS_WARPS 16
 #define PS_GDN_RPW 8 /* state rows per thread: dk <= PS_GDN_RPW * PS_WARPS */
 #define PS_THREADS (32 * PS_WARPS)
+#define PS_TW 12 /* u32 per (phase, block) of the trace */
 
 struct PsPhase {
     int kind, xf, rows, cols;
@@ -77,6 +84,8 @@ struct PsHdr {
 struct PsShared {
     PsHdr hdr[8];
     u64 full[8], empty[8];
+    u64 route;   /* the consumers' top-K is in chosen / wsel (one completion per expert phase) */
+    PsPhase cur; /* the consumers' current phase (read from here, not from global memory) */
     int chosen[64];
     float wsel[64];
     float ls[1024];
@@ -85,19 +94,24 @@ struct PsShared {
     float qs[256], ks[256];
 };
 
+/* src/cuda/model/pstep.rs sizes the dynamic shared memory with this (SHARED_FIXED). */
+static_assert((sizeof(PsShared) + 127) / 128 * 128 == 12288, "PsShared changed: update SHARED_FIXED in pstep.rs");
+
 __device__ __forceinline__ void ps_cbar() { asm volatile("bar.sync 1, %0;" ::"n"(PS_THREADS) : "memory"); }
 
 #if __CUDA_ARCH__ >= 900
 __device__ __forceinline__ void mb_init(u64* b, int count) {
     asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_u32(b)), "r"(count) : "memory");
 }
+/* The waiting threads are suspended (up to the hint, 20 µs, per try) instead of spinning, so a
+   block's waiting consumers leave the issue slots to its producer. */
 __device__ __forceinline__ void mb_wait(u64* b, u32 parity) {
     u32 a = smem_u32(b), done = 0;
     while (!done) {
         asm volatile(
-            "{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
+            "{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2, %3; selp.u32 %0, 1, 0, p; }"
             : "=r"(done)
-            : "r"(a), "r"(parity)
+            : "r"(a), "r"(parity), "n"(20000)
             : "memory");
     }
 }
@@ -115,9 +129,9 @@ __device__ __forceinline__ void bulk_g2s(void* dst, const void* src, u32 bytes, 
 }
 #endif
 
-__device__ __forceinline__ u64 ps_load_acquire(const u64* p) {
+__device__ __forceinline__ u64 ps_load_relaxed(const u64* p) {
     u64 v;
-    asm volatile("ld.acquire.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+    asm volatile("ld.relaxed.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
     return v;
 }
 /* Nanoseconds (low 32 bits of the global timer), for LILY_PSTEP_TRACE. */
@@ -126,11 +140,14 @@ __device__ __forceinline__ u32 ps_now() {
     asm volatile("mov.u64 %0, %globaltimer;" : "=l"(t));
     return (u32)t;
 }
-/* Lane 0 spins until *ctr >= target (acquire); the warp then proceeds. */
+/* Thread 0 spins (relaxed loads) until *ctr >= target, then one acquire fence: the blocks'
+   release adds happen-before what follows; the caller's block barrier passes that on. (Acquire
+   loads in the loop would invalidate the SM's L1 on every poll.) */
 __device__ __forceinline__ void ps_wait_ctr(const u64* ctr, u64 target) {
-    if ((threadIdx.x & 31) == 0)
-        while (ps_load_acquire(ctr) < target) __nanosleep(32);
-    __syncwarp();
+    if (threadIdx.x == 0) {
+        while (ps_load_relaxed(ctr) < target) __nanosleep(32);
+        asm volatile("fence.acq_rel.gpu;" ::: "memory");
+    }
 }
 
 /* Rows of phase p for block b of nb: [lo, hi) of `total`. */
@@ -234,37 +251,72 @@ __device__ void ps_stage_moe(const float* gu, const float* wsel, int S, int inte
     ps_cbar();
 }
 
-/* One row's dot product over nm matrices' slices in the slot (row r of n; n4 16-byte chunks of
-   EPV = 128 / BITS codes per matrix row; chunk i of the virtual row is matrix i / n4's chunk
-   i % n4). xsum holds the staged input's sums per 16 columns. */
-template <int BITS>
-__device__ __forceinline__ float ps_row_dot(const unsigned char* slot, int n, int nm, int r, int n4, int ng, int gsh,
-                                            int ty, const float* xs, const float* xsum) {
+/* Rows ra and ra + 16 (when two) of the chunk against the staged input: nm matrices' slices in
+   the slot (n rows each; n4 16-byte chunks of EPV = 128 / BITS codes per matrix row; chunk i of the
+   virtual row is matrix i / n4's chunk i % n4). Each lane's x values are read from shared memory
+   once for both rows (shared-memory bandwidth, not HBM, bounds one row per pass). xsum holds the
+   staged input's sums per 16 columns. */
+template <int BITS, int TY>
+__device__ __forceinline__ void ps_rows_dot(const unsigned char* slot, int n, int nm, int ra, bool two, int n4, int ng,
+                                            int gsh, const float* xs, const float* xsum, float& oa, float& ob) {
     constexpr int EPV = 128 / BITS;
     const uint4* codes = (const uint4*)slot;
     const u16* sc = (const u16*)(slot + (long long)nm * n * n4 * 16);
     const u16* bi = sc + (long long)nm * n * ng;
-    int lane = threadIdx.x & 31, nv = nm * n4;
-    float acc = 0.f;
+    const float4* s4 = (const float4*)xs;
+    int lane = threadIdx.x & 31, nv = nm * n4, rb = two ? ra + 16 : ra;
+    float acca = 0.f, accb = 0.f;
     for (int i = lane; i < nv; i += 32) {
         int k = nm == 1 ? 0 : i / n4, ii = i - k * n4;
-        int mr = k * n + r;
-        uint4 q = codes[(long long)mr * n4 + ii];
-        int gi = mr * ng + ((ii * EPV) >> gsh);
-        float s = half_bits(sc[gi], ty), b = half_bits(bi[gi], ty);
-        float4 x4[32 / BITS];
-        gq_x<BITS>(xs, i, x4);
-        float d = gq_dot<BITS>(q, x4);
-        if (BITS == 4) /* s q.x + b sx with q.x = 32 d - 16 sx */
-            acc += (32.f * s) * d + (b - 16.f * s) * (xsum[2 * i] + xsum[2 * i + 1]);
-        else
-            acc += s * d + b * xsum[i];
+        int ma = k * n + ra, mb = k * n + rb, gsub = (ii * EPV) >> gsh;
+        uint4 qa = codes[(long long)ma * n4 + ii], qb = codes[(long long)mb * n4 + ii];
+        float sa = half_bits(sc[ma * ng + gsub], TY), ba = half_bits(bi[ma * ng + gsub], TY);
+        float sb = half_bits(sc[mb * ng + gsub], TY), bb = half_bits(bi[mb * ng + gsub], TY);
+        float sx = BITS == 4 ? xsum[2 * i] + xsum[2 * i + 1] : xsum[i];
+        u32 wa[4] = {qa.x, qa.y, qa.z, qa.w}, wb[4] = {qb.x, qb.y, qb.z, qb.w};
+        float da = 0.f, db = 0.f, ea = 0.f, eb = 0.f;
+        if (BITS == 4) { /* as gq_dot: codes as 1/2 + q/32 by byte permutes, x read per word */
+#pragma unroll
+            for (int w = 0; w < 4; w++) {
+                float4 xa = s4[xswz(i * 8 + 2 * w)], xb = s4[xswz(i * 8 + 2 * w + 1)];
+                u32 la = (wa[w] << 3) & 0x78787878u, ha = (wa[w] >> 1) & 0x78787878u;
+                u32 lb = (wb[w] << 3) & 0x78787878u, hb = (wb[w] >> 1) & 0x78787878u;
+#define PS_C(v, sel) __uint_as_float(__byte_perm(v, 0x3F000000u, sel))
+                da = fmaf(PS_C(la, 0x7044), xa.x, da), ea = fmaf(PS_C(ha, 0x7044), xa.y, ea);
+                da = fmaf(PS_C(la, 0x7144), xa.z, da), ea = fmaf(PS_C(ha, 0x7144), xa.w, ea);
+                da = fmaf(PS_C(la, 0x7244), xb.x, da), ea = fmaf(PS_C(ha, 0x7244), xb.y, ea);
+                da = fmaf(PS_C(la, 0x7344), xb.z, da), ea = fmaf(PS_C(ha, 0x7344), xb.w, ea);
+                db = fmaf(PS_C(lb, 0x7044), xa.x, db), eb = fmaf(PS_C(hb, 0x7044), xa.y, eb);
+                db = fmaf(PS_C(lb, 0x7144), xa.z, db), eb = fmaf(PS_C(hb, 0x7144), xa.w, eb);
+                db = fmaf(PS_C(lb, 0x7244), xb.x, db), eb = fmaf(PS_C(hb, 0x7244), xb.y, eb);
+                db = fmaf(PS_C(lb, 0x7344), xb.z, db), eb = fmaf(PS_C(hb, 0x7344), xb.w, eb);
+#undef PS_C
+            }
+            /* s q.x + b sx with q.x = 32 d - 16 sx */
+            acca += (32.f * sa) * (da + ea) + (ba - 16.f * sa) * sx;
+            accb += (32.f * sb) * (db + eb) + (bb - 16.f * sb) * sx;
+        } else { /* codes as 2^23 + q minus 2^23 (exact) */
+            const float M = 8388608.f;
+#pragma unroll
+            for (int w = 0; w < 4; w++) {
+                float4 x = s4[xswz(i * 4 + w)];
+#define PS_C(v, sel) (__uint_as_float(__byte_perm(v, 0x4B000000u, sel)) - M)
+                da += PS_C(wa[w], 0x7440) * x.x, ea += PS_C(wa[w], 0x7441) * x.y;
+                da += PS_C(wa[w], 0x7442) * x.z, ea += PS_C(wa[w], 0x7443) * x.w;
+                db += PS_C(wb[w], 0x7440) * x.x, eb += PS_C(wb[w], 0x7441) * x.y;
+                db += PS_C(wb[w], 0x7442) * x.z, eb += PS_C(wb[w], 0x7443) * x.w;
+#undef PS_C
+            }
+            acca += sa * (da + ea) + ba * sx;
+            accb += sb * (db + eb) + bb * sx;
+        }
     }
-    return warp_sum(acc);
+    oa = warp_sum(acca);
+    ob = two ? warp_sum(accb) : 0.f;
 }
 
 /* The GDN state step for this block's tasks. */
-__device__ void ps_gdn(const PsPhase& P, float* red, float* qs, float* ks) {
+__device__ void ps_gdn(const PsPhase& P, float* red, float* qs, float* ks, const u64* ctr, u64 target, u32* tstart) {
     int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     int hk = P.hk, hv = P.hv, dk = P.dk, dv = P.dv;
     int parts = (dv + 31) / 32, ntask = hv * parts, rpw = dk / PS_WARPS;
@@ -282,6 +334,12 @@ __device__ void ps_gdn(const PsPhase& P, float* red, float* qs, float* ks) {
 #pragma unroll
         for (int j = 0; j < PS_GDN_RPW; j++)
             if (j < rpw && valid) sreg[j] = __ldcg(Sp + j * dv);
+        if (target) { /* first task: the state (this head's own) is read before the phase wait */
+            ps_wait_ctr(ctr, target);
+            ps_cbar();
+            target = 0;
+        }
+        if (tstart && tid == 0) *tstart = ps_now(), tstart = 0;
         float sq = 0.f, sk = 0.f, sqk = 0.f;
         for (int i = tid; i < dk; i += PS_THREADS) {
             float q = __ldcg(cy + kh * dk + i), k = __ldcg(cy + hk * dk + kh * dk + i);
@@ -347,9 +405,11 @@ struct PsRing {
 
 /* Waits for a free slot and writes its header; returns the slot's data pointer. */
 __device__ __forceinline__ unsigned char* ps_take(PsShared& sm, unsigned char* ring, int slot_bytes, PsRing& rg,
-                                                  PsHdr h) {
+                                                  PsHdr h, u32* twait) {
     int s = rg.slot;
+    u32 t0 = twait ? ps_now() : 0;
     mb_wait(&sm.empty[s], ((rg.par >> s) & 1) ^ 1);
+    if (twait) *twait += ps_now() - t0;
     sm.hdr[s] = h;
     return ring + (long long)s * slot_bytes;
 }
@@ -359,17 +419,21 @@ __device__ __forceinline__ void ps_next(PsRing& rg, int ns) {
 }
 
 __device__ __noinline__ void ps_produce(const PsPhase* phases, int nphase, const u64* ctr, PsShared& sm, unsigned char* ring,
-                           int slot_bytes, int ns) {
+                           int slot_bytes, int ns, u32* trace) {
     int lane = threadIdx.x & 31, b = blockIdx.x, nb = gridDim.x;
     PsRing rg;
     rg.slot = 0;
     rg.par = 0;
+    u32 rpar = 0; /* parity of sm.route's next completion */
     for (int rel = 0; rel < nphase; rel++) {
         const PsPhase& P = phases[rel];
         int endf = rel == nphase - 1 ? PS_END : 0;
+        u32* tr = trace ? trace + PS_TW * (rel * nb + b) : 0;
+        u32 twait = 0, *tw = tr ? &twait : 0;
         if (P.kind == PS_GDN) {
             if (lane == 0) {
-                ps_take(sm, ring, slot_bytes, rg, PsHdr{rel, PS_FIRST | PS_LAST | endf, 0, 0});
+                ps_take(sm, ring, slot_bytes, rg, PsHdr{rel, PS_FIRST | PS_LAST | endf, 0, 0}, tw);
+                if (tr) tr[2] = ps_now(), tr[7] = twait;
                 mb_arrive(&sm.full[rg.slot]);
             }
             ps_next(rg, ns);
@@ -378,9 +442,9 @@ __device__ __noinline__ void ps_produce(const PsPhase* phases, int nphase, const
         int cb = P.cols * P.bits / 8, sb = 2 * (P.cols / P.group);
         int nm = 1, total = P.rows, mrows = P.rows;
         if (P.kind == PS_MOE_GU) {
-            /* the router logits are complete once every block finished the previous phase */
-            ps_wait_ctr(ctr, (u64)rel * nb);
-            route_topk((const float*)P.aux[0], P.nexp, P.topk, P.renorm, 1, sm.ls, sm.chosen, sm.wsel);
+            /* the consumers ranked the router logits once every block finished them */
+            mb_wait(&sm.route, rpar);
+            rpar ^= 1;
             total = (P.topk + 1) * 2 * P.rows;
         } else if (P.kind == PS_MOE_DOWN) {
             nm = P.topk + 1;
@@ -396,7 +460,9 @@ __device__ __noinline__ void ps_produce(const PsPhase* phases, int nphase, const
             if (P.kind == PS_MOE_GU) n = min(n, mrows - r % mrows); /* one matrix per chunk */
             int flags = (first ? PS_FIRST : 0) | (r + n >= hi ? PS_LAST | endf : 0);
             if (lane == 0) {
-                unsigned char* d = ps_take(sm, ring, slot_bytes, rg, PsHdr{rel, flags, r, n});
+                unsigned char* d = ps_take(sm, ring, slot_bytes, rg, PsHdr{rel, flags, r, n}, tw);
+                if (tr && first) tr[2] = ps_now();
+                if (tr && (flags & PS_LAST)) tr[7] = twait;
                 u64* full = &sm.full[rg.slot];
                 if (n <= 0) {
                     mb_arrive(full);
@@ -429,102 +495,168 @@ __device__ __noinline__ void ps_produce(const PsPhase* phases, int nphase, const
 #endif
 
 /* ---- consumers: one chunk ---- */
-__device__ void ps_chunk(const PsPhase& P, const PsHdr& h, const unsigned char* d, float rr, PsShared& sm,
-                         const float* xs, const float* xsum) {
-    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    int n4 = P.cols * P.bits / 128, ng = P.cols / P.group, gsh = __ffs(P.group) - 1;
-    int nm = P.kind == PS_MOE_DOWN ? P.topk + 1 : 1;
+
+/* The end of one output row: store (or add to the residual prev), and for rows < conv_c the GDN
+   conv epilogue. cw / cx / prev hold the side loads of 8 rows (lane 4j + t: tap t of row j), jj
+   is this row's j. Warp-uniform (row is). */
+__device__ __forceinline__ void ps_row_out(const PsPhase& P, int row, float acc, int jj, float cw, float cx,
+                                           float prev) {
+    int lane = threadIdx.x & 31;
     float* y = (float*)P.y;
-    for (int r = warp; r < h.n; r += PS_WARPS) {
-        int row = h.row0 + r;
-        /* conv epilogue inputs, loaded before the dot product */
-        bool conv = P.conv_c > row;
+    float pv = __shfl_sync(0xffffffffu, prev, jj << 2);
+    if (lane == 0) y[row] = P.accumulate && P.kind != PS_MOE_GU ? pv + acc : acc;
+    if (P.conv_c > row) {
         int K = P.conv_k;
-        float cw = 0.f, cx = 0.f;
-        if (conv && lane < K) {
-            cw = __ldg((const float*)P.aux[1] + (long long)row * K + lane);
-            if (lane < K - 1) cx = __ldcg((const float*)P.aux[0] + (long long)lane * P.conv_c + row);
+        float w = __shfl_sync(0xffffffffu, cw, (jj << 2) + (lane & 3));
+        float c = __shfl_sync(0xffffffffu, cx, (jj << 2) + (lane & 3));
+        if (lane == K - 1) c = acc;
+        float p = warp_sum(lane < K ? w * c : 0.f);
+        float nx = __shfl_down_sync(0xffffffffu, c, 1);
+        if (lane == 0) ((float*)P.aux[2])[row] = silu_f(p);
+        if (lane < K - 1) ((float*)P.aux[0])[(long long)lane * P.conv_c + row] = nx;
+    }
+}
+
+/* Warp w takes rows w, w + 16, w + 32, ... of the chunk, two per pass (x read once for both).
+   The rows' side data (conv taps and state, the residual) are loaded 8 rows at a time by the
+   whole warp before their dot products, so a chunk pays one global latency, not one per row. */
+template <int BITS, int TY>
+__device__ void ps_chunk_t(const PsPhase& P, const PsHdr& h, const unsigned char* d, float rr, const float* xs,
+                           const float* xsum) {
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    int n4 = P.cols * BITS / 128, ng = P.cols / P.group, gsh = __ffs(P.group) - 1;
+    int nm = P.kind == PS_MOE_DOWN ? P.topk + 1 : 1;
+    bool resid = P.accumulate && P.kind != PS_MOE_GU;
+    for (int j0 = 0; warp + 16 * j0 < h.n; j0 += 8) {
+        int jr = warp + 16 * (j0 + (lane >> 2)), t = lane & 3;
+        int row = h.row0 + jr;
+        float cw = 0.f, cx = 0.f, prev = 0.f;
+        if (jr < h.n) {
+            if (P.conv_c > row) {
+                if (t < P.conv_k) cw = __ldg((const float*)P.aux[1] + (long long)row * P.conv_k + t);
+                if (t < P.conv_k - 1) cx = __ldcg((const float*)P.aux[0] + (long long)t * P.conv_c + row);
+            }
+            if (resid && t == 0) prev = __ldcg((const float*)P.y + row);
         }
-        /* the residual this row adds to, read before the dot product (the row is this warp's) */
-        float prev = P.accumulate && P.kind != PS_MOE_GU && lane == 0 ? __ldcg(y + row) : 0.f;
-        float acc = (P.bits == 8 ? ps_row_dot<8>(d, h.n, nm, r, n4, ng, gsh, P.ty, xs, xsum)
-                                 : ps_row_dot<4>(d, h.n, nm, r, n4, ng, gsh, P.ty, xs, xsum)) *
-                    rr;
-        if (P.kind == PS_MOE_GU) {
-            if (lane == 0) y[row] = acc; /* virtual row = output index */
-        } else if (P.accumulate) {
-            if (lane == 0) y[row] = prev + acc;
-        } else if (lane == 0) {
-            y[row] = acc;
-        }
-        if (conv) {
-            if (lane == K - 1) cx = acc;
-            float p = warp_sum(lane < K ? cw * cx : 0.f);
-            float nx = __shfl_down_sync(0xffffffffu, cx, 1);
-            if (lane == 0) ((float*)P.aux[2])[row] = silu_f(p);
-            if (lane < K - 1) ((float*)P.aux[0])[(long long)lane * P.conv_c + row] = nx;
+        for (int jj = 0; jj < 8; jj += 2) {
+            int ra = warp + 16 * (j0 + jj);
+            if (ra >= h.n) break;
+            bool two = ra + 16 < h.n;
+            float a, b;
+            ps_rows_dot<BITS, TY>(d, h.n, nm, ra, two, n4, ng, gsh, xs, xsum, a, b);
+            ps_row_out(P, h.row0 + ra, a * rr, jj, cw, cx, prev);
+            if (two) ps_row_out(P, h.row0 + ra + 16, b * rr, jj + 1, cw, cx, prev);
         }
     }
 }
 
+__device__ void ps_chunk(const PsPhase& P, const PsHdr& h, const unsigned char* d, float rr, const float* xs,
+                         const float* xsum) {
+    if (P.bits == 8) {
+        if (P.ty == TY_BF16) ps_chunk_t<8, TY_BF16>(P, h, d, rr, xs, xsum);
+        else ps_chunk_t<8, TY_F16>(P, h, d, rr, xs, xsum);
+    } else {
+        if (P.ty == TY_BF16) ps_chunk_t<4, TY_BF16>(P, h, d, rr, xs, xsum);
+        else ps_chunk_t<4, TY_F16>(P, h, d, rr, xs, xsum);
+    }
+}
+
+/* The router's top-K for the expert phase G, by all consumer threads once every block finished the
+   router (route_rank in moe.cu); then sm.route completes and the producer issues the experts. */
+struct PsBar {
+    __device__ static void sync() { ps_cbar(); }
+};
+__device__ void ps_route(const PsPhase& G, const u64* ctr, u64 target, PsShared& sm, u32* tr, int dbg) {
+    ps_wait_ctr(ctr, target);
+    ps_cbar();
+    if (tr && threadIdx.x == 0) tr[4] = ps_now();
+    route_rank<PsBar>((const float*)G.aux[0], G.nexp, G.topk, G.renorm, 1, PS_THREADS, sm.ls, sm.red, sm.chosen,
+                      sm.wsel);
+    if (threadIdx.x == 0) {
+        if (dbg & 1) /* measurement only: the same experts every token */
+            for (int k = 0; k < G.topk; k++) sm.chosen[k] = k;
+        if (tr) tr[5] = ps_now();
+        mb_arrive(&sm.route);
+    }
+}
+
 extern "C" __global__ void __launch_bounds__(PS_THREADS + 32, 1)
-    pstep(const PsPhase* phases, int nphase, u64* ctr, int slot_bytes, int ns, int xmax, u32* trace) {
+    pstep(const PsPhase* phases, int nphase, u64* ctr, int slot_bytes, int ns, int xmax, u32* trace, int dbg) {
 #if __CUDA_ARCH__ >= 900
     extern __shared__ __align__(128) unsigned char ps_smem[];
     PsShared& sm = *(PsShared*)ps_smem;
     float* xs = (float*)(ps_smem + ((sizeof(PsShared) + 127) / 128) * 128);
     float* xsum = xs + xmax;
     unsigned char* ring = (unsigned char*)xs + (((xmax + xmax / 16) * 4 + 127) / 128) * 128;
-    int tid = threadIdx.x, warp = tid >> 5, nb = gridDim.x;
+    int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, nb = gridDim.x;
     if (tid == 0) {
         for (int i = 0; i < ns; i++) {
             mb_init(&sm.full[i], 1);
-            mb_init(&sm.empty[i], 1);
+            mb_init(&sm.empty[i], PS_WARPS);
         }
+        mb_init(&sm.route, 1);
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     }
     __syncthreads();
     if (warp == PS_WARPS) {
-        ps_produce(phases, nphase, ctr, sm, ring, slot_bytes, ns);
+        ps_produce(phases, nphase, ctr, sm, ring, slot_bytes, ns, trace);
         return;
     }
     int slot = 0;
     u32 par = 0; /* bit s: parity of slot s's next use */
     float rr = 1.f;
+    u32 cwait = 0; /* trace: this phase's time waiting for full slots */
+    const PsPhase& P = sm.cur;
+    const int pwords = (int)(sizeof(PsPhase) / 4);
     for (;;) {
+        u32 t0 = trace ? ps_now() : 0;
         mb_wait(&sm.full[slot], (par >> slot) & 1);
+        if (trace) cwait += ps_now() - t0;
         PsHdr h = sm.hdr[slot];
-        const PsPhase& P = phases[h.rel];
+        /* A phase starts with every warp done with the previous one (its last chunk ends with a
+           block barrier), so sm.cur and the staging are free. */
         if (h.flags & PS_FIRST) {
-            if (h.rel > 0) {
-                if (tid == 0)
-                    while (ps_load_acquire(ctr) < (u64)h.rel * nb) __nanosleep(32);
-                ps_cbar();
-            }
-            if (trace && tid == 0) trace[2 * (h.rel * nb + blockIdx.x)] = ps_now();
-            if (P.kind == PS_GDN) {
-                ps_gdn(P, sm.red, sm.qs, sm.ks);
-            } else if (h.n > 0) {
-                if (P.kind == PS_MOE_DOWN)
-                    ps_stage_moe((const float*)P.x, sm.wsel, P.topk + 1, P.cols, xs, xsum), rr = 1.f;
-                else if (P.xf == PX_GATED)
-                    ps_stage_gated((const float*)P.x, (const float*)P.aux[3], (const float*)P.normw, P.hv, P.dv, P.eps,
-                                   xs, xsum, sm.hs),
-                        rr = 1.f;
-                else
-                    rr = ps_stage_x((const float*)P.x, P.xf == PX_RMS ? (const float*)P.normw : 0, P.cols, P.eps, xs,
-                                    xsum, sm.red);
+            u32* tr = trace ? trace + PS_TW * (h.rel * nb + blockIdx.x) : 0;
+            if (tr && tid == 0) tr[3] = ps_now();
+            if (tid < pwords) ((u32*)&sm.cur)[tid] = __ldg((const u32*)(phases + h.rel) + tid);
+            int kind = phases[h.rel].kind;
+            if (kind != PS_GDN && h.rel > 0) ps_wait_ctr(ctr, (u64)h.rel * nb);
+            ps_cbar();
+            if (kind == PS_GDN) {
+                ps_gdn(P, sm.red, sm.qs, sm.ks, ctr, (u64)h.rel * nb, tr);
+            } else {
+                if (tr && tid == 0) tr[0] = ps_now();
+                if (h.n > 0) {
+                    if (P.kind == PS_MOE_DOWN)
+                        ps_stage_moe((const float*)P.x, sm.wsel, P.topk + 1, P.cols, xs, xsum), rr = 1.f;
+                    else if (P.xf == PX_GATED)
+                        ps_stage_gated((const float*)P.x, (const float*)P.aux[3], (const float*)P.normw, P.hv, P.dv,
+                                       P.eps, xs, xsum, sm.hs),
+                            rr = 1.f;
+                    else
+                        rr = ps_stage_x((const float*)P.x, P.xf == PX_RMS ? (const float*)P.normw : 0, P.cols, P.eps,
+                                        xs, xsum, sm.red);
+                }
+                if (tr && tid == 0) tr[8] = ps_now();
             }
         }
-        if (P.kind != PS_GDN && h.n > 0) ps_chunk(P, h, ring + (long long)slot * slot_bytes, rr, sm, xs, xsum);
-        ps_cbar(); /* the slot and (at a phase's end) the staging are free */
-        if (tid == 0) {
-            mb_arrive(&sm.empty[slot]);
-            if (h.flags & PS_LAST) {
-                if (trace) trace[2 * (h.rel * nb + blockIdx.x) + 1] = ps_now();
+        /* Each warp takes its rows of the chunk and frees the slot for itself (the empty barrier
+           counts the warps): no block barrier between the chunks of a phase. */
+        if (P.kind != PS_GDN && h.n > 0) ps_chunk(P, h, ring + (long long)slot * slot_bytes, rr, xs, xsum);
+        __syncwarp();
+        if (lane == 0) mb_arrive(&sm.empty[slot]);
+        if (h.flags & PS_LAST) {
+            ps_cbar(); /* every warp finished the phase */
+            if (tid == 0) {
+                if (trace) trace[PS_TW * (h.rel * nb + blockIdx.x) + 1] = ps_now(),
+                    trace[PS_TW * (h.rel * nb + blockIdx.x) + 6] = cwait;
                 __threadfence();
                 asm volatile("red.release.gpu.global.add.u64 [%0], 1;" ::"l"(ctr) : "memory");
             }
+            cwait = 0;
+            if (h.rel + 1 < nphase && phases[h.rel + 1].kind == PS_MOE_GU)
+                ps_route(phases[h.rel + 1], ctr, (u64)(h.rel + 1) * nb, sm,
+                         trace ? trace + PS_TW * ((h.rel + 1) * nb + blockIdx.x) : 0, dbg);
         }
         par ^= 1u << slot;
         slot = slot + 1 == ns ? 0 : slot + 1;

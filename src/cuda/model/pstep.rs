@@ -24,7 +24,9 @@ const PX_GATED: i32 = 2;
 /// Consumer warps + the producer warp.
 const THREADS: u32 = 16 * 32 + 32;
 /// `sizeof(PsShared)` in pstep.cu, rounded up to 128.
-const SHARED_FIXED: usize = 12032;
+const SHARED_FIXED: usize = 12288;
+/// u32 per (phase, block) of the trace (`PS_TW` in pstep.cu).
+const TW: usize = 12;
 
 /// One phase; the same layout as `struct PsPhase` in pstep.cu.
 #[repr(C)]
@@ -80,6 +82,8 @@ pub(super) struct PsPlan {
     /// `LILY_PSTEP_TRACE=1`: per (phase, block) start and end times of the last step (u32 ns).
     trace: Option<DevBuf>,
     kinds: Vec<(i32, i32)>,
+    /// `LILY_PSTEP_DEBUG` (measurement only, see pstep.cu): 1 = fixed experts.
+    debug: i32,
 }
 
 /// Whether pstep streams this matrix: MLX 4/8-bit, f16/bf16 scales, 16-byte rows of scales.
@@ -140,8 +144,8 @@ impl PsPlan {
         {
             bail!("GDN heads {hk}/{hv} of {dk}/{dv}: outside the step's shapes");
         }
-        if taps == 0 || taps > 32 {
-            bail!("conv kernel of {taps} taps");
+        if taps == 0 || taps > 4 {
+            bail!("conv kernel of {taps} taps (the step takes 1 to 4)");
         }
         let f32p = |b: &DevBuf, off: usize| b.ptr + 4 * off as u64;
         let mut phases: Vec<PsPhase> = Vec::new();
@@ -224,6 +228,11 @@ impl PsPlan {
             mats.push(&m.lm_head);
         }
         segs.push(Seg { first, count: phases.len() - first, attn: None });
+        // The consumers rank the router's logits at the end of the phase before an expert phase
+        // (pstep.cu, ps_route): an expert phase cannot open a launch.
+        if segs.iter().any(|sg| sg.count > 0 && phases[sg.first].kind == PS_MOE_GU) {
+            bail!("an expert phase opens a launch");
+        }
         for w in &mats {
             if !takes(w) {
                 bail!(
@@ -253,11 +262,12 @@ impl PsPlan {
         let table = g.upload_bytes(&bytes)?;
         let ctr = g.zeros(16)?;
         let trace = match std::env::var("LILY_PSTEP_TRACE").as_deref() {
-            Ok("1") => Some(g.zeros(8 * phases.len() * g.sms as usize)?),
+            Ok("1") => Some(g.zeros(4 * TW * phases.len() * g.sms as usize)?),
             _ => None,
         };
         let kinds = phases.iter().map(|p| (p.kind, p.rows)).collect();
-        Ok(PsPlan { table, segs, ctr, slot, slots, xmax, smem, lm_head, trace, kinds })
+        let debug = std::env::var("LILY_PSTEP_DEBUG").ok().and_then(|v| v.parse().ok()).unwrap_or(0);
+        Ok(PsPlan { table, segs, ctr, slot, slots, xmax, smem, lm_head, trace, kinds, debug })
     }
 
     fn launch(&self, g: &Gpu, first: usize, count: usize) -> Result<()> {
@@ -268,7 +278,8 @@ impl PsPlan {
             Arg::I(self.slot as i32),
             Arg::I(self.slots as i32),
             Arg::I(self.xmax as i32),
-            Arg::P(self.trace.as_ref().map_or(0, |t| t.at(8 * first * g.sms as usize))),
+            Arg::P(self.trace.as_ref().map_or(0, |t| t.at(4 * TW * first * g.sms as usize))),
+            Arg::I(self.debug),
         ];
         g.launch_shared("pstep", (g.sms, 1, 1), THREADS, self.smem as u32, &a)
     }
@@ -324,24 +335,44 @@ impl CudaSession {
 }
 
 impl PsPlan {
-    /// With `LILY_PSTEP_TRACE=1`: the last step's phases on stderr (span from the first block's
-    /// start to the last block's end, mean time a block spends in the phase, gap after the
-    /// previous phase's last end), in µs.
+    /// With `LILY_PSTEP_TRACE=1`: the last step's phases on stderr, in µs: span from the first
+    /// block's start to the last block's end, mean time a block spends in the phase, gap from the
+    /// previous phase's last end to this one's first start; means over blocks, from that same
+    /// previous end, of when the producer issued the phase's first copies, when the consumers
+    /// found its first slot full (and for expert phases when the producer passed the router wait
+    /// and its top-k); mean total waits of the consumers for full slots and of the producer for
+    /// empty ones.
     pub(super) fn print_trace(&self, nb: usize) -> Result<()> {
         let Some(t) = &self.trace else { return Ok(()) };
-        let v = t.read_i32(2 * self.kinds.len() * nb)?;
+        let v = t.read_i32(TW * self.kinds.len() * nb)?;
         let names = ["gemv", "gdn", "moe_gu", "moe_down"];
-        eprintln!("| phase | kind | rows | span µs | mean busy µs | gap µs |");
+        eprintln!("| phase | kind | rows | span | busy | gap | issued | full | ctr | topk | staged | wait full | wait empty |");
         let base = v[0] as u32;
-        let mut prev_end: Option<u32> = None;
+        let mut prev_end: Option<f64> = None;
         for (i, (k, rows)) in self.kinds.iter().enumerate() {
-            let at = |b: usize, j: usize| (v[2 * (i * nb + b) + j] as u32).wrapping_sub(base) as f64 / 1e3;
+            let raw = |b: usize, j: usize| v[TW * (i * nb + b) + j] as u32;
+            let at = |b: usize, j: usize| raw(b, j).wrapping_sub(base) as i32 as f64 / 1e3;
             let start = (0..nb).map(|b| at(b, 0)).fold(f64::MAX, f64::min);
-            let end = (0..nb).map(|b| at(b, 1)).fold(0.0, f64::max);
-            let busy = (0..nb).map(|b| at(b, 1) - at(b, 0)).sum::<f64>() / nb as f64;
-            let gap = prev_end.map_or(0.0, |p| start - p as f64 / 1e3);
-            eprintln!("| {i} | {} | {rows} | {:.2} | {:.2} | {:.2} |", names[*k as usize], end - start, busy, gap);
-            prev_end = Some((end * 1e3) as u32);
+            let end = (0..nb).map(|b| at(b, 1)).fold(f64::MIN, f64::max);
+            let mean = |f: &dyn Fn(usize) -> f64| (0..nb).map(f).sum::<f64>() / nb as f64;
+            let p = prev_end.unwrap_or(start);
+            let from =
+                |j: usize| if *k == PS_MOE_GU || j < 4 { format!("{:.2}", mean(&|b| at(b, j) - p)) } else { "".into() };
+            eprintln!(
+                "| {i} | {} | {rows} | {:.2} | {:.2} | {:.2} | {} | {} | {} | {} | {} | {:.2} | {:.2} |",
+                names[*k as usize],
+                end - start,
+                mean(&|b| at(b, 1) - at(b, 0)),
+                start - p,
+                from(2),
+                from(3),
+                from(4),
+                from(5),
+                if *k == PS_GDN { String::new() } else { format!("{:.2}", mean(&|b| at(b, 8) - at(b, 0))) },
+                mean(&|b| raw(b, 6) as f64 / 1e3),
+                mean(&|b| raw(b, 7) as f64 / 1e3),
+            );
+            prev_end = Some(end);
         }
         Ok(())
     }

@@ -6,6 +6,13 @@ use super::super::{Arg, Gpu};
 use super::{blocks, gemv_default, GemvKernel, GpuLinear, GEMV_XMAX};
 use anyhow::{bail, Result};
 
+/// Whether the decode MoE kernels pick the top-k with the whole block (`LILY_CUDA_ROUTE=rank`:
+/// `route_rank` in moe.cu) or with one warp (`route_topk`, the default until measured).
+fn route_rank() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("LILY_CUDA_ROUTE").is_ok_and(|v| v == "rank"))
+}
+
 impl Gpu {
     /// Decode MoE gate/up with the routing inside: top-`k` of the `e` router logits (the shared
     /// expert's gate logit at `logits[e]`, its matrices at stack slot `e`), then `y[2(k+1), rows]`
@@ -27,7 +34,15 @@ impl Gpu {
             bail!("gemv_routed: unsupported shape or format");
         }
         let mut a = w.norm_gemv_args(x, y, normw, eps);
-        a.extend([Arg::P(logits), Arg::I(e as i32), Arg::I(k as i32), Arg::I(renorm as i32), Arg::P(ids), Arg::P(wts)]);
+        a.extend([
+            Arg::P(logits),
+            Arg::I(e as i32),
+            Arg::I(k as i32),
+            Arg::I(renorm as i32),
+            Arg::P(ids),
+            Arg::P(wts),
+            Arg::I(route_rank() as i32),
+        ]);
         let shared = w.stream_smem();
         let slots = 2 * (k + 1);
         let (kernel, bpsm) = gemv_default();
@@ -108,6 +123,7 @@ impl Gpu {
             Arg::P(wts),
             Arg::P(ctr),
             Arg::I(bps as i32),
+            Arg::I(route_rank() as i32),
         ];
         let epv = 128 / gate_up.bits as usize;
         let (h, s) = (gate_up.cols, (k + 1) * down.cols);
