@@ -69,7 +69,8 @@ struct PsPhase {
     int conv_k, hk, hv, dk;
     int dv, nexp, topk, renorm;
     float eps;
-    int bits; /* 4 or 8 */
+    int bits;   /* 4 or 8 */
+    int same_x; /* the input is the previous phase's, unchanged: a block that staged it keeps it */
     u64 w, s, b; /* codes, scales, biases */
     u64 x, y;
     u64 normw;
@@ -606,6 +607,7 @@ extern "C" __global__ void __launch_bounds__(PS_THREADS + 32, 1)
     u32 par = 0; /* bit s: parity of slot s's next use */
     float rr = 1.f;
     u32 cwait = 0; /* trace: this phase's time waiting for full slots */
+    int staged = -1; /* the phase whose input xs holds */
     const PsPhase& P = sm.cur;
     const int pwords = (int)(sizeof(PsPhase) / 4);
     for (;;) {
@@ -626,7 +628,10 @@ extern "C" __global__ void __launch_bounds__(PS_THREADS + 32, 1)
                 ps_gdn(P, sm.red, sm.qs, sm.ks, ctr, (u64)h.rel * nb, tr);
             } else {
                 if (tr && tid == 0) tr[0] = ps_now();
-                if (h.n > 0) {
+                if (h.n > 0 && P.same_x && staged == h.rel - 1) {
+                    staged = h.rel; /* xs, xsum and rr hold this input already */
+                } else if (h.n > 0) {
+                    staged = h.rel;
                     if (P.kind == PS_MOE_DOWN)
                         ps_stage_moe((const float*)P.x, sm.wsel, P.topk + 1, P.cols, xs, xsum), rr = 1.f;
                     else if (P.xf == PX_GATED)

@@ -50,6 +50,9 @@ struct PsPhase {
     renorm: i32,
     eps: f32,
     bits: i32,
+    /// 1: the input is the previous phase's (same x, norm, and x unchanged since): a block that
+    /// staged it for the previous phase keeps that staging.
+    same_x: i32,
     w: u64,
     s: u64,
     b: u64,
@@ -205,8 +208,8 @@ impl PsPlan {
                     }
                     phases.push(gemv(r, PX_RMS, s.x.ptr, pnorm, eps, s.router.ptr, false));
                     let mut p = gemv(gu, PX_RMS, s.x.ptr, pnorm, eps, s.egu.ptr, false);
-                    (p.kind, p.rows, p.nexp, p.topk, p.renorm) =
-                        (PS_MOE_GU, gu.rows as i32, e as i32, k as i32, c.norm_topk_prob as i32);
+                    (p.kind, p.rows, p.nexp, p.topk, p.renorm, p.same_x) =
+                        (PS_MOE_GU, gu.rows as i32, e as i32, k as i32, c.norm_topk_prob as i32, 1);
                     p.aux[0] = s.router.ptr;
                     phases.push(p);
                     let mut p = gemv(dn, PX_PLAIN, s.egu.ptr, 0, eps, s.x.ptr, true);
