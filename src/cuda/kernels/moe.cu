@@ -91,6 +91,7 @@ template <class Bar>
 __device__ void route_rank(const float* logits, int E, int K, int renorm, int shared, int nt, float* ls, float* scratch,
                            int* chosen, float* wsel) {
     int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, nw = nt >> 5;
+    float gate = shared && tid == 0 ? __ldcg(logits + E) : 0.f; /* issued with the others */
     float mx = -INFINITY;
     for (int e = tid; e < E; e += nt) {
         float v = __ldcg(logits + e);
@@ -140,7 +141,7 @@ __device__ void route_rank(const float* logits, int E, int K, int renorm, int sh
         for (int k = 0; k < K; k++) wsel[k] = expf(wsel[k] - mx) / den;
         if (shared) {
             chosen[K] = E;
-            wsel[K] = sigmoid_f(__ldcg(logits + E));
+            wsel[K] = sigmoid_f(gate);
         }
     }
     Bar::sync();
