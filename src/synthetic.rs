@@ -1,6 +1,8 @@
 //! Random-weight models of the real architecture, built in memory (no download, no file):
-//! `synthetic:tiny` and `synthetic:qwen3.6-35b-a3b` (full size, MLX 4-bit layout with group 64,
-//! router and shared-expert gate at 8 bits, 4-bit embedding and lm_head, as mlx-community ships).
+//! `synthetic:tiny`, `synthetic:qwen3.6-35b-a3b` (full size, MLX 4-bit layout with group 64,
+//! router and shared-expert gate at 8 bits, 4-bit embedding and lm_head, as mlx-community ships)
+//! and `synthetic:dense-small` (a dense `qwen3_5` of ~0.6B parameters in the same layout: the
+//! family's layer pattern at a small width, not the dimensions of a released checkpoint).
 
 use crate::config::{FfnKind, LayerKind, ModelConfig};
 use crate::cpu::rope::Rope;
@@ -12,7 +14,7 @@ use anyhow::{bail, Result};
 use rayon::prelude::*;
 use serde_json::json;
 
-pub const NAMES: [&str; 2] = ["tiny", "qwen3.6-35b-a3b"];
+pub const NAMES: [&str; 3] = ["tiny", "qwen3.6-35b-a3b", "dense-small"];
 
 /// The config of a synthetic model; `layers` overrides the depth (keeping the 3:1 GDN/attention
 /// pattern), `vocab` the vocabulary (to match an available tokenizer).
@@ -40,6 +42,19 @@ pub fn config(name: &str, layers: Option<usize>, vocab: usize) -> Result<ModelCo
                 "linear_value_head_dim": 32, "linear_conv_kernel_dim": 4, "num_experts": 16,
                 "num_experts_per_tok": 4, "moe_intermediate_size": 64, "shared_expert_intermediate_size": 64,
                 "rms_norm_eps": 1e-6, "max_position_embeddings": 32768, "eos_token_id": 248046,
+                "rope_parameters": {"rope_theta": 10000000.0, "partial_rotary_factor": 0.25}
+            },
+            "quantization": {"group_size": 64, "bits": 4, "mode": "affine"}
+        }),
+        "dense-small" => json!({
+            "model_type": "qwen3_5",
+            "text_config": {
+                "vocab_size": 248320, "hidden_size": 1024, "num_hidden_layers": 16, "full_attention_interval": 4,
+                "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 256,
+                "linear_num_key_heads": 16, "linear_num_value_heads": 16, "linear_key_head_dim": 128,
+                "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4, "intermediate_size": 3584,
+                "rms_norm_eps": 1e-6, "max_position_embeddings": 262144, "eos_token_id": 248046,
+                "tie_word_embeddings": false,
                 "rope_parameters": {"rope_theta": 10000000.0, "partial_rotary_factor": 0.25}
             },
             "quantization": {"group_size": 64, "bits": 4, "mode": "affine"}
@@ -179,4 +194,23 @@ pub fn build_config(cfg: ModelConfig) -> Result<Model> {
     progress.finish();
     let rope = Rope::new(cfg.rotary_dim, cfg.rope_theta);
     Ok(Model { norm: vec![1.0; hid], embed, lm_head, layers: out_layers, rope, cfg })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn dense_small_is_a_dense_qwen3_5_with_the_family_pattern() {
+        let c = config("dense-small", None, 248320).unwrap();
+        assert_eq!(c.ffn, FfnKind::Dense);
+        assert_eq!((c.hidden_size, c.num_hidden_layers, c.intermediate_size), (1024, 16, 3584));
+        let attn: Vec<usize> =
+            c.layer_kinds.iter().enumerate().filter(|(_, k)| **k == LayerKind::Attention).map(|(i, _)| i).collect();
+        assert_eq!(attn, vec![3, 7, 11, 15]);
+        // Two layers build and run through the real model type (weights generated, not loaded).
+        let m = build("dense-small", Some(2), 512).unwrap();
+        assert_eq!(m.layers.len(), 2);
+        assert!(matches!(m.layers[0].ffn, Ffn::Dense(_)));
+    }
 }

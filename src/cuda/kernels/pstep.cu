@@ -26,12 +26,17 @@
  *   blocks; the producer cuts the block's share into chunks that fit a slot of a ring of NS
  *   shared-memory slots and issues each chunk's codes, scales and biases as cp.async.bulk copies
  *   completing on the slot's "full" mbarrier, running ahead over later phases as slots free up
- *   (a phase's weights do not depend on its inputs; only the expert phases wait for the router).
+ *   (a phase's weights do not depend on its inputs; only the expert phases wait for the router:
+ *   the consumers rank the router logits right after the router's counter (ps_route, route_rank
+ *   in moe.cu) and complete the "route" mbarrier the producer waits on).
  *   Consumers take slots in order; before a phase's first chunk they wait until every block has
  *   finished the previous phase: one u64 counter, each block adds 1 per phase (release), phase
  *   i waits for counter >= i * nblocks (acquire), which implies every block finished phase i - 1
  *   because no block signals a phase before waiting for it. The last block to finish resets the
  *   counter for the next launch. Activations are read through L2 (ld.cg): other SMs wrote them.
+ *   Inside a phase the warps do not meet: each takes its rows of a chunk and arrives on the
+ *   slot's "empty" mbarrier (count = the 16 warps); a block barrier only opens a phase (its
+ *   descriptor is copied to shared memory, its input staged) and closes it (the counter add).
  *   trace (nullable, LILY_PSTEP_TRACE=1): per (phase, block) PS_TW u32 of global-timer readings (ns):
  *   [0] the block starts the phase (after its wait), [1] signals it done, [2] the producer issued
  *   the phase's first copies, [3] the consumers saw its first slot full, [4] / [5] the producer
