@@ -121,7 +121,7 @@ fn gemv(w: &GpuLinear, xf: i32, x: u64, normw: u64, eps: f32, y: u64, accumulate
 }
 
 /// Whether the persistent step is asked for (`LILY_CUDA_DECODE=persistent`; off by default
-/// until it beats the graph: 317 against 395 tok/s at 256 on the H200, docs/perf-log.md).
+/// until it beats the graph: 311 against 395 tok/s at 256 on the H200, docs/perf-log.md).
 pub(super) fn wanted() -> bool {
     std::env::var("LILY_CUDA_DECODE").is_ok_and(|v| v == "persistent")
 }
@@ -250,7 +250,7 @@ impl PsPlan {
             unit = unit.max(row_bytes(w));
         }
         let xs = (4 * (xmax + xmax / 16)).div_ceil(128) * 128;
-        let slots: usize = std::env::var("LILY_PSTEP_SLOTS").ok().and_then(|v| v.parse().ok()).unwrap_or(3).clamp(2, 8);
+        let slots: usize = std::env::var("LILY_PSTEP_SLOTS").ok().and_then(|v| v.parse().ok()).unwrap_or(5).clamp(2, 8);
         let ring = g.smem_optin_max.saturating_sub(SHARED_FIXED + xs);
         let slot = (ring / slots) / 128 * 128;
         if slot < unit {
