@@ -66,6 +66,12 @@ for t in $TESTS; do
   echo "== $t"
   if ! .gpu/x/bin/$t --test-threads=1 --nocapture >"$OUTDIR/$t.log" 2>&1; then status=1; fi
   grep -E "^test |test result|SKIPPED|worst|panicked|nmse .*e-0[0-8]" "$OUTDIR/$t.log" | head -60 || true
+  if [ "$t" = cuda_kernels ]; then
+    # the routed MoE kernels again with the block-wide top-k (route_rank; pstep always uses it)
+    echo "== cuda_kernels moe, LILY_CUDA_ROUTE=rank"
+    if ! LILY_CUDA_ROUTE=rank .gpu/x/bin/$t moe --test-threads=1 >"$OUTDIR/$t.rank.log" 2>&1; then status=1; fi
+    grep -E "^test |test result|panicked" "$OUTDIR/$t.rank.log" || true
+  fi
 done
 if [ -n "${GEMV_BENCH:-}" ]; then
   echo "== decode GEMV kernels (examples/gemv_bench.rs)"
