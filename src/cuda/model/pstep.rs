@@ -82,7 +82,8 @@ pub(super) struct PsPlan {
     smem: usize,
     /// The last phase is the lm_head (else the step's logits come from the separate GEMV).
     lm_head: bool,
-    /// `LILY_PSTEP_TRACE=1`: per (phase, block) start and end times of the last step (u32 ns).
+    /// `LILY_PSTEP_TRACE=1`: per (phase, block) `TW` global-timer readings of the last step (u32
+    /// ns; pstep.cu lists them).
     trace: Option<DevBuf>,
     kinds: Vec<(i32, i32)>,
     /// `LILY_PSTEP_DEBUG` (measurement only, see pstep.cu): 1 = fixed experts.

@@ -13,6 +13,12 @@ fn route_rank() -> bool {
     *ON.get_or_init(|| std::env::var("LILY_CUDA_ROUTE").is_ok_and(|v| v == "rank"))
 }
 
+/// The routing arguments both routed decode kernels take in this order: the router logits, the
+/// expert count, top-k, renormalization, and where the chosen ids and weights go.
+fn route_args(logits: u64, e: usize, k: usize, renorm: bool, ids: u64, wts: u64) -> [Arg; 6] {
+    [Arg::P(logits), Arg::I(e as i32), Arg::I(k as i32), Arg::I(renorm as i32), Arg::P(ids), Arg::P(wts)]
+}
+
 impl Gpu {
     /// Decode MoE gate/up with the routing inside: top-`k` of the `e` router logits (the shared
     /// expert's gate logit at `logits[e]`, its matrices at stack slot `e`), then `y[2(k+1), rows]`
@@ -34,15 +40,8 @@ impl Gpu {
             bail!("gemv_routed: unsupported shape or format");
         }
         let mut a = w.norm_gemv_args(x, y, normw, eps);
-        a.extend([
-            Arg::P(logits),
-            Arg::I(e as i32),
-            Arg::I(k as i32),
-            Arg::I(renorm as i32),
-            Arg::P(ids),
-            Arg::P(wts),
-            Arg::I(route_rank() as i32),
-        ]);
+        a.extend(route_args(logits, e, k, renorm, ids, wts));
+        a.push(Arg::I(route_rank() as i32));
         let shared = w.stream_smem();
         let slots = 2 * (k + 1);
         let (kernel, bpsm) = gemv_default();
@@ -98,7 +97,7 @@ impl Gpu {
         let bps = (self.sms as usize / slots).max(1);
         let [wg, sg, bg, bits, gg, ty] = gate_up.wargs();
         let [wd, sd, bd, _, gd, _] = down.wargs();
-        let a = [
+        let mut a = vec![
             wg,
             sg,
             bg,
@@ -115,16 +114,9 @@ impl Gpu {
             Arg::I(gate_up.cols as i32),
             Arg::P(normw),
             Arg::F(eps),
-            Arg::P(logits),
-            Arg::I(e as i32),
-            Arg::I(k as i32),
-            Arg::I(renorm as i32),
-            Arg::P(ids),
-            Arg::P(wts),
-            Arg::P(ctr),
-            Arg::I(bps as i32),
-            Arg::I(route_rank() as i32),
         ];
+        a.extend(route_args(logits, e, k, renorm, ids, wts));
+        a.extend([Arg::P(ctr), Arg::I(bps as i32), Arg::I(route_rank() as i32)]);
         let epv = 128 / gate_up.bits as usize;
         let (h, s) = (gate_up.cols, (k + 1) * down.cols);
         let shared = (4 * (h + h / epv).max(s + s / epv)) as u32;
