@@ -116,36 +116,38 @@ __device__ __forceinline__ void gq_x(const float* xs, int i, float4 (&x4)[32 / B
    The caller removes the x_j/2 part with the chunk's precomputed sum (see gq_compute); as the
    code part is about as large as the constant part, that cancellation costs about one bit.
    8-bit: sum_j q_j x_j over 16 codes, each code 0x4B00_0000 | q = 2^23 + q minus 2^23. */
+/* One 32-bit word of codes against its x values, accumulated into a (even codes) and b (odd
+   codes). 4-bit: 8 codes, x[0..8) in xa, xb; code 2j is byte j of lo, code 2j+1 byte j of hi;
+   selector 0x7j44 puts 0x3F in byte 3. 8-bit: 4 codes against xa. */
+__device__ __forceinline__ void gq_word4(u32 w, float4 xa, float4 xb, float& a, float& b) {
+    u32 lo = (w << 3) & 0x78787878u, hi = (w >> 1) & 0x78787878u;
+    a = fmaf(__uint_as_float(__byte_perm(lo, 0x3F000000u, 0x7044)), xa.x, a);
+    b = fmaf(__uint_as_float(__byte_perm(hi, 0x3F000000u, 0x7044)), xa.y, b);
+    a = fmaf(__uint_as_float(__byte_perm(lo, 0x3F000000u, 0x7144)), xa.z, a);
+    b = fmaf(__uint_as_float(__byte_perm(hi, 0x3F000000u, 0x7144)), xa.w, b);
+    a = fmaf(__uint_as_float(__byte_perm(lo, 0x3F000000u, 0x7244)), xb.x, a);
+    b = fmaf(__uint_as_float(__byte_perm(hi, 0x3F000000u, 0x7244)), xb.y, b);
+    a = fmaf(__uint_as_float(__byte_perm(lo, 0x3F000000u, 0x7344)), xb.z, a);
+    b = fmaf(__uint_as_float(__byte_perm(hi, 0x3F000000u, 0x7344)), xb.w, b);
+}
+__device__ __forceinline__ void gq_word8(u32 v, float4 xa, float& a, float& b) {
+    const float M = 8388608.f;
+    a += (__uint_as_float(__byte_perm(v, 0x4B000000u, 0x7440)) - M) * xa.x;
+    b += (__uint_as_float(__byte_perm(v, 0x4B000000u, 0x7441)) - M) * xa.y;
+    a += (__uint_as_float(__byte_perm(v, 0x4B000000u, 0x7442)) - M) * xa.z;
+    b += (__uint_as_float(__byte_perm(v, 0x4B000000u, 0x7443)) - M) * xa.w;
+}
+
 template <int BITS>
 __device__ __forceinline__ float gq_dot(uint4 q4, const float4 (&x4)[32 / BITS]) {
     u32 words[4] = {q4.x, q4.y, q4.z, q4.w};
     float a = 0.f, b = 0.f;
-    if (BITS == 4) {
 #pragma unroll
-        for (int k = 0; k < 4; k++) {
-            u32 lo = (words[k] << 3) & 0x78787878u, hi = (words[k] >> 1) & 0x78787878u;
-            float4 xa = x4[2 * k], xb = x4[2 * k + 1]; /* x[8k .. 8k+7] */
-            /* code 2j is byte j of lo, code 2j+1 byte j of hi; selector 0x7j44: byte 3 = 0x3F */
-            a = fmaf(__uint_as_float(__byte_perm(lo, 0x3F000000u, 0x7044)), xa.x, a);
-            b = fmaf(__uint_as_float(__byte_perm(hi, 0x3F000000u, 0x7044)), xa.y, b);
-            a = fmaf(__uint_as_float(__byte_perm(lo, 0x3F000000u, 0x7144)), xa.z, a);
-            b = fmaf(__uint_as_float(__byte_perm(hi, 0x3F000000u, 0x7144)), xa.w, b);
-            a = fmaf(__uint_as_float(__byte_perm(lo, 0x3F000000u, 0x7244)), xb.x, a);
-            b = fmaf(__uint_as_float(__byte_perm(hi, 0x3F000000u, 0x7244)), xb.y, b);
-            a = fmaf(__uint_as_float(__byte_perm(lo, 0x3F000000u, 0x7344)), xb.z, a);
-            b = fmaf(__uint_as_float(__byte_perm(hi, 0x3F000000u, 0x7344)), xb.w, b);
-        }
-    } else {
-        const float M = 8388608.f;
-#pragma unroll
-        for (int k = 0; k < 4; k++) {
-            float4 xa = x4[k];
-            u32 v = words[k];
-            a += (__uint_as_float(__byte_perm(v, 0x4B000000u, 0x7440)) - M) * xa.x;
-            b += (__uint_as_float(__byte_perm(v, 0x4B000000u, 0x7441)) - M) * xa.y;
-            a += (__uint_as_float(__byte_perm(v, 0x4B000000u, 0x7442)) - M) * xa.z;
-            b += (__uint_as_float(__byte_perm(v, 0x4B000000u, 0x7443)) - M) * xa.w;
-        }
+    for (int k = 0; k < 4; k++) {
+        if (BITS == 4)
+            gq_word4(words[k], x4[2 * k], x4[2 * k + 1], a, b); /* x[8k .. 8k+7] */
+        else
+            gq_word8(words[k], x4[k], a, b);
     }
     return a + b;
 }

@@ -281,37 +281,22 @@ __device__ __forceinline__ void ps_rows_dot(const unsigned char* slot, int n, in
         float sx = BITS == 4 ? xsum[2 * i] + xsum[2 * i + 1] : xsum[i];
         u32 wa[4] = {qa.x, qa.y, qa.z, qa.w}, wb[4] = {qb.x, qb.y, qb.z, qb.w};
         float da = 0.f, db = 0.f, ea = 0.f, eb = 0.f;
-        if (BITS == 4) { /* as gq_dot: codes as 1/2 + q/32 by byte permutes, x read per word */
+        if (BITS == 4) { /* as gq_dot, x read per word and shared by the two rows */
 #pragma unroll
             for (int w = 0; w < 4; w++) {
                 float4 xa = s4[xswz(i * 8 + 2 * w)], xb = s4[xswz(i * 8 + 2 * w + 1)];
-                u32 la = (wa[w] << 3) & 0x78787878u, ha = (wa[w] >> 1) & 0x78787878u;
-                u32 lb = (wb[w] << 3) & 0x78787878u, hb = (wb[w] >> 1) & 0x78787878u;
-#define PS_C(v, sel) __uint_as_float(__byte_perm(v, 0x3F000000u, sel))
-                da = fmaf(PS_C(la, 0x7044), xa.x, da), ea = fmaf(PS_C(ha, 0x7044), xa.y, ea);
-                da = fmaf(PS_C(la, 0x7144), xa.z, da), ea = fmaf(PS_C(ha, 0x7144), xa.w, ea);
-                da = fmaf(PS_C(la, 0x7244), xb.x, da), ea = fmaf(PS_C(ha, 0x7244), xb.y, ea);
-                da = fmaf(PS_C(la, 0x7344), xb.z, da), ea = fmaf(PS_C(ha, 0x7344), xb.w, ea);
-                db = fmaf(PS_C(lb, 0x7044), xa.x, db), eb = fmaf(PS_C(hb, 0x7044), xa.y, eb);
-                db = fmaf(PS_C(lb, 0x7144), xa.z, db), eb = fmaf(PS_C(hb, 0x7144), xa.w, eb);
-                db = fmaf(PS_C(lb, 0x7244), xb.x, db), eb = fmaf(PS_C(hb, 0x7244), xb.y, eb);
-                db = fmaf(PS_C(lb, 0x7344), xb.z, db), eb = fmaf(PS_C(hb, 0x7344), xb.w, eb);
-#undef PS_C
+                gq_word4(wa[w], xa, xb, da, ea);
+                gq_word4(wb[w], xa, xb, db, eb);
             }
             /* s q.x + b sx with q.x = 32 d - 16 sx */
             acca += (32.f * sa) * (da + ea) + (ba - 16.f * sa) * sx;
             accb += (32.f * sb) * (db + eb) + (bb - 16.f * sb) * sx;
-        } else { /* codes as 2^23 + q minus 2^23 (exact) */
-            const float M = 8388608.f;
+        } else {
 #pragma unroll
             for (int w = 0; w < 4; w++) {
                 float4 x = s4[xswz(i * 4 + w)];
-#define PS_C(v, sel) (__uint_as_float(__byte_perm(v, 0x4B000000u, sel)) - M)
-                da += PS_C(wa[w], 0x7440) * x.x, ea += PS_C(wa[w], 0x7441) * x.y;
-                da += PS_C(wa[w], 0x7442) * x.z, ea += PS_C(wa[w], 0x7443) * x.w;
-                db += PS_C(wb[w], 0x7440) * x.x, eb += PS_C(wb[w], 0x7441) * x.y;
-                db += PS_C(wb[w], 0x7442) * x.z, eb += PS_C(wb[w], 0x7443) * x.w;
-#undef PS_C
+                gq_word8(wa[w], x, da, ea);
+                gq_word8(wb[w], x, db, eb);
             }
             acca += sa * (da + ea) + ba * sx;
             accb += sb * (db + eb) + bb * sx;
