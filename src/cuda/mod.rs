@@ -62,7 +62,7 @@ pub const SOURCES: [(&str, &str); 17] = [
 ];
 
 /// Kernel entry points loaded from the module.
-pub const KERNELS: [&str; 66] = [
+pub const KERNELS: [&str; 72] = [
     "rms_norm",
     "silu_mul",
     "silu_mul_pairs",
@@ -78,9 +78,15 @@ pub const KERNELS: [&str; 66] = [
     "gemm_f32",
     "gemm_bf16",
     "gemm_bf16_m128",
-    "gemm_skinny8",
-    "gemm_skinny16",
-    "gemm_skinny32",
+    "gemm_skinny8_q4",
+    "gemm_skinny16_q4",
+    "gemm_skinny32_q4",
+    "gemm_skinny8_q8",
+    "gemm_skinny16_q8",
+    "gemm_skinny32_q8",
+    "gemm_skinny8_bf16",
+    "gemm_skinny16_bf16",
+    "gemm_skinny32_bf16",
     "gemm_pipe64",
     "gemm_pipe128",
     "embed_row",
@@ -280,6 +286,35 @@ pub struct Gpu {
     pub splitk_ws: u64,
 }
 
+/// gemm_skinny's entry points, one per (input rows per pass, weight format).
+pub const SKINNY_KERNELS: [&str; 9] = [
+    "gemm_skinny8_q4",
+    "gemm_skinny16_q4",
+    "gemm_skinny32_q4",
+    "gemm_skinny8_q8",
+    "gemm_skinny16_q8",
+    "gemm_skinny32_q8",
+    "gemm_skinny8_bf16",
+    "gemm_skinny16_bf16",
+    "gemm_skinny32_bf16",
+];
+
+/// The gemm_skinny entry point for `tn` input rows per pass (8, 16 or 32) and `bits` (4, 8, or 0
+/// for bf16 weights).
+pub fn skinny_kernel(tn: usize, bits: i32) -> &'static str {
+    let t = match tn {
+        8 => 0,
+        16 => 1,
+        _ => 2,
+    };
+    let f = match bits {
+        4 => 0,
+        8 => 1,
+        _ => 2,
+    };
+    SKINNY_KERNELS[3 * f + t]
+}
+
 /// Bytes of partial sums a split-K skinny product may write (ksplit · M · N floats).
 pub const SPLITK_PART_BYTES: usize = 8 << 20;
 /// Blocks (row tile, sub-tile) of a split-K skinny product: one ticket each.
@@ -302,7 +337,7 @@ unsafe impl Sync for Gpu {}
 /// Kernels that call `pdl_wait()` before touching activations (kernels/common.cuh) and so may be
 /// launched as programmatic dependents: their launch and weight reads overlap the previous
 /// kernel's tail.
-pub const PDL_KERNELS: [&str; 42] = [
+pub const PDL_KERNELS: [&str; 48] = [
     "moe_fused_q",
     "gemv_q2_conv",
     "samp_max",
@@ -338,9 +373,15 @@ pub const PDL_KERNELS: [&str; 42] = [
     "linear_gemv",
     "gemv_q2",
     "gemv_q2_routed",
-    "gemm_skinny8",
-    "gemm_skinny16",
-    "gemm_skinny32",
+    "gemm_skinny8_q4",
+    "gemm_skinny16_q4",
+    "gemm_skinny32_q4",
+    "gemm_skinny8_q8",
+    "gemm_skinny16_q8",
+    "gemm_skinny32_q8",
+    "gemm_skinny8_bf16",
+    "gemm_skinny16_bf16",
+    "gemm_skinny32_bf16",
     "rms_norm",
     "silu_mul",
     "silu_mul_pairs",
@@ -508,7 +549,7 @@ impl Gpu {
         let fa = [64, 128, 256].map(|d| (fa_kernel(d), fa_smem(d).min(optin)));
         let pipe = [("gemm_pipe64", GEMM_PIPE_SMEM64), ("gemm_pipe128", GEMM_PIPE_SMEM128)];
         let dec = [64, 128, 256].map(|d| (attn_dec_kernel(d), attn_dec_smem(d).min(optin)));
-        let skinny = ["gemm_skinny8", "gemm_skinny16", "gemm_skinny32"].map(|k| (k, smem_optin));
+        let skinny = SKINNY_KERNELS.map(|k| (k, smem_optin));
         let pstep = [("pstep", optin)];
         for (k, bytes) in skinny.into_iter().chain(fa).chain(pipe).chain(dec).chain(pstep) {
             // SAFETY: a valid function handle and attribute; the value is within the device limit.

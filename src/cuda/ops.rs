@@ -145,15 +145,17 @@ impl GpuLinear {
         self.bits == 4 && self.ty == 2 && self.group >= 16 && self.group % 16 == 0 && self.cols.is_multiple_of(64)
     }
 
-    /// Whether gemm_skinny reads this format: 4/8-bit codes in groups of a multiple of 16
-    /// columns, or dense bf16; width a multiple of 64.
+    /// Whether gemm_skinny reads this format: 4/8-bit codes in groups of a power of two from 16
+    /// columns (MLX uses 32, 64, 128), or dense bf16; width a multiple of 64.
     pub fn skinny_ok(&self) -> bool {
         let fmt = match self.bits {
-            4 | 8 => self.group >= 16 && self.group % 16 == 0,
+            4 | 8 => self.group >= 16 && (self.group as u32).is_power_of_two(),
             0 => self.ty == 2,
             _ => false,
         };
-        fmt && self.cols.is_multiple_of(64)
+        // the kernel keeps word and scale offsets in 32 bits
+        let small = (self.rows * self.count) as u64 * self.cols as u64 <= u32::MAX as u64;
+        fmt && small && self.cols.is_multiple_of(64)
     }
 
     /// The leading arguments of the one-slot streaming GEMVs that normalize their input
@@ -532,11 +534,7 @@ impl Gpu {
                     bail!("gemm_skinny: {}-bit weights of width {} (group {}) unsupported", w.bits, w.cols, w.group);
                 }
                 let tn = skinny_tn(tn, w.cols, self.smem_optin);
-                let name = match tn {
-                    8 => "gemm_skinny8",
-                    16 => "gemm_skinny16",
-                    _ => "gemm_skinny32",
-                };
+                let name = super::skinny_kernel(tn, w.bits);
                 let kq = skinny_kq(w.cols);
                 let bn = 256 / kq;
                 let grid = if tiles == 0 { blocks(n, bn) * m.div_ceil(tn) as u32 } else { blocks(n, bn) };

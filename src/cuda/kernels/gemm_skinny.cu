@@ -11,8 +11,8 @@
  * share a weight tile run next to each other and meet in L2. Grouped: the moe_align tile list
  * as in gemm.cu (xr(m) = gather[m] / gdiv); a tile's rows run in sub-tiles of TN, each over all K.
  *
- * Weights: MLX affine 4-bit or 8-bit (W = s*q + b per group of `group` columns, group a multiple
- * of 16), or dense bf16 (ty 2). Requires K % 64 == 0, X rows 16-byte aligned.
+ * Weights: MLX affine 4-bit or 8-bit (W = s*q + b per group of `group` columns, group a power of
+ * two from 16), or dense bf16 (ty 2). Requires K % 64 == 0, X rows 16-byte aligned.
  *
  * Math: mma.sync.m16n8k16 bf16 x bf16 -> fp32. Sixteen weight rows are the A tile (m16), eight
  * tokens the B tile (n8). The k order inside each 64-column chunk is permuted identically for A
@@ -27,7 +27,9 @@
  * X staging: the sub-tile's TN x K inputs, rounded to bf16, in shared memory in fragment order:
  * uint4 slot ((c*NT + j)*2 + h)*32 + (4*(n%8) + t) holds, for token n = 8j + n%8 and columns
  * k0 = 64c + 16t + 8h, the pairs (x[k0+e], x[k0+e+4]) for e = 0..3: one conflict-free 16-byte
- * shared load per thread, token tile and half chunk.
+ * shared load per thread, token tile and half chunk. Only the sub-tile's real tokens are staged:
+ * token n's column of the B tile meets only column n of the output, which is not written back
+ * for n >= the real count, so stale shared memory there is harmless.
  *
  * Launch: block 256 threads = 8 warps as 8/kq row groups (32 rows each: two m16 tiles) x kq
  * parts of K (kq = 1, 2 or 4 contiguous ranges of 64-column chunks); block tile bn = 256/kq
@@ -106,14 +108,16 @@ __device__ __forceinline__ void gemm_skinny_body(const void* w, const void* sc, 
     /* plain products: one block per (row tile, sub-tile of TN rows), the sub-tiles of a row tile
        adjacent in launch order (they share its weights through L2); grouped: (row tile, tile) */
     int bx = blockIdx.x;
+    pdl_trigger();
     if (!tiles) {
         int gy = (M + TN - 1) / TN;
         bx = blockIdx.x / gy;
         tl.e = 0;
         tl.m0 = (blockIdx.x - bx * gy) * TN;
         tl.m1 = min(M, tl.m0 + TN);
-    } else if (!gemm_tile(tiles, M, 64, tl)) {
-        return;
+    } else {
+        pdl_wait(); /* the tile list is an activation */
+        if (!gemm_tile(tiles, M, 64, tl)) return;
     }
     int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
     int nrh = 8 / kq, bn = 32 * nrh; /* row groups of 32 rows; block tile bn rows */
@@ -126,19 +130,28 @@ __device__ __forceinline__ void gemm_skinny_body(const void* w, const void* sc, 
     int c_beg = b_beg + ks * b_len / kq, c_end = b_beg + (ks + 1) * b_len / kq;
     int words = BITS == 4 ? K / 8 : BITS == 8 ? K / 4 : K / 2;
 
-    /* this thread's 4 weight rows: n0 + 32 rh + 16 mi + g + 8 h (mi, h in {0, 1}; clamped into the matrix) */
-    int wbase = n0 + 32 * rh + g;
-    auto wrow = [&](int mi, int h) { return tl.e * N + min(wbase + 16 * mi + 8 * h, N - 1); };
+    /* this thread's 4 weight rows: n0 + 32 rh + 16 mi + g + 8 h (mi, h in {0, 1}; clamped into
+       the matrix); their code pointers and scale indices at the warp's first chunk, so a chunk's
+       loads cost one add each (the group is a power of two: gsh = log2(group)) */
+    int wbase = n0 + 32 * rh + g, gsh = BITS ? __ffs(group) - 1 : 0, col0 = 64 * c_beg + 16 * t;
+    /* row indices in 32 bits: code words and scales of a matrix stack below 2^32 elements */
+    unsigned wr[2][2];
+#pragma unroll
+    for (int mi = 0; mi < 2; mi++)
+#pragma unroll
+        for (int h = 0; h < 2; h++) wr[mi][h] = (unsigned)tl.e * N + min(wbase + 16 * mi + 8 * h, N - 1);
+    unsigned kg = K >> gsh;
 
     u32 qr[D][2][2][QW];
-    float sr[D][2][2], br[D][2][2];
+    float sr[D][2][2], br[D][2][2]; /* 8-bit: scale and bias in fp32 */
+    u32 sb[D][2][2];                  /* 4-bit: (bf16 scale, bf16 bias) */
     auto load = [&](int slot, int c) {
-        int col = 64 * c + 16 * t;
+        int cc = col0 + 64 * (c - c_beg), gc = cc >> gsh, wc = cc * QW / 16;
 #pragma unroll
         for (int mi = 0; mi < 2; mi++)
 #pragma unroll
             for (int h = 0; h < 2; h++) {
-                const u32* p = (const u32*)w + (long long)wrow(mi, h) * words + col * QW / 16;
+                const u32* p = (const u32*)w + (wr[mi][h] * (unsigned)words + wc);
                 if (QW == 2) {
                     uint2 v = *(const uint2*)p;
                     qr[slot][mi][h][0] = v.x;
@@ -153,30 +166,66 @@ __device__ __forceinline__ void gemm_skinny_body(const void* w, const void* sc, 
                         qr[slot][mi][h][4 * u + 3] = v.w;
                     }
                 }
-                if (BITS) {
-                    long long gi = (long long)wrow(mi, h) * (K / group) + col / group;
+                unsigned gi = wr[mi][h] * kg + gc;
+                if (BITS == 4) {
+                    /* the scale and bias as one bf16 pair (what the bf16x2 FMAs take) */
+                    if (ty == TY_BF16)
+                        sb[slot][mi][h] = (u32)((const u16*)sc)[gi] | (u32)((const u16*)bi)[gi] << 16;
+                    else
+                        sb[slot][mi][h] = bf16x2_f32(load_elem(sc, gi, ty), load_elem(bi, gi, ty));
+                } else if (BITS == 8) {
                     sr[slot][mi][h] = load_elem(sc, gi, ty);
                     br[slot][mi][h] = load_elem(bi, gi, ty);
                 }
             }
     };
 
+    /* The ring's first D chunks do not depend on the inputs: they are requested before the
+       staging (and, for a plain product, before waiting on the previous kernel), so their DRAM
+       latency overlaps it. */
+    auto prime = [&]() {
+#pragma unroll
+        for (int i = 0; i < D; i++)
+            if (c_beg + i < c_end) load(i, c_beg + i);
+    };
+    prime();
+    if (!tiles) pdl_wait();
+    /* each token's input row offset, read once per sub-tile */
+    __shared__ long long sk_row[TN];
+    int kb8 = b_len * 8, kbase = 64 * b_beg;
     for (int mb = tl.m0; mb < tl.m1; mb += TN) {
         int ntok = min(TN, tl.m1 - mb);
-        /* stage the sub-tile's inputs (the previous sub-tile's reduction is done with xs) */
+        if (mb != tl.m0) prime();
+        /* stage the sub-tile's inputs (the previous sub-tile's reduction is done with xs; its
+           staging, the last reader of sk_row, is behind the barrier before that reduction).
+           Only the ntok real tokens: a token's column of the MMA's B tile meets only its own
+           column of the output, so what the others hold is never read back. */
+        if (tid < ntok) sk_row[tid] = gemm_xrow(gather, gdiv, mb + tid) * ldx;
         __syncthreads();
-        int kb8 = b_len * 8, kbase = 64 * b_beg;
-        for (int u = tid; u < TN * kb8; u += blockDim.x) {
-            int n = u / kb8, k0 = kbase + 8 * (u - n * kb8);
-            float4 a = make_float4(0.f, 0.f, 0.f, 0.f), b = a;
-            if (n < ntok) {
-                const float* xp = x + gemm_xrow(gather, gdiv, mb + n) * ldx + k0;
-                a = ((const float4*)xp)[0];
-                b = ((const float4*)xp)[1];
+        /* tokens per pass, their loads issued before any conversion (one at NT = 1: the 128
+           registers are full there, and routed experts rarely have more than two tokens) */
+        constexpr int SU = NT == 1 ? 1 : 2;
+        for (int k8 = tid; k8 < kb8; k8 += 256) {
+            int k0 = kbase + 8 * k8;
+            int c = k0 >> 6, tt = (k0 >> 4) & 3, hh = (k0 >> 3) & 1;
+            for (int nb = 0; nb < ntok; nb += SU) {
+                float4 a[SU], b[SU];
+#pragma unroll
+                for (int i = 0; i < SU; i++)
+                    if (nb + i < ntok) {
+                        const float4* xp = (const float4*)(x + sk_row[nb + i] + k0);
+                        a[i] = xp[0];
+                        b[i] = xp[1];
+                    }
+#pragma unroll
+                for (int i = 0; i < SU; i++) {
+                    int n = nb + i;
+                    if (n < ntok)
+                        xs[((c * NT + (n >> 3)) * 2 + hh) * 32 + 4 * (n & 7) + tt] =
+                            make_uint4(bf16x2_f32(a[i].x, b[i].x), bf16x2_f32(a[i].y, b[i].y),
+                                       bf16x2_f32(a[i].z, b[i].z), bf16x2_f32(a[i].w, b[i].w));
+                }
             }
-            int c = k0 >> 6, tt = (k0 >> 4) & 3, hh = (k0 >> 3) & 1, j = n >> 3, gg = n & 7;
-            xs[((c * NT + j) * 2 + hh) * 32 + 4 * gg + tt] =
-                make_uint4(bf16x2_f32(a.x, b.x), bf16x2_f32(a.y, b.y), bf16x2_f32(a.z, b.z), bf16x2_f32(a.w, b.w));
         }
         __syncthreads();
 
@@ -188,9 +237,6 @@ __device__ __forceinline__ void gemm_skinny_body(const void* w, const void* sc, 
 #pragma unroll
                 for (int e = 0; e < 4; e++) acc[mi][j][e] = 0.f;
 
-#pragma unroll
-        for (int i = 0; i < D; i++)
-            if (c_beg + i < c_end) load(i, c_beg + i);
         for (int cb = c_beg; cb < c_end; cb += D) {
 #pragma unroll
             for (int i = 0; i < D; i++) {
@@ -202,8 +248,8 @@ __device__ __forceinline__ void gemm_skinny_body(const void* w, const void* sc, 
                         for (int mi = 0; mi < 2; mi++)
 #pragma unroll
                             for (int h = 0; h < 2; h++) {
-                                sp[mi][h] = bf16x2_f32(sr[i][mi][h], sr[i][mi][h]);
-                                bp[mi][h] = bf16x2_f32(br[i][mi][h], br[i][mi][h]);
+                                sp[mi][h] = prmt(sb[i][mi][h], 0, 0x1010u);
+                                bp[mi][h] = prmt(sb[i][mi][h], 0, 0x3232u);
                             }
                     }
 #pragma unroll
@@ -236,7 +282,7 @@ __device__ __forceinline__ void gemm_skinny_body(const void* w, const void* sc, 
             }
         }
 
-        /* the kq parts of K, added in order */
+        /* the kq parts of K, added in order; thread tid < bn owns output row n0 + tid */
         __syncthreads();
         float* red = (float*)xs;
         constexpr int RS = TN + 1;
@@ -250,29 +296,27 @@ __device__ __forceinline__ void gemm_skinny_body(const void* w, const void* sc, 
                     red[(ks * bn + rr) * RS + col] = acc[mi][j][e];
                 }
         __syncthreads();
+        int rr = tid, n = n0 + rr;
+        bool mine = rr < bn && n < N;
+        auto sum = [&](int col) {
+            float v = red[rr * RS + col];
+            for (int q = 1; q < kq; q++) v += red[(q * bn + rr) * RS + col];
+            return v;
+        };
         if (ksplit == 1) {
-            for (int u = tid; u < bn * TN; u += blockDim.x) {
-                int col = u / bn, rr = u - col * bn, n = n0 + rr;
-                if (n < N && col < ntok) {
-                    float v = red[rr * RS + col];
-                    for (int q = 1; q < kq; q++) v += red[(q * bn + rr) * RS + col];
+            if (mine)
+                for (int col = 0; col < ntok; col++) {
                     float* o = y + (long long)(mb + col) * ldy + n;
+                    float v = sum(col);
                     *o = accumulate ? *o + v : v;
                 }
-            }
             continue;
         }
         /* split K over blocks: this block's sums go to part[sp][m][n]; the last of the ksplit
            blocks of this (row tile, sub-tile) to arrive adds the ksplit parts in order into y
            (deterministic) and re-arms the ticket for the next launch */
-        for (int u = tid; u < bn * TN; u += blockDim.x) {
-            int col = u / bn, rr = u - col * bn, n = n0 + rr;
-            if (n < N && col < ntok) {
-                float v = red[rr * RS + col];
-                for (int q = 1; q < kq; q++) v += red[(q * bn + rr) * RS + col];
-                part[((long long)sp * M + mb + col) * N + n] = v;
-            }
-        }
+        if (mine)
+            for (int col = 0; col < ntok; col++) part[((long long)sp * M + mb + col) * N + n] = sum(col);
         __threadfence();
         __syncthreads();
         __shared__ unsigned last;
@@ -284,37 +328,35 @@ __device__ __forceinline__ void gemm_skinny_body(const void* w, const void* sc, 
         __syncthreads();
         if (last) {
             __threadfence();
-            for (int u = tid; u < bn * TN; u += blockDim.x) {
-                int col = u / bn, rr = u - col * bn, n = n0 + rr;
-                if (n < N && col < ntok) {
+            if (mine)
+                for (int col = 0; col < ntok; col++) {
                     float v = 0.f;
                     for (int q = 0; q < ksplit; q++) v += __ldcg(part + ((long long)q * M + mb + col) * N + n);
                     float* o = y + (long long)(mb + col) * ldy + n;
                     *o = accumulate ? *o + v : v;
                 }
-            }
         }
     }
 }
 
-#define GEMM_SKINNY(NAME, NT, MINB)                                                                                   \
-    extern "C" __global__ void __launch_bounds__(256, MINB)                                                           \
-        NAME(const void* w, const void* sc, const void* bi, int bits, int group, int ty, const float* x,              \
-             long long ldx, const int* gather, int gdiv, float* y, long long ldy, int M, int N, int K,                \
-             const int* tiles, int accumulate, int kq, int ksplit, float* part, unsigned* tickets) {                                                              \
-        extern __shared__ uint4 sk_smem[];                                                                                 \
-        pdl_begin();                                                                                                  \
-        if (bits == 4)                                                                                                \
-            gemm_skinny_body<NT, 4>(w, sc, bi, group, ty, x, ldx, gather, gdiv, y, ldy, M, N, K, tiles, accumulate, kq, ksplit, \
-                                    part, tickets, sk_smem);                                                                         \
-        else if (bits == 8)                                                                                           \
-            gemm_skinny_body<NT, 8>(w, sc, bi, group, ty, x, ldx, gather, gdiv, y, ldy, M, N, K, tiles, accumulate, kq, ksplit, \
-                                    part, tickets, sk_smem);                                                                         \
-        else                                                                                                          \
-            gemm_skinny_body<NT, 0>(w, sc, bi, group, ty, x, ldx, gather, gdiv, y, ldy, M, N, K, tiles, accumulate, kq, ksplit, \
-                                    part, tickets, sk_smem);                                                                         \
+/* One kernel per (tokens per pass, weight format): the three formats' bodies in one function
+   would share one register allocation (and spill at the 128-register bound). */
+#define GEMM_SKINNY(NAME, NT, BITS, MINB)                                                                   \
+    extern "C" __global__ void __launch_bounds__(256, MINB)                                                 \
+        NAME(const void* w, const void* sc, const void* bi, int bits, int group, int ty, const float* x,    \
+             long long ldx, const int* gather, int gdiv, float* y, long long ldy, int M, int N, int K,      \
+             const int* tiles, int accumulate, int kq, int ksplit, float* part, unsigned* tickets) {        \
+        extern __shared__ uint4 sk_smem[];                                                                  \
+        gemm_skinny_body<NT, BITS>(w, sc, bi, group, ty, x, ldx, gather, gdiv, y, ldy, M, N, K, tiles,      \
+                                   accumulate, kq, ksplit, part, tickets, sk_smem);                         \
     }
 
-GEMM_SKINNY(gemm_skinny8, 1, 2)
-GEMM_SKINNY(gemm_skinny16, 2, 2)
-GEMM_SKINNY(gemm_skinny32, 4, 1)
+GEMM_SKINNY(gemm_skinny8_q4, 1, 4, 2)
+GEMM_SKINNY(gemm_skinny16_q4, 2, 4, 2)
+GEMM_SKINNY(gemm_skinny32_q4, 4, 4, 1)
+GEMM_SKINNY(gemm_skinny8_q8, 1, 8, 2)
+GEMM_SKINNY(gemm_skinny16_q8, 2, 8, 2)
+GEMM_SKINNY(gemm_skinny32_q8, 4, 8, 1)
+GEMM_SKINNY(gemm_skinny8_bf16, 1, 0, 2)
+GEMM_SKINNY(gemm_skinny16_bf16, 2, 0, 2)
+GEMM_SKINNY(gemm_skinny32_bf16, 4, 0, 1)
