@@ -35,8 +35,9 @@
  * parts of K (kq = 1, 2 or 4 contiguous ranges of 64-column chunks); block tile bn = 256/kq
  * weight rows. Each warp keeps D chunks of weight codes and scales in flight in registers (a
  * ring refilled as each chunk is used; D = 3 for 4-bit codes, 2 for 8-bit at NT = 1, else 1:
- * within 128 registers at NT <= 2; NT = 4 is one block per SM, about 190 registers, since its
- * 128 KB of staged inputs at K = 2048 allow no second one). The kq K-part partials are added in
+ * within 128 registers at NT <= 2; NT = 4 is one block per SM, about 200 registers, since its
+ * 128 KB of staged inputs at K = 2048 allow no second one; gemm_skinny8_q4w is NT = 1 at three
+ * blocks per SM: D = 2 within 80 registers). The kq K-part partials are added in
  * a fixed order through shared memory (deterministic).
  * A plain product whose grid would leave most SMs idle also splits K over ksplit blocks
  * (grid.y): each stages and reads only its range of chunks, writes its sums to part[s][m][n],
@@ -69,20 +70,29 @@ __device__ __forceinline__ void mma_bf16(float* c, const u32* a, u32 b0, u32 b1)
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
+/* (a & b) | c in one LOP3 (the compiler emits an AND and an OR for the two constants) */
+__device__ __forceinline__ u32 lop3_and_or(u32 a, u32 b, u32 c) {
+    u32 d;
+    asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+    return d;
+}
+
 /* Code words per row and chunk of one thread (16 columns), and the ring depth. */
-template <int BITS, int NT>
+template <int BITS, int NT, int MINB>
 struct SkFmt {
     static constexpr int QW = BITS == 4 ? 2 : BITS == 8 ? 4 : 8;
-    static constexpr int D = BITS == 4 ? 3 : BITS == 8 && NT == 1 ? 2 : 1;
+    static constexpr int D = BITS == 4 ? (MINB > 2 ? 2 : 3) : BITS == 8 && NT == 1 ? 2 : 1;
 };
 
 /* The bf16 pair of weights (columns base+r, base+r+4) of one row for k step s, r in {0, 1}. */
-template <int BITS>
+template <int BITS, bool LOP>
 __device__ __forceinline__ u32 sk_pair(const u32* q, int s, int r, u32 sp, u32 bp, float sf, float bf) {
     if (BITS == 4) {
         u32 w = q[s >> 1];
         int a = 2 * (s & 1) + r;
-        u32 code = ((w >> (4 * a)) & 0x000F000Fu) | 0x43004300u;
+        /* one LOP3 where registers allow its two constants (not at three blocks per SM) */
+        u32 code = LOP ? lop3_and_or(w >> (4 * a), 0x000F000Fu, 0x43004300u)
+                       : ((w >> (4 * a)) & 0x000F000Fu) | 0x43004300u;
         u32 qv = fma_bf16x2(code, 0x3F803F80u, 0xC300C300u); /* code*1 - 128 = q, exact */
         return fma_bf16x2(qv, sp, bp);
     } else if (BITS == 8) {
@@ -97,13 +107,13 @@ __device__ __forceinline__ u32 sk_pair(const u32* q, int s, int r, u32 sp, u32 b
     }
 }
 
-template <int NT, int BITS>
+template <int NT, int BITS, int MINB>
 __device__ __forceinline__ void gemm_skinny_body(const void* w, const void* sc, const void* bi, int group, int ty,
                                                  const float* x, long long ldx, const int* gather, int gdiv,
                                                  float* y, long long ldy, int M, int N, int K, const int* tiles,
                                                  int accumulate, int kq, int ksplit, float* part,
                                                  unsigned* tickets, uint4* xs) {
-    constexpr int TN = 8 * NT, QW = SkFmt<BITS, NT>::QW, D = SkFmt<BITS, NT>::D;
+    constexpr int TN = 8 * NT, QW = SkFmt<BITS, NT, MINB>::QW, D = SkFmt<BITS, NT, MINB>::D;
     GemmTile tl;
     /* plain products: one block per (row tile, sub-tile of TN rows), the sub-tiles of a row tile
        adjacent in launch order (they share its weights through L2); grouped: (row tile, tile) */
@@ -267,7 +277,7 @@ __device__ __forceinline__ void gemm_skinny_body(const void* w, const void* sc, 
                                 for (int h = 0; h < 2; h++)
 #pragma unroll
                                     for (int r = 0; r < 2; r++)
-                                        af[mi][h + 2 * r] = sk_pair<BITS>(qr[i][mi][h], s, r, sp[mi][h], bp[mi][h],
+                                        af[mi][h + 2 * r] = sk_pair<BITS, (MINB <= 2)>(qr[i][mi][h], s, r, sp[mi][h], bp[mi][h],
                                                                           sr[i][mi][h], br[i][mi][h]);
 #pragma unroll
                             for (int j = 0; j < NT; j++) {
@@ -347,7 +357,7 @@ __device__ __forceinline__ void gemm_skinny_body(const void* w, const void* sc, 
              long long ldx, const int* gather, int gdiv, float* y, long long ldy, int M, int N, int K,      \
              const int* tiles, int accumulate, int kq, int ksplit, float* part, unsigned* tickets) {        \
         extern __shared__ uint4 sk_smem[];                                                                  \
-        gemm_skinny_body<NT, BITS>(w, sc, bi, group, ty, x, ldx, gather, gdiv, y, ldy, M, N, K, tiles,      \
+        gemm_skinny_body<NT, BITS, MINB>(w, sc, bi, group, ty, x, ldx, gather, gdiv, y, ldy, M, N, K, tiles,      \
                                    accumulate, kq, ksplit, part, tickets, sk_smem);                         \
     }
 
@@ -357,6 +367,7 @@ GEMM_SKINNY(gemm_skinny32_q4, 4, 4, 1)
 GEMM_SKINNY(gemm_skinny8_q8, 1, 8, 2)
 GEMM_SKINNY(gemm_skinny16_q8, 2, 8, 2)
 GEMM_SKINNY(gemm_skinny32_q8, 4, 8, 1)
+GEMM_SKINNY(gemm_skinny8_q4w, 1, 4, 3)
 GEMM_SKINNY(gemm_skinny8_bf16, 1, 0, 2)
 GEMM_SKINNY(gemm_skinny16_bf16, 2, 0, 2)
 GEMM_SKINNY(gemm_skinny32_bf16, 4, 0, 1)
