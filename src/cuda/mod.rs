@@ -853,3 +853,34 @@ impl Drop for DevBuf {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every gemm_skinny entry point is loaded, may take PDL (the kernel waits before reading
+    /// activations), and gets the dynamic shared memory opt-in; the name picked for a pass width
+    /// and weight format is that format's kernel.
+    #[test]
+    fn skinny_kernels_are_registered_and_picked_by_format() {
+        for k in SKINNY_KERNELS {
+            assert!(KERNELS.contains(&k), "{k} is not loaded");
+            assert!(PDL_KERNELS.contains(&k), "{k} is not a PDL kernel");
+        }
+        let want = [
+            (16, 4, "gemm_skinny16_q4"),
+            (32, 4, "gemm_skinny32_q4"),
+            (8, 8, "gemm_skinny8_q8"),
+            (16, 8, "gemm_skinny16_q8"),
+            (32, 8, "gemm_skinny32_q8"),
+            (8, 0, "gemm_skinny8_bf16"),
+            (16, 0, "gemm_skinny16_bf16"),
+            (32, 0, "gemm_skinny32_bf16"),
+        ];
+        for (tn, bits, name) in want {
+            assert_eq!(skinny_kernel(tn, bits), name, "tn {tn} bits {bits}");
+        }
+        let eight = skinny_kernel(8, 4);
+        assert!(eight == "gemm_skinny8_q4w" || eight == "gemm_skinny8_q4", "tn 8 bits 4: {eight}");
+    }
+}
