@@ -6,11 +6,11 @@
  *   every checkpoint format without including cuda_bf16.h / cuda_fp16.h.
  * - Reductions: warp_sum / warp_max with shuffles; block_sum over up to 32 warps through a
  *   32-float shared scratch (every thread gets the total).
- * - Programmatic dependent launch (decode): kernels in src/cuda/mod.rs PDL_KERNELS may be launched
- *   before the previous kernel in the stream has finished. Each of them calls pdl_trigger() (lets
- *   the next kernel's blocks be scheduled as SMs free up) and pdl_wait() (blocks until the
- *   previous grid has completed and its writes are visible) before it reads or writes any
- *   activation; only reads of weights may come before pdl_wait(). pdl_begin() = both, first
+ * - Programmatic dependent launch (decode): the kernels for which is_pdl() holds
+ *   (src/cuda/kernel_names.rs) may be launched before the previous kernel in the stream has
+ *   finished. Each of them calls pdl_trigger() (lets the next kernel's blocks be scheduled as
+ *   SMs free up) and pdl_wait() (blocks until the previous grid has completed and its writes
+ *   are visible) before it reads or writes any activation; only reads of weights may come before pdl_wait(). pdl_begin() = both, first
  *   thing. Every such kernel waits before it exits, so completion stays transitive. Without the
  *   launch attribute both instructions return at once.
  * - All activations are fp32; accurate expf/sqrtf (no fast math), so results track the CPU

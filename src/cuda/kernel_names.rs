@@ -1,0 +1,234 @@
+//! The kernels' names and sources: what the NVRTC module holds (`SOURCES`, `KERNELS`), which of
+//! them may be launched as programmatic dependents, and which entry point a shape picks
+//! (gemm_skinny, flash-attention prefill, tensor-core decode attention) with its shared memory.
+
+/// Every kernel source, in compile order (the prelude first). One NVRTC program, one module.
+pub const SOURCES: [(&str, &str); 17] = [
+    ("common.cuh", include_str!("kernels/common.cuh")),
+    ("norm.cu", include_str!("kernels/norm.cu")),
+    ("linear.cu", include_str!("kernels/linear.cu")),
+    ("gemm.cu", include_str!("kernels/gemm.cu")),
+    ("gemm_skinny.cu", include_str!("kernels/gemm_skinny.cu")),
+    ("gemm_pipe.cu", include_str!("kernels/gemm_pipe.cu")),
+    ("gdn.cu", include_str!("kernels/gdn.cu")),
+    ("gdn_prefill.cu", include_str!("kernels/gdn_prefill.cu")),
+    ("gdn_chunk.cu", include_str!("kernels/gdn_chunk.cu")),
+    ("attention.cu", include_str!("kernels/attention.cu")),
+    ("attention_dec.cu", include_str!("kernels/attention_dec.cu")),
+    ("attention_prefill.cu", include_str!("kernels/attention_prefill.cu")),
+    ("attention_fa.cu", include_str!("kernels/attention_fa.cu")),
+    ("moe.cu", include_str!("kernels/moe.cu")),
+    ("gemv.cu", include_str!("kernels/gemv.cu")),
+    ("sampling.cu", include_str!("kernels/sampling.cu")),
+    ("pstep.cu", include_str!("kernels/pstep.cu")),
+];
+
+/// Kernel entry points loaded from the module, besides [`SKINNY_KERNELS`] (see [`all_kernels`]).
+pub const KERNELS: [&str; 63] = [
+    "rms_norm",
+    "silu_mul",
+    "silu_mul_pairs",
+    "add_inplace",
+    "linear_gemv",
+    "moe_down",
+    "gemv_q2",
+    "gemv_q2_conv",
+    "moe_fused_q",
+    "gemv_q_loadonly",
+    "moe_down_q",
+    "gemv_q2_routed",
+    "gemm_f32",
+    "gemm_bf16",
+    "gemm_bf16_m128",
+    "gemm_pipe64",
+    "gemm_pipe128",
+    "embed_row",
+    "conv_step",
+    "gdn_step",
+    "gdn_step_par",
+    "gdn_step_par_rows",
+    "conv_prefill",
+    "conv_state",
+    "gdn_qk_prep",
+    "gdn_scan",
+    "gdn_chunk_prep",
+    "gdn_chunk_scan",
+    "gdn_out_norm",
+    "attn_prep",
+    "attn_decode",
+    "attn_combine",
+    "attn_decode_gqa1",
+    "attn_decode_gqa2",
+    "attn_decode_gqa4",
+    "attn_decode_gqa8",
+    "attn_prefill",
+    "attn_prefill_tc",
+    "attn_prep_bf16",
+    "attn_decode_bf16",
+    "attn_decode_gqa1_bf16",
+    "attn_decode_gqa2_bf16",
+    "attn_decode_gqa4_bf16",
+    "attn_decode_gqa8_bf16",
+    "attn_decode_tc64",
+    "attn_decode_tc128",
+    "attn_decode_tc256",
+    "attn_prefill_bf16",
+    "attn_prefill_tc_bf16",
+    "attn_prefill_fa64",
+    "attn_prefill_fa128",
+    "attn_prefill_fa256",
+    "moe_topk",
+    "moe_align",
+    "moe_combine",
+    "moe_combine_rows",
+    "argmax",
+    "argmax_io",
+    "samp_max",
+    "samp_radix",
+    "samp_zsum",
+    "samp_draw",
+    "pstep",
+];
+
+/// The concatenated program text.
+pub fn kernel_source() -> String {
+    let mut s = String::new();
+    for (name, src) in SOURCES {
+        s.push_str(&format!("// ---- {name} ----\n"));
+        s.push_str(src);
+        s.push('\n');
+    }
+    s
+}
+
+/// gemm_skinny's entry points, one per (input rows per pass, weight format), then the 8-row
+/// 4-bit one at three blocks per SM.
+pub const SKINNY_KERNELS: [&str; 10] = [
+    "gemm_skinny8_q4",
+    "gemm_skinny16_q4",
+    "gemm_skinny32_q4",
+    "gemm_skinny8_q8",
+    "gemm_skinny16_q8",
+    "gemm_skinny32_q8",
+    "gemm_skinny8_bf16",
+    "gemm_skinny16_bf16",
+    "gemm_skinny32_bf16",
+    "gemm_skinny8_q4w",
+];
+
+/// Every kernel entry point loaded from the module.
+pub fn all_kernels() -> impl Iterator<Item = &'static str> {
+    KERNELS.into_iter().chain(SKINNY_KERNELS)
+}
+
+/// Whether `name` may be launched as a programmatic dependent.
+pub fn is_pdl(name: &str) -> bool {
+    PDL_KERNELS.contains(&name) || SKINNY_KERNELS.contains(&name)
+}
+
+/// The gemm_skinny entry point for `tn` input rows per pass (8, 16 or 32) and `bits` (4, 8, or 0
+/// for bf16 weights).
+pub fn skinny_kernel(tn: usize, bits: i32) -> &'static str {
+    let t = match tn {
+        8 => 0,
+        16 => 1,
+        _ => 2,
+    };
+    let f = match bits {
+        4 => 0,
+        8 => 1,
+        _ => 2,
+    };
+    if tn == 8 && bits == 4 && !skinny_occ2() {
+        return SKINNY_KERNELS[9];
+    }
+    SKINNY_KERNELS[3 * f + t]
+}
+
+/// The 8-row 4-bit product runs as `gemm_skinny8_q4w`: three blocks per SM (80 registers) with
+/// two chunks in flight per warp, +4-5% on the batched step at B=16 and 64 against two blocks
+/// with three chunks (`LILY_CUDA_SKINNY_OCC=2`: `gemm_skinny8_q4`).
+fn skinny_occ2() -> bool {
+    static V: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *V.get_or_init(|| std::env::var("LILY_CUDA_SKINNY_OCC").is_ok_and(|v| v == "2"))
+}
+
+/// Kernels that call `pdl_wait()` before touching activations (kernels/common.cuh) and so may be
+/// launched as programmatic dependents: their launch and weight reads overlap the previous
+/// kernel's tail. The gemm_skinny entry points are such kernels too (see [`is_pdl`]).
+pub const PDL_KERNELS: [&str; 39] = [
+    "moe_fused_q",
+    "gemv_q2_conv",
+    "samp_max",
+    "samp_radix",
+    "samp_zsum",
+    "samp_draw",
+    "attn_prep",
+    "attn_decode",
+    "attn_combine",
+    "attn_decode_gqa1",
+    "attn_decode_gqa2",
+    "attn_decode_gqa4",
+    "attn_decode_gqa8",
+    "attn_prep_bf16",
+    "attn_decode_bf16",
+    "attn_decode_gqa1_bf16",
+    "attn_decode_gqa2_bf16",
+    "attn_decode_gqa4_bf16",
+    "attn_decode_gqa8_bf16",
+    "attn_decode_tc64",
+    "attn_decode_tc128",
+    "attn_decode_tc256",
+    "conv_step",
+    "gdn_step",
+    "gdn_step_par",
+    "gdn_step_par_rows",
+    "moe_down",
+    "moe_down_q",
+    "embed_row",
+    "moe_topk",
+    "argmax",
+    "argmax_io",
+    "linear_gemv",
+    "gemv_q2",
+    "gemv_q2_routed",
+    "rms_norm",
+    "silu_mul",
+    "silu_mul_pairs",
+    "add_inplace",
+];
+
+/// Dynamic shared memory of gemm_pipe64 / gemm_pipe128: 4 stages of [64 or 128 rows][64] fp32
+/// inputs and [128][32 bytes] of 4-bit codes (kernels/gemm_pipe.cu).
+pub const GEMM_PIPE_SMEM64: usize = 4 * (64 * 256 + 128 * 32);
+pub const GEMM_PIPE_SMEM128: usize = 4 * (128 * 256 + 128 * 32);
+
+/// The flash-attention prefill kernel for head dim `d` (64, 128 or 256; kernels/attention_fa.cu).
+pub fn fa_kernel(d: usize) -> &'static str {
+    match d {
+        64 => "attn_prefill_fa64",
+        128 => "attn_prefill_fa128",
+        _ => "attn_prefill_fa256",
+    }
+}
+
+/// Dynamic shared memory of [`fa_kernel`]`(d)`: Q [128][d] and two K and V tiles [64][d], bf16.
+pub fn fa_smem(d: usize) -> usize {
+    (128 + 4 * 64) * d * 2
+}
+
+/// The tensor-core decode attention kernel for head dim `d` (64, 128 or 256; G = 8 query heads
+/// per KV head, bf16 cache; kernels/attention_dec.cu).
+pub fn attn_dec_kernel(d: usize) -> &'static str {
+    match d {
+        64 => "attn_decode_tc64",
+        128 => "attn_decode_tc128",
+        _ => "attn_decode_tc256",
+    }
+}
+
+/// Dynamic shared memory of [`attn_dec_kernel`]`(d)`: 4 warps' rings of 3 stages of a K and a V
+/// tile [16][d] bf16, and each warp's P buffers (2 x [8][24] u16).
+pub fn attn_dec_smem(d: usize) -> usize {
+    4 * 3 * 2 * 16 * d * 2 + 4 * 2 * 8 * 24 * 2
+}
