@@ -322,6 +322,14 @@ mod avx2 {
         (_mm256_and_si256(v, m4), _mm256_and_si256(_mm256_srli_epi16(v, 4), m4))
     }
 
+    /// `tot + c[j, g]·i`: token `j`'s integer dot of group `g` of `row`, scaled, added to its
+    /// accumulator (the single-row kernel's arithmetic).
+    #[inline(always)]
+    unsafe fn scale_add(row: &Row, g: usize, j: usize, i: __m256i, tot: __m256) -> __m256 {
+        let c = _mm256_broadcast_ss(&*row.c.add(j * MAXG + g));
+        _mm256_fmadd_ps(_mm256_cvtepi32_ps(i), c, tot)
+    }
+
     /// Group `g` of two rows for `NT` tokens (VNNI): per row the same operations in the same
     /// order as [`step`], so each row's result is bit-identical to the single-row kernel's.
     #[inline(always)]
@@ -349,10 +357,8 @@ mod avx2 {
                 let (x0, x1) = (ld(xp), ld(xp.add(32)));
                 let ia = _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(z, la0, x0), ha0, x1);
                 let ib = _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(z, lb0, x0), hb0, x1);
-                let ca = _mm256_broadcast_ss(&*a.c.add(j * MAXG + g));
-                let cb = _mm256_broadcast_ss(&*b.c.add(j * MAXG + g));
-                ta[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia), ca, ta[j]);
-                tb[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ib), cb, tb[j]);
+                ta[j] = scale_add(a, g, j, ia, ta[j]);
+                tb[j] = scale_add(b, g, j, ib, tb[j]);
             }
         } else {
             let (la1, ha1) = nibbles(wa.add(32));
@@ -365,10 +371,8 @@ mod avx2 {
                 let ia = _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(ia, la1, x2), ha1, x3);
                 let ib = _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(z, lb0, x0), hb0, x1);
                 let ib = _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(ib, lb1, x2), hb1, x3);
-                let ca = _mm256_broadcast_ss(&*a.c.add(j * MAXG + g));
-                let cb = _mm256_broadcast_ss(&*b.c.add(j * MAXG + g));
-                ta[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia), ca, ta[j]);
-                tb[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ib), cb, tb[j]);
+                ta[j] = scale_add(a, g, j, ia, ta[j]);
+                tb[j] = scale_add(b, g, j, ib, tb[j]);
             }
         }
     }
