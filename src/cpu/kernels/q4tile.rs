@@ -28,10 +28,6 @@
 //! `vpdpbusd` on 256-bit registers instead of `maddubs`/`add`/`madd`: the same byte products in
 //! the same i32 lanes, so the results are bit-identical to the AVX2 path.
 //!
-//! With VNNI and at least 4 tokens in a block, rows go in pairs (`tile2`): the two rows share each
-//! token's activation loads, and the 2·NT accumulators fit AVX-512VL's 32 registers; each row's
-//! arithmetic is the single-row kernel's, in the same order, so the results do not change.
-//!
 //! Measured (`examples/matmul`, 4096×2048, 2 threads, best of 10, noisy machine): 8 tokens 151–156
 //! GFLOP/s against 102–121 for the row-at-a-time kernel, 64 tokens 160–171 against 148. Session
 //! 12, same machine: AVX2 211.5 (8 tokens) / 230.4 (64), VNNI 234.7 / 239.7.
@@ -92,9 +88,6 @@ mod avx2 {
     use super::super::avx2::{hsum, load_bf16x8, load_f32x8};
     use super::{Q8Act, MAXG, RB, TB};
     use std::arch::x86_64::*;
-
-    /// Fewest tokens in a block for which rows go in pairs.
-    const PAIR_FROM: usize = 4;
 
     /// Software prefetch distance in bytes of packed weights (see `q8`'s measurement).
     const PF: usize = 2048;
@@ -164,10 +157,7 @@ mod avx2 {
         // Not zeroed: the prologue writes every entry the kernel reads (j < nt, g < ng).
         let mut cbuf = std::mem::MaybeUninit::<[f32; TB * MAXG]>::uninit();
         let cp = cbuf.as_mut_ptr() as *mut f32;
-        let mut cbuf2 = std::mem::MaybeUninit::<[f32; TB * MAXG]>::uninit();
-        let cp2 = cbuf2.as_mut_ptr() as *mut f32;
         let mut bias = [0f32; TB];
-        let mut bias2 = [0f32; TB];
         let (sp, bp) = (scales.as_ptr() as *const u16, biases.as_ptr() as *const u16);
         let mut rs = r0;
         while rs < r1 {
@@ -175,40 +165,7 @@ mod avx2 {
             let mut t0 = 0;
             while t0 < xa.t {
                 let nt = (xa.t - t0).min(TB);
-                // With VNNI (32 vector registers) and enough tokens to be compute-bound, rows go
-                // in pairs: each token's activations are loaded once for both rows; each row's
-                // arithmetic is the single-row one. (With 1-3 tokens the product streams weights
-                // from DRAM, and two interleaved row streams measured slower than one.)
-                let mut r = rs;
-                while VNNI && nt >= PAIR_FROM && r + 1 < re {
-                    prologue(sp.add(r * ng), bp.add(r * ng), xa, t0, nt, cp, &mut bias);
-                    prologue(sp.add((r + 1) * ng), bp.add((r + 1) * ng), xa, t0, nt, cp2, &mut bias2);
-                    let pq = xa.q.as_ptr().add(t0 * cols);
-                    let ra = Row { pp: packed.as_ptr().add(r * cols / 2), pq, c: cp, ng };
-                    let rb = Row { pp: packed.as_ptr().add((r + 1) * cols / 2), pq, c: cp2, ng };
-                    let o = out.add(t0 * ld + r);
-                    macro_rules! go2 {
-                        ($g:literal) => {
-                            match nt {
-                                1 => tile2::<$g, 1>(&ra, &rb, o, ld, &bias, &bias2),
-                                2 => tile2::<$g, 2>(&ra, &rb, o, ld, &bias, &bias2),
-                                3 => tile2::<$g, 3>(&ra, &rb, o, ld, &bias, &bias2),
-                                4 => tile2::<$g, 4>(&ra, &rb, o, ld, &bias, &bias2),
-                                5 => tile2::<$g, 5>(&ra, &rb, o, ld, &bias, &bias2),
-                                6 => tile2::<$g, 6>(&ra, &rb, o, ld, &bias, &bias2),
-                                7 => tile2::<$g, 7>(&ra, &rb, o, ld, &bias, &bias2),
-                                _ => tile2::<$g, 8>(&ra, &rb, o, ld, &bias, &bias2),
-                            }
-                        };
-                    }
-                    if group == 64 {
-                        go2!(64)
-                    } else {
-                        go2!(128)
-                    }
-                    r += 2;
-                }
-                for r in r..re {
+                for r in rs..re {
                     prologue(sp.add(r * ng), bp.add(r * ng), xa, t0, nt, cp, &mut bias);
                     let row =
                         Row { pp: packed.as_ptr().add(r * cols / 2), pq: xa.q.as_ptr().add(t0 * cols), c: cp, ng };
@@ -289,91 +246,6 @@ mod avx2 {
         }
         for j in 0..NT {
             *o.add(j * ld) = hsum(tot[j]) + bias[j];
-        }
-    }
-
-    /// [`tile`] for two rows that share the token block (`a.pq == b.pq`), outputs `o[j·ld]` and
-    /// `o[j·ld + 1]`. Only with VNNI: 2·NT accumulators need the 32 registers of AVX-512VL.
-    #[inline(always)]
-    unsafe fn tile2<const GROUP: usize, const NT: usize>(
-        a: &Row,
-        b: &Row,
-        o: *mut f32,
-        ld: usize,
-        bias_a: &[f32; TB],
-        bias_b: &[f32; TB],
-    ) {
-        let mut ta = [_mm256_setzero_ps(); NT];
-        let mut tb = [_mm256_setzero_ps(); NT];
-        for g in 0..a.ng {
-            step2::<GROUP, NT>(a, b, g, &mut ta, &mut tb);
-        }
-        for j in 0..NT {
-            *o.add(j * ld) = hsum(ta[j]) + bias_a[j];
-            *o.add(j * ld + 1) = hsum(tb[j]) + bias_b[j];
-        }
-    }
-
-    /// The nibbles of 64 columns of packed weights at `w`: (low nibbles, high nibbles).
-    #[inline(always)]
-    unsafe fn nibbles(w: *const u8) -> (__m256i, __m256i) {
-        let m4 = _mm256_set1_epi8(0x0f);
-        let v = _mm256_loadu_si256(w as *const __m256i);
-        (_mm256_and_si256(v, m4), _mm256_and_si256(_mm256_srli_epi16(v, 4), m4))
-    }
-
-    /// `tot + c[j, g]·i`: token `j`'s integer dot of group `g` of `row`, scaled, added to its
-    /// accumulator (the single-row kernel's arithmetic).
-    #[inline(always)]
-    unsafe fn scale_add(row: &Row, g: usize, j: usize, i: __m256i, tot: __m256) -> __m256 {
-        let c = _mm256_broadcast_ss(&*row.c.add(j * MAXG + g));
-        _mm256_fmadd_ps(_mm256_cvtepi32_ps(i), c, tot)
-    }
-
-    /// Group `g` of two rows for `NT` tokens (VNNI): per row the same operations in the same
-    /// order as [`step`], so each row's result is bit-identical to the single-row kernel's.
-    #[inline(always)]
-    unsafe fn step2<const GROUP: usize, const NT: usize>(
-        a: &Row,
-        b: &Row,
-        g: usize,
-        ta: &mut [__m256; NT],
-        tb: &mut [__m256; NT],
-    ) {
-        let e = g * GROUP;
-        let (wa, wb) = (a.pp.add(e / 2), b.pp.add(e / 2));
-        if GROUP == 128 || g.is_multiple_of(2) {
-            _mm_prefetch::<_MM_HINT_T0>(wa.wrapping_add(PF) as *const i8);
-            _mm_prefetch::<_MM_HINT_T0>(wb.wrapping_add(PF) as *const i8);
-        }
-        let ld = |p: *const i8| _mm256_loadu_si256(p as *const __m256i);
-        let z = _mm256_setzero_si256();
-        let (la0, ha0) = nibbles(wa);
-        let (lb0, hb0) = nibbles(wb);
-        if GROUP == 64 {
-            let xs = a.pq.add(e * NT);
-            for j in 0..NT {
-                let xp = xs.add(64 * j);
-                let (x0, x1) = (ld(xp), ld(xp.add(32)));
-                let ia = _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(z, la0, x0), ha0, x1);
-                let ib = _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(z, lb0, x0), hb0, x1);
-                ta[j] = scale_add(a, g, j, ia, ta[j]);
-                tb[j] = scale_add(b, g, j, ib, tb[j]);
-            }
-        } else {
-            let (la1, ha1) = nibbles(wa.add(32));
-            let (lb1, hb1) = nibbles(wb.add(32));
-            let (xs0, xs1) = (a.pq.add(e * NT), a.pq.add((e + 64) * NT));
-            for j in 0..NT {
-                let (p, q) = (xs0.add(64 * j), xs1.add(64 * j));
-                let (x0, x1, x2, x3) = (ld(p), ld(p.add(32)), ld(q), ld(q.add(32)));
-                let ia = _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(z, la0, x0), ha0, x1);
-                let ia = _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(ia, la1, x2), ha1, x3);
-                let ib = _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(z, lb0, x0), hb0, x1);
-                let ib = _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(ib, lb1, x2), hb1, x3);
-                ta[j] = scale_add(a, g, j, ia, ta[j]);
-                tb[j] = scale_add(b, g, j, ib, tb[j]);
-            }
         }
     }
 
