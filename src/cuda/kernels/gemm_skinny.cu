@@ -277,8 +277,8 @@ __device__ __forceinline__ void gemm_skinny_body(const void* w, const void* sc, 
                                 for (int h = 0; h < 2; h++)
 #pragma unroll
                                     for (int r = 0; r < 2; r++)
-                                        af[mi][h + 2 * r] = sk_pair<BITS, (MINB <= 2)>(qr[i][mi][h], s, r, sp[mi][h], bp[mi][h],
-                                                                          sr[i][mi][h], br[i][mi][h]);
+                                        af[mi][h + 2 * r] = sk_pair<BITS, (MINB <= 2)>(
+                                            qr[i][mi][h], s, r, sp[mi][h], bp[mi][h], sr[i][mi][h], br[i][mi][h]);
 #pragma unroll
                             for (int j = 0; j < NT; j++) {
                                 u32 b0 = s1 ? xv[j].z : xv[j].x, b1 = s1 ? xv[j].w : xv[j].y;
@@ -357,8 +357,8 @@ __device__ __forceinline__ void gemm_skinny_body(const void* w, const void* sc, 
              long long ldx, const int* gather, int gdiv, float* y, long long ldy, int M, int N, int K,      \
              const int* tiles, int accumulate, int kq, int ksplit, float* part, unsigned* tickets) {        \
         extern __shared__ uint4 sk_smem[];                                                                  \
-        gemm_skinny_body<NT, BITS, MINB>(w, sc, bi, group, ty, x, ldx, gather, gdiv, y, ldy, M, N, K, tiles,      \
-                                   accumulate, kq, ksplit, part, tickets, sk_smem);                         \
+        gemm_skinny_body<NT, BITS, MINB>(w, sc, bi, group, ty, x, ldx, gather, gdiv, y, ldy, M, N, K, tiles, \
+                                         accumulate, kq, ksplit, part, tickets, sk_smem);                   \
     }
 
 GEMM_SKINNY(gemm_skinny8_q4, 1, 4, 2)
