@@ -207,6 +207,42 @@ fn cuda_device_sampling_loop() {
     assert_eq!(run(&top1, 3), greedy, "top-k 1 sampling differs from the greedy loop");
 }
 
+/// A session reset after a prompt and a decode run (its states zeroed in place, its decode graphs
+/// kept) gives another prompt what a fresh session gives it. Prompt A is longer than the first KV
+/// capacity (256), so the reset session's attention caches have grown; B is shorter. The same
+/// kernels run on the same inputs (only the caches' capacity differs), so the logits should agree
+/// to the bit; the bound, 1e-6 of the logit range, allows a different reduction order and is far
+/// below what a state left over from A gives (of order the range).
+#[test]
+fn cuda_reset_session_equals_fresh_session() {
+    if !have_gpu() {
+        return;
+    }
+    let model = Arc::new(lily::synthetic::build("tiny", None, 1024).unwrap());
+    let gm = lily::cuda::upload_cached(&model).unwrap();
+    let a: Vec<u32> = (0..300u32).map(|i| (i * 97 + 5) % 1024).collect();
+    let b: Vec<u32> = (0..40u32).map(|i| (i * 131 + 7) % 1024).collect();
+    let run = |s: &mut CudaSession, p: &[u32]| {
+        let logits = s.forward_last(p).unwrap();
+        let first = lily::sampling::argmax(&logits);
+        let toks = s.greedy_steps(first, 24).unwrap();
+        (logits, toks)
+    };
+    let mut fresh = CudaSession::new(gm.clone());
+    let want = run(&mut fresh, &b);
+    let mut reused = CudaSession::new(gm.clone());
+    let other = run(&mut reused, &a);
+    reused.reset();
+    assert_eq!(reused.pos(), 0);
+    let got = run(&mut reused, &b);
+    assert_ne!(other.1, want.1, "the two prompts gave the same tokens: the test cannot tell them apart");
+    let range = want.0.iter().cloned().fold(f32::MIN, f32::max) - want.0.iter().cloned().fold(f32::MAX, f32::min);
+    let worst = got.0.iter().zip(&want.0).map(|(x, y)| (x - y).abs()).fold(0f32, f32::max);
+    eprintln!("reset vs fresh: worst |Δ| {worst:.3e} of range {range:.3e}");
+    assert!(worst <= 1e-6 * range, "logits after reset differ: worst |Δ| {worst} of range {range}");
+    assert_eq!(got.1, want.1, "greedy tokens after reset differ");
+}
+
 /// Layer-local error on the reference fixtures: every layer gets the CPU's input to that layer
 /// (the prompt's rows at their positions) and its GPU output is compared with the CPU's, for the
 /// batched prefill in both precisions. Compared is the layer's update (output − input), whose

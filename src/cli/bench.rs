@@ -3,7 +3,9 @@
 //! then one measured run: prefill tok/s = prompt tokens / time to the first token; decode tok/s
 //! over exactly `--decode-steps` steps after the first token. `--repeat N` measures N runs and
 //! reports the median of each rate (all runs are in the JSON), for machines whose speed varies
-//! from run to run.
+//! from run to run. The runs of a context share one session, reset before each (caches zeroed,
+//! buffers and decode graphs kept), as llama-bench reuses its context; `--fresh-session` times
+//! each run on a new session instead.
 //!
 //! Roofline shares: decode moves, per token, the weights it uses (top-k experts), the recurrent
 //! state (read and written) and the KV cache at that context; its share is those bytes times
@@ -33,6 +35,11 @@ pub struct BenchArgs {
     /// Measured runs per context; the table shows the median of each rate.
     #[arg(allow_negative_numbers = true, long, default_value_t = 1)]
     pub repeat: usize,
+    /// Time every run on a new session (its buffers allocated and its decode graphs captured
+    /// inside the timed prompt and steps); by default the runs of a context share one session,
+    /// reset (caches zeroed, buffers kept) before each, as llama-bench reuses its context.
+    #[arg(long)]
+    pub fresh_session: bool,
     /// Batch sizes, comma-separated (e.g. 1,4,16,64): B sequences at once through the batching
     /// engine, each with a `--contexts` prompt and `--decode-steps` tokens (llama-batched-bench's
     /// measurement; pass --decode-steps 128 for its usual shape).
@@ -212,15 +219,28 @@ pub fn run(a: BenchArgs) -> Result<()> {
             "lily bench: context {ctx}: {} warm-up and {} measured run(s) of {ctx} prompt + {} decode tokens",
             a.warmup, a.repeat, a.decode_steps
         );
+        // The session of the previous run, reset, unless every run gets a new one.
+        let mut kept: Option<Box<dyn Session>> = None;
+        let session = |kept: Option<Box<dyn Session>>| -> Box<dyn Session> {
+            match kept {
+                Some(mut s) if !a.fresh_session => {
+                    s.reset();
+                    s
+                }
+                _ => a.model.session(&loaded),
+            }
+        };
         for _ in 0..a.warmup {
-            let mut s = a.model.session(&loaded);
+            let mut s = session(kept.take());
             one_run(s.as_mut(), &prompt, a.decode_steps)?;
+            kept = Some(s);
         }
         let mut runs = Vec::with_capacity(a.repeat);
         for _ in 0..a.repeat {
-            let mut s = a.model.session(&loaded);
+            let mut s = session(kept.take());
             let (pf, dec) = one_run(s.as_mut(), &prompt, a.decode_steps)?;
             runs.push((ctx as f64 / pf, a.decode_steps as f64 / dec));
+            kept = Some(s);
         }
         let prefill_tps = median(runs.iter().map(|r| r.0).collect());
         let decode_tps = median(runs.iter().map(|r| r.1).collect());

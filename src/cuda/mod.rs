@@ -554,6 +554,13 @@ pub struct DevBuf {
 }
 
 impl DevBuf {
+    /// Sets every byte to zero (after the work queued before it).
+    pub fn zero(&self) -> Result<()> {
+        self.gpu.bind()?;
+        // SAFETY: a live allocation of `bytes` bytes (at least 4 were allocated).
+        unsafe { drv::memset_d8_sync(self.ptr, 0, self.bytes.max(4)) }.map_err(|e| anyhow!("{e:?}"))
+    }
+
     /// Device address `off` bytes in.
     pub fn at(&self, off: usize) -> u64 {
         self.ptr + off as u64

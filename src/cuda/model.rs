@@ -776,10 +776,21 @@ impl Session for CudaSession {
     fn reset(&mut self) {
         self.pos = 0;
         if self.scratch.is_some() {
-            if let Ok(s) = self.fresh_states() {
-                self.states = s;
-                self.graphs = Default::default();
-                self.ps = None;
+            // The states zeroed where they are, after the session's queued kernels (the memset
+            // is not on their stream): the buffers, and so the captured decode graphs, which hold
+            // their addresses, stay. Only if that fails, new ones.
+            let zeroed = self.model.gpu.sync().and_then(|_| {
+                self.states.iter().try_for_each(|st| match st {
+                    GState::Gdn { conv, rec } => conv.zero().and_then(|_| rec.zero()),
+                    GState::Attn { k, v, .. } => k.zero().and_then(|_| v.zero()),
+                })
+            });
+            self.ps = None;
+            if zeroed.is_err() {
+                if let Ok(s) = self.fresh_states() {
+                    self.states = s;
+                    self.graphs = Default::default();
+                }
             }
         }
     }
