@@ -11,7 +11,8 @@
 #                             BENCH_CONTEXTS, BENCH_BATCH (e.g. 1,4,16,64), BENCH_LONG, LONG_ENV, KV_AB,
 #                             ATTN_BENCH, AB_OLD (another build's lily binary: batch-1 A/B), BATCH_VARIANTS,
 #                             ENV_AB (env settings, ';'-separated: batch-1 A/B at AB_CONTEXTS),
-#                             ATTN_DEC_BENCH (decode attention kernels alone)
+#                             ATTN_DEC_BENCH (decode attention kernels alone), TEST_ENV (env
+#                             settings for the test executables, e.g. LILY_CUDA_SHARED_GROUPED=1)
 #                             (';'-separated env settings: the batched bench per setting), ...
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -64,7 +65,7 @@ status=0
 [ -n "${ONLY_TESTS:-}" ] && TESTS="$ONLY_TESTS"
 for t in $TESTS; do
   echo "== $t"
-  if ! .gpu/x/bin/$t --test-threads=1 --nocapture >"$OUTDIR/$t.log" 2>&1; then status=1; fi
+  if ! env ${TEST_ENV:-} .gpu/x/bin/$t --test-threads=1 --nocapture >"$OUTDIR/$t.log" 2>&1; then status=1; fi
   grep -E "^test |test result|SKIPPED|worst|panicked|nmse .*e-0[0-8]" "$OUTDIR/$t.log" | head -60 || true
   if [ "$t" = cuda_kernels ]; then
     # the routed MoE kernels again with the block-wide top-k (route_rank; pstep always uses it)

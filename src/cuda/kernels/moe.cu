@@ -7,9 +7,9 @@
  *   (fp32 softmax, renormalized over the K chosen). grid 1, block 32 (one warp): K rounds of a
  *   warp argmax over a shared copy, the winner masked out each round. ids2 (nullable, decode
  *   only) gets [2e, 2e+1] per choice: expert e's gate and up in an interleaved gate/up stack.
- *   shared != 0 (decode, the shared expert stacked as expert E): one more slot K with id E,
- *   weight sigmoid(logits[E]) (the shared-expert gate logit follows the E router logits) and
- *   ids2 [2E, 2E+1].
+ *   shared != 0 (the shared expert stacked as expert E): one more slot K with id E, weight
+ *   sigmoid(logits[E]) (the shared-expert gate logit follows the E router logits) and ids2
+ *   [2E, 2E+1]; token t's slots then start at t*(K+1).
  *   grid (T), block 32.
  *
  * moe_align (prefill): P = T*K routed pairs i (pair i = token i/K, choice i%K, expert ids[i]) are
@@ -153,12 +153,12 @@ extern "C" __global__ void moe_topk(const float* logits, int E, int K, int renor
     __shared__ float ls[1024];
     __shared__ int chosen[65];
     __shared__ float wsel[65];
+    int n = K + (shared ? 1 : 0); /* slots per token */
     logits += blockIdx.x * lstride;
-    ids += blockIdx.x * K;
-    wout += blockIdx.x * K;
-    if (ids2) ids2 += blockIdx.x * 2 * K; /* rows only without the shared slot (as ids) */
+    ids += blockIdx.x * n;
+    wout += blockIdx.x * n;
+    if (ids2) ids2 += blockIdx.x * 2 * n;
     route_topk(logits, E, K, renorm, shared, ls, chosen, wsel);
-    int n = K + (shared ? 1 : 0);
     for (int k = threadIdx.x; k < n; k += 32) {
         ids[k] = chosen[k];
         wout[k] = wsel[k];

@@ -64,7 +64,8 @@ impl CudaSession {
         let sinter = c.shared_expert_intermediate_size.max(c.intermediate_size);
         let proj =
             (c.gdn_conv_dim() + c.gdn_value_dim() + 2 * c.linear_num_value_heads).max(c.q_proj_dim() + 2 * c.kv_dim());
-        let pairs = cap * k;
+        // k + 1 slots per token: the shared expert may run as one more routed choice
+        let pairs = cap * (k + 1);
         let qk = c.linear_num_key_heads * c.linear_key_head_dim;
         self.pre = Some(PScratch {
             cap,
@@ -86,7 +87,7 @@ impl CudaSession {
             wts: f(pairs)?,
             perm: f(pairs)?,
             inv: f(pairs)?,
-            tiles: f(1 + 3 * max_tiles(pairs, Precision::F32.bm().min(Precision::Bf16.bm()), e))?,
+            tiles: f(1 + 3 * max_tiles(pairs, Precision::F32.bm().min(Precision::Bf16.bm()), e + 1))?,
             egu: f(pairs * 2 * inter)?,
             eh: f(pairs * inter)?,
             ye: f(pairs * h)?,
@@ -234,12 +235,46 @@ impl CudaSession {
 /// The post-attention half of layer `layer` over the `t` rows of the prefill scratch `x`:
 /// RMSNorm, then the MoE (router, top-k, experts grouped by expert, shared expert, combine +
 /// residual) or the dense MLP. Shared by the batched prefill and the batched decode step.
+/// Whether the many-row MoE runs the shared expert inside the grouped products when it is
+/// stacked as expert E (`LILY_CUDA_SHARED_GROUPED=1`; off by default until measured).
+fn shared_grouped() -> bool {
+    static V: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *V.get_or_init(|| std::env::var("LILY_CUDA_SHARED_GROUPED").is_ok_and(|v| v == "1"))
+}
+
 pub(super) fn ffn_rows(m: &CudaModel, layer: &GLayer, p: &PScratch, t: usize, prec: Precision) -> Result<()> {
     let g = &m.gpu;
     let c = &m.cfg;
     let (h, eps) = (c.hidden_size, c.rms_norm_eps);
     g.rms_norm(p.x.ptr, layer.post_norm.ptr, p.xn.ptr, t, h, eps)?;
     match &layer.ffn {
+        GFfn::Moe { router, experts, .. } if experts.shared_slot && shared_grouped() => {
+            // The shared expert as one more routed choice (expert E of the stack, weight
+            // sigmoid(gate logit)): its t rows join the grouped products, so the layer has no
+            // separate shared-expert launches. With few rows per expert (the skinny kernel's
+            // 8-row passes) the tiles are 8 rows, so the shared expert's t rows run as t/8
+            // blocks side by side rather than t/8 passes of one block.
+            let (e, k1) = (c.num_experts, c.num_experts_per_tok + 1);
+            let inter = experts.down.cols;
+            let pairs = t * k1;
+            let bm = if prec == Precision::Bf16 && pairs.div_ceil(e + 1) <= 6 { 8 } else { prec.bm() };
+            router.run_rows(g, prec, p.xn.ptr, h, p.router.ptr, e + 1, t)?;
+            g.moe_topk_rows(p.router.ptr, e + 1, t, e, k1 - 1, c.norm_topk_prob, p.ids.ptr, p.wts.ptr, 0, true)?;
+            g.moe_align(p.ids.ptr, pairs, e + 1, bm, p.perm.ptr, p.inv.ptr, p.tiles.ptr)?;
+            let nt = max_tiles(pairs, bm, e + 1);
+            let gu = (p.egu.ptr, 2 * inter);
+            g.gemm_grouped(
+                &experts.gate_up,
+                prec,
+                2 * inter,
+                (p.xn.ptr, h, p.perm.ptr, k1),
+                gu,
+                (p.tiles.ptr, nt, pairs),
+            )?;
+            g.silu_mul_pairs(p.egu.ptr, p.eh.ptr, inter, pairs)?;
+            g.gemm_grouped(&experts.down, prec, h, (p.eh.ptr, inter, 0, 1), (p.ye.ptr, h), (p.tiles.ptr, nt, pairs))?;
+            g.moe_combine_rows(p.x.ptr, p.ye.ptr, p.inv.ptr, p.wts.ptr, 0, (0, 0), h, k1, t)?;
+        }
         GFfn::Moe { router, experts, shared } => {
             let (e, k) = (c.num_experts, c.num_experts_per_tok);
             let inter = experts.down.cols;
