@@ -232,23 +232,40 @@ impl CudaSession {
     }
 }
 
+/// Whether the many-row MoE runs the shared expert inside the grouped products when it is
+/// stacked as expert E. `LILY_CUDA_SHARED_GROUPED=1` always, `=0` never; by default only in the
+/// skinny regime (bf16 products, at most 6 rows per expert on average: the batched decode step),
+/// where it measured +7% at 16 sequences and +4.5% at 64; in the prefill regime it measured 3-6%
+/// slower (docs/perf-log.md, 2026-12-03).
+fn shared_grouped(skinny: bool) -> bool {
+    static V: std::sync::OnceLock<Option<bool>> = std::sync::OnceLock::new();
+    let forced = *V.get_or_init(|| match std::env::var("LILY_CUDA_SHARED_GROUPED").as_deref() {
+        Ok("1") => Some(true),
+        Ok("0") => Some(false),
+        _ => None,
+    });
+    forced.unwrap_or(skinny)
+}
+
+/// Whether `pairs` expert rows over `experts` experts are few enough for the skinny kernel's
+/// 8-row tiles.
+fn skinny_tiles(prec: Precision, pairs: usize, experts: usize) -> bool {
+    prec == Precision::Bf16 && pairs.div_ceil(experts) <= 6
+}
+
 /// The post-attention half of layer `layer` over the `t` rows of the prefill scratch `x`:
 /// RMSNorm, then the MoE (router, top-k, experts grouped by expert, shared expert, combine +
 /// residual) or the dense MLP. Shared by the batched prefill and the batched decode step.
-/// Whether the many-row MoE runs the shared expert inside the grouped products when it is
-/// stacked as expert E (`LILY_CUDA_SHARED_GROUPED=1`; off by default until measured).
-fn shared_grouped() -> bool {
-    static V: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *V.get_or_init(|| std::env::var("LILY_CUDA_SHARED_GROUPED").is_ok_and(|v| v == "1"))
-}
-
 pub(super) fn ffn_rows(m: &CudaModel, layer: &GLayer, p: &PScratch, t: usize, prec: Precision) -> Result<()> {
     let g = &m.gpu;
     let c = &m.cfg;
     let (h, eps) = (c.hidden_size, c.rms_norm_eps);
     g.rms_norm(p.x.ptr, layer.post_norm.ptr, p.xn.ptr, t, h, eps)?;
     match &layer.ffn {
-        GFfn::Moe { router, experts, .. } if experts.shared_slot && shared_grouped() => {
+        GFfn::Moe { router, experts, .. }
+            if experts.shared_slot
+                && shared_grouped(skinny_tiles(prec, t * (c.num_experts_per_tok + 1), c.num_experts + 1)) =>
+        {
             // The shared expert as one more routed choice (expert E of the stack, weight
             // sigmoid(gate logit)): its t rows join the grouped products, so the layer has no
             // separate shared-expert launches. With few rows per expert (the skinny kernel's
@@ -257,7 +274,7 @@ pub(super) fn ffn_rows(m: &CudaModel, layer: &GLayer, p: &PScratch, t: usize, pr
             let (e, k1) = (c.num_experts, c.num_experts_per_tok + 1);
             let inter = experts.down.cols;
             let pairs = t * k1;
-            let bm = if prec == Precision::Bf16 && pairs.div_ceil(e + 1) <= 6 { 8 } else { prec.bm() };
+            let bm = if skinny_tiles(prec, pairs, e + 1) { 8 } else { prec.bm() };
             router.run_rows(g, prec, p.xn.ptr, h, p.router.ptr, e + 1, t)?;
             g.moe_topk_rows(p.router.ptr, e + 1, t, e, k1 - 1, c.norm_topk_prob, p.ids.ptr, p.wts.ptr, 0, true)?;
             g.moe_align(p.ids.ptr, pairs, e + 1, bm, p.perm.ptr, p.inv.ptr, p.tiles.ptr)?;
