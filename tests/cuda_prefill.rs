@@ -229,6 +229,62 @@ fn grouped_experts_match_cpu() {
 /// cover T < 64, T = 64, T > 64 over several 64-token chunks with and without a partial tail,
 /// H_v = 2·H_k, D_k of 32, 64, 96 (a half-used last key slice in gdn_chunk_scan) and 128, D_v of
 /// 32 to 128, and D_k = 160 (the chunked path falls back to the scan).
+/// `moe_align` with up to 1,024 experts (its block scan spans all 32 warps) against a CPU
+/// reference: the tile list is exactly (expert ascending, 0..cnt in steps of bm), perm groups
+/// the pairs by expert and inv is its inverse. Counts are skewed so some experts get none,
+/// some exactly bm and some several tiles.
+#[test]
+fn moe_align_matches_cpu() {
+    let Some(g) = gpu() else { return };
+    let mut r = rng(31);
+    for (e, p, bm) in [(257usize, 576usize, 8usize), (1024, 3000, 8), (300, 4096, 64), (33, 1, 8), (1, 70, 16)] {
+        let ids: Vec<i32> = (0..p)
+            .map(|i| {
+                let u = r.next_u64();
+                // A quarter of the pairs on experts 0..4, the rest anywhere but the last tenth.
+                let span = if i % 4 == 0 { 4.min(e) } else { (e - e / 10).max(1) };
+                (u % span as u64) as i32
+            })
+            .collect();
+        let mut cnt = vec![0usize; e];
+        for &x in &ids {
+            cnt[x as usize] += 1;
+        }
+        let mut want_tiles = vec![];
+        let mut off = vec![0usize; e];
+        let mut o = 0;
+        for x in 0..e {
+            off[x] = o;
+            let mut m0 = o;
+            while m0 < o + cnt[x] {
+                want_tiles.push([x as i32, m0 as i32, (o + cnt[x]).min(m0 + bm) as i32]);
+                m0 += bm;
+            }
+            o += cnt[x];
+        }
+        let max_tiles = p.div_ceil(bm) + e;
+        let idb = g.upload_bytes(&i32_bytes(&ids)).unwrap();
+        let (perm, inv, tiles) =
+            (g.zeros(4 * p).unwrap(), g.zeros(4 * p).unwrap(), g.zeros(4 * (1 + 3 * max_tiles)).unwrap());
+        g.moe_align(idb.ptr, p, e, bm, perm.ptr, inv.ptr, tiles.ptr).unwrap();
+        let tv = tiles.read_i32(1 + 3 * max_tiles).unwrap();
+        assert_eq!(tv[0] as usize, want_tiles.len(), "E={e} P={p} bm={bm}: tile count");
+        for (i, w) in want_tiles.iter().enumerate() {
+            assert_eq!(&tv[1 + 3 * i..4 + 3 * i], w, "E={e} P={p} bm={bm}: tile {i}");
+        }
+        let (pv, iv) = (perm.read_i32(p).unwrap(), inv.read_i32(p).unwrap());
+        let mut seen = vec![false; p];
+        for (slot, &i) in pv.iter().enumerate() {
+            assert!(!seen[i as usize], "E={e}: perm repeats pair {i}");
+            seen[i as usize] = true;
+            assert_eq!(iv[i as usize], slot as i32, "E={e}: inv is not perm's inverse");
+            let x = ids[i as usize] as usize;
+            assert!(slot >= off[x] && slot < off[x] + cnt[x], "E={e}: pair {i} of expert {x} at slot {slot}");
+        }
+        eprintln!("moe_align E={e} P={p} bm={bm}: {} tiles as the CPU's", want_tiles.len());
+    }
+}
+
 fn gdn_shapes() -> Vec<(usize, usize, usize, usize, Vec<usize>)> {
     vec![
         (2, 4, 32, 32, vec![1, 5, 64, 130]),

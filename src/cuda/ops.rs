@@ -679,12 +679,13 @@ fn skinny_kq(k: usize) -> usize {
 }
 
 /// Most input rows per pass that [`GemmKernel::Auto`] gives the skinny kernel
-/// (`LILY_CUDA_SKINNY_TN`, default 16: at 64 rows per plain product, four 16-row passes on
-/// 64 KB of staged inputs, two blocks per SM, beat two 32-row passes at one block per SM by 4-5%
-/// in the batched step at B=64).
+/// (`LILY_CUDA_SKINNY_TN`, default 8: the 8-row 4-bit pass runs three blocks per SM with two
+/// chunks in flight per warp, the 16-row one two blocks with one chunk; in the batched step
+/// 8 beat 16 by 6.5% at B=16 and tied at B=64 (3,041 vs 3,059 tok/s), and 16 had beaten two
+/// 32-row passes at one block per SM by 4-5% at B=64).
 fn skinny_tn_cap() -> usize {
     static CAP: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    *CAP.get_or_init(|| std::env::var("LILY_CUDA_SKINNY_TN").ok().and_then(|v| v.parse().ok()).unwrap_or(16))
+    *CAP.get_or_init(|| std::env::var("LILY_CUDA_SKINNY_TN").ok().and_then(|v| v.parse().ok()).unwrap_or(8))
 }
 
 /// `tn` (8, 16 or 32) lowered until its shared memory fits `optin` bytes.

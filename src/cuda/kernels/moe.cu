@@ -17,7 +17,8 @@
  *   perm[off[e] + rank] = i and inv[i] = its slot (the rank within an expert comes from an
  *   atomic, so the order inside a segment varies run to run; every row is computed on its own,
  *   so results do not). tiles = [count, (e, m0, m1) x count] with tiles of at most bm rows that
- *   never span two experts (count <= P/bm + E). grid 1, block 1024, E <= 1024.
+ *   never span two experts (count <= P/bm + E); thread e owns expert e (one block scan of the
+ *   counts and tile counts gives its offset and first tile). grid 1, block 1024 (exactly), E <= 1024.
  *
  * moe_combine_rows (prefill): x[t, r] += sum_k w[t, k] ye[inv[t*K + k], r] + sigmoid(sg[t*sgs]) ys[t, r]
  *   (inv null: the pairs in token order, row t*K + k; the batched decode's).
@@ -179,33 +180,63 @@ extern "C" __global__ void moe_combine(float* x, const float* ye, const float* w
     x[r] += acc;
 }
 
+/* Exclusive block scan of (a, b) over the 1024 threads (32 warps); returns both and the totals. */
+__device__ __forceinline__ int2 scan2_1024(int a, int b, int2* total) {
+    __shared__ int2 wsum[32];
+    int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
+    int ia = a, ib = b;
+    for (int o = 1; o < 32; o <<= 1) {
+        int ua = __shfl_up_sync(0xffffffffu, ia, o), ub = __shfl_up_sync(0xffffffffu, ib, o);
+        if (lane >= o) {
+            ia += ua;
+            ib += ub;
+        }
+    }
+    if (lane == 31) wsum[w] = make_int2(ia, ib);
+    __syncthreads();
+    if (w == 0) {
+        int2 v = wsum[lane];
+        int sa = v.x, sb = v.y;
+        for (int o = 1; o < 32; o <<= 1) {
+            int ua = __shfl_up_sync(0xffffffffu, sa, o), ub = __shfl_up_sync(0xffffffffu, sb, o);
+            if (lane >= o) {
+                sa += ua;
+                sb += ub;
+            }
+        }
+        wsum[lane] = make_int2(sa - v.x, sb - v.y); /* exclusive prefix of the warps */
+        if (lane == 31) *total = make_int2(sa, sb);
+    }
+    __syncthreads();
+    int2 base = wsum[w];
+    return make_int2(base.x + ia - a, base.y + ib - b);
+}
+
+/* Thread e (block 1024 >= E) owns expert e: its count, its offset and its tiles come from one
+   block scan of (count, tile count), so no thread walks the experts serially. */
 extern "C" __global__ void moe_align(const int* ids, int P, int E, int bm, int* perm, int* inv, int* tiles) {
     __shared__ int cnt[1024], off[1024], cur[1024];
-    for (int e = threadIdx.x; e < E; e += blockDim.x) {
-        cnt[e] = 0;
-        cur[e] = 0;
-    }
+    __shared__ int2 total;
+    int e = threadIdx.x;
+    cnt[e] = 0;
+    cur[e] = 0;
     __syncthreads();
     for (int i = threadIdx.x; i < P; i += blockDim.x) atomicAdd(&cnt[ids[i]], 1);
     __syncthreads();
-    if (threadIdx.x == 0) {
-        int o = 0, nt = 0;
-        for (int e = 0; e < E; e++) {
-            off[e] = o;
-            for (int m0 = o; m0 < o + cnt[e]; m0 += bm) {
-                tiles[1 + 3 * nt] = e;
-                tiles[2 + 3 * nt] = m0;
-                tiles[3 + 3 * nt] = min(o + cnt[e], m0 + bm);
-                nt++;
-            }
-            o += cnt[e];
-        }
-        tiles[0] = nt;
+    int c = e < E ? cnt[e] : 0;
+    int2 ex = scan2_1024(c, (c + bm - 1) / bm, &total);
+    off[e] = ex.x;
+    for (int j = 0, m0 = ex.x; m0 < ex.x + c; j++, m0 += bm) {
+        int t = ex.y + j;
+        tiles[1 + 3 * t] = e;
+        tiles[2 + 3 * t] = m0;
+        tiles[3 + 3 * t] = min(ex.x + c, m0 + bm);
     }
     __syncthreads();
+    if (threadIdx.x == 0) tiles[0] = total.y;
     for (int i = threadIdx.x; i < P; i += blockDim.x) {
-        int e = ids[i];
-        int p = off[e] + atomicAdd(&cur[e], 1);
+        int x = ids[i];
+        int p = off[x] + atomicAdd(&cur[x], 1);
         perm[p] = i;
         inv[i] = p;
     }

@@ -244,7 +244,7 @@ impl CudaBatch {
                     let (qd, kvd, od) = (c.q_proj_dim(), c.kv_dim(), nh * hd);
                     let ldp = qd + 2 * kvd;
                     self.proj_rows(proj, p.x.ptr, in_norm, p.proj.ptr, ldp, b)?;
-                    let decode = |q: &CudaSession, i: usize, kc: &DevBuf, vc: &DevBuf| AttnDecode {
+                    let decode = |splits: usize, i: usize, kc: &DevBuf, vc: &DevBuf, kv| AttnDecode {
                         q: p.q.at(4 * i * od),
                         kc: kc.ptr,
                         vc: vc.ptr,
@@ -256,8 +256,8 @@ impl CudaBatch {
                         pos: pos.at(4 * i),
                         gated: c.attn_output_gate,
                         part: part.ptr,
-                        splits: q.attn[q.long_attn(q.pos) as usize].1,
-                        kv: q.kv,
+                        splits,
+                        kv,
                     };
                     if one_plan {
                         let GState::Attn { k: kc, v: vc, .. } = &first.states[li] else {
@@ -267,8 +267,10 @@ impl CudaBatch {
                         let prep =
                             attn_prep_args(c, p.proj.ptr, [q_norm, k_norm], p.q.ptr, [kc, vc], pos.ptr, first.kv);
                         g.attn_prep_rows(&prep, b, ldp, kvt)?;
-                        let kernel = first.attn[first.long_attn(first.pos) as usize].0;
-                        g.attn_decode_rows(&decode(first, 0, kc, vc), kernel, &AttnRows { rows: b, kvt, ldqg: ldp })?;
+                        let plan = first.attn[first.long_attn(first.pos) as usize];
+                        let (kernel, splits) = g.attn_rows_plan(plan, nh, hkv, b);
+                        let rows = AttnRows { rows: b, kvt, ldqg: ldp };
+                        g.attn_decode_rows(&decode(splits, 0, kc, vc, first.kv), kernel, &rows)?;
                     } else {
                         for (i, &s) in slots.iter().enumerate() {
                             let q = &self.seqs[s];
@@ -281,7 +283,8 @@ impl CudaBatch {
                                 1,
                                 0,
                             )?;
-                            g.attn_decode(&decode(q, i, kc, vc), q.attn[q.long_attn(q.pos) as usize].0)?;
+                            let (kernel, splits) = q.attn[q.long_attn(q.pos) as usize];
+                            g.attn_decode(&decode(splits, i, kc, vc, q.kv), kernel)?;
                         }
                     }
                     self.out_rows(o, p.o.ptr, od, p.x.ptr, b)?;

@@ -227,6 +227,36 @@ impl Gpu {
         }
     }
 
+    /// The decode attention of `rows` sequences in one launch, from one sequence's plan `plan`.
+    /// The plan's splits fill the device with one sequence's heads, so with many rows they made
+    /// tens of thousands of blocks over a few positions each (at 64 rows and 32 splits per head
+    /// the per-head kernel ran 32,768 blocks of ~10 positions: 339 µs a layer). Here the kernel
+    /// is the GQA-packed one ([`AttnKernel::Tc`]: K/V read once per KV head, on tensor cores
+    /// where it applies) whenever the head grouping allows it, and the splits fall until the
+    /// grid is about `LILY_CUDA_BATCH_ATTN_WAVES` (default 2) blocks per SM, never below 1 nor
+    /// above one sequence's. `LILY_CUDA_BATCH_ATTN=head` keeps the per-head kernel, `=plan` the
+    /// single sequence's kernel.
+    pub fn attn_rows_plan(&self, plan: (AttnKernel, usize), nh: usize, hkv: usize, rows: usize) -> (AttnKernel, usize) {
+        static V: std::sync::OnceLock<(Option<AttnKernel>, bool, usize)> = std::sync::OnceLock::new();
+        let (forced, keep_plan, waves) = *V.get_or_init(|| {
+            let mode = std::env::var("LILY_CUDA_BATCH_ATTN").ok();
+            let forced = (mode.as_deref() == Some("head")).then_some(AttnKernel::PerHead);
+            let w = std::env::var("LILY_CUDA_BATCH_ATTN_WAVES").ok().and_then(|v| v.parse().ok()).unwrap_or(2);
+            (forced, mode.as_deref() == Some("plan"), w)
+        });
+        let packed_ok = hkv > 0 && nh.is_multiple_of(hkv) && matches!(nh / hkv, 1 | 2 | 4 | 8);
+        let kernel = match forced {
+            Some(k) => k,
+            None if keep_plan => plan.0,
+            None if packed_ok => AttnKernel::Tc,
+            None => AttnKernel::PerHead,
+        };
+        let grid_x = if kernel == AttnKernel::PerHead { nh } else { hkv };
+        let max = if kernel == plan.0 { plan.1 } else { (self.sms as usize / grid_x.max(1)).clamp(1, 1024) };
+        let target = waves.max(1) * self.sms as usize;
+        (kernel, target.div_ceil(grid_x * rows.max(1)).clamp(1, max.max(1)))
+    }
+
     /// Whether [`AttnKernel::Tc`] runs on tensor cores for these heads and cache (else it is the
     /// packed fp32-FMA kernel): 8 query heads per KV head, head dim 64, 128 or 256, a bf16 cache,
     /// and its shared memory within the device's opt-in limit.
