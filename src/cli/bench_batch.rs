@@ -77,10 +77,21 @@ pub fn run(
                 "lily bench: context {ctx}, batch {bsz}: {} warm-up and 1 measured run of {bsz} × ({ctx} prompt + {} decode tokens)",
                 a.warmup, a.decode_steps
             );
+            // One batch for the warm-up and the measured run, its slots reset before each (as
+            // llama-batched-bench reuses its context); `--fresh-session`: a new batch per run, so
+            // its first-use allocations and graph captures fall inside the timing.
             let mut measured = None;
+            let mut kept: Option<Box<dyn Batched>> = None;
             for _ in 0..=a.warmup {
-                let mut b = a.model.batch(loaded, bsz)?;
+                let mut b = match kept.take() {
+                    Some(mut b) if !a.fresh_session => {
+                        (0..bsz).for_each(|slot| b.reset(slot));
+                        b
+                    }
+                    _ => a.model.batch(loaded, bsz)?,
+                };
                 measured = Some(one_run(b.as_mut(), &prompts, a.decode_steps)?);
+                kept = Some(b);
             }
             let (pf, dec) = measured.expect("at least one run");
             if dec <= 0.0 && a.decode_steps > 0 {

@@ -247,10 +247,13 @@ fn shared_grouped(skinny: bool) -> bool {
     forced.unwrap_or(skinny)
 }
 
-/// Whether `pairs` expert rows over `experts` experts are few enough for the skinny kernel's
-/// 8-row tiles.
+/// Whether `pairs` expert rows over `experts` experts are few enough for 8-row expert tiles
+/// (bf16, at most `LILY_CUDA_BM8_AVG` rows per expert on average, default 6; else 64-row
+/// tiles, each run by one block in passes of the skinny kernel's width).
 fn skinny_tiles(prec: Precision, pairs: usize, experts: usize) -> bool {
-    prec == Precision::Bf16 && pairs.div_ceil(experts) <= 6
+    static V: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    let avg = *V.get_or_init(|| std::env::var("LILY_CUDA_BM8_AVG").ok().and_then(|v| v.parse().ok()).unwrap_or(6));
+    prec == Precision::Bf16 && pairs.div_ceil(experts) <= avg
 }
 
 /// The post-attention half of layer `layer` over the `t` rows of the prefill scratch `x`:
@@ -298,8 +301,9 @@ pub(super) fn ffn_rows(m: &CudaModel, layer: &GLayer, p: &PScratch, t: usize, pr
             let pairs = t * k;
             router.run_rows(g, prec, p.xn.ptr, h, p.router.ptr, e + 1, t)?;
             g.moe_topk_rows(p.router.ptr, e + 1, t, e, k, c.norm_topk_prob, p.ids.ptr, p.wts.ptr, 0, false)?;
-            g.moe_align(p.ids.ptr, pairs, e, prec.bm(), p.perm.ptr, p.inv.ptr, p.tiles.ptr)?;
-            let nt = max_tiles(pairs, prec.bm(), e);
+            let bm = if skinny_tiles(prec, pairs, e) { 8 } else { prec.bm() };
+            g.moe_align(p.ids.ptr, pairs, e, bm, p.perm.ptr, p.inv.ptr, p.tiles.ptr)?;
+            let nt = max_tiles(pairs, bm, e);
             g.gemm_grouped(
                 &experts.gate_up,
                 prec,
