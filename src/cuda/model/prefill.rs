@@ -233,26 +233,29 @@ impl CudaSession {
 }
 
 /// Whether the many-row MoE runs the shared expert inside the grouped products when it is
-/// stacked as expert E. `LILY_CUDA_SHARED_GROUPED=1` always, `=0` never; by default only in the
-/// skinny regime (bf16 products, at most 6 rows per expert on average: the batched decode step),
-/// where it measured +7% at 16 sequences and +4.5% at 64; in the prefill regime it measured 3-6%
-/// slower (docs/perf-log.md, 2026-12-03).
-fn shared_grouped(skinny: bool) -> bool {
+/// stacked as expert E. `LILY_CUDA_SHARED_GROUPED=1` always, `=0` never; by default where the
+/// expert tiles are 8 rows ([`skinny_tiles`]: the batched decode step, prompts up to ~680
+/// tokens). Measured (docs/perf-log.md, 2026-12-03): +7% at 16 sequences and +4.5% at 64 in
+/// the batched step; with 64-row tiles in prefill it was 2-9% slower (the shared expert's rows
+/// then run as a few blocks of many passes), with 8-row tiles prefill at 256 tokens went from
+/// 7,530-7,541 to 7,904-7,917 tok/s.
+fn shared_grouped(skinny_tiles: bool) -> bool {
     static V: std::sync::OnceLock<Option<bool>> = std::sync::OnceLock::new();
     let forced = *V.get_or_init(|| match std::env::var("LILY_CUDA_SHARED_GROUPED").as_deref() {
         Ok("1") => Some(true),
         Ok("0") => Some(false),
         _ => None,
     });
-    forced.unwrap_or(skinny)
+    forced.unwrap_or(skinny_tiles)
 }
 
-/// Whether `pairs` expert rows over `experts` experts are few enough for 8-row expert tiles
-/// (bf16, at most `LILY_CUDA_BM8_AVG` rows per expert on average, default 6; else 64-row
-/// tiles, each run by one block in passes of the skinny kernel's width).
+/// Whether `pairs` expert rows over `experts` experts run in 8-row expert tiles (bf16, at most
+/// `LILY_CUDA_BM8_AVG` rows per expert on average, default 24: where Auto picks the skinny
+/// kernel) rather than 64-row tiles, each of which one block runs in passes of the skinny
+/// kernel's width. With 8-row tiles an expert's passes run side by side in separate blocks.
 fn skinny_tiles(prec: Precision, pairs: usize, experts: usize) -> bool {
     static V: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    let avg = *V.get_or_init(|| std::env::var("LILY_CUDA_BM8_AVG").ok().and_then(|v| v.parse().ok()).unwrap_or(6));
+    let avg = *V.get_or_init(|| std::env::var("LILY_CUDA_BM8_AVG").ok().and_then(|v| v.parse().ok()).unwrap_or(24));
     prec == Precision::Bf16 && pairs.div_ceil(experts) <= avg
 }
 
