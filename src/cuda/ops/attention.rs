@@ -244,17 +244,7 @@ impl Gpu {
             let w = std::env::var("LILY_CUDA_BATCH_ATTN_WAVES").ok().and_then(|v| v.parse().ok()).unwrap_or(2);
             (forced, mode.as_deref() == Some("plan"), w)
         });
-        let packed_ok = hkv > 0 && nh.is_multiple_of(hkv) && matches!(nh / hkv, 1 | 2 | 4 | 8);
-        let kernel = match forced {
-            Some(k) => k,
-            None if keep_plan => plan.0,
-            None if packed_ok => AttnKernel::Tc,
-            None => AttnKernel::PerHead,
-        };
-        let grid_x = if kernel == AttnKernel::PerHead { nh } else { hkv };
-        let max = if kernel == plan.0 { plan.1 } else { (self.sms as usize / grid_x.max(1)).clamp(1, 1024) };
-        let target = waves.max(1) * self.sms as usize;
-        (kernel, target.div_ceil(grid_x * rows.max(1)).clamp(1, max.max(1)))
+        rows_plan(plan, (forced, keep_plan, waves), self.sms as usize, nh, hkv, rows)
     }
 
     /// Whether [`AttnKernel::Tc`] runs on tensor cores for these heads and cache (else it is the
@@ -266,6 +256,56 @@ impl Gpu {
             && nh == 8 * hkv
             && matches!(hd, 64 | 128 | 256)
             && super::super::attn_dec_smem(hd) <= self.smem_optin_max
+    }
+}
+
+/// [`Gpu::attn_rows_plan`]'s choice as a function of the settings `(forced kernel, keep the
+/// plan's kernel, blocks per SM)` and the device's `sms`.
+fn rows_plan(
+    plan: (AttnKernel, usize),
+    (forced, keep_plan, waves): (Option<AttnKernel>, bool, usize),
+    sms: usize,
+    nh: usize,
+    hkv: usize,
+    rows: usize,
+) -> (AttnKernel, usize) {
+    let packed_ok = hkv > 0 && nh.is_multiple_of(hkv) && matches!(nh / hkv, 1 | 2 | 4 | 8);
+    let kernel = match forced {
+        Some(k) => k,
+        None if keep_plan => plan.0,
+        None if packed_ok => AttnKernel::Tc,
+        None => AttnKernel::PerHead,
+    };
+    let grid_x = if kernel == AttnKernel::PerHead { nh } else { hkv }.max(1);
+    let max = if kernel == plan.0 { plan.1 } else { (sms / grid_x).clamp(1, 1024) };
+    let target = waves.max(1) * sms;
+    (kernel, target.div_ceil(grid_x * rows.max(1)).clamp(1, max.max(1)))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{rows_plan, AttnKernel};
+
+    #[test]
+    fn batched_attention_lowers_the_splits_to_about_two_blocks_per_sm() {
+        let short = (AttnKernel::PerHead, 32);
+        let auto = (None, false, 2);
+        // Qwen3.6 (16 query heads, 2 KV heads) on 132 SMs: the packed kernel, 264 blocks wanted.
+        assert_eq!(rows_plan(short, auto, 132, 16, 2, 64), (AttnKernel::Tc, 3)); // 2 x 3 x 64 = 384
+        assert_eq!(rows_plan(short, auto, 132, 16, 2, 16), (AttnKernel::Tc, 9));
+        // One row: never more splits than one sequence's packed plan (132 / 2).
+        assert_eq!(rows_plan(short, auto, 132, 16, 2, 1), (AttnKernel::Tc, 66));
+        // Many rows: at least one split.
+        assert_eq!(rows_plan(short, auto, 132, 16, 2, 1024), (AttnKernel::Tc, 1));
+        // At long context the plan is already packed: its splits are the cap.
+        assert_eq!(rows_plan((AttnKernel::Tc, 66), auto, 132, 16, 2, 4), (AttnKernel::Tc, 33));
+        // Head groupings the packed kernels do not take stay per head, capped by the plan.
+        assert_eq!(rows_plan(short, auto, 132, 12, 1, 2), (AttnKernel::PerHead, 11));
+        assert_eq!(rows_plan(short, auto, 132, 3, 0, 1), (AttnKernel::PerHead, 32));
+        // The settings: per head forced, the plan kept, more waves.
+        assert_eq!(rows_plan(short, (Some(AttnKernel::PerHead), false, 2), 132, 16, 2, 8), (AttnKernel::PerHead, 3));
+        assert_eq!(rows_plan(short, (None, true, 2), 132, 16, 2, 64), (AttnKernel::PerHead, 1));
+        assert_eq!(rows_plan(short, (None, false, 4), 132, 16, 2, 16), (AttnKernel::Tc, 17));
     }
 }
 
