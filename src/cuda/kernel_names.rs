@@ -23,30 +23,15 @@ pub const SOURCES: [(&str, &str); 17] = [
     ("pstep.cu", include_str!("kernels/pstep.cu")),
 ];
 
-/// Kernel entry points loaded from the module, besides [`SKINNY_KERNELS`] (see [`all_kernels`]).
-pub const KERNELS: [&str; 63] = [
-    "rms_norm",
-    "silu_mul",
-    "silu_mul_pairs",
-    "add_inplace",
-    "linear_gemv",
-    "moe_down",
-    "gemv_q2",
-    "gemv_q2_conv",
-    "moe_fused_q",
+/// Kernel entry points loaded from the module that are launched plainly; with [`PDL_KERNELS`] and
+/// [`SKINNY_KERNELS`] they are every entry point (see [`all_kernels`]), each listed once.
+pub const KERNELS: [&str; 24] = [
     "gemv_q_loadonly",
-    "moe_down_q",
-    "gemv_q2_routed",
     "gemm_f32",
     "gemm_bf16",
     "gemm_bf16_m128",
     "gemm_pipe64",
     "gemm_pipe128",
-    "embed_row",
-    "conv_step",
-    "gdn_step",
-    "gdn_step_par",
-    "gdn_step_par_rows",
     "conv_prefill",
     "conv_state",
     "gdn_qk_prep",
@@ -54,39 +39,16 @@ pub const KERNELS: [&str; 63] = [
     "gdn_chunk_prep",
     "gdn_chunk_scan",
     "gdn_out_norm",
-    "attn_prep",
-    "attn_decode",
-    "attn_combine",
-    "attn_decode_gqa1",
-    "attn_decode_gqa2",
-    "attn_decode_gqa4",
-    "attn_decode_gqa8",
     "attn_prefill",
     "attn_prefill_tc",
-    "attn_prep_bf16",
-    "attn_decode_bf16",
-    "attn_decode_gqa1_bf16",
-    "attn_decode_gqa2_bf16",
-    "attn_decode_gqa4_bf16",
-    "attn_decode_gqa8_bf16",
-    "attn_decode_tc64",
-    "attn_decode_tc128",
-    "attn_decode_tc256",
     "attn_prefill_bf16",
     "attn_prefill_tc_bf16",
     "attn_prefill_fa64",
     "attn_prefill_fa128",
     "attn_prefill_fa256",
-    "moe_topk",
     "moe_align",
     "moe_combine",
     "moe_combine_rows",
-    "argmax",
-    "argmax_io",
-    "samp_max",
-    "samp_radix",
-    "samp_zsum",
-    "samp_draw",
     "pstep",
 ];
 
@@ -118,7 +80,7 @@ pub const SKINNY_KERNELS: [&str; 10] = [
 
 /// Every kernel entry point loaded from the module.
 pub fn all_kernels() -> impl Iterator<Item = &'static str> {
-    KERNELS.into_iter().chain(SKINNY_KERNELS)
+    KERNELS.into_iter().chain(PDL_KERNELS).chain(SKINNY_KERNELS)
 }
 
 /// Whether `name` may be launched as a programmatic dependent.
