@@ -30,6 +30,16 @@ fn have_gpu() -> bool {
     true
 }
 
+/// synthetic:tiny (4-bit, vocab 1024) and its upload, or None (skipping) without a GPU.
+fn tiny_on_gpu() -> Option<(Arc<lily::model::Model>, Arc<lily::cuda::CudaModel>)> {
+    if !have_gpu() {
+        return None;
+    }
+    let model = Arc::new(lily::synthetic::build("tiny", None, 1024).unwrap());
+    let gm = lily::cuda::upload_cached(&model).unwrap();
+    Some((model, gm))
+}
+
 /// A session in the exact mode's cache precision (fp32 K/V); the default cache is bf16.
 fn exact(gm: Arc<CudaModel>) -> CudaSession {
     let mut s = CudaSession::new(gm);
@@ -131,11 +141,7 @@ fn cuda_mlx_8bit_group32_matches_mlx_lm() {
 /// so the KV cache grows once).
 #[test]
 fn cuda_synthetic_tiny_matches_cpu() {
-    if !have_gpu() {
-        return;
-    }
-    let model = Arc::new(lily::synthetic::build("tiny", None, 1024).unwrap());
-    let gm = lily::cuda::upload_cached(&model).unwrap();
+    let Some((model, gm)) = tiny_on_gpu() else { return };
     let prompt: Vec<u32> = (0..300u32).map(|i| (i * 7919 + 13) % 1024).collect();
     let want = CpuSession::new(model.clone()).forward_all(&prompt).unwrap();
     let mut graphs = exact(gm.clone());
@@ -182,11 +188,7 @@ fn cuda_synthetic_tiny_matches_cpu() {
 #[test]
 fn cuda_device_sampling_loop() {
     use lily::sampling::SamplingParams;
-    if !have_gpu() {
-        return;
-    }
-    let model = Arc::new(lily::synthetic::build("tiny", None, 1024).unwrap());
-    let gm = lily::cuda::upload_cached(&model).unwrap();
+    let Some((_, gm)) = tiny_on_gpu() else { return };
     let prompt: Vec<u32> = (0..40u32).map(|i| (i * 131 + 7) % 1024).collect();
     let run = |p: &SamplingParams, seed: u64| -> Vec<u32> {
         let mut s = CudaSession::new(gm.clone());
@@ -215,11 +217,7 @@ fn cuda_device_sampling_loop() {
 /// below what a state left over from A gives (of order the range).
 #[test]
 fn cuda_reset_session_equals_fresh_session() {
-    if !have_gpu() {
-        return;
-    }
-    let model = Arc::new(lily::synthetic::build("tiny", None, 1024).unwrap());
-    let gm = lily::cuda::upload_cached(&model).unwrap();
+    let Some((_, gm)) = tiny_on_gpu() else { return };
     let a: Vec<u32> = (0..300u32).map(|i| (i * 97 + 5) % 1024).collect();
     let b: Vec<u32> = (0..40u32).map(|i| (i * 131 + 7) % 1024).collect();
     let run = |s: &mut CudaSession, p: &[u32]| {
