@@ -268,69 +268,36 @@ pub(super) fn ffn_rows(m: &CudaModel, layer: &GLayer, p: &PScratch, t: usize, pr
     let (h, eps) = (c.hidden_size, c.rms_norm_eps);
     g.rms_norm(p.x.ptr, layer.post_norm.ptr, p.xn.ptr, t, h, eps)?;
     match &layer.ffn {
-        GFfn::Moe { router, experts, .. }
-            if experts.shared_slot
-                && shared_grouped(skinny_tiles(prec, t * (c.num_experts_per_tok + 1), c.num_experts + 1)) =>
-        {
-            // The shared expert as one more routed choice (expert E of the stack, weight
-            // sigmoid(gate logit)): its t rows join the grouped products, so the layer has no
-            // separate shared-expert launches. With few rows per expert (the skinny kernel's
-            // 8-row passes) the tiles are 8 rows, so the shared expert's t rows run as t/8
-            // blocks side by side rather than t/8 passes of one block.
-            let (e, k1) = (c.num_experts, c.num_experts_per_tok + 1);
-            let inter = experts.down.cols;
-            let pairs = t * k1;
-            let bm = if skinny_tiles(prec, pairs, e + 1) { 8 } else { prec.bm() };
-            router.run_rows(g, prec, p.xn.ptr, h, p.router.ptr, e + 1, t)?;
-            g.moe_topk_rows(p.router.ptr, e + 1, t, e, k1 - 1, c.norm_topk_prob, p.ids.ptr, p.wts.ptr, 0, true)?;
-            g.moe_align(p.ids.ptr, pairs, e + 1, bm, p.perm.ptr, p.inv.ptr, p.tiles.ptr)?;
-            let nt = max_tiles(pairs, bm, e + 1);
-            let gu = (p.egu.ptr, 2 * inter);
-            g.gemm_grouped(
-                &experts.gate_up,
-                prec,
-                2 * inter,
-                (p.xn.ptr, h, p.perm.ptr, k1),
-                gu,
-                (p.tiles.ptr, nt, pairs),
-            )?;
-            g.silu_mul_pairs(p.egu.ptr, p.eh.ptr, inter, pairs)?;
-            g.gemm_grouped(&experts.down, prec, h, (p.eh.ptr, inter, 0, 1), (p.ye.ptr, h), (p.tiles.ptr, nt, pairs))?;
-            g.moe_combine_rows(p.x.ptr, p.ye.ptr, p.inv.ptr, p.wts.ptr, 0, (0, 0), h, k1, t)?;
-        }
         GFfn::Moe { router, experts, shared } => {
+            // `inside`: the shared expert as one more routed choice (expert E of the stack,
+            // weight sigmoid(gate logit)), so its t rows join the grouped products and the layer
+            // has no separate shared-expert launches. With few rows per expert the tiles are 8
+            // rows, so the shared expert's t rows run as t/8 blocks side by side rather than t/8
+            // passes of one block.
             let (e, k) = (c.num_experts, c.num_experts_per_tok);
+            let inside = experts.shared_slot && shared_grouped(skinny_tiles(prec, t * (k + 1), e + 1));
+            // slots per token and experts grouped over
+            let (slots, grouped) = if inside { (k + 1, e + 1) } else { (k, e) };
             let inter = experts.down.cols;
-            let pairs = t * k;
+            let pairs = t * slots;
             router.run_rows(g, prec, p.xn.ptr, h, p.router.ptr, e + 1, t)?;
-            g.moe_topk_rows(p.router.ptr, e + 1, t, e, k, c.norm_topk_prob, p.ids.ptr, p.wts.ptr, 0, false)?;
-            let bm = if skinny_tiles(prec, pairs, e) { 8 } else { prec.bm() };
-            g.moe_align(p.ids.ptr, pairs, e, bm, p.perm.ptr, p.inv.ptr, p.tiles.ptr)?;
-            let nt = max_tiles(pairs, bm, e);
-            g.gemm_grouped(
-                &experts.gate_up,
-                prec,
-                2 * inter,
-                (p.xn.ptr, h, p.perm.ptr, k),
-                (p.egu.ptr, 2 * inter),
-                (p.tiles.ptr, nt, pairs),
-            )?;
+            g.moe_topk_rows(p.router.ptr, e + 1, t, e, k, c.norm_topk_prob, p.ids.ptr, p.wts.ptr, 0, inside)?;
+            let bm = if skinny_tiles(prec, pairs, grouped) { 8 } else { prec.bm() };
+            g.moe_align(p.ids.ptr, pairs, grouped, bm, p.perm.ptr, p.inv.ptr, p.tiles.ptr)?;
+            let tl = (p.tiles.ptr, max_tiles(pairs, bm, grouped), pairs);
+            let gu = (p.egu.ptr, 2 * inter);
+            g.gemm_grouped(&experts.gate_up, prec, 2 * inter, (p.xn.ptr, h, p.perm.ptr, slots), gu, tl)?;
             g.silu_mul_pairs(p.egu.ptr, p.eh.ptr, inter, pairs)?;
-            g.gemm_grouped(&experts.down, prec, h, (p.eh.ptr, inter, 0, 1), (p.ye.ptr, h), (p.tiles.ptr, nt, pairs))?;
-            shared.gate_up.run_rows(g, prec, p.xn.ptr, h, p.sgu.ptr, 2 * shared.inter, t)?;
-            g.silu_mul_pairs(p.sgu.ptr, p.sh.ptr, shared.inter, t)?;
-            g.gemm(&shared.down, prec, p.sh.ptr, shared.inter, p.ys.ptr, h, t, false)?;
-            g.moe_combine_rows(
-                p.x.ptr,
-                p.ye.ptr,
-                p.inv.ptr,
-                p.wts.ptr,
-                p.ys.ptr,
-                (p.router.at(4 * e), e + 1),
-                h,
-                k,
-                t,
-            )?;
+            g.gemm_grouped(&experts.down, prec, h, (p.eh.ptr, inter, 0, 1), (p.ye.ptr, h), tl)?;
+            let (ys, gate) = if inside {
+                (0, (0, 0))
+            } else {
+                shared.gate_up.run_rows(g, prec, p.xn.ptr, h, p.sgu.ptr, 2 * shared.inter, t)?;
+                g.silu_mul_pairs(p.sgu.ptr, p.sh.ptr, shared.inter, t)?;
+                g.gemm(&shared.down, prec, p.sh.ptr, shared.inter, p.ys.ptr, h, t, false)?;
+                (p.ys.ptr, (p.router.at(4 * e), e + 1))
+            };
+            g.moe_combine_rows(p.x.ptr, p.ye.ptr, p.inv.ptr, p.wts.ptr, ys, gate, h, slots, t)?;
         }
         GFfn::Dense(mm) => {
             mm.gate_up.run_rows(g, prec, p.xn.ptr, h, p.sgu.ptr, 2 * mm.inter, t)?;
