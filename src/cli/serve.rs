@@ -54,7 +54,7 @@ pub struct ServeArgs {
     #[arg(allow_negative_numbers = true, long, default_value_t = 32768)]
     pub max_tokens_default: usize,
     /// Sequences generated at once (continuous batching); more requests wait in the queue.
-    /// Default: 8 on the CPU, 16 on the GPU.
+    /// Default: 8 on the CPU, 64 on the GPU.
     #[arg(allow_negative_numbers = true, long)]
     pub max_num_seqs: Option<usize>,
     /// Prompt tokens per engine step over all prefilling requests, so that a long prompt is
@@ -62,10 +62,16 @@ pub struct ServeArgs {
     #[arg(allow_negative_numbers = true, long)]
     pub max_prefill_tokens: Option<usize>,
     /// KV-cache positions over all running requests; a request reserves its prompt plus
-    /// max_tokens and waits while that does not fit. Default: max-num-seqs × max-seq, on the
-    /// CPU at most what half of the available memory holds.
+    /// max_tokens and waits while that does not fit. Default: max-num-seqs × max-seq, at most
+    /// what half of the available memory holds on the CPU, and on the GPU what
+    /// --gpu-memory-utilization leaves after the weights, the slots' recurrent states and 2 GiB
+    /// of scratch.
     #[arg(allow_negative_numbers = true, long)]
     pub kv_budget_tokens: Option<usize>,
+    /// GPU: the share of the device's memory lily may hold (weights, states, scratch and the
+    /// KV cache), from which the default --kv-budget-tokens is derived (as vLLM's flag).
+    #[arg(long, default_value_t = 0.9)]
+    pub gpu_memory_utilization: f64,
     /// No log line per request.
     #[arg(long, short = 'q')]
     pub quiet: bool,
@@ -110,6 +116,43 @@ fn default_kv_budget(slots: usize, max_seq: usize, kv_per_token: usize, availabl
     available.map_or(full, |a| full.min(a / 2 / kv_per_token).max(max_seq))
 }
 
+/// Scratch the GPU budget leaves aside besides the weights, states and KV cache: the shared
+/// prefill scratch (~0.6 GB at 2,048-token chunks of the 35B model), the decode scratch, split-K
+/// workspaces and captured graphs.
+const GPU_SCRATCH_BYTES: usize = 2 << 30;
+
+/// The default KV budget on the GPU: positions at `kv_per_token` bytes that fit in `util` of
+/// `total` device bytes once `used` (weights and context, already held) and `slots` recurrent
+/// states of `state` bytes and [`GPU_SCRATCH_BYTES`] are counted; at most `slots × max_seq`.
+/// An error names the numbers when not even one full-context request would fit.
+fn gpu_kv_budget(
+    slots: usize,
+    max_seq: usize,
+    kv_per_token: usize,
+    state: usize,
+    (free, total): (usize, usize),
+    util: f64,
+) -> Result<usize> {
+    if !(util > 0.0 && util <= 1.0) {
+        bail!("--gpu-memory-utilization must be in (0, 1], got {util}");
+    }
+    let used = total.saturating_sub(free);
+    let allowed = (total as f64 * util) as usize;
+    let fixed = used + slots.saturating_mul(state) + GPU_SCRATCH_BYTES;
+    let kv = allowed.saturating_sub(fixed) / kv_per_token.max(1);
+    let gib = |b: usize| b as f64 / (1u64 << 30) as f64;
+    if kv < max_seq.min(4096) {
+        bail!(
+            "--gpu-memory-utilization {util} allows {:.1} GiB of the device's {:.1} GiB; {:.1} GiB are in use and {slots} slots' recurrent state plus scratch take {:.1} GiB, leaving room for {kv} KV positions; lower --max-num-seqs or --max-seq, or raise --gpu-memory-utilization",
+            gib(allowed),
+            gib(total),
+            gib(used),
+            gib(slots.saturating_mul(state) + GPU_SCRATCH_BYTES)
+        );
+    }
+    Ok(kv.min(slots.saturating_mul(max_seq)))
+}
+
 /// The listening address from --bind or --host/--port; `:PORT` means loopback.
 fn bind_address(a: &ServeArgs) -> String {
     if a.host.is_some() || a.port.is_some() {
@@ -138,7 +181,7 @@ pub fn run(mut a: ServeArgs) -> Result<()> {
     loaded.tokenizer("serve needs one")?;
     let tok = loaded.tokenizer.take().context("no tokenizer")?;
     let gpu = lily::cuda::uploaded(&loaded.model).is_some();
-    let slots = a.max_num_seqs.unwrap_or(if gpu { 16 } else { 8 });
+    let slots = a.max_num_seqs.unwrap_or(if gpu { 64 } else { 8 });
     if slots == 0 || slots > 1024 {
         bail!("--max-num-seqs must be between 1 and 1024, got {slots}");
     }
@@ -164,15 +207,22 @@ pub fn run(mut a: ServeArgs) -> Result<()> {
     if max_prefill_tokens == 0 {
         bail!("--max-prefill-tokens must be at least 1");
     }
-    let kv_per_token = loaded.model.state_bytes().1.max(1);
-    let kv_budget_tokens = match a.kv_budget_tokens {
-        Some(0) => bail!("--kv-budget-tokens must be at least 1"),
-        Some(n) => n,
-        None => default_kv_budget(slots, max_seq, kv_per_token, (!gpu).then(available_memory).flatten()),
+    let (state, kv_f32) = loaded.model.state_bytes();
+    let kv_per_token = if gpu { kv_f32 / 4 * a.model.gpu_kv().bytes() } else { kv_f32 }.max(1);
+    let kv_budget_tokens = match (a.kv_budget_tokens, lily::cuda::uploaded(&loaded.model)) {
+        (Some(0), _) => bail!("--kv-budget-tokens must be at least 1"),
+        (Some(n), _) => n,
+        (None, Some(m)) => {
+            let mem = m.gpu.mem_info()?;
+            gpu_kv_budget(slots, max_seq, kv_per_token, state, mem, a.gpu_memory_utilization)?
+        }
+        (None, None) => default_kv_budget(slots, max_seq, kv_per_token, available_memory()),
     };
     eprintln!(
-        "lily serve: {slots} sequence slots, {max_prefill_tokens} prompt tokens per step, KV budget {kv_budget_tokens} tokens ({} MiB on the CPU layout)",
-        (kv_budget_tokens as u128 * kv_per_token as u128) >> 20
+        "lily serve: {slots} sequence slots, {max_prefill_tokens} prompt tokens per step, KV budget {kv_budget_tokens} tokens ({} MiB at {} bytes per position on the {})",
+        (kv_budget_tokens as u128 * kv_per_token as u128) >> 20,
+        kv_per_token,
+        if gpu { "GPU" } else { "CPU" }
     );
     let backend = a.model.batch(&loaded, slots)?;
     // Already in the cache after `load` (a hub id is resolved once more, without the network).
@@ -201,7 +251,24 @@ pub fn run(mut a: ServeArgs) -> Result<()> {
 
 #[cfg(test)]
 mod tests {
-    use super::{default_cache_bytes, default_kv_budget};
+    use super::{default_cache_bytes, default_kv_budget, gpu_kv_budget};
+
+    #[test]
+    fn the_gpu_kv_budget_counts_what_is_held_and_refuses_absurd_settings() {
+        let gib = 1usize << 30;
+        // 100 GiB device, 20 GiB in use, 0.9 allowed: 90 - 20 - 64 x 64 MiB - 2 GiB = 64 GiB.
+        let kv = gpu_kv_budget(64, 262_144, 20 << 10, 64 << 20, (80 * gib, 100 * gib), 0.9).unwrap();
+        assert_eq!(kv, 64 * gib / (20 << 10));
+        // Never more than every slot at the full context.
+        assert_eq!(gpu_kv_budget(2, 1000, 1024, 0, (100 * gib, 100 * gib), 0.9).unwrap(), 2000);
+        // Nothing left: an error naming the numbers, not a budget of zero.
+        let e = gpu_kv_budget(64, 4096, 20 << 10, 64 << 20, (10 * gib, 100 * gib), 0.9).unwrap_err();
+        assert!(e.to_string().contains("lower --max-num-seqs"), "{e}");
+        for bad in [0.0, -0.5, 1.5, f64::NAN] {
+            let e = gpu_kv_budget(1, 4096, 1024, 0, (gib, gib), bad).unwrap_err();
+            assert!(e.to_string().contains("--gpu-memory-utilization"), "{e}");
+        }
+    }
 
     #[test]
     fn the_default_kv_budget_fits_the_slots_and_the_memory() {

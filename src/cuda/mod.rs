@@ -355,6 +355,12 @@ impl Gpu {
         self.ctx.bind_to_thread().map_err(|e| anyhow!("binding the CUDA context: {e:?}"))
     }
 
+    /// Free and total device memory in bytes (`cuMemGetInfo`).
+    pub fn mem_info(&self) -> Result<(usize, usize)> {
+        self.bind()?;
+        drv::mem_get_info().map_err(|e| anyhow!("querying device memory: {e:?}"))
+    }
+
     /// Launches `name` on the default stream with a 1-D block.
     pub fn launch(&self, name: &str, grid: (u32, u32, u32), block: u32, args: &[Arg]) -> Result<()> {
         self.launch_shared(name, grid, block, 0, args)

@@ -455,7 +455,18 @@ impl Batched for CudaBatch {
         }
         for (i, w) in work.iter().enumerate() {
             if outs[i].is_none() {
-                outs[i] = Some(crate::engine::batch::session_step(&mut self.seqs[w.slot], w)?);
+                // The slots run their prompts one after another, so they borrow the driver's
+                // prefill scratch (hundreds of MB at 2,048-token chunks) instead of each keeping
+                // its own; if it grows, the captured pass (which reads it) is dropped.
+                let before = self.driver.pre.as_ref().map(|p| p.x.ptr);
+                let q = &mut self.seqs[w.slot];
+                std::mem::swap(&mut q.pre, &mut self.driver.pre);
+                let out = crate::engine::batch::session_step(q, w);
+                std::mem::swap(&mut q.pre, &mut self.driver.pre);
+                if self.driver.pre.as_ref().map(|p| p.x.ptr) != before {
+                    self.graph = None;
+                }
+                outs[i] = Some(out?);
             }
         }
         Ok(outs.into_iter().map(|o| o.expect("every item answered")).collect())

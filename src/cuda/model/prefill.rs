@@ -48,12 +48,16 @@ pub(super) fn max_tiles(pairs: usize, bm: usize, experts: usize) -> usize {
 
 impl CudaSession {
     /// Prefill scratch for chunks of `cap` rows (with `logit_rows` rows of logits), kept
-    /// between calls while large enough.
+    /// between calls while large enough; a new one is at least as large as the old in both
+    /// (a batch's slots share one scratch, see `CudaBatch::step`).
     pub(super) fn ensure_pre(&mut self, cap: usize, logit_rows: usize) -> Result<()> {
+        let (mut cap, mut logit_rows) = (cap, logit_rows);
         if let Some(p) = &self.pre {
             if p.cap >= cap && p.logit_rows >= logit_rows {
                 return Ok(());
             }
+            cap = cap.max(p.cap);
+            logit_rows = logit_rows.max(p.logit_rows);
         }
         self.pre = None;
         let g = &self.model.gpu;
