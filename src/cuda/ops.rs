@@ -601,6 +601,15 @@ fn skinny_max_m() -> usize {
     *V.get_or_init(|| std::env::var("LILY_CUDA_SKINNY_MAX_M").ok().and_then(|v| v.parse().ok()).unwrap_or(64))
 }
 
+/// Plain products with at most this many output rows go to the skinny kernel for up to 1,024
+/// input rows (`LILY_CUDA_SKINNY_SMALL_N`, default 512; 0 turns it off): the 257-row router at
+/// 256 tokens ran ~70 µs on the tiles kernel (a handful of blocks, each over all of K), while
+/// the skinny kernel spreads it over row passes and K splits that read the 0.5 MB from L2.
+fn skinny_small_n() -> usize {
+    static V: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *V.get_or_init(|| std::env::var("LILY_CUDA_SKINNY_SMALL_N").ok().and_then(|v| v.parse().ok()).unwrap_or(512))
+}
+
 /// Most input rows per matrix, on average, for which grouped products go to the skinny kernel
 /// (`LILY_CUDA_SKINNY_MAX_AVG`).
 fn skinny_max_avg() -> usize {
@@ -614,7 +623,11 @@ impl GemmKernel {
         match self {
             GemmKernel::Auto => {
                 let avg = rows.div_ceil(mats.max(1)).min(per_tile);
-                let small = if mats > 1 { avg <= skinny_max_avg() } else { rows <= skinny_max_m() };
+                let small = if mats > 1 {
+                    avg <= skinny_max_avg()
+                } else {
+                    rows <= skinny_max_m() || (w.rows * w.count <= skinny_small_n() && rows <= 1024)
+                };
                 if small && w.skinny_ok() {
                     let tn = if avg <= 6 {
                         8
