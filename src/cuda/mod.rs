@@ -13,6 +13,7 @@
 mod kernel_names;
 mod model;
 mod ops;
+mod paged;
 
 pub use model::{upload_cached, uploaded, CudaBatch, CudaModel, CudaSession};
 pub use ops::{
@@ -20,6 +21,7 @@ pub use ops::{
     AttnPrep, GdnPrefill, GdnPrefillKernel, GdnRows, GdnStep, GemmKernel, GemvKernel, GpuLinear, KvDtype, Precision,
     PrefillAttn, SAMPLE_WS_BYTES,
 };
+pub use paged::PagedBuf;
 
 /// A captured CUDA graph, ready to replay on [`Gpu::stream`].
 pub struct Graph(sys::CUgraphExec);
@@ -179,6 +181,8 @@ pub struct Gpu {
     /// [`SPLITK_TICKETS`] u32 arrival tickets (zero between launches). Kernels on the one
     /// stream use it in turn.
     pub splitk_ws: u64,
+    /// The physical pages of the KV caches ([`paged`]).
+    pages: std::sync::Mutex<paged::PagePool>,
 }
 
 /// Bytes of partial sums a split-K skinny product may write (ksplit · M · N floats).
@@ -347,7 +351,20 @@ impl Gpu {
             .map_err(|e| anyhow!("split-K workspace: {e:?}"))?;
         unsafe { drv::memset_d8_sync(splitk_ws, 0, SPLITK_PART_BYTES + SPLITK_TICKETS * 4) }
             .map_err(|e| anyhow!("{e:?}"))?;
-        Ok(Gpu { ctx, name, arch, total_mem, sms, smem_optin, smem_optin_max: optin, pdl, funcs, stream, splitk_ws })
+        Ok(Gpu {
+            ctx,
+            name,
+            arch,
+            total_mem,
+            sms,
+            smem_optin,
+            smem_optin_max: optin,
+            pdl,
+            funcs,
+            stream,
+            splitk_ws,
+            pages: std::sync::Mutex::new(paged::PagePool::new()),
+        })
     }
 
     /// Makes the context current on this thread (sessions may move between threads).

@@ -13,7 +13,7 @@
 //! grouped GEMM → combine).
 
 use super::ops::{AttnKernel, AttnPrep, GdnStep, GpuLinear, KvDtype, Precision};
-use super::{DevBuf, Gpu, Graph};
+use super::{DevBuf, Gpu, Graph, PagedBuf};
 use crate::config::ModelConfig;
 use crate::generate::{Session, Snapshot};
 use crate::model::Logits;
@@ -189,7 +189,7 @@ pub(crate) fn attn_prep_args(
     proj: u64,
     norms: [&DevBuf; 2],
     q_out: u64,
-    kv: [&DevBuf; 2],
+    kv: [&PagedBuf; 2],
     pos: u64,
     dtype: KvDtype,
 ) -> AttnPrep {
@@ -255,11 +255,10 @@ enum GState {
         conv: DevBuf,
         rec: DevBuf,
     },
-    /// `k, v: [cap, H_kv, D]`.
+    /// `k, v: [max positions, H_kv, D]`, backed by pages up to the cached length.
     Attn {
-        k: DevBuf,
-        v: DevBuf,
-        cap: usize,
+        k: PagedBuf,
+        v: PagedBuf,
     },
 }
 
@@ -427,9 +426,8 @@ impl CudaSession {
                     Ok(GState::Gdn { conv: g.zeros(4 * conv.len())?, rec: g.zeros(4 * rec.len())? })
                 }
                 LayerState::Attention { .. } => {
-                    let cap = 256;
-                    let n = cap * c.kv_dim() * self.kv.bytes();
-                    Ok(GState::Attn { k: g.zeros(n)?, v: g.zeros(n)?, cap })
+                    let n = c.max_position_embeddings * c.kv_dim() * self.kv.bytes();
+                    Ok(GState::Attn { k: PagedBuf::new(g, n)?, v: PagedBuf::new(g, n)? })
                 }
             })
             .collect()
@@ -559,23 +557,29 @@ impl CudaSession {
         Ok(out.into_iter().map(|t| t as u32).collect())
     }
 
-    /// Grows the KV caches to hold `need` positions (outside any graph; the graphs hold the old
-    /// addresses, so they are dropped).
+    /// Backs the KV caches with pages for `need` positions (outside any graph; the caches'
+    /// addresses do not change, so the captured graphs stay).
     fn grow_kv(&mut self, need: usize) -> Result<()> {
-        let g = self.model.gpu.clone();
         let row = self.model.cfg.kv_dim() * self.kv.bytes();
         for st in self.states.iter_mut() {
-            if let GState::Attn { k, v, cap } = st {
-                if need > *cap {
-                    let ncap = (*cap * 2).max(need);
-                    let (nk, nv) = (g.zeros(ncap * row)?, g.zeros(ncap * row)?);
-                    nk.copy_from(0, k.ptr, k.bytes)?;
-                    nv.copy_from(0, v.ptr, v.bytes)?;
-                    *k = nk;
-                    *v = nv;
-                    *cap = ncap;
-                    self.graphs = Default::default();
-                }
+            if let GState::Attn { k, v } = st {
+                k.ensure(need * row)?;
+                v.ensure(need * row)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Hands the KV caches' pages back to the pool (a served sequence's slot when it ends; the
+    /// next sequence there maps zeroed pages as it grows). For an empty session (position 0).
+    pub(crate) fn release_kv(&mut self) -> Result<()> {
+        if self.pos != 0 {
+            bail!("release_kv on a session at position {}", self.pos);
+        }
+        for st in self.states.iter_mut() {
+            if let GState::Attn { k, v } = st {
+                k.release()?;
+                v.release()?;
             }
         }
         Ok(())
@@ -777,12 +781,12 @@ impl Session for CudaSession {
         self.pos = 0;
         if self.scratch.is_some() {
             // The states zeroed where they are, after the session's queued kernels (the memset
-            // is not on their stream): the buffers, and so the captured decode graphs, which hold
-            // their addresses, stay. Only if that fails, new ones.
+            // is not on their stream), keeping their KV pages (`release_kv` hands them back): the
+            // addresses, and so the captured decode graphs, stay. Only if that fails, new ones.
             let zeroed = self.model.gpu.sync().and_then(|_| {
                 self.states.iter().try_for_each(|st| match st {
                     GState::Gdn { conv, rec } => conv.zero().and_then(|_| rec.zero()),
-                    GState::Attn { k, v, .. } => k.zero().and_then(|_| v.zero()),
+                    GState::Attn { k, v } => k.zero().and_then(|_| v.zero()),
                 })
             });
             self.ps = None;

@@ -44,6 +44,13 @@ pub trait Batched: Send {
     fn reset(&mut self, slot: usize);
     fn snapshot(&self, slot: usize) -> Snapshot;
     fn restore(&mut self, slot: usize, snap: &Snapshot) -> Result<()>;
+    /// Positions per page of the backend's own KV memory, when it has pages of a fixed size (the
+    /// scheduler then counts its budget in them); None: the scheduler's page size stands.
+    fn kv_page_tokens(&self) -> Option<usize> {
+        None
+    }
+    /// Caps the backend's KV memory at `pages` pages of the scheduler's size.
+    fn limit_kv_pages(&mut self, _pages: usize) {}
     /// Appends each item's tokens to its slot's sequence (a slot at most once per step) and
     /// returns, in order, what each item wants.
     fn step(&mut self, work: &[Work]) -> Result<Vec<Out>>;

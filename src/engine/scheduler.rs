@@ -94,9 +94,13 @@ pub struct Scheduler {
 }
 
 impl Scheduler {
-    pub fn new(backend: Box<dyn Batched>, limits: Limits, metrics: Arc<Metrics>) -> Scheduler {
+    pub fn new(mut backend: Box<dyn Batched>, mut limits: Limits, metrics: Arc<Metrics>) -> Scheduler {
         let n = backend.slots();
-        let pages = limits.kv_budget_tokens / limits.page_tokens.max(1);
+        if let Some(p) = backend.kv_page_tokens() {
+            limits.page_tokens = p;
+        }
+        let pages = (limits.kv_budget_tokens / limits.page_tokens.max(1)).max(1);
+        backend.limit_kv_pages(pages);
         let kv = KvPages::new(limits.page_tokens, pages, n);
         metrics.slots.store(n as u64, Relaxed);
         metrics.kv_pages_total.store(kv.total() as u64, Relaxed);
@@ -278,6 +282,8 @@ impl Scheduler {
     }
 
     fn free(&mut self, slot: usize) {
+        // The slot's cache memory goes back with its reservation (for the next admitted sequence).
+        self.backend.reset(slot);
         self.kv.release(slot);
         self.metrics.running.store(self.running() as i64, Relaxed);
         self.metrics.kv_pages_used.store(self.kv.used() as u64, Relaxed);

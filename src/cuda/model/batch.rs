@@ -25,7 +25,7 @@
 
 use super::{attn_prep_args, gdn_step_args, CudaModel, CudaSession, GFfn, GLayer, GMixer, GState, Proj};
 use crate::cuda::ops::{AttnDecode, AttnRows, GdnRows, Precision};
-use crate::cuda::{DevBuf, GpuLinear, Graph};
+use crate::cuda::{DevBuf, GpuLinear, Graph, PagedBuf};
 use crate::engine::batch::{Batched, Out, Work};
 use crate::engine::picker::Want;
 use crate::generate::{Session, Snapshot};
@@ -244,7 +244,7 @@ impl CudaBatch {
                     let (qd, kvd, od) = (c.q_proj_dim(), c.kv_dim(), nh * hd);
                     let ldp = qd + 2 * kvd;
                     self.proj_rows(proj, p.x.ptr, in_norm, p.proj.ptr, ldp, b)?;
-                    let decode = |splits: usize, i: usize, kc: &DevBuf, vc: &DevBuf, kv| AttnDecode {
+                    let decode = |splits: usize, i: usize, kc: &PagedBuf, vc: &PagedBuf, kv| AttnDecode {
                         q: p.q.at(4 * i * od),
                         kc: kc.ptr,
                         vc: vc.ptr,
@@ -433,8 +433,26 @@ impl Batched for CudaBatch {
     fn pos(&self, slot: usize) -> usize {
         self.seqs[slot].pos
     }
+    /// Empties the slot and hands its KV pages back to the pool (the scheduler has released
+    /// their reservation).
     fn reset(&mut self, slot: usize) {
-        self.seqs[slot].reset()
+        let s = &mut self.seqs[slot];
+        s.reset();
+        if let Err(e) = s.release_kv() {
+            eprintln!("warning: slot {slot}: KV pages not released: {e:#}");
+        }
+    }
+    /// One page of the GPU pool per attention layer's K and V ([`crate::cuda::PagedBuf`]): the
+    /// positions of one layer's cache row that fill a page.
+    fn kv_page_tokens(&self) -> Option<usize> {
+        let row = self.model.cfg.kv_dim() * self.seqs[0].kv.bytes();
+        let (page, _, _) = self.model.gpu.kv_pages().ok()?;
+        Some((page / row.max(1)).max(1))
+    }
+    fn limit_kv_pages(&mut self, pages: usize) {
+        let tensors =
+            2 * self.model.cfg.layer_kinds.iter().filter(|k| matches!(k, crate::config::LayerKind::Attention)).count();
+        self.model.gpu.set_kv_page_limit(Some(pages.saturating_mul(tensors)));
     }
     fn snapshot(&self, slot: usize) -> Snapshot {
         self.seqs[slot].snapshot()

@@ -4,7 +4,7 @@
 
 use super::{CudaSession, GState};
 use crate::cuda::ops::KvDtype;
-use crate::cuda::DevBuf;
+use crate::cuda::PagedBuf;
 use crate::state::{LayerState, State};
 use anyhow::{bail, Result};
 
@@ -34,7 +34,6 @@ impl CudaSession {
     pub(super) fn load_state(&mut self, st: &State) -> Result<()> {
         self.ensure()?;
         let c = self.model.cfg.clone();
-        let g = self.model.gpu.clone();
         if st.layers.len() != self.states.len() {
             bail!("snapshot is from a different model");
         }
@@ -47,15 +46,13 @@ impl CudaSession {
                     gc.write_f32(0, conv)?;
                     gr.write_f32(0, rec)?;
                 }
-                (LayerState::Attention { k, v }, GState::Attn { k: gk, v: gv, cap }) => {
-                    let need = k.len() / c.kv_dim().max(1);
-                    if need > *cap {
-                        let ncap = need.next_power_of_two().max(256);
-                        *gk = g.zeros(ncap * c.kv_dim() * self.kv.bytes())?;
-                        *gv = g.zeros(ncap * c.kv_dim() * self.kv.bytes())?;
-                        *cap = ncap;
-                        self.graphs = Default::default();
+                (LayerState::Attention { k, v }, GState::Attn { k: gk, v: gv }) => {
+                    if k.len() != v.len() || k.len() % c.kv_dim().max(1) != 0 {
+                        bail!("snapshot is from a different model");
                     }
+                    // Exactly the snapshot's pages: a longer cache left from before goes back.
+                    gk.release()?;
+                    gv.release()?;
                     write_kv(gk, k, self.kv)?;
                     write_kv(gv, v, self.kv)?;
                 }
@@ -68,31 +65,21 @@ impl CudaSession {
 }
 
 /// The first `n` cache elements as f32 (a bf16 cache widened exactly).
-fn read_kv(b: &DevBuf, n: usize, kv: KvDtype) -> Result<Vec<f32>> {
-    match kv {
-        KvDtype::F32 => b.read_f32(0, n),
+fn read_kv(b: &PagedBuf, n: usize, kv: KvDtype) -> Result<Vec<f32>> {
+    let bytes = b.read(n * kv.bytes())?;
+    Ok(match kv {
+        KvDtype::F32 => bytes.chunks_exact(4).map(|w| f32::from_le_bytes([w[0], w[1], w[2], w[3]])).collect(),
         KvDtype::Bf16 => {
-            // Two bf16 per f32 word: read the words, then split them.
-            let words = b.read_f32(0, n.div_ceil(2))?;
-            let mut out = Vec::with_capacity(n);
-            for w in words {
-                let u = w.to_bits();
-                out.push(f32::from_bits(u << 16));
-                out.push(f32::from_bits(u & 0xffff_0000));
-            }
-            out.truncate(n);
-            Ok(out)
+            bytes.chunks_exact(2).map(|h| f32::from_bits((u16::from_le_bytes([h[0], h[1]]) as u32) << 16)).collect()
         }
-    }
+    })
 }
 
-/// Writes f32 cache rows (rounded to nearest even for a bf16 cache).
-fn write_kv(b: &DevBuf, data: &[f32], kv: KvDtype) -> Result<()> {
-    match kv {
-        KvDtype::F32 => b.write_f32(0, data),
-        KvDtype::Bf16 => {
-            let bytes: Vec<u8> = data.iter().flat_map(|&x| crate::safetensors::f32_to_bf16(x).to_le_bytes()).collect();
-            b.write_bytes(0, &bytes)
-        }
-    }
+/// Writes f32 cache rows (rounded to nearest even for a bf16 cache), mapping their pages.
+fn write_kv(b: &mut PagedBuf, data: &[f32], kv: KvDtype) -> Result<()> {
+    let bytes: Vec<u8> = match kv {
+        KvDtype::F32 => data.iter().flat_map(|x| x.to_le_bytes()).collect(),
+        KvDtype::Bf16 => data.iter().flat_map(|&x| crate::safetensors::f32_to_bf16(x).to_le_bytes()).collect(),
+    };
+    b.write(&bytes)
 }
