@@ -14,7 +14,7 @@ use crate::cpu::moe::route;
 use crate::cpu::norm::{gated_rms_norm, l2_norm, rms_norm, rms_norm_into, sigmoid, silu, softplus};
 use crate::cpu::rope::Rope;
 use crate::linear::{matmul_q8_batch, Linear, Weight};
-use crate::state::{LayerState, State};
+use crate::state::{KvRows, LayerState, State};
 use rayon::prelude::*;
 
 pub struct Mlp {
@@ -103,7 +103,7 @@ impl Seg<'_> {
             _ => unreachable!("state built from the same config"),
         }
     }
-    fn kv(&mut self, layer: usize) -> (&mut Vec<f32>, &mut Vec<f32>) {
+    fn kv(&mut self, layer: usize) -> (&mut KvRows, &mut KvRows) {
         match &mut self.state.layers[layer] {
             LayerState::Attention { k, v } => (k, v),
             _ => unreachable!("state built from the same config"),
@@ -376,8 +376,8 @@ impl Model {
                 self.rope.apply(&mut k[tt * kvd..(tt + 1) * kvd], hd, p0 + tt - r0);
             }
             let (kc, vc) = s.kv(layer);
-            kc.extend_from_slice(&k[r0 * kvd..r1 * kvd]);
-            vc.extend_from_slice(&v[r0 * kvd..r1 * kvd]);
+            kc.push(&k[r0 * kvd..r1 * kvd]);
+            vc.push(&v[r0 * kvd..r1 * kvd]);
             attention(&dims, &q[r0 * qd..r1 * qd], n, p0, kc, vc, 1.0 / (hd as f32).sqrt(), &mut o[r0 * qd..r1 * qd]);
             r0 = r1;
         }

@@ -16,6 +16,7 @@ use lily::cpu::rope::Rope;
 use lily::cuda::{AttnDecode, AttnKernel, GemvKernel, GpuLinear, KvDtype};
 use lily::linear::{FloatType, Linear};
 use lily::safetensors::{bf16_to_f32, f32_to_bf16};
+use lily::state::KvRows;
 
 const TOL: f64 = 1e-9;
 
@@ -295,8 +296,8 @@ fn attention_decode_matches_cpu() {
                 &q,
                 1,
                 pos,
-                &kc,
-                &vc,
+                &KvRows::from_rows(hkv * hd, &kc),
+                &KvRows::from_rows(hkv * hd, &vc),
                 1.0 / (hd as f32).sqrt(),
                 &mut o,
             );
@@ -505,7 +506,8 @@ fn attention_decode_long_context_matches_cpu() {
         let cpu = |k: &[f32], v: &[f32]| {
             let mut want = vec![0f32; nh * hd];
             let dims = AttnDims { heads: nh, kv_heads: hkv, head_dim: hd };
-            attention(&dims, &q, 1, len - 1, k, v, 1.0 / (hd as f32).sqrt(), &mut want);
+            let (k, v) = (KvRows::from_rows(kvd, k), KvRows::from_rows(kvd, v));
+            attention(&dims, &q, 1, len - 1, &k, &v, 1.0 / (hd as f32).sqrt(), &mut want);
             for h in 0..nh {
                 for d in 0..hd {
                     want[h * hd + d] *= sigmoid(qg[h * 2 * hd + hd + d]);

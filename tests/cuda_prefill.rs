@@ -26,6 +26,7 @@ use lily::cuda::{
 };
 use lily::linear::{FloatType, Linear};
 use lily::safetensors::{bf16_to_f32, f32_to_bf16};
+use lily::state::KvRows;
 
 const TOL: f64 = 1e-9;
 const TOL_BF16: f64 = 1e-4;
@@ -497,8 +498,8 @@ fn attention_prefill_matches_cpu() {
             &q,
             t,
             p0,
-            &kc,
-            &vc,
+            &KvRows::from_rows(kvd, &kc),
+            &KvRows::from_rows(kvd, &vc),
             1.0 / (hd as f32).sqrt(),
             &mut want,
         );

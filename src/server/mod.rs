@@ -293,7 +293,7 @@ async fn not_found(req: Request) -> Response {
 }
 
 /// Positions per KV-cache page (vLLM's default block size).
-pub const PAGE_TOKENS: usize = 16;
+pub const PAGE_TOKENS: usize = crate::state::KV_PAGE_ROWS;
 
 /// Runs the server until Ctrl-C / SIGTERM (open streams get 5 s to finish). Prints
 /// `listening on http://ADDR` on stdout once bound.

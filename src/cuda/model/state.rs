@@ -5,7 +5,7 @@
 use super::{CudaSession, GState};
 use crate::cuda::ops::KvDtype;
 use crate::cuda::PagedBuf;
-use crate::state::{LayerState, State};
+use crate::state::{KvRows, LayerState, State};
 use anyhow::{bail, Result};
 
 impl CudaSession {
@@ -22,8 +22,8 @@ impl CudaSession {
                 }
                 (LayerState::Attention { k, v }, GState::Attn { k: gk, v: gv, .. }) => {
                     let n = self.pos * c.kv_dim();
-                    *k = read_kv(gk, n, self.kv)?;
-                    *v = read_kv(gv, n, self.kv)?;
+                    *k = KvRows::from_rows(c.kv_dim(), &read_kv(gk, n, self.kv)?);
+                    *v = KvRows::from_rows(c.kv_dim(), &read_kv(gv, n, self.kv)?);
                 }
                 _ => bail!("state kinds differ"),
             }
@@ -47,14 +47,14 @@ impl CudaSession {
                     gr.write_f32(0, rec)?;
                 }
                 (LayerState::Attention { k, v }, GState::Attn { k: gk, v: gv }) => {
-                    if k.len() != v.len() || k.len() % c.kv_dim().max(1) != 0 {
+                    if k.len() != v.len() || k.width() != c.kv_dim() || v.width() != c.kv_dim() {
                         bail!("snapshot is from a different model");
                     }
                     // Exactly the snapshot's pages: a longer cache left from before goes back.
                     gk.release()?;
                     gv.release()?;
-                    write_kv(gk, k, self.kv)?;
-                    write_kv(gv, v, self.kv)?;
+                    write_kv(gk, &k.to_vec(), self.kv)?;
+                    write_kv(gv, &v.to_vec(), self.kv)?;
                 }
                 _ => bail!("snapshot is from a different model"),
             }
