@@ -249,6 +249,24 @@ impl Linear {
         if matches!(self.w, Weight::Quant { .. }) && kernels::q8::cpu_int8() {
             return self.matmul_q8(x, y);
         }
+        if let (Weight::Dense { ty: FloatType::BF16, data }, true) = (&self.w, t <= 8) {
+            // Few tokens (a batched decode step): each bf16 row read once for all of them.
+            let rb = 2 * self.cols;
+            let d = data.as_slice();
+            let out = SyncPtr(y.as_mut_ptr());
+            let chunk = (self.rows / (4 * rayon::current_num_threads()).max(1)).clamp(16, 1024);
+            (0..self.rows.div_ceil(chunk)).into_par_iter().for_each(|ci| {
+                let mut o = [0f32; 8];
+                for r in ci * chunk..((ci + 1) * chunk).min(self.rows) {
+                    kernels::dot_bf16_multi(&d[r * rb..(r + 1) * rb], x, self.cols, &mut o[..t]);
+                    for (tt, v) in o[..t].iter().enumerate() {
+                        // SAFETY: row r of each token is written by this chunk only; y outlives the loop.
+                        unsafe { *out.get().add(tt * self.rows + r) = *v };
+                    }
+                }
+            });
+            return;
+        }
         if t <= 4 {
             if let Weight::Quant { bits, group, packed, scales, biases, sty } = &self.w {
                 // Few tokens (MoE experts in prefill): decode each weight once for all of them.
@@ -435,5 +453,33 @@ unsafe impl Sync for SyncPtr {}
 impl SyncPtr {
     fn get(self) -> *mut f32 {
         self.0
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::safetensors::f32_to_bf16;
+
+    /// A bf16 product of 2-8 tokens (each row read once for all) gives every token exactly what
+    /// the one-token product gives it (the batched-vs-alone property of the CPU decode step),
+    /// also with a column count that leaves a tail.
+    #[test]
+    fn bf16_few_token_product_equals_each_token_alone() {
+        let (rows, cols) = (37, 1027);
+        let w: Vec<u8> = (0..rows * cols)
+            .flat_map(|i| f32_to_bf16(((i * 7919 % 1009) as f32 / 1009.0 - 0.5) * 0.1).to_le_bytes())
+            .collect();
+        let lin = Linear::dense(rows, cols, FloatType::BF16, Bytes::from_vec(w)).unwrap();
+        for t in 2..=8 {
+            let x: Vec<f32> = (0..t * cols).map(|i| ((i * 31 % 997) as f32 / 997.0 - 0.5) * 2.0).collect();
+            let mut y = vec![0f32; t * rows];
+            lin.matmul(&x, &mut y);
+            for tt in 0..t {
+                let mut one = vec![0f32; rows];
+                lin.matvec(&x[tt * cols..(tt + 1) * cols], &mut one);
+                assert_eq!(&y[tt * rows..(tt + 1) * rows], &one[..], "t={t}, token {tt}");
+            }
+        }
     }
 }

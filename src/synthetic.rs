@@ -14,7 +14,7 @@ use anyhow::{bail, Result};
 use rayon::prelude::*;
 use serde_json::json;
 
-pub const NAMES: [&str; 3] = ["tiny", "qwen3.6-35b-a3b", "dense-small"];
+pub const NAMES: [&str; 4] = ["tiny", "qwen3.6-35b-a3b", "dense-small", "dense-small-bf16"];
 
 /// The config of a synthetic model; `layers` overrides the depth (keeping the 3:1 GDN/attention
 /// pattern), `vocab` the vocabulary (to match an available tokenizer).
@@ -46,7 +46,7 @@ pub fn config(name: &str, layers: Option<usize>, vocab: usize) -> Result<ModelCo
             },
             "quantization": {"group_size": 64, "bits": 4, "mode": "affine"}
         }),
-        "dense-small" => json!({
+        "dense-small" | "dense-small-bf16" => json!({
             "model_type": "qwen3_5",
             "text_config": {
                 "vocab_size": 248320, "hidden_size": 1024, "num_hidden_layers": 16, "full_attention_interval": 4,
@@ -61,6 +61,9 @@ pub fn config(name: &str, layers: Option<usize>, vocab: usize) -> Result<ModelCo
         }),
         other => bail!("unknown synthetic model `{other}` (available: {})", NAMES.join(", ")),
     };
+    if name.ends_with("-bf16") {
+        c.as_object_mut().expect("an object").remove("quantization");
+    }
     if let Some(n) = layers {
         if n == 0 {
             bail!("--layers must be at least 1");
@@ -96,6 +99,23 @@ impl Gen {
     /// about `std` (scale s, bias −s·(2^bits−1)/2, so W is uniform on ±s·(2^bits−1)/2).
     fn linear(&mut self, rows: usize, cols: usize, bits: u32, std: f32) -> Linear {
         self.seed = self.seed.wrapping_add(0x2545_f491_4f6c_dd1d);
+        if bits == 16 {
+            // Dense bf16 (the HF layout): uniform on ±std·√3.
+            let a = std * 3f32.sqrt();
+            let raw = random_bytes(rows * cols * 2, self.seed);
+            let data: Vec<u8> = raw
+                .par_chunks(2 << 16)
+                .flat_map_iter(|c| {
+                    c.chunks_exact(2)
+                        .flat_map(|b| {
+                            let u = u16::from_le_bytes([b[0], b[1]]) as f32 / 65535.0;
+                            f32_to_bf16((2.0 * u - 1.0) * a).to_le_bytes()
+                        })
+                        .collect::<Vec<u8>>()
+                })
+                .collect();
+            return Linear::dense(rows, cols, FloatType::BF16, Bytes::from_vec(data)).expect("synthetic shapes");
+        }
         let group = self.group;
         let packed = random_bytes(rows * cols * bits as usize / 8, self.seed);
         let levels = ((1u32 << bits) - 1) as f32;
@@ -137,8 +157,10 @@ pub fn build(name: &str, layers: Option<usize>, vocab: usize) -> Result<Model> {
 /// named ones); deterministic for a given config.
 pub fn build_config(cfg: ModelConfig) -> Result<Model> {
     let (hid, hv) = (cfg.hidden_size, cfg.linear_num_value_heads);
-    let mut g = Gen { seed: 0x1111, bits: 4, group: 64 };
-    let embed = g.linear(cfg.vocab_size, hid, 4, 1.0);
+    let bits = if cfg.quantization.is_none() { 16 } else { 4 };
+    let bits8 = if bits == 16 { 16 } else { 8 };
+    let mut g = Gen { seed: 0x1111, bits, group: 64 };
+    let embed = g.linear(cfg.vocab_size, hid, bits, 1.0);
     let lm_head = g.mat(cfg.vocab_size, hid);
     let mut progress = Progress::new("building synthetic weights", cfg.num_hidden_layers);
     let mut out_layers = Vec::new();
@@ -180,10 +202,10 @@ pub fn build_config(cfg: ModelConfig) -> Result<Model> {
                     })
                     .collect();
                 Ffn::Moe(Moe {
-                    router: g.linear(e, hid, 8, 4.0 / (hid as f32).sqrt()),
+                    router: g.linear(e, hid, bits8, 4.0 / (hid as f32).sqrt()),
                     experts,
                     shared: g.mlp(cfg.shared_expert_intermediate_size, hid),
-                    shared_gate: g.linear(1, hid, 8, 1.0 / (hid as f32).sqrt()),
+                    shared_gate: g.linear(1, hid, bits8, 1.0 / (hid as f32).sqrt()),
                 })
             }
             FfnKind::Dense => Ffn::Dense(g.mlp(cfg.intermediate_size, hid)),

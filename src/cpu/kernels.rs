@@ -130,6 +130,24 @@ pub fn dot_dense(ty: FloatType, w: &[u8], x: &[f32]) -> f32 {
     dot_dense_portable(ty, w, x)
 }
 
+/// One bf16 weight row against `t ≤ 8` inputs at once: `out[i] = Σ_c w[c] · x[i·cols + c]`
+/// (`x: [t, cols]`). The row is read and widened once for all the inputs (a batched decode
+/// step of a bf16 checkpoint: the weights, which bound decode, are shared by the sequences).
+/// Per input the lanes and their order are [`dot_dense`]'s: each output is bit-identical to it.
+pub fn dot_bf16_multi(w: &[u8], x: &[f32], cols: usize, out: &mut [f32]) {
+    let t = out.len();
+    assert!(t <= 8 && x.len() == t * cols && w.len() == 2 * cols, "dot_bf16_multi shapes");
+    #[cfg(target_arch = "x86_64")]
+    if has_avx2() {
+        // SAFETY: AVX2 and FMA were detected above; the shapes were checked.
+        unsafe { avx2::dot_bf16_multi(w, x, cols, out) };
+        return;
+    }
+    for (i, o) in out.iter_mut().enumerate() {
+        *o = dot_dense_portable(FloatType::BF16, w, &x[i * cols..(i + 1) * cols]);
+    }
+}
+
 pub fn dot_dense_portable(ty: FloatType, w: &[u8], x: &[f32]) -> f32 {
     let mut acc = [0f32; 8];
     let n = x.len();
@@ -478,6 +496,45 @@ mod avx2 {
             i += 1;
         }
         s
+    }
+
+    /// See [`super::dot_bf16_multi`]: one accumulator per input, the row widened once per 8
+    /// columns (T monomorphised so the accumulators stay in registers).
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn dot_bf16_multi(w: &[u8], x: &[f32], cols: usize, out: &mut [f32]) {
+        match out.len() {
+            1 => bf16_multi::<1>(w, x, cols, out),
+            2 => bf16_multi::<2>(w, x, cols, out),
+            3 => bf16_multi::<3>(w, x, cols, out),
+            4 => bf16_multi::<4>(w, x, cols, out),
+            5 => bf16_multi::<5>(w, x, cols, out),
+            6 => bf16_multi::<6>(w, x, cols, out),
+            7 => bf16_multi::<7>(w, x, cols, out),
+            8 => bf16_multi::<8>(w, x, cols, out),
+            _ => {}
+        }
+    }
+
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn bf16_multi<const T: usize>(w: &[u8], x: &[f32], cols: usize, out: &mut [f32]) {
+        let (pw, px) = (w.as_ptr(), x.as_ptr());
+        let mut acc = [_mm256_setzero_ps(); T];
+        let mut i = 0;
+        while i + 8 <= cols {
+            let h = _mm_loadu_si128(pw.add(2 * i) as *const __m128i);
+            let f = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+            for (t, a) in acc.iter_mut().enumerate() {
+                *a = _mm256_fmadd_ps(f, _mm256_loadu_ps(px.add(t * cols + i)), *a);
+            }
+            i += 8;
+        }
+        for (t, o) in out.iter_mut().enumerate() {
+            let mut s = hsum(acc[t]);
+            for c in i..cols {
+                s += scale_at(FloatType::BF16, w, c) * x[t * cols + c];
+            }
+            *o = s;
+        }
     }
 
     #[target_feature(enable = "avx2,fma")]
