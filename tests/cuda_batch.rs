@@ -23,13 +23,9 @@ use lily::generate::Session;
 use lily::sampling::{argmax, SamplingParams};
 use std::sync::Arc;
 
+/// The GPU is there (else a loud skip, see `common::gpu::gpu`).
 fn have_gpu() -> bool {
-    if let Err(e) = lily::cuda::probe() {
-        eprintln!("SKIPPED (no GPU): {e:#}");
-        return false;
-    }
-    lily::cuda::gpu().unwrap_or_else(|e| panic!("CUDA libraries present but the GPU failed: {e:#}"));
-    true
+    common::gpu::gpu().is_some()
 }
 
 fn session(gm: &Arc<CudaModel>, exact: bool) -> CudaSession {

@@ -21,13 +21,9 @@ fn fixtures() -> std::path::PathBuf {
     }
 }
 
+/// The GPU is there (else a loud skip, see `common::gpu::gpu`).
 fn have_gpu() -> bool {
-    if let Err(e) = lily::cuda::probe() {
-        eprintln!("SKIPPED (no GPU): {e:#}");
-        return false;
-    }
-    lily::cuda::gpu().unwrap_or_else(|e| panic!("CUDA libraries present but the GPU failed: {e:#}"));
-    true
+    common::gpu::gpu().is_some()
 }
 
 /// synthetic:tiny (4-bit, vocab 1024) and its upload, or None (skipping) without a GPU.

@@ -10,21 +10,9 @@ use lily::cuda::{CudaSession, KvDtype, PagedBuf};
 use lily::generate::{CpuSession, Session};
 use std::sync::Arc;
 
-fn have_gpu() -> bool {
-    if let Err(e) = lily::cuda::probe() {
-        eprintln!("SKIPPED (no GPU): {e:#}");
-        return false;
-    }
-    lily::cuda::gpu().unwrap_or_else(|e| panic!("CUDA libraries present but the GPU failed: {e:#}"));
-    true
-}
-
 #[test]
 fn cuda_kv_pages_map_in_place_and_go_back_to_the_pool() {
-    if !have_gpu() {
-        return;
-    }
-    let gpu = lily::cuda::gpu().unwrap();
+    let Some(gpu) = common::gpu::gpu() else { return };
     let (page, used0, _) = gpu.kv_pages().unwrap();
     assert!(page >= 4096, "page size {page}");
     let mut b = PagedBuf::new(&gpu, 4 * page + 100).unwrap();
@@ -79,10 +67,7 @@ fn cuda_kv_pages_map_in_place_and_go_back_to_the_pool() {
 /// CPU's. Bound as in tests/cuda_model.rs (3e-5 of the row's range, fp32 both sides).
 #[test]
 fn cuda_decode_across_a_kv_page_boundary_matches_cpu() {
-    if !have_gpu() {
-        return;
-    }
-    let gpu = lily::cuda::gpu().unwrap();
+    let Some(gpu) = common::gpu::gpu() else { return };
     let model = Arc::new(lily::synthetic::build("tiny", None, 1024).unwrap());
     let gm = lily::cuda::upload_cached(&model).unwrap();
     let row = model.cfg.kv_dim() * 4;
