@@ -25,74 +25,14 @@ use std::sync::Arc;
 mod attn_step;
 mod batch;
 mod prefill;
+mod proj;
 mod pstep;
 mod state;
 mod upload;
 pub use batch::CudaBatch;
 use prefill::PScratch;
+use proj::Proj;
 pub use upload::{upload_cached, uploaded};
-
-/// Several projections of the same input written side by side into one output buffer: one
-/// GEMV over the concatenated rows when the formats allow, else one GEMV per part.
-struct Proj {
-    fused: Option<GpuLinear>,
-    parts: Vec<GpuLinear>,
-    /// Output offset (f32 elements) of each part.
-    offs: Vec<usize>,
-}
-
-impl Proj {
-    fn new(g: &Arc<Gpu>, parts: &[&crate::linear::Linear]) -> Result<Proj> {
-        let mut offs = Vec::new();
-        let mut o = 0;
-        for p in parts {
-            offs.push(o);
-            o += p.rows;
-        }
-        Ok(match GpuLinear::concat(g, parts)? {
-            Some(f) => Proj { fused: Some(f), parts: Vec::new(), offs },
-            None => {
-                Proj { fused: None, parts: parts.iter().map(|p| GpuLinear::upload(g, p)).collect::<Result<_>>()?, offs }
-            }
-        })
-    }
-
-    /// One token: `out = W · rms_norm(x)` (the norm `(weights, eps)` fused into the GEMV).
-    /// (norm weights 0: x is used as it is).
-    fn run(&self, g: &Gpu, x: u64, norm: (u64, f32), out: u64) -> Result<()> {
-        let one = |w: &GpuLinear, out: u64| match norm.0 {
-            0 => g.gemv(w, x, 0, out, 1, 0, false),
-            _ => g.gemv_norm(w, x, norm, out, 1, 0, false),
-        };
-        match &self.fused {
-            Some(f) => one(f, out),
-            None => {
-                for (p, o) in self.parts.iter().zip(&self.offs) {
-                    one(p, out + 4 * *o as u64)?;
-                }
-                Ok(())
-            }
-        }
-    }
-
-    /// The same for `m` rows: `x` rows of stride `ldx`, output rows of stride `ldo`.
-    #[allow(clippy::too_many_arguments)]
-    fn run_rows(&self, g: &Gpu, prec: Precision, x: u64, ldx: usize, out: u64, ldo: usize, m: usize) -> Result<()> {
-        match &self.fused {
-            Some(f) => g.gemm(f, prec, x, ldx, out, ldo, m, false),
-            None => {
-                for (p, o) in self.parts.iter().zip(&self.offs) {
-                    g.gemm(p, prec, x, ldx, out + 4 * *o as u64, ldo, m, false)?;
-                }
-                Ok(())
-            }
-        }
-    }
-
-    fn nbytes(&self) -> usize {
-        self.fused.as_ref().map_or(0, |f| f.nbytes()) + self.parts.iter().map(|p| p.nbytes()).sum::<usize>()
-    }
-}
 
 /// A SwiGLU MLP: gate and up side by side (`[gate | up]` output), then down.
 struct GMlp {
