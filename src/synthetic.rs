@@ -102,18 +102,11 @@ impl Gen {
         if bits == 16 {
             // Dense bf16 (the HF layout): uniform on ±std·√3.
             let a = std * 3f32.sqrt();
-            let raw = random_bytes(rows * cols * 2, self.seed);
-            let data: Vec<u8> = raw
-                .par_chunks(2 << 16)
-                .flat_map_iter(|c| {
-                    c.chunks_exact(2)
-                        .flat_map(|b| {
-                            let u = u16::from_le_bytes([b[0], b[1]]) as f32 / 65535.0;
-                            f32_to_bf16((2.0 * u - 1.0) * a).to_le_bytes()
-                        })
-                        .collect::<Vec<u8>>()
-                })
-                .collect();
+            let mut data = random_bytes(rows * cols * 2, self.seed);
+            data.par_chunks_mut(2).for_each(|b| {
+                let u = u16::from_le_bytes([b[0], b[1]]) as f32 / 65535.0;
+                b.copy_from_slice(&f32_to_bf16((2.0 * u - 1.0) * a).to_le_bytes());
+            });
             return Linear::dense(rows, cols, FloatType::BF16, Bytes::from_vec(data)).expect("synthetic shapes");
         }
         let group = self.group;

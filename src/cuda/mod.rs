@@ -625,16 +625,6 @@ impl DevBuf {
         unsafe { drv::memcpy_dtoh_sync(&mut v, self.ptr) }.map_err(|e| anyhow!("CUDA error: {e:?}"))?;
         Ok(v)
     }
-
-    /// Device-to-device copy of `bytes` from `src` into this buffer at `off`.
-    pub fn copy_from(&self, off: usize, src: u64, bytes: usize) -> Result<()> {
-        assert!(off + bytes <= self.bytes);
-        if bytes == 0 {
-            return Ok(());
-        }
-        // SAFETY: both ranges are live device memory of at least `bytes` bytes.
-        unsafe { drv::memcpy_dtod_sync(self.ptr + off as u64, src, bytes) }.map_err(|e| anyhow!("{e:?}"))
-    }
 }
 
 impl Drop for DevBuf {

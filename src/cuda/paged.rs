@@ -9,8 +9,8 @@
 //! session's life. A page is the driver's allocation granularity P (2 MiB on the H200: 2,048
 //! positions of one layer's bf16 K of the Qwen3.6 models).
 //!
-//! Pages go back to the pool when a session is reset or dropped, and the next sequence maps
-//! them; the pool hands them back to the driver only when the process ends. With a limit set
+//! Pages go back to the pool when a buffer is released (a served slot whose request ended, a
+//! snapshot restored over a longer cache) or dropped, and the next sequence maps them; the pool hands them back to the driver only when the process ends. With a limit set
 //! (`lily serve` derives it from its KV budget), taking a page past it is an error naming the
 //! numbers, not an out-of-memory fault in the middle of a step.
 //!
