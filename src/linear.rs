@@ -12,7 +12,7 @@
 //! across all tokens.
 
 use crate::cpu::kernels;
-use crate::safetensors::{Bytes, Dtype};
+use crate::safetensors::{f32_to_bf16, Bytes, Dtype};
 use anyhow::{bail, Result};
 use rayon::prelude::*;
 
@@ -203,6 +203,9 @@ impl Linear {
         assert_eq!(y.len(), self.rows, "matvec output height");
         let chunk = (self.rows / (4 * rayon::current_num_threads()).max(1)).clamp(16, 1024);
         match &self.w {
+            Weight::Dense { ty: FloatType::BF16, data } if kernels::bf16_activations() => {
+                self.bf16_few(data.as_slice(), x, 1, y, true)
+            }
             Weight::Dense { ty, data } => {
                 let rb = self.cols * ty.size();
                 let d = data.as_slice();
@@ -238,6 +241,63 @@ impl Linear {
         }
     }
 
+    /// A bf16 product read one row at a time for up to 8 tokens (a batched decode step: each
+    /// row read once for all of them), four rows at a time (each input loaded once for the
+    /// four). fp32 (`bf16x` false): `t ≤ 8`, each output bit-identical to [`Self::matvec`]'s.
+    /// With `bf16x` ([`kernels::bf16_activations`]) the inputs are rounded to bf16 once and the
+    /// rows use bf16 dot products, for any `t` (blocks of 8 tokens over blocks of 128 rows that
+    /// stay in L2; one token: one row at a time). Either way what a token gets does not depend
+    /// on the others or on `t`: a sequence decoded in a batch, or prefilled in chunks next to
+    /// others, gets what it gets alone.
+    fn bf16_few(&self, d: &[u8], x: &[f32], t: usize, y: &mut [f32], bf16x: bool) {
+        assert!(bf16x || t <= 8, "the fp32 few-token product takes at most 8 tokens");
+        let (rb, cols) = (2 * self.cols, self.cols);
+        let xb: Option<Vec<u16>> = bf16x.then(|| x.iter().map(|&v| f32_to_bf16(v)).collect());
+        let out = SyncPtr(y.as_mut_ptr());
+        let chunk = (self.rows / (4 * rayon::current_num_threads()).max(1)).clamp(16, 1024).next_multiple_of(4);
+        (0..self.rows.div_ceil(chunk)).into_par_iter().for_each(|ci| {
+            let mut o = [[0f32; 8]; 4];
+            for b0 in (ci * chunk..((ci + 1) * chunk).min(self.rows)).step_by(128) {
+                let b1 = (b0 + 128).min(((ci + 1) * chunk).min(self.rows));
+                for t0 in (0..t).step_by(8) {
+                    let tn = (t - t0).min(8);
+                    let (xs, xbs) =
+                        (&x[t0 * cols..(t0 + tn) * cols], xb.as_ref().map(|v| &v[t0 * cols..(t0 + tn) * cols]));
+                    let mut r = b0;
+                    while r < b1 {
+                        let n = match xbs {
+                            // One token: one row at a time (one sequential weight stream per
+                            // thread, the faster read at batch 1); more: four.
+                            Some(xb) if tn > 1 && r + 4 <= b1 => {
+                                kernels::dot_bf16x_rows4(&d[r * rb..(r + 4) * rb], rb, xb, cols, tn, &mut o);
+                                4
+                            }
+                            Some(xb) => {
+                                kernels::dot_bf16x_row(&d[r * rb..(r + 1) * rb], xb, cols, &mut o[0][..tn]);
+                                1
+                            }
+                            None if r + 4 <= b1 => {
+                                kernels::dot_bf16_rows4(&d[r * rb..(r + 4) * rb], rb, xs, cols, tn, &mut o);
+                                4
+                            }
+                            None => {
+                                kernels::dot_bf16_multi(&d[r * rb..(r + 1) * rb], xs, cols, &mut o[0][..tn]);
+                                1
+                            }
+                        };
+                        for (i, oi) in o[..n].iter().enumerate() {
+                            for (tt, v) in oi[..tn].iter().enumerate() {
+                                // SAFETY: row r + i of each token is written by this chunk only; y outlives the loop.
+                                unsafe { *out.get().add((t0 + tt) * self.rows + r + i) = *v };
+                            }
+                        }
+                        r += n;
+                    }
+                }
+            }
+        });
+    }
+
     /// `y[t, r] = Σ_c W[r,c] x[t,c]` for `t` tokens (`x: [t, cols]`, `y: [t, rows]`).
     pub fn matmul(&self, x: &[f32], y: &mut [f32]) {
         let t = x.len() / self.cols;
@@ -249,23 +309,11 @@ impl Linear {
         if matches!(self.w, Weight::Quant { .. }) && kernels::q8::cpu_int8() {
             return self.matmul_q8(x, y);
         }
-        if let (Weight::Dense { ty: FloatType::BF16, data }, true) = (&self.w, t <= 8) {
-            // Few tokens (a batched decode step): each bf16 row read once for all of them.
-            let rb = 2 * self.cols;
-            let d = data.as_slice();
-            let out = SyncPtr(y.as_mut_ptr());
-            let chunk = (self.rows / (4 * rayon::current_num_threads()).max(1)).clamp(16, 1024);
-            (0..self.rows.div_ceil(chunk)).into_par_iter().for_each(|ci| {
-                let mut o = [0f32; 8];
-                for r in ci * chunk..((ci + 1) * chunk).min(self.rows) {
-                    kernels::dot_bf16_multi(&d[r * rb..(r + 1) * rb], x, self.cols, &mut o[..t]);
-                    for (tt, v) in o[..t].iter().enumerate() {
-                        // SAFETY: row r of each token is written by this chunk only; y outlives the loop.
-                        unsafe { *out.get().add(tt * self.rows + r) = *v };
-                    }
-                }
-            });
-            return;
+        if let Weight::Dense { ty: FloatType::BF16, data } = &self.w {
+            let bf16x = kernels::bf16_activations();
+            if t <= 8 || bf16x {
+                return self.bf16_few(data.as_slice(), x, t, y, bf16x);
+            }
         }
         if t <= 4 {
             if let Weight::Quant { bits, group, packed, scales, biases, sty } = &self.w {
@@ -459,7 +507,7 @@ impl SyncPtr {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::safetensors::f32_to_bf16;
+    use crate::safetensors::{bf16_to_f32, f32_to_bf16};
 
     /// A bf16 product of 2-8 tokens (each row read once for all) gives every token exactly what
     /// the one-token product gives it (the batched-vs-alone property of the CPU decode step),
@@ -479,6 +527,43 @@ mod tests {
                 let mut one = vec![0f32; rows];
                 lin.matvec(&x[tt * cols..(tt + 1) * cols], &mut one);
                 assert_eq!(&y[tt * rows..(tt + 1) * rows], &one[..], "t={t}, token {tt}");
+            }
+        }
+    }
+
+    /// With bf16 activations (the CLI's fast path for bf16 weights): every token of a 1-8 or
+    /// 19-token product gets exactly what it gets alone (rows in fours and the leftover row one at a
+    /// time, a tail of columns past the 16-column blocks), and that is the product of the
+    /// bf16-rounded input within fp32 rounding of the f64 sum.
+    #[test]
+    fn bf16_activation_product_equals_each_token_alone_and_the_rounded_input() {
+        let (rows, cols) = (37, 1027);
+        let w: Vec<f32> = (0..rows * cols).map(|i| ((i * 7919 % 1009) as f32 / 1009.0 - 0.5) * 0.1).collect();
+        let wb: Vec<u8> = w.iter().flat_map(|&v| f32_to_bf16(v).to_le_bytes()).collect();
+        let lin = Linear::dense(rows, cols, FloatType::BF16, Bytes::from_vec(wb)).unwrap();
+        let Weight::Dense { data, .. } = &lin.w else { unreachable!() };
+        let d = data.as_slice();
+        for t in (1..=8).chain([19]) {
+            let x: Vec<f32> = (0..t * cols).map(|i| ((i * 31 % 997) as f32 / 997.0 - 0.5) * 2.0).collect();
+            let mut y = vec![0f32; t * rows];
+            lin.bf16_few(d, &x, t, &mut y, true);
+            for tt in 0..t {
+                let xt = &x[tt * cols..(tt + 1) * cols];
+                let mut one = vec![0f32; rows];
+                lin.bf16_few(d, xt, 1, &mut one, true);
+                assert_eq!(&y[tt * rows..(tt + 1) * rows], &one[..], "t={t}, token {tt}");
+                for r in 0..rows {
+                    let (mut s, mut mag) = (0f64, 0f64);
+                    for c in 0..cols {
+                        let wv = bf16_to_f32(f32_to_bf16(w[r * cols + c])) as f64;
+                        let xv = bf16_to_f32(f32_to_bf16(xt[c])) as f64;
+                        s += wv * xv;
+                        mag += (wv * xv).abs();
+                    }
+                    // fp32 accumulation of ~cols/8 terms per lane: well inside 1e-5 of Σ|w·x|.
+                    let err = (one[r] as f64 - s).abs();
+                    assert!(err <= 1e-5 * mag, "row {r}: {} vs {s} (|w·x| sum {mag})", one[r]);
+                }
             }
         }
     }

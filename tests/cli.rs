@@ -217,8 +217,8 @@ fn familiar_flags_are_aliases() {
     assert!(ok && out.contains("commit") && out.contains("cuda"), "{out}");
 }
 
-/// The CPU runs int8 activations unless --exact (or LILY_EXACT=1) asks for the fp32 reference;
-/// the banner says which, and contradicting flags are refused.
+/// The CPU runs int8 activations (bf16 for bf16 weights) unless --exact (or LILY_EXACT=1) asks
+/// for the fp32 reference; the banner says which, and contradicting flags are refused.
 #[test]
 fn the_fast_path_is_the_default_and_exact_a_flag_away() {
     let m = model("tiny-mlx4");
@@ -229,6 +229,9 @@ fn the_fast_path_is_the_default_and_exact_a_flag_away() {
     assert!(ok && err.contains("fp32 activations (exact)"), "{err}");
     let out = Command::new(env!("CARGO_BIN_EXE_lily")).args(args).env("LILY_EXACT", "1").output().unwrap();
     assert!(String::from_utf8_lossy(&out.stderr).contains("fp32 activations (exact)"));
+    let hf = model("tiny-hf");
+    let (ok, _, err) = lily(&["run", "-m", &hf, "--prompt-tokens", "1,2,3", "-n", "2", "--device", "cpu"]);
+    assert!(ok && err.contains("bf16 activations"), "{err}");
     let (ok, _, err) = lily(&[&args[..], &["--exact", "--cpu-int8"]].concat());
     assert!(!ok && err.contains("contradict"), "{err}");
     // The banner names the model's shape and memory.

@@ -42,8 +42,9 @@ pub struct ModelArgs {
     /// CPU threads (default: all cores).
     #[arg(allow_negative_numbers = true, short = 't', long)]
     pub threads: Option<usize>,
-    /// CPU: int8 activations for the products with 4/8-bit weights. This is the default; the
-    /// flag is kept for scripts (--exact turns it off).
+    /// CPU: int8 activations for the products with 4/8-bit weights (and bf16 activations for
+    /// those with bf16 weights). This is the default; the flag is kept for scripts (--exact
+    /// turns it off).
     #[arg(long)]
     pub cpu_int8: bool,
     /// The fp32 reference paths on every backend (also `LILY_EXACT=1`): fp32 activations on the
@@ -89,9 +90,10 @@ impl ModelArgs {
         if !use_cuda && self.kv_cache_dtype == "bf16" {
             bail!("--kv-cache-dtype bf16 needs the CUDA backend (the CPU backend keeps an f32 KV cache)");
         }
-        // The fast path by default: int8 activations on the CPU (the GPU defaults to its bf16
+        // The fast path by default: int8 (bf16 for bf16 weights) activations on the CPU (the GPU defaults to its bf16
         // prefill and KV cache); --exact is the fp32 reference on both.
         lily::cpu::kernels::q8::set_cpu_int8(!exact);
+        lily::cpu::kernels::set_bf16_activations(!exact);
         let why = match self.device {
             Device::Cpu => "--device cpu",
             Device::Cuda => "--device cuda",
@@ -210,7 +212,11 @@ impl ModelArgs {
             None => format!(
                 "cpu ({} threads{})",
                 rayon::current_num_threads(),
-                if lily::cpu::kernels::q8::cpu_int8() { ", int8 activations" } else { ", fp32 activations (exact)" }
+                match (lily::cpu::kernels::q8::cpu_int8(), &loaded.model.cfg.quantization) {
+                    (false, _) => ", fp32 activations (exact)",
+                    (true, Some(_)) => ", int8 activations",
+                    (true, None) => ", bf16 activations",
+                }
             ),
         }
     }

@@ -148,6 +148,97 @@ pub fn dot_bf16_multi(w: &[u8], x: &[f32], cols: usize, out: &mut [f32]) {
     }
 }
 
+/// Whether the AVX-512 kernels run: where the CPU has AVX-512F (with AVX2), unless
+/// `LILY_NO_AVX512` is set. Their results are bit-identical to the AVX2 ones.
+#[inline]
+pub fn has_avx512() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::sync::OnceLock;
+        static HAS: OnceLock<bool> = OnceLock::new();
+        *HAS.get_or_init(|| {
+            has_avx2() && std::env::var_os("LILY_NO_AVX512").is_none() && is_x86_feature_detected!("avx512f")
+        })
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    false
+}
+
+/// Four bf16 weight rows (`w[r·rb..r·rb + 2·cols]`, r < 4) against `t ≤ 8` inputs
+/// (`x: [t, cols]`): `out[r][i] = Σ_c w_r[c] · x[i·cols + c]`. Each input is loaded once for
+/// the four rows; every output is bit-identical to [`dot_dense`] of that row and input.
+pub fn dot_bf16_rows4(w: &[u8], rb: usize, x: &[f32], cols: usize, t: usize, out: &mut [[f32; 8]; 4]) {
+    assert!(t <= 8 && x.len() == t * cols && rb >= 2 * cols && w.len() >= 3 * rb + 2 * cols, "dot_bf16_rows4 shapes");
+    #[cfg(target_arch = "x86_64")]
+    if has_avx512() {
+        // SAFETY: AVX-512F, AVX2 and FMA were detected above; the shapes were checked.
+        unsafe { avx512::dot_bf16_rows4(w, rb, x, cols, t, out) };
+        return;
+    }
+    for (r, o) in out.iter_mut().enumerate() {
+        dot_bf16_multi(&w[r * rb..r * rb + 2 * cols], x, cols, &mut o[..t]);
+    }
+}
+
+static BF16X: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Whether products with bf16 weights of at most 8 tokens round their inputs to bf16 and use
+/// bf16 dot products (`vdpbf16ps` where the CPU has AVX512-BF16): the fast path's counterpart
+/// of int8 activations for 4/8-bit weights (mlx-lm computes a bf16 model in bf16 too). Off by
+/// default (the library's fp32 reference); the CLI turns it on unless `--exact`.
+#[inline]
+pub fn bf16_activations() -> bool {
+    BF16X.load(std::sync::atomic::Ordering::Relaxed)
+}
+
+/// Turns bf16 activations for bf16 weights on or off for the whole process.
+pub fn set_bf16_activations(on: bool) {
+    BF16X.store(on, std::sync::atomic::Ordering::Relaxed);
+}
+
+#[cfg(target_arch = "x86_64")]
+fn has_avx512_bf16() -> bool {
+    use std::sync::OnceLock;
+    static HAS: OnceLock<bool> = OnceLock::new();
+    *HAS.get_or_init(|| has_avx512() && is_x86_feature_detected!("avx512vl") && is_x86_feature_detected!("avx512bf16"))
+}
+
+/// [`dot_bf16x_row`] for four rows (`w[r·rb..r·rb + 2·cols]`, r < 4) at once: `out[r][i]`,
+/// bit-identical to the one-row product of each row (each input loaded once for the four).
+pub fn dot_bf16x_rows4(w: &[u8], rb: usize, xb: &[u16], cols: usize, t: usize, out: &mut [[f32; 8]; 4]) {
+    assert!(t <= 8 && xb.len() == t * cols && rb >= 2 * cols && w.len() >= 3 * rb + 2 * cols, "dot_bf16x_rows4 shapes");
+    #[cfg(target_arch = "x86_64")]
+    if has_avx512_bf16() {
+        // SAFETY: AVX512-BF16/VL/F, AVX2 and FMA were detected above; the shapes were checked.
+        unsafe { avx512::dot_bf16x_rows4(w, rb, xb, cols, t, out) };
+        return;
+    }
+    for (r, o) in out.iter_mut().enumerate() {
+        dot_bf16x_row(&w[r * rb..r * rb + 2 * cols], xb, cols, &mut o[..t]);
+    }
+}
+
+/// One bf16 row against `out.len() ≤ 8` bf16 inputs (`xb: [t, cols]`, rounded by the caller):
+/// `out[i] = Σ_c w[c] · xb[i·cols + c]` in fp32, with bf16 dot products where the CPU has
+/// AVX512-BF16. What an input gets does not depend on how many there are or on the others (the
+/// batched-vs-alone property of the decode step), on every CPU.
+pub fn dot_bf16x_row(w: &[u8], xb: &[u16], cols: usize, out: &mut [f32]) {
+    assert!(out.len() <= 8 && xb.len() == out.len() * cols && w.len() == 2 * cols, "dot_bf16x_row shapes");
+    #[cfg(target_arch = "x86_64")]
+    if has_avx512_bf16() {
+        // SAFETY: AVX512-BF16/VL/F, AVX2 and FMA were detected above; the shapes were checked.
+        unsafe { avx512::dot_bf16x_row(w, xb, cols, out) };
+        return;
+    }
+    let mut xf = vec![0f32; cols];
+    for (i, o) in out.iter_mut().enumerate() {
+        for (f, &b) in xf.iter_mut().zip(&xb[i * cols..(i + 1) * cols]) {
+            *f = bf16_to_f32(b);
+        }
+        *o = dot_dense(FloatType::BF16, w, &xf);
+    }
+}
+
 pub fn dot_dense_portable(ty: FloatType, w: &[u8], x: &[f32]) -> f32 {
     let mut acc = [0f32; 8];
     let n = x.len();
@@ -337,3 +428,5 @@ pub unsafe fn gemm_kmajor16(
 
 #[cfg(target_arch = "x86_64")]
 mod avx2;
+#[cfg(target_arch = "x86_64")]
+mod avx512;
