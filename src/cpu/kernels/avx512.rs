@@ -1,6 +1,7 @@
-//! AVX-512 inner loops (dispatched from `cpu::kernels` after `has_avx512()`).
+//! AVX-512 inner loops of bf16-weight products (dispatched from `cpu::kernels` after
+//! `has_avx512()`): fp32 inputs (`dot_bf16_rows4`, below) and bf16 inputs (`vdpbf16ps`, further down).
 //!
-//! `bf16_rows4`: four bf16 weight rows against `T ≤ 8` token rows, `out[r][t] = Σ_c w_r[c] x_t[c]`.
+//! `dot_bf16_rows4`: four bf16 weight rows against `T ≤ 8` token rows, `out[r][t] = Σ_c w_r[c] x_t[c]`.
 //! One 512-bit accumulator holds two rows' 8-lane sums for one token (lanes 0-7 row a, 8-15 row
 //! b), so each lane adds the same products in the same order as the one-token AVX2 `dot_dense`
 //! (lane j: columns j, j+8, j+16, ..., one FMA each) and the final per-row reduction is the same
@@ -76,12 +77,12 @@ unsafe fn rows4<const T: usize>(w: &[u8], rb: usize, x: &[f32], cols: usize, out
     }
 }
 
-/// `vdpbf16ps` kernels: bf16 rows against `T ≤ 8` bf16 inputs (`xb: [T, cols]`). Lane j of a
-/// row's 8-lane sum for a token adds the column pairs 16k + 2j, 16k + 2j + 1 for k = 0, 1, ...
-/// (one instruction step each, in k order); the 8 lanes are reduced by `hsum` and the tail
-/// past the last 16 columns is added per column. The one-row kernel (256-bit) and the four-row
-/// kernel (two rows per 512-bit register) do exactly these steps, so what a token gets does not
-/// depend on `T`, on the other tokens or on which kernel ran its row.
+// `vdpbf16ps` kernels: bf16 rows against `T ≤ 8` bf16 inputs (`xb: [T, cols]`). Lane j of a
+// row's 8-lane sum for a token adds the column pairs 16k + 2j, 16k + 2j + 1 for k = 0, 1, ...
+// (one instruction step each, in k order); the 8 lanes are reduced by `hsum` and the tail
+// past the last 16 columns is added per column. The one-row kernel (256-bit) and the four-row
+// kernel (two rows per 512-bit register) do exactly these steps, so what a token gets does not
+// depend on `T`, on the other tokens or on which kernel ran its row.
 
 /// One row: `out[t] = Σ_c w[c] · xb[t·cols + c]` for `t < out.len() ≤ 8`.
 #[target_feature(enable = "avx2,fma,avx512f,avx512vl,avx512bf16")]
