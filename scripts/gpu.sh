@@ -151,7 +151,7 @@ if [ -n "${AB_OLD:-}" ] && [ "${AB_CONTEXTS:-256}" != none ]; then
     for b in "$AB_OLD" .gpu/x/bin/lily; do
       echo "-- $b"
       timeout 200 "$b" bench --device cuda --model synthetic:qwen3.6-35b-a3b --contexts "${AB_CONTEXTS:-256}" 2>&1 \
-        | grep "^|" | tail -n 2 | tee -a "$OUTDIR/ab.txt" || status=1
+        | grep "^|" | tail -n +3 | sed "s|^|$b |" | tee -a "$OUTDIR/ab.txt" || status=1
     done
   done
 fi

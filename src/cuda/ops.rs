@@ -535,7 +535,7 @@ impl Gpu {
                 }
                 let tn = skinny_tn(tn, w.cols, self.smem_optin);
                 let name = super::skinny_kernel(tn, w.bits);
-                let kq = skinny_kq(w.cols);
+                let kq = skinny_kq_for(w.cols, if tiles == 0 { 0 } else { ntiles });
                 let bn = 256 / kq;
                 let grid = if tiles == 0 { blocks(n, bn) * m.div_ceil(tn) as u32 } else { blocks(n, bn) };
                 let split = tiles == 0 && !matches!(kern, GemmKernel::SkinnyUnsplit(_));
@@ -675,13 +675,29 @@ fn skinny_smem(tn: usize, k: usize) -> usize {
     (tn * k * 2).max(256 * (tn + 1) * 4)
 }
 
+/// [`skinny_kq`] for a grouped product of `ntiles` expert tiles (0: a plain product). Every
+/// block of a tile stages the tile's inputs, and a block covers 256/kq weight rows, so with
+/// many tiles (a prefill chunk's routed experts: ~546 tiles at 256 tokens) kq = 1 stages them
+/// a quarter as often and still fills the GPU: prefill at 256 tokens 8,489-8,509 → 8,854-8,872
+/// tok/s (kq 2: 8,356-8,361). From 384 tiles (about 112 prompt tokens); the batched decode
+/// step (330 tiles at 64 sequences) keeps [`skinny_kq`]. `LILY_CUDA_SKINNY_KQ` forces both.
+fn skinny_kq_for(k: usize, ntiles: usize) -> usize {
+    match skinny_kq_forced() {
+        None if ntiles >= 384 => 1,
+        _ => skinny_kq(k),
+    }
+}
+
+fn skinny_kq_forced() -> Option<usize> {
+    static V: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
+    *V.get_or_init(|| std::env::var("LILY_CUDA_SKINNY_KQ").ok().and_then(|v| v.parse().ok()))
+}
+
 /// How many parts of K the 8 warps of a gemm_skinny block split (1, 2 or 4; the block then
 /// covers 256 / kq weight rows): about 8 chunks of 64 columns per warp
 /// (`LILY_CUDA_SKINNY_KQ` overrides).
 fn skinny_kq(k: usize) -> usize {
-    static V: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
-    let forced = *V.get_or_init(|| std::env::var("LILY_CUDA_SKINNY_KQ").ok().and_then(|v| v.parse().ok()));
-    match forced {
+    match skinny_kq_forced() {
         Some(q @ (1 | 2 | 4)) => q,
         _ => match k / 64 {
             c if c >= 32 => 4,
