@@ -164,8 +164,16 @@ fn grouped_experts_match_cpu() {
     assert_eq!(idb.read_i32(pairs).unwrap(), want_ids, "batched moe_topk ids");
     check("batched moe_topk weights", &wb.read_f32(0, pairs).unwrap(), &want_w, 1e-12);
 
-    for (prec, kern) in kernels(&gu) {
-        let bm = prec.bm();
+    // Every kernel over the precision's tiles; the skinny kernel also over tiles as tall as its
+    // pass (the routed experts of a short prompt: one pass per tile).
+    let tilings = kernels(&gu).into_iter().flat_map(|(prec, kern)| {
+        let own = match kern {
+            GemmKernel::Skinny(tn) => Some((prec, kern, tn)),
+            _ => None,
+        };
+        [(prec, kern, prec.bm())].into_iter().chain(own)
+    });
+    for (prec, kern, bm) in tilings {
         let max_tiles = pairs.div_ceil(bm) + e + 1;
         let (perm, inv, tiles) =
             (g.zeros(4 * pairs).unwrap(), g.zeros(4 * pairs).unwrap(), g.zeros(4 * (1 + 3 * max_tiles)).unwrap());
@@ -211,14 +219,14 @@ fn grouped_experts_match_cpu() {
             gate_up[2 * ex].matvec(&x[tt * h..(tt + 1) * h], &mut want_gu[o..o + inter]);
             gate_up[2 * ex + 1].matvec(&x[tt * h..(tt + 1) * h], &mut want_gu[o + inter..o + 2 * inter]);
         }
-        check(&format!("grouped gate/up {prec:?} {kern:?}"), &got, &want_gu, tol(prec));
+        check(&format!("grouped gate/up {prec:?} {kern:?} tiles of {bm}"), &got, &want_gu, tol(prec));
         g.silu_mul_pairs(egu.ptr, eh.ptr, inter, pairs).unwrap();
         g.gemm_grouped_with(kern, &dn, prec, h, (eh.ptr, inter, 0, 1), (ye.ptr, h), tl).unwrap();
         let xs = g.upload_f32(&x0).unwrap();
         let ysb = g.upload_f32(&ys).unwrap();
         g.moe_combine_rows(xs.ptr, ye.ptr, inv.ptr, wb.ptr, ysb.ptr, (lb.at(4 * e), e + 1), h, k, t).unwrap();
         check(
-            &format!("grouped experts + combine {prec:?} {kern:?}"),
+            &format!("grouped experts + combine {prec:?} {kern:?} tiles of {bm}"),
             &xs.read_f32(0, t * h).unwrap(),
             &want_x,
             tol(prec),

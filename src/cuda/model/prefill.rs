@@ -3,7 +3,7 @@
 //! gdn_prefill.cu, attention_prefill.cu).
 
 use super::{CudaModel, CudaSession, GFfn, GLayer, GMixer, GState};
-use crate::cuda::ops::{gdn_chunk_floats, GdnPrefill, Precision};
+use crate::cuda::ops::{gdn_chunk_floats, GdnPrefill, GemmKernel, Precision};
 use crate::cuda::DevBuf;
 use anyhow::{bail, Context, Result};
 
@@ -238,8 +238,8 @@ impl CudaSession {
 
 /// Whether the many-row MoE runs the shared expert inside the grouped products when it is
 /// stacked as expert E. `LILY_CUDA_SHARED_GROUPED=1` always, `=0` never; by default where the
-/// expert tiles are 8 rows ([`skinny_tiles`]: the batched decode step, prompts up to ~680
-/// tokens). Measured (docs/perf-log.md, 2026-12-03): +7% at 16 sequences and +4.5% at 64 in
+/// expert tiles are skinny ([`skinny_tiles`]: the batched decode step, prompt chunks up to
+/// ~1,365 tokens). Measured (docs/perf-log.md, 2026-12-03): +7% at 16 sequences and +4.5% at 64 in
 /// the batched step; with 64-row tiles in prefill it was 2-9% slower (the shared expert's rows
 /// then run as a few blocks of many passes), with 8-row tiles prefill at 256 tokens went from
 /// 7,530-7,541 to 7,904-7,917 tok/s.
@@ -253,14 +253,29 @@ fn shared_grouped(skinny_tiles: bool) -> bool {
     forced.unwrap_or(skinny_tiles)
 }
 
-/// Whether `pairs` expert rows over `experts` experts run in 8-row expert tiles (bf16, at most
-/// `LILY_CUDA_BM8_AVG` rows per expert on average, default 24: where Auto picks the skinny
-/// kernel) rather than 64-row tiles, each of which one block runs in passes of the skinny
-/// kernel's width. With 8-row tiles an expert's passes run side by side in separate blocks.
+/// Whether `pairs` expert rows over `experts` experts run in skinny expert tiles of 8-32 rows
+/// ([`skinny_bm`]; bf16, at most `LILY_CUDA_BM8_AVG` rows per expert on average, default 48)
+/// rather than 64-row tiles on the pipelined kernel. With skinny tiles an expert's passes run
+/// side by side in separate blocks. 48 (1,024-token chunks in 32-row tiles) against 24: prefill
+/// at 1,024 tokens 13,397-13,419 → 14,333 tok/s (docs/perf-log.md, 2026-12-03).
 fn skinny_tiles(prec: Precision, pairs: usize, experts: usize) -> bool {
     static V: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    let avg = *V.get_or_init(|| std::env::var("LILY_CUDA_BM8_AVG").ok().and_then(|v| v.parse().ok()).unwrap_or(24));
+    let avg = *V.get_or_init(|| std::env::var("LILY_CUDA_BM8_AVG").ok().and_then(|v| v.parse().ok()).unwrap_or(48));
     prec == Precision::Bf16 && pairs.div_ceil(experts) <= avg
+}
+
+/// Rows per expert tile where [`skinny_tiles`], by rows per expert on average: 8 up to 12, 16
+/// up to 24, else 32 (`LILY_CUDA_SKINNY_BM` forces 8, 16 or 32). A tile of 16 or 32 rows runs as
+/// one pass of the skinny kernel that wide, so an expert with 9-16 (17-32) rows is read once.
+fn skinny_bm(pairs: usize, experts: usize) -> usize {
+    static V: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
+    let forced = *V.get_or_init(|| std::env::var("LILY_CUDA_SKINNY_BM").ok().and_then(|v| v.parse().ok()));
+    match (forced, pairs.div_ceil(experts)) {
+        (Some(b @ (8 | 16 | 32)), _) => b,
+        (_, avg) if avg <= 12 => 8,
+        (_, avg) if avg <= 24 => 16,
+        _ => 32,
+    }
 }
 
 /// The post-attention half of layer `layer` over the `t` rows of the prefill scratch `x`:
@@ -286,13 +301,16 @@ pub(super) fn ffn_rows(m: &CudaModel, layer: &GLayer, p: &PScratch, t: usize, pr
             let pairs = t * slots;
             router.run_rows(g, prec, p.xn.ptr, h, p.router.ptr, e + 1, t)?;
             g.moe_topk_rows(p.router.ptr, e + 1, t, e, k, c.norm_topk_prob, p.ids.ptr, p.wts.ptr, 0, inside)?;
-            let bm = if skinny_tiles(prec, pairs, grouped) { 8 } else { prec.bm() };
+            let bm = if skinny_tiles(prec, pairs, grouped) { skinny_bm(pairs, grouped) } else { prec.bm() };
+            // 16- and 32-row tiles: one pass that wide (Auto caps the pass at 8 rows, the
+            // batched step's best).
+            let kern = if bm == 16 || bm == 32 { GemmKernel::Skinny(bm) } else { GemmKernel::Auto };
             g.moe_align(p.ids.ptr, pairs, grouped, bm, p.perm.ptr, p.inv.ptr, p.tiles.ptr)?;
             let tl = (p.tiles.ptr, max_tiles(pairs, bm, grouped), pairs);
             let gu = (p.egu.ptr, 2 * inter);
-            g.gemm_grouped(&experts.gate_up, prec, 2 * inter, (p.xn.ptr, h, p.perm.ptr, slots), gu, tl)?;
+            g.gemm_grouped_with(kern, &experts.gate_up, prec, 2 * inter, (p.xn.ptr, h, p.perm.ptr, slots), gu, tl)?;
             g.silu_mul_pairs(p.egu.ptr, p.eh.ptr, inter, pairs)?;
-            g.gemm_grouped(&experts.down, prec, h, (p.eh.ptr, inter, 0, 1), (p.ye.ptr, h), tl)?;
+            g.gemm_grouped_with(kern, &experts.down, prec, h, (p.eh.ptr, inter, 0, 1), (p.ye.ptr, h), tl)?;
             let (ys, gate) = if inside {
                 (0, (0, 0))
             } else {
