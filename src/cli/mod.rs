@@ -23,7 +23,8 @@ pub enum Device {
 #[derive(Args, Clone, Debug)]
 pub struct ModelArgs {
     /// Model directory (MLX or Hugging Face layout), Hugging Face id (`ORG/NAME[@REVISION]`, from
-    /// the hub cache or downloaded into it) or `synthetic:tiny` / `synthetic:qwen3.6-35b-a3b` / `synthetic:dense-small` / `synthetic:dense-small-bf16`.
+    /// the hub cache or downloaded into it) or `synthetic:tiny` / `synthetic:qwen3.6-35b-a3b` /
+    /// `synthetic:dense-small` / `synthetic:dense-small-bf16`.
     #[arg(short = 'm', long, default_value = "", hide_default_value = true)]
     pub model: String,
     /// Revision (branch, tag or commit) of a Hugging Face id.
