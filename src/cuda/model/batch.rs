@@ -15,9 +15,11 @@
 //! → one argmax launch over the B rows; rows that sample draw with `sample_io` as a lone step
 //! does (same parameters, seed and step count), after the pass.
 //!
-//! The pass is captured as a CUDA graph, reused while the same slots (with the same cache
-//! buffers and attention kernels) step together; tokens and positions come from device buffers
-//! written once per step. One sequence alone, or a prompt chunk, takes its session's own path
+//! The pass is captured as a CUDA graph per row count (and attention plan), reused whichever
+//! slots fill the rows: tokens, positions and the rows' state and cache addresses come from
+//! device tables written before each replay (the tables only when the slots change). Slots
+//! straddling the long-context attention switch run attention one row at a time with their own
+//! cache addresses in the launches; that pass is captured for its exact slots. One sequence alone, or a prompt chunk, takes its session's own path
 //! (the batch-1 decode graph, the chunked prefill), so batch 1 keeps its fastest path.
 //!
 //! Products use the session's prefill precision: bf16 tensor cores by default, fp32 in the exact
@@ -32,12 +34,24 @@ use crate::generate::{Session, Snapshot};
 use anyhow::{bail, Context, Result};
 use std::sync::Arc;
 
-/// What a captured batch graph was recorded for: the slots in row order, each with its
-/// attention kernel choice and the addresses of its caches.
-#[derive(PartialEq, Eq, Clone)]
+/// The slots in row order, each with its attention kernel choice and the addresses of its
+/// caches: what the device tables were written for.
+#[derive(PartialEq, Eq, Hash, Clone)]
 struct Key {
     slots: Vec<(usize, bool, Vec<u64>)>,
 }
+
+/// What a captured pass depends on beyond the device tables: the row count and the one
+/// attention plan of all rows (`long`: the long-context kernels), or, for rows on both sides of
+/// the long-context switch (their attention launches carry each row's caches), the exact slots.
+#[derive(PartialEq, Eq, Hash, Clone)]
+enum GraphKey {
+    Rows { b: usize, long: bool },
+    Slots(Key),
+}
+
+/// Most captured passes kept (row counts x the two attention plans, plus a straddling one).
+const MAX_GRAPHS: usize = 160;
 
 /// Per-row device buffers of the batched pass, for up to `cap` rows.
 struct Rows {
@@ -67,7 +81,7 @@ pub struct CudaBatch {
     rows: Option<Rows>,
     /// The slots the state tables were written for.
     tables_for: Option<Key>,
-    graph: Option<(Key, Graph)>,
+    graphs: std::collections::HashMap<GraphKey, Graph>,
     prec: Precision,
     /// Most rows whose lm_head runs as GEMV slots (`LILY_CUDA_LMHEAD_GEMV_ROWS`, default 4).
     lm_head_gemv_rows: usize,
@@ -102,7 +116,7 @@ impl CudaBatch {
             driver,
             rows: None,
             tables_for: None,
-            graph: None,
+            graphs: Default::default(),
             prec,
             lm_head_gemv_rows,
             gemm_from,
@@ -110,11 +124,11 @@ impl CudaBatch {
         })
     }
 
-    /// Sets the row count from which the pass uses many-row products (drops the captured graph).
+    /// Sets the row count from which the pass uses many-row products (drops the captured graphs).
     pub fn set_gemm_from(&mut self, rows: usize) {
         self.gemm_from = rows.max(2);
         self.proj_gemm_from = self.gemm_from;
-        self.graph = None;
+        self.graphs.clear();
     }
 
     fn key(&self, slots: &[usize]) -> Key {
@@ -136,7 +150,7 @@ impl CudaBatch {
         Key { slots }
     }
 
-    /// Scratch for `b` rows (kept while large enough; a new one drops the graph).
+    /// Scratch for `b` rows (kept while large enough; a new one drops the graphs).
     fn ensure_rows(&mut self, b: usize) -> Result<()> {
         if self.rows.as_ref().is_some_and(|r| r.cap >= b) {
             return Ok(());
@@ -153,7 +167,7 @@ impl CudaBatch {
         let kvt = g.zeros(8 * 2 * self.model.layers.len() * cap)?;
         let (sio, sp) = (g.zeros(12 * cap)?, g.zeros(24 * cap)?);
         self.rows = Some(Rows { cap, pos: g.zeros(4 * cap)?, amax: g.zeros(4 * cap)?, part, tab, ids2, kvt, sio, sp });
-        self.graph = None;
+        self.graphs.clear();
         self.tables_for = None;
         Ok(())
     }
@@ -209,6 +223,13 @@ impl CudaBatch {
         }
     }
 
+    /// Whether every slot is on the same side of the long-context attention switch (then the
+    /// rows' attention runs as batched launches over the cache table).
+    fn one_plan(&self, slots: &[usize]) -> bool {
+        let first = &self.seqs[slots[0]];
+        slots.iter().all(|&s| self.seqs[s].long_attn(self.seqs[s].pos) == first.long_attn(first.pos))
+    }
+
     /// Queues the batched pass over `slots` (row i = slot `slots[i]`).
     fn record(&self, slots: &[usize]) -> Result<()> {
         let m = &self.model;
@@ -220,7 +241,7 @@ impl CudaBatch {
         // One attention plan for all rows (every slot is on the same side of the long-context
         // switch): batched attention launches; else one row at a time.
         let first = &self.seqs[slots[0]];
-        let one_plan = slots.iter().all(|&s| self.seqs[s].long_attn(self.seqs[s].pos) == first.long_attn(first.pos));
+        let one_plan = self.one_plan(slots);
         g.embed(&m.embed, p.toks.ptr, p.x.ptr, b)?;
         for (li, layer) in m.layers.iter().enumerate() {
             let in_norm = (layer.input_norm.ptr, eps);
@@ -365,12 +386,24 @@ impl CudaBatch {
             self.tables_for = Some(key.clone());
         }
         if self.driver.use_graphs {
-            if self.graph.as_ref().is_none_or(|(k, _)| *k != key) {
-                self.graph = None;
+            let gk = if self.one_plan(&slots) {
+                let first = &self.seqs[slots[0]];
+                GraphKey::Rows { b, long: first.long_attn(first.pos) }
+            } else {
+                GraphKey::Slots(key)
+            };
+            if !self.graphs.contains_key(&gk) {
+                // At most one straddling pass; a full map starts over.
+                if matches!(gk, GraphKey::Slots(_)) {
+                    self.graphs.retain(|k, _| matches!(k, GraphKey::Rows { .. }));
+                }
+                if self.graphs.len() >= MAX_GRAPHS {
+                    self.graphs.clear();
+                }
                 let graph = g.capture(|| self.record(&slots))?;
-                self.graph = Some((key, graph));
+                self.graphs.insert(gk.clone(), graph);
             }
-            g.replay(&self.graph.as_ref().expect("captured").1)?;
+            g.replay(&self.graphs[&gk])?;
         } else {
             self.record(&slots)?;
         }
@@ -482,7 +515,7 @@ impl Batched for CudaBatch {
                 let out = crate::engine::batch::session_step(q, w);
                 std::mem::swap(&mut q.pre, &mut self.driver.pre);
                 if self.driver.pre.as_ref().map(|p| p.x.ptr) != before {
-                    self.graph = None;
+                    self.graphs.clear();
                 }
                 outs[i] = Some(out?);
             }
