@@ -12,7 +12,8 @@
 #                             ATTN_BENCH, AB_OLD (another build's lily binary: batch-1 A/B), BATCH_VARIANTS,
 #                             ENV_AB (env settings, ';'-separated: batch-1 A/B at AB_CONTEXTS),
 #                             ATTN_DEC_BENCH (decode attention kernels alone), TEST_ENV (env
-#                             settings for the test executables, e.g. LILY_CUDA_SHARED_GROUPED=1)
+#                             settings for the test executables, e.g. LILY_CUDA_SHARED_GROUPED=1),
+#                             SERVE_CLIENTS (e.g. "1 16 64": scripts/serve_load.sh, AB_OLD's binary too)
 #                             (';'-separated env settings: the batched bench per setting), ...
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -175,6 +176,17 @@ if [ -n "${ABLATE:-}" ]; then
     echo "| $k | $r |"
   done
 fi
+if [ -n "${SERVE_CLIENTS:-}" ]; then
+  # `lily serve` under load (scripts/serve_load.sh) at each client count, with AB_OLD's binary
+  # first when set (SERVE_TOKENS answer tokens, default 64).
+  echo "== serve load (clients: $SERVE_CLIENTS)"
+  for b in ${AB_OLD:-} .gpu/x/bin/lily; do
+    echo "-- $b"
+    LILY=$b ARGS="--device cuda --model synthetic:qwen3.6-35b-a3b" CLIENTS="$SERVE_CLIENTS" \
+      MAX_TOKENS="${SERVE_TOKENS:-64}" PORT=8766 timeout 400 bash scripts/serve_load.sh 2>&1 | grep "^|" \
+      | sed "s|^|$b |" | tee -a "$OUTDIR/serve.txt" || status=1
+  done
+fi
 kill $SAMPLER 2>/dev/null || true
 echo "== SM clock while busy (MHz: samples, min, median, max; throttle reasons seen)"
 python3 - "$OUTDIR/clocks.csv" <<'PY' || true
@@ -198,4 +210,5 @@ grep -h "test result" "$OUTDIR"/cuda_*.log || true
 [ -f "$OUTDIR/attn_bench.txt" ] && grep "^|" "$OUTDIR/attn_bench.txt"
 [ -f "$OUTDIR/bench_batch.txt" ] && grep "^|" "$OUTDIR/bench_batch.txt"
 [ -f "$OUTDIR/bench_kv_f32.txt" ] && tail -n 3 "$OUTDIR/bench_kv_f32.txt"
+[ -f "$OUTDIR/serve.txt" ] && cat "$OUTDIR/serve.txt"
 exit $status
