@@ -9,12 +9,13 @@
 #                             full-size synthetic Qwen3.6-35B-A3B and prints a short table last.
 #                             Logs go to $OUT (or .gpu/out) when set. Knobs: ONLY_TESTS, SKIP_TESTS,
 #                             BENCH_CONTEXTS, BENCH_BATCH (e.g. 1,4,16,64), BENCH_LONG, LONG_ENV, KV_AB,
-#                             ATTN_BENCH, AB_OLD (another build's lily binary: batch-1 A/B), BATCH_VARIANTS,
-#                             ENV_AB (env settings, ';'-separated: batch-1 A/B at AB_CONTEXTS),
-#                             ATTN_DEC_BENCH (decode attention kernels alone), TEST_ENV (env
-#                             settings for the test executables, e.g. LILY_CUDA_SHARED_GROUPED=1),
-#                             SERVE_CLIENTS (e.g. "1 16 64": scripts/serve_load.sh, AB_OLD's binary too)
-#                             (';'-separated env settings: the batched bench per setting), ...
+#                             ATTN_BENCH, AB_OLD (another build's lily binary: batch-1 A/B),
+#                             BATCH_VARIANTS (';'-separated env settings: the batched bench per
+#                             setting), ENV_AB (env settings, ';'-separated: batch-1 A/B at
+#                             AB_CONTEXTS), ATTN_DEC_BENCH (decode attention kernels alone),
+#                             TEST_ENV (env settings for the test executables, e.g.
+#                             LILY_CUDA_SHARED_GROUPED=1), SERVE_CLIENTS (e.g. "1 16 64":
+#                             scripts/serve_load.sh, AB_OLD's binary too), ...
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
