@@ -204,7 +204,7 @@ impl Linear {
         let chunk = (self.rows / (4 * rayon::current_num_threads()).max(1)).clamp(16, 1024);
         match &self.w {
             Weight::Dense { ty: FloatType::BF16, data } if kernels::bf16_activations() => {
-                self.bf16_few(data.as_slice(), x, 1, y, true)
+                self.bf16_product(data.as_slice(), x, 1, y, true)
             }
             Weight::Dense { ty, data } => {
                 let rb = self.cols * ty.size();
@@ -241,18 +241,21 @@ impl Linear {
         }
     }
 
-    /// A bf16 product read one row at a time for up to 8 tokens (a batched decode step: each
-    /// row read once for all of them), four rows at a time (each input loaded once for the
-    /// four). fp32 (`bf16x` false): `t ≤ 8`, each output bit-identical to [`Self::matvec`]'s.
-    /// With `bf16x` ([`kernels::bf16_activations`]) the inputs are rounded to bf16 once and the
-    /// rows use bf16 dot products, for any `t` (blocks of 8 tokens over blocks of 128 rows that
-    /// stay in L2; one token: one row at a time). Either way what a token gets does not depend
-    /// on the others or on `t`: a sequence decoded in a batch, or prefilled in chunks next to
-    /// others, gets what it gets alone.
-    fn bf16_few(&self, d: &[u8], x: &[f32], t: usize, y: &mut [f32], bf16x: bool) {
-        assert!(bf16x || t <= 8, "the fp32 few-token product takes at most 8 tokens");
+    /// A bf16 product in blocks of up to 8 tokens over blocks of 128 rows (which stay in L2),
+    /// each row read once per token block, four rows at a time (each input loaded once for the
+    /// four). fp32 (`bf16x` false, the batched decode step's `t ≤ 8`): each output
+    /// bit-identical to [`Self::matvec`]'s. With `bf16x` ([`kernels::bf16_activations`]) the
+    /// inputs are rounded to bf16 once and the rows use bf16 dot products (one token: one row
+    /// at a time); on a CPU without them, the rounded inputs go through the fp32 kernels. Either
+    /// way what a token gets does not depend on the others or on `t`: a sequence decoded in a
+    /// batch, or prefilled in chunks next to others, gets what it gets alone.
+    fn bf16_product(&self, d: &[u8], x: &[f32], t: usize, y: &mut [f32], bf16x: bool) {
         let (rb, cols) = (2 * self.cols, self.cols);
-        let xb: Option<Vec<u16>> = bf16x.then(|| x.iter().map(|&v| f32_to_bf16(v)).collect());
+        let hw = kernels::has_avx512_bf16();
+        let xb: Option<Vec<u16>> = (bf16x && hw).then(|| x.iter().map(|&v| f32_to_bf16(v)).collect());
+        let rounded: Option<Vec<f32>> =
+            (bf16x && !hw).then(|| x.iter().map(|&v| crate::safetensors::bf16_to_f32(f32_to_bf16(v))).collect());
+        let x = rounded.as_deref().unwrap_or(x);
         let out = SyncPtr(y.as_mut_ptr());
         let chunk = (self.rows / (4 * rayon::current_num_threads()).max(1)).clamp(16, 1024).next_multiple_of(4);
         (0..self.rows.div_ceil(chunk)).into_par_iter().for_each(|ci| {
@@ -312,7 +315,7 @@ impl Linear {
         if let Weight::Dense { ty: FloatType::BF16, data } = &self.w {
             let bf16x = kernels::bf16_activations();
             if t <= 8 || bf16x {
-                return self.bf16_few(data.as_slice(), x, t, y, bf16x);
+                return self.bf16_product(data.as_slice(), x, t, y, bf16x);
             }
         }
         if t <= 4 {
@@ -546,11 +549,11 @@ mod tests {
         for t in (1..=8).chain([19]) {
             let x: Vec<f32> = (0..t * cols).map(|i| ((i * 31 % 997) as f32 / 997.0 - 0.5) * 2.0).collect();
             let mut y = vec![0f32; t * rows];
-            lin.bf16_few(d, &x, t, &mut y, true);
+            lin.bf16_product(d, &x, t, &mut y, true);
             for tt in 0..t {
                 let xt = &x[tt * cols..(tt + 1) * cols];
                 let mut one = vec![0f32; rows];
-                lin.bf16_few(d, xt, 1, &mut one, true);
+                lin.bf16_product(d, xt, 1, &mut one, true);
                 assert_eq!(&y[tt * rows..(tt + 1) * rows], &one[..], "t={t}, token {tt}");
                 for r in 0..rows {
                     let (mut s, mut mag) = (0f64, 0f64);

@@ -196,11 +196,21 @@ pub fn set_bf16_activations(on: bool) {
     BF16X.store(on, std::sync::atomic::Ordering::Relaxed);
 }
 
-#[cfg(target_arch = "x86_64")]
-fn has_avx512_bf16() -> bool {
-    use std::sync::OnceLock;
-    static HAS: OnceLock<bool> = OnceLock::new();
-    *HAS.get_or_init(|| has_avx512() && is_x86_feature_detected!("avx512vl") && is_x86_feature_detected!("avx512bf16"))
+/// Whether the bf16 dot-product kernels ([`dot_bf16x_row`], [`dot_bf16x_rows4`]) run on the
+/// CPU's `vdpbf16ps` (AVX512-BF16 and VL, with [`has_avx512`]); elsewhere callers round the
+/// inputs to bf16 and use the fp32 kernels, which is what the kernels' own fallback computes.
+#[inline]
+pub fn has_avx512_bf16() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::sync::OnceLock;
+        static HAS: OnceLock<bool> = OnceLock::new();
+        *HAS.get_or_init(|| {
+            has_avx512() && is_x86_feature_detected!("avx512vl") && is_x86_feature_detected!("avx512bf16")
+        })
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    false
 }
 
 /// [`dot_bf16x_row`] for four rows (`w[r·rb..r·rb + 2·cols]`, r < 4) at once: `out[r][i]`,
