@@ -12,7 +12,7 @@
 //! across all tokens.
 
 use crate::cpu::kernels;
-use crate::safetensors::{f32_to_bf16, Bytes, Dtype};
+use crate::safetensors::{bf16_to_f32, f32_to_bf16, Bytes, Dtype};
 use anyhow::{bail, Result};
 use rayon::prelude::*;
 
@@ -254,7 +254,7 @@ impl Linear {
         let hw = kernels::has_avx512_bf16();
         let xb: Option<Vec<u16>> = (bf16x && hw).then(|| x.iter().map(|&v| f32_to_bf16(v)).collect());
         let rounded: Option<Vec<f32>> =
-            (bf16x && !hw).then(|| x.iter().map(|&v| crate::safetensors::bf16_to_f32(f32_to_bf16(v))).collect());
+            (bf16x && !hw).then(|| x.iter().map(|&v| bf16_to_f32(f32_to_bf16(v))).collect());
         let x = rounded.as_deref().unwrap_or(x);
         let out = SyncPtr(y.as_mut_ptr());
         let chunk = (self.rows / (4 * rayon::current_num_threads()).max(1)).clamp(16, 1024).next_multiple_of(4);
@@ -510,7 +510,7 @@ impl SyncPtr {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::safetensors::{bf16_to_f32, f32_to_bf16};
+    use crate::safetensors::f32_to_bf16;
 
     /// A bf16 product of 2-8 tokens (each row read once for all) gives every token exactly what
     /// the one-token product gives it (the batched-vs-alone property of the CPU decode step),

@@ -7,6 +7,24 @@
 use crate::linear::FloatType;
 use crate::safetensors::{bf16_to_f32, f16_to_f32};
 
+/// `$f::<T>(args)` with `T` = `$t` for 1 to 8 (nothing otherwise): the multi-token kernels are
+/// monomorphised per token count so their accumulators stay in registers.
+macro_rules! by_tokens {
+    ($t:expr, $f:ident($($a:expr),* $(,)?)) => {
+        match $t {
+            1 => $f::<1>($($a),*),
+            2 => $f::<2>($($a),*),
+            3 => $f::<3>($($a),*),
+            4 => $f::<4>($($a),*),
+            5 => $f::<5>($($a),*),
+            6 => $f::<6>($($a),*),
+            7 => $f::<7>($($a),*),
+            8 => $f::<8>($($a),*),
+            _ => {}
+        }
+    };
+}
+
 pub mod q4tile;
 pub mod q8;
 
@@ -182,8 +200,7 @@ pub fn dot_bf16_rows4(w: &[u8], rb: usize, x: &[f32], cols: usize, t: usize, out
 
 static BF16X: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
 
-/// Whether products with bf16 weights of at most 8 tokens round their inputs to bf16 and use
-/// bf16 dot products (`vdpbf16ps` where the CPU has AVX512-BF16): the fast path's counterpart
+/// Whether products with bf16 weights round their inputs to bf16 and use bf16 dot products (`vdpbf16ps` where the CPU has AVX512-BF16): the fast path's counterpart
 /// of int8 activations for 4/8-bit weights (mlx-lm computes a bf16 model in bf16 too). Off by
 /// default (the library's fp32 reference); the CLI turns it on unless `--exact`.
 #[inline]

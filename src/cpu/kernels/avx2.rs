@@ -166,17 +166,7 @@ pub unsafe fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
 /// columns (T monomorphised so the accumulators stay in registers).
 #[target_feature(enable = "avx2,fma")]
 pub unsafe fn dot_bf16_multi(w: &[u8], x: &[f32], cols: usize, out: &mut [f32]) {
-    match out.len() {
-        1 => bf16_multi::<1>(w, x, cols, out),
-        2 => bf16_multi::<2>(w, x, cols, out),
-        3 => bf16_multi::<3>(w, x, cols, out),
-        4 => bf16_multi::<4>(w, x, cols, out),
-        5 => bf16_multi::<5>(w, x, cols, out),
-        6 => bf16_multi::<6>(w, x, cols, out),
-        7 => bf16_multi::<7>(w, x, cols, out),
-        8 => bf16_multi::<8>(w, x, cols, out),
-        _ => {}
-    }
+    by_tokens!(out.len(), bf16_multi(w, x, cols, out))
 }
 
 #[target_feature(enable = "avx2,fma")]

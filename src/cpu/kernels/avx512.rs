@@ -19,17 +19,19 @@ use std::arch::x86_64::*;
 /// Rows `w[r·rb..]` for r in 0..4 (`rb = 2·cols` bytes each), tokens `x[t·cols..]`.
 #[target_feature(enable = "avx2,fma,avx512f")]
 pub unsafe fn dot_bf16_rows4(w: &[u8], rb: usize, x: &[f32], cols: usize, t: usize, out: &mut [[f32; 8]; 4]) {
-    match t {
-        1 => rows4::<1>(w, rb, x, cols, out),
-        2 => rows4::<2>(w, rb, x, cols, out),
-        3 => rows4::<3>(w, rb, x, cols, out),
-        4 => rows4::<4>(w, rb, x, cols, out),
-        5 => rows4::<5>(w, rb, x, cols, out),
-        6 => rows4::<6>(w, rb, x, cols, out),
-        7 => rows4::<7>(w, rb, x, cols, out),
-        8 => rows4::<8>(w, rb, x, cols, out),
-        _ => {}
-    }
+    by_tokens!(t, rows4(w, rb, x, cols, out))
+}
+
+/// The four rows' 8-lane sums held two per 512-bit register (rows 0, 1 in `a01`; 2, 3 in `a23`).
+#[inline]
+#[target_feature(enable = "avx2,fma,avx512f")]
+unsafe fn row_sums(a01: __m512, a23: __m512) -> [__m256; 4] {
+    [
+        _mm512_castps512_ps256(a01),
+        _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a01), 1)),
+        _mm512_castps512_ps256(a23),
+        _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a23), 1)),
+    ]
 }
 
 /// 8 bf16 values at `p` and 8 at `q` widened to f32: lanes 0-7 from `p`, 8-15 from `q`.
@@ -60,13 +62,7 @@ unsafe fn rows4<const T: usize>(w: &[u8], rb: usize, x: &[f32], cols: usize, out
         i += 8;
     }
     for t in 0..T {
-        let halves = [
-            _mm512_castps512_ps256(a01[t]),
-            _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a01[t]), 1)),
-            _mm512_castps512_ps256(a23[t]),
-            _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a23[t]), 1)),
-        ];
-        for (r, h) in halves.into_iter().enumerate() {
+        for (r, h) in row_sums(a01[t], a23[t]).into_iter().enumerate() {
             let mut s = hsum(h);
             let row = &w[r * rb..r * rb + 2 * cols];
             for c in i..cols {
@@ -87,17 +83,7 @@ unsafe fn rows4<const T: usize>(w: &[u8], rb: usize, x: &[f32], cols: usize, out
 /// One row: `out[t] = Σ_c w[c] · xb[t·cols + c]` for `t < out.len() ≤ 8`.
 #[target_feature(enable = "avx2,fma,avx512f,avx512vl,avx512bf16")]
 pub unsafe fn dot_bf16x_row(w: &[u8], xb: &[u16], cols: usize, out: &mut [f32]) {
-    match out.len() {
-        1 => bf16x_row::<1>(w, xb, cols, out),
-        2 => bf16x_row::<2>(w, xb, cols, out),
-        3 => bf16x_row::<3>(w, xb, cols, out),
-        4 => bf16x_row::<4>(w, xb, cols, out),
-        5 => bf16x_row::<5>(w, xb, cols, out),
-        6 => bf16x_row::<6>(w, xb, cols, out),
-        7 => bf16x_row::<7>(w, xb, cols, out),
-        8 => bf16x_row::<8>(w, xb, cols, out),
-        _ => {}
-    }
+    by_tokens!(out.len(), bf16x_row(w, xb, cols, out))
 }
 
 #[inline]
@@ -137,17 +123,7 @@ unsafe fn bf16x_row<const T: usize>(w: &[u8], xb: &[u16], cols: usize, out: &mut
 /// token's 16 inputs broadcast to both halves.
 #[target_feature(enable = "avx2,fma,avx512f,avx512vl,avx512bf16")]
 pub unsafe fn dot_bf16x_rows4(w: &[u8], rb: usize, xb: &[u16], cols: usize, t: usize, out: &mut [[f32; 8]; 4]) {
-    match t {
-        1 => bf16x_rows4::<1>(w, rb, xb, cols, out),
-        2 => bf16x_rows4::<2>(w, rb, xb, cols, out),
-        3 => bf16x_rows4::<3>(w, rb, xb, cols, out),
-        4 => bf16x_rows4::<4>(w, rb, xb, cols, out),
-        5 => bf16x_rows4::<5>(w, rb, xb, cols, out),
-        6 => bf16x_rows4::<6>(w, rb, xb, cols, out),
-        7 => bf16x_rows4::<7>(w, rb, xb, cols, out),
-        8 => bf16x_rows4::<8>(w, rb, xb, cols, out),
-        _ => {}
-    }
+    by_tokens!(t, bf16x_rows4(w, rb, xb, cols, out))
 }
 
 /// 16 bf16 at `p` in lanes 0-7 (as pairs) and 16 at `q` in lanes 8-15.
@@ -179,13 +155,7 @@ unsafe fn bf16x_rows4<const T: usize>(w: &[u8], rb: usize, xb: &[u16], cols: usi
         i += 16;
     }
     for t in 0..T {
-        let halves = [
-            _mm512_castps512_ps256(a01[t]),
-            _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a01[t]), 1)),
-            _mm512_castps512_ps256(a23[t]),
-            _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a23[t]), 1)),
-        ];
-        for (r, h) in halves.into_iter().enumerate() {
+        for (r, h) in row_sums(a01[t], a23[t]).into_iter().enumerate() {
             out[r][t] = bf16x_tail(&w[r * rb..r * rb + 2 * cols], xb, cols, i, t, hsum(h));
         }
     }

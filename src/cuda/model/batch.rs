@@ -509,12 +509,12 @@ impl Batched for CudaBatch {
                 // The slots run their prompts one after another, so they borrow the driver's
                 // prefill scratch (hundreds of MB at 2,048-token chunks) instead of each keeping
                 // its own; if it grows, the captured pass (which reads it) is dropped.
-                let before = self.driver.pre.as_ref().map(|p| p.x.ptr);
+                let before = self.driver.pre.as_ref().map(|p| p.id);
                 let q = &mut self.seqs[w.slot];
                 std::mem::swap(&mut q.pre, &mut self.driver.pre);
                 let out = crate::engine::batch::session_step(q, w);
                 std::mem::swap(&mut q.pre, &mut self.driver.pre);
-                if self.driver.pre.as_ref().map(|p| p.x.ptr) != before {
+                if self.driver.pre.as_ref().map(|p| p.id) != before {
                     self.graphs.clear();
                 }
                 outs[i] = Some(out?);

@@ -9,6 +9,9 @@ use anyhow::{bail, Context, Result};
 
 /// Activation scratch of a batched prefill for up to `cap` rows (fp32 unless noted).
 pub(super) struct PScratch {
+    /// Distinct per allocation (a new scratch may reuse some of the old one's addresses, so a
+    /// captured pass that reads it checks this, not a pointer).
+    pub(super) id: u64,
     pub(super) cap: usize,
     /// Logit rows it can hold (0 when the chunk only needs the last row's).
     pub(super) logit_rows: usize,
@@ -71,7 +74,9 @@ impl CudaSession {
         // k + 1 slots per token: the shared expert may run as one more routed choice
         let pairs = cap * (k + 1);
         let qk = c.linear_num_key_heads * c.linear_key_head_dim;
+        static NEXT_ID: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
         self.pre = Some(PScratch {
+            id: NEXT_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
             cap,
             logit_rows,
             toks: f(cap)?,
