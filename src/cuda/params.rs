@@ -109,9 +109,7 @@ macro_rules! kernel_params {
         /// Each kernel that takes a params struct, with the struct's size in bytes (the one
         /// `.param` its PTX entry must declare: tests/cuda_compile.rs checks).
         pub fn kernels() -> Vec<(&'static str, usize)> {
-            let mut v = Vec::new();
-            $( $( v.push(($k, std::mem::size_of::<$name>())); )+ )*
-            v
+            vec![$( $( ($k, std::mem::size_of::<$name>()) ),+ ),*]
         }
     };
 }
