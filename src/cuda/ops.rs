@@ -1,7 +1,7 @@
 //! One typed wrapper per kernel of `kernels/*.cu`: argument order, launch geometry and the
 //! shape checks the kernels rely on. Pointers are device addresses (`DevBuf::at`).
 
-use super::params::{In, Out, RmsNormParams, SiluMulPairsParams, SiluMulParams};
+use super::params::{AddParams, In, Out, RmsNormParams, SiluMulPairsParams, SiluMulParams};
 use super::{Arg, DevBuf, Gpu};
 use crate::linear::{FloatType, Linear, Weight};
 use anyhow::{bail, Result};
@@ -256,7 +256,8 @@ impl Gpu {
 
     /// `x += y` over n elements.
     pub fn add(&self, x: u64, y: u64, n: usize) -> Result<()> {
-        self.launch("add_inplace", (blocks(n, 256), 1, 1), 256, &[Arg::P(x), Arg::P(y), Arg::I(n as i32)])
+        let p = AddParams { x: Out::new(x), y: In::new(y), n: n as i32 };
+        self.launch_params("add_inplace", (blocks(n, 256), 1, 1), 256, 0, &p)
     }
 
     /// Matrix-vector products for `slots` vectors: slot z uses matrix `ids[z]` of the stack (ids:

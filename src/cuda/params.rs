@@ -121,6 +121,8 @@ kernel_params! {
     SiluMulParams ["silu_mul"] { g: In<f32>, u: In<f32>, h: Out<f32>, n: i32 }
     /// `silu_mul_pairs`: h[k, i] = silu(gu[2k, i]) · gu[2k+1, i] for i < n, k < pairs.
     SiluMulPairsParams ["silu_mul_pairs"] { gu: In<f32>, h: Out<f32>, n: i32, pairs: i32 }
+    /// `add_inplace`: x[i] += y[i] for i < n.
+    AddParams ["add_inplace"] { x: Out<f32>, y: In<f32>, n: i32 }
 }
 
 #[cfg(test)]

@@ -8,8 +8,8 @@
  *            output, gate and up of one expert side by side)     grid ceil(n*pairs/256), block 256
  * add:       x[i] += y[i]                                                grid ceil(n/256), block 256
  *
- * rms_norm, silu_mul and silu_mul_pairs take their arguments as one params struct
- * (RmsNormParams, SiluMulParams, SiluMulPairsParams: declared in src/cuda/params.rs).
+ * Each kernel here takes its arguments as one params struct (RmsNormParams, SiluMulParams,
+ * SiluMulPairsParams, AddParams: declared from src/cuda/params.rs).
  */
 extern "C" __global__ void rms_norm(const RmsNormParams p) {
     pdl_begin();
@@ -41,8 +41,8 @@ extern "C" __global__ void silu_mul_pairs(const SiluMulPairsParams p) {
     p.h[i] = silu_f(p.gu[(long long)(2 * k) * n + j]) * p.gu[(long long)(2 * k + 1) * n + j];
 }
 
-extern "C" __global__ void add_inplace(float* x, const float* y, int n) {
+extern "C" __global__ void add_inplace(const AddParams p) {
     pdl_begin();
     int i = blockIdx.x * blockDim.x + threadIdx.x;
-    if (i < n) x[i] += y[i];
+    if (i < p.n) p.x[i] += p.y[i];
 }
