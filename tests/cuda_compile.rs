@@ -23,6 +23,14 @@ fn every_kernel_compiles_for_sm_90a() {
     for k in lily::cuda::all_kernels() {
         assert!(ptx.contains(&format!(".entry {k}(")), "kernel {k} missing from the PTX");
     }
+    // A kernel that takes a params struct (src/cuda/params.rs) declares one parameter of the
+    // struct's size: its C copy and the Rust struct the launch passes agree.
+    for (k, size) in lily::cuda::params::kernels() {
+        let entry = &ptx[ptx.find(&format!(".entry {k}(")).unwrap_or_else(|| panic!("{k} missing"))..];
+        let decl = &entry[..entry.find(')').unwrap()];
+        assert!(decl.contains(&format!("{k}_param_0[{size}]")), "{k}: params of {size} bytes expected:\n{decl}");
+        assert!(!decl.contains(&format!("{k}_param_1")), "{k}: more than the params struct:\n{decl}");
+    }
     if let Ok(ptxas) = std::env::var("LILY_PTXAS") {
         ptxas_report(&ptxas, &ptx, &dir);
     }

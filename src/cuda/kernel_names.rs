@@ -54,7 +54,7 @@ pub const KERNELS: [&str; 24] = [
 
 /// The concatenated program text.
 pub fn kernel_source() -> String {
-    let mut s = String::new();
+    let mut s = super::params::c_decls();
     for (name, src) in SOURCES {
         s.push_str(&format!("// ---- {name} ----\n"));
         s.push_str(src);

@@ -14,6 +14,7 @@ mod kernel_names;
 mod model;
 mod ops;
 mod paged;
+pub mod params;
 
 pub use model::{upload_cached, uploaded, CudaBatch, CudaModel, CudaSession};
 pub use ops::{
@@ -393,10 +394,6 @@ impl Gpu {
         shared: u32,
         args: &[Arg],
     ) -> Result<()> {
-        let f = *self.funcs.get(name).ok_or_else(|| anyhow!("unknown kernel {name}"))?;
-        if skipped(name) {
-            return Ok(());
-        }
         let mut slots: Vec<u64> = args
             .iter()
             .map(|a| match *a {
@@ -408,6 +405,38 @@ impl Gpu {
             })
             .collect();
         let mut ptrs: Vec<*mut c_void> = slots.iter_mut().map(|s| s as *mut u64 as *mut c_void).collect();
+        self.launch_raw(name, grid, block, shared, &mut ptrs)
+    }
+
+    /// Launches `name`, whose one argument is the params struct `p` ([`params`]: declared to
+    /// the kernel from the same definition), with `shared` bytes of dynamic shared memory.
+    pub fn launch_params<P: params::KernelParams>(
+        &self,
+        name: &str,
+        grid: (u32, u32, u32),
+        block: u32,
+        shared: u32,
+        p: &P,
+    ) -> Result<()> {
+        let mut copy = *p;
+        let mut ptrs = [&mut copy as *mut P as *mut c_void];
+        self.launch_raw(name, grid, block, shared, &mut ptrs)
+    }
+
+    /// The launch itself: `ptrs` point at the kernel's arguments in order (the driver copies
+    /// them before returning).
+    fn launch_raw(
+        &self,
+        name: &str,
+        grid: (u32, u32, u32),
+        block: u32,
+        shared: u32,
+        ptrs: &mut [*mut c_void],
+    ) -> Result<()> {
+        let f = *self.funcs.get(name).ok_or_else(|| anyhow!("unknown kernel {name}"))?;
+        if skipped(name) {
+            return Ok(());
+        }
         let prof = profiling();
         let t0 = if prof { Some(self.event_now()?) } else { None };
         if self.pdl && is_pdl(name) {
@@ -435,7 +464,7 @@ impl Gpu {
             // SAFETY: the argument list matches the kernel's signature (checked by the typed
             // wrappers in ops.rs); every pointer is a live device allocation of the size the
             // kernel reads.
-            unsafe { drv::launch_kernel(f, grid, (block, 1, 1), shared, self.stream, &mut ptrs) }
+            unsafe { drv::launch_kernel(f, grid, (block, 1, 1), shared, self.stream, ptrs) }
                 .map_err(|e| anyhow!("launching {name}: {e:?}"))?;
         }
         if let Some(t0) = t0 {

@@ -1,6 +1,7 @@
 //! One typed wrapper per kernel of `kernels/*.cu`: argument order, launch geometry and the
 //! shape checks the kernels rely on. Pointers are device addresses (`DevBuf::at`).
 
+use super::params::{AddParams, In, Out, RmsNormParams, SiluMulPairsParams, SiluMulParams};
 use super::{Arg, DevBuf, Gpu};
 use crate::linear::{FloatType, Linear, Weight};
 use anyhow::{bail, Result};
@@ -237,32 +238,26 @@ fn blocks(n: usize, per: usize) -> u32 {
 impl Gpu {
     /// `y[r, :] = rms_norm(x[r, :]) · w` for `rows` rows of width `d` (y may equal x).
     pub fn rms_norm(&self, x: u64, w: u64, y: u64, rows: usize, d: usize, eps: f32) -> Result<()> {
-        self.launch(
-            "rms_norm",
-            (rows as u32, 1, 1),
-            256,
-            &[Arg::P(x), Arg::P(w), Arg::P(y), Arg::I(d as i32), Arg::F(eps)],
-        )
+        let p = RmsNormParams { x: In::new(x), w: In::new(w), y: Out::new(y), d: d as i32, eps };
+        self.launch_params("rms_norm", (rows as u32, 1, 1), 256, 0, &p)
     }
 
     /// `h = silu(g) ⊙ u` over n elements.
     pub fn silu_mul(&self, g: u64, u: u64, h: u64, n: usize) -> Result<()> {
-        self.launch("silu_mul", (blocks(n, 256), 1, 1), 256, &[Arg::P(g), Arg::P(u), Arg::P(h), Arg::I(n as i32)])
+        let p = SiluMulParams { g: In::new(g), u: In::new(u), h: Out::new(h), n: n as i32 };
+        self.launch_params("silu_mul", (blocks(n, 256), 1, 1), 256, 0, &p)
     }
 
     /// `h[k, i] = silu(gu[2k, i]) · gu[2k+1, i]` for k < pairs, i < n (gate/up pairs side by side).
     pub fn silu_mul_pairs(&self, gu: u64, h: u64, n: usize, pairs: usize) -> Result<()> {
-        self.launch(
-            "silu_mul_pairs",
-            (blocks(n * pairs, 256), 1, 1),
-            256,
-            &[Arg::P(gu), Arg::P(h), Arg::I(n as i32), Arg::I(pairs as i32)],
-        )
+        let p = SiluMulPairsParams { gu: In::new(gu), h: Out::new(h), n: n as i32, pairs: pairs as i32 };
+        self.launch_params("silu_mul_pairs", (blocks(n * pairs, 256), 1, 1), 256, 0, &p)
     }
 
     /// `x += y` over n elements.
     pub fn add(&self, x: u64, y: u64, n: usize) -> Result<()> {
-        self.launch("add_inplace", (blocks(n, 256), 1, 1), 256, &[Arg::P(x), Arg::P(y), Arg::I(n as i32)])
+        let p = AddParams { x: Out::new(x), y: In::new(y), n: n as i32 };
+        self.launch_params("add_inplace", (blocks(n, 256), 1, 1), 256, 0, &p)
     }
 
     /// Matrix-vector products for `slots` vectors: slot z uses matrix `ids[z]` of the stack (ids:

@@ -7,9 +7,16 @@
  * silu_mul_pairs: h[k, i] = silu(gu[2k, i]) * gu[2k+1, i], i < n, k < pairs (fused gate/up GEMV
  *            output, gate and up of one expert side by side)     grid ceil(n*pairs/256), block 256
  * add:       x[i] += y[i]                                                grid ceil(n/256), block 256
+ *
+ * Each kernel here takes its arguments as one params struct (RmsNormParams, SiluMulParams,
+ * SiluMulPairsParams, AddParams: declared from src/cuda/params.rs).
  */
-extern "C" __global__ void rms_norm(const float* x, const float* w, float* y, int d, float eps) {
+extern "C" __global__ void rms_norm(const RmsNormParams p) {
     pdl_begin();
+    const float *x = p.x, *w = p.w;
+    float* y = p.y;
+    int d = p.d;
+    float eps = p.eps;
     __shared__ float sh[33];
     const float* xr = x + (long long)blockIdx.x * d;
     float* yr = y + (long long)blockIdx.x * d;
@@ -20,22 +27,22 @@ extern "C" __global__ void rms_norm(const float* x, const float* w, float* y, in
     for (int i = threadIdx.x; i < d; i += blockDim.x) yr[i] = xr[i] * (r * w[i]);
 }
 
-extern "C" __global__ void silu_mul(const float* g, const float* u, float* h, int n) {
+extern "C" __global__ void silu_mul(const SiluMulParams p) {
     pdl_begin();
     int i = blockIdx.x * blockDim.x + threadIdx.x;
-    if (i < n) h[i] = silu_f(g[i]) * u[i];
+    if (i < p.n) p.h[i] = silu_f(p.g[i]) * p.u[i];
 }
 
-extern "C" __global__ void silu_mul_pairs(const float* gu, float* h, int n, int pairs) {
+extern "C" __global__ void silu_mul_pairs(const SiluMulPairsParams p) {
     pdl_begin();
-    int i = blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= n * pairs) return;
+    int n = p.n, i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n * p.pairs) return;
     int k = i / n, j = i - k * n;
-    h[i] = silu_f(gu[(long long)(2 * k) * n + j]) * gu[(long long)(2 * k + 1) * n + j];
+    p.h[i] = silu_f(p.gu[(long long)(2 * k) * n + j]) * p.gu[(long long)(2 * k + 1) * n + j];
 }
 
-extern "C" __global__ void add_inplace(float* x, const float* y, int n) {
+extern "C" __global__ void add_inplace(const AddParams p) {
     pdl_begin();
     int i = blockIdx.x * blockDim.x + threadIdx.x;
-    if (i < n) x[i] += y[i];
+    if (i < p.n) p.x[i] += p.y[i];
 }
