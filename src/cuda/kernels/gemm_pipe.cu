@@ -26,7 +26,7 @@
  *   hit 8 distinct bank groups. One __syncthreads per k-tile: the copy into the stage read two
  *   tiles ago is issued after it. Each thread reads the 8 code bytes of its 4 weight rows
  *   (n0 + 32*wn + 8*ni + g) per k-tile from the stage, and their scale/bias (cached: a row's
- *   scales are contiguous) into registers one k-tile ahead. Requires K % 64 == 0.
+ *   scales are contiguous) into registers one k-tile ahead (kept as loaded until used). Requires K % 64 == 0.
  */
 #define GP_STAGES 4
 
@@ -82,15 +82,24 @@ __device__ __forceinline__ void gemm_pipe_body(const void* w, const void* sc, co
     long long wrow[4];
 #pragma unroll
     for (int ni = 0; ni < 4; ni++) wrow[ni] = (long long)tl.e * N + min(n0 + wn * 32 + ni * 8 + g, N - 1);
-    u32 cs[4], cb[4], ns[4], nb[4]; /* bf16 scale and bias of each row, in both halves */
-    auto load_sb = [&](int kt, u32 (&s2)[4], u32 (&b2)[4]) {
+    /* bf16 scale and bias of each row: the current k-tile's in both halves (cs, cb), the next
+       one's as loaded (ns, nb: doubled only where they become current, so the warp does not
+       wait for the load when it is issued) */
+    u32 cs[4], cb[4], ns[4], nb[4];
+    auto load_sb = [&](int kt, u32 (&s1)[4], u32 (&b1)[4]) {
         int k = kt * 64 + 16 * t4;
 #pragma unroll
         for (int ni = 0; ni < 4; ni++) {
             long long gi = wrow[ni] * (K / group) + k / group;
-            u32 sv = ((const u16*)sc)[gi], bv = ((const u16*)bi)[gi];
-            s2[ni] = sv | (sv << 16);
-            b2[ni] = bv | (bv << 16);
+            s1[ni] = ((const u16*)sc)[gi];
+            b1[ni] = ((const u16*)bi)[gi];
+        }
+    };
+    auto make_current = [&]() {
+#pragma unroll
+        for (int ni = 0; ni < 4; ni++) {
+            cs[ni] = ns[ni] * 0x10001u;
+            cb[ni] = nb[ni] * 0x10001u;
         }
     };
 
@@ -111,7 +120,8 @@ __device__ __forceinline__ void gemm_pipe_body(const void* w, const void* sc, co
         }
         cp_async_commit();
     }
-    load_sb(0, cs, cb);
+    load_sb(0, ns, nb);
+    make_current();
     for (int kt = 0; kt < nk; kt++) {
         asm volatile("cp.async.wait_group %0;\n" ::"n"(GP_STAGES - 2) : "memory");
         __syncthreads();
@@ -157,10 +167,7 @@ __device__ __forceinline__ void gemm_pipe_body(const void* w, const void* sc, co
             }
         }
 #pragma unroll
-        for (int ni = 0; ni < 4; ni++) {
-            cs[ni] = ns[ni];
-            cb[ni] = nb[ni];
-        }
+        make_current();
     }
     gemm_store<MI>(acc, tl, wm * 16 * MI, n0 + wn * 32, lane, y, ldy, N, accumulate);
 }

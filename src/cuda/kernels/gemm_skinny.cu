@@ -81,7 +81,7 @@ __device__ __forceinline__ u32 lop3_and_or(u32 a, u32 b, u32 c) {
 template <int BITS, int NT, int MINB>
 struct SkFmt {
     static constexpr int QW = BITS == 4 ? 2 : BITS == 8 ? 4 : 8;
-    static constexpr int D = BITS == 4 ? (MINB > 2 ? 2 : 3) : BITS == 8 && NT == 1 ? 2 : 1;
+    static constexpr int D = BITS == 4 ? (MINB == 1 ? 3 : NT == 1 ? 2 : 1) : BITS == 8 && NT == 1 ? 2 : 1;
 };
 
 /* The bf16 pair of weights (columns base+r, base+r+4) of one row for k step s, r in {0, 1}. */
@@ -153,8 +153,9 @@ __device__ __forceinline__ void gemm_skinny_body(const void* w, const void* sc, 
     unsigned kg = K >> gsh;
 
     u32 qr[D][2][2][QW];
-    float sr[D][2][2], br[D][2][2]; /* 8-bit: scale and bias in fp32 */
-    u32 sb[D][2][2];                  /* 4-bit: (bf16 scale, bf16 bias) */
+    /* the scale and bias as loaded (raw bits, converted where used: a conversion next to the
+       load would make the warp wait for it there, and the ring would not hide its latency) */
+    u32 sr[D][2][2], br[D][2][2];
     auto load = [&](int slot, int c) {
         int cc = col0 + 64 * (c - c_beg), gc = cc >> gsh, wc = cc * QW / 16;
 #pragma unroll
@@ -177,15 +178,17 @@ __device__ __forceinline__ void gemm_skinny_body(const void* w, const void* sc, 
                     }
                 }
                 unsigned gi = wr[mi][h] * kg + gc;
-                if (BITS == 4) {
-                    /* the scale and bias as one bf16 pair (what the bf16x2 FMAs take) */
-                    if (ty == TY_BF16)
-                        sb[slot][mi][h] = (u32)((const u16*)sc)[gi] | (u32)((const u16*)bi)[gi] << 16;
-                    else
-                        sb[slot][mi][h] = bf16x2_f32(load_elem(sc, gi, ty), load_elem(bi, gi, ty));
+                if (BITS == 4 && ty != TY_BF16) {
+                    /* f16/f32 scales: rounded to bf16 here (this load waits; bf16 ones do not) */
+                    sr[slot][mi][h] = bf16x2_f32(load_elem(sc, gi, ty), 0.f) & 0xFFFFu;
+                    br[slot][mi][h] = bf16x2_f32(load_elem(bi, gi, ty), 0.f) & 0xFFFFu;
+                } else if (BITS == 4) {
+                    sr[slot][mi][h] = load_raw(sc, gi, ty);
+                    br[slot][mi][h] = load_raw(bi, gi, ty);
                 } else if (BITS == 8) {
-                    sr[slot][mi][h] = load_elem(sc, gi, ty);
-                    br[slot][mi][h] = load_elem(bi, gi, ty);
+                    /* fp32 here (the registers of 8-bit codes leave no room for raw pairs) */
+                    sr[slot][mi][h] = __float_as_uint(load_elem(sc, gi, ty));
+                    br[slot][mi][h] = __float_as_uint(load_elem(bi, gi, ty));
                 }
             }
     };
@@ -252,16 +255,22 @@ __device__ __forceinline__ void gemm_skinny_body(const void* w, const void* sc, 
             for (int i = 0; i < D; i++) {
                 int c = cb + i;
                 if (c < c_end) {
+                    /* 4-bit: scale and bias as bf16 pairs (what the bf16x2 FMAs take); 8-bit: fp32 */
                     u32 sp[2][2] = {{0, 0}, {0, 0}}, bp[2][2] = {{0, 0}, {0, 0}};
-                    if (BITS == 4) {
+                    float sf[2][2] = {{0, 0}, {0, 0}}, bf[2][2] = {{0, 0}, {0, 0}};
 #pragma unroll
-                        for (int mi = 0; mi < 2; mi++)
+                    for (int mi = 0; mi < 2; mi++)
 #pragma unroll
-                            for (int h = 0; h < 2; h++) {
-                                sp[mi][h] = prmt(sb[i][mi][h], 0, 0x1010u);
-                                bp[mi][h] = prmt(sb[i][mi][h], 0, 0x3232u);
+                        for (int h = 0; h < 2; h++) {
+                            u32 rs = sr[i][mi][h], rb = br[i][mi][h];
+                            if (BITS == 4) {
+                                sp[mi][h] = prmt(rs, 0, 0x1010u);
+                                bp[mi][h] = prmt(rb, 0, 0x1010u);
+                            } else if (BITS == 8) {
+                                sf[mi][h] = __uint_as_float(rs);
+                                bf[mi][h] = __uint_as_float(rb);
                             }
-                    }
+                        }
 #pragma unroll
                     for (int hh = 0; hh < 2; hh++) {
                         uint4 xv[NT];
@@ -278,7 +287,7 @@ __device__ __forceinline__ void gemm_skinny_body(const void* w, const void* sc, 
 #pragma unroll
                                     for (int r = 0; r < 2; r++)
                                         af[mi][h + 2 * r] = sk_pair<BITS, (MINB <= 2)>(
-                                            qr[i][mi][h], s, r, sp[mi][h], bp[mi][h], sr[i][mi][h], br[i][mi][h]);
+                                            qr[i][mi][h], s, r, sp[mi][h], bp[mi][h], sf[mi][h], bf[mi][h]);
 #pragma unroll
                             for (int j = 0; j < NT; j++) {
                                 u32 b0 = s1 ? xv[j].z : xv[j].x, b1 = s1 ? xv[j].w : xv[j].y;
