@@ -34,10 +34,12 @@
  * Launch: block 256 threads = 8 warps as 8/kq row groups (32 rows each: two m16 tiles) x kq
  * parts of K (kq = 1, 2 or 4 contiguous ranges of 64-column chunks); block tile bn = 256/kq
  * weight rows. Each warp keeps D chunks of weight codes and scales in flight in registers (a
- * ring refilled as each chunk is used; D = 3 for 4-bit codes, 2 for 8-bit at NT = 1, else 1:
- * within 128 registers at NT <= 2; NT = 4 is one block per SM, about 200 registers, since its
- * 128 KB of staged inputs at K = 2048 allow no second one; gemm_skinny8_q4w is NT = 1 at three
- * blocks per SM: D = 2 within 80 registers). The kq K-part partials are added in
+ * ring refilled as each chunk is used; 4-bit scales and biases stay raw 16-bit values until
+ * their chunk is used, since converting them at the load would wait for it there). D for
+ * 4-bit codes: 2 at NT = 1 (gemm_skinny8_q4w: three blocks per SM within 80 registers), 1 at
+ * NT = 2 (a second chunk spills at 128 registers), 3 at NT = 4 (one block per SM, about 220
+ * registers, since its 128 KB of staged inputs at K = 2048 allow no second one); 8-bit: 2 at
+ * NT = 1, else 1; bf16: 1. The kq K-part partials are added in
  * a fixed order through shared memory (deterministic).
  * A plain product whose grid would leave most SMs idle also splits K over ksplit blocks
  * (grid.y): each stages and reads only its range of chunks, writes its sums to part[s][m][n],
