@@ -32,7 +32,9 @@
 template <int NR, int U>
 struct GqTrip {
     uint4 q[U][NR];
-    u32 sb[U][NR]; /* scale bits (low half), bias bits (high half) */
+    /* scale and bias bits as loaded: converted where used (joining or converting them at the
+       load would make the warp wait for these loads there, a whole trip too early) */
+    u32 s[U][NR], b[U][NR];
 };
 
 __device__ __forceinline__ uint4 ldg_stream(const uint4* p) {
@@ -70,7 +72,8 @@ __device__ __forceinline__ void gq_load(GqTrip<NR, U>& t, const u32* w, const u1
             if (FULL || (r < nvalid && i0 + 32 * u < n4)) {
                 t.q[u][r] = ldg_stream(wr + r * n4 + 32 * u);
                 int o = r * ng + u * gstep;
-                t.sb[u][r] = (u32)__ldg(sr + o) | ((u32)__ldg(br + o) << 16);
+                t.s[u][r] = __ldg(sr + o);
+                t.b[u][r] = __ldg(br + o);
             }
         }
     }
@@ -94,7 +97,8 @@ __device__ __forceinline__ void gq_load_moe(GqTrip<NR, U>& t, const u32* w, cons
             for (int r = 0; r < NR; r++) {
                 if (r < nvalid) {
                     t.q[u][r] = ldg_stream(wr + r * n4);
-                    t.sb[u][r] = (u32)__ldg(sc + g0 + r * ng) | ((u32)__ldg(bi + g0 + r * ng) << 16);
+                    t.s[u][r] = __ldg(sc + g0 + r * ng);
+                    t.b[u][r] = __ldg(bi + g0 + r * ng);
                 }
             }
         }
@@ -161,7 +165,7 @@ __device__ __forceinline__ void gq_compute(const GqTrip<NR, U>& t, int nvalid, i
         for (int u = 0; u < U; u++)
 #pragma unroll
             for (int r = 0; r < NR; r++)
-                acc[r] += __uint_as_float((t.q[u][r].x ^ t.q[u][r].y ^ t.q[u][r].z ^ t.q[u][r].w ^ t.sb[u][r]) & 0x3FFFFFu);
+                acc[r] += __uint_as_float((t.q[u][r].x ^ t.q[u][r].y ^ t.q[u][r].z ^ t.q[u][r].w ^ t.s[u][r] ^ t.b[u][r]) & 0x3FFFFFu);
         return;
     }
 #pragma unroll
@@ -174,7 +178,7 @@ __device__ __forceinline__ void gq_compute(const GqTrip<NR, U>& t, int nvalid, i
 #pragma unroll
             for (int r = 0; r < NR; r++) {
                 if (FULL || r < nvalid) {
-                    float s = half_bits(t.sb[u][r] & 0xFFFFu, TY), b = half_bits(t.sb[u][r] >> 16, TY);
+                    float s = half_bits(t.s[u][r], TY), b = half_bits(t.b[u][r], TY);
                     float d = gq_dot<BITS>(t.q[u][r], x4);
                     if (BITS == 4) { /* s q.x + b sx with q.x = 32 d - 16 sx */
                         acc[r] += (32.f * s) * d + (b - 16.f * s) * sx;
