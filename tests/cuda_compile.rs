@@ -24,12 +24,38 @@ fn every_kernel_compiles_for_sm_90a() {
         assert!(ptx.contains(&format!(".entry {k}(")), "kernel {k} missing from the PTX");
     }
     // A kernel that takes a params struct (src/cuda/params.rs) declares one parameter of the
-    // struct's size: its C copy and the Rust struct the launch passes agree.
-    for (k, size) in lily::cuda::params::kernels() {
+    // struct's size, or for a spread struct one parameter per field of the field's size: its C
+    // copy and the Rust struct the launch passes agree.
+    for pk in lily::cuda::params::kernels() {
+        let k = pk.name;
         let entry = &ptx[ptx.find(&format!(".entry {k}(")).unwrap_or_else(|| panic!("{k} missing"))..];
         let decl = &entry[..entry.find(')').unwrap()];
-        assert!(decl.contains(&format!("{k}_param_0[{size}]")), "{k}: params of {size} bytes expected:\n{decl}");
-        assert!(!decl.contains(&format!("{k}_param_1")), "{k}: more than the params struct:\n{decl}");
+        match pk.spread {
+            None => {
+                let size = pk.size;
+                assert!(
+                    decl.contains(&format!("{k}_param_0[{size}]")),
+                    "{k}: params of {size} bytes expected:\n{decl}"
+                );
+                assert!(!decl.contains(&format!("{k}_param_1")), "{k}: more than the params struct:\n{decl}");
+            }
+            Some(sizes) => {
+                let params: Vec<&str> = decl.lines().filter(|l| l.contains(".param")).collect();
+                assert_eq!(params.len(), sizes.len(), "{k}: {} fields expected:\n{decl}", sizes.len());
+                for (i, (l, &sz)) in params.iter().zip(sizes).enumerate() {
+                    let width = if l.contains(".u64") || l.contains(".b64") || l.contains(".s64") || l.contains(".f64")
+                    {
+                        8
+                    } else if l.contains(".u32") || l.contains(".b32") || l.contains(".s32") || l.contains(".f32") {
+                        4
+                    } else {
+                        0
+                    };
+                    assert!(l.contains(&format!("{k}_param_{i}")), "{k}: parameter {i} out of order:\n{decl}");
+                    assert_eq!(width, sz, "{k}: parameter {i} of {sz} bytes expected: {l}");
+                }
+            }
+        }
     }
     if let Ok(ptxas) = std::env::var("LILY_PTXAS") {
         ptxas_report(&ptxas, &ptx, &dir);

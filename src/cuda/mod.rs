@@ -408,8 +408,9 @@ impl Gpu {
         self.launch_raw(name, grid, block, shared, &mut ptrs)
     }
 
-    /// Launches `name`, whose one argument is the params struct `p` ([`params`]: declared to
-    /// the kernel from the same definition), with `shared` bytes of dynamic shared memory.
+    /// Launches `name` on the params struct `p` ([`params`]: declared to the kernel from the
+    /// same definition; its one argument, or for a spread struct its fields in order), with
+    /// `shared` bytes of dynamic shared memory.
     pub fn launch_params<P: params::KernelParams>(
         &self,
         name: &str,
@@ -419,8 +420,16 @@ impl Gpu {
         p: &P,
     ) -> Result<()> {
         let mut copy = *p;
-        let mut ptrs = [&mut copy as *mut P as *mut c_void];
-        self.launch_raw(name, grid, block, shared, &mut ptrs)
+        let base = &mut copy as *mut P as *mut u8;
+        if P::SPREAD {
+            // SAFETY: each offset is a field's offset inside `copy`, which outlives the launch call.
+            let mut ptrs: Vec<*mut c_void> =
+                P::OFFSETS.iter().map(|&o| unsafe { base.add(o) } as *mut c_void).collect();
+            self.launch_raw(name, grid, block, shared, &mut ptrs)
+        } else {
+            let mut ptrs = [base as *mut c_void];
+            self.launch_raw(name, grid, block, shared, &mut ptrs)
+        }
     }
 
     /// The launch itself: `ptrs` point at the kernel's arguments in order (the driver copies

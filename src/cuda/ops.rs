@@ -1,7 +1,9 @@
 //! One typed wrapper per kernel of `kernels/*.cu`: argument order, launch geometry and the
 //! shape checks the kernels rely on. Pointers are device addresses (`DevBuf::at`).
 
-use super::params::{AddParams, In, Out, RmsNormParams, SiluMulPairsParams, SiluMulParams};
+use super::params::{
+    AddParams, EmbedParams, GemmParams, In, Out, RmsNormParams, SiluMulPairsParams, SiluMulParams, Void,
+};
 use super::{Arg, DevBuf, Gpu};
 use crate::linear::{FloatType, Linear, Weight};
 use anyhow::{bail, Result};
@@ -177,6 +179,19 @@ impl GpuLinear {
     /// Dynamic shared memory of the streaming GEMVs: the staged input and its per-chunk sums.
     fn stream_smem(&self) -> u32 {
         (4 * (self.cols + self.cols / (128 / self.bits as usize))) as u32
+    }
+
+    /// The weight's fields of a params struct: codes (or dense values), scales, biases, bits,
+    /// group, scale type.
+    fn weight_fields(&self) -> (In<Void>, In<Void>, In<Void>, i32, i32, i32) {
+        (
+            In::new(self.w.ptr),
+            In::new(self.s.as_ref().map_or(0, |s| s.ptr)),
+            In::new(self.b.as_ref().map_or(0, |b| b.ptr)),
+            self.bits,
+            self.group,
+            self.ty,
+        )
     }
 
     fn wargs(&self) -> [Arg; 6] {
@@ -508,22 +523,32 @@ impl Gpu {
         if ntiles == 0 {
             return Ok(());
         }
-        let mut a = w.wargs().to_vec();
-        a.extend([
-            Arg::P(x),
-            Arg::L(ldx as i64),
-            Arg::P(gather),
-            Arg::I(gdiv.max(1) as i32),
-            Arg::P(y),
-            Arg::L(ldy as i64),
-            Arg::I(m as i32),
-            Arg::I(n as i32),
-            Arg::I(w.cols as i32),
-            Arg::P(tiles),
-            Arg::I(accumulate as i32),
-        ]);
+        let (wp, sp, bp, bits, group, ty) = w.weight_fields();
+        let mut a = GemmParams {
+            w: wp,
+            sc: sp,
+            bi: bp,
+            bits,
+            group,
+            ty,
+            x: In::new(x),
+            ldx: ldx as i64,
+            gather: In::new(gather),
+            gdiv: gdiv.max(1) as i32,
+            y: Out::new(y),
+            ldy: ldy as i64,
+            m: m as i32,
+            n: n as i32,
+            k: w.cols as i32,
+            tiles: In::new(tiles),
+            accumulate: accumulate as i32,
+            kq: 1,
+            ksplit: 1,
+            part: Out::new(0),
+            tickets: Out::new(0),
+        };
         match (prec, kern) {
-            (Precision::F32, _) => self.launch("gemm_f32", (blocks(n, 8), ntiles as u32, 1), 256, &a),
+            (Precision::F32, _) => self.launch_params("gemm_f32", (blocks(n, 8), ntiles as u32, 1), 256, 0, &a),
             (Precision::Bf16, GemmKernel::Skinny(tn) | GemmKernel::SkinnyUnsplit(tn)) => {
                 if !w.skinny_ok() {
                     bail!("gemm_skinny: {}-bit weights of width {} (group {}) unsupported", w.bits, w.cols, w.group);
@@ -536,14 +561,12 @@ impl Gpu {
                 let split = tiles == 0 && !matches!(kern, GemmKernel::SkinnyUnsplit(_));
                 let ksplit =
                     if split { skinny_ksplit(grid as usize, self.sms as usize, w.cols / 64, kq, m * n) } else { 1 };
-                a.extend([
-                    Arg::I(kq as i32),
-                    Arg::I(ksplit as i32),
-                    Arg::P(self.splitk_ws),
-                    Arg::P(self.splitk_ws + super::SPLITK_PART_BYTES as u64),
-                ]);
+                a.kq = kq as i32;
+                a.ksplit = ksplit as i32;
+                a.part = Out::new(self.splitk_ws);
+                a.tickets = Out::new(self.splitk_ws + super::SPLITK_PART_BYTES as u64);
                 let grid = if tiles == 0 { (grid, ksplit as u32, 1) } else { (grid, ntiles as u32, 1) };
-                self.launch_shared(name, grid, 256, skinny_smem(tn, w.cols) as u32, &a)
+                self.launch_params(name, grid, 256, skinny_smem(tn, w.cols) as u32, &a)
             }
             (Precision::Bf16, GemmKernel::Pipe) => {
                 if !w.pipe_ok() {
@@ -551,25 +574,35 @@ impl Gpu {
                 }
                 if tiles == 0 && m >= 1024 {
                     let grid = (blocks(n, 128), m.div_ceil(128) as u32, 1);
-                    self.launch_shared("gemm_pipe128", grid, 256, super::GEMM_PIPE_SMEM128 as u32, &a)
+                    self.launch_params("gemm_pipe128", grid, 256, super::GEMM_PIPE_SMEM128 as u32, &a)
                 } else {
                     let grid = (blocks(n, 128), ntiles as u32, 1);
-                    self.launch_shared("gemm_pipe64", grid, 256, super::GEMM_PIPE_SMEM64 as u32, &a)
+                    self.launch_params("gemm_pipe64", grid, 256, super::GEMM_PIPE_SMEM64 as u32, &a)
                 }
             }
             (Precision::Bf16, _) if tiles == 0 && m >= 1024 => {
-                self.launch("gemm_bf16_m128", (blocks(n, 128), m.div_ceil(128) as u32, 1), 256, &a)
+                self.launch_params("gemm_bf16_m128", (blocks(n, 128), m.div_ceil(128) as u32, 1), 256, 0, &a)
             }
-            (Precision::Bf16, _) => self.launch("gemm_bf16", (blocks(n, 128), ntiles as u32, 1), 256, &a),
+            (Precision::Bf16, _) => self.launch_params("gemm_bf16", (blocks(n, 128), ntiles as u32, 1), 256, 0, &a),
         }
     }
 
     /// `out[t] = W[rows[t], :]` dequantized to f32 for t < n, the row ids read from the device
     /// i32 array at `rows`.
     pub fn embed(&self, w: &GpuLinear, rows: u64, out: u64, n: usize) -> Result<()> {
-        let mut a = w.wargs().to_vec();
-        a.extend([Arg::P(rows), Arg::I(w.cols as i32), Arg::P(out)]);
-        self.launch("embed_row", (blocks(w.cols, 256), n as u32, 1), 256, &a)
+        let (wp, sp, bp, bits, group, ty) = w.weight_fields();
+        let p = EmbedParams {
+            w: wp,
+            sc: sp,
+            bi: bp,
+            bits,
+            group,
+            ty,
+            row: In::new(rows),
+            cols: w.cols as i32,
+            out: Out::new(out),
+        };
+        self.launch_params("embed_row", (blocks(w.cols, 256), n as u32, 1), 256, 0, &p)
     }
 }
 

@@ -8,7 +8,7 @@
 //! passes it as the launch's one argument.
 //!
 //! Field types: `i32` (int), `u32` (unsigned), `i64` (long long), `f32` (float), and device
-//! pointers [`In<T>`] (`const T*`) and [`Out<T>`] (`T*`) over those element types. Both languages
+//! pointers [`In<T>`] (`const T*`) and [`Out<T>`] (`T*`) over those element types and [`Void`]. Both languages
 //! lay such a struct out the same way (natural alignment, no reordering).
 
 use std::marker::PhantomData;
@@ -36,6 +36,16 @@ impl CField for i64 {
 impl CField for f32 {
     fn c_type() -> String {
         "float".into()
+    }
+}
+
+/// The element type of an untyped device address (`void`): weights whose layout a kernel reads
+/// from other fields (bits, group, scale type).
+#[derive(Clone, Copy)]
+pub struct Void;
+impl CField for Void {
+    fn c_type() -> String {
+        "void".into()
     }
 }
 
@@ -79,37 +89,71 @@ impl<T: CField> CField for Out<T> {
     }
 }
 
-/// A struct that is passed to a kernel as its one argument.
+/// A struct whose fields a kernel takes: as its one argument (`NAME(const XParams p)`), or, for
+/// a struct declared `spread`, as that many arguments in field order (`NAME(XParams_fields)`,
+/// a C macro for the parameter list: the kernel sees scalar parameters, which keeps NVVM from
+/// loading the whole struct into registers at entry as it does a by-value struct; the
+/// 80-register `gemm_skinny8_q4w` spilled that way).
 ///
 /// # Safety
 /// The type must be `#[repr(C)]` with only [`CField`] fields, declared through `kernel_params!`
 /// (which also declares it to the kernels).
-pub unsafe trait KernelParams: Copy {}
+pub unsafe trait KernelParams: Copy {
+    /// Whether the kernels take the fields as separate arguments.
+    const SPREAD: bool;
+    /// Each field's byte offset, in order.
+    const OFFSETS: &'static [usize];
+    /// Each field's size in bytes, in order.
+    const SIZES: &'static [usize];
+}
+
+/// A kernel that takes a params struct: its name, the struct's size, and for a spread struct
+/// each field's size (the arguments its PTX entry declares).
+pub struct ParamKernel {
+    pub name: &'static str,
+    pub size: usize,
+    pub spread: Option<&'static [usize]>,
+}
 
 macro_rules! kernel_params {
-    ($( $(#[$m:meta])* $name:ident [$($k:literal),+] { $( $(#[$fm:meta])* $f:ident : $t:ty ),* $(,)? } )*) => {
+    ($( $(#[$m:meta])* $name:ident $($spread:ident)? [$($k:literal),+ $(,)?] { $( $(#[$fm:meta])* $f:ident : $t:ty ),* $(,)? } )*) => {
         $(
             $(#[$m])*
             #[repr(C)]
             #[derive(Clone, Copy)]
             pub struct $name { $( $(#[$fm])* pub $f: $t ),* }
             // SAFETY: repr(C), CField fields only, declared to the kernels by c_decls.
-            unsafe impl KernelParams for $name {}
+            unsafe impl KernelParams for $name {
+                const SPREAD: bool = false $( || stringify!($spread).len() > 0 )?;
+                const OFFSETS: &'static [usize] = &[$( std::mem::offset_of!($name, $f) ),*];
+                const SIZES: &'static [usize] = &[$( std::mem::size_of::<$t>() ),*];
+            }
         )*
-        /// The C declarations of every params struct, for the kernel source.
+        /// The C declarations of every params struct (and its field list as a parameter list,
+        /// `XParams_fields`), for the kernel source.
         pub fn c_decls() -> String {
             let mut s = String::from("// ---- kernel params (src/cuda/params.rs) ----\n");
             $(
                 s.push_str(concat!("struct ", stringify!($name), " {"));
                 $( s.push_str(&format!(" {} {};", <$t as CField>::c_type(), stringify!($f))); )*
                 s.push_str(" };\n");
+                let fields: Vec<String> = vec![$( format!("{} {}", <$t as CField>::c_type(), stringify!($f)) ),*];
+                s.push_str(&format!(concat!("#define ", stringify!($name), "_fields {}\n"), fields.join(", ")));
             )*
             s
         }
-        /// Each kernel that takes a params struct, with the struct's size in bytes (the one
-        /// `.param` its PTX entry must declare: tests/cuda_compile.rs checks).
-        pub fn kernels() -> Vec<(&'static str, usize)> {
-            vec![$( $( ($k, std::mem::size_of::<$name>()) ),+ ),*]
+        /// Each kernel that takes a params struct (tests/cuda_compile.rs checks its PTX entry
+        /// declares the struct, or the spread fields, at these sizes).
+        pub fn kernels() -> Vec<ParamKernel> {
+            let mut v = Vec::new();
+            $( $(
+                v.push(ParamKernel {
+                    name: $k,
+                    size: std::mem::size_of::<$name>(),
+                    spread: if <$name as KernelParams>::SPREAD { Some(<$name as KernelParams>::SIZES) } else { None },
+                });
+            )+ )*
+            v
         }
     };
 }
@@ -123,6 +167,27 @@ kernel_params! {
     SiluMulPairsParams ["silu_mul_pairs"] { gu: In<f32>, h: Out<f32>, n: i32, pairs: i32 }
     /// `add_inplace`: x[i] += y[i] for i < n.
     AddParams ["add_inplace"] { x: Out<f32>, y: In<f32>, n: i32 }
+    /// The many-row weight products (gemm.cu, gemm_pipe.cu, gemm_skinny.cu):
+    /// `y[m, n] (+)= Σ_k x[xr(m), k] · W[e·n_rows + n, k]`, W from `w`/`sc`/`bi` (`bits` 0, 4 or
+    /// 8, quantization `group`, scale type `ty`), xr(m) = `gather[m] / gdiv` (or m without
+    /// `gather`), expert e and rows from the `tiles` list (see gemm.cu). `kq`, `ksplit`, `part`
+    /// and `tickets` are the skinny kernels' K split (the others ignore them). Spread: these
+    /// are the kernels' parameters (`NAME(GemmParams_fields)`).
+    GemmParams spread [
+        "gemm_f32", "gemm_bf16", "gemm_bf16_m128", "gemm_pipe64", "gemm_pipe128",
+        "gemm_skinny8_q4", "gemm_skinny16_q4", "gemm_skinny32_q4", "gemm_skinny8_q8", "gemm_skinny16_q8",
+        "gemm_skinny32_q8", "gemm_skinny8_q4w", "gemm_skinny8_bf16", "gemm_skinny16_bf16", "gemm_skinny32_bf16"
+    ] {
+        w: In<Void>, sc: In<Void>, bi: In<Void>, bits: i32, group: i32, ty: i32,
+        x: In<f32>, ldx: i64, gather: In<i32>, gdiv: i32, y: Out<f32>, ldy: i64,
+        m: i32, n: i32, k: i32, tiles: In<i32>, accumulate: i32,
+        kq: i32, ksplit: i32, part: Out<f32>, tickets: Out<u32>
+    }
+    /// `embed_row`: out[t, c] = W[row[t], c] dequantized, for c < cols (grid.y = tokens).
+    EmbedParams ["embed_row"] {
+        w: In<Void>, sc: In<Void>, bi: In<Void>, bits: i32, group: i32, ty: i32,
+        row: In<i32>, cols: i32, out: Out<f32>
+    }
 }
 
 #[cfg(test)]
@@ -138,6 +203,27 @@ mod tests {
             "{d}"
         );
         assert!(d.contains("struct SiluMulPairsParams { const float* gu; float* h; int n; int pairs; };"), "{d}");
+    }
+
+    /// A spread struct's kernels take its fields: the C parameter list in field order, and the
+    /// launch's argument pointers at the fields' offsets (C's layout: `ldx` after the padding
+    /// that aligns it, and the pointer after `gdiv`).
+    #[test]
+    fn spread_structs_list_their_fields_as_parameters() {
+        let d = c_decls();
+        assert!(
+            d.contains("#define GemmParams_fields const void* w, const void* sc, const void* bi, int bits, int group, int ty, const float* x, long long ldx,"),
+            "{d}"
+        );
+        assert!(GemmParams::SPREAD && !RmsNormParams::SPREAD);
+        assert_eq!(GemmParams::OFFSETS.len(), 21);
+        assert_eq!(&GemmParams::OFFSETS[..9], &[0, 8, 16, 24, 28, 32, 40, 48, 56]);
+        assert_eq!(GemmParams::OFFSETS[9], 64); // gdiv
+        assert_eq!(GemmParams::OFFSETS[10], 72); // y, aligned past gdiv
+        assert_eq!(GemmParams::SIZES[..4], [8, 8, 8, 4]);
+        let k: Vec<_> = kernels().into_iter().filter(|k| k.name == "gemm_skinny8_q4w").collect();
+        assert_eq!(k.len(), 1);
+        assert_eq!(k[0].spread.map(|s| s.len()), Some(21));
     }
 
     /// Rust lays the structs out as C does: pointers 8 bytes, then 4-byte fields.

@@ -56,20 +56,24 @@ __device__ __forceinline__ long long gemm_xrow(const int* gather, int gdiv, int 
     return gather ? (long long)(gather[m] / gdiv) : (long long)m;
 }
 
+/* The product kernels take GemmParams_fields (src/cuda/params.rs): w, sc, bi, bits, group, ty,
+   x, ldx, gather, gdiv, y, ldy, m, n, k, tiles, accumulate, kq, ksplit, part, tickets; the
+   bodies name the shape M, N, K. */
+#define GEMM_SHAPE const int M = m, N = n, K = k
+
 #define GF_BM 8
-extern "C" __global__ void gemm_f32(const void* w, const void* sc, const void* bi, int bits, int group, int ty,
-                                    const float* x, long long ldx, const int* gather, int gdiv, float* y,
-                                    long long ldy, int M, int N, int K, const int* tiles, int accumulate) {
+extern "C" __global__ void gemm_f32(GemmParams_fields) {
+    GEMM_SHAPE;
     GemmTile tl;
     if (!gemm_tile(tiles, M, GF_BM, tl)) return;
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    int n = blockIdx.x * 8 + warp;
-    if (n >= N) return;
+    int on = blockIdx.x * 8 + warp; /* this warp's output column */
+    if (on >= N) return;
     int nm = tl.m1 - tl.m0;
     const float* xr[GF_BM];
 #pragma unroll
     for (int i = 0; i < GF_BM; i++) xr[i] = x + gemm_xrow(gather, gdiv, tl.m0 + min(i, nm - 1)) * ldx;
-    long long row = (long long)tl.e * N + n;
+    long long row = (long long)tl.e * N + on;
     float acc[GF_BM];
 #pragma unroll
     for (int i = 0; i < GF_BM; i++) acc[i] = 0.f;
@@ -83,7 +87,7 @@ extern "C" __global__ void gemm_f32(const void* w, const void* sc, const void* b
     for (int i = 0; i < GF_BM; i++) {
         float a = warp_sum(acc[i]);
         if (lane == 0 && i < nm) {
-            float* o = y + (long long)(tl.m0 + i) * ldy + n;
+            float* o = y + (long long)(tl.m0 + i) * ldy + on;
             *o = accumulate ? *o + a : a;
         }
     }
@@ -278,22 +282,16 @@ __device__ __forceinline__ void gemm_bf16_body(const void* w, const void* sc, co
     else                                                                                                         \
         gemm_bf16_body<MI, 0>(w, sc, bi, group, ty, x, ldx, gather, gdiv, y, ldy, M, N, K, tiles, accumulate, Xs, Ws);
 
-extern "C" __global__ void __launch_bounds__(256, 2) gemm_bf16(const void* w, const void* sc, const void* bi,
-                                                               int bits, int group, int ty, const float* x,
-                                                               long long ldx, const int* gather, int gdiv, float* y,
-                                                               long long ldy, int M, int N, int K, const int* tiles,
-                                                               int accumulate) {
+extern "C" __global__ void __launch_bounds__(256, 2) gemm_bf16(GemmParams_fields) {
+    GEMM_SHAPE;
     __shared__ __align__(16) u16 Xs[64 * TC_LD];
     __shared__ __align__(16) u16 Ws[TC_BN * TC_LD];
     GEMM_BF16_DISPATCH(2)
 }
 
 /* BM 128: long plain products (each dequantized weight tile serves twice the rows). */
-extern "C" __global__ void __launch_bounds__(256, 1) gemm_bf16_m128(const void* w, const void* sc, const void* bi,
-                                                                    int bits, int group, int ty, const float* x,
-                                                                    long long ldx, const int* gather, int gdiv,
-                                                                    float* y, long long ldy, int M, int N, int K,
-                                                                    const int* tiles, int accumulate) {
+extern "C" __global__ void __launch_bounds__(256, 1) gemm_bf16_m128(GemmParams_fields) {
+    GEMM_SHAPE;
     __shared__ __align__(16) u16 Xs[128 * TC_LD];
     __shared__ __align__(16) u16 Ws[TC_BN * TC_LD];
     GEMM_BF16_DISPATCH(4)

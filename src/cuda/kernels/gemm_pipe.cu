@@ -174,9 +174,8 @@ __device__ __forceinline__ void gemm_pipe_body(const void* w, const void* sc, co
 
 #define GEMM_PIPE(NAME, MI, MINB)                                                                              \
     extern "C" __global__ void __launch_bounds__(256, MINB)                                                    \
-        NAME(const void* w, const void* sc, const void* bi, int bits, int group, int ty, const float* x,       \
-             long long ldx, const int* gather, int gdiv, float* y, long long ldy, int M, int N, int K,         \
-             const int* tiles, int accumulate) {                                                               \
+        NAME(GemmParams_fields) {                                                                              \
+        GEMM_SHAPE;                                                                                            \
         gemm_pipe_body<MI>(w, sc, bi, group, ty, x, ldx, gather, gdiv, y, ldy, M, N, K, tiles, accumulate);    \
     }
 GEMM_PIPE(gemm_pipe64, 2, 1)

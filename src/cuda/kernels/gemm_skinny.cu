@@ -364,11 +364,9 @@ __device__ __forceinline__ void gemm_skinny_body(const void* w, const void* sc, 
    would share one register allocation (and spill at the 128-register bound). */
 #define GEMM_SKINNY(NAME, NT, BITS, MINB)                                                                   \
     extern "C" __global__ void __launch_bounds__(256, MINB)                                                 \
-        NAME(const void* w, const void* sc, const void* bi, int bits, int group, int ty, const float* x,    \
-             long long ldx, const int* gather, int gdiv, float* y, long long ldy, int M, int N, int K,      \
-             const int* tiles, int accumulate, int kq, int ksplit, float* part, unsigned* tickets) {        \
+        NAME(GemmParams_fields) {                                                                           \
         extern __shared__ uint4 sk_smem[];                                                                  \
-        gemm_skinny_body<NT, BITS, MINB>(w, sc, bi, group, ty, x, ldx, gather, gdiv, y, ldy, M, N, K, tiles, \
+        gemm_skinny_body<NT, BITS, MINB>(w, sc, bi, group, ty, x, ldx, gather, gdiv, y, ldy, m, n, k, tiles, \
                                          accumulate, kq, ksplit, part, tickets, sk_smem);                   \
     }
 

@@ -306,9 +306,10 @@ extern "C" __global__ void moe_down(const void* w, const void* sc, const void* b
     }
 }
 
-extern "C" __global__ void embed_row(const void* w, const void* sc, const void* bi, int bits, int group, int ty,
-                                     const int* row, int cols, float* out) {
+extern "C" __global__ void embed_row(const EmbedParams p) {
     pdl_begin();
-    int c = blockIdx.x * blockDim.x + threadIdx.x;
-    if (c < cols) out[(long long)blockIdx.y * cols + c] = dequant_elem(w, sc, bi, bits, group, ty, row[blockIdx.y], cols, c);
+    int c = blockIdx.x * blockDim.x + threadIdx.x, cols = p.cols;
+    if (c < cols)
+        p.out[(long long)blockIdx.y * cols + c] =
+            dequant_elem(p.w, p.sc, p.bi, p.bits, p.group, p.ty, p.row[blockIdx.y], cols, c);
 }
