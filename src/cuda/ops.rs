@@ -2,7 +2,7 @@
 //! shape checks the kernels rely on. Pointers are device addresses (`DevBuf::at`).
 
 use super::params::{
-    AddParams, EmbedParams, GemmParams, In, Out, RmsNormParams, SiluMulPairsParams, SiluMulParams, Void,
+    AddParams, EmbedParams, GemmParams, GemvParams, In, Out, RmsNormParams, SiluMulPairsParams, SiluMulParams, Void,
 };
 use super::{Arg, DevBuf, Gpu};
 use crate::linear::{FloatType, Linear, Weight};
@@ -393,32 +393,38 @@ impl Gpu {
         accumulate: bool,
         (normw, eps): (u64, f32),
     ) -> Result<()> {
-        let mut a = w.wargs().to_vec();
-        a.extend([
-            Arg::P(x),
-            Arg::L(xstride as i64),
-            Arg::P(y),
-            Arg::I(w.rows as i32),
-            Arg::I(w.cols as i32),
-            Arg::P(ids),
-            Arg::I(accumulate as i32),
-            Arg::P(normw),
-            Arg::F(eps),
-            Arg::I(xdiv as i32),
-        ]);
+        let (wp, sp, bp, bits, group, ty) = w.weight_fields();
+        let a = GemvParams {
+            w: wp,
+            sc: sp,
+            bi: bp,
+            bits,
+            group,
+            ty,
+            x: In::new(x),
+            xstride: xstride as i64,
+            y: Out::new(y),
+            rows: w.rows as i32,
+            cols: w.cols as i32,
+            ids: In::new(ids),
+            accumulate: accumulate as i32,
+            normw: In::new(normw),
+            eps,
+            xdiv: xdiv as i32,
+        };
         let streaming = w.streams() && w.cols <= GEMV_XMAX && xstride.is_multiple_of(4);
         let name = match kernel {
             GemvKernel::Q2 | GemvKernel::Wide if streaming => "gemv_q2",
             GemvKernel::LoadOnly if streaming => "gemv_q_loadonly",
             _ => {
                 let shared = if normw != 0 { 4 * w.cols as u32 } else { 0 };
-                return self.launch_shared("linear_gemv", (blocks(w.rows, 32), slots as u32, 1), 256, shared, &a);
+                return self.launch_params("linear_gemv", (blocks(w.rows, 32), slots as u32, 1), 256, shared, &a);
             }
         };
         let shared = w.stream_smem();
         let (threads, per_sm) = kernel.geometry(bpsm);
         let gx = self.stream_grid(w.rows, threads, per_sm, slots);
-        self.launch_shared(name, (gx, slots as u32, 1), threads, shared, &a)
+        self.launch_params(name, (gx, slots as u32, 1), threads, shared, &a)
     }
 
     /// Blocks per slot for the streaming GEMV: enough for every 2-row group, at most what fills

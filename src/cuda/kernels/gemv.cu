@@ -376,11 +376,7 @@ __device__ __forceinline__ void gq_body(const u32* w, const u16* sc, const u16* 
 }
 
 #define GQ_KERNEL(NAME, NR, LOADONLY)                                                                                       \
-    extern "C" __global__ void __launch_bounds__(512) NAME(const void* w, const void* sc, const void* bi, int bits, \
-                                                           int group, int ty, const float* x, long long xstride,   \
-                                                           float* y, int rows, int cols, const int* ids,           \
-                                                           int accumulate, const float* normw, float eps,          \
-                                                           int xdiv) {                                             \
+    extern "C" __global__ void __launch_bounds__(512) NAME(GemvParams_fields) {                                  \
         extern __shared__ __align__(16) float xs[]; /* cols + cols/EPV floats */                                  \
         __shared__ float red[33];                                                                                  \
         int z = blockIdx.y;                                                                                        \

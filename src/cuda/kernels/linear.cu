@@ -193,9 +193,7 @@ __device__ __forceinline__ void gemv_body(const void* w, const void* sc, const v
     }
 }
 
-extern "C" __global__ void __launch_bounds__(256, 2) linear_gemv(const void* w, const void* sc, const void* bi, int bits, int group, int ty,
-                                       const float* x, long long xstride, float* y, int rows, int cols,
-                                       const int* ids, int accumulate, const float* normw, float eps, int xdiv) {
+extern "C" __global__ void __launch_bounds__(256, 2) linear_gemv(GemvParams_fields) {
     pdl_begin();
     extern __shared__ __align__(16) float xsh[]; /* cols floats (dynamic, 0 when cols > GEMV_XMAX) */
     __shared__ float red[33];
