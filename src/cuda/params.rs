@@ -224,7 +224,7 @@ mod tests {
             d.contains("#define GemmParams_fields const void* w, const void* sc, const void* bi, int bits, int group, int ty, const float* x, long long ldx,"),
             "{d}"
         );
-        assert!(GemmParams::SPREAD && !RmsNormParams::SPREAD);
+        const { assert!(GemmParams::SPREAD && !RmsNormParams::SPREAD) };
         assert_eq!(GemmParams::OFFSETS.len(), 21);
         assert_eq!(&GemmParams::OFFSETS[..9], &[0, 8, 16, 24, 28, 32, 40, 48, 56]);
         assert_eq!(GemmParams::OFFSETS[9], 64); // gdiv
