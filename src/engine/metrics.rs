@@ -23,6 +23,9 @@ struct Timing {
     batch_counts: [u64; BATCH_BUCKETS.len()],
     batch_sum: u64,
     batch_count: u64,
+    /// Scheduler rounds that ran a pass: their whole time, and the part inside the pass.
+    round_secs: f64,
+    forward_secs: f64,
 }
 
 #[derive(Default)]
@@ -78,6 +81,15 @@ impl Metrics {
             }
             t.batch_sum += n as u64;
             t.batch_count += 1;
+        }
+    }
+
+    /// One scheduler round that ran a forward pass: `round` seconds in all, `forward` of them
+    /// in the backend's pass (the rest is the host's: admitting, picking, detokenizing, sending).
+    pub fn round(&self, round: f64, forward: f64) {
+        if let Ok(mut t) = self.timing.lock() {
+            t.round_secs += round;
+            t.forward_secs += forward;
         }
     }
 
@@ -215,6 +227,18 @@ impl Metrics {
         h.push(("_sum".into(), t.batch_sum.to_string()));
         h.push(("_count".into(), t.batch_count.to_string()));
         metric("lily_batch_size", "histogram", "Sequences per forward pass.", h);
+        metric(
+            "lily_round_seconds_total",
+            "counter",
+            "Time in scheduler rounds that ran a forward pass (lily_batch_size_count of them).",
+            f(t.round_secs),
+        );
+        metric(
+            "lily_forward_seconds_total",
+            "counter",
+            "The part of those rounds inside the backend's forward pass; the rest is host work.",
+            f(t.forward_secs),
+        );
         s
     }
 }
@@ -231,6 +255,8 @@ mod tests {
         m.prefill(10, 0.5);
         m.batch(3);
         m.batch(1);
+        m.round(0.5, 0.25);
+        m.round(0.25, 0.125);
         let s = m.render();
         assert!(s.contains("lily_requests_total{endpoint=\"/v1/chat/completions\",status=\"200\"} 1"));
         assert!(s.contains("lily_time_to_first_token_seconds_bucket{le=\"0.25\"} 1"));
@@ -240,5 +266,7 @@ mod tests {
         assert!(s.contains("lily_batch_size_bucket{le=\"2\"} 1"));
         assert!(s.contains("lily_batch_size_bucket{le=\"4\"} 2"));
         assert!(s.contains("lily_batch_size_sum 4"));
+        assert!(s.contains("lily_round_seconds_total 0.75"));
+        assert!(s.contains("lily_forward_seconds_total 0.375"));
     }
 }

@@ -155,6 +155,16 @@ impl Scheduler {
 
     /// One round: admit, one forward pass, deliver. False when there was nothing to run.
     pub fn step(&mut self) -> bool {
+        let round = std::time::Instant::now();
+        let ran = self.round();
+        if let Some(forward) = ran {
+            self.metrics.round(round.elapsed().as_secs_f64(), forward);
+        }
+        ran.is_some()
+    }
+
+    /// [`Scheduler::step`]'s work: the seconds its forward pass took, None when nothing ran.
+    fn round(&mut self) -> Option<f64> {
         self.sweep();
         self.admit();
         let limit = self.backend.max_positions();
@@ -184,7 +194,7 @@ impl Scheduler {
             }
         }
         if items.is_empty() {
-            return false;
+            return None;
         }
         // Masks for constrained decoding sequences whose logits come back this step.
         let masked: Vec<usize> = items
@@ -205,6 +215,7 @@ impl Scheduler {
             .collect();
         let backend = &mut self.backend;
         let slots = &mut self.slots;
+        let mut forward = 0.0;
         let (outs, mut masks) = std::thread::scope(|sc| {
             let mask_job = (!masked.is_empty()).then(|| {
                 let mut cs: Vec<(usize, &mut Constraint)> = slots
@@ -215,7 +226,9 @@ impl Scheduler {
                     .collect();
                 sc.spawn(move || cs.iter_mut().map(|(i, c)| (*i, c.mask())).collect::<Vec<_>>())
             });
+            let t0 = std::time::Instant::now();
             let outs = backend.step(&work);
+            forward = t0.elapsed().as_secs_f64();
             let masks = mask_job.map(|j| j.join().unwrap_or_default()).unwrap_or_default();
             (outs, masks)
         });
@@ -228,7 +241,7 @@ impl Scheduler {
                 for (slot, ..) in &items {
                     self.end_err(*slot, anyhow!("{msg}"));
                 }
-                return true;
+                return Some(forward);
             }
         };
         for ((slot, tokens, _, decoding), out) in items.into_iter().zip(outs) {
@@ -262,7 +275,7 @@ impl Scheduler {
                 }
             }
         }
-        true
+        Some(forward)
     }
 
     /// Drops sequences whose clients have gone, running or waiting.
