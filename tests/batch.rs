@@ -321,3 +321,31 @@ fn a_small_kv_budget_queues_requests_and_refuses_impossible_ones() {
     let e = ends[3].clone().unwrap().unwrap_err();
     assert!(e.contains("80 tokens") && e.contains("64 tokens"), "{e}");
 }
+
+/// The prompt's prefix-cache snapshot is taken after the first token goes out, and still when
+/// that token ends the request: a repeat of either prompt resumes from the whole prompt
+/// (cached tokens = its length) and gets what it would alone.
+#[test]
+fn a_repeated_prompt_resumes_from_the_snapshot_after_its_first_token() {
+    let m = model("tiny-mlx4");
+    let v = m.cfg.vocab_size;
+    let (p1, p2) = (prompt(41, 9, v), prompt(42, 13, v));
+    let cases = vec![
+        Case { prompt: p1.clone(), opts: opts(1, 0.0, 1), leave_after: None }, // ends with its first token
+        Case { prompt: p1.clone(), opts: opts(4, 0.0, 2), leave_after: None },
+        Case { prompt: p2.clone(), opts: opts(5, 0.8, 3), leave_after: None }, // goes on after it
+        Case { prompt: p2.clone(), opts: opts(5, 0.8, 3), leave_after: None },
+    ];
+    let mut l = limits(64, 1 << 20);
+    l.prefix_cache_bytes = 64 << 20;
+    // One slot: each request starts after the previous one ended.
+    let (ends, _, _) = schedule(&m, 1, l, &cases);
+    for (i, (c, end)) in cases.iter().zip(&ends).enumerate() {
+        let end = end.clone().expect("finished").unwrap_or_else(|e| panic!("request {i}: {e}"));
+        let want_cached = if i % 2 == 1 { c.prompt.len() } else { 0 };
+        assert_eq!(end.cached_tokens, want_cached, "request {i}: prompt tokens from the cache");
+        let mut s = CpuSession::new(m.clone());
+        let want = generate(&mut s, &c.prompt, &c.opts, |_| Ok(Flow::Continue)).unwrap();
+        assert_eq!(end.tokens, want.tokens, "request {i}: tokens with the cache vs alone");
+    }
+}

@@ -81,6 +81,10 @@ struct Seq {
     admitted: Instant,
     decode_from: Option<Instant>,
     prefill_secs: f64,
+    /// The prompt's prefix-cache snapshot (its tokens and the logits after them), taken once
+    /// the first token has gone out (a device session's state copy can take milliseconds), or
+    /// at the end if the sequence ends with that token.
+    prompt_snap: Option<(Vec<u32>, Vec<f32>)>,
 }
 
 pub struct Scheduler {
@@ -269,9 +273,18 @@ impl Scheduler {
                 let last = s.ends.is_empty();
                 let prefix = s.req.prompt[..pos].to_vec();
                 let Out::Logits(mut logits) = out else { unreachable!("prompt chunks ask for logits") };
-                self.save(slot, prefix, last.then(|| logits.clone()));
-                if last {
-                    self.prefilled(slot, &mut logits, limit);
+                if !last {
+                    self.save(slot, prefix, None);
+                    continue;
+                }
+                if self.limits.prefix_cache_bytes > 0 {
+                    s.prompt_snap = Some((prefix, logits.clone()));
+                }
+                // The first token goes out first; the snapshot of the state after the prompt
+                // (unchanged until the next pass feeds that token) follows.
+                self.prefilled(slot, &mut logits, limit);
+                if let Some((tokens, l)) = self.slots[slot].as_mut().and_then(|s| s.prompt_snap.take()) {
+                    self.save(slot, tokens, Some(l));
                 }
             }
         }
@@ -358,6 +371,7 @@ impl Scheduler {
                 admitted: Instant::now(),
                 decode_from: None,
                 prefill_secs: 0.0,
+                prompt_snap: None,
             });
             self.metrics.running.store(self.running() as i64, Relaxed);
             if let Some(mut l) = logits {
@@ -460,15 +474,8 @@ impl Scheduler {
         let fed = self.backend.pos(slot);
         let Some(mut s) = self.slots[slot].take() else { return };
         // The state after the prompt and the generated tokens fed back so far.
-        if fed > s.req.prompt.len() && s.req.script.is_none() {
-            let mut all = s.req.prompt.clone();
-            all.extend(&s.generated);
-            if fed <= all.len() {
-                all.truncate(fed);
-                self.save(slot, all, None);
-            }
-        }
-        self.free(slot);
+        let mut all = s.req.prompt.clone();
+        all.extend(&s.generated);
         let n = s.generated.len();
         let decode_secs = s.decode_from.map_or(0.0, |t| t.elapsed().as_secs_f64());
         self.metrics.decode(n.saturating_sub(1), decode_secs);
@@ -483,6 +490,16 @@ impl Scheduler {
             decode_secs,
         };
         s.req.sink.done(Ok(ended));
+        // The client has its answer; the slot's state (intact until `free`) goes to the prefix
+        // cache: the prompt's own snapshot if the sequence ended with its first token, else the
+        // state after the tokens fed so far.
+        if let Some((tokens, logits)) = s.prompt_snap.take() {
+            self.save(slot, tokens, Some(logits));
+        } else if fed > s.req.prompt.len() && s.req.script.is_none() && fed <= all.len() {
+            all.truncate(fed);
+            self.save(slot, all, None);
+        }
+        self.free(slot);
     }
 
     fn end_err(&mut self, slot: usize, e: anyhow::Error) {
