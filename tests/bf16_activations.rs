@@ -30,11 +30,7 @@ fn tiny_hf_in_bf16_activations_stays_close_to_fp32_reference() {
     assert!(median <= 0.01, "median |Δ|/range {median}");
 
     let split = 100;
-    let mut s2 = CpuSession::new(model.clone());
-    let mut inc = s2.forward_all(&r.prompt[..split]).unwrap();
-    for &tok in &r.prompt[split..] {
-        inc.extend(s2.forward_last(&[tok]).unwrap());
-    }
+    let inc = prefill_then_decode(&mut CpuSession::new(model.clone()), &r.prompt, split);
     let worst_inc = rows_worst(&inc[split * vocab..], &got[split * vocab..], vocab);
     eprintln!("tiny-hf bf16 activations: prefill-then-decode vs one-shot worst |Δ|/range {worst_inc:.2e}");
     assert!(worst_inc <= 1e-3, "decode vs prefill {worst_inc}");

@@ -217,11 +217,7 @@ fn tiny_models_in_int8_stay_close_to_fp32_reference() {
         // both in int8: every token's activations are quantized the same way in both, so only
         // fp32 summation order differs (plus an occasional int8 rounding flip it causes).
         let split = 100;
-        let mut s2 = CpuSession::new(model.clone());
-        let mut inc = s2.forward_all(&r.prompt[..split]).unwrap();
-        for &tok in &r.prompt[split..] {
-            inc.extend(s2.forward_last(&[tok]).unwrap());
-        }
+        let inc = prefill_then_decode(&mut CpuSession::new(model.clone()), &r.prompt, split);
         let worst_inc = rows_worst(&inc[split * vocab..], &got[split * vocab..], vocab);
         eprintln!("{dir} int8: prefill-then-decode vs one-shot worst |Δ|/range {worst_inc:.2e}");
         assert!(worst_inc <= 0.01, "{dir}: int8 decode vs prefill {worst_inc}");

@@ -470,9 +470,9 @@ impl Gpu {
                 .result()
                 .map_err(|e| anyhow!("launching {name}: {e:?}"))?;
         } else {
-            // SAFETY: the argument list matches the kernel's signature (checked by the typed
-            // wrappers in ops.rs); every pointer is a live device allocation of the size the
-            // kernel reads.
+            // SAFETY: the argument list matches the kernel's signature (its params struct,
+            // declared to the kernel from the same definition: src/cuda/params.rs); every
+            // pointer is a live device allocation of the size the kernel reads.
             unsafe { drv::launch_kernel(f, grid, (block, 1, 1), shared, self.stream, ptrs) }
                 .map_err(|e| anyhow!("launching {name}: {e:?}"))?;
         }

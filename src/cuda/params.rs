@@ -4,12 +4,14 @@
 //! kernel source before NVRTC compiles it), the same C struct: field names and order come from
 //! one definition and each field's C type from its Rust type ([`CField`]), so a launch and its
 //! kernel cannot disagree about argument order, count or width. A kernel takes its struct by
-//! value (`extern "C" __global__ void rms_norm(RmsNormParams p)`) and [`super::Gpu::launch_params`]
-//! passes it as the launch's one argument.
+//! value (`extern "C" __global__ void rms_norm(RmsNormParams p)`), or, for a struct declared
+//! `spread`, its fields as its parameter list (`gemm_f32(GemmParams_fields)`);
+//! [`super::Gpu::launch_params`] passes either form.
 //!
 //! Field types: `i32` (int), `u32` (unsigned), `i64` (long long), `f32` (float), and device
-//! pointers [`In<T>`] (`const T*`) and [`Out<T>`] (`T*`) over those element types and [`Void`]. Both languages
-//! lay such a struct out the same way (natural alignment, no reordering).
+//! pointers [`In<T>`] (`const T*`) and [`Out<T>`] (`T*`) over those element types and
+//! [`Void`]. Both languages lay such a struct out the same way (natural alignment, no
+//! reordering).
 
 use std::marker::PhantomData;
 
@@ -18,26 +20,17 @@ pub trait CField {
     fn c_type() -> String;
 }
 
-impl CField for i32 {
-    fn c_type() -> String {
-        "int".into()
-    }
+/// Scalar field types and their C names.
+macro_rules! scalar_fields {
+    ($($t:ty => $c:literal),*) => {
+        $(impl CField for $t {
+            fn c_type() -> String {
+                $c.into()
+            }
+        })*
+    };
 }
-impl CField for u32 {
-    fn c_type() -> String {
-        "unsigned".into()
-    }
-}
-impl CField for i64 {
-    fn c_type() -> String {
-        "long long".into()
-    }
-}
-impl CField for f32 {
-    fn c_type() -> String {
-        "float".into()
-    }
-}
+scalar_fields!(i32 => "int", u32 => "unsigned", i64 => "long long", f32 => "float");
 
 /// The element type of an untyped device address (`void`): weights whose layout a kernel reads
 /// from other fields (bits, group, scale type).

@@ -473,9 +473,11 @@ impl Scheduler {
     fn end(&mut self, slot: usize, finish: FinishReason, eos_token: Option<u32>) {
         let fed = self.backend.pos(slot);
         let Some(mut s) = self.slots[slot].take() else { return };
-        // The state after the prompt and the generated tokens fed back so far.
-        let mut all = s.req.prompt.clone();
-        all.extend(&s.generated);
+        // Without a pending prompt snapshot, the state after the prompt and the generated
+        // tokens fed back so far goes to the prefix cache.
+        let fed_tokens = (s.prompt_snap.is_none() && fed > s.req.prompt.len() && s.req.script.is_none())
+            .then(|| s.req.prompt.iter().chain(&s.generated).copied().take(fed).collect::<Vec<u32>>())
+            .filter(|t| t.len() == fed);
         let n = s.generated.len();
         let decode_secs = s.decode_from.map_or(0.0, |t| t.elapsed().as_secs_f64());
         self.metrics.decode(n.saturating_sub(1), decode_secs);
@@ -495,9 +497,8 @@ impl Scheduler {
         // state after the tokens fed so far.
         if let Some((tokens, logits)) = s.prompt_snap.take() {
             self.save(slot, tokens, Some(logits));
-        } else if fed > s.req.prompt.len() && s.req.script.is_none() && fed <= all.len() {
-            all.truncate(fed);
-            self.save(slot, all, None);
+        } else if let Some(tokens) = fed_tokens {
+            self.save(slot, tokens, None);
         }
         self.free(slot);
     }

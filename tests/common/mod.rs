@@ -76,6 +76,16 @@ pub fn reference(name: &str) -> Reference {
     }
 }
 
+/// Every position's logits from `prompt[..split]` prefilled at once on `s`, then the rest fed
+/// one token at a time (the decode path).
+pub fn prefill_then_decode(s: &mut dyn lily::generate::Session, prompt: &[u32], split: usize) -> Vec<f32> {
+    let mut all = s.forward_all(&prompt[..split]).unwrap();
+    for &tok in &prompt[split..] {
+        all.extend(s.forward_last(&[tok]).unwrap());
+    }
+    all
+}
+
 /// Worst per-position max |Δ| / (that row's logit range), without asserting anything.
 pub fn rows_worst(got: &[f32], want: &[f32], vocab: usize) -> f32 {
     assert_eq!(got.len(), want.len(), "logits shape");

@@ -40,15 +40,6 @@ __device__ __forceinline__ float load_elem(const void* p, long long i, int ty) {
     u16 h = ((const u16*)p)[i];
     return ty == TY_BF16 ? bf16_to_f32(h) : f16_to_f32(h);
 }
-/* Element i of a buffer of type `ty` as raw bits (fp32 bits, or the 16-bit value), and those
-   bits as fp32: a load kept apart from its conversion, so a register ring of loads stays in
-   flight until the value is used. */
-__device__ __forceinline__ u32 load_raw(const void* p, long long i, int ty) {
-    return ty == TY_F32 ? ((const u32*)p)[i] : (u32)((const u16*)p)[i];
-}
-__device__ __forceinline__ float raw_to_f32(u32 r, int ty) {
-    return ty == TY_F32 ? __uint_as_float(r) : ty == TY_BF16 ? __uint_as_float(r << 16) : f16_to_f32((u16)r);
-}
 __device__ __forceinline__ float warp_sum(float v) {
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
     return v;

@@ -26,7 +26,8 @@
  *   hit 8 distinct bank groups. One __syncthreads per k-tile: the copy into the stage read two
  *   tiles ago is issued after it. Each thread reads the 8 code bytes of its 4 weight rows
  *   (n0 + 32*wn + 8*ni + g) per k-tile from the stage, and their scale/bias (cached: a row's
- *   scales are contiguous) into registers one k-tile ahead (kept as loaded until used). Requires K % 64 == 0.
+ *   scales are contiguous) into registers one k-tile ahead (kept as loaded until used).
+ *   Requires K % 64 == 0.
  */
 #define GP_STAGES 4
 
@@ -166,7 +167,6 @@ __device__ __forceinline__ void gemm_pipe_body(const void* w, const void* sc, co
                 for (int ni = 0; ni < 4; ni++) mma_bf16(acc[mi][ni], a0, a1, a2, a3, bf[ni][2], bf[ni][3]);
             }
         }
-#pragma unroll
         make_current();
     }
     gemm_store<MI>(acc, tl, wm * 16 * MI, n0 + wn * 32, lane, y, ldy, N, accumulate);

@@ -185,8 +185,8 @@ __device__ __forceinline__ void gemm_skinny_body(const void* w, const void* sc, 
                     sr[slot][mi][h] = bf16x2_f32(load_elem(sc, gi, ty), 0.f) & 0xFFFFu;
                     br[slot][mi][h] = bf16x2_f32(load_elem(bi, gi, ty), 0.f) & 0xFFFFu;
                 } else if (BITS == 4) {
-                    sr[slot][mi][h] = load_raw(sc, gi, ty);
-                    br[slot][mi][h] = load_raw(bi, gi, ty);
+                    sr[slot][mi][h] = ((const u16*)sc)[gi];
+                    br[slot][mi][h] = ((const u16*)bi)[gi];
                 } else if (BITS == 8) {
                     /* fp32 here (the registers of 8-bit codes leave no room for raw pairs) */
                     sr[slot][mi][h] = __float_as_uint(load_elem(sc, gi, ty));

@@ -19,8 +19,9 @@
 //! slots fill the rows: tokens, positions and the rows' state and cache addresses come from
 //! device tables written before each replay (the tables only when the slots change). Slots
 //! straddling the long-context attention switch run attention one row at a time with their own
-//! cache addresses in the launches; that pass is captured for its exact slots. One sequence alone, or a prompt chunk, takes its session's own path
-//! (the batch-1 decode graph, the chunked prefill), so batch 1 keeps its fastest path.
+//! cache addresses in the launches; that pass is captured for its exact slots. One sequence
+//! alone, or a prompt chunk, takes its session's own path (the batch-1 decode graph, the
+//! chunked prefill), so batch 1 keeps its fastest path.
 //!
 //! Products use the session's prefill precision: bf16 tensor cores by default, fp32 in the exact
 //! mode (then a batched step equals the same steps alone to fp32 rounding).
