@@ -33,6 +33,16 @@ impl CField for i64 {
         "long long".into()
     }
 }
+impl CField for u64 {
+    fn c_type() -> String {
+        "unsigned long long".into()
+    }
+}
+impl CField for f64 {
+    fn c_type() -> String {
+        "double".into()
+    }
+}
 impl CField for f32 {
     fn c_type() -> String {
         "float".into()
@@ -121,6 +131,7 @@ macro_rules! kernel_params {
             $(#[$m])*
             #[repr(C)]
             #[derive(Clone, Copy)]
+            #[allow(non_snake_case)] // the kernels' own parameter names (E, K, H, ...)
             pub struct $name { $( $(#[$fm])* pub $f: $t ),* }
             // SAFETY: repr(C), CField fields only, declared to the kernels by c_decls.
             unsafe impl KernelParams for $name {
@@ -192,6 +203,22 @@ kernel_params! {
         x: In<f32>, xstride: i64, y: Out<f32>, rows: i32, cols: i32, ids: In<i32>, accumulate: i32,
         normw: In<f32>, eps: f32, xdiv: i32
     }
+    /// `gemv_q2_conv`: gemv_q2 for one slot, rows c < C then through the causal conv + SiLU (state `cstate`, taps `cw`) into `cy`.
+    GemvConvParams spread ["gemv_q2_conv"] { w: In<Void>, sc: In<Void>, bi: In<Void>, bits: i32, group: i32, ty: i32, x: In<f32>, y: Out<f32>, rows: i32, cols: i32, normw: In<f32>, eps: f32, cstate: Out<f32>, cw: In<f32>, cy: Out<f32>, C: i32, K: i32 }
+    /// `moe_down_q` (gemv.cu) and `moe_down` (linear.cu): x[r] += Σ_{k<S} wts[k] · (W[ids[k]·rows + r, :] · silu(gu[2k]) ⊙ gu[2k+1]).
+    MoeDownParams spread ["moe_down_q", "moe_down"] { w: In<Void>, sc: In<Void>, bi: In<Void>, bits: i32, group: i32, ty: i32, gu: In<f32>, ids: In<i32>, wts: In<f32>, S: i32, x: Out<f32>, rows: i32, cols: i32 }
+    /// `gemv_q2_routed`: the top-K of `E` router logits, then the gate/up GEMV of the chosen experts (slot z = grid.y); block (0, 0) writes `ids_out`/`wts_out`.
+    GemvRoutedParams spread ["gemv_q2_routed"] { w: In<Void>, sc: In<Void>, bi: In<Void>, bits: i32, group: i32, ty: i32, x: In<f32>, y: Out<f32>, rows: i32, cols: i32, normw: In<f32>, eps: f32, logits: In<f32>, E: i32, K: i32, renorm: i32, ids_out: Out<i32>, wts_out: Out<f32>, rank: i32 }
+    /// `moe_fused_q`: the decode MoE in one launch (routing, gate/up into `gu`, down + residual into `x`; blocks meet on `ctr`).
+    MoeFusedParams spread ["moe_fused_q"] { wg: In<Void>, sg: In<Void>, bg: In<Void>, wd: In<Void>, sd: In<Void>, bd: In<Void>, bits: i32, group_g: i32, group_d: i32, ty: i32, x: Out<f32>, gu: Out<f32>, inter: i32, H: i32, normw: In<f32>, eps: f32, logits: In<f32>, E: i32, K: i32, renorm: i32, ids_out: Out<i32>, wts_out: Out<f32>, ctr: Out<u64>, bps: i32, rank: i32 }
+    /// `moe_topk`: softmax + top-K of `E` logits per row (stride `lstride`) into `ids`/`wout` (and `ids2` gate/up rows); `shared`: slot K is the shared expert.
+    MoeTopkParams spread ["moe_topk"] { logits: In<f32>, E: i32, K: i32, renorm: i32, ids: Out<i32>, wout: Out<f32>, ids2: Out<i32>, lstride: i64, shared: i32 }
+    /// `moe_combine`: x += Σ_k w_k ye[k] + g·ys, g = sigmoid(sg) (1 without sg).
+    MoeCombineParams spread ["moe_combine"] { x: Out<f32>, ye: In<f32>, w: In<f32>, ys: In<f32>, sg: In<f32>, H: i32, K: i32 }
+    /// `moe_align`: `P` routed pairs grouped by expert: `perm`, `inv` and the tile list of tiles of at most `bm` rows.
+    MoeAlignParams spread ["moe_align"] { ids: In<i32>, P: i32, E: i32, bm: i32, perm: Out<i32>, inv: Out<i32>, tiles: Out<i32> }
+    /// `moe_combine_rows`: x[t] += Σ_k w[t,k] ye[inv[t·K+k]] + sigmoid(sg[t·sgs]) ys[t].
+    MoeCombineRowsParams spread ["moe_combine_rows"] { x: Out<f32>, ye: In<f32>, inv: In<i32>, w: In<f32>, ys: In<f32>, sg: In<f32>, sgs: i64, H: i32, K: i32 }
     /// `embed_row`: out[t, c] = W[row[t], c] dequantized, for c < cols (grid.y = tokens).
     EmbedParams ["embed_row"] {
         w: In<Void>, sc: In<Void>, bi: In<Void>, bits: i32, group: i32, ty: i32,

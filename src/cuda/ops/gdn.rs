@@ -2,6 +2,7 @@
 //! several rows on state-address tables) and the prefill over t tokens (conv_prefill, then the
 //! chunked delta rule or the serial scan; kernels/gdn*.cu), with their argument structs.
 
+use super::super::params::{GemvConvParams, In, Out};
 use super::super::{Arg, Gpu};
 use super::{blocks, gemv_default, GemvKernel, GpuLinear, GEMV_XMAX};
 use anyhow::{bail, Result};
@@ -232,12 +233,30 @@ impl Gpu {
                 w.bits
             );
         }
-        let mut a = w.norm_gemv_args(x, y, normw, eps);
-        a.extend([Arg::P(state), Arg::P(cw), Arg::P(cy), Arg::I(c as i32), Arg::I(k as i32)]);
+        let (wp, sp, bp, bits, group, ty) = w.weight_fields();
+        let a = GemvConvParams {
+            w: wp,
+            sc: sp,
+            bi: bp,
+            bits,
+            group,
+            ty,
+            x: In::new(x),
+            y: Out::new(y),
+            rows: w.rows as i32,
+            cols: w.cols as i32,
+            normw: In::new(normw),
+            eps,
+            cstate: Out::new(state),
+            cw: In::new(cw),
+            cy: Out::new(cy),
+            C: c as i32,
+            K: k as i32,
+        };
         let (kernel, bpsm) = gemv_default();
         let (threads, per_sm) = kernel.geometry(bpsm);
         let gx = self.stream_grid(w.rows, threads, per_sm, 1);
-        self.launch_shared("gemv_q2_conv", (gx, 1, 1), threads, w.stream_smem(), &a)
+        self.launch_params("gemv_q2_conv", (gx, 1, 1), threads, w.stream_smem(), &a)
     }
 
     /// [`Gpu::conv_step`] for `r.rows` sequences at once: row i's input at `x + i·r.ldx`, output
