@@ -219,6 +219,28 @@ kernel_params! {
     MoeAlignParams spread ["moe_align"] { ids: In<i32>, P: i32, E: i32, bm: i32, perm: Out<i32>, inv: Out<i32>, tiles: Out<i32> }
     /// `moe_combine_rows`: x[t] += Σ_k w[t,k] ye[inv[t·K+k]] + sigmoid(sg[t·sgs]) ys[t].
     MoeCombineRowsParams spread ["moe_combine_rows"] { x: Out<f32>, ye: In<f32>, inv: In<i32>, w: In<f32>, ys: In<f32>, sg: In<f32>, sgs: i64, H: i32, K: i32 }
+    /// `conv_step`: one token of the causal conv1d + SiLU over `C` channels, `K` taps (row i of grid.y: input `x + i·ldx`, output `y + i·ldy`, state `states[i]` or `state`).
+    ConvStepParams spread ["conv_step"] { x: In<f32>, state: Out<f32>, w: In<f32>, y: Out<f32>, C: i32, K: i32, states: In<u64>, ldx: i64, ldy: i64 }
+    /// `gdn_step`: one gated-delta-rule step per value head (one thread per value column), rows on state tables as `conv_step`.
+    GdnStepParams spread ["gdn_step"] { y: In<f32>, bproj: In<f32>, aproj: In<f32>, z: In<f32>, dt_bias: In<f32>, neg_a: In<f32>, normw: In<f32>, S: Out<f32>, out: Out<f32>, hk: i32, hv: i32, dk: i32, dv: i32, eps: f32, states: In<u64>, ldy: i64, ldp: i64, ldo: i64 }
+    /// `gdn_step_par`: `gdn_step` for one sequence with the rows of a head's state split over the block.
+    GdnStepParParams spread ["gdn_step_par"] { y: In<f32>, bproj: In<f32>, aproj: In<f32>, z: In<f32>, dt_bias: In<f32>, neg_a: In<f32>, normw: In<f32>, S: Out<f32>, out: Out<f32>, hk: i32, hv: i32, dk: i32, dv: i32, eps: f32 }
+    /// `gdn_step_par_rows`: `gdn_step_par` for several rows, states from `states`.
+    GdnStepParRowsParams spread ["gdn_step_par_rows"] { y: In<f32>, bproj: In<f32>, aproj: In<f32>, z: In<f32>, dt_bias: In<f32>, neg_a: In<f32>, normw: In<f32>, out: Out<f32>, hk: i32, hv: i32, dk: i32, dv: i32, eps: f32, states: In<u64>, ldy: i64, ldp: i64, ldo: i64 }
+    /// `conv_prefill`: the causal conv1d + SiLU over `T` tokens (input rows of stride `ldx`).
+    ConvPrefillParams spread ["conv_prefill"] { x: In<f32>, ldx: i64, state: In<f32>, w: In<f32>, y: Out<f32>, C: i32, K: i32, T: i32 }
+    /// `conv_state`: the conv state after `T` tokens.
+    ConvStateParams spread ["conv_state"] { x: In<f32>, ldx: i64, state: Out<f32>, C: i32, K: i32, T: i32 }
+    /// `gdn_qk_prep`: q/k L2 normalization per head and token (`qn`, `kn`, their dot products `kq`).
+    GdnQkPrepParams spread ["gdn_qk_prep"] { y: In<f32>, ldy: i64, qn: Out<f32>, kn: Out<f32>, kq: Out<f32>, hk: i32, dk: i32 }
+    /// `gdn_scan`: the serial gated delta rule over `T` tokens, state in registers.
+    GdnScanParams spread ["gdn_scan"] { qn: In<f32>, kn: In<f32>, kq: In<f32>, y: In<f32>, ldy: i64, bproj: In<f32>, aproj: In<f32>, ldp: i64, dt_bias: In<f32>, neg_a: In<f32>, S: Out<f32>, o: Out<f32>, hk: i32, hv: i32, dk: i32, dv: i32, T: i32 }
+    /// `gdn_out_norm`: the gated RMSNorm of the output, in place.
+    GdnOutNormParams spread ["gdn_out_norm"] { o: Out<f32>, z: In<f32>, ldz: i64, w: In<f32>, hv: i32, dv: i32, eps: f32 }
+    /// `gdn_chunk_prep`: the chunked delta rule's per-chunk preparation (`Wt`, `Qt`, `U`, `Mt`, `G`).
+    GdnChunkPrepParams spread ["gdn_chunk_prep"] { qn: In<f32>, kn: In<f32>, y: In<f32>, ldy: i64, bproj: In<f32>, aproj: In<f32>, ldp: i64, dt_bias: In<f32>, neg_a: In<f32>, Wt: Out<f32>, Qt: Out<f32>, U: Out<f32>, Mt: Out<f32>, G: Out<f32>, hk: i32, hv: i32, dk: i32, dv: i32, T: i32 }
+    /// `gdn_chunk_scan`: the scan over chunks (state `S`, output `o`).
+    GdnChunkScanParams spread ["gdn_chunk_scan"] { kn: In<f32>, Wt: In<f32>, Qt: In<f32>, U: In<f32>, Mt: In<f32>, G: In<f32>, S: Out<f32>, o: Out<f32>, hk: i32, hv: i32, dk: i32, dv: i32, T: i32 }
     /// `embed_row`: out[t, c] = W[row[t], c] dequantized, for c < cols (grid.y = tokens).
     EmbedParams ["embed_row"] {
         w: In<Void>, sc: In<Void>, bi: In<Void>, bits: i32, group: i32, ty: i32,
