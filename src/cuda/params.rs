@@ -59,6 +59,24 @@ impl CField for Void {
     }
 }
 
+/// Element types that are structs of the kernel source (declared there; `c_decls` forward-
+/// declares them so a params struct may point at one).
+macro_rules! opaque_types {
+    ($($t:ident),*) => {
+        $(
+            #[derive(Clone, Copy)]
+            pub struct $t;
+            impl CField for $t {
+                fn c_type() -> String {
+                    stringify!($t).into()
+                }
+            }
+        )*
+        const OPAQUE: &[&str] = &[$(stringify!($t)),*];
+    };
+}
+opaque_types!(SampWs, PsPhase);
+
 /// A device address the kernel reads `T`s at (`const T*`; 0 is null).
 #[repr(transparent)]
 pub struct In<T>(pub u64, PhantomData<T>);
@@ -144,6 +162,9 @@ macro_rules! kernel_params {
         /// `XParams_fields`), for the kernel source.
         pub fn c_decls() -> String {
             let mut s = String::from("// ---- kernel params (src/cuda/params.rs) ----\n");
+            for t in OPAQUE {
+                s.push_str(&format!("struct {t};\n"));
+            }
             $(
                 s.push_str(concat!("struct ", stringify!($name), " {"));
                 $( s.push_str(&format!(" {} {};", <$t as CField>::c_type(), stringify!($f))); )*
@@ -241,6 +262,18 @@ kernel_params! {
     GdnChunkPrepParams spread ["gdn_chunk_prep"] { qn: In<f32>, kn: In<f32>, y: In<f32>, ldy: i64, bproj: In<f32>, aproj: In<f32>, ldp: i64, dt_bias: In<f32>, neg_a: In<f32>, Wt: Out<f32>, Qt: Out<f32>, U: Out<f32>, Mt: Out<f32>, G: Out<f32>, hk: i32, hv: i32, dk: i32, dv: i32, T: i32 }
     /// `gdn_chunk_scan`: the scan over chunks (state `S`, output `o`).
     GdnChunkScanParams spread ["gdn_chunk_scan"] { kn: In<f32>, Wt: In<f32>, Qt: In<f32>, U: In<f32>, Mt: In<f32>, G: In<f32>, S: Out<f32>, o: Out<f32>, hk: i32, hv: i32, dk: i32, dv: i32, T: i32 }
+    /// `argmax`: the index of each row's largest of `n` values (row = block) into `out`.
+    ArgmaxParams spread ["argmax"] { x: In<f32>, n: i32, out: Out<i32> }
+    /// `argmax_io`: the greedy loop's pass: argmax into the step's input slot `io` and the token `ring`.
+    ArgmaxIoParams spread ["argmax_io"] { x: In<f32>, n: i32, io: Out<i32>, ring: Out<i32>, ws: Out<SampWs> }
+    /// `samp_max`, `samp_zsum`: the sampler's max and Z passes over `n` logits (parameters `sp`, workspace `ws`).
+    SampPassParams spread ["samp_max", "samp_zsum"] { x: In<f32>, n: i32, sp: In<f32>, ws: Out<SampWs> }
+    /// `samp_radix`: one radix-select pass (`sel` 0: top-k, 1: top-p; `pass` 0-2).
+    SampRadixParams spread ["samp_radix"] { x: In<f32>, n: i32, sp: In<f32>, ws: Out<SampWs>, sel: i32, pass: i32 }
+    /// `samp_draw`: the draw, into `io` and `ring` as `argmax_io`.
+    SampDrawParams spread ["samp_draw"] { x: In<f32>, n: i32, io: Out<i32>, ring: Out<i32>, sp: In<f32>, ws: Out<SampWs> }
+    /// `pstep`: the persistent decode step over `nphase` phases of the table at `phases`.
+    PstepParams spread ["pstep"] { phases: In<PsPhase>, nphase: i32, ctr: Out<u64>, slot_bytes: i32, ns: i32, xmax: i32, trace: Out<u32>, dbg: i32 }
     /// `embed_row`: out[t, c] = W[row[t], c] dequantized, for c < cols (grid.y = tokens).
     EmbedParams ["embed_row"] {
         w: In<Void>, sc: In<Void>, bi: In<Void>, bits: i32, group: i32, ty: i32,
