@@ -274,6 +274,39 @@ kernel_params! {
     SampDrawParams spread ["samp_draw"] { x: In<f32>, n: i32, io: Out<i32>, ring: Out<i32>, sp: In<f32>, ws: Out<SampWs> }
     /// `pstep`: the persistent decode step over `nphase` phases of the table at `phases`.
     PstepParams spread ["pstep"] { phases: In<PsPhase>, nphase: i32, ctr: Out<u64>, slot_bytes: i32, ns: i32, xmax: i32, trace: Out<u32>, dbg: i32 }
+    /// `attn_prep`, `attn_prep_bf16`: q/k RMSNorm + partial RoPE (`rot` dims, `theta`) of rows at
+    /// positions `pos_p`; queries to `q_out`, K/V to the cache `kc`/`vc` (f32 or bf16 by kernel), or
+    /// each row's own cache from `kvt` when set.
+    AttnPrepParams spread ["attn_prep", "attn_prep_bf16"] {
+        qg: In<f32>, kin: In<f32>, vin: In<f32>, qn: In<f32>, kn: In<f32>, q_out: Out<f32>, kc: Out<Void>, vc: Out<Void>,
+        nh: i32, hkv: i32, hd: i32, gated: i32, rot: i32, pos_p: In<i32>, theta: f64, eps: f32, ld: i64, kvt: In<u64>
+    }
+    /// `attn_decode`, `attn_decode_bf16`: one query token per head over the cache, split over
+    /// grid.y blocks (partials to `part`).
+    AttnDecodeParams spread ["attn_decode", "attn_decode_bf16"] {
+        q: In<f32>, kc: In<Void>, vc: In<Void>, part: Out<f32>, nh: i32, hkv: i32, hd: i32, pos_p: In<i32>, scale: f32,
+        kvt: In<u64>
+    }
+    /// The GQA-packed decode attention (one block per KV head and split): `attn_decode_gqa{1,2,4,8}`
+    /// (f32 and bf16 caches) and the tensor-core `attn_decode_tc{64,128,256}`.
+    AttnGqaParams spread [
+        "attn_decode_gqa1", "attn_decode_gqa2", "attn_decode_gqa4", "attn_decode_gqa8",
+        "attn_decode_gqa1_bf16", "attn_decode_gqa2_bf16", "attn_decode_gqa4_bf16", "attn_decode_gqa8_bf16",
+        "attn_decode_tc64", "attn_decode_tc128", "attn_decode_tc256"
+    ] {
+        q: In<f32>, kc: In<Void>, vc: In<Void>, part: Out<f32>, hkv: i32, hd: i32, pos_p: In<i32>, scale: f32, kvt: In<u64>
+    }
+    /// `attn_combine`: the decode splits' partials merged per head, times the output gate `qg` (rows of stride `ldqg`) when `gated`.
+    AttnCombineParams spread ["attn_combine"] { part: In<f32>, qg: In<f32>, out: Out<f32>, nh: i32, hd: i32, S: i32, gated: i32, ldqg: i64 }
+    /// Causal prefill attention of `T` tokens (SIMT, tensor-core and flash kernels, f32 or bf16
+    /// caches by kernel), output gate from `qg` rows of stride `ldg` when `gated`.
+    AttnPrefillParams spread [
+        "attn_prefill", "attn_prefill_bf16", "attn_prefill_tc", "attn_prefill_tc_bf16",
+        "attn_prefill_fa64", "attn_prefill_fa128", "attn_prefill_fa256"
+    ] {
+        q: In<f32>, kc: In<Void>, vc: In<Void>, qg: In<f32>, ldg: i64, out: Out<f32>, nh: i32, hkv: i32, hd: i32, T: i32,
+        pos_p: In<i32>, scale: f32, gated: i32
+    }
     /// `embed_row`: out[t, c] = W[row[t], c] dequantized, for c < cols (grid.y = tokens).
     EmbedParams ["embed_row"] {
         w: In<Void>, sc: In<Void>, bi: In<Void>, bits: i32, group: i32, ty: i32,
