@@ -283,17 +283,6 @@ pub fn gpu() -> Result<Arc<Gpu>> {
     GPU.get_or_init(|| Gpu::init().map(Arc::new).map_err(|e| format!("{e:#}"))).clone().map_err(|e| anyhow!(e))
 }
 
-/// A kernel argument: every value travels in an 8-byte slot (the kernel reads its low bytes).
-#[derive(Clone, Copy, Debug)]
-pub enum Arg {
-    /// A device pointer (0 = null).
-    P(u64),
-    I(i32),
-    L(i64),
-    F(f32),
-    D(f64),
-}
-
 impl Gpu {
     fn init() -> Result<Gpu> {
         probe()?;
@@ -377,35 +366,6 @@ impl Gpu {
     pub fn mem_info(&self) -> Result<(usize, usize)> {
         self.bind()?;
         drv::mem_get_info().map_err(|e| anyhow!("querying device memory: {e:?}"))
-    }
-
-    /// Launches `name` on the default stream with a 1-D block.
-    pub fn launch(&self, name: &str, grid: (u32, u32, u32), block: u32, args: &[Arg]) -> Result<()> {
-        self.launch_shared(name, grid, block, 0, args)
-    }
-
-    /// [`Gpu::launch`] with `shared` bytes of dynamic shared memory (at most 48 KB, or
-    /// [`Gpu::smem_optin`] for the kernels opted in at load).
-    pub fn launch_shared(
-        &self,
-        name: &str,
-        grid: (u32, u32, u32),
-        block: u32,
-        shared: u32,
-        args: &[Arg],
-    ) -> Result<()> {
-        let mut slots: Vec<u64> = args
-            .iter()
-            .map(|a| match *a {
-                Arg::P(p) => p,
-                Arg::I(i) => i as u32 as u64,
-                Arg::L(l) => l as u64,
-                Arg::F(f) => f.to_bits() as u64,
-                Arg::D(d) => d.to_bits(),
-            })
-            .collect();
-        let mut ptrs: Vec<*mut c_void> = slots.iter_mut().map(|s| s as *mut u64 as *mut c_void).collect();
-        self.launch_raw(name, grid, block, shared, &mut ptrs)
     }
 
     /// Launches `name` on the params struct `p` ([`params`]: declared to the kernel from the
@@ -677,6 +637,18 @@ impl Drop for DevBuf {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Every loaded kernel is launched through a params struct (src/cuda/params.rs), and every
+    /// params struct names only loaded kernels.
+    #[test]
+    fn every_kernel_takes_a_params_struct() {
+        let typed: std::collections::HashSet<&str> = params::kernels().into_iter().map(|k| k.name).collect();
+        let untyped: Vec<&str> = all_kernels().filter(|k| !typed.contains(k)).collect();
+        assert!(untyped.is_empty(), "kernels launched without a params struct: {untyped:?}");
+        for k in &typed {
+            assert!(all_kernels().any(|n| n == *k), "params for {k}, which is not loaded");
+        }
+    }
 
     /// Every gemm_skinny entry point is loaded, may take PDL (the kernel waits before reading
     /// activations), and gets the dynamic shared memory opt-in; the name picked for a pass width

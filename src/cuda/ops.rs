@@ -4,7 +4,7 @@
 use super::params::{
     AddParams, EmbedParams, GemmParams, GemvParams, In, Out, RmsNormParams, SiluMulPairsParams, SiluMulParams, Void,
 };
-use super::{Arg, DevBuf, Gpu};
+use super::{DevBuf, Gpu};
 use crate::linear::{FloatType, Linear, Weight};
 use anyhow::{bail, Result};
 use std::sync::Arc;
@@ -161,21 +161,6 @@ impl GpuLinear {
         fmt && small && self.cols.is_multiple_of(64)
     }
 
-    /// The leading arguments of the one-slot streaming GEMVs that normalize their input
-    /// (gemv_q2_routed, gemv_q2_conv): the weights, then x, y, rows, cols, the norm.
-    fn norm_gemv_args(&self, x: u64, y: u64, normw: u64, eps: f32) -> Vec<Arg> {
-        let mut a = self.wargs().to_vec();
-        a.extend([
-            Arg::P(x),
-            Arg::P(y),
-            Arg::I(self.rows as i32),
-            Arg::I(self.cols as i32),
-            Arg::P(normw),
-            Arg::F(eps),
-        ]);
-        a
-    }
-
     /// Dynamic shared memory of the streaming GEMVs: the staged input and its per-chunk sums.
     fn stream_smem(&self) -> u32 {
         (4 * (self.cols + self.cols / (128 / self.bits as usize))) as u32
@@ -192,17 +177,6 @@ impl GpuLinear {
             self.group,
             self.ty,
         )
-    }
-
-    fn wargs(&self) -> [Arg; 6] {
-        [
-            Arg::P(self.w.ptr),
-            Arg::P(self.s.as_ref().map_or(0, |s| s.ptr)),
-            Arg::P(self.b.as_ref().map_or(0, |b| b.ptr)),
-            Arg::I(self.bits),
-            Arg::I(self.group),
-            Arg::I(self.ty),
-        ]
     }
 }
 

@@ -30,7 +30,7 @@ macro_rules! scalar_fields {
         })*
     };
 }
-scalar_fields!(i32 => "int", u32 => "unsigned", i64 => "long long", f32 => "float");
+scalar_fields!(i32 => "int", u32 => "unsigned", i64 => "long long", u64 => "unsigned long long", f32 => "float", f64 => "double");
 
 /// The element type of an untyped device address (`void`): weights whose layout a kernel reads
 /// from other fields (bits, group, scale type).
@@ -41,6 +41,24 @@ impl CField for Void {
         "void".into()
     }
 }
+
+/// Element types that are structs of the kernel source (declared there; `c_decls` forward-
+/// declares them so a params struct may point at one).
+macro_rules! opaque_types {
+    ($($t:ident),*) => {
+        $(
+            #[derive(Clone, Copy)]
+            pub struct $t;
+            impl CField for $t {
+                fn c_type() -> String {
+                    stringify!($t).into()
+                }
+            }
+        )*
+        const OPAQUE: &[&str] = &[$(stringify!($t)),*];
+    };
+}
+opaque_types!(SampWs, PsPhase);
 
 /// A device address the kernel reads `T`s at (`const T*`; 0 is null).
 #[repr(transparent)]
@@ -114,6 +132,7 @@ macro_rules! kernel_params {
             $(#[$m])*
             #[repr(C)]
             #[derive(Clone, Copy)]
+            #[allow(non_snake_case)] // the kernels' own parameter names (E, K, H, ...)
             pub struct $name { $( $(#[$fm])* pub $f: $t ),* }
             // SAFETY: repr(C), CField fields only, declared to the kernels by c_decls.
             unsafe impl KernelParams for $name {
@@ -126,6 +145,9 @@ macro_rules! kernel_params {
         /// `XParams_fields`), for the kernel source.
         pub fn c_decls() -> String {
             let mut s = String::from("// ---- kernel params (src/cuda/params.rs) ----\n");
+            for t in OPAQUE {
+                s.push_str(&format!("struct {t};\n"));
+            }
             $(
                 s.push_str(concat!("struct ", stringify!($name), " {"));
                 $( s.push_str(&format!(" {} {};", <$t as CField>::c_type(), stringify!($f))); )*
@@ -184,6 +206,89 @@ kernel_params! {
         w: In<Void>, sc: In<Void>, bi: In<Void>, bits: i32, group: i32, ty: i32,
         x: In<f32>, xstride: i64, y: Out<f32>, rows: i32, cols: i32, ids: In<i32>, accumulate: i32,
         normw: In<f32>, eps: f32, xdiv: i32
+    }
+    /// `gemv_q2_conv`: gemv_q2 for one slot, rows c < C then through the causal conv + SiLU (state `cstate`, taps `cw`) into `cy`.
+    GemvConvParams spread ["gemv_q2_conv"] { w: In<Void>, sc: In<Void>, bi: In<Void>, bits: i32, group: i32, ty: i32, x: In<f32>, y: Out<f32>, rows: i32, cols: i32, normw: In<f32>, eps: f32, cstate: Out<f32>, cw: In<f32>, cy: Out<f32>, C: i32, K: i32 }
+    /// `moe_down_q` (gemv.cu) and `moe_down` (linear.cu): x[r] += Σ_{k<S} wts[k] · (W[ids[k]·rows + r, :] · silu(gu[2k]) ⊙ gu[2k+1]).
+    MoeDownParams spread ["moe_down_q", "moe_down"] { w: In<Void>, sc: In<Void>, bi: In<Void>, bits: i32, group: i32, ty: i32, gu: In<f32>, ids: In<i32>, wts: In<f32>, S: i32, x: Out<f32>, rows: i32, cols: i32 }
+    /// `gemv_q2_routed`: the top-K of `E` router logits, then the gate/up GEMV of the chosen experts (slot z = grid.y); block (0, 0) writes `ids_out`/`wts_out`.
+    GemvRoutedParams spread ["gemv_q2_routed"] { w: In<Void>, sc: In<Void>, bi: In<Void>, bits: i32, group: i32, ty: i32, x: In<f32>, y: Out<f32>, rows: i32, cols: i32, normw: In<f32>, eps: f32, logits: In<f32>, E: i32, K: i32, renorm: i32, ids_out: Out<i32>, wts_out: Out<f32>, rank: i32 }
+    /// `moe_fused_q`: the decode MoE in one launch (routing, gate/up into `gu`, down + residual into `x`; blocks meet on `ctr`).
+    MoeFusedParams spread ["moe_fused_q"] { wg: In<Void>, sg: In<Void>, bg: In<Void>, wd: In<Void>, sd: In<Void>, bd: In<Void>, bits: i32, group_g: i32, group_d: i32, ty: i32, x: Out<f32>, gu: Out<f32>, inter: i32, H: i32, normw: In<f32>, eps: f32, logits: In<f32>, E: i32, K: i32, renorm: i32, ids_out: Out<i32>, wts_out: Out<f32>, ctr: Out<u64>, bps: i32, rank: i32 }
+    /// `moe_topk`: softmax + top-K of `E` logits per row (stride `lstride`) into `ids`/`wout` (and `ids2` gate/up rows); `shared`: slot K is the shared expert.
+    MoeTopkParams spread ["moe_topk"] { logits: In<f32>, E: i32, K: i32, renorm: i32, ids: Out<i32>, wout: Out<f32>, ids2: Out<i32>, lstride: i64, shared: i32 }
+    /// `moe_combine`: x += Σ_k w_k ye[k] + g·ys, g = sigmoid(sg) (1 without sg).
+    MoeCombineParams spread ["moe_combine"] { x: Out<f32>, ye: In<f32>, w: In<f32>, ys: In<f32>, sg: In<f32>, H: i32, K: i32 }
+    /// `moe_align`: `P` routed pairs grouped by expert: `perm`, `inv` and the tile list of tiles of at most `bm` rows.
+    MoeAlignParams spread ["moe_align"] { ids: In<i32>, P: i32, E: i32, bm: i32, perm: Out<i32>, inv: Out<i32>, tiles: Out<i32> }
+    /// `moe_combine_rows`: x[t] += Σ_k w[t,k] ye[inv[t·K+k]] + sigmoid(sg[t·sgs]) ys[t].
+    MoeCombineRowsParams spread ["moe_combine_rows"] { x: Out<f32>, ye: In<f32>, inv: In<i32>, w: In<f32>, ys: In<f32>, sg: In<f32>, sgs: i64, H: i32, K: i32 }
+    /// `conv_step`: one token of the causal conv1d + SiLU over `C` channels, `K` taps (row i of grid.y: input `x + i·ldx`, output `y + i·ldy`, state `states[i]` or `state`).
+    ConvStepParams spread ["conv_step"] { x: In<f32>, state: Out<f32>, w: In<f32>, y: Out<f32>, C: i32, K: i32, states: In<u64>, ldx: i64, ldy: i64 }
+    /// `gdn_step`: one gated-delta-rule step per value head (one thread per value column), rows on state tables as `conv_step`.
+    GdnStepParams spread ["gdn_step"] { y: In<f32>, bproj: In<f32>, aproj: In<f32>, z: In<f32>, dt_bias: In<f32>, neg_a: In<f32>, normw: In<f32>, S: Out<f32>, out: Out<f32>, hk: i32, hv: i32, dk: i32, dv: i32, eps: f32, states: In<u64>, ldy: i64, ldp: i64, ldo: i64 }
+    /// `gdn_step_par`: `gdn_step` for one sequence with the rows of a head's state split over the block.
+    GdnStepParParams spread ["gdn_step_par"] { y: In<f32>, bproj: In<f32>, aproj: In<f32>, z: In<f32>, dt_bias: In<f32>, neg_a: In<f32>, normw: In<f32>, S: Out<f32>, out: Out<f32>, hk: i32, hv: i32, dk: i32, dv: i32, eps: f32 }
+    /// `gdn_step_par_rows`: `gdn_step_par` for several rows, states from `states`.
+    GdnStepParRowsParams spread ["gdn_step_par_rows"] { y: In<f32>, bproj: In<f32>, aproj: In<f32>, z: In<f32>, dt_bias: In<f32>, neg_a: In<f32>, normw: In<f32>, out: Out<f32>, hk: i32, hv: i32, dk: i32, dv: i32, eps: f32, states: In<u64>, ldy: i64, ldp: i64, ldo: i64 }
+    /// `conv_prefill`: the causal conv1d + SiLU over `T` tokens (input rows of stride `ldx`).
+    ConvPrefillParams spread ["conv_prefill"] { x: In<f32>, ldx: i64, state: In<f32>, w: In<f32>, y: Out<f32>, C: i32, K: i32, T: i32 }
+    /// `conv_state`: the conv state after `T` tokens.
+    ConvStateParams spread ["conv_state"] { x: In<f32>, ldx: i64, state: Out<f32>, C: i32, K: i32, T: i32 }
+    /// `gdn_qk_prep`: q/k L2 normalization per head and token (`qn`, `kn`, their dot products `kq`).
+    GdnQkPrepParams spread ["gdn_qk_prep"] { y: In<f32>, ldy: i64, qn: Out<f32>, kn: Out<f32>, kq: Out<f32>, hk: i32, dk: i32 }
+    /// `gdn_scan`: the serial gated delta rule over `T` tokens, state in registers.
+    GdnScanParams spread ["gdn_scan"] { qn: In<f32>, kn: In<f32>, kq: In<f32>, y: In<f32>, ldy: i64, bproj: In<f32>, aproj: In<f32>, ldp: i64, dt_bias: In<f32>, neg_a: In<f32>, S: Out<f32>, o: Out<f32>, hk: i32, hv: i32, dk: i32, dv: i32, T: i32 }
+    /// `gdn_out_norm`: the gated RMSNorm of the output, in place.
+    GdnOutNormParams spread ["gdn_out_norm"] { o: Out<f32>, z: In<f32>, ldz: i64, w: In<f32>, hv: i32, dv: i32, eps: f32 }
+    /// `gdn_chunk_prep`: the chunked delta rule's per-chunk preparation (`Wt`, `Qt`, `U`, `Mt`, `G`).
+    GdnChunkPrepParams spread ["gdn_chunk_prep"] { qn: In<f32>, kn: In<f32>, y: In<f32>, ldy: i64, bproj: In<f32>, aproj: In<f32>, ldp: i64, dt_bias: In<f32>, neg_a: In<f32>, Wt: Out<f32>, Qt: Out<f32>, U: Out<f32>, Mt: Out<f32>, G: Out<f32>, hk: i32, hv: i32, dk: i32, dv: i32, T: i32 }
+    /// `gdn_chunk_scan`: the scan over chunks (state `S`, output `o`).
+    GdnChunkScanParams spread ["gdn_chunk_scan"] { kn: In<f32>, Wt: In<f32>, Qt: In<f32>, U: In<f32>, Mt: In<f32>, G: In<f32>, S: Out<f32>, o: Out<f32>, hk: i32, hv: i32, dk: i32, dv: i32, T: i32 }
+    /// `argmax`: the index of each row's largest of `n` values (row = block) into `out`.
+    ArgmaxParams spread ["argmax"] { x: In<f32>, n: i32, out: Out<i32> }
+    /// `argmax_io`: the greedy loop's pass: argmax into the step's input slot `io` and the token `ring`.
+    ArgmaxIoParams spread ["argmax_io"] { x: In<f32>, n: i32, io: Out<i32>, ring: Out<i32>, ws: Out<SampWs> }
+    /// `samp_max`, `samp_zsum`: the sampler's max and Z passes over `n` logits (parameters `sp`, workspace `ws`).
+    SampPassParams spread ["samp_max", "samp_zsum"] { x: In<f32>, n: i32, sp: In<f32>, ws: Out<SampWs> }
+    /// `samp_radix`: one radix-select pass (`sel` 0: top-k, 1: top-p; `pass` 0-2).
+    SampRadixParams spread ["samp_radix"] { x: In<f32>, n: i32, sp: In<f32>, ws: Out<SampWs>, sel: i32, pass: i32 }
+    /// `samp_draw`: the draw, into `io` and `ring` as `argmax_io`.
+    SampDrawParams spread ["samp_draw"] { x: In<f32>, n: i32, io: Out<i32>, ring: Out<i32>, sp: In<f32>, ws: Out<SampWs> }
+    /// `pstep`: the persistent decode step over `nphase` phases of the table at `phases`.
+    PstepParams spread ["pstep"] { phases: In<PsPhase>, nphase: i32, ctr: Out<u64>, slot_bytes: i32, ns: i32, xmax: i32, trace: Out<u32>, dbg: i32 }
+    /// `attn_prep`, `attn_prep_bf16`: q/k RMSNorm + partial RoPE (`rot` dims, `theta`) of rows at
+    /// positions `pos_p`; queries to `q_out`, K/V to the cache `kc`/`vc` (f32 or bf16 by kernel), or
+    /// each row's own cache from `kvt` when set.
+    AttnPrepParams spread ["attn_prep", "attn_prep_bf16"] {
+        qg: In<f32>, kin: In<f32>, vin: In<f32>, qn: In<f32>, kn: In<f32>, q_out: Out<f32>, kc: Out<Void>, vc: Out<Void>,
+        nh: i32, hkv: i32, hd: i32, gated: i32, rot: i32, pos_p: In<i32>, theta: f64, eps: f32, ld: i64, kvt: In<u64>
+    }
+    /// `attn_decode`, `attn_decode_bf16`: one query token per head over the cache, split over
+    /// grid.y blocks (partials to `part`).
+    AttnDecodeParams spread ["attn_decode", "attn_decode_bf16"] {
+        q: In<f32>, kc: In<Void>, vc: In<Void>, part: Out<f32>, nh: i32, hkv: i32, hd: i32, pos_p: In<i32>, scale: f32,
+        kvt: In<u64>
+    }
+    /// The GQA-packed decode attention (one block per KV head and split): `attn_decode_gqa{1,2,4,8}`
+    /// (f32 and bf16 caches) and the tensor-core `attn_decode_tc{64,128,256}`.
+    AttnGqaParams spread [
+        "attn_decode_gqa1", "attn_decode_gqa2", "attn_decode_gqa4", "attn_decode_gqa8",
+        "attn_decode_gqa1_bf16", "attn_decode_gqa2_bf16", "attn_decode_gqa4_bf16", "attn_decode_gqa8_bf16",
+        "attn_decode_tc64", "attn_decode_tc128", "attn_decode_tc256"
+    ] {
+        q: In<f32>, kc: In<Void>, vc: In<Void>, part: Out<f32>, hkv: i32, hd: i32, pos_p: In<i32>, scale: f32, kvt: In<u64>
+    }
+    /// `attn_combine`: the decode splits' partials merged per head, times the output gate `qg` (rows of stride `ldqg`) when `gated`.
+    AttnCombineParams spread ["attn_combine"] { part: In<f32>, qg: In<f32>, out: Out<f32>, nh: i32, hd: i32, S: i32, gated: i32, ldqg: i64 }
+    /// Causal prefill attention of `T` tokens (SIMT, tensor-core and flash kernels, f32 or bf16
+    /// caches by kernel), output gate from `qg` rows of stride `ldg` when `gated`.
+    AttnPrefillParams spread [
+        "attn_prefill", "attn_prefill_bf16", "attn_prefill_tc", "attn_prefill_tc_bf16",
+        "attn_prefill_fa64", "attn_prefill_fa128", "attn_prefill_fa256"
+    ] {
+        q: In<f32>, kc: In<Void>, vc: In<Void>, qg: In<f32>, ldg: i64, out: Out<f32>, nh: i32, hkv: i32, hd: i32, T: i32,
+        pos_p: In<i32>, scale: f32, gated: i32
     }
     /// `embed_row`: out[t, c] = W[row[t], c] dequantized, for c < cols (grid.y = tokens).
     EmbedParams ["embed_row"] {

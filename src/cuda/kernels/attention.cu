@@ -186,11 +186,9 @@ __device__ __forceinline__ void attn_prep_t(const float* qg, const float* kin, c
 }
 
 #define ATTN_PREP(NAME, KV)                                                                                        \
-    extern "C" __global__ void NAME(const float* qg, const float* kin, const float* vin, const float* qn,          \
-                                    const float* kn, float* q_out, KV* kc, KV* vc, int nh, int hkv, int hd,         \
-                                    int gated, int rot, const int* pos_p, double theta, float eps, long long ld,  \
-                                    const unsigned long long* kvt) {                                               \
-        attn_prep_t<KV>(qg, kin, vin, qn, kn, q_out, kc, vc, nh, hkv, hd, gated, rot, pos_p, theta, eps, ld, kvt); \
+    extern "C" __global__ void NAME(AttnPrepParams_fields) {                                                       \
+        attn_prep_t<KV>(qg, kin, vin, qn, kn, q_out, (KV*)kc, (KV*)vc, nh, hkv, hd, gated, rot, pos_p, theta, eps, \
+                        ld, kvt);                                                                                  \
     }
 ATTN_PREP(attn_prep, float)
 ATTN_PREP(attn_prep_bf16, u16)
@@ -287,15 +285,13 @@ __device__ __forceinline__ void attn_decode_t(const float* q, const KV* kc, cons
 }
 
 #define ATTN_DECODE(NAME, KV)                                                                                  \
-    extern "C" __global__ void NAME(const float* q, const KV* kc, const KV* vc, float* part, int nh, int hkv,  \
-                                    int hd, const int* pos_p, float scale, const unsigned long long* kvt) {    \
-        attn_decode_t<KV>(q, kc, vc, part, nh, hkv, hd, pos_p, scale, kvt);                                    \
+    extern "C" __global__ void NAME(AttnDecodeParams_fields) {                                                 \
+        attn_decode_t<KV>(q, (const KV*)kc, (const KV*)vc, part, nh, hkv, hd, pos_p, scale, kvt);              \
     }
 ATTN_DECODE(attn_decode, float)
 ATTN_DECODE(attn_decode_bf16, u16)
 
-extern "C" __global__ void attn_combine(const float* part, const float* qg, float* out, int nh, int hd, int S,
-                                        int gated, long long ldqg) {
+extern "C" __global__ void attn_combine(AttnCombineParams_fields) {
     __shared__ float w[1024], red[33];
     pdl_begin();
     int h = blockIdx.x;
@@ -530,10 +526,8 @@ __device__ __forceinline__ void attn_gqa(const float* q, const KV* kc, const KV*
 }
 
 #define ATTN_GQA(LG, NAME, KV)                                                                                \
-    extern "C" __global__ void __launch_bounds__(256, 1) NAME(const float* q, const KV* kc, const KV* vc,        \
-                                                              float* part, int hkv, int hd, const int* pos_p,    \
-                                                              float scale, const unsigned long long* kvt) {      \
-        attn_gqa<LG, KV>(q, kc, vc, part, hkv, hd, pos_p, scale, kvt);                                           \
+    extern "C" __global__ void __launch_bounds__(256, 1) NAME(AttnGqaParams_fields) {                          \
+        attn_gqa<LG, KV>(q, (const KV*)kc, (const KV*)vc, part, hkv, hd, pos_p, scale, kvt);                     \
     }
 ATTN_GQA(0, attn_decode_gqa1, float)
 ATTN_GQA(1, attn_decode_gqa2, float)

@@ -219,9 +219,8 @@ __device__ __forceinline__ void attn_dec_tc(const float* q, const u16* kc, const
 
 #define ATTN_DEC_TC(D)                                                                                          \
     extern "C" __global__ void __launch_bounds__(128, 1)                                                        \
-        attn_decode_tc##D(const float* q, const u16* kc, const u16* vc, float* part, int hkv, int hd,           \
-                          const int* pos_p, float scale, const unsigned long long* kvt) {                       \
-        attn_dec_tc<D>(q, kc, vc, part, hkv, pos_p, scale, kvt);                                                \
+        attn_decode_tc##D(AttnGqaParams_fields) {                                                               \
+        attn_dec_tc<D>(q, (const u16*)kc, (const u16*)vc, part, hkv, pos_p, scale, kvt);                        \
     }
 ATTN_DEC_TC(64)
 ATTN_DEC_TC(128)

@@ -209,9 +209,8 @@ __device__ __forceinline__ void attn_fa_t(const float* q, const u16* kc, const u
 
 #define ATTN_FA(D)                                                                                                 \
     extern "C" __global__ void __launch_bounds__(256, 1)                                                           \
-        attn_prefill_fa##D(const float* q, const u16* kc, const u16* vc, const float* qg, long long ldg, float* out, \
-                           int nh, int hkv, int hd, int T, const int* pos_p, float scale, int gated) {        \
-        attn_fa_t<D>(q, kc, vc, qg, ldg, out, nh, hkv, T, pos_p, scale, gated);                                    \
+        attn_prefill_fa##D(AttnPrefillParams_fields) {                                                             \
+        attn_fa_t<D>(q, (const u16*)kc, (const u16*)vc, qg, ldg, out, nh, hkv, T, pos_p, scale, gated);            \
     }
 ATTN_FA(64)
 ATTN_FA(128)

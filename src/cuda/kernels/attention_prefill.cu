@@ -94,10 +94,8 @@ __device__ __forceinline__ void attn_prefill_t(const float* q, const KV* kc, con
 }
 
 #define ATTN_PREFILL(NAME, KV)                                                                                 \
-    extern "C" __global__ void NAME(const float* q, const KV* kc, const KV* vc, const float* qg, long long ldg, \
-                                    float* out, int nh, int hkv, int hd, int T, const int* pos_p, float scale,  \
-                                    int gated) {                                                                \
-        attn_prefill_t<KV>(q, kc, vc, qg, ldg, out, nh, hkv, hd, T, pos_p, scale, gated);                       \
+    extern "C" __global__ void NAME(AttnPrefillParams_fields) {                                                \
+        attn_prefill_t<KV>(q, (const KV*)kc, (const KV*)vc, qg, ldg, out, nh, hkv, hd, T, pos_p, scale, gated); \
     }
 ATTN_PREFILL(attn_prefill, float)
 ATTN_PREFILL(attn_prefill_bf16, u16)
@@ -285,11 +283,9 @@ __device__ __forceinline__ void attn_prefill_tc_t(const float* q, const KV* kc, 
 }
 
 #define ATTN_PREFILL_TC(NAME, KV)                                                                              \
-    extern "C" __global__ void __launch_bounds__(128) NAME(const float* q, const KV* kc, const KV* vc,          \
-                                                           const float* qg, long long ldg, float* out, int nh,  \
-                                                           int hkv, int hd, int T, const int* pos_p,            \
-                                                           float scale, int gated) {                            \
-        attn_prefill_tc_t<KV>(q, kc, vc, qg, ldg, out, nh, hkv, hd, T, pos_p, scale, gated);                    \
+    extern "C" __global__ void __launch_bounds__(128) NAME(AttnPrefillParams_fields) {                         \
+        attn_prefill_tc_t<KV>(q, (const KV*)kc, (const KV*)vc, qg, ldg, out, nh, hkv, hd, T, pos_p, scale,      \
+                              gated);                                                                           \
     }
 ATTN_PREFILL_TC(attn_prefill_tc, float)
 ATTN_PREFILL_TC(attn_prefill_tc_bf16, u16)

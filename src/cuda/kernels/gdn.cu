@@ -28,8 +28,7 @@
  *   the q/k norms), keeps them in registers for both passes, and the per-part partial sums of
  *   S^T k and S^T q are added through shared memory. Same math and state layout as gdn_step.
  */
-extern "C" __global__ void conv_step(const float* x, float* state, const float* w, float* y, int C, int K,
-                                     const unsigned long long* states, long long ldx, long long ldy) {
+extern "C" __global__ void conv_step(ConvStepParams_fields) {
     pdl_begin();
     int c = blockIdx.x * blockDim.x + threadIdx.x;
     x += blockIdx.y * ldx;
@@ -69,10 +68,7 @@ __device__ __forceinline__ void gdn_prologue(const float* y, const float* bproj,
     *alpha = expf(neg_a[h] * softplus_f(aproj[h] + dt_bias[h]));
 }
 
-extern "C" __global__ void gdn_step(const float* y, const float* bproj, const float* aproj, const float* z,
-                                    const float* dt_bias, const float* neg_a, const float* normw, float* S,
-                                    float* out, int hk, int hv, int dk, int dv, float eps,
-                                    const unsigned long long* states, long long ldy, long long ldp, long long ldo) {
+extern "C" __global__ void gdn_step(GdnStepParams_fields) {
     pdl_begin();
     __shared__ float qs[256], ks[256], sh[33];
     int h = blockIdx.x, j = threadIdx.x;
@@ -191,22 +187,13 @@ __device__ __forceinline__ void gdn_step_par_body(const float* y, const float* b
 }
 
 /* One sequence (up to 1024 threads: 64 registers). */
-extern "C" __global__ void __launch_bounds__(1024) gdn_step_par(const float* y, const float* bproj, const float* aproj,
-                                                                 const float* z, const float* dt_bias, const float* neg_a,
-                                                                 const float* normw, float* S, float* out, int hk, int hv,
-                                                                 int dk, int dv, float eps) {
+extern "C" __global__ void __launch_bounds__(1024) gdn_step_par(GdnStepParParams_fields) {
     gdn_step_par_body<false>(y, bproj, aproj, z, dt_bias, neg_a, normw, S, out, hk, hv, dk, dv, eps, nullptr, 0, 0, 0);
 }
 
 /* The batched decode's rows (grid.y), each on its own state (at most 512 threads, so the row
    offsets and the table fit in registers beside the 32 state entries per thread). */
-extern "C" __global__ void __launch_bounds__(512) gdn_step_par_rows(const float* y, const float* bproj,
-                                                                     const float* aproj, const float* z,
-                                                                     const float* dt_bias, const float* neg_a,
-                                                                     const float* normw, float* out, int hk, int hv,
-                                                                     int dk, int dv, float eps,
-                                                                     const unsigned long long* states, long long ldy,
-                                                                     long long ldp, long long ldo) {
+extern "C" __global__ void __launch_bounds__(512) gdn_step_par_rows(GdnStepParRowsParams_fields) {
     gdn_step_par_body<true>(y, bproj, aproj, z, dt_bias, neg_a, normw, nullptr, out, hk, hv, dk, dv, eps, states, ldy,
                             ldp, ldo);
 }

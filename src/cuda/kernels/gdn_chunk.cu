@@ -64,9 +64,7 @@ __device__ __forceinline__ float4 lds4(const float* p) {
 }
 
 extern "C" __global__ void __launch_bounds__(256)
-    gdn_chunk_prep(const float* qn, const float* kn, const float* y, long long ldy, const float* bproj,
-                   const float* aproj, long long ldp, const float* dt_bias, const float* neg_a, float* Wt, float* Qt,
-                   float* U, float* Mt, float* G, int hk, int hv, int dk, int dv, int T) {
+    gdn_chunk_prep(GdnChunkPrepParams_fields) {
     __shared__ __align__(16) float Ks[GC][36], Qs[GC][36];
     __shared__ __align__(16) float As[GC][68];
     __shared__ float gam[GC], bet[GC], egam[GC];
@@ -207,8 +205,7 @@ extern "C" __global__ void __launch_bounds__(256)
 }
 
 extern "C" __global__ void __launch_bounds__(256)
-    gdn_chunk_scan(const float* kn, const float* Wt, const float* Qt, const float* U, const float* Mt, const float* G,
-                   float* S, float* o, int hk, int hv, int dk, int dv, int T) {
+    gdn_chunk_scan(GdnChunkScanParams_fields) {
     __shared__ __align__(16) float buf[4096];
     __shared__ __align__(16) float Ss[128 * 32];
     __shared__ __align__(16) float Vn[GC * 32];

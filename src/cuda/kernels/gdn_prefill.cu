@@ -29,8 +29,7 @@
  * gdn_out_norm: o[t, h, :] <- w * o * rsqrt(mean(o^2) + eps) * silu(z[t, h, :]) in place
  *   (z at z[t*ldz + h*D_v + j]). grid (T*H_v), block D_v (multiple of 32, <= 1024).
  */
-extern "C" __global__ void conv_prefill(const float* x, long long ldx, const float* state, const float* w, float* y,
-                                        int C, int K, int T) {
+extern "C" __global__ void conv_prefill(ConvPrefillParams_fields) {
     int c = blockIdx.x * blockDim.x + threadIdx.x, t = blockIdx.y;
     if (c >= C) return;
     float acc = 0.f;
@@ -42,7 +41,7 @@ extern "C" __global__ void conv_prefill(const float* x, long long ldx, const flo
     y[(long long)t * C + c] = silu_f(acc);
 }
 
-extern "C" __global__ void conv_state(const float* x, long long ldx, float* state, int C, int K, int T) {
+extern "C" __global__ void conv_state(ConvStateParams_fields) {
     int c = blockIdx.x * blockDim.x + threadIdx.x;
     if (c >= C) return;
     for (int j = 0; j < K - 1; j++) {
@@ -51,8 +50,7 @@ extern "C" __global__ void conv_state(const float* x, long long ldx, float* stat
     }
 }
 
-extern "C" __global__ void gdn_qk_prep(const float* y, long long ldy, float* qn, float* kn, float* kq, int hk,
-                                       int dk) {
+extern "C" __global__ void gdn_qk_prep(GdnQkPrepParams_fields) {
     __shared__ float sh[33];
     int kh = blockIdx.x, t = blockIdx.y;
     const float* q = y + (long long)t * ldy + kh * dk;
@@ -78,9 +76,7 @@ extern "C" __global__ void gdn_qk_prep(const float* y, long long ldy, float* qn,
     if (threadIdx.x == 0) kq[(long long)t * hk + kh] = d;
 }
 
-extern "C" __global__ void gdn_scan(const float* qn, const float* kn, const float* kq, const float* y, long long ldy,
-                                    const float* bproj, const float* aproj, long long ldp, const float* dt_bias,
-                                    const float* neg_a, float* S, float* o, int hk, int hv, int dk, int dv, int T) {
+extern "C" __global__ void gdn_scan(GdnScanParams_fields) {
     const unsigned FULL = 0xffffffffu;
     int h = blockIdx.x, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     int j0 = (blockIdx.y * 4 + warp) * 8;
@@ -188,8 +184,7 @@ extern "C" __global__ void gdn_scan(const float* qn, const float* kn, const floa
             for (int c = 0; c < 8; c++) Sh[(long long)(lane + 32 * r) * dv + j0 + c] = s[r][c];
 }
 
-extern "C" __global__ void gdn_out_norm(float* o, const float* z, long long ldz, const float* w, int hv, int dv,
-                                        float eps) {
+extern "C" __global__ void gdn_out_norm(GdnOutNormParams_fields) {
     __shared__ float sh[33];
     int row = blockIdx.x, j = threadIdx.x;
     int t = row / hv, h = row - t * hv;

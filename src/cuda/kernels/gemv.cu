@@ -403,10 +403,7 @@ GQ_KERNEL(gemv_q_loadonly, 2, true)
 /* gemv_q2_conv: gemv_q2 for one slot (the batch-1 GDN input projection, x RMS-normalized when
    normw is set) whose rows c < C then go through conv_step's causal conv + SiLU into cy, updating
    the conv state; saves the conv_step launch. Same result as gemv_q2 then conv_step. */
-extern "C" __global__ void __launch_bounds__(512) gemv_q2_conv(const void* w, const void* sc, const void* bi, int bits,
-                                                               int group, int ty, const float* x, float* y, int rows,
-                                                               int cols, const float* normw, float eps, float* cstate,
-                                                               const float* cw, float* cy, int C, int K) {
+extern "C" __global__ void __launch_bounds__(512) gemv_q2_conv(GemvConvParams_fields) {
     extern __shared__ __align__(16) float xs[];
     __shared__ float red[33];
     pdl_trigger();
@@ -432,9 +429,7 @@ extern "C" __global__ void __launch_bounds__(512) gemv_q2_conv(const void* w, co
    block per SM, grid-strided over rows: one row per warp with MD_U chunks per lane in flight. */
 #define MD_NR 1 /* rows per warp */
 #define MD_U 5  /* chunks per lane per trip: a whole row of 9 slots x 512 4-bit columns in flight */
-extern "C" __global__ void __launch_bounds__(512, 1) moe_down_q(const void* w, const void* sc, const void* bi, int bits,
-                                                             int group, int ty, const float* gu, const int* ids,
-                                                             const float* wts, int S, float* x, int rows, int cols) {
+extern "C" __global__ void __launch_bounds__(512, 1) moe_down_q(MoeDownParams_fields) {
     extern __shared__ __align__(16) float xs[]; /* S*cols + S*cols/EPV floats */
     pdl_begin();
     const u32* W = (const u32*)w;
@@ -455,11 +450,7 @@ extern "C" __global__ void __launch_bounds__(512, 1) moe_down_q(const void* w, c
    2*chosen[z/2] + z%2 of the interleaved gate/up stack (normalized input as gemv_q2).
    Block (0, 0) also writes ids/wts [K+1] for moe_down_q. Saves the separate top-K launch.
    rank != 0: the top-K by the whole block (route_rank) instead of one warp (route_topk). */
-extern "C" __global__ void __launch_bounds__(512) gemv_q2_routed(const void* w, const void* sc, const void* bi, int bits,
-                                                                 int group, int ty, const float* x, float* y, int rows,
-                                                                 int cols, const float* normw, float eps,
-                                                                 const float* logits, int E, int K, int renorm,
-                                                                 int* ids_out, float* wts_out, int rank) {
+extern "C" __global__ void __launch_bounds__(512) gemv_q2_routed(GemvRoutedParams_fields) {
     extern __shared__ __align__(16) float xs[];
     __shared__ float red[33], ls[1024], wsel[65], rk[32 + 512];
     __shared__ int chosen[65];
@@ -499,10 +490,7 @@ extern "C" __global__ void __launch_bounds__(512) gemv_q2_routed(const void* w, 
    the virtual grid (b, G), reading the experts and weights from its own shared top-K. Same result
    as gemv_q2_routed + moe_down_q; saves one launch and its ramp per MoE layer. */
 extern "C" __global__ void __launch_bounds__(512, 1)
-    moe_fused_q(const void* wg, const void* sg, const void* bg, const void* wd, const void* sd, const void* bd,
-                int bits, int group_g, int group_d, int ty, float* x, float* gu, int inter, int H, const float* normw,
-                float eps, const float* logits, int E, int K, int renorm, int* ids_out, float* wts_out, u64* ctr,
-                int bps, int rank) {
+    moe_fused_q(MoeFusedParams_fields) {
     extern __shared__ __align__(16) float xs[];
     __shared__ float red[33], ls[1024], wsel[65], rk[32 + 512];
     __shared__ int chosen[65];

@@ -252,9 +252,7 @@ __device__ __forceinline__ void moe_down_rows(const u32* w, const void* sc, cons
     }
 }
 
-extern "C" __global__ void moe_down(const void* w, const void* sc, const void* bi, int bits, int group, int ty,
-                                    const float* gu, const int* ids, const float* wts, int S, float* x, int rows,
-                                    int cols) {
+extern "C" __global__ void moe_down(MoeDownParams_fields) {
     pdl_begin();
     extern __shared__ __align__(16) float hs[]; /* S*cols floats (dynamic) */
     {

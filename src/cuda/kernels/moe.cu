@@ -148,8 +148,7 @@ __device__ void route_rank(const float* logits, int E, int K, int renorm, int sh
     Bar::sync();
 }
 
-extern "C" __global__ void moe_topk(const float* logits, int E, int K, int renorm, int* ids, float* wout,
-                                    int* ids2, long long lstride, int shared) {
+extern "C" __global__ void moe_topk(MoeTopkParams_fields) {
     pdl_begin();
     __shared__ float ls[1024];
     __shared__ int chosen[65];
@@ -170,8 +169,7 @@ extern "C" __global__ void moe_topk(const float* logits, int E, int K, int renor
     }
 }
 
-extern "C" __global__ void moe_combine(float* x, const float* ye, const float* w, const float* ys, const float* sg,
-                                       int H, int K) {
+extern "C" __global__ void moe_combine(MoeCombineParams_fields) {
     int r = blockIdx.x * blockDim.x + threadIdx.x;
     if (r >= H) return;
     float acc = 0.f;
@@ -214,7 +212,7 @@ __device__ __forceinline__ int2 scan2_1024(int a, int b, int2* total) {
 
 /* Thread e (block 1024 >= E) owns expert e: its count, its offset and its tiles come from one
    block scan of (count, tile count), so no thread walks the experts serially. */
-extern "C" __global__ void moe_align(const int* ids, int P, int E, int bm, int* perm, int* inv, int* tiles) {
+extern "C" __global__ void moe_align(MoeAlignParams_fields) {
     __shared__ int cnt[1024], off[1024], cur[1024];
     __shared__ int2 total;
     int e = threadIdx.x;
@@ -242,8 +240,7 @@ extern "C" __global__ void moe_align(const int* ids, int P, int E, int bm, int* 
     }
 }
 
-extern "C" __global__ void moe_combine_rows(float* x, const float* ye, const int* inv, const float* w, const float* ys,
-                                            const float* sg, long long sgs, int H, int K) {
+extern "C" __global__ void moe_combine_rows(MoeCombineRowsParams_fields) {
     int r = blockIdx.x * blockDim.x + threadIdx.x, t = blockIdx.y;
     if (r >= H) return;
     float acc = 0.f;

@@ -572,7 +572,7 @@ __device__ void ps_route(const PsPhase& G, const u64* ctr, u64 target, PsShared&
 }
 
 extern "C" __global__ void __launch_bounds__(PS_THREADS + 32, 1)
-    pstep(const PsPhase* phases, int nphase, u64* ctr, int slot_bytes, int ns, int xmax, u32* trace, int dbg) {
+    pstep(PstepParams_fields) {
 #if __CUDA_ARCH__ >= 900
     extern __shared__ __align__(128) unsigned char ps_smem[];
     PsShared& sm = *(PsShared*)ps_smem;

@@ -68,7 +68,7 @@ __device__ __forceinline__ int argmax_block(const float* x, int n) {
     return bi[0] == 0x7fffffff ? 0 : bi[0];
 }
 
-extern "C" __global__ void argmax(const float* x, int n, int* out) {
+extern "C" __global__ void argmax(ArgmaxParams_fields) {
     pdl_begin();
     int t = argmax_block(x + (long long)blockIdx.x * n, n);
     if (threadIdx.x == 0) out[blockIdx.x] = t;
@@ -241,7 +241,7 @@ __device__ __forceinline__ void io_advance(int* io, int* ring, int t) {
 }
 
 /* Greedy: token = argmax x (argmax_block's rule; all NaN: 0). grid G, block SB. */
-extern "C" __global__ void __launch_bounds__(SB) argmax_io(const float* x, int n, int* io, int* ring, SampWs* ws) {
+extern "C" __global__ void __launch_bounds__(SB) argmax_io(ArgmaxIoParams_fields) {
     pdl_begin();
     int s0, s1;
     samp_slice(n, &s0, &s1);
@@ -259,7 +259,7 @@ extern "C" __global__ void __launch_bounds__(SB) argmax_io(const float* x, int n
 }
 
 /* Sampling pass 1: m and its first id; resets the selection state and the histogram. */
-extern "C" __global__ void __launch_bounds__(SB) samp_max(const float* x, int n, const float* sp, SampWs* ws) {
+extern "C" __global__ void __launch_bounds__(SB) samp_max(SampPassParams_fields) {
     pdl_begin();
     const SampParams p = samp_params(sp);
     int s0, s1;
@@ -290,7 +290,7 @@ __device__ __forceinline__ bool samp_cand(float z, float m) { return z >= m - 22
 /* One radix pass (0, 1, 2) of the top-k (sel 0: counts of candidates) or top-p (sel 1: masses of
    the top-k set passing min-p) cut-off. The last block of pass 2 stores the threshold. */
 extern "C" __global__ void __launch_bounds__(SB)
-    samp_radix(const float* x, int n, const float* sp, SampWs* ws, int sel, int pass) {
+    samp_radix(SampRadixParams_fields) {
     __shared__ u64 hist[NBINS];
     __shared__ u64 sh[33];
     __shared__ u32 s_prefix;
@@ -373,7 +373,7 @@ extern "C" __global__ void __launch_bounds__(SB)
 }
 
 /* Z_k = sum of e^{z - m} over the top-k set (the candidates with key >= lo_k): inv_z = 1 / Z_k. */
-extern "C" __global__ void __launch_bounds__(SB) samp_zsum(const float* x, int n, const float* sp, SampWs* ws) {
+extern "C" __global__ void __launch_bounds__(SB) samp_zsum(SampPassParams_fields) {
     __shared__ float shf[33];
     pdl_begin();
     const SampParams p = samp_params(sp);
@@ -398,7 +398,7 @@ extern "C" __global__ void __launch_bounds__(SB) samp_zsum(const float* x, int n
 
 /* The draw over the kept ids (candidates, key >= max(lo_k, lo_p), min-p) in id order. */
 extern "C" __global__ void __launch_bounds__(SB)
-    samp_draw(const float* x, int n, int* io, int* ring, const float* sp, SampWs* ws) {
+    samp_draw(SampDrawParams_fields) {
     __shared__ u64 sh[33];
     __shared__ int s_tok;
     __shared__ int s_blk;

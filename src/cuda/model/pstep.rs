@@ -11,7 +11,8 @@
 
 use super::{CudaModel, CudaSession, GFfn, GMixer, GState, Scratch};
 use crate::cuda::ops::GpuLinear;
-use crate::cuda::{Arg, DevBuf, Gpu};
+use crate::cuda::params::{In, Out, PstepParams};
+use crate::cuda::{DevBuf, Gpu};
 use anyhow::{bail, Result};
 
 const PS_GEMV: i32 = 0;
@@ -275,17 +276,17 @@ impl PsPlan {
     }
 
     fn launch(&self, g: &Gpu, first: usize, count: usize) -> Result<()> {
-        let a = [
-            Arg::P(self.table.at(first * PHASE_BYTES)),
-            Arg::I(count as i32),
-            Arg::P(self.ctr.ptr),
-            Arg::I(self.slot as i32),
-            Arg::I(self.slots as i32),
-            Arg::I(self.xmax as i32),
-            Arg::P(self.trace.as_ref().map_or(0, |t| t.at(4 * TW * first * g.sms as usize))),
-            Arg::I(self.debug),
-        ];
-        g.launch_shared("pstep", (g.sms, 1, 1), THREADS, self.smem as u32, &a)
+        let a = PstepParams {
+            phases: In::new(self.table.at(first * PHASE_BYTES)),
+            nphase: count as i32,
+            ctr: Out::new(self.ctr.ptr),
+            slot_bytes: self.slot as i32,
+            ns: self.slots as i32,
+            xmax: self.xmax as i32,
+            trace: Out::new(self.trace.as_ref().map_or(0, |t| t.at(4 * TW * first * g.sms as usize))),
+            dbg: self.debug,
+        };
+        g.launch_params("pstep", (g.sms, 1, 1), THREADS, self.smem as u32, &a)
     }
 }
 

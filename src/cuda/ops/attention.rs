@@ -2,7 +2,10 @@
 //! (per-head or GQA-packed split-K, then `attn_combine`), causal prefill attention, and the KV
 //! cache element type every one of them is launched for (kernels/attention*.cu).
 
-use super::super::{Arg, Gpu};
+use super::super::params::{
+    AttnCombineParams, AttnDecodeParams, AttnGqaParams, AttnPrefillParams, AttnPrepParams, In, Out,
+};
+use super::super::Gpu;
 use super::{blocks, Precision};
 use anyhow::{bail, Result};
 use std::sync::OnceLock;
@@ -66,27 +69,22 @@ impl Gpu {
             (_, KvDtype::F32) => ("attn_prefill_tc", blocks(t * g, 64), 128, 0),
             (_, KvDtype::Bf16) => ("attn_prefill_tc_bf16", blocks(t * g, 64), 128, 0),
         };
-        self.launch_shared(
-            name,
-            (grid, hkv as u32, 1),
-            block,
-            shared as u32,
-            &[
-                Arg::P(q),
-                Arg::P(kc),
-                Arg::P(vc),
-                Arg::P(qg),
-                Arg::L(ldg as i64),
-                Arg::P(out),
-                Arg::I(nh as i32),
-                Arg::I(hkv as i32),
-                Arg::I(hd as i32),
-                Arg::I(t as i32),
-                Arg::P(pos0),
-                Arg::F(1.0 / (hd as f32).sqrt()),
-                Arg::I(gated as i32),
-            ],
-        )
+        let a = AttnPrefillParams {
+            q: In::new(q),
+            kc: In::new(kc),
+            vc: In::new(vc),
+            qg: In::new(qg),
+            ldg: ldg as i64,
+            out: Out::new(out),
+            nh: nh as i32,
+            hkv: hkv as i32,
+            hd: hd as i32,
+            T: t as i32,
+            pos_p: In::new(pos0),
+            scale: 1.0 / (hd as f32).sqrt(),
+            gated: gated as i32,
+        };
+        self.launch_params(name, (grid, hkv as u32, 1), block, shared as u32, &a)
     }
 
     /// q/k RMSNorm + partial RoPE for `t` tokens at positions `pos`.. (inputs in rows of stride
@@ -102,31 +100,28 @@ impl Gpu {
         if !p.hd.is_multiple_of(32) || p.hd > 256 || p.rot > p.hd {
             bail!("attention: head dim {} unsupported (multiple of 32, at most 256)", p.hd);
         }
-        self.launch(
-            if p.kv == KvDtype::Bf16 { "attn_prep_bf16" } else { "attn_prep" },
-            ((p.nh + p.hkv) as u32, t as u32, 1),
-            p.hd as u32,
-            &[
-                Arg::P(p.qg),
-                Arg::P(p.k),
-                Arg::P(p.v),
-                Arg::P(p.q_norm),
-                Arg::P(p.k_norm),
-                Arg::P(p.q_out),
-                Arg::P(p.kc),
-                Arg::P(p.vc),
-                Arg::I(p.nh as i32),
-                Arg::I(p.hkv as i32),
-                Arg::I(p.hd as i32),
-                Arg::I(p.gated as i32),
-                Arg::I(p.rot as i32),
-                Arg::P(p.pos),
-                Arg::D(p.theta),
-                Arg::F(p.eps),
-                Arg::L(ld as i64),
-                Arg::P(kvt),
-            ],
-        )
+        let a = AttnPrepParams {
+            qg: In::new(p.qg),
+            kin: In::new(p.k),
+            vin: In::new(p.v),
+            qn: In::new(p.q_norm),
+            kn: In::new(p.k_norm),
+            q_out: Out::new(p.q_out),
+            kc: Out::new(p.kc),
+            vc: Out::new(p.vc),
+            nh: p.nh as i32,
+            hkv: p.hkv as i32,
+            hd: p.hd as i32,
+            gated: p.gated as i32,
+            rot: p.rot as i32,
+            pos_p: In::new(p.pos),
+            theta: p.theta,
+            eps: p.eps,
+            ld: ld as i64,
+            kvt: In::new(kvt),
+        };
+        let name = if p.kv == KvDtype::Bf16 { "attn_prep_bf16" } else { "attn_prep" };
+        self.launch_params(name, ((p.nh + p.hkv) as u32, t as u32, 1), p.hd as u32, 0, &a)
     }
 
     /// Attention of one query token over `pos + 1` cached positions (`pos`: device i32), split
@@ -153,51 +148,56 @@ impl Gpu {
             }
             _ => None,
         };
-        // Every kernel takes (q, kc, vc, part, heads.., hd, pos, scale); the packed ones only H_kv.
+        // The per-head kernels take both head counts; the packed ones (one block per KV head) H_kv.
         let bf16 = a.kv == KvDtype::Bf16;
         let tc = kernel == AttnKernel::Tc && self.attn_tc_applies(nh, hkv, hd, a.kv);
-        let (name, grid_x, heads) = match packed {
-            Some(_) if tc => (super::super::attn_dec_kernel(hd), hkv, vec![Arg::I(hkv as i32)]),
+        let rows = r.rows.max(1) as u32;
+        let (q, kc, vc, part) = (In::new(a.q), In::new(a.kc), In::new(a.vc), Out::new(a.part));
+        let (pos_p, kvt) = (In::new(a.pos), In::new(r.kvt));
+        let gqa = AttnGqaParams { q, kc, vc, part, hkv: hkv as i32, hd: hd as i32, pos_p, scale, kvt };
+        match packed {
+            Some(_) if tc => {
+                let grid = (hkv as u32, a.splits as u32, rows);
+                let name = super::super::attn_dec_kernel(hd);
+                self.launch_params(name, grid, 128, super::super::attn_dec_smem(hd) as u32, &gqa)?;
+            }
             Some(g) => {
                 let names = if bf16 {
                     ["attn_decode_gqa1_bf16", "attn_decode_gqa2_bf16", "attn_decode_gqa4_bf16", "attn_decode_gqa8_bf16"]
                 } else {
                     ["attn_decode_gqa1", "attn_decode_gqa2", "attn_decode_gqa4", "attn_decode_gqa8"]
                 };
-                (names[g.trailing_zeros() as usize], hkv, vec![Arg::I(hkv as i32)])
+                let grid = (hkv as u32, a.splits as u32, rows);
+                self.launch_params(names[g.trailing_zeros() as usize], grid, 256, 0, &gqa)?;
             }
             None => {
-                (if bf16 { "attn_decode_bf16" } else { "attn_decode" }, nh, vec![Arg::I(nh as i32), Arg::I(hkv as i32)])
+                let p = AttnDecodeParams {
+                    q,
+                    kc,
+                    vc,
+                    part,
+                    nh: nh as i32,
+                    hkv: hkv as i32,
+                    hd: hd as i32,
+                    pos_p,
+                    scale,
+                    kvt,
+                };
+                let name = if bf16 { "attn_decode_bf16" } else { "attn_decode" };
+                self.launch_params(name, (nh as u32, a.splits as u32, rows), 256, 0, &p)?;
             }
-        };
-        let args = [
-            &[Arg::P(a.q), Arg::P(a.kc), Arg::P(a.vc), Arg::P(a.part)][..],
-            &heads,
-            &[Arg::I(hd as i32), Arg::P(a.pos), Arg::F(scale), Arg::P(r.kvt)],
-        ]
-        .concat();
-        let rows = r.rows.max(1) as u32;
-        let grid = (grid_x as u32, a.splits as u32, rows);
-        if tc {
-            self.launch_shared(name, grid, 128, super::super::attn_dec_smem(hd) as u32, &args)?;
-        } else {
-            self.launch(name, grid, 256, &args)?;
         }
-        self.launch(
-            "attn_combine",
-            (nh as u32, 1, rows),
-            256,
-            &[
-                Arg::P(a.part),
-                Arg::P(a.qg),
-                Arg::P(a.out),
-                Arg::I(nh as i32),
-                Arg::I(hd as i32),
-                Arg::I(a.splits as i32),
-                Arg::I(a.gated as i32),
-                Arg::L(r.ldqg as i64),
-            ],
-        )
+        let c = AttnCombineParams {
+            part: In::new(a.part),
+            qg: In::new(a.qg),
+            out: Out::new(a.out),
+            nh: nh as i32,
+            hd: hd as i32,
+            S: a.splits as i32,
+            gated: a.gated as i32,
+            ldqg: r.ldqg as i64,
+        };
+        self.launch_params("attn_combine", (nh as u32, 1, rows), 256, 0, &c)
     }
 
     /// The decode attention kernels this device uses for these heads and cache: (kernel,

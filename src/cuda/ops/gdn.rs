@@ -2,7 +2,11 @@
 //! several rows on state-address tables) and the prefill over t tokens (conv_prefill, then the
 //! chunked delta rule or the serial scan; kernels/gdn*.cu), with their argument structs.
 
-use super::super::{Arg, Gpu};
+use super::super::params::{
+    ConvPrefillParams, ConvStateParams, ConvStepParams, GdnChunkPrepParams, GdnChunkScanParams, GdnOutNormParams,
+    GdnQkPrepParams, GdnScanParams, GdnStepParParams, GdnStepParRowsParams, GdnStepParams, GemvConvParams, In, Out,
+};
+use super::super::Gpu;
 use super::{blocks, gemv_default, GemvKernel, GpuLinear, GEMV_XMAX};
 use anyhow::{bail, Result};
 
@@ -23,27 +27,20 @@ impl Gpu {
         if !(1..=8).contains(&k) {
             bail!("conv_prefill: {k} taps unsupported (at most 8)");
         }
-        self.launch(
-            "conv_prefill",
-            (blocks(c, 256), t as u32, 1),
-            256,
-            &[
-                Arg::P(x),
-                Arg::L(ldx as i64),
-                Arg::P(state),
-                Arg::P(w),
-                Arg::P(y),
-                Arg::I(c as i32),
-                Arg::I(k as i32),
-                Arg::I(t as i32),
-            ],
-        )?;
-        self.launch(
-            "conv_state",
-            (blocks(c, 256), 1, 1),
-            256,
-            &[Arg::P(x), Arg::L(ldx as i64), Arg::P(state), Arg::I(c as i32), Arg::I(k as i32), Arg::I(t as i32)],
-        )
+        let (ldx, c, k, t) = (ldx as i64, c as i32, k as i32, t as i32);
+        let a = ConvPrefillParams {
+            x: In::new(x),
+            ldx,
+            state: In::new(state),
+            w: In::new(w),
+            y: Out::new(y),
+            C: c,
+            K: k,
+            T: t,
+        };
+        self.launch_params("conv_prefill", (blocks(c as usize, 256), t as u32, 1), 256, 0, &a)?;
+        let a = ConvStateParams { x: In::new(x), ldx, state: Out::new(state), C: c, K: k, T: t };
+        self.launch_params("conv_state", (blocks(c as usize, 256), 1, 1), 256, 0, &a)
     }
 
     /// The gated delta rule over t tokens: q/k normalization (kernels/gdn_prefill.cu), the
@@ -66,39 +63,31 @@ impl Gpu {
             bail!("gdn_prefill: unsupported head dims (D_v {} D_k {})", s.dv, s.dk);
         }
         let t = p.t;
-        self.launch(
-            "gdn_qk_prep",
-            (s.hk as u32, t as u32, 1),
-            128,
-            &[
-                Arg::P(s.y),
-                Arg::L(p.ldy as i64),
-                Arg::P(p.qn),
-                Arg::P(p.kn),
-                Arg::P(p.kq),
-                Arg::I(s.hk as i32),
-                Arg::I(s.dk as i32),
-            ],
-        )?;
+        let a = GdnQkPrepParams {
+            y: In::new(s.y),
+            ldy: p.ldy as i64,
+            qn: Out::new(p.qn),
+            kn: Out::new(p.kn),
+            kq: Out::new(p.kq),
+            hk: s.hk as i32,
+            dk: s.dk as i32,
+        };
+        self.launch_params("gdn_qk_prep", (s.hk as u32, t as u32, 1), 128, 0, &a)?;
         if kernel == GdnPrefillKernel::Chunked && s.dk <= 128 {
             self.gdn_chunked(p)?;
         } else {
             self.gdn_scan(p)?;
         }
-        self.launch(
-            "gdn_out_norm",
-            ((t * s.hv) as u32, 1, 1),
-            s.dv as u32,
-            &[
-                Arg::P(s.out),
-                Arg::P(s.z),
-                Arg::L(p.ldp as i64),
-                Arg::P(s.norm),
-                Arg::I(s.hv as i32),
-                Arg::I(s.dv as i32),
-                Arg::F(s.eps),
-            ],
-        )
+        let a = GdnOutNormParams {
+            o: Out::new(s.out),
+            z: In::new(s.z),
+            ldz: p.ldp as i64,
+            w: In::new(s.norm),
+            hv: s.hv as i32,
+            dv: s.dv as i32,
+            eps: s.eps,
+        };
+        self.launch_params("gdn_out_norm", ((t * s.hv) as u32, 1, 1), s.dv as u32, 0, &a)
     }
 
     /// The chunked recurrence (kernels/gdn_chunk.cu): per-chunk preparation, then the scan over
@@ -111,82 +100,72 @@ impl Gpu {
         }
         let nch = t.div_ceil(GDN_CHUNK);
         let [wt, qt, u, mt, g] = gdn_chunk_parts(p.chunk, t, s.hv, s.dk, s.dv);
-        self.launch(
-            "gdn_chunk_prep",
-            (nch as u32, s.hv as u32, (s.dk + s.dv).div_ceil(256) as u32),
-            256,
-            &[
-                Arg::P(p.qn),
-                Arg::P(p.kn),
-                Arg::P(s.y),
-                Arg::L(p.ldy as i64),
-                Arg::P(s.b),
-                Arg::P(s.a),
-                Arg::L(p.ldp as i64),
-                Arg::P(s.dt_bias),
-                Arg::P(s.neg_a),
-                Arg::P(wt),
-                Arg::P(qt),
-                Arg::P(u),
-                Arg::P(mt),
-                Arg::P(g),
-                Arg::I(s.hk as i32),
-                Arg::I(s.hv as i32),
-                Arg::I(s.dk as i32),
-                Arg::I(s.dv as i32),
-                Arg::I(t as i32),
-            ],
-        )?;
-        self.launch(
-            "gdn_chunk_scan",
-            (s.hv as u32, (s.dv / 32) as u32, 1),
-            256,
-            &[
-                Arg::P(p.kn),
-                Arg::P(wt),
-                Arg::P(qt),
-                Arg::P(u),
-                Arg::P(mt),
-                Arg::P(g),
-                Arg::P(s.state),
-                Arg::P(s.out),
-                Arg::I(s.hk as i32),
-                Arg::I(s.hv as i32),
-                Arg::I(s.dk as i32),
-                Arg::I(s.dv as i32),
-                Arg::I(t as i32),
-            ],
-        )
+        let (hk, hv, dk, dv, tt) = (s.hk as i32, s.hv as i32, s.dk as i32, s.dv as i32, t as i32);
+        let a = GdnChunkPrepParams {
+            qn: In::new(p.qn),
+            kn: In::new(p.kn),
+            y: In::new(s.y),
+            ldy: p.ldy as i64,
+            bproj: In::new(s.b),
+            aproj: In::new(s.a),
+            ldp: p.ldp as i64,
+            dt_bias: In::new(s.dt_bias),
+            neg_a: In::new(s.neg_a),
+            Wt: Out::new(wt),
+            Qt: Out::new(qt),
+            U: Out::new(u),
+            Mt: Out::new(mt),
+            G: Out::new(g),
+            hk,
+            hv,
+            dk,
+            dv,
+            T: tt,
+        };
+        let grid = (nch as u32, s.hv as u32, (s.dk + s.dv).div_ceil(256) as u32);
+        self.launch_params("gdn_chunk_prep", grid, 256, 0, &a)?;
+        let a = GdnChunkScanParams {
+            kn: In::new(p.kn),
+            Wt: In::new(wt),
+            Qt: In::new(qt),
+            U: In::new(u),
+            Mt: In::new(mt),
+            G: In::new(g),
+            S: Out::new(s.state),
+            o: Out::new(s.out),
+            hk,
+            hv,
+            dk,
+            dv,
+            T: tt,
+        };
+        self.launch_params("gdn_chunk_scan", (s.hv as u32, (s.dv / 32) as u32, 1), 256, 0, &a)
     }
 
     /// The serial recurrence (gdn_prefill.cu's gdn_scan), state in registers.
     fn gdn_scan(&self, p: &GdnPrefill) -> Result<()> {
         let s = &p.step;
         let t = p.t;
-        self.launch(
-            "gdn_scan",
-            (s.hv as u32, s.dv.div_ceil(32) as u32, 1),
-            128,
-            &[
-                Arg::P(p.qn),
-                Arg::P(p.kn),
-                Arg::P(p.kq),
-                Arg::P(s.y),
-                Arg::L(p.ldy as i64),
-                Arg::P(s.b),
-                Arg::P(s.a),
-                Arg::L(p.ldp as i64),
-                Arg::P(s.dt_bias),
-                Arg::P(s.neg_a),
-                Arg::P(s.state),
-                Arg::P(s.out),
-                Arg::I(s.hk as i32),
-                Arg::I(s.hv as i32),
-                Arg::I(s.dk as i32),
-                Arg::I(s.dv as i32),
-                Arg::I(t as i32),
-            ],
-        )
+        let a = GdnScanParams {
+            qn: In::new(p.qn),
+            kn: In::new(p.kn),
+            kq: In::new(p.kq),
+            y: In::new(s.y),
+            ldy: p.ldy as i64,
+            bproj: In::new(s.b),
+            aproj: In::new(s.a),
+            ldp: p.ldp as i64,
+            dt_bias: In::new(s.dt_bias),
+            neg_a: In::new(s.neg_a),
+            S: Out::new(s.state),
+            o: Out::new(s.out),
+            hk: s.hk as i32,
+            hv: s.hv as i32,
+            dk: s.dk as i32,
+            dv: s.dv as i32,
+            T: t as i32,
+        };
+        self.launch_params("gdn_scan", (s.hv as u32, s.dv.div_ceil(32) as u32, 1), 128, 0, &a)
     }
 
     /// One token of the causal conv1d + SiLU over C channels with K taps.
@@ -232,34 +211,48 @@ impl Gpu {
                 w.bits
             );
         }
-        let mut a = w.norm_gemv_args(x, y, normw, eps);
-        a.extend([Arg::P(state), Arg::P(cw), Arg::P(cy), Arg::I(c as i32), Arg::I(k as i32)]);
+        let (wp, sp, bp, bits, group, ty) = w.weight_fields();
+        let a = GemvConvParams {
+            w: wp,
+            sc: sp,
+            bi: bp,
+            bits,
+            group,
+            ty,
+            x: In::new(x),
+            y: Out::new(y),
+            rows: w.rows as i32,
+            cols: w.cols as i32,
+            normw: In::new(normw),
+            eps,
+            cstate: Out::new(state),
+            cw: In::new(cw),
+            cy: Out::new(cy),
+            C: c as i32,
+            K: k as i32,
+        };
         let (kernel, bpsm) = gemv_default();
         let (threads, per_sm) = kernel.geometry(bpsm);
         let gx = self.stream_grid(w.rows, threads, per_sm, 1);
-        self.launch_shared("gemv_q2_conv", (gx, 1, 1), threads, w.stream_smem(), &a)
+        self.launch_params("gemv_q2_conv", (gx, 1, 1), threads, w.stream_smem(), &a)
     }
 
     /// [`Gpu::conv_step`] for `r.rows` sequences at once: row i's input at `x + i·r.ldx`, output
     /// at `y + i·r.ldy`, state `r.states[i]` (x stride: `r.ldp`, the projection row).
     #[allow(clippy::too_many_arguments)]
     pub fn conv_step_rows(&self, x: u64, state: u64, w: u64, y: u64, c: usize, k: usize, r: &GdnRows) -> Result<()> {
-        self.launch(
-            "conv_step",
-            (blocks(c, 256), r.rows as u32, 1),
-            256,
-            &[
-                Arg::P(x),
-                Arg::P(state),
-                Arg::P(w),
-                Arg::P(y),
-                Arg::I(c as i32),
-                Arg::I(k as i32),
-                Arg::P(r.states),
-                Arg::L(r.ldp as i64),
-                Arg::L(r.ldy as i64),
-            ],
-        )
+        let a = ConvStepParams {
+            x: In::new(x),
+            state: Out::new(state),
+            w: In::new(w),
+            y: Out::new(y),
+            C: c as i32,
+            K: k as i32,
+            states: In::new(r.states),
+            ldx: r.ldp as i64,
+            ldy: r.ldy as i64,
+        };
+        self.launch_params("conv_step", (blocks(c, 256), r.rows as u32, 1), 256, 0, &a)
     }
 
     /// One gated-delta-rule step for every value head, with the gated RMSNorm.
@@ -278,22 +271,77 @@ impl Gpu {
         let batched = r.rows > 1 || r.states != 0;
         let par = threads <= if batched { 512 } else { 1024 }
             && std::env::var("LILY_CUDA_GDN_STEP").as_deref() != Ok("serial");
-        let mut a = vec![Arg::P(p.y), Arg::P(p.b), Arg::P(p.a), Arg::P(p.z), Arg::P(p.dt_bias), Arg::P(p.neg_a)];
-        a.push(Arg::P(p.norm));
-        if !(par && batched) {
-            a.push(Arg::P(p.state));
+        let (y, bproj, aproj, z) = (In::new(p.y), In::new(p.b), In::new(p.a), In::new(p.z));
+        let (dt_bias, neg_a, normw, out) = (In::new(p.dt_bias), In::new(p.neg_a), In::new(p.norm), Out::new(p.out));
+        let (hk, hv, dk, dv, eps) = (p.hk as i32, p.hv as i32, p.dk as i32, p.dv as i32, p.eps);
+        let (states, ldy, ldp, ldo) = (In::new(r.states), r.ldy as i64, r.ldp as i64, r.ldo as i64);
+        let grid = (p.hv as u32, r.rows as u32, 1);
+        match (par, batched) {
+            (true, false) => {
+                let a = GdnStepParParams {
+                    y,
+                    bproj,
+                    aproj,
+                    z,
+                    dt_bias,
+                    neg_a,
+                    normw,
+                    S: Out::new(p.state),
+                    out,
+                    hk,
+                    hv,
+                    dk,
+                    dv,
+                    eps,
+                };
+                self.launch_params("gdn_step_par", grid, threads as u32, 0, &a)
+            }
+            (true, true) => {
+                let a = GdnStepParRowsParams {
+                    y,
+                    bproj,
+                    aproj,
+                    z,
+                    dt_bias,
+                    neg_a,
+                    normw,
+                    out,
+                    hk,
+                    hv,
+                    dk,
+                    dv,
+                    eps,
+                    states,
+                    ldy,
+                    ldp,
+                    ldo,
+                };
+                self.launch_params("gdn_step_par_rows", grid, threads as u32, 0, &a)
+            }
+            (false, _) => {
+                let a = GdnStepParams {
+                    y,
+                    bproj,
+                    aproj,
+                    z,
+                    dt_bias,
+                    neg_a,
+                    normw,
+                    S: Out::new(p.state),
+                    out,
+                    hk,
+                    hv,
+                    dk,
+                    dv,
+                    eps,
+                    states,
+                    ldy,
+                    ldp,
+                    ldo,
+                };
+                self.launch_params("gdn_step", grid, p.dv as u32, 0, &a)
+            }
         }
-        a.extend([Arg::P(p.out), Arg::I(p.hk as i32), Arg::I(p.hv as i32), Arg::I(p.dk as i32)]);
-        a.extend([Arg::I(p.dv as i32), Arg::F(p.eps)]);
-        if !par || batched {
-            a.extend([Arg::P(r.states), Arg::L(r.ldy as i64), Arg::L(r.ldp as i64), Arg::L(r.ldo as i64)]);
-        }
-        let (name, block) = match (par, batched) {
-            (true, false) => ("gdn_step_par", threads as u32),
-            (true, true) => ("gdn_step_par_rows", threads as u32),
-            (false, _) => ("gdn_step", p.dv as u32),
-        };
-        self.launch(name, (p.hv as u32, r.rows as u32, 1), block, &a)
     }
 }
 

@@ -2,7 +2,11 @@
 //! one-launch MoE (kernels/gemv.cu), top-k routing, and the prefill's expert grouping and combine
 //! (kernels/moe.cu).
 
-use super::super::{Arg, Gpu};
+use super::super::params::{
+    GemvRoutedParams, In, MoeAlignParams, MoeCombineParams, MoeCombineRowsParams, MoeDownParams, MoeFusedParams,
+    MoeTopkParams, Out,
+};
+use super::super::Gpu;
 use super::{blocks, gemv_default, GemvKernel, GpuLinear, GEMV_XMAX};
 use anyhow::{bail, Result};
 
@@ -11,12 +15,6 @@ use anyhow::{bail, Result};
 fn route_rank() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *ON.get_or_init(|| std::env::var("LILY_CUDA_ROUTE").is_ok_and(|v| v == "rank"))
-}
-
-/// The routing arguments both routed decode kernels take in this order: the router logits, the
-/// expert count, top-k, renormalization, and where the chosen ids and weights go.
-fn route_args(logits: u64, e: usize, k: usize, renorm: bool, ids: u64, wts: u64) -> [Arg; 6] {
-    [Arg::P(logits), Arg::I(e as i32), Arg::I(k as i32), Arg::I(renorm as i32), Arg::P(ids), Arg::P(wts)]
 }
 
 impl Gpu {
@@ -39,15 +37,34 @@ impl Gpu {
         if !w.streams() || w.cols > GEMV_XMAX || e > 1024 || k >= 64 || k > e {
             bail!("gemv_routed: unsupported shape or format");
         }
-        let mut a = w.norm_gemv_args(x, y, normw, eps);
-        a.extend(route_args(logits, e, k, renorm, ids, wts));
-        a.push(Arg::I(route_rank() as i32));
+        let (wp, sp, bp, bits, group, ty) = w.weight_fields();
+        let a = GemvRoutedParams {
+            w: wp,
+            sc: sp,
+            bi: bp,
+            bits,
+            group,
+            ty,
+            x: In::new(x),
+            y: Out::new(y),
+            rows: w.rows as i32,
+            cols: w.cols as i32,
+            normw: In::new(normw),
+            eps,
+            logits: In::new(logits),
+            E: e as i32,
+            K: k as i32,
+            renorm: renorm as i32,
+            ids_out: Out::new(ids),
+            wts_out: Out::new(wts),
+            rank: route_rank() as i32,
+        };
         let shared = w.stream_smem();
         let slots = 2 * (k + 1);
         let (kernel, bpsm) = gemv_default();
         let (threads, per_sm) = kernel.geometry(bpsm);
         let gx = self.stream_grid(w.rows, threads, per_sm, slots);
-        self.launch_shared("gemv_q2_routed", (gx, slots as u32, 1), threads, shared, &a)
+        self.launch_params("gemv_q2_routed", (gx, slots as u32, 1), threads, shared, &a)
     }
 
     /// Whether [`Gpu::moe_fused`] takes these experts: both stacks in one streaming format, the
@@ -95,9 +112,9 @@ impl Gpu {
         }
         let slots = 2 * (k + 1);
         let bps = (self.sms as usize / slots).max(1);
-        let [wg, sg, bg, bits, gg, ty] = gate_up.wargs();
-        let [wd, sd, bd, _, gd, _] = down.wargs();
-        let mut a = vec![
+        let (wg, sg, bg, bits, group_g, ty) = gate_up.weight_fields();
+        let (wd, sd, bd, _, group_d, _) = down.weight_fields();
+        let a = MoeFusedParams {
             wg,
             sg,
             bg,
@@ -105,24 +122,31 @@ impl Gpu {
             sd,
             bd,
             bits,
-            gg,
-            gd,
+            group_g,
+            group_d,
             ty,
-            Arg::P(x),
-            Arg::P(gu),
-            Arg::I(gate_up.rows as i32),
-            Arg::I(gate_up.cols as i32),
-            Arg::P(normw),
-            Arg::F(eps),
-        ];
-        a.extend(route_args(logits, e, k, renorm, ids, wts));
-        a.extend([Arg::P(ctr), Arg::I(bps as i32), Arg::I(route_rank() as i32)]);
+            x: Out::new(x),
+            gu: Out::new(gu),
+            inter: gate_up.rows as i32,
+            H: gate_up.cols as i32,
+            normw: In::new(normw),
+            eps,
+            logits: In::new(logits),
+            E: e as i32,
+            K: k as i32,
+            renorm: renorm as i32,
+            ids_out: Out::new(ids),
+            wts_out: Out::new(wts),
+            ctr: Out::new(ctr),
+            bps: bps as i32,
+            rank: route_rank() as i32,
+        };
         let epv = 128 / gate_up.bits as usize;
         let (h, s) = (gate_up.cols, (k + 1) * down.cols);
         let shared = (4 * (h + h / epv).max(s + s / epv)) as u32;
         // At least one block per 16 down rows (one row per warp, as moe_down_q), within the SMs.
         let grid = (bps * slots).max(down.rows.div_ceil(16)).min(self.sms as usize);
-        self.launch_shared("moe_fused_q", (grid as u32, 1, 1), 512, shared, &a)
+        self.launch_params("moe_fused_q", (grid as u32, 1, 1), 512, shared, &a)
     }
 
     /// Decode MoE down projections + weighted sum + residual: `x[r] += Σ_{k<s} wts[k] ·
@@ -151,24 +175,30 @@ impl Gpu {
         if s * w.cols > GEMV_XMAX || !w.cols.is_multiple_of(4) {
             bail!("moe_down: {s} slots of {} columns exceed {GEMV_XMAX}", w.cols);
         }
-        let mut a = w.wargs().to_vec();
-        a.extend([
-            Arg::P(gu),
-            Arg::P(ids),
-            Arg::P(wts),
-            Arg::I(s as i32),
-            Arg::P(x),
-            Arg::I(w.rows as i32),
-            Arg::I(w.cols as i32),
-        ]);
+        let (wp, sp, bp, bits, group, ty) = w.weight_fields();
+        let a = MoeDownParams {
+            w: wp,
+            sc: sp,
+            bi: bp,
+            bits,
+            group,
+            ty,
+            gu: In::new(gu),
+            ids: In::new(ids),
+            wts: In::new(wts),
+            S: s as i32,
+            x: Out::new(x),
+            rows: w.rows as i32,
+            cols: w.cols as i32,
+        };
         if kernel != GemvKernel::Old && w.streams() {
             let epv = 128 / w.bits as usize;
             let shared = (4 * (s * w.cols + s * w.cols / epv)) as u32;
             // Blocks of 16 warps (512 threads at 96 registers: one block per SM).
             let grid = w.rows.div_ceil(16).min((self.sms * bpsm.max(1)) as usize).max(1);
-            return self.launch_shared("moe_down_q", (grid as u32, 1, 1), 512, shared, &a);
+            return self.launch_params("moe_down_q", (grid as u32, 1, 1), 512, shared, &a);
         }
-        self.launch_shared("moe_down", (blocks(w.rows, 16), 1, 1), 256, 4 * (s * w.cols) as u32, &a)
+        self.launch_params("moe_down", (blocks(w.rows, 16), 1, 1), 256, 4 * (s * w.cols) as u32, &a)
     }
 
     /// Groups `p` routed pairs (expert ids[i], i32) by expert: `perm`, `inv` (i32 [p]) and the
@@ -178,20 +208,16 @@ impl Gpu {
         if e > 1024 {
             bail!("moe_align: {e} experts unsupported");
         }
-        self.launch(
-            "moe_align",
-            (1, 1, 1),
-            1024,
-            &[
-                Arg::P(ids),
-                Arg::I(p as i32),
-                Arg::I(e as i32),
-                Arg::I(bm as i32),
-                Arg::P(perm),
-                Arg::P(inv),
-                Arg::P(tiles),
-            ],
-        )
+        let a = MoeAlignParams {
+            ids: In::new(ids),
+            P: p as i32,
+            E: e as i32,
+            bm: bm as i32,
+            perm: Out::new(perm),
+            inv: Out::new(inv),
+            tiles: Out::new(tiles),
+        };
+        self.launch_params("moe_align", (1, 1, 1), 1024, 0, &a)
     }
 
     /// `x[t] += Σ_k w[t,k] ye[inv[t·K+k]] + sigmoid(sg[t·sgs]) ys[t]` for t tokens.
@@ -208,22 +234,18 @@ impl Gpu {
         k: usize,
         t: usize,
     ) -> Result<()> {
-        self.launch(
-            "moe_combine_rows",
-            (blocks(h, 256), t as u32, 1),
-            256,
-            &[
-                Arg::P(x),
-                Arg::P(ye),
-                Arg::P(inv),
-                Arg::P(w),
-                Arg::P(ys),
-                Arg::P(sg),
-                Arg::L(sgs as i64),
-                Arg::I(h as i32),
-                Arg::I(k as i32),
-            ],
-        )
+        let a = MoeCombineRowsParams {
+            x: Out::new(x),
+            ye: In::new(ye),
+            inv: In::new(inv),
+            w: In::new(w),
+            ys: In::new(ys),
+            sg: In::new(sg),
+            sgs: sgs as i64,
+            H: h as i32,
+            K: k as i32,
+        };
+        self.launch_params("moe_combine_rows", (blocks(h, 256), t as u32, 1), 256, 0, &a)
     }
 
     /// Softmax + top-k of E router logits into device ids (i32) and weights (f32); when `ids2` is
@@ -266,31 +288,31 @@ impl Gpu {
         if e > 1024 || k > 64 || k > e {
             bail!("moe_topk: {e} experts / top-{k} unsupported");
         }
-        self.launch(
-            "moe_topk",
-            (t as u32, 1, 1),
-            32,
-            &[
-                Arg::P(logits),
-                Arg::I(e as i32),
-                Arg::I(k as i32),
-                Arg::I(renorm as i32),
-                Arg::P(ids),
-                Arg::P(w),
-                Arg::P(ids2),
-                Arg::L(ld as i64),
-                Arg::I(shared as i32),
-            ],
-        )
+        let a = MoeTopkParams {
+            logits: In::new(logits),
+            E: e as i32,
+            K: k as i32,
+            renorm: renorm as i32,
+            ids: Out::new(ids),
+            wout: Out::new(w),
+            ids2: Out::new(ids2),
+            lstride: ld as i64,
+            shared: shared as i32,
+        };
+        self.launch_params("moe_topk", (t as u32, 1, 1), 32, 0, &a)
     }
 
     /// `x += Σ_k w_k ye[k] + g·ys` (g = sigmoid(sg) or 1 when sg = 0; ys = 0 skips it).
     pub fn moe_combine(&self, x: u64, ye: u64, w: u64, ys: u64, sg: u64, h: usize, k: usize) -> Result<()> {
-        self.launch(
-            "moe_combine",
-            (blocks(h, 256), 1, 1),
-            256,
-            &[Arg::P(x), Arg::P(ye), Arg::P(w), Arg::P(ys), Arg::P(sg), Arg::I(h as i32), Arg::I(k as i32)],
-        )
+        let a = MoeCombineParams {
+            x: Out::new(x),
+            ye: In::new(ye),
+            w: In::new(w),
+            ys: In::new(ys),
+            sg: In::new(sg),
+            H: h as i32,
+            K: k as i32,
+        };
+        self.launch_params("moe_combine", (blocks(h, 256), 1, 1), 256, 0, &a)
     }
 }

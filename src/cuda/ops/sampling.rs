@@ -1,7 +1,8 @@
 //! Choosing the next token on the device: argmax over rows, and the device-resident greedy and
 //! sampling loops' launches (kernels/sampling.cu).
 
-use super::super::{Arg, Gpu};
+use super::super::params::{ArgmaxIoParams, ArgmaxParams, In, Out, SampDrawParams, SampPassParams, SampRadixParams};
+use super::super::Gpu;
 use anyhow::{bail, Result};
 
 impl Gpu {
@@ -12,7 +13,8 @@ impl Gpu {
 
     /// The argmax of each of `rows` rows of `x: [rows, n]` into `out: [rows]` (i32), one block per row.
     pub fn argmax_rows(&self, x: u64, n: usize, out: u64, rows: usize) -> Result<()> {
-        self.launch("argmax", (rows as u32, 1, 1), 1024, &[Arg::P(x), Arg::I(n as i32), Arg::P(out)])
+        let a = ArgmaxParams { x: In::new(x), n: n as i32, out: Out::new(out) };
+        self.launch_params("argmax", (rows as u32, 1, 1), 1024, 0, &a)
     }
 
     /// Argmax fed back into the step's input slot: `io = [token, pos, count]` gets the argmax as
@@ -20,7 +22,8 @@ impl Gpu {
     /// [`SAMPLE_WS_BYTES`] of zeroed workspace (kernels/sampling.cu).
     pub fn argmax_io(&self, x: u64, n: usize, io: u64, ring: u64, ws: u64) -> Result<()> {
         let g = sample_blocks(n)?;
-        self.launch("argmax_io", (g, 1, 1), 512, &[Arg::P(x), Arg::I(n as i32), Arg::P(io), Arg::P(ring), Arg::P(ws)])
+        let a = ArgmaxIoParams { x: In::new(x), n: n as i32, io: Out::new(io), ring: Out::new(ring), ws: Out::new(ws) };
+        self.launch_params("argmax_io", (g, 1, 1), 512, 0, &a)
     }
 
     /// Like [`Gpu::argmax_io`] with the token drawn by temperature / top-k / min-p / top-p
@@ -28,17 +31,19 @@ impl Gpu {
     /// top-k radix select, Z_k, the top-p radix select, the draw (kernels/sampling.cu).
     pub fn sample_io(&self, x: u64, n: usize, io: u64, ring: u64, sp: u64, ws: u64) -> Result<()> {
         let g = (sample_blocks(n)?, 1, 1);
-        let (xa, na, spa, wsa) = (Arg::P(x), Arg::I(n as i32), Arg::P(sp), Arg::P(ws));
-        self.launch("samp_max", g, 512, &[xa, na, spa, wsa])?;
+        let (x, n, sp, ws) = (In::new(x), n as i32, In::new(sp), Out::new(ws));
+        let pass_params = SampPassParams { x, n, sp, ws };
+        self.launch_params("samp_max", g, 512, 0, &pass_params)?;
         for sel in 0..2 {
             if sel == 1 {
-                self.launch("samp_zsum", g, 512, &[xa, na, spa, wsa])?;
+                self.launch_params("samp_zsum", g, 512, 0, &pass_params)?;
             }
             for pass in 0..3 {
-                self.launch("samp_radix", g, 512, &[xa, na, spa, wsa, Arg::I(sel), Arg::I(pass)])?;
+                self.launch_params("samp_radix", g, 512, 0, &SampRadixParams { x, n, sp, ws, sel, pass })?;
             }
         }
-        self.launch("samp_draw", g, 512, &[xa, na, Arg::P(io), Arg::P(ring), spa, wsa])
+        let a = SampDrawParams { x, n, io: Out::new(io), ring: Out::new(ring), sp, ws };
+        self.launch_params("samp_draw", g, 512, 0, &a)
     }
 }
 
