@@ -43,12 +43,15 @@ fn i32_bytes(v: &[i32]) -> Vec<u8> {
     v.iter().flat_map(|i| i.to_le_bytes()).collect()
 }
 
-/// The product kernels to check: fp32, the bf16 tiles and the bf16 skinny kernel at each pass
-/// width (when it reads the format).
-fn kernels(gl: &GpuLinear) -> Vec<(Precision, GemmKernel)> {
+/// The product kernels to check: fp32, the bf16 tiles, gemm_pipe and gemm_wg (sm_90a) where they
+/// read the format, and the bf16 skinny kernel at each pass width (when it reads the format).
+fn kernels(g: &lily::cuda::Gpu, gl: &GpuLinear) -> Vec<(Precision, GemmKernel)> {
     let mut v = vec![(Precision::F32, GemmKernel::Auto), (Precision::Bf16, GemmKernel::Tiles)];
     if gl.pipe_ok() {
         v.push((Precision::Bf16, GemmKernel::Pipe));
+    }
+    if gl.pipe_ok() && g.wg_available() {
+        v.push((Precision::Bf16, GemmKernel::Wg));
     }
     if gl.skinny_ok() {
         v.extend([8, 16, 32].map(|tn| (Precision::Bf16, GemmKernel::Skinny(tn))));
@@ -91,7 +94,7 @@ fn gemm_matches_cpu_in_both_precisions() {
             // Output rows of stride rows + 3: the 3 guard columns must stay NaN.
             let ldy = l.rows + 3;
             let xb = g.upload_f32(&x).unwrap();
-            for (prec, kern) in kernels(&gl) {
+            for (prec, kern) in kernels(&g, &gl) {
                 let yb = g.upload_f32(&vec![f32::NAN; m * ldy]).unwrap();
                 g.gemm_with(kern, &gl, prec, xb.ptr, l.cols, yb.ptr, ldy, m, false).unwrap();
                 let y = yb.read_f32(0, m * ldy).unwrap();
@@ -166,7 +169,7 @@ fn grouped_experts_match_cpu() {
 
     // Every kernel over the precision's tiles; the skinny kernel also over tiles as tall as its
     // pass (the routed experts of a short prompt: one pass per tile).
-    let tilings = kernels(&gu).into_iter().flat_map(|(prec, kern)| {
+    let tilings = kernels(&g, &gu).into_iter().flat_map(|(prec, kern)| {
         let own = match kern {
             GemmKernel::Skinny(tn) => Some((prec, kern, tn)),
             _ => None,

@@ -3,13 +3,14 @@
 //! (gemm_skinny, flash-attention prefill, tensor-core decode attention) with its shared memory.
 
 /// Every kernel source, in compile order (the prelude first). One NVRTC program, one module.
-pub const SOURCES: [(&str, &str); 17] = [
+pub const SOURCES: [(&str, &str); 18] = [
     ("common.cuh", include_str!("kernels/common.cuh")),
     ("norm.cu", include_str!("kernels/norm.cu")),
     ("linear.cu", include_str!("kernels/linear.cu")),
     ("gemm.cu", include_str!("kernels/gemm.cu")),
     ("gemm_skinny.cu", include_str!("kernels/gemm_skinny.cu")),
     ("gemm_pipe.cu", include_str!("kernels/gemm_pipe.cu")),
+    ("gemm_wg.cu", include_str!("kernels/gemm_wg.cu")),
     ("gdn.cu", include_str!("kernels/gdn.cu")),
     ("gdn_prefill.cu", include_str!("kernels/gdn_prefill.cu")),
     ("gdn_chunk.cu", include_str!("kernels/gdn_chunk.cu")),
@@ -25,13 +26,16 @@ pub const SOURCES: [(&str, &str); 17] = [
 
 /// Kernel entry points loaded from the module that are launched plainly; with [`PDL_KERNELS`] and
 /// [`SKINNY_KERNELS`] they are every entry point (see [`all_kernels`]), each listed once.
-pub const KERNELS: [&str; 24] = [
+pub const KERNELS: [&str; 27] = [
     "gemv_q_loadonly",
     "gemm_f32",
     "gemm_bf16",
     "gemm_bf16_m128",
     "gemm_pipe64",
     "gemm_pipe128",
+    "gemm_wg64",
+    "gemm_wg128",
+    "x_bf16_perm",
     "conv_prefill",
     "conv_state",
     "gdn_qk_prep",
@@ -164,6 +168,11 @@ pub const PDL_KERNELS: [&str; 39] = [
 /// inputs and [128][32 bytes] of 4-bit codes (kernels/gemm_pipe.cu).
 pub const GEMM_PIPE_SMEM64: usize = 4 * (64 * 256 + 128 * 32);
 pub const GEMM_PIPE_SMEM128: usize = 4 * (128 * 256 + 128 * 32);
+
+/// Dynamic shared memory of gemm_wg64 / gemm_wg128: 4 stages of [64 or 128 rows][64] bf16
+/// inputs and [128][32 bytes] of 4-bit codes (kernels/gemm_wg.cu).
+pub const GEMM_WG_SMEM64: usize = 4 * (64 * 128 + 128 * 32);
+pub const GEMM_WG_SMEM128: usize = 4 * (128 * 128 + 128 * 32);
 
 /// The flash-attention prefill kernel for head dim `d` (64, 128 or 256; kernels/attention_fa.cu).
 pub fn fa_kernel(d: usize) -> &'static str {

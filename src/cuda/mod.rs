@@ -182,6 +182,10 @@ pub struct Gpu {
     /// [`SPLITK_TICKETS`] u32 arrival tickets (zero between launches). Kernels on the one
     /// stream use it in turn.
     pub splitk_ws: u64,
+    /// gemm_wg's input workspace ([`WG_WS_BYTES`]: the bf16, k-permuted copy of a product's
+    /// inputs), 0 where the device has no wgmma (not sm_90a). Kernels on the one stream use it
+    /// in turn.
+    pub wg_ws: u64,
     /// The physical pages of the KV caches ([`paged`]).
     pages: std::sync::Mutex<paged::PagePool>,
 }
@@ -190,12 +194,19 @@ pub struct Gpu {
 pub const SPLITK_PART_BYTES: usize = 8 << 20;
 /// Blocks (row tile, sub-tile) of a split-K skinny product: one ticket each.
 pub const SPLITK_TICKETS: usize = 4096;
+/// Bytes of gemm_wg's input workspace: 8192 rows of 4096 bf16 columns (a prefill chunk's
+/// widest product input); larger inputs take gemm_pipe.
+pub const WG_WS_BYTES: usize = 64 << 20;
 
 impl Drop for Gpu {
     fn drop(&mut self) {
         if self.bind().is_ok() {
             // SAFETY: allocated in Gpu::new, freed once; the context is still alive here.
             let _ = unsafe { drv::free_sync(self.splitk_ws) };
+            if self.wg_ws != 0 {
+                // SAFETY: as above.
+                let _ = unsafe { drv::free_sync(self.wg_ws) };
+            }
         }
     }
 }
@@ -318,7 +329,12 @@ impl Gpu {
             .max(48 * 1024) as usize;
         let smem_optin = optin.min(160 * 1024);
         let fa = [64, 128, 256].map(|d| (fa_kernel(d), fa_smem(d).min(optin)));
-        let pipe = [("gemm_pipe64", GEMM_PIPE_SMEM64), ("gemm_pipe128", GEMM_PIPE_SMEM128)];
+        let pipe = [
+            ("gemm_pipe64", GEMM_PIPE_SMEM64),
+            ("gemm_pipe128", GEMM_PIPE_SMEM128),
+            ("gemm_wg64", GEMM_WG_SMEM64),
+            ("gemm_wg128", GEMM_WG_SMEM128),
+        ];
         let dec = [64, 128, 256].map(|d| (attn_dec_kernel(d), attn_dec_smem(d).min(optin)));
         let skinny = SKINNY_KERNELS.map(|k| (k, smem_optin));
         let pstep = [("pstep", optin)];
@@ -341,6 +357,12 @@ impl Gpu {
             .map_err(|e| anyhow!("split-K workspace: {e:?}"))?;
         unsafe { drv::memset_d8_sync(splitk_ws, 0, SPLITK_PART_BYTES + SPLITK_TICKETS * 4) }
             .map_err(|e| anyhow!("{e:?}"))?;
+        let wg_ws = if arch == "sm_90a" {
+            // SAFETY: a plain device allocation, freed in Drop.
+            unsafe { drv::malloc_sync(WG_WS_BYTES) }.map_err(|e| anyhow!("gemm_wg workspace: {e:?}"))?
+        } else {
+            0
+        };
         Ok(Gpu {
             ctx,
             name,
@@ -353,6 +375,7 @@ impl Gpu {
             funcs,
             stream,
             splitk_ws,
+            wg_ws,
             pages: std::sync::Mutex::new(paged::PagePool::new()),
         })
     }

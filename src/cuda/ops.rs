@@ -3,6 +3,7 @@
 
 use super::params::{
     AddParams, EmbedParams, GemmParams, GemvParams, In, Out, RmsNormParams, SiluMulPairsParams, SiluMulParams, Void,
+    XPermParams,
 };
 use super::{DevBuf, Gpu};
 use crate::linear::{FloatType, Linear, Weight};
@@ -442,7 +443,7 @@ impl Gpu {
     ) -> Result<()> {
         let tiles = m.div_ceil(prec.bm());
         let kern = kern.pick(w, m, m, 1);
-        self.gemm_raw(w, prec, kern, w.rows, (x, ldx, 0, 1), (y, ldy), m, (0, tiles), accumulate)
+        self.gemm_raw(w, prec, kern, w.rows, (x, ldx, 0, 1, m), (y, ldy), m, (0, tiles), accumulate)
     }
 
     /// The routed-expert product: rows grouped by expert through `tiles` (from [`Gpu::moe_align`],
@@ -478,7 +479,10 @@ impl Gpu {
             bail!("gemm_grouped: {n} rows per matrix do not divide the stack");
         }
         let kern = kern.pick(w, pairs, 64, (w.rows * w.count / n).max(1));
-        self.gemm_raw(w, prec, kern, n, x, y, 0, (tiles, max_tiles), false)
+        let (xp, ldx, gather, gdiv) = x;
+        // rows of x the gathered rows reach (pair p reads row p / gdiv)
+        let xrows = if gather != 0 { pairs.div_ceil(gdiv.max(1)) } else { pairs };
+        self.gemm_raw(w, prec, kern, n, (xp, ldx, gather, gdiv, xrows), y, 0, (tiles, max_tiles), false)
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -488,7 +492,7 @@ impl Gpu {
         prec: Precision,
         kern: GemmKernel,
         n: usize,
-        (x, ldx, gather, gdiv): (u64, usize, u64, usize),
+        (x, ldx, gather, gdiv, xrows): (u64, usize, u64, usize, usize),
         (y, ldy): (u64, usize),
         m: usize,
         (tiles, ntiles): (u64, usize),
@@ -548,7 +552,28 @@ impl Gpu {
                 let grid = if tiles == 0 { (grid, ksplit as u32, 1) } else { (grid, ntiles as u32, 1) };
                 self.launch_params(name, grid, 256, skinny_smem(tn, w.cols) as u32, &a)
             }
-            (Precision::Bf16, GemmKernel::Pipe) => {
+            (Precision::Bf16, GemmKernel::Wg) if self.wg_fits(w, xrows) => {
+                // the inputs as bf16 in wgmma's k order into the workspace, then the product
+                let k = w.cols;
+                let xp = XPermParams {
+                    x: In::new(x),
+                    ldx: ldx as i64,
+                    xb: Out::new(self.wg_ws),
+                    rows: xrows as i32,
+                    k: k as i32,
+                };
+                self.launch_params("x_bf16_perm", ((xrows * k / 8).div_ceil(256) as u32, 1, 1), 256, 0, &xp)?;
+                a.x = In::new(self.wg_ws);
+                a.ldx = k as i64;
+                if tiles == 0 && m >= 1024 {
+                    let grid = (blocks(n, 128), m.div_ceil(128) as u32, 1);
+                    self.launch_params("gemm_wg128", grid, 256, super::GEMM_WG_SMEM128 as u32, &a)
+                } else {
+                    let grid = (blocks(n, 128), ntiles as u32, 1);
+                    self.launch_params("gemm_wg64", grid, 256, super::GEMM_WG_SMEM64 as u32, &a)
+                }
+            }
+            (Precision::Bf16, GemmKernel::Pipe | GemmKernel::Wg) => {
                 if !w.pipe_ok() {
                     bail!("gemm_pipe: {}-bit weights of width {} (group {}) unsupported", w.bits, w.cols, w.group);
                 }
@@ -565,6 +590,17 @@ impl Gpu {
             }
             (Precision::Bf16, _) => self.launch_params("gemm_bf16", (blocks(n, 128), ntiles as u32, 1), 256, 0, &a),
         }
+    }
+
+    /// Whether this device runs gemm_wg (sm_90a, its workspace allocated).
+    pub fn wg_available(&self) -> bool {
+        self.wg_ws != 0
+    }
+
+    /// Whether gemm_wg takes this product: a format gemm_pipe reads, `xrows` input rows within
+    /// the workspace.
+    fn wg_fits(&self, w: &GpuLinear, xrows: usize) -> bool {
+        self.wg_available() && w.pipe_ok() && xrows * w.cols * 2 <= super::WG_WS_BYTES
     }
 
     /// `out[t] = W[rows[t], :]` dequantized to f32 for t < n, the row ids read from the device
@@ -601,6 +637,9 @@ pub enum GemmKernel {
     /// gemm_pipe: the tiles kernel's product with the inputs in a cp.async pipeline and the 4-bit
     /// weights dequantized into the mma fragments (`LILY_CUDA_GEMM_PIPE=0`: [`GemmKernel::Tiles`]).
     Pipe,
+    /// gemm_wg: the same products on Hopper's wgmma, inputs converted once to bf16 (sm_90a and
+    /// inputs within [`super::WG_WS_BYTES`]; else [`GemmKernel::Pipe`]).
+    Wg,
 }
 
 /// Most rows of a plain product that go to the skinny kernel (`LILY_CUDA_SKINNY_MAX_M`).
@@ -645,6 +684,8 @@ impl GemmKernel {
                         32
                     };
                     GemmKernel::Skinny(tn.min(skinny_tn_cap().max(8)))
+                } else if w.pipe_ok() && wg_on() {
+                    GemmKernel::Wg
                 } else if w.pipe_ok() && pipe_on() {
                     GemmKernel::Pipe
                 } else {
@@ -654,6 +695,13 @@ impl GemmKernel {
             k => k,
         }
     }
+}
+
+/// Whether Auto picks [`GemmKernel::Wg`] for what [`GemmKernel::Pipe`] reads
+/// (`LILY_CUDA_GEMM_WG=1`; off until measured).
+fn wg_on() -> bool {
+    static V: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *V.get_or_init(|| std::env::var("LILY_CUDA_GEMM_WG").is_ok_and(|v| v == "1"))
 }
 
 /// Whether Auto picks [`GemmKernel::Pipe`] over the tiles kernel (`LILY_CUDA_GEMM_PIPE=0`: no).

@@ -30,7 +30,7 @@ macro_rules! scalar_fields {
         })*
     };
 }
-scalar_fields!(i32 => "int", u32 => "unsigned", i64 => "long long", u64 => "unsigned long long", f32 => "float", f64 => "double");
+scalar_fields!(u16 => "unsigned short", i32 => "int", u32 => "unsigned", i64 => "long long", u64 => "unsigned long long", f32 => "float", f64 => "double");
 
 /// The element type of an untyped device address (`void`): weights whose layout a kernel reads
 /// from other fields (bits, group, scale type).
@@ -189,7 +189,7 @@ kernel_params! {
     /// and `tickets` are the skinny kernels' K split (the others ignore them). Spread: these
     /// are the kernels' parameters (`NAME(GemmParams_fields)`).
     GemmParams spread [
-        "gemm_f32", "gemm_bf16", "gemm_bf16_m128", "gemm_pipe64", "gemm_pipe128",
+        "gemm_f32", "gemm_bf16", "gemm_bf16_m128", "gemm_pipe64", "gemm_pipe128", "gemm_wg64", "gemm_wg128",
         "gemm_skinny8_q4", "gemm_skinny16_q4", "gemm_skinny32_q4", "gemm_skinny8_q8", "gemm_skinny16_q8",
         "gemm_skinny32_q8", "gemm_skinny8_q4w", "gemm_skinny8_bf16", "gemm_skinny16_bf16", "gemm_skinny32_bf16"
     ] {
@@ -198,6 +198,9 @@ kernel_params! {
         m: i32, n: i32, k: i32, tiles: In<i32>, accumulate: i32,
         kq: i32, ksplit: i32, part: Out<f32>, tickets: Out<u32>
     }
+    /// `x_bf16_perm` (gemm_wg.cu): `xb[r, :]` = x row r (stride `ldx`) as bf16, each 64-column
+    /// chunk in wgmma's k order, for r < rows (width k, a multiple of 64).
+    XPermParams ["x_bf16_perm"] { x: In<f32>, ldx: i64, xb: Out<u16>, rows: i32, k: i32 }
     /// The GEMVs (gemv.cu's streaming `gemv_q2`/`gemv_q_loadonly`, linear.cu's `linear_gemv`):
     /// slot z = grid.y: `y[z·rows + r] (+)= Σ_c W[e·rows + r, c] · xn[c]`, xn = x row `z / xdiv`
     /// (stride `xstride`), RMS-normalized by `normw` when set, expert e = `ids[z]` (or 0).

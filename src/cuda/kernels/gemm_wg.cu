@@ -1,0 +1,210 @@
+/*
+ * gemm_wg.cu: the many-row 4-bit weight product on Hopper's warpgroup MMA (wgmma, sm_90a):
+ *   Y[m, n] (+)= sum_k X[xr(m), k] * W[e*N + n, k], W = s*q + b from MLX 4-bit codes (bf16 scales
+ *   and biases, groups of a multiple of 16 columns), same row maps and tiles as gemm.cu.
+ *
+ * Why: gemm_pipe issues one mma.sync per 16x8x16 and each warp dequantizes its own copy of the
+ *   weights it multiplies and converts its own inputs (12.6 instructions per mma, one block per
+ *   SM, tensor pipe 14-23% busy). Here the weights sit on wgmma's M side, dequantized once per
+ *   block straight into the A registers, and one wgmma.m64n64k16 covers 64 input rows with its
+ *   B operand read by the hardware from shared memory, so the instruction count per multiply-add
+ *   drops about eightfold.
+ *
+ * Inputs: `x_bf16_perm` first writes X as bf16 rows of K (ld K) with each 64-column chunk in
+ *   the wgmma k order below, so the pipeline copies 16-byte pieces straight into the B layout;
+ *   the kernels take GemmParams with `x` pointing at that bf16 copy (`ldx` unused: its stride is K).
+ *
+ * k order (as gemm_skinny/gemm_pipe): in a 64-column chunk thread (g = lane/4, t = lane%4) owns
+ *   physical columns 16t .. 16t+15 of its weight rows (8 bytes of codes); in k-step s (0..3) its
+ *   A slots {2t, 2t+1} hold physical columns 16t + 8(s>>1) + 2(s&1) + {0, 4}, i.e. the nibble pair
+ *   (2(s&1), 2(s&1)+4) of code word s>>1, and slots {2t+8, 2t+9} the same columns + 1 (nibbles
+ *   (2(s&1)+1, 2(s&1)+5)). So logical k = 16s + kl of a chunk (kl < 16) is physical column
+ *   16((kl&7)>>1) + 8(s>>1) + 2(s&1) + 4(kl&1) + (kl>>3), and in the permuted X the 16-byte piece
+ *   q = 2s + (kl>>3) of a chunk holds kl&7 = 0..7 of that k-step half.
+ *
+ * Shared memory, per stage (WG_STAGES, cp.async, one k-tile of 64 columns each):
+ *   X: BT x 64 bf16 as wgmma "core matrices" (8 rows x 16 bytes, no swizzle): piece q of input
+ *      row r at ((q * BT/8) + r/8) * 128 + (r%8) * 16. For k-step s and input rows 64j.., the B
+ *      descriptor starts at piece 2s, row group 8j; the K-neighbour core matrix (piece 2s+1) is
+ *      LBO = BT/8 * 128 bytes on, the next 8 rows SBO = 128 bytes on.
+ *   W: the block's 128 weight rows x 32 bytes of codes.
+ *
+ * Launch: block 256 = 2 warpgroups; warpgroup h owns weight rows n0 + 64h .. +63 (warp w of it
+ *   rows 16w + g and 16w + g + 8, the A fragment rows), all BT = 64*NB input rows of the tile
+ *   (NB m64n64 accumulators of 32 floats per thread). grid (ceil(N/128), tiles) as gemm_pipe64
+ *   (NB = 1; grouped experts and plain products under 1024 rows) or (ceil(N/128), ceil(M/128))
+ *   (NB = 2). Per k-tile: wait for its stage, one barrier, refill the stage used one k-tile ago
+ *   (its wgmmas are complete: each warpgroup waits for its own before the barrier), dequantize
+ *   4 k-steps x 4 A registers, then 4*NB wgmmas, commit, wait. Dynamic shared memory
+ *   WG_STAGES * (BT*128 + 4096) bytes. Requires K % 64 == 0 and an sm_90a build (elsewhere the
+ *   kernels are empty and the host never launches them).
+ */
+#define WG_STAGES 4
+
+/* x_bf16_perm: xb[r, 64c + 8q + i] = bf16(x[r, 64c + physical(s = q>>1, kl = 8(q&1) + i)]) for
+   r < rows; one thread per 16-byte piece. */
+extern "C" __global__ void x_bf16_perm(XPermParams p) {
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    int per = p.k / 8;
+    if (i >= (long long)p.rows * per) return;
+    long long row = i / per;
+    int q = (int)(i % per), c = q >> 3, qq = q & 7, s = qq >> 1;
+    const float* xr = p.x + row * p.ldx + c * 64 + 8 * (s >> 1) + 2 * (s & 1) + (qq & 1);
+    uint4 o; /* element 2j: physical +16j, element 2j+1: +16j+4 */
+    o.x = gp_bf16x2(xr[0], xr[4]);
+    o.y = gp_bf16x2(xr[16], xr[20]);
+    o.z = gp_bf16x2(xr[32], xr[36]);
+    o.w = gp_bf16x2(xr[48], xr[52]);
+    *(uint4*)(p.xb + row * p.k + q * 8) = o;
+}
+
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+__device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wg_wait0() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
+
+/* Shared-memory matrix descriptor, no swizzle: start address, LBO and SBO in 16-byte units. */
+__device__ __forceinline__ u64 wg_desc(u32 saddr, u32 lbo, u32 sbo) {
+    return (u64)((saddr & 0x3FFFFu) >> 4) | ((u64)(lbo >> 4) << 16) | ((u64)(sbo >> 4) << 32);
+}
+
+/* d[64x64] += A[64x16] (registers, bf16) * B[16x64] (shared, K-major, descriptor) */
+__device__ __forceinline__ void wgmma_m64n64(float* d, const u32* a, u64 desc) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
+        "{%32, %33, %34, %35}, %36, p, 1, 1, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(1));
+}
+#endif
+
+template <int NB>
+__device__ __forceinline__ void gemm_wg_body(const void* w, const void* sc, const void* bi, int group, const u16* xb,
+                                             const int* gather, int gdiv, float* y, long long ldy, int M, int N,
+                                             int K, const int* tiles, int accumulate) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    constexpr int BT = 64 * NB, XB = BT * 128, STAGE = XB + 128 * 32, XC = BT * 8 / 256;
+    extern __shared__ __align__(128) unsigned char wg_sm[];
+    GemmTile tl;
+    if (!gemm_tile(tiles, M, BT, tl)) return;
+    int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t4 = lane & 3;
+    int n0 = blockIdx.x * 128;
+    u32 s0 = (u32)__cvta_generic_to_shared(wg_sm);
+
+    /* input copies: piece ci = tid + 256j is row (ci & 7) + 8(ci >> 6), piece (ci >> 3) & 7, so a
+       warp's 32 copies fill 4 whole core matrices (conflict-free) from 64-byte runs of 8 rows */
+    const u16* xsrc[XC];
+    u32 xdst[XC];
+    int xbytes[XC];
+#pragma unroll
+    for (int j = 0; j < XC; j++) {
+        int ci = tid + 256 * j, r = (ci & 7) + 8 * (ci >> 6), q = (ci >> 3) & 7;
+        int m = tl.m0 + r;
+        bool ok = m < tl.m1;
+        xsrc[j] = xb + (ok ? gemm_xrow(gather, gdiv, m) : 0) * (long long)K + q * 8;
+        xbytes[j] = ok ? 16 : 0;
+        xdst[j] = (u32)((q * (BT / 8) + (r >> 3)) * 128 + (r & 7) * 16);
+    }
+    /* code copies: row tid/2 of the block's 128, 16-byte half tid%2 of its 32 bytes per k-tile */
+    const u32* wsrc = (const u32*)w + ((long long)tl.e * N + min(n0 + tid / 2, N - 1)) * (K / 8) + (tid & 1) * 4;
+    auto load = [&](int kt, int st) {
+        u32 base = s0 + st * STAGE;
+#pragma unroll
+        for (int j = 0; j < XC; j++) cp_async16(base + xdst[j], xsrc[j] + kt * 64, xbytes[j]);
+        cp_async16(base + XB + tid * 16, wsrc + kt * 8, 16);
+    };
+
+    /* this thread's two weight rows (block-relative) and their global rows (clamped past N: they
+       compute values that are never stored) */
+    int rb0 = (warp >> 2) * 64 + (warp & 3) * 16 + g, rb1 = rb0 + 8;
+    long long wr0 = (long long)tl.e * N + min(n0 + rb0, N - 1), wr1 = (long long)tl.e * N + min(n0 + rb1, N - 1);
+    u32 cs0, cb0, cs1, cb1, ns0, nb0, ns1, nb1;
+    auto load_sb = [&](int kt) {
+        int kg = (kt * 64 + 16 * t4) / group, gpr = K / group;
+        ns0 = ((const u16*)sc)[wr0 * gpr + kg];
+        nb0 = ((const u16*)bi)[wr0 * gpr + kg];
+        ns1 = ((const u16*)sc)[wr1 * gpr + kg];
+        nb1 = ((const u16*)bi)[wr1 * gpr + kg];
+    };
+    auto make_current = [&]() {
+        cs0 = ns0 * 0x10001u;
+        cb0 = nb0 * 0x10001u;
+        cs1 = ns1 * 0x10001u;
+        cb1 = nb1 * 0x10001u;
+    };
+
+    float acc[NB][32];
+#pragma unroll
+    for (int j = 0; j < NB; j++)
+#pragma unroll
+        for (int i = 0; i < 32; i++) acc[j][i] = 0.f;
+
+    int nk = K / 64;
+#pragma unroll
+    for (int st = 0; st < WG_STAGES - 1; st++) {
+        if (st < nk) load(st, st);
+        cp_async_commit();
+    }
+    load_sb(0);
+    make_current();
+    for (int kt = 0; kt < nk; kt++) {
+        asm volatile("cp.async.wait_group %0;\n" ::"n"(WG_STAGES - 2) : "memory");
+        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); /* cp.async writes -> wgmma reads */
+        __syncthreads();
+        if (kt + WG_STAGES - 1 < nk) load(kt + WG_STAGES - 1, (kt + WG_STAGES - 1) % WG_STAGES);
+        cp_async_commit();
+        if (kt + 1 < nk) load_sb(kt + 1);
+        u32 st = s0 + (kt % WG_STAGES) * STAGE;
+        uint2 c0 = *(const uint2*)(wg_sm + (kt % WG_STAGES) * STAGE + XB + rb0 * 32 + t4 * 8);
+        uint2 c1 = *(const uint2*)(wg_sm + (kt % WG_STAGES) * STAGE + XB + rb1 * 32 + t4 * 8);
+        u32 a[4][4];
+#pragma unroll
+        for (int s = 0; s < 4; s++) {
+            u32 w0 = (s >> 1) ? c0.y : c0.x, w1 = (s >> 1) ? c1.y : c1.x;
+            int sh = 8 * (s & 1);
+            a[s][0] = gp_dq2((w0 >> sh) & 0x000f000fu, cs0, cb0);
+            a[s][1] = gp_dq2((w1 >> sh) & 0x000f000fu, cs1, cb1);
+            a[s][2] = gp_dq2((w0 >> (sh + 4)) & 0x000f000fu, cs0, cb0);
+            a[s][3] = gp_dq2((w1 >> (sh + 4)) & 0x000f000fu, cs1, cb1);
+        }
+        wg_fence();
+#pragma unroll
+        for (int s = 0; s < 4; s++)
+#pragma unroll
+            for (int j = 0; j < NB; j++)
+                wgmma_m64n64(acc[j], a[s], wg_desc(st + (2 * s * (BT / 8) + 8 * j) * 128, BT / 8 * 128, 128));
+        wg_commit();
+        wg_wait0();
+        make_current();
+    }
+
+    /* acc[j][4i + v]: weight row rb0 (v < 2) or rb1, input row 64j + 8i + 2t + (v & 1) */
+    int nA = n0 + rb0, nB = n0 + rb1;
+#pragma unroll
+    for (int j = 0; j < NB; j++)
+#pragma unroll
+        for (int i = 0; i < 8; i++)
+#pragma unroll
+            for (int v = 0; v < 4; v++) {
+                int m = tl.m0 + 64 * j + 8 * i + 2 * t4 + (v & 1), n = v < 2 ? nA : nB;
+                if (m < tl.m1 && n < N) {
+                    float* p = y + (long long)m * ldy + n;
+                    *p = accumulate ? *p + acc[j][4 * i + v] : acc[j][4 * i + v];
+                }
+            }
+#endif
+}
+
+#define GEMM_WG(NAME, NB)                                                                                     \
+    extern "C" __global__ void __launch_bounds__(256, 1) NAME(GemmParams_fields) {                           \
+        GEMM_SHAPE;                                                                                           \
+        gemm_wg_body<NB>(w, sc, bi, group, (const u16*)x, gather, gdiv, y, ldy, M, N, K, tiles, accumulate); \
+    }
+GEMM_WG(gemm_wg64, 1)
+GEMM_WG(gemm_wg128, 2)
