@@ -91,6 +91,9 @@ fn ptxas_report(ptxas: &str, ptx: &str, dir: &std::path::Path) {
         if line.contains("spill stores") && !line.contains(" 0 bytes spill stores") {
             spills.push(format!("{kernel}: {}", line.trim()));
         }
+        if line.contains("warning") {
+            eprintln!("{line}");
+        }
         if line.contains("Used") {
             eprintln!("{kernel}: {}", line.trim().trim_start_matches("ptxas info    : "));
         }

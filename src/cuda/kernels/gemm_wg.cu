@@ -35,8 +35,11 @@
  *   (NB = 1; grouped experts and plain products under 1024 rows) or (ceil(N/128), ceil(M/128))
  *   (NB = 2). Per k-tile: wait for its stage, one barrier, refill the stage used one k-tile ago
  *   (its wgmmas are complete: each warpgroup waits for its own before the barrier), dequantize
- *   4 k-steps x 4 A registers, then 4*NB wgmmas, commit, wait. Dynamic shared memory
- *   WG_STAGES * (BT*128 + 4096) bytes. Requires K % 64 == 0 and an sm_90a build (elsewhere the
+ *   4 k-steps x 4 A registers, then 4*NB wgmmas, commit, wait. The `d` variants (gemm_wg64d,
+ *   gemm_wg128d) keep two sets of A registers and wait for all but the newest wgmma group, so
+ *   dequantizing a k-tile overlaps the previous one's wgmmas; a stage is refilled two k-tiles
+ *   after its use, with one stage more. Dynamic shared memory (WG_STAGES + d) * (BT*128 + 4096)
+ *   bytes. Requires K % 64 == 0 and an sm_90a build (elsewhere the
  *   kernels are empty and the host never launches them).
  */
 #define WG_STAGES 4
@@ -62,6 +65,11 @@ extern "C" __global__ void x_bf16_perm(XPermParams p) {
 __device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wg_wait0() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
+__device__ __forceinline__ void wg_wait1() { asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory"); }
+/* keeps A registers read by an in-flight wgmma live (unchanged) up to this point */
+__device__ __forceinline__ void wg_keep(u32 (&a)[4]) {
+    asm volatile("" ::"r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]) : "memory");
+}
 
 /* Shared-memory matrix descriptor, no swizzle: start address, LBO and SBO in 16-byte units. */
 __device__ __forceinline__ u64 wg_desc(u32 saddr, u32 lbo, u32 sbo) {
@@ -84,11 +92,15 @@ __device__ __forceinline__ void wgmma_m64n64(float* d, const u32* a, u64 desc) {
 }
 #endif
 
-template <int NB>
+template <int NB, bool DB>
 __device__ __forceinline__ void gemm_wg_body(const void* w, const void* sc, const void* bi, int group, const u16* xb,
                                              const int* gather, int gdiv, float* y, long long ldy, int M, int N,
                                              int K, const int* tiles, int accumulate) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    /* DB: two sets of A registers, so a k-tile's dequantization runs while the previous k-tile's
+       wgmmas do (wait for all but the last group); a stage is then refilled two k-tiles after
+       its use, hence one more stage for the same three k-tiles in flight. */
+    constexpr int S = DB ? WG_STAGES + 1 : WG_STAGES, LAG = DB ? 2 : 1;
     constexpr int BT = 64 * NB, XB = BT * 128, STAGE = XB + 128 * 32, XC = BT * 8 / 256;
     extern __shared__ __align__(128) unsigned char wg_sm[];
     GemmTile tl;
@@ -147,23 +159,25 @@ __device__ __forceinline__ void gemm_wg_body(const void* w, const void* sc, cons
 
     int nk = K / 64;
 #pragma unroll
-    for (int st = 0; st < WG_STAGES - 1; st++) {
+    for (int st = 0; st < S - LAG; st++) {
         if (st < nk) load(st, st);
         cp_async_commit();
     }
     load_sb(0);
     make_current();
-    for (int kt = 0; kt < nk; kt++) {
-        asm volatile("cp.async.wait_group %0;\n" ::"n"(WG_STAGES - 2) : "memory");
+    /* one k-tile into the A registers `a`; `prev` (DB) are the previous k-tile's, kept live until
+       its wgmmas are known complete */
+    auto step = [&](int kt, u32 (&a)[4][4], u32 (&prev)[4][4]) {
+        asm volatile("cp.async.wait_group %0;\n" ::"n"(S - LAG - 1) : "memory");
         asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); /* cp.async writes -> wgmma reads */
         __syncthreads();
-        if (kt + WG_STAGES - 1 < nk) load(kt + WG_STAGES - 1, (kt + WG_STAGES - 1) % WG_STAGES);
+        /* the stage last read LAG k-tiles ago: every warpgroup waited for those wgmmas before the barrier */
+        if (kt + S - LAG < nk) load(kt + S - LAG, (kt + S - LAG) % S);
         cp_async_commit();
         if (kt + 1 < nk) load_sb(kt + 1);
-        u32 st = s0 + (kt % WG_STAGES) * STAGE;
-        uint2 c0 = *(const uint2*)(wg_sm + (kt % WG_STAGES) * STAGE + XB + rb0 * 32 + t4 * 8);
-        uint2 c1 = *(const uint2*)(wg_sm + (kt % WG_STAGES) * STAGE + XB + rb1 * 32 + t4 * 8);
-        u32 a[4][4];
+        u32 st = s0 + (kt % S) * STAGE;
+        uint2 c0 = *(const uint2*)(wg_sm + (kt % S) * STAGE + XB + rb0 * 32 + t4 * 8);
+        uint2 c1 = *(const uint2*)(wg_sm + (kt % S) * STAGE + XB + rb1 * 32 + t4 * 8);
 #pragma unroll
         for (int s = 0; s < 4; s++) {
             u32 w0 = (s >> 1) ? c0.y : c0.x, w1 = (s >> 1) ? c1.y : c1.x;
@@ -180,8 +194,27 @@ __device__ __forceinline__ void gemm_wg_body(const void* w, const void* sc, cons
             for (int j = 0; j < NB; j++)
                 wgmma_m64n64(acc[j], a[s], wg_desc(st + (2 * s * (BT / 8) + 8 * j) * 128, BT / 8 * 128, 128));
         wg_commit();
-        wg_wait0();
+        if (DB) {
+            wg_wait1();
+#pragma unroll
+            for (int s = 0; s < 4; s++) wg_keep(prev[s]);
+        } else {
+            wg_wait0();
+        }
         make_current();
+    };
+    u32 aA[4][4] = {}, aB[4][4] = {};
+    for (int kt = 0; kt < nk; kt += 2) {
+        step(kt, aA, aB);
+        if (kt + 1 < nk) step(kt + 1, aB, aA);
+    }
+    if (DB) {
+        wg_wait0();
+#pragma unroll
+        for (int s = 0; s < 4; s++) {
+            wg_keep(aA[s]);
+            wg_keep(aB[s]);
+        }
     }
 
     /* acc[j][4i + v]: weight row rb0 (v < 2) or rb1, input row 64j + 8i + 2t + (v & 1) */
@@ -201,10 +234,12 @@ __device__ __forceinline__ void gemm_wg_body(const void* w, const void* sc, cons
 #endif
 }
 
-#define GEMM_WG(NAME, NB)                                                                                     \
-    extern "C" __global__ void __launch_bounds__(256, 1) NAME(GemmParams_fields) {                           \
-        GEMM_SHAPE;                                                                                           \
-        gemm_wg_body<NB>(w, sc, bi, group, (const u16*)x, gather, gdiv, y, ldy, M, N, K, tiles, accumulate); \
+#define GEMM_WG(NAME, NB, DB)                                                                                     \
+    extern "C" __global__ void __launch_bounds__(256, 1) NAME(GemmParams_fields) {                               \
+        GEMM_SHAPE;                                                                                               \
+        gemm_wg_body<NB, DB>(w, sc, bi, group, (const u16*)x, gather, gdiv, y, ldy, M, N, K, tiles, accumulate); \
     }
-GEMM_WG(gemm_wg64, 1)
-GEMM_WG(gemm_wg128, 2)
+GEMM_WG(gemm_wg64, 1, false)
+GEMM_WG(gemm_wg128, 2, false)
+GEMM_WG(gemm_wg64d, 1, true)
+GEMM_WG(gemm_wg128d, 2, true)
