@@ -117,7 +117,8 @@ fn gemm_matches_cpu_in_both_precisions() {
 fn grouped_experts_match_cpu() {
     let Some(g) = gpu() else { return };
     let mut r = rng(12);
-    let (e, k, t, h, inter) = (6usize, 3usize, 41usize, 128usize, 64usize);
+    // inter 128: both products' widths are whole k-tiles of gemm_wg (128 columns)
+    let (e, k, t, h, inter) = (6usize, 3usize, 41usize, 128usize, 128usize);
     // Router logits biased so expert 1 gets every token (a segment longer than one 64-row tile)
     // and expert 4 none.
     let mut logits = uniform(&mut r, t * (e + 1), 1.0);

@@ -26,7 +26,7 @@ pub const SOURCES: [(&str, &str); 18] = [
 
 /// Kernel entry points loaded from the module that are launched plainly; with [`PDL_KERNELS`] and
 /// [`SKINNY_KERNELS`] they are every entry point (see [`all_kernels`]), each listed once.
-pub const KERNELS: [&str; 29] = [
+pub const KERNELS: [&str; 27] = [
     "gemv_q_loadonly",
     "gemm_f32",
     "gemm_bf16",
@@ -35,8 +35,6 @@ pub const KERNELS: [&str; 29] = [
     "gemm_pipe128",
     "gemm_wg64",
     "gemm_wg128",
-    "gemm_wg64d",
-    "gemm_wg128d",
     "x_bf16_perm",
     "conv_prefill",
     "conv_state",
@@ -171,13 +169,10 @@ pub const PDL_KERNELS: [&str; 39] = [
 pub const GEMM_PIPE_SMEM64: usize = 4 * (64 * 256 + 128 * 32);
 pub const GEMM_PIPE_SMEM128: usize = 4 * (128 * 256 + 128 * 32);
 
-/// Dynamic shared memory of gemm_wg64 / gemm_wg128: 4 stages of [64 or 128 rows][64] bf16
-/// inputs and [128][32 bytes] of 4-bit codes (kernels/gemm_wg.cu).
-pub const GEMM_WG_SMEM64: usize = 4 * (64 * 128 + 128 * 32);
-pub const GEMM_WG_SMEM128: usize = 4 * (128 * 128 + 128 * 32);
-/// The same for gemm_wg64d / gemm_wg128d (one stage more).
-pub const GEMM_WG_SMEM64D: usize = 5 * (64 * 128 + 128 * 32);
-pub const GEMM_WG_SMEM128D: usize = 5 * (128 * 128 + 128 * 32);
+/// Dynamic shared memory of gemm_wg64 / gemm_wg128: 3 stages of [64 or 128 rows][128] bf16
+/// inputs and [128][64 bytes] of 4-bit codes (kernels/gemm_wg.cu).
+pub const GEMM_WG_SMEM64: usize = 3 * (64 * 256 + 128 * 64);
+pub const GEMM_WG_SMEM128: usize = 3 * (128 * 256 + 128 * 64);
 
 /// The flash-attention prefill kernel for head dim `d` (64, 128 or 256; kernels/attention_fa.cu).
 pub fn fa_kernel(d: usize) -> &'static str {

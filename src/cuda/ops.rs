@@ -565,17 +565,12 @@ impl Gpu {
                 self.launch_params("x_bf16_perm", ((xrows * k / 8).div_ceil(256) as u32, 1, 1), 256, 0, &xp)?;
                 a.x = In::new(self.wg_ws);
                 a.ldx = k as i64;
-                let db = wg_db();
                 if tiles == 0 && m >= 1024 {
                     let grid = (blocks(n, 128), m.div_ceil(128) as u32, 1);
-                    let (name, smem) =
-                        if db { ("gemm_wg128d", super::GEMM_WG_SMEM128D) } else { ("gemm_wg128", super::GEMM_WG_SMEM128) };
-                    self.launch_params(name, grid, 256, smem as u32, &a)
+                    self.launch_params("gemm_wg128", grid, 256, super::GEMM_WG_SMEM128 as u32, &a)
                 } else {
                     let grid = (blocks(n, 128), ntiles as u32, 1);
-                    let (name, smem) =
-                        if db { ("gemm_wg64d", super::GEMM_WG_SMEM64D) } else { ("gemm_wg64", super::GEMM_WG_SMEM64) };
-                    self.launch_params(name, grid, 256, smem as u32, &a)
+                    self.launch_params("gemm_wg64", grid, 256, super::GEMM_WG_SMEM64 as u32, &a)
                 }
             }
             (Precision::Bf16, GemmKernel::Pipe | GemmKernel::Wg) => {
@@ -602,10 +597,10 @@ impl Gpu {
         self.wg_ws != 0
     }
 
-    /// Whether gemm_wg takes this product: a format gemm_pipe reads, `xrows` input rows within
-    /// the workspace.
+    /// Whether gemm_wg takes this product: a format gemm_pipe reads, whole 128-column k-tiles,
+    /// `xrows` input rows within the workspace.
     fn wg_fits(&self, w: &GpuLinear, xrows: usize) -> bool {
-        self.wg_available() && w.pipe_ok() && xrows * w.cols * 2 <= super::WG_WS_BYTES
+        self.wg_available() && w.pipe_ok() && w.cols.is_multiple_of(128) && xrows * w.cols * 2 <= super::WG_WS_BYTES
     }
 
     /// `out[t] = W[rows[t], :]` dequantized to f32 for t < n, the row ids read from the device
@@ -703,16 +698,10 @@ impl GemmKernel {
 }
 
 /// Whether Auto picks [`GemmKernel::Wg`] for what [`GemmKernel::Pipe`] reads
-/// (`LILY_CUDA_GEMM_WG=1`; off until measured).
+/// (`LILY_CUDA_GEMM_WG=0`: no).
 fn wg_on() -> bool {
     static V: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *V.get_or_init(|| std::env::var("LILY_CUDA_GEMM_WG").is_ok_and(|v| v == "1"))
-}
-
-/// Whether gemm_wg runs its double-buffered variants (`LILY_CUDA_WG_DB=1`; off until measured).
-fn wg_db() -> bool {
-    static V: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *V.get_or_init(|| std::env::var("LILY_CUDA_WG_DB").is_ok_and(|v| v == "1"))
+    *V.get_or_init(|| std::env::var("LILY_CUDA_GEMM_WG").map_or(true, |v| v != "0"))
 }
 
 /// Whether Auto picks [`GemmKernel::Pipe`] over the tiles kernel (`LILY_CUDA_GEMM_PIPE=0`: no).

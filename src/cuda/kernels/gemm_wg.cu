@@ -22,27 +22,27 @@
  *   16((kl&7)>>1) + 8(s>>1) + 2(s&1) + 4(kl&1) + (kl>>3), and in the permuted X the 16-byte piece
  *   q = 2s + (kl>>3) of a chunk holds kl&7 = 0..7 of that k-step half.
  *
- * Shared memory, per stage (WG_STAGES, cp.async, one k-tile of 64 columns each):
- *   X: BT x 64 bf16 as wgmma "core matrices" (8 rows x 16 bytes, no swizzle): piece q of input
- *      row r at ((q * BT/8) + r/8) * 128 + (r%8) * 16. For k-step s and input rows 64j.., the B
- *      descriptor starts at piece 2s, row group 8j; the K-neighbour core matrix (piece 2s+1) is
- *      LBO = BT/8 * 128 bytes on, the next 8 rows SBO = 128 bytes on.
- *   W: the block's 128 weight rows x 32 bytes of codes.
+ * Shared memory, per stage (WG_STAGES, cp.async, one k-tile of 128 columns = two 64-column
+ * chunks each):
+ *   X: BT x 128 bf16 as wgmma "core matrices" (8 rows x 16 bytes, no swizzle): piece q (0..15;
+ *      chunk q/8, its piece q%8) of input row r at ((q * BT/8) + r/8) * 128 + (r%8) * 16. For
+ *      k-step s (0..7) and input rows 64j.., the B descriptor starts at piece 2s, row group 8j; the
+ *      K-neighbour core matrix (piece 2s+1) is LBO = BT/8 * 128 bytes on, the next 8 rows
+ *      SBO = 128 bytes on.
+ *   W: the block's 128 weight rows x 64 bytes of codes.
  *
  * Launch: block 256 = 2 warpgroups; warpgroup h owns weight rows n0 + 64h .. +63 (warp w of it
  *   rows 16w + g and 16w + g + 8, the A fragment rows), all BT = 64*NB input rows of the tile
  *   (NB m64n64 accumulators of 32 floats per thread). grid (ceil(N/128), tiles) as gemm_pipe64
  *   (NB = 1; grouped experts and plain products under 1024 rows) or (ceil(N/128), ceil(M/128))
  *   (NB = 2). Per k-tile: wait for its stage, one barrier, refill the stage used one k-tile ago
- *   (its wgmmas are complete: each warpgroup waits for its own before the barrier), dequantize
- *   4 k-steps x 4 A registers, then 4*NB wgmmas, commit, wait. The `d` variants (gemm_wg64d,
- *   gemm_wg128d) keep two sets of A registers and wait for all but the newest wgmma group, so
- *   dequantizing a k-tile overlaps the previous one's wgmmas; a stage is refilled two k-tiles
- *   after its use, with one stage more. Dynamic shared memory (WG_STAGES + d) * (BT*128 + 4096)
- *   bytes. Requires K % 64 == 0 and an sm_90a build (elsewhere the
+ *   (its wgmmas are complete: each warpgroup waits for its own before the barrier); per 64-column
+ *   half dequantize 4 k-steps x 4 A registers and issue its 4*NB wgmmas (the second half's
+ *   dequantization overlaps the first half's wgmmas); commit, wait. Dynamic shared memory
+ *   WG_STAGES * (BT*256 + 8192) bytes. Requires K % 128 == 0 and an sm_90a build (elsewhere the
  *   kernels are empty and the host never launches them).
  */
-#define WG_STAGES 4
+#define WG_STAGES 3
 
 /* x_bf16_perm: xb[r, 64c + 8q + i] = bf16(x[r, 64c + physical(s = q>>1, kl = 8(q&1) + i)]) for
    r < rows; one thread per 16-byte piece. */
@@ -65,11 +65,6 @@ extern "C" __global__ void x_bf16_perm(XPermParams p) {
 __device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wg_wait0() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
-__device__ __forceinline__ void wg_wait1() { asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory"); }
-/* keeps A registers read by an in-flight wgmma live (unchanged) up to this point */
-__device__ __forceinline__ void wg_keep(u32 (&a)[4]) {
-    asm volatile("" ::"r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]) : "memory");
-}
 
 /* Shared-memory matrix descriptor, no swizzle: start address, LBO and SBO in 16-byte units. */
 __device__ __forceinline__ u64 wg_desc(u32 saddr, u32 lbo, u32 sbo) {
@@ -92,16 +87,12 @@ __device__ __forceinline__ void wgmma_m64n64(float* d, const u32* a, u64 desc) {
 }
 #endif
 
-template <int NB, bool DB>
+template <int NB>
 __device__ __forceinline__ void gemm_wg_body(const void* w, const void* sc, const void* bi, int group, const u16* xb,
                                              const int* gather, int gdiv, float* y, long long ldy, int M, int N,
                                              int K, const int* tiles, int accumulate) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    /* DB: two sets of A registers, so a k-tile's dequantization runs while the previous k-tile's
-       wgmmas do (wait for all but the last group); a stage is then refilled two k-tiles after
-       its use, hence one more stage for the same three k-tiles in flight. */
-    constexpr int S = DB ? WG_STAGES + 1 : WG_STAGES, LAG = DB ? 2 : 1;
-    constexpr int BT = 64 * NB, XB = BT * 128, STAGE = XB + 128 * 32, XC = BT * 8 / 256;
+    constexpr int S = WG_STAGES, BT = 64 * NB, XB = BT * 256, STAGE = XB + 128 * 64, XC = BT * 16 / 256;
     extern __shared__ __align__(128) unsigned char wg_sm[];
     GemmTile tl;
     if (!gemm_tile(tiles, M, BT, tl)) return;
@@ -109,46 +100,57 @@ __device__ __forceinline__ void gemm_wg_body(const void* w, const void* sc, cons
     int n0 = blockIdx.x * 128;
     u32 s0 = (u32)__cvta_generic_to_shared(wg_sm);
 
-    /* input copies: piece ci = tid + 256j is row (ci & 7) + 8(ci >> 6), piece (ci >> 3) & 7, so a
+    /* input copies: piece ci = tid + 256j is row (ci & 7) + 8(ci >> 7), piece (ci >> 3) & 15, so a
        warp's 32 copies fill 4 whole core matrices (conflict-free) from 64-byte runs of 8 rows */
     const u16* xsrc[XC];
     u32 xdst[XC];
     int xbytes[XC];
 #pragma unroll
     for (int j = 0; j < XC; j++) {
-        int ci = tid + 256 * j, r = (ci & 7) + 8 * (ci >> 6), q = (ci >> 3) & 7;
+        int ci = tid + 256 * j, r = (ci & 7) + 8 * (ci >> 7), q = (ci >> 3) & 15;
         int m = tl.m0 + r;
         bool ok = m < tl.m1;
         xsrc[j] = xb + (ok ? gemm_xrow(gather, gdiv, m) : 0) * (long long)K + q * 8;
         xbytes[j] = ok ? 16 : 0;
         xdst[j] = (u32)((q * (BT / 8) + (r >> 3)) * 128 + (r & 7) * 16);
     }
-    /* code copies: row tid/2 of the block's 128, 16-byte half tid%2 of its 32 bytes per k-tile */
-    const u32* wsrc = (const u32*)w + ((long long)tl.e * N + min(n0 + tid / 2, N - 1)) * (K / 8) + (tid & 1) * 4;
+    /* code copies: row tid/2 of the block's 128, 16-byte pieces 2(tid%2) and 2(tid%2)+1 of its 64
+       bytes per k-tile */
+    const u32* wsrc = (const u32*)w + ((long long)tl.e * N + min(n0 + tid / 2, N - 1)) * (K / 8) + (tid & 1) * 8;
     auto load = [&](int kt, int st) {
         u32 base = s0 + st * STAGE;
 #pragma unroll
-        for (int j = 0; j < XC; j++) cp_async16(base + xdst[j], xsrc[j] + kt * 64, xbytes[j]);
-        cp_async16(base + XB + tid * 16, wsrc + kt * 8, 16);
+        for (int j = 0; j < XC; j++) cp_async16(base + xdst[j], xsrc[j] + kt * 128, xbytes[j]);
+        cp_async16(base + XB + tid * 32, wsrc + kt * 16, 16);
+        cp_async16(base + XB + tid * 32 + 16, wsrc + kt * 16 + 4, 16);
     };
 
     /* this thread's two weight rows (block-relative) and their global rows (clamped past N: they
        compute values that are never stored) */
     int rb0 = (warp >> 2) * 64 + (warp & 3) * 16 + g, rb1 = rb0 + 8;
     long long wr0 = (long long)tl.e * N + min(n0 + rb0, N - 1), wr1 = (long long)tl.e * N + min(n0 + rb1, N - 1);
-    u32 cs0, cb0, cs1, cb1, ns0, nb0, ns1, nb1;
+    /* bf16 scale and bias of both rows for both 64-column halves of a k-tile: the next k-tile's
+       as loaded (ns, nb), the current one's doubled (cs, cb) */
+    u32 cs[2][2], cb[2][2], ns[2][2], nb[2][2];
     auto load_sb = [&](int kt) {
-        int kg = (kt * 64 + 16 * t4) / group, gpr = K / group;
-        ns0 = ((const u16*)sc)[wr0 * gpr + kg];
-        nb0 = ((const u16*)bi)[wr0 * gpr + kg];
-        ns1 = ((const u16*)sc)[wr1 * gpr + kg];
-        nb1 = ((const u16*)bi)[wr1 * gpr + kg];
+        int gpr = K / group;
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            int kg = (kt * 128 + 64 * h + 16 * t4) / group;
+            ns[h][0] = ((const u16*)sc)[wr0 * gpr + kg];
+            nb[h][0] = ((const u16*)bi)[wr0 * gpr + kg];
+            ns[h][1] = ((const u16*)sc)[wr1 * gpr + kg];
+            nb[h][1] = ((const u16*)bi)[wr1 * gpr + kg];
+        }
     };
     auto make_current = [&]() {
-        cs0 = ns0 * 0x10001u;
-        cb0 = nb0 * 0x10001u;
-        cs1 = ns1 * 0x10001u;
-        cb1 = nb1 * 0x10001u;
+#pragma unroll
+        for (int h = 0; h < 2; h++)
+#pragma unroll
+            for (int r = 0; r < 2; r++) {
+                cs[h][r] = ns[h][r] * 0x10001u;
+                cb[h][r] = nb[h][r] * 0x10001u;
+            }
     };
 
     float acc[NB][32];
@@ -157,64 +159,49 @@ __device__ __forceinline__ void gemm_wg_body(const void* w, const void* sc, cons
 #pragma unroll
         for (int i = 0; i < 32; i++) acc[j][i] = 0.f;
 
-    int nk = K / 64;
+    int nk = K / 128;
 #pragma unroll
-    for (int st = 0; st < S - LAG; st++) {
+    for (int st = 0; st < S - 1; st++) {
         if (st < nk) load(st, st);
         cp_async_commit();
     }
     load_sb(0);
     make_current();
-    /* one k-tile into the A registers `a`; `prev` (DB) are the previous k-tile's, kept live until
-       its wgmmas are known complete */
-    auto step = [&](int kt, u32 (&a)[4][4], u32 (&prev)[4][4]) {
-        asm volatile("cp.async.wait_group %0;\n" ::"n"(S - LAG - 1) : "memory");
+    for (int kt = 0; kt < nk; kt++) {
+        asm volatile("cp.async.wait_group %0;\n" ::"n"(S - 2) : "memory");
         asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); /* cp.async writes -> wgmma reads */
         __syncthreads();
-        /* the stage last read LAG k-tiles ago: every warpgroup waited for those wgmmas before the barrier */
-        if (kt + S - LAG < nk) load(kt + S - LAG, (kt + S - LAG) % S);
+        /* the stage read one k-tile ago: every warpgroup waited for its wgmmas before the barrier */
+        if (kt + S - 1 < nk) load(kt + S - 1, (kt + S - 1) % S);
         cp_async_commit();
         if (kt + 1 < nk) load_sb(kt + 1);
         u32 st = s0 + (kt % S) * STAGE;
-        uint2 c0 = *(const uint2*)(wg_sm + (kt % S) * STAGE + XB + rb0 * 32 + t4 * 8);
-        uint2 c1 = *(const uint2*)(wg_sm + (kt % S) * STAGE + XB + rb1 * 32 + t4 * 8);
+        const unsigned char* cod = wg_sm + (kt % S) * STAGE + XB;
+        u32 a[2][4][4];
 #pragma unroll
-        for (int s = 0; s < 4; s++) {
-            u32 w0 = (s >> 1) ? c0.y : c0.x, w1 = (s >> 1) ? c1.y : c1.x;
-            int sh = 8 * (s & 1);
-            a[s][0] = gp_dq2((w0 >> sh) & 0x000f000fu, cs0, cb0);
-            a[s][1] = gp_dq2((w1 >> sh) & 0x000f000fu, cs1, cb1);
-            a[s][2] = gp_dq2((w0 >> (sh + 4)) & 0x000f000fu, cs0, cb0);
-            a[s][3] = gp_dq2((w1 >> (sh + 4)) & 0x000f000fu, cs1, cb1);
+        for (int h = 0; h < 2; h++) { /* 64-column half h: dequantize, then its 4 k-steps */
+            uint2 c0 = *(const uint2*)(cod + rb0 * 64 + h * 32 + t4 * 8);
+            uint2 c1 = *(const uint2*)(cod + rb1 * 64 + h * 32 + t4 * 8);
+#pragma unroll
+            for (int s = 0; s < 4; s++) {
+                u32 w0 = (s >> 1) ? c0.y : c0.x, w1 = (s >> 1) ? c1.y : c1.x;
+                int sh = 8 * (s & 1);
+                a[h][s][0] = gp_dq2((w0 >> sh) & 0x000f000fu, cs[h][0], cb[h][0]);
+                a[h][s][1] = gp_dq2((w1 >> sh) & 0x000f000fu, cs[h][1], cb[h][1]);
+                a[h][s][2] = gp_dq2((w0 >> (sh + 4)) & 0x000f000fu, cs[h][0], cb[h][0]);
+                a[h][s][3] = gp_dq2((w1 >> (sh + 4)) & 0x000f000fu, cs[h][1], cb[h][1]);
+            }
+            wg_fence();
+#pragma unroll
+            for (int s = 0; s < 4; s++)
+#pragma unroll
+                for (int j = 0; j < NB; j++)
+                    wgmma_m64n64(acc[j], a[h][s],
+                                 wg_desc(st + (2 * (4 * h + s) * (BT / 8) + 8 * j) * 128, BT / 8 * 128, 128));
         }
-        wg_fence();
-#pragma unroll
-        for (int s = 0; s < 4; s++)
-#pragma unroll
-            for (int j = 0; j < NB; j++)
-                wgmma_m64n64(acc[j], a[s], wg_desc(st + (2 * s * (BT / 8) + 8 * j) * 128, BT / 8 * 128, 128));
         wg_commit();
-        if (DB) {
-            wg_wait1();
-#pragma unroll
-            for (int s = 0; s < 4; s++) wg_keep(prev[s]);
-        } else {
-            wg_wait0();
-        }
-        make_current();
-    };
-    u32 aA[4][4] = {}, aB[4][4] = {};
-    for (int kt = 0; kt < nk; kt += 2) {
-        step(kt, aA, aB);
-        if (kt + 1 < nk) step(kt + 1, aB, aA);
-    }
-    if (DB) {
         wg_wait0();
-#pragma unroll
-        for (int s = 0; s < 4; s++) {
-            wg_keep(aA[s]);
-            wg_keep(aB[s]);
-        }
+        make_current();
     }
 
     /* acc[j][4i + v]: weight row rb0 (v < 2) or rb1, input row 64j + 8i + 2t + (v & 1) */
@@ -234,12 +221,10 @@ __device__ __forceinline__ void gemm_wg_body(const void* w, const void* sc, cons
 #endif
 }
 
-#define GEMM_WG(NAME, NB, DB)                                                                                     \
-    extern "C" __global__ void __launch_bounds__(256, 1) NAME(GemmParams_fields) {                               \
-        GEMM_SHAPE;                                                                                               \
-        gemm_wg_body<NB, DB>(w, sc, bi, group, (const u16*)x, gather, gdiv, y, ldy, M, N, K, tiles, accumulate); \
+#define GEMM_WG(NAME, NB)                                                                                     \
+    extern "C" __global__ void __launch_bounds__(256, 1) NAME(GemmParams_fields) {                           \
+        GEMM_SHAPE;                                                                                           \
+        gemm_wg_body<NB>(w, sc, bi, group, (const u16*)x, gather, gdiv, y, ldy, M, N, K, tiles, accumulate); \
     }
-GEMM_WG(gemm_wg64, 1, false)
-GEMM_WG(gemm_wg128, 2, false)
-GEMM_WG(gemm_wg64d, 1, true)
-GEMM_WG(gemm_wg128d, 2, true)
+GEMM_WG(gemm_wg64, 1)
+GEMM_WG(gemm_wg128, 2)
