@@ -597,10 +597,15 @@ impl Gpu {
         self.wg_ws != 0
     }
 
-    /// Whether gemm_wg takes this product: a format gemm_pipe reads, whole 128-column k-tiles,
+    /// Whether gemm_wg takes this product: a format gemm_pipe reads in groups of a power of two,
+    /// whole 128-column k-tiles,
     /// `xrows` input rows within the workspace.
     fn wg_fits(&self, w: &GpuLinear, xrows: usize) -> bool {
-        self.wg_available() && w.pipe_ok() && w.cols.is_multiple_of(128) && xrows * w.cols * 2 <= super::WG_WS_BYTES
+        self.wg_available()
+            && w.pipe_ok()
+            && (w.group as u32).is_power_of_two()
+            && w.cols.is_multiple_of(128)
+            && xrows * w.cols * 2 <= super::WG_WS_BYTES
     }
 
     /// `out[t] = W[rows[t], :]` dequantized to f32 for t < n, the row ids read from the device

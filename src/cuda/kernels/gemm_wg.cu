@@ -1,7 +1,7 @@
 /*
  * gemm_wg.cu: the many-row 4-bit weight product on Hopper's warpgroup MMA (wgmma, sm_90a):
  *   Y[m, n] (+)= sum_k X[xr(m), k] * W[e*N + n, k], W = s*q + b from MLX 4-bit codes (bf16 scales
- *   and biases, groups of a multiple of 16 columns), same row maps and tiles as gemm.cu.
+ *   and biases, groups of a power of two from 16 columns), same row maps and tiles as gemm.cu.
  *
  * Why: gemm_pipe issues one mma.sync per 16x8x16 and each warp dequantizes its own copy of the
  *   weights it multiplies and converts its own inputs (12.6 instructions per mma, one block per
@@ -132,15 +132,16 @@ __device__ __forceinline__ void gemm_wg_body(const void* w, const void* sc, cons
     /* bf16 scale and bias of both rows for both 64-column halves of a k-tile: the next k-tile's
        as loaded (ns, nb), the current one's doubled (cs, cb) */
     u32 cs[2][2], cb[2][2], ns[2][2], nb[2][2];
+    int lg = __ffs(group) - 1; /* group is a power of two (no division in the loop) */
+    long long so0 = wr0 * (K >> lg), so1 = wr1 * (K >> lg);
     auto load_sb = [&](int kt) {
-        int gpr = K / group;
 #pragma unroll
         for (int h = 0; h < 2; h++) {
-            int kg = (kt * 128 + 64 * h + 16 * t4) / group;
-            ns[h][0] = ((const u16*)sc)[wr0 * gpr + kg];
-            nb[h][0] = ((const u16*)bi)[wr0 * gpr + kg];
-            ns[h][1] = ((const u16*)sc)[wr1 * gpr + kg];
-            nb[h][1] = ((const u16*)bi)[wr1 * gpr + kg];
+            int kg = (kt * 128 + 64 * h + 16 * t4) >> lg;
+            ns[h][0] = ((const u16*)sc)[so0 + kg];
+            nb[h][0] = ((const u16*)bi)[so0 + kg];
+            ns[h][1] = ((const u16*)sc)[so1 + kg];
+            nb[h][1] = ((const u16*)bi)[so1 + kg];
         }
     };
     auto make_current = [&]() {
