@@ -129,29 +129,21 @@ __device__ __forceinline__ void gemm_wg_body(const void* w, const void* sc, cons
        compute values that are never stored) */
     int rb0 = (warp >> 2) * 64 + (warp & 3) * 16 + g, rb1 = rb0 + 8;
     long long wr0 = (long long)tl.e * N + min(n0 + rb0, N - 1), wr1 = (long long)tl.e * N + min(n0 + rb1, N - 1);
-    /* bf16 scale and bias of both rows for both 64-column halves of a k-tile: the next k-tile's
-       as loaded (ns, nb), the current one's doubled (cs, cb) */
-    u32 cs[2][2], cb[2][2], ns[2][2], nb[2][2];
+    /* bf16 scale and bias of both rows for both 64-column halves of a k-tile, as loaded:
+       sb[h][r][0] scale, [1] bias of half h, row rb0 (r = 0) or rb1. Two sets: the loop runs two
+       k-tiles per trip, each loading the next k-tile's set while using its own (converted where
+       used, so no instruction waits for a load issued in the same k-tile). */
     int lg = __ffs(group) - 1; /* group is a power of two (no division in the loop) */
     long long so0 = wr0 * (K >> lg), so1 = wr1 * (K >> lg);
-    auto load_sb = [&](int kt) {
+    auto load_sb = [&](int kt, u32 (&sb)[2][2][2]) {
 #pragma unroll
         for (int h = 0; h < 2; h++) {
             int kg = (kt * 128 + 64 * h + 16 * t4) >> lg;
-            ns[h][0] = ((const u16*)sc)[so0 + kg];
-            nb[h][0] = ((const u16*)bi)[so0 + kg];
-            ns[h][1] = ((const u16*)sc)[so1 + kg];
-            nb[h][1] = ((const u16*)bi)[so1 + kg];
+            sb[h][0][0] = ((const u16*)sc)[so0 + kg];
+            sb[h][0][1] = ((const u16*)bi)[so0 + kg];
+            sb[h][1][0] = ((const u16*)sc)[so1 + kg];
+            sb[h][1][1] = ((const u16*)bi)[so1 + kg];
         }
-    };
-    auto make_current = [&]() {
-#pragma unroll
-        for (int h = 0; h < 2; h++)
-#pragma unroll
-            for (int r = 0; r < 2; r++) {
-                cs[h][r] = ns[h][r] * 0x10001u;
-                cb[h][r] = nb[h][r] * 0x10001u;
-            }
     };
 
     float acc[NB][32];
@@ -166,16 +158,14 @@ __device__ __forceinline__ void gemm_wg_body(const void* w, const void* sc, cons
         if (st < nk) load(st, st);
         cp_async_commit();
     }
-    load_sb(0);
-    make_current();
-    for (int kt = 0; kt < nk; kt++) {
+    auto step = [&](int kt, const u32 (&sb)[2][2][2], u32 (&nsb)[2][2][2]) {
         asm volatile("cp.async.wait_group %0;\n" ::"n"(S - 2) : "memory");
         asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); /* cp.async writes -> wgmma reads */
         __syncthreads();
         /* the stage read one k-tile ago: every warpgroup waited for its wgmmas before the barrier */
         if (kt + S - 1 < nk) load(kt + S - 1, (kt + S - 1) % S);
         cp_async_commit();
-        if (kt + 1 < nk) load_sb(kt + 1);
+        if (kt + 1 < nk) load_sb(kt + 1, nsb);
         u32 st = s0 + (kt % S) * STAGE;
         const unsigned char* cod = wg_sm + (kt % S) * STAGE + XB;
         u32 a[2][4][4];
@@ -183,14 +173,16 @@ __device__ __forceinline__ void gemm_wg_body(const void* w, const void* sc, cons
         for (int h = 0; h < 2; h++) { /* 64-column half h: dequantize, then its 4 k-steps */
             uint2 c0 = *(const uint2*)(cod + rb0 * 64 + h * 32 + t4 * 8);
             uint2 c1 = *(const uint2*)(cod + rb1 * 64 + h * 32 + t4 * 8);
+            u32 s0v = sb[h][0][0] * 0x10001u, b0v = sb[h][0][1] * 0x10001u;
+            u32 s1v = sb[h][1][0] * 0x10001u, b1v = sb[h][1][1] * 0x10001u;
 #pragma unroll
             for (int s = 0; s < 4; s++) {
                 u32 w0 = (s >> 1) ? c0.y : c0.x, w1 = (s >> 1) ? c1.y : c1.x;
                 int sh = 8 * (s & 1);
-                a[h][s][0] = gp_dq2((w0 >> sh) & 0x000f000fu, cs[h][0], cb[h][0]);
-                a[h][s][1] = gp_dq2((w1 >> sh) & 0x000f000fu, cs[h][1], cb[h][1]);
-                a[h][s][2] = gp_dq2((w0 >> (sh + 4)) & 0x000f000fu, cs[h][0], cb[h][0]);
-                a[h][s][3] = gp_dq2((w1 >> (sh + 4)) & 0x000f000fu, cs[h][1], cb[h][1]);
+                a[h][s][0] = gp_dq2((w0 >> sh) & 0x000f000fu, s0v, b0v);
+                a[h][s][1] = gp_dq2((w1 >> sh) & 0x000f000fu, s1v, b1v);
+                a[h][s][2] = gp_dq2((w0 >> (sh + 4)) & 0x000f000fu, s0v, b0v);
+                a[h][s][3] = gp_dq2((w1 >> (sh + 4)) & 0x000f000fu, s1v, b1v);
             }
             wg_fence();
 #pragma unroll
@@ -202,7 +194,12 @@ __device__ __forceinline__ void gemm_wg_body(const void* w, const void* sc, cons
         }
         wg_commit();
         wg_wait0();
-        make_current();
+    };
+    u32 sbA[2][2][2], sbB[2][2][2];
+    load_sb(0, sbA);
+    for (int kt = 0; kt < nk; kt += 2) {
+        step(kt, sbA, sbB);
+        if (kt + 1 < nk) step(kt + 1, sbB, sbA);
     }
 
     /* acc[j][4i + v]: weight row rb0 (v < 2) or rb1, input row 64j + 8i + 2t + (v & 1) */
