@@ -26,7 +26,7 @@ pub const SOURCES: [(&str, &str); 18] = [
 
 /// Kernel entry points loaded from the module that are launched plainly; with [`PDL_KERNELS`] and
 /// [`SKINNY_KERNELS`] they are every entry point (see [`all_kernels`]), each listed once.
-pub const KERNELS: [&str; 29] = [
+pub const KERNELS: [&str; 27] = [
     "gemv_q_loadonly",
     "gemm_f32",
     "gemm_bf16",
@@ -35,8 +35,6 @@ pub const KERNELS: [&str; 29] = [
     "gemm_pipe128",
     "gemm_wg64",
     "gemm_wg128",
-    "gemm_wg64k",
-    "gemm_wg128k",
     "x_bf16_perm",
     "conv_prefill",
     "conv_state",

@@ -334,8 +334,6 @@ impl Gpu {
             ("gemm_pipe128", GEMM_PIPE_SMEM128),
             ("gemm_wg64", GEMM_WG_SMEM64),
             ("gemm_wg128", GEMM_WG_SMEM128),
-            ("gemm_wg64k", GEMM_WG_SMEM64),
-            ("gemm_wg128k", GEMM_WG_SMEM128),
         ];
         let dec = [64, 128, 256].map(|d| (attn_dec_kernel(d), attn_dec_smem(d).min(optin)));
         let skinny = SKINNY_KERNELS.map(|k| (k, smem_optin));

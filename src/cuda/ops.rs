@@ -565,15 +565,12 @@ impl Gpu {
                 self.launch_params("x_bf16_perm", ((xrows * k / 8).div_ceil(256) as u32, 1, 1), 256, 0, &xp)?;
                 a.x = In::new(self.wg_ws);
                 a.ldx = k as i64;
-                let keep = wg_keep();
                 if tiles == 0 && m >= 1024 {
                     let grid = (blocks(n, 128), m.div_ceil(128) as u32, 1);
-                    let name = if keep { "gemm_wg128k" } else { "gemm_wg128" };
-                    self.launch_params(name, grid, 256, super::GEMM_WG_SMEM128 as u32, &a)
+                    self.launch_params("gemm_wg128", grid, 256, super::GEMM_WG_SMEM128 as u32, &a)
                 } else {
                     let grid = (blocks(n, 128), ntiles as u32, 1);
-                    let name = if keep { "gemm_wg64k" } else { "gemm_wg64" };
-                    self.launch_params(name, grid, 256, super::GEMM_WG_SMEM64 as u32, &a)
+                    self.launch_params("gemm_wg64", grid, 256, super::GEMM_WG_SMEM64 as u32, &a)
                 }
             }
             (Precision::Bf16, GemmKernel::Pipe | GemmKernel::Wg) => {
@@ -710,13 +707,6 @@ impl GemmKernel {
 fn wg_on() -> bool {
     static V: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *V.get_or_init(|| std::env::var("LILY_CUDA_GEMM_WG").map_or(true, |v| v != "0"))
-}
-
-/// Whether gemm_wg runs its variants with every k-step's A registers distinct
-/// (`LILY_CUDA_WG_KEEP=1`; to measure).
-fn wg_keep() -> bool {
-    static V: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *V.get_or_init(|| std::env::var("LILY_CUDA_WG_KEEP").is_ok_and(|v| v == "1"))
 }
 
 /// Whether Auto picks [`GemmKernel::Pipe`] over the tiles kernel (`LILY_CUDA_GEMM_PIPE=0`: no).
