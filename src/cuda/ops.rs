@@ -565,7 +565,7 @@ impl Gpu {
                 self.launch_params("x_bf16_perm", ((xrows * k / 8).div_ceil(256) as u32, 1, 1), 256, 0, &xp)?;
                 a.x = In::new(self.wg_ws);
                 a.ldx = k as i64;
-                if tiles == 0 && m >= 1024 {
+                if tiles == 0 && m >= wg128_from() {
                     let grid = (blocks(n, 128), m.div_ceil(128) as u32, 1);
                     self.launch_params("gemm_wg128", grid, 256, super::GEMM_WG_SMEM128 as u32, &a)
                 } else {
@@ -707,6 +707,14 @@ impl GemmKernel {
 fn wg_on() -> bool {
     static V: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *V.get_or_init(|| std::env::var("LILY_CUDA_GEMM_WG").map_or(true, |v| v != "0"))
+}
+
+/// Plain gemm_wg products of at least this many rows take the 128-row tiles (gemm_wg128: each
+/// weight dequantized once per 128 input rows, one block per SM) instead of 64
+/// (`LILY_CUDA_WG128_FROM`, default 1024).
+fn wg128_from() -> usize {
+    static V: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *V.get_or_init(|| std::env::var("LILY_CUDA_WG128_FROM").ok().and_then(|v| v.parse().ok()).unwrap_or(1024))
 }
 
 /// Whether Auto picks [`GemmKernel::Pipe`] over the tiles kernel (`LILY_CUDA_GEMM_PIPE=0`: no).
