@@ -7,8 +7,8 @@
  *   weights it multiplies and converts its own inputs (12.6 instructions per mma, one block per
  *   SM, tensor pipe 14-23% busy). Here the weights sit on wgmma's M side, dequantized once per
  *   block straight into the A registers, and one wgmma.m64n64k16 covers 64 input rows with its
- *   B operand read by the hardware from shared memory, so the instruction count per multiply-add
- *   drops about eightfold.
+ *   B operand read by the hardware from shared memory (fewer instructions per multiply-add;
+ *   measured against gemm_pipe in docs/perf-log.md, session 22).
  *
  * Inputs: `x_bf16_perm` first writes X as bf16 rows of K (ld K) with each 64-column chunk in
  *   the wgmma k order below, so the pipeline copies 16-byte pieces straight into the B layout;
@@ -34,11 +34,13 @@
  * Launch: block 256 = 2 warpgroups; warpgroup h owns weight rows n0 + 64h .. +63 (warp w of it
  *   rows 16w + g and 16w + g + 8, the A fragment rows), all BT = 64*NB input rows of the tile
  *   (NB m64n64 accumulators of 32 floats per thread). grid (ceil(N/128), tiles) as gemm_pipe64
- *   (NB = 1; grouped experts and plain products under 1024 rows) or (ceil(N/128), ceil(M/128))
+ *   (NB = 1; grouped experts and plain products under LILY_CUDA_WG128_FROM = 1024 rows) or (ceil(N/128), ceil(M/128))
  *   (NB = 2). Per k-tile: wait for its stage, one barrier, refill the stage used one k-tile ago
  *   (its wgmmas are complete: each warpgroup waits for its own before the barrier); per 64-column
  *   half dequantize 4 k-steps x 4 A registers and issue its 4*NB wgmmas (the second half's
- *   dequantization overlaps the first half's wgmmas); commit, wait. Dynamic shared memory
+ *   dequantization overlaps the first half's wgmmas); commit, wait. The scales and biases are
+ *   loaded one k-tile ahead into two register sets (two k-tiles per loop trip) and converted
+ *   where used. Dynamic shared memory
  *   WG_STAGES * (BT*256 + 8192) bytes. Requires K % 128 == 0 and an sm_90a build (elsewhere the
  *   kernels are empty and the host never launches them).
  */
