@@ -1,0 +1,394 @@
+//! The many-row weight products (kernels/gemm.cu, gemm_skinny.cu, gemm_pipe.cu, gemm_wg.cu):
+//! plain and grouped by expert, the kernel each shape takes, and the skinny and wgmma kernels'
+//! launch heuristics.
+
+use super::super::params::{GemmParams, In, Out, XPermParams};
+use super::super::Gpu;
+use super::{blocks, GpuLinear};
+use anyhow::{bail, Result};
+
+impl Gpu {
+    /// `y[m, :] (+)= W x[m, :]` for m rows (matrix 0 of the stack); row strides ldx, ldy (f32
+    /// elements).
+    #[allow(clippy::too_many_arguments)]
+    pub fn gemm(
+        &self,
+        w: &GpuLinear,
+        prec: Precision,
+        x: u64,
+        ldx: usize,
+        y: u64,
+        ldy: usize,
+        m: usize,
+        accumulate: bool,
+    ) -> Result<()> {
+        self.gemm_with(GemmKernel::Auto, w, prec, x, ldx, y, ldy, m, accumulate)
+    }
+
+    /// [`Gpu::gemm`] with the bf16 kernel chosen by the caller (tests, benchmarks).
+    #[allow(clippy::too_many_arguments)]
+    pub fn gemm_with(
+        &self,
+        kern: GemmKernel,
+        w: &GpuLinear,
+        prec: Precision,
+        x: u64,
+        ldx: usize,
+        y: u64,
+        ldy: usize,
+        m: usize,
+        accumulate: bool,
+    ) -> Result<()> {
+        let tiles = m.div_ceil(prec.bm());
+        let kern = kern.pick(w, m, m, 1);
+        self.gemm_raw(w, prec, kern, w.rows, (x, ldx, 0, 1, m), (y, ldy), m, (0, tiles), accumulate)
+    }
+
+    /// The routed-expert product: rows grouped by expert through `tiles` (from [`Gpu::moe_align`],
+    /// built for `prec.bm()`, at most `max_tiles`) over `pairs` rows in all; row m reads x row
+    /// `gather[m] / gdiv` (or m when gather is 0) and uses matrix e of the stack seen as matrices
+    /// of `n` rows.
+    #[allow(clippy::too_many_arguments)]
+    pub fn gemm_grouped(
+        &self,
+        w: &GpuLinear,
+        prec: Precision,
+        n: usize,
+        x: (u64, usize, u64, usize),
+        y: (u64, usize),
+        (tiles, max_tiles, pairs): (u64, usize, usize),
+    ) -> Result<()> {
+        self.gemm_grouped_with(GemmKernel::Auto, w, prec, n, x, y, (tiles, max_tiles, pairs))
+    }
+
+    /// [`Gpu::gemm_grouped`] with the bf16 kernel chosen by the caller.
+    #[allow(clippy::too_many_arguments)]
+    pub fn gemm_grouped_with(
+        &self,
+        kern: GemmKernel,
+        w: &GpuLinear,
+        prec: Precision,
+        n: usize,
+        x: (u64, usize, u64, usize),
+        y: (u64, usize),
+        (tiles, max_tiles, pairs): (u64, usize, usize),
+    ) -> Result<()> {
+        if !(w.rows * w.count).is_multiple_of(n) {
+            bail!("gemm_grouped: {n} rows per matrix do not divide the stack");
+        }
+        let kern = kern.pick(w, pairs, 64, (w.rows * w.count / n).max(1));
+        let (xp, ldx, gather, gdiv) = x;
+        // rows of x the gathered rows reach (pair p reads row p / gdiv)
+        let xrows = if gather != 0 { pairs.div_ceil(gdiv.max(1)) } else { pairs };
+        self.gemm_raw(w, prec, kern, n, (xp, ldx, gather, gdiv, xrows), y, 0, (tiles, max_tiles), false)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn gemm_raw(
+        &self,
+        w: &GpuLinear,
+        prec: Precision,
+        kern: GemmKernel,
+        n: usize,
+        (x, ldx, gather, gdiv, xrows): (u64, usize, u64, usize, usize),
+        (y, ldy): (u64, usize),
+        m: usize,
+        (tiles, ntiles): (u64, usize),
+        accumulate: bool,
+    ) -> Result<()> {
+        if w.bits != 0 && !w.cols.is_multiple_of(32) {
+            bail!("gemm: quantized width {} is not a multiple of 32", w.cols);
+        }
+        if prec == Precision::Bf16 && (!w.cols.is_multiple_of(32) || !ldx.is_multiple_of(4) || !x.is_multiple_of(16)) {
+            bail!("gemm_bf16: width {} / row stride {ldx} not aligned for the tensor-core path", w.cols);
+        }
+        if ntiles == 0 {
+            return Ok(());
+        }
+        let (wp, sp, bp, bits, group, ty) = w.weight_fields();
+        let mut a = GemmParams {
+            w: wp,
+            sc: sp,
+            bi: bp,
+            bits,
+            group,
+            ty,
+            x: In::new(x),
+            ldx: ldx as i64,
+            gather: In::new(gather),
+            gdiv: gdiv.max(1) as i32,
+            y: Out::new(y),
+            ldy: ldy as i64,
+            m: m as i32,
+            n: n as i32,
+            k: w.cols as i32,
+            tiles: In::new(tiles),
+            accumulate: accumulate as i32,
+            kq: 1,
+            ksplit: 1,
+            part: Out::new(0),
+            tickets: Out::new(0),
+        };
+        match (prec, kern) {
+            (Precision::F32, _) => self.launch_params("gemm_f32", (blocks(n, 8), ntiles as u32, 1), 256, 0, &a),
+            (Precision::Bf16, GemmKernel::Skinny(tn) | GemmKernel::SkinnyUnsplit(tn)) => {
+                if !w.skinny_ok() {
+                    bail!("gemm_skinny: {}-bit weights of width {} (group {}) unsupported", w.bits, w.cols, w.group);
+                }
+                let tn = skinny_tn(tn, w.cols, self.smem_optin);
+                let name = crate::cuda::skinny_kernel(tn, w.bits);
+                let kq = skinny_kq_for(w.cols, if tiles == 0 { 0 } else { ntiles });
+                let bn = 256 / kq;
+                let grid = if tiles == 0 { blocks(n, bn) * m.div_ceil(tn) as u32 } else { blocks(n, bn) };
+                let split = tiles == 0 && !matches!(kern, GemmKernel::SkinnyUnsplit(_));
+                let ksplit =
+                    if split { skinny_ksplit(grid as usize, self.sms as usize, w.cols / 64, kq, m * n) } else { 1 };
+                a.kq = kq as i32;
+                a.ksplit = ksplit as i32;
+                a.part = Out::new(self.splitk_ws);
+                a.tickets = Out::new(self.splitk_ws + crate::cuda::SPLITK_PART_BYTES as u64);
+                let grid = if tiles == 0 { (grid, ksplit as u32, 1) } else { (grid, ntiles as u32, 1) };
+                self.launch_params(name, grid, 256, skinny_smem(tn, w.cols) as u32, &a)
+            }
+            (Precision::Bf16, GemmKernel::Wg) if self.wg_fits(w, xrows) => {
+                // the inputs as bf16 in wgmma's k order into the workspace, then the product
+                let k = w.cols;
+                let xp = XPermParams {
+                    x: In::new(x),
+                    ldx: ldx as i64,
+                    xb: Out::new(self.wg_ws),
+                    rows: xrows as i32,
+                    k: k as i32,
+                };
+                self.launch_params("x_bf16_perm", ((xrows * k / 8).div_ceil(256) as u32, 1, 1), 256, 0, &xp)?;
+                a.x = In::new(self.wg_ws);
+                a.ldx = k as i64;
+                if tiles == 0 && m >= wg128_from() {
+                    let grid = (blocks(n, 128), m.div_ceil(128) as u32, 1);
+                    self.launch_params("gemm_wg128", grid, 256, crate::cuda::GEMM_WG_SMEM128 as u32, &a)
+                } else {
+                    let grid = (blocks(n, 128), ntiles as u32, 1);
+                    self.launch_params("gemm_wg64", grid, 256, crate::cuda::GEMM_WG_SMEM64 as u32, &a)
+                }
+            }
+            (Precision::Bf16, GemmKernel::Pipe | GemmKernel::Wg) => {
+                if !w.pipe_ok() {
+                    bail!("gemm_pipe: {}-bit weights of width {} (group {}) unsupported", w.bits, w.cols, w.group);
+                }
+                if tiles == 0 && m >= 1024 {
+                    let grid = (blocks(n, 128), m.div_ceil(128) as u32, 1);
+                    self.launch_params("gemm_pipe128", grid, 256, crate::cuda::GEMM_PIPE_SMEM128 as u32, &a)
+                } else {
+                    let grid = (blocks(n, 128), ntiles as u32, 1);
+                    self.launch_params("gemm_pipe64", grid, 256, crate::cuda::GEMM_PIPE_SMEM64 as u32, &a)
+                }
+            }
+            (Precision::Bf16, _) if tiles == 0 && m >= 1024 => {
+                self.launch_params("gemm_bf16_m128", (blocks(n, 128), m.div_ceil(128) as u32, 1), 256, 0, &a)
+            }
+            (Precision::Bf16, _) => self.launch_params("gemm_bf16", (blocks(n, 128), ntiles as u32, 1), 256, 0, &a),
+        }
+    }
+
+    /// Whether this device runs gemm_wg (sm_90a, its workspace allocated).
+    pub fn wg_available(&self) -> bool {
+        self.wg_ws != 0
+    }
+
+    /// Whether gemm_wg takes this product: a format gemm_pipe reads, in groups of a power of
+    /// two and whole 128-column k-tiles, with `xrows` input rows within the workspace.
+    fn wg_fits(&self, w: &GpuLinear, xrows: usize) -> bool {
+        self.wg_available()
+            && w.pipe_ok()
+            && (w.group as u32).is_power_of_two()
+            && w.cols.is_multiple_of(128)
+            && xrows * w.cols * 2 <= crate::cuda::WG_WS_BYTES
+    }
+}
+
+/// Which bf16 kernel runs a many-row product.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum GemmKernel {
+    /// By shape: [`GemmKernel::Skinny`] for few rows per matrix, else [`GemmKernel::Tiles`].
+    Auto,
+    /// gemm_bf16: 64- or 128-row tiles of inputs against 128 weight rows.
+    Tiles,
+    /// gemm_skinny: weight rows on the MMA's M side, up to this many input rows (8, 16 or 32)
+    /// per pass; each weight read once per pass.
+    Skinny(usize),
+    /// [`GemmKernel::Skinny`] with K never split over blocks (tests the one-block sums).
+    SkinnyUnsplit(usize),
+    /// gemm_pipe: the tiles kernel's product with the inputs in a cp.async pipeline and the 4-bit
+    /// weights dequantized into the mma fragments (`LILY_CUDA_GEMM_PIPE=0`: [`GemmKernel::Tiles`]).
+    Pipe,
+    /// gemm_wg: the same products on Hopper's wgmma, inputs converted once to bf16 (sm_90a and
+    /// inputs within [`crate::cuda::WG_WS_BYTES`]; else [`GemmKernel::Pipe`]).
+    Wg,
+}
+
+/// Most rows of a plain product that go to the skinny kernel (`LILY_CUDA_SKINNY_MAX_M`).
+fn skinny_max_m() -> usize {
+    static V: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *V.get_or_init(|| std::env::var("LILY_CUDA_SKINNY_MAX_M").ok().and_then(|v| v.parse().ok()).unwrap_or(64))
+}
+
+/// Plain products with at most this many output rows go to the skinny kernel for up to 1,024
+/// input rows (`LILY_CUDA_SKINNY_SMALL_N`, default 512; 0 turns it off): the 257-row router at
+/// 256 tokens ran ~70 µs on the tiles kernel (a handful of blocks, each over all of K), while
+/// the skinny kernel spreads it over row passes and K splits that read the 0.5 MB from L2.
+fn skinny_small_n() -> usize {
+    static V: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *V.get_or_init(|| std::env::var("LILY_CUDA_SKINNY_SMALL_N").ok().and_then(|v| v.parse().ok()).unwrap_or(512))
+}
+
+/// Most input rows per matrix, on average, for which grouped products go to the skinny kernel
+/// (`LILY_CUDA_SKINNY_MAX_AVG`).
+fn skinny_max_avg() -> usize {
+    static V: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *V.get_or_init(|| std::env::var("LILY_CUDA_SKINNY_MAX_AVG").ok().and_then(|v| v.parse().ok()).unwrap_or(24))
+}
+
+impl GemmKernel {
+    /// The kernel for `rows` input rows over `mats` matrices (at most `per_tile` in one tile).
+    fn pick(self, w: &GpuLinear, rows: usize, per_tile: usize, mats: usize) -> GemmKernel {
+        match self {
+            GemmKernel::Auto => {
+                let avg = rows.div_ceil(mats.max(1)).min(per_tile);
+                let small = if mats > 1 {
+                    avg <= skinny_max_avg()
+                } else {
+                    rows <= skinny_max_m() || (w.rows * w.count <= skinny_small_n() && rows <= 1024)
+                };
+                if small && w.skinny_ok() {
+                    let tn = if avg <= 6 {
+                        8
+                    } else if avg <= 16 {
+                        16
+                    } else {
+                        32
+                    };
+                    GemmKernel::Skinny(tn.min(skinny_tn_cap().max(8)))
+                } else if w.pipe_ok() && wg_on() {
+                    GemmKernel::Wg
+                } else if w.pipe_ok() && pipe_on() {
+                    GemmKernel::Pipe
+                } else {
+                    GemmKernel::Tiles
+                }
+            }
+            k => k,
+        }
+    }
+}
+
+/// Whether Auto picks [`GemmKernel::Wg`] for what [`GemmKernel::Pipe`] reads
+/// (`LILY_CUDA_GEMM_WG=0`: no).
+fn wg_on() -> bool {
+    static V: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *V.get_or_init(|| std::env::var("LILY_CUDA_GEMM_WG").map_or(true, |v| v != "0"))
+}
+
+/// Plain gemm_wg products of at least this many rows take the 128-row tiles (gemm_wg128: each
+/// weight dequantized once per 128 input rows, one block per SM) instead of 64
+/// (`LILY_CUDA_WG128_FROM`, default 1024).
+fn wg128_from() -> usize {
+    static V: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *V.get_or_init(|| std::env::var("LILY_CUDA_WG128_FROM").ok().and_then(|v| v.parse().ok()).unwrap_or(1024))
+}
+
+/// Whether Auto picks [`GemmKernel::Pipe`] over the tiles kernel (`LILY_CUDA_GEMM_PIPE=0`: no).
+fn pipe_on() -> bool {
+    static V: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *V.get_or_init(|| std::env::var("LILY_CUDA_GEMM_PIPE").map_or(true, |v| v != "0"))
+}
+
+/// Blocks over which a plain skinny product of `grid` blocks splits K (`chunks` of 64 columns,
+/// `kq` parts per block, `mn` output values): enough to give every SM a block, at most 8, each
+/// warp keeping at least one chunk, within the workspace; 1 from half the SMs up
+/// (`LILY_CUDA_SKINNY_SPLITK=0` turns it off).
+fn skinny_ksplit(grid: usize, sms: usize, chunks: usize, kq: usize, mn: usize) -> usize {
+    static OFF: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    if *OFF.get_or_init(|| std::env::var("LILY_CUDA_SKINNY_SPLITK").is_ok_and(|v| v == "0")) {
+        return 1;
+    }
+    if 2 * grid >= sms || grid > crate::cuda::SPLITK_TICKETS {
+        return 1;
+    }
+    let fit = crate::cuda::SPLITK_PART_BYTES / (4 * mn.max(1));
+    sms.div_ceil(grid).min(8).min(chunks / kq).min(fit).max(1)
+}
+
+/// Dynamic shared memory of gemm_skinny for `tn` rows per pass and width `k`.
+fn skinny_smem(tn: usize, k: usize) -> usize {
+    (tn * k * 2).max(256 * (tn + 1) * 4)
+}
+
+/// [`skinny_kq`] for a grouped product of `ntiles` expert tiles (0: a plain product). Every
+/// block of a tile stages the tile's inputs, and a block covers 256/kq weight rows, so with
+/// many tiles (a prefill chunk's routed experts: ~546 tiles at 256 tokens) kq = 1 stages them
+/// a quarter as often and still fills the GPU: prefill at 256 tokens 8,489-8,509 → 8,854-8,872
+/// tok/s (kq 2: 8,356-8,361). From 384 tiles (about 112 prompt tokens); the batched decode
+/// step (330 tiles at 64 sequences) keeps [`skinny_kq`]. `LILY_CUDA_SKINNY_KQ` forces both.
+fn skinny_kq_for(k: usize, ntiles: usize) -> usize {
+    match skinny_kq_forced() {
+        None if ntiles >= 384 => 1,
+        _ => skinny_kq(k),
+    }
+}
+
+fn skinny_kq_forced() -> Option<usize> {
+    static V: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
+    *V.get_or_init(|| std::env::var("LILY_CUDA_SKINNY_KQ").ok().and_then(|v| v.parse().ok()))
+}
+
+/// How many parts of K the 8 warps of a gemm_skinny block split (1, 2 or 4; the block then
+/// covers 256 / kq weight rows): about 8 chunks of 64 columns per warp
+/// (`LILY_CUDA_SKINNY_KQ` overrides).
+fn skinny_kq(k: usize) -> usize {
+    match skinny_kq_forced() {
+        Some(q @ (1 | 2 | 4)) => q,
+        _ => match k / 64 {
+            c if c >= 32 => 4,
+            c if c >= 16 => 2,
+            _ => 1,
+        },
+    }
+}
+
+/// Most input rows per pass that [`GemmKernel::Auto`] gives the skinny kernel
+/// (`LILY_CUDA_SKINNY_TN`, default 8: the 8-row 4-bit pass runs three blocks per SM with two
+/// chunks in flight per warp, the 16-row one two blocks with one chunk; in the batched step
+/// 8 beat 16 by 6.5% at B=16 and tied at B=64 (3,041 vs 3,059 tok/s), and 16 had beaten two
+/// 32-row passes at one block per SM by 4-5% at B=64).
+fn skinny_tn_cap() -> usize {
+    static CAP: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *CAP.get_or_init(|| std::env::var("LILY_CUDA_SKINNY_TN").ok().and_then(|v| v.parse().ok()).unwrap_or(8))
+}
+
+/// `tn` (8, 16 or 32) lowered until its shared memory fits `optin` bytes.
+fn skinny_tn(tn: usize, k: usize, optin: usize) -> usize {
+    let mut tn = tn.clamp(8, 32).next_power_of_two();
+    while tn > 8 && skinny_smem(tn, k) > optin {
+        tn /= 2;
+    }
+    tn
+}
+
+/// Which arithmetic the many-row products use.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Precision {
+    /// fp32 FMAs (exact mode: tests against the fp32 references).
+    F32,
+    /// bf16 tensor cores with fp32 accumulation (the fast prefill).
+    Bf16,
+}
+
+impl Precision {
+    /// Rows per tile of the kernel (the `bm` that `moe_align` must use).
+    pub fn bm(self) -> usize {
+        match self {
+            Precision::F32 => 8,
+            Precision::Bf16 => 64,
+        }
+    }
+}
