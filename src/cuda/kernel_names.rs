@@ -26,16 +26,13 @@ pub const SOURCES: [(&str, &str); 18] = [
 
 /// Kernel entry points loaded from the module that are launched plainly; with [`PDL_KERNELS`] and
 /// [`SKINNY_KERNELS`] they are every entry point (see [`all_kernels`]), each listed once.
-pub const KERNELS: [&str; 27] = [
+pub const KERNELS: [&str; 24] = [
     "gemv_q_loadonly",
     "gemm_f32",
     "gemm_bf16",
     "gemm_bf16_m128",
     "gemm_pipe64",
     "gemm_pipe128",
-    "gemm_wg64",
-    "gemm_wg128",
-    "x_bf16_perm",
     "conv_prefill",
     "conv_state",
     "gdn_qk_prep",
@@ -122,7 +119,10 @@ fn skinny_occ2() -> bool {
 /// Kernels that call `pdl_wait()` before touching activations (kernels/common.cuh) and so may be
 /// launched as programmatic dependents: their launch and weight reads overlap the previous
 /// kernel's tail. The gemm_skinny entry points are such kernels too (see [`is_pdl`]).
-pub const PDL_KERNELS: [&str; 39] = [
+pub const PDL_KERNELS: [&str; 42] = [
+    "gemm_wg64",
+    "gemm_wg128",
+    "x_bf16_perm",
     "moe_fused_q",
     "gemv_q2_conv",
     "samp_max",

@@ -41,14 +41,21 @@
  *   dequantization overlaps the first half's wgmmas); commit, wait. The scales and biases are
  *   loaded one k-tile ahead into two register sets (two k-tiles per loop trip) and converted
  *   where used. Dynamic shared memory
- *   WG_STAGES * (BT*256 + 8192) bytes. Requires K % 128 == 0 and an sm_90a build (elsewhere the
+ *   WG_STAGES * (BT*256 + 8192) bytes. A plain product whose grid would leave SMs idle splits its
+ *   k-tiles over ksplit blocks (grid.z), summed as in gemm_skinny (part, tickets: in order,
+ *   deterministic). Requires K % 128 == 0 and an sm_90a build (elsewhere the
  *   kernels are empty and the host never launches them).
+ *
+ * Both kernels here may be launched as programmatic dependents (kernel_names.rs PDL_KERNELS):
+ *   x_bf16_perm waits first; gemm_wg fetches its first stages' codes and scales, then waits
+ *   before it touches the inputs (a grouped product waits first: its tile list is an input).
  */
 #define WG_STAGES 3
 
 /* x_bf16_perm: xb[r, 64c + 8q + i] = bf16(x[r, 64c + physical(s = q>>1, kl = 8(q&1) + i)]) for
    r < rows; one thread per 16-byte piece. */
 extern "C" __global__ void x_bf16_perm(XPermParams p) {
+    pdl_begin();
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     int per = p.k / 8;
     if (i >= (long long)p.rows * per) return;
@@ -67,6 +74,16 @@ extern "C" __global__ void x_bf16_perm(XPermParams p) {
 __device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wg_wait0() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
+
+/* One bf16x2 A register: the nibbles at bits sh..sh+3 and sh+16..sh+19 of code word w as
+   s*q + b (128 + q by one LOP3 into a bf16 with exponent 2^7, minus 128 exact, then the fma
+   rounds once). */
+__device__ __forceinline__ u32 wg_dq(u32 w, int sh, u32 s2, u32 b2) {
+    u32 c = lop3_and_or(sh ? w >> sh : w, 0x000F000Fu, 0x43004300u), q, r;
+    asm("fma.rn.bf16x2 %0, %1, %2, %3;\n" : "=r"(q) : "r"(c), "r"(0x3f803f80u), "r"(0xc300c300u));
+    asm("fma.rn.bf16x2 %0, %1, %2, %3;\n" : "=r"(r) : "r"(q), "r"(s2), "r"(b2));
+    return r;
+}
 
 /* Shared-memory matrix descriptor, no swizzle: start address, LBO and SBO in 16-byte units. */
 __device__ __forceinline__ u64 wg_desc(u32 saddr, u32 lbo, u32 sbo) {
@@ -92,15 +109,25 @@ __device__ __forceinline__ void wgmma_m64n64(float* d, const u32* a, u64 desc) {
 template <int NB>
 __device__ __forceinline__ void gemm_wg_body(const void* w, const void* sc, const void* bi, int group, const u16* xb,
                                              const int* gather, int gdiv, float* y, long long ldy, int M, int N,
-                                             int K, const int* tiles, int accumulate) {
+                                             int K, const int* tiles, int accumulate, int ksplit, float* part,
+                                             unsigned* tickets) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     constexpr int S = WG_STAGES, BT = 64 * NB, XB = BT * 256, STAGE = XB + 128 * 64, XC = BT * 16 / 256;
     extern __shared__ __align__(128) unsigned char wg_sm[];
+    /* programmatic dependent launch: weights (codes, scales) are read before pdl_wait(), the
+       inputs (and a grouped product's tile list and row map) after it */
+    pdl_trigger();
+    if (tiles) pdl_wait();
     GemmTile tl;
-    if (!gemm_tile(tiles, M, BT, tl)) return;
+    if (!gemm_tile(tiles, M, BT, tl)) {
+        pdl_wait();
+        return;
+    }
     int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t4 = lane & 3;
     int n0 = blockIdx.x * 128;
     u32 s0 = (u32)__cvta_generic_to_shared(wg_sm);
+    /* this block's k-tiles: all, or part blockIdx.z of ksplit (plain products only) */
+    int kb = (int)blockIdx.z * (K / 128) / ksplit, nk = ((int)blockIdx.z + 1) * (K / 128) / ksplit - kb;
 
     /* input copies: piece ci = tid + 256j is row (ci & 7) + 8(ci >> 7), piece (ci >> 3) & 15, so a
        warp's 32 copies fill 4 whole core matrices (conflict-free) from 64-byte runs of 8 rows */
@@ -119,12 +146,15 @@ __device__ __forceinline__ void gemm_wg_body(const void* w, const void* sc, cons
     /* code copies: row tid/2 of the block's 128, 16-byte pieces 2(tid%2) and 2(tid%2)+1 of its 64
        bytes per k-tile */
     const u32* wsrc = (const u32*)w + ((long long)tl.e * N + min(n0 + tid / 2, N - 1)) * (K / 8) + (tid & 1) * 8;
-    auto load = [&](int kt, int st) {
+    auto load_x = [&](int kt, int st) {
         u32 base = s0 + st * STAGE;
 #pragma unroll
-        for (int j = 0; j < XC; j++) cp_async16(base + xdst[j], xsrc[j] + kt * 128, xbytes[j]);
-        cp_async16(base + XB + tid * 32, wsrc + kt * 16, 16);
-        cp_async16(base + XB + tid * 32 + 16, wsrc + kt * 16 + 4, 16);
+        for (int j = 0; j < XC; j++) cp_async16(base + xdst[j], xsrc[j] + (kb + kt) * 128, xbytes[j]);
+    };
+    auto load_w = [&](int kt, int st) {
+        u32 base = s0 + st * STAGE;
+        cp_async16(base + XB + tid * 32, wsrc + (kb + kt) * 16, 16);
+        cp_async16(base + XB + tid * 32 + 16, wsrc + (kb + kt) * 16 + 4, 16);
     };
 
     /* this thread's two weight rows (block-relative) and their global rows (clamped past N: they
@@ -140,7 +170,7 @@ __device__ __forceinline__ void gemm_wg_body(const void* w, const void* sc, cons
     auto load_sb = [&](int kt, u32 (&sb)[2][2][2]) {
 #pragma unroll
         for (int h = 0; h < 2; h++) {
-            int kg = (kt * 128 + 64 * h + 16 * t4) >> lg;
+            int kg = ((kb + kt) * 128 + 64 * h + 16 * t4) >> lg;
             sb[h][0][0] = ((const u16*)sc)[so0 + kg];
             sb[h][0][1] = ((const u16*)bi)[so0 + kg];
             sb[h][1][0] = ((const u16*)sc)[so1 + kg];
@@ -154,21 +184,34 @@ __device__ __forceinline__ void gemm_wg_body(const void* w, const void* sc, cons
 #pragma unroll
         for (int i = 0; i < 32; i++) acc[j][i] = 0.f;
 
-    int nk = K / 128;
+    /* the first stages' codes and scales, then (plain products: after the wait) their inputs;
+       cp.async group st holds stage st's inputs and, in group 0, every prologue stage's codes */
+    u32 sbA[2][2][2], sbB[2][2][2];
+#pragma unroll
+    for (int st = 0; st < S - 1; st++)
+        if (st < nk) load_w(st, st);
+    load_sb(0, sbA);
+    if (!tiles) pdl_wait();
 #pragma unroll
     for (int st = 0; st < S - 1; st++) {
-        if (st < nk) load(st, st);
+        if (st < nk) load_x(st, st);
         cp_async_commit();
     }
+    /* the B descriptor of stage 0, piece 0, rows 0..: a k-step's and stage's start is this plus
+       their byte offset / 16 (the start field, 14 bits, holds every shared address) */
+    const u64 dbase = wg_desc(s0, BT / 8 * 128, 128);
     auto step = [&](int kt, const u32 (&sb)[2][2][2], u32 (&nsb)[2][2][2]) {
         asm volatile("cp.async.wait_group %0;\n" ::"n"(S - 2) : "memory");
         asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); /* cp.async writes -> wgmma reads */
         __syncthreads();
         /* the stage read one k-tile ago: every warpgroup waited for its wgmmas before the barrier */
-        if (kt + S - 1 < nk) load(kt + S - 1, (kt + S - 1) % S);
+        if (kt + S - 1 < nk) {
+            load_x(kt + S - 1, (kt + S - 1) % S);
+            load_w(kt + S - 1, (kt + S - 1) % S);
+        }
         cp_async_commit();
         if (kt + 1 < nk) load_sb(kt + 1, nsb);
-        u32 st = s0 + (kt % S) * STAGE;
+        u64 dk = dbase + (u32)(((kt % S) * STAGE) >> 4); /* this stage's B descriptor (start field) */
         const unsigned char* cod = wg_sm + (kt % S) * STAGE + XB;
         u32 a[2][4][4];
 #pragma unroll
@@ -181,31 +224,32 @@ __device__ __forceinline__ void gemm_wg_body(const void* w, const void* sc, cons
             for (int s = 0; s < 4; s++) {
                 u32 w0 = (s >> 1) ? c0.y : c0.x, w1 = (s >> 1) ? c1.y : c1.x;
                 int sh = 8 * (s & 1);
-                a[h][s][0] = gp_dq2((w0 >> sh) & 0x000f000fu, s0v, b0v);
-                a[h][s][1] = gp_dq2((w1 >> sh) & 0x000f000fu, s1v, b1v);
-                a[h][s][2] = gp_dq2((w0 >> (sh + 4)) & 0x000f000fu, s0v, b0v);
-                a[h][s][3] = gp_dq2((w1 >> (sh + 4)) & 0x000f000fu, s1v, b1v);
+                a[h][s][0] = wg_dq(w0, sh, s0v, b0v);
+                a[h][s][1] = wg_dq(w1, sh, s1v, b1v);
+                a[h][s][2] = wg_dq(w0, sh + 4, s0v, b0v);
+                a[h][s][3] = wg_dq(w1, sh + 4, s1v, b1v);
             }
             wg_fence();
 #pragma unroll
             for (int s = 0; s < 4; s++)
 #pragma unroll
                 for (int j = 0; j < NB; j++)
-                    wgmma_m64n64(acc[j], a[h][s],
-                                 wg_desc(st + (2 * (4 * h + s) * (BT / 8) + 8 * j) * 128, BT / 8 * 128, 128));
+                    wgmma_m64n64(acc[j], a[h][s], dk + (u32)(((2 * (4 * h + s) * (BT / 8) + 8 * j) * 128) >> 4));
         }
         wg_commit();
         wg_wait0();
     };
-    u32 sbA[2][2][2], sbB[2][2][2];
-    load_sb(0, sbA);
     for (int kt = 0; kt < nk; kt += 2) {
         step(kt, sbA, sbB);
         if (kt + 1 < nk) step(kt + 1, sbB, sbA);
     }
 
-    /* acc[j][4i + v]: weight row rb0 (v < 2) or rb1, input row 64j + 8i + 2t + (v & 1) */
+    /* acc[j][4i + v]: weight row rb0 (v < 2) or rb1, input row 64j + 8i + 2t + (v & 1). Split K:
+       the sums go to part[z][m][n]; the last of the ksplit blocks of this tile to take its ticket
+       adds the parts in order z = 0..ksplit-1 into y (deterministic) and re-arms the ticket. */
     int nA = n0 + rb0, nB = n0 + rb1;
+    float* dst = ksplit > 1 ? part + (long long)blockIdx.z * M * N : y;
+    long long ldd = ksplit > 1 ? N : ldy;
 #pragma unroll
     for (int j = 0; j < NB; j++)
 #pragma unroll
@@ -214,17 +258,44 @@ __device__ __forceinline__ void gemm_wg_body(const void* w, const void* sc, cons
             for (int v = 0; v < 4; v++) {
                 int m = tl.m0 + 64 * j + 8 * i + 2 * t4 + (v & 1), n = v < 2 ? nA : nB;
                 if (m < tl.m1 && n < N) {
+                    float* p = dst + (long long)m * ldd + n;
+                    *p = accumulate && ksplit == 1 ? *p + acc[j][4 * i + v] : acc[j][4 * i + v];
+                }
+            }
+    if (ksplit == 1) return;
+    __threadfence();
+    __syncthreads();
+    __shared__ unsigned last;
+    unsigned* tk = tickets + blockIdx.y * gridDim.x + blockIdx.x;
+    if (tid == 0) {
+        last = atomicAdd(tk, 1u) == (unsigned)ksplit - 1;
+        if (last) *tk = 0;
+    }
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+#pragma unroll
+    for (int j = 0; j < NB; j++)
+#pragma unroll
+        for (int i = 0; i < 8; i++)
+#pragma unroll
+            for (int v = 0; v < 4; v++) {
+                int m = tl.m0 + 64 * j + 8 * i + 2 * t4 + (v & 1), n = v < 2 ? nA : nB;
+                if (m < tl.m1 && n < N) {
+                    float t = 0.f;
+                    for (int z = 0; z < ksplit; z++) t += __ldcg(part + ((long long)z * M + m) * N + n);
                     float* p = y + (long long)m * ldy + n;
-                    *p = accumulate ? *p + acc[j][4 * i + v] : acc[j][4 * i + v];
+                    *p = accumulate ? *p + t : t;
                 }
             }
 #endif
 }
 
-#define GEMM_WG(NAME, NB)                                                                                     \
-    extern "C" __global__ void __launch_bounds__(256, 1) NAME(GemmParams_fields) {                           \
+#define GEMM_WG(NAME, NB, MINB)                                                                               \
+    extern "C" __global__ void __launch_bounds__(256, MINB) NAME(GemmParams_fields) {                        \
         GEMM_SHAPE;                                                                                           \
-        gemm_wg_body<NB>(w, sc, bi, group, (const u16*)x, gather, gdiv, y, ldy, M, N, K, tiles, accumulate); \
+        gemm_wg_body<NB>(w, sc, bi, group, (const u16*)x, gather, gdiv, y, ldy, M, N, K, tiles, accumulate, ksplit, \
+                         part, tickets);                                                                 \
     }
-GEMM_WG(gemm_wg64, 1)
-GEMM_WG(gemm_wg128, 2)
+GEMM_WG(gemm_wg64, 1, 2)
+GEMM_WG(gemm_wg128, 2, 1)

@@ -163,13 +163,21 @@ impl Gpu {
                 self.launch_params("x_bf16_perm", ((xrows * k / 8).div_ceil(256) as u32, 1, 1), 256, 0, &xp)?;
                 a.x = In::new(self.wg_ws);
                 a.ldx = k as i64;
-                if tiles == 0 && m >= wg128_from() {
-                    let grid = (blocks(n, 128), m.div_ceil(128) as u32, 1);
-                    self.launch_params("gemm_wg128", grid, 256, crate::cuda::GEMM_WG_SMEM128 as u32, &a)
+                let (name, smem, bt, per_sm) = if tiles == 0 && m >= wg128_from() {
+                    ("gemm_wg128", crate::cuda::GEMM_WG_SMEM128, 128, 1)
                 } else {
-                    let grid = (blocks(n, 128), ntiles as u32, 1);
-                    self.launch_params("gemm_wg64", grid, 256, crate::cuda::GEMM_WG_SMEM64 as u32, &a)
-                }
+                    ("gemm_wg64", crate::cuda::GEMM_WG_SMEM64, 64, 2)
+                };
+                let (gx, gy) = (blocks(n, 128), if tiles == 0 { m.div_ceil(bt) } else { ntiles } as u32);
+                let ks = if tiles == 0 {
+                    wg_ksplit((gx * gy) as usize, (self.sms * per_sm) as usize, k / 128, m * n)
+                } else {
+                    1
+                };
+                a.ksplit = ks as i32;
+                a.part = Out::new(self.splitk_ws);
+                a.tickets = Out::new(self.splitk_ws + crate::cuda::SPLITK_PART_BYTES as u64);
+                self.launch_params(name, (gx, gy, ks as u32), 256, smem as u32, &a)
             }
             (Precision::Bf16, GemmKernel::Pipe | GemmKernel::Wg) => {
                 if !w.pipe_ok() {
@@ -318,6 +326,23 @@ fn skinny_ksplit(grid: usize, sms: usize, chunks: usize, kq: usize, mn: usize) -
     sms.div_ceil(grid).min(8).min(chunks / kq).min(fit).max(1)
 }
 
+/// Blocks over which a plain gemm_wg product of `grid` blocks splits its `ktiles` k-tiles (`mn`
+/// output values), where the grid fills at most half of the `slots` (blocks resident at once):
+/// about one block per slot, at most 8, each with at least two k-tiles, within the workspace
+/// (at 256 tokens the 2,048-row output projections are 64 blocks of 32 k-tiles on 264 slots).
+/// `LILY_CUDA_WG_SPLITK=0` turns it off.
+fn wg_ksplit(grid: usize, slots: usize, ktiles: usize, mn: usize) -> usize {
+    static OFF: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    if *OFF.get_or_init(|| std::env::var("LILY_CUDA_WG_SPLITK").is_ok_and(|v| v == "0")) {
+        return 1;
+    }
+    if 2 * grid > slots || grid > crate::cuda::SPLITK_TICKETS {
+        return 1;
+    }
+    let fit = crate::cuda::SPLITK_PART_BYTES / (4 * mn.max(1));
+    (slots / grid).min(8).min(ktiles / 2).min(fit).max(1)
+}
+
 /// Dynamic shared memory of gemm_skinny for `tn` rows per pass and width `k`.
 fn skinny_smem(tn: usize, k: usize) -> usize {
     (tn * k * 2).max(256 * (tn + 1) * 4)
@@ -390,5 +415,31 @@ impl Precision {
             Precision::F32 => 8,
             Precision::Bf16 => 64,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::wg_ksplit;
+
+    #[test]
+    fn wg_split_k_fills_idle_slots_within_its_bounds() {
+        let slots = 264;
+        for grid in [1usize, 16, 64, 100, 132, 133, 388, 5000] {
+            for ktiles in [1usize, 4, 16, 32] {
+                for mn in [1usize, 256 * 2048, 4096 * 4096] {
+                    let ks = wg_ksplit(grid, slots, ktiles, mn);
+                    assert!((1..=8).contains(&ks), "grid {grid}: ksplit {ks}");
+                    if ks > 1 {
+                        assert!(2 * grid <= slots, "grid {grid} already fills half the slots");
+                        assert!(ktiles / ks >= 2, "{ktiles} k-tiles over {ks} parts");
+                        assert!(ks * mn * 4 <= crate::cuda::SPLITK_PART_BYTES, "parts overflow the workspace");
+                        assert!(grid * ks <= slots, "more blocks than slots");
+                    }
+                }
+            }
+        }
+        // the 256-token output projection: 64 blocks of 32 k-tiles go to 4 parts of 8
+        assert_eq!(wg_ksplit(64, slots, 32, 256 * 2048), 4);
     }
 }
