@@ -1,8 +1,9 @@
 //! Micro-benchmark of the prefill delta rule on the Qwen3.6-35B-A3B GDN shape (H_k 16, H_v 32,
-//! D_k = D_v = 128): ms per `gdn_prefill` call (q/k prep + recurrence + gated norm) for the
-//! chunked kernels (kernels/gdn_chunk.cu) and the serial scan, at several T, best of 5 after a
-//! warm-up, each from the same random start state; prints the NMSE of the chunked output and
-//! state against the scan's (`LILY_CUDA_PROFILE=1`: per-kernel times too).
+//! D_k = D_v = 128): ms per `gdn_prefill` call (q/k prep + recurrence + gated norm) for the fp32
+//! chunked kernels (kernels/gdn_chunk.cu), the tensor-core scan (kernels/gdn_chunk_tc.cu) and the
+//! serial scan, at several T, best of 5 after a warm-up, each from the same random start state;
+//! prints the NMSE of both chunked forms' output and state against the serial scan's
+//! (`LILY_CUDA_PROFILE=1`: per-kernel times too). `gdn_bench T,T,..` picks the lengths.
 //! `cargo run --release --example gdn_bench` on a machine with a GPU.
 
 use anyhow::Result;
@@ -33,9 +34,13 @@ fn main() -> Result<()> {
     let cd = 2 * kd + vd;
     let ldp = vd + 2 * hv;
     println!("{}: GDN prefill, H_k {hk} H_v {hv} D_k {dk} D_v {dv}", g.name);
-    println!("| T | chunked ms | scan ms | speedup | out nmse | state nmse |");
+    let ts: Vec<usize> = match std::env::args().nth(1) {
+        Some(a) => a.split(',').map(|v| v.parse()).collect::<Result<_, _>>()?,
+        None => vec![64, 256, 1024, 2048, 4096, 8192],
+    };
+    println!("| T | chunked ms | tensor-core ms | scan ms | chunked out / state nmse | tensor-core out / state nmse |");
     println!("|---:|---:|---:|---:|---:|---:|");
-    for t in [64usize, 256, 1024, 2048] {
+    for t in ts {
         // y = silu(conv) stand-in: q, k, v of both signs; z, b, a projections.
         let y = g.upload_f32(&uniform(t * cd, 1 + t as u64, 1.0))?;
         let proj = g.upload_f32(&uniform(t * ldp, 2 + t as u64, 2.0))?;
@@ -74,7 +79,7 @@ fn main() -> Result<()> {
             chunk: chunk.ptr,
         };
         let mut res = Vec::new();
-        for kernel in [GdnPrefillKernel::Chunked, GdnPrefillKernel::Scan] {
+        for kernel in [GdnPrefillKernel::Chunked, GdnPrefillKernel::ChunkedTc, GdnPrefillKernel::Scan] {
             let mut best = f64::INFINITY;
             for i in 0..6 {
                 let ms = g.time_ms(|| g.gdn_prefill_with(&p, kernel))?;
@@ -87,14 +92,16 @@ fn main() -> Result<()> {
             g.gdn_prefill_with(&p, kernel)?;
             res.push((best, out.read_f32(0, t * vd)?, state.read_f32(0, s0.len())?));
         }
-        let (c, s) = (&res[0], &res[1]);
+        let (c, tc, s) = (&res[0], &res[1], &res[2]);
         println!(
-            "| {t} | {:.3} | {:.3} | {:.1}x | {:.1e} | {:.1e} |",
+            "| {t} | {:.3} | {:.3} | {:.3} | {:.1e} / {:.1e} | {:.1e} / {:.1e} |",
             c.0,
+            tc.0,
             s.0,
-            s.0 / c.0,
             nmse(&c.1, &s.1),
-            nmse(&c.2, &s.2)
+            nmse(&c.2, &s.2),
+            nmse(&tc.1, &s.1),
+            nmse(&tc.2, &s.2)
         );
         // Per-kernel device times of the calls above with LILY_CUDA_PROFILE=1.
         lily::cuda::profile_report();

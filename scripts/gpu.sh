@@ -9,7 +9,7 @@
 #                             full-size synthetic Qwen3.6-35B-A3B and prints a short table last.
 #                             Logs go to $OUT (or .gpu/out) when set. Knobs: ONLY_TESTS, SKIP_TESTS,
 #                             BENCH_CONTEXTS, BENCH_BATCH (e.g. 1,4,16,64), BENCH_LONG, LONG_ENV, KV_AB,
-#                             ATTN_BENCH, AB_OLD (another build's lily binary: batch-1 A/B),
+#                             ATTN_BENCH, GDN_BENCH, AB_OLD (another build's lily binary: batch-1 A/B),
 #                             BATCH_VARIANTS (';'-separated env settings: the batched bench per
 #                             setting), ENV_AB (env settings, ';'-separated: batch-1 A/B at
 #                             AB_CONTEXTS), ATTN_DEC_BENCH (decode attention kernels alone),
@@ -23,7 +23,7 @@ TESTS="cuda_compile cuda_kernels cuda_prefill cuda_model cuda_batch cuda_paged"
 
 if [ "${1:-build}" = build ]; then
   cargo build --release
-  cargo build --release --example gemv_bench --example attn_bench
+  cargo build --release --example gemv_bench --example attn_bench --example gdn_bench
   rm -rf .gpu/stage && mkdir -p .gpu/stage/bin .gpu/stage/tok
   args=()
   for t in $TESTS; do args+=(--test "$t"); done
@@ -39,6 +39,7 @@ for line in sys.stdin:
   cp target/release/lily .gpu/stage/bin/lily
   cp target/release/examples/gemv_bench .gpu/stage/bin/gemv_bench
   cp target/release/examples/attn_bench .gpu/stage/bin/attn_bench
+  cp target/release/examples/gdn_bench .gpu/stage/bin/gdn_bench
   strip .gpu/stage/bin/* 2>/dev/null || true
   tar -C .gpu/stage -czf .gpu/bundle.tar.gz .
   rm -rf .gpu/stage
@@ -85,6 +86,12 @@ if [ -n "${ATTN_BENCH:-}" ]; then
   echo "== prefill attention kernels (examples/attn_bench.rs)"
   [ "$ATTN_BENCH" = 1 ] && ATTN_BENCH=""
   timeout 240 .gpu/x/bin/attn_bench $ATTN_BENCH 2>&1 | tee "$OUTDIR/attn_bench.txt" || status=1
+fi
+if [ -n "${GDN_BENCH:-}" ]; then
+  # GDN_BENCH="T,T,..." (or 1 for the defaults): the prefill delta-rule kernels alone.
+  echo "== prefill delta rule (examples/gdn_bench.rs)"
+  [ "$GDN_BENCH" = 1 ] && GDN_BENCH=""
+  timeout 240 .gpu/x/bin/gdn_bench $GDN_BENCH 2>&1 | tee "$OUTDIR/gdn_bench.txt" || status=1
 fi
 if [ -n "${ATTN_DEC_BENCH:-}" ]; then
   # ATTN_DEC_BENCH="L,L,..." (or 1 for the defaults): the decode attention kernels alone.
@@ -209,6 +216,7 @@ grep -h "test result" "$OUTDIR"/cuda_*.log || true
 [ -f "$OUTDIR/bench_long.txt" ] && tail -n 3 "$OUTDIR/bench_long.txt"
 [ -f "$OUTDIR/bench_long_env.txt" ] && tail -n 3 "$OUTDIR/bench_long_env.txt"
 [ -f "$OUTDIR/attn_bench.txt" ] && grep "^|" "$OUTDIR/attn_bench.txt"
+[ -f "$OUTDIR/gdn_bench.txt" ] && grep "^|" "$OUTDIR/gdn_bench.txt"
 [ -f "$OUTDIR/bench_batch.txt" ] && grep "^|" "$OUTDIR/bench_batch.txt"
 [ -f "$OUTDIR/bench_kv_f32.txt" ] && tail -n 3 "$OUTDIR/bench_kv_f32.txt"
 [ -f "$OUTDIR/serve.txt" ] && cat "$OUTDIR/serve.txt"

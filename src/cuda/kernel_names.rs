@@ -3,7 +3,7 @@
 //! (gemm_skinny, flash-attention prefill, tensor-core decode attention) with its shared memory.
 
 /// Every kernel source, in compile order (the prelude first). One NVRTC program, one module.
-pub const SOURCES: [(&str, &str); 18] = [
+pub const SOURCES: [(&str, &str); 19] = [
     ("common.cuh", include_str!("kernels/common.cuh")),
     ("norm.cu", include_str!("kernels/norm.cu")),
     ("linear.cu", include_str!("kernels/linear.cu")),
@@ -14,6 +14,7 @@ pub const SOURCES: [(&str, &str); 18] = [
     ("gdn.cu", include_str!("kernels/gdn.cu")),
     ("gdn_prefill.cu", include_str!("kernels/gdn_prefill.cu")),
     ("gdn_chunk.cu", include_str!("kernels/gdn_chunk.cu")),
+    ("gdn_chunk_tc.cu", include_str!("kernels/gdn_chunk_tc.cu")),
     ("attention.cu", include_str!("kernels/attention.cu")),
     ("attention_dec.cu", include_str!("kernels/attention_dec.cu")),
     ("attention_prefill.cu", include_str!("kernels/attention_prefill.cu")),
@@ -26,7 +27,7 @@ pub const SOURCES: [(&str, &str); 18] = [
 
 /// Kernel entry points loaded from the module that are launched plainly; with [`PDL_KERNELS`] and
 /// [`SKINNY_KERNELS`] they are every entry point (see [`all_kernels`]), each listed once.
-pub const KERNELS: [&str; 24] = [
+pub const KERNELS: [&str; 25] = [
     "gemv_q_loadonly",
     "gemm_f32",
     "gemm_bf16",
@@ -39,6 +40,7 @@ pub const KERNELS: [&str; 24] = [
     "gdn_scan",
     "gdn_chunk_prep",
     "gdn_chunk_scan",
+    "gdn_chunk_scan_tc",
     "gdn_out_norm",
     "attn_prefill",
     "attn_prefill_tc",
@@ -173,6 +175,10 @@ pub const GEMM_PIPE_SMEM128: usize = 4 * (128 * 256 + 128 * 32);
 /// inputs and [128][64 bytes] of 4-bit codes (kernels/gemm_wg.cu).
 pub const GEMM_WG_SMEM64: usize = 3 * (64 * 256 + 128 * 64);
 pub const GEMM_WG_SMEM128: usize = 3 * (128 * 256 + 128 * 64);
+
+/// Dynamic shared memory of gdn_chunk_scan_tc (kernels/gdn_chunk_tc.cu): fp32 tiles Wt and Qt
+/// [128][72], Mt [64][72], keys [64][136], the state [128][40], V_new and V2 [64][40].
+pub const GDN_TC_SMEM: usize = 4 * (2 * 128 * 72 + 64 * 72 + 64 * 136 + 128 * 40 + 2 * 64 * 40);
 
 /// The flash-attention prefill kernel for head dim `d` (64, 128 or 256; kernels/attention_fa.cu).
 pub fn fa_kernel(d: usize) -> &'static str {

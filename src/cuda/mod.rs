@@ -18,7 +18,7 @@ pub mod params;
 
 pub use model::{upload_cached, uploaded, CudaBatch, CudaModel, CudaSession};
 pub use ops::{
-    gdn_chunk_floats, gdn_prefill_default, gemv_default, sampling_params_bytes, AttnDecode, AttnKernel, AttnPlan,
+    gdn_chunk_floats, gdn_prefill_kernel, gemv_default, sampling_params_bytes, AttnDecode, AttnKernel, AttnPlan,
     AttnPrep, GdnPrefill, GdnPrefillKernel, GdnRows, GdnStep, GemmKernel, GemvKernel, GpuLinear, KvDtype, Precision,
     PrefillAttn, SAMPLE_WS_BYTES,
 };
@@ -338,7 +338,8 @@ impl Gpu {
         let dec = [64, 128, 256].map(|d| (attn_dec_kernel(d), attn_dec_smem(d).min(optin)));
         let skinny = SKINNY_KERNELS.map(|k| (k, smem_optin));
         let pstep = [("pstep", optin)];
-        for (k, bytes) in skinny.into_iter().chain(fa).chain(pipe).chain(dec).chain(pstep) {
+        let gdn = [("gdn_chunk_scan_tc", GDN_TC_SMEM.min(optin))];
+        for (k, bytes) in skinny.into_iter().chain(fa).chain(pipe).chain(dec).chain(pstep).chain(gdn) {
             // SAFETY: a valid function handle and attribute; the value is within the device limit.
             unsafe {
                 sys::cuFuncSetAttribute(

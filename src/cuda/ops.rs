@@ -16,7 +16,7 @@ mod moe;
 mod sampling;
 
 pub use attention::{AttnDecode, AttnKernel, AttnPlan, AttnPrep, AttnRows, KvDtype, PrefillAttn};
-pub use gdn::{gdn_chunk_floats, gdn_prefill_default, GdnPrefill, GdnPrefillKernel, GdnRows, GdnStep};
+pub use gdn::{gdn_chunk_floats, gdn_prefill_kernel, GdnPrefill, GdnPrefillKernel, GdnRows, GdnStep};
 pub use gemm::{GemmKernel, Precision};
 pub use sampling::{sampling_params_bytes, SAMPLE_WS_BYTES};
 

@@ -175,16 +175,19 @@ impl CudaSession {
                 let ldp = cd + vd + 2 * hv;
                 proj.run_rows(g, prec, p.xn.ptr, h, p.proj.ptr, ldp, t)?;
                 g.conv_prefill(p.proj.ptr, ldp, cs.ptr, conv.ptr, p.conv.ptr, cd, c.linear_conv_kernel_dim, t)?;
-                g.gdn_prefill(&GdnPrefill {
-                    step: super::gdn_step_args(c, p.proj.ptr, p.conv.ptr, [dt_bias, neg_a, norm], rec, p.o.ptr),
-                    t,
-                    ldy: cd,
-                    ldp,
-                    qn: p.qn.ptr,
-                    kn: p.kn.ptr,
-                    kq: p.kq.ptr,
-                    chunk: p.gchunk.ptr,
-                })?;
+                g.gdn_prefill(
+                    &GdnPrefill {
+                        step: super::gdn_step_args(c, p.proj.ptr, p.conv.ptr, [dt_bias, neg_a, norm], rec, p.o.ptr),
+                        t,
+                        ldy: cd,
+                        ldp,
+                        qn: p.qn.ptr,
+                        kn: p.kn.ptr,
+                        kq: p.kq.ptr,
+                        chunk: p.gchunk.ptr,
+                    },
+                    prec,
+                )?;
                 g.gemm(out, prec, p.o.ptr, vd, p.x.ptr, h, t, true)?;
             }
             (GMixer::Attn { proj, o, q_norm, k_norm }, GState::Attn { k: kc, v: vc, .. }) => {

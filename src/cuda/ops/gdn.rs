@@ -7,7 +7,8 @@ use super::super::params::{
     GdnQkPrepParams, GdnScanParams, GdnStepParParams, GdnStepParRowsParams, GdnStepParams, GemvConvParams, In, Out,
 };
 use super::super::Gpu;
-use super::{blocks, gemv_default, GemvKernel, GpuLinear, GEMV_XMAX};
+use super::{blocks, gemv_default, GemvKernel, GpuLinear, Precision, GEMV_XMAX};
+use crate::cuda::GDN_TC_SMEM;
 use anyhow::{bail, Result};
 
 impl Gpu {
@@ -44,10 +45,10 @@ impl Gpu {
     }
 
     /// The gated delta rule over t tokens: q/k normalization (kernels/gdn_prefill.cu), the
-    /// recurrence by the kernel [`gdn_prefill_default`] picks, and the gated RMSNorm (output
-    /// `p.out`: `[t, H_v·D_v]`).
-    pub fn gdn_prefill(&self, p: &GdnPrefill) -> Result<()> {
-        self.gdn_prefill_with(p, gdn_prefill_default())
+    /// recurrence by the kernel [`gdn_prefill_kernel`] picks for `prec`, and the gated RMSNorm
+    /// (output `p.out`: `[t, H_v·D_v]`).
+    pub fn gdn_prefill(&self, p: &GdnPrefill, prec: Precision) -> Result<()> {
+        self.gdn_prefill_with(p, gdn_prefill_kernel(prec))
     }
 
     /// [`Gpu::gdn_prefill`] with the recurrence done by `kernel` (the chunked form falls back to
@@ -73,8 +74,10 @@ impl Gpu {
             dk: s.dk as i32,
         };
         self.launch_params("gdn_qk_prep", (s.hk as u32, t as u32, 1), 128, 0, &a)?;
-        if kernel == GdnPrefillKernel::Chunked && s.dk <= 128 {
-            self.gdn_chunked(p)?;
+        if kernel == GdnPrefillKernel::ChunkedTc && self.gdn_tc_fits(s.dk) {
+            self.gdn_chunked(p, true)?;
+        } else if kernel != GdnPrefillKernel::Scan && s.dk <= 128 {
+            self.gdn_chunked(p, false)?;
         } else {
             self.gdn_scan(p)?;
         }
@@ -90,9 +93,16 @@ impl Gpu {
         self.launch_params("gdn_out_norm", ((t * s.hv) as u32, 1, 1), s.dv as u32, 0, &a)
     }
 
+    /// Whether gdn_chunk_scan_tc runs here: its shared memory fits the device's opt-in limit
+    /// and D_k is a multiple of 16 up to 128.
+    pub fn gdn_tc_fits(&self, dk: usize) -> bool {
+        self.smem_optin_max >= GDN_TC_SMEM && dk.is_multiple_of(16) && dk <= 128
+    }
+
     /// The chunked recurrence (kernels/gdn_chunk.cu): per-chunk preparation, then the scan over
-    /// chunks; writes `p.step.out` (before the norm) and updates the state.
-    fn gdn_chunked(&self, p: &GdnPrefill) -> Result<()> {
+    /// chunks (on tensor cores, kernels/gdn_chunk_tc.cu, when `tc`); writes `p.step.out` (before
+    /// the norm) and updates the state.
+    fn gdn_chunked(&self, p: &GdnPrefill, tc: bool) -> Result<()> {
         let s = &p.step;
         let t = p.t;
         if t == 0 {
@@ -139,7 +149,12 @@ impl Gpu {
             dv,
             T: tt,
         };
-        self.launch_params("gdn_chunk_scan", (s.hv as u32, (s.dv / 32) as u32, 1), 256, 0, &a)
+        let grid = (s.hv as u32, (s.dv / 32) as u32, 1);
+        if tc {
+            self.launch_params("gdn_chunk_scan_tc", grid, 256, GDN_TC_SMEM as u32, &a)
+        } else {
+            self.launch_params("gdn_chunk_scan", grid, 256, 0, &a)
+        }
     }
 
     /// The serial recurrence (gdn_prefill.cu's gdn_scan), state in registers.
@@ -404,18 +419,30 @@ pub struct GdnPrefill {
 /// Which kernel runs the recurrence of [`Gpu::gdn_prefill`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum GdnPrefillKernel {
-    /// kernels/gdn_chunk.cu: chunks of 64 tokens in the WY/UT form (D_k <= 128; else the scan).
+    /// kernels/gdn_chunk.cu: chunks of 64 tokens in the WY/UT form, fp32 (D_k <= 128; else the
+    /// scan).
     Chunked,
+    /// The same with the scan over chunks on tensor cores in TF32 (kernels/gdn_chunk_tc.cu;
+    /// [`Chunked`](Self::Chunked) where [`Gpu::gdn_tc_fits`] says no).
+    ChunkedTc,
     /// gdn_prefill.cu's gdn_scan: one token after another.
     Scan,
 }
 
-/// `LILY_CUDA_GDN_PREFILL=scan` selects the serial scan; the chunked form otherwise. Read once.
-pub fn gdn_prefill_default() -> GdnPrefillKernel {
-    static D: std::sync::OnceLock<GdnPrefillKernel> = std::sync::OnceLock::new();
-    *D.get_or_init(|| match std::env::var("LILY_CUDA_GDN_PREFILL").as_deref() {
-        Ok("scan") => GdnPrefillKernel::Scan,
-        _ => GdnPrefillKernel::Chunked,
+/// The recurrence kernel for a prefill in `prec`: the tensor-core scan for the bf16 prefill, the
+/// fp32 chunked kernels for the exact mode. `LILY_CUDA_GDN_PREFILL` = `scan`, `chunked` or `tc`
+/// picks one for both. Read once.
+pub fn gdn_prefill_kernel(prec: Precision) -> GdnPrefillKernel {
+    static D: std::sync::OnceLock<Option<GdnPrefillKernel>> = std::sync::OnceLock::new();
+    let forced = *D.get_or_init(|| match std::env::var("LILY_CUDA_GDN_PREFILL").as_deref() {
+        Ok("scan") => Some(GdnPrefillKernel::Scan),
+        Ok("chunked") => Some(GdnPrefillKernel::Chunked),
+        Ok("tc") => Some(GdnPrefillKernel::ChunkedTc),
+        _ => None,
+    });
+    forced.unwrap_or(match prec {
+        Precision::Bf16 => GdnPrefillKernel::ChunkedTc,
+        Precision::F32 => GdnPrefillKernel::Chunked,
     })
 }
 

@@ -1,0 +1,231 @@
+/*
+ * gdn_chunk_tc.cu: gdn_chunk_scan on tensor cores. The same scan over 64-token chunks, the same
+ * inputs (gdn_chunk_prep's scratch Wt, Qt, U, Mt, G and the normalized keys kn) and outputs (o
+ * before the gated norm, the state S updated in place) as gdn_chunk.cu, with every product an
+ * mma.sync m16n8k8 in TF32 (operands rounded to nearest by cvt.rna: 10 mantissa bits) with fp32
+ * accumulation. The state itself stays fp32 in registers from the first chunk to the last; only
+ * its copy used as a product operand is rounded. Used by the bf16 prefill (Precision::Bf16); the
+ * exact mode keeps gdn_chunk_scan.
+ *
+ * Math per value head h and chunk (gdn_chunk.cu's header has the derivation), S [D_k, 32] the
+ * block's slice of the state, C = 64 rows:
+ *   1. P = W S and R = diag(e^gamma) Q S              [64 x D_k] x [D_k x 32] each
+ *   2. V_new = U - P;  V2 = diag(e^{gamma_63 - gamma}) V_new   (exponents <= 0)
+ *   3. O = R + M V_new  (M lower triangular: k runs to the row block's end)   [64 x 64] x [64 x 32]
+ *   4. S' = e^{gamma_63} S + K^T V2                   [D_k x 64] x [64 x 32]
+ *
+ * Launch: grid (H_v, D_v / 32), block 256 (8 warps), one block per SM (dynamic shared memory
+ * GDN_TC_SMEM = 167,936 bytes). Warp w, lane = 4 g + q (mma fragment coordinates: A rows g, g+8,
+ * columns q, q+4; B rows q, q+4, column g; C rows g, g+8, columns 2q, 2q+1):
+ *   step 1: warps 0-3 rows 16w.. of P (A = W from Wt), warps 4-7 rows 16(w-4).. of R (A from Qt);
+ *     4 n-tiles of 8 columns each, D_k / 8 k-steps;
+ *   step 2: warps 0-3 turn P into V_new and V2 in shared memory;
+ *   step 3: warps 4-7 add M V_new to R and store O;
+ *   step 4 (at the same time): warps 0-3 hold S (m-tiles w and w + 4 of D_k / 16) as accumulators
+ *     and add K^T V2, then copy it (TF32-rounded) to shared memory for the next chunk's step 1.
+ * Shared memory (fp32, rows padded so that every fragment load of a warp hits 32 banks):
+ *   WQ  Wt [128][72], Qt [128][72]  (this chunk's, loaded during the previous chunk's steps 3-4)
+ *   Ms  Mt [64][72], Ks kn rows [64][136]  (loaded during this chunk's steps 1-2)
+ *   Ss  [128][40], Vs [64][40], V2s [64][40].
+ * Three block barriers per chunk. Requires D_k % 16 == 0, D_k <= 128, D_v % 32 == 0.
+ */
+#define GT_LDW 72
+#define GT_LDK 136
+#define GT_LDS 40
+
+__device__ __forceinline__ u32 tf32_rna(float x) {
+    u32 r;
+    asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(x));
+    return r;
+}
+__device__ __forceinline__ void mma_tf32(float (&c)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+    asm("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+__device__ __forceinline__ void cp_async_wait0() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
+
+/* c[nt] += A[m0.., k0..kend) B[k0..kend), 8 nt..) for 4 n-tiles: A stored transposed (At[k][m],
+   row pitch lda, rounded here), B already TF32 bits (Bs[k][n], pitch GT_LDS). */
+__device__ __forceinline__ void gt_mma_rows(float (&c)[4][4], const float* At, int lda, int m0, int kend,
+                                            const float* Bs, int g, int q) {
+#pragma unroll 4
+    for (int k0 = 0; k0 < kend; k0 += 8) {
+        const float* a = At + (k0 + q) * lda + m0 + g;
+        u32 a0 = tf32_rna(a[0]), a1 = tf32_rna(a[8]), a2 = tf32_rna(a[4 * lda]), a3 = tf32_rna(a[4 * lda + 8]);
+        const u32* b = (const u32*)Bs + (k0 + q) * GT_LDS + g;
+#pragma unroll
+        for (int nt = 0; nt < 4; nt++) mma_tf32(c[nt], a0, a1, a2, a3, b[8 * nt], b[4 * GT_LDS + 8 * nt]);
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(256)
+    gdn_chunk_scan_tc(GdnChunkScanParams_fields) {
+    extern __shared__ __align__(16) float gt_sm[];
+    float* Wts = gt_sm;                     /* [128][72] */
+    float* Qts = Wts + 128 * GT_LDW;        /* [128][72] */
+    float* Ms = Qts + 128 * GT_LDW;         /* [64][72] */
+    float* Ks = Ms + 64 * GT_LDW;           /* [64][136] */
+    float* Ss = Ks + 64 * GT_LDK;           /* [128][40] */
+    float* Vs = Ss + 128 * GT_LDS;          /* [64][40] */
+    float* V2s = Vs + 64 * GT_LDS;          /* [64][40] */
+    int h = blockIdx.x, j0 = blockIdx.y * 32, tid = threadIdx.x;
+    int w = tid >> 5, lane = tid & 31, g = lane >> 2, q = lane & 3;
+    int kh = h / (hv / hk);
+    int nch = (T + GC - 1) / GC;
+    long long tpad = (long long)nch * GC;
+    int dk4 = dk >> 2;
+    auto load_wq = [&](int c) {
+        const float* wsrc = Wt + ((long long)h * nch + c) * dk * GC;
+        const float* qsrc = Qt + ((long long)h * nch + c) * dk * GC;
+        for (int e = tid; e < dk * 16; e += 256) {
+            int k = e >> 4, j = 4 * (e & 15);
+            cp_async16((u32)__cvta_generic_to_shared(Wts + k * GT_LDW + j), wsrc + k * GC + j, 16);
+            cp_async16((u32)__cvta_generic_to_shared(Qts + k * GT_LDW + j), qsrc + k * GC + j, 16);
+        }
+    };
+    auto load_mk = [&](int c) {
+        const float* msrc = Mt + ((long long)h * nch + c) * GC * GC;
+        for (int e = tid; e < GC * 16; e += 256) {
+            int s = e >> 4, j = 4 * (e & 15);
+            cp_async16((u32)__cvta_generic_to_shared(Ms + s * GT_LDW + j), msrc + s * GC + j, 16);
+        }
+        for (int e = tid; e < GC * dk4; e += 256) {
+            int r = e / dk4, j = 4 * (e - r * dk4);
+            int t = c * GC + r;
+            /* rows past T are zero-filled (their V2 is zero too, but 0 x NaN is not) */
+            const float* src = kn + ((long long)min(t, T - 1) * hk + kh) * dk + j;
+            cp_async16((u32)__cvta_generic_to_shared(Ks + r * GT_LDK + j), src, t < T ? 16 : 0);
+        }
+    };
+
+    /* the state slice: warps 0-3 own m-tiles w and w + 4 (rows 16 mt + g, + 8) */
+    float st[2][4][4];
+    float* Sh = S + (long long)h * dk * dv + j0;
+    if (w < 4) {
+#pragma unroll
+        for (int mi = 0; mi < 2; mi++) {
+            int m0 = 16 * (w + 4 * mi);
+#pragma unroll
+            for (int nt = 0; nt < 4; nt++) {
+                int col = 8 * nt + 2 * q;
+                float2 lo = m0 < dk ? *(const float2*)(Sh + (long long)(m0 + g) * dv + col) : make_float2(0.f, 0.f);
+                float2 hi = m0 < dk ? *(const float2*)(Sh + (long long)(m0 + g + 8) * dv + col) : make_float2(0.f, 0.f);
+                st[mi][nt][0] = lo.x;
+                st[mi][nt][1] = lo.y;
+                st[mi][nt][2] = hi.x;
+                st[mi][nt][3] = hi.y;
+                if (m0 < dk) {
+                    *(uint2*)(Ss + (m0 + g) * GT_LDS + col) = make_uint2(tf32_rna(lo.x), tf32_rna(lo.y));
+                    *(uint2*)(Ss + (m0 + g + 8) * GT_LDS + col) = make_uint2(tf32_rna(hi.x), tf32_rna(hi.y));
+                }
+            }
+        }
+    }
+    load_wq(0);
+    cp_async_commit();
+    load_mk(0);
+    cp_async_commit();
+
+    int m0 = 16 * (w & 3); /* this warp's 16 rows of the chunk in steps 1-3 */
+    for (int c = 0; c < nch; c++) {
+        int t0 = c * GC;
+        const float* Gc = G + h * tpad + t0;
+        float gC = Gc[GC - 1];
+        float eC = expf(gC);
+        float u[4][4], dec0 = 0.f, dec1 = 0.f;
+        if (w < 4) {
+            const float* Ur = U + (h * tpad + t0 + m0 + g) * dv + j0 + 2 * q;
+#pragma unroll
+            for (int nt = 0; nt < 4; nt++) {
+                float2 lo = *(const float2*)(Ur + 8 * nt), hi = *(const float2*)(Ur + 8 * dv + 8 * nt);
+                u[nt][0] = lo.x;
+                u[nt][1] = lo.y;
+                u[nt][2] = hi.x;
+                u[nt][3] = hi.y;
+            }
+            dec0 = expf(gC - Gc[m0 + g]); /* exponents <= 0 */
+            dec1 = expf(gC - Gc[m0 + g + 8]);
+        }
+        cp_async_wait1(); /* this chunk's Wt, Qt (its Mt, K may still be in flight) */
+        __syncthreads();  /* ... visible to all; Ss of the previous chunk's step 4 too */
+
+        /* step 1: P (warps 0-3) or R (warps 4-7) */
+        float acc[4][4];
+#pragma unroll
+        for (int nt = 0; nt < 4; nt++) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
+        gt_mma_rows(acc, w < 4 ? Wts : Qts, GT_LDW, m0, dk, Ss, g, q);
+
+        /* step 2: V_new = U - P, V2 = dec V_new (operands of steps 3 and 4: rounded once here) */
+        if (w < 4) {
+#pragma unroll
+            for (int nt = 0; nt < 4; nt++) {
+                int col = 8 * nt + 2 * q;
+                float v0 = u[nt][0] - acc[nt][0], v1 = u[nt][1] - acc[nt][1];
+                float v2 = u[nt][2] - acc[nt][2], v3 = u[nt][3] - acc[nt][3];
+                *(uint2*)(Vs + (m0 + g) * GT_LDS + col) = make_uint2(tf32_rna(v0), tf32_rna(v1));
+                *(uint2*)(Vs + (m0 + g + 8) * GT_LDS + col) = make_uint2(tf32_rna(v2), tf32_rna(v3));
+                *(uint2*)(V2s + (m0 + g) * GT_LDS + col) = make_uint2(tf32_rna(dec0 * v0), tf32_rna(dec0 * v1));
+                *(uint2*)(V2s + (m0 + g + 8) * GT_LDS + col) = make_uint2(tf32_rna(dec1 * v2), tf32_rna(dec1 * v3));
+            }
+        }
+        cp_async_wait0(); /* this chunk's Mt and K */
+        __syncthreads();  /* Vs, V2s, Ms, Ks visible; Wt, Qt and Ss no longer read */
+        if (c + 1 < nch) load_wq(c + 1);
+        cp_async_commit();
+
+        if (w >= 4) {
+            /* step 3: O = R + M V_new, M_rs = 0 for s > r: k runs to this row block's end */
+            gt_mma_rows(acc, Ms, GT_LDW, m0, m0 + 16, Vs, g, q);
+#pragma unroll
+            for (int half = 0; half < 2; half++) {
+                int t = t0 + m0 + g + 8 * half;
+                if (t < T) {
+                    float* orow = o + ((long long)t * hv + h) * dv + j0 + 2 * q;
+#pragma unroll
+                    for (int nt = 0; nt < 4; nt++)
+                        *(float2*)(orow + 8 * nt) = make_float2(acc[nt][2 * half], acc[nt][2 * half + 1]);
+                }
+            }
+        } else {
+            /* step 4: S' = e^{gamma_63} S + K^T V2, then its rounded copy for the next step 1 */
+#pragma unroll
+            for (int mi = 0; mi < 2; mi++) {
+                int s0 = 16 * (w + 4 * mi);
+                if (s0 < dk) {
+#pragma unroll
+                    for (int nt = 0; nt < 4; nt++)
+#pragma unroll
+                        for (int e = 0; e < 4; e++) st[mi][nt][e] *= eC;
+                    gt_mma_rows(st[mi], Ks, GT_LDK, s0, GC, V2s, g, q);
+#pragma unroll
+                    for (int nt = 0; nt < 4; nt++) {
+                        int col = 8 * nt + 2 * q;
+                        *(uint2*)(Ss + (s0 + g) * GT_LDS + col) =
+                            make_uint2(tf32_rna(st[mi][nt][0]), tf32_rna(st[mi][nt][1]));
+                        *(uint2*)(Ss + (s0 + g + 8) * GT_LDS + col) =
+                            make_uint2(tf32_rna(st[mi][nt][2]), tf32_rna(st[mi][nt][3]));
+                    }
+                }
+            }
+        }
+        __syncthreads(); /* Ms, Ks, Vs, V2s consumed */
+        if (c + 1 < nch) load_mk(c + 1);
+        cp_async_commit();
+    }
+    if (w < 4) {
+#pragma unroll
+        for (int mi = 0; mi < 2; mi++) {
+            int s0 = 16 * (w + 4 * mi);
+            if (s0 < dk) {
+#pragma unroll
+                for (int nt = 0; nt < 4; nt++) {
+                    int col = 8 * nt + 2 * q;
+                    *(float2*)(Sh + (long long)(s0 + g) * dv + col) = make_float2(st[mi][nt][0], st[mi][nt][1]);
+                    *(float2*)(Sh + (long long)(s0 + g + 8) * dv + col) = make_float2(st[mi][nt][2], st[mi][nt][3]);
+                }
+            }
+        }
+    }
+}
