@@ -27,7 +27,7 @@ pub const SOURCES: [(&str, &str); 19] = [
 
 /// Kernel entry points loaded from the module that are launched plainly; with [`PDL_KERNELS`] and
 /// [`SKINNY_KERNELS`] they are every entry point (see [`all_kernels`]), each listed once.
-pub const KERNELS: [&str; 25] = [
+pub const KERNELS: [&str; 26] = [
     "gemv_q_loadonly",
     "gemm_f32",
     "gemm_bf16",
@@ -41,6 +41,7 @@ pub const KERNELS: [&str; 25] = [
     "gdn_chunk_prep",
     "gdn_chunk_scan",
     "gdn_chunk_scan_tc",
+    "gdn_chunk_prep_tc",
     "gdn_out_norm",
     "attn_prefill",
     "attn_prefill_tc",
@@ -179,6 +180,10 @@ pub const GEMM_WG_SMEM128: usize = 3 * (128 * 256 + 128 * 64);
 /// Dynamic shared memory of gdn_chunk_scan_tc (kernels/gdn_chunk_tc.cu): fp32 tiles Wt and Qt
 /// [128][72], Mt [64][72], keys [64][136], the state [128][40], V_new and V2 [64][40].
 pub const GDN_TC_SMEM: usize = 4 * (2 * 128 * 72 + 64 * 72 + 64 * 136 + 128 * 40 + 2 * 64 * 40);
+
+/// Dynamic shared memory of gdn_chunk_prep_tc (kernels/gdn_chunk_tc.cu) at D_k <= 128: keys and
+/// queries [64][132], A [64][68], the diagonal blocks' inverses [4][16][20], gammas and betas.
+pub const GDN_PREP_TC_SMEM: usize = 4 * (2 * 64 * 132 + 64 * 68 + 4 * 16 * 20 + 3 * 64);
 
 /// The flash-attention prefill kernel for head dim `d` (64, 128 or 256; kernels/attention_fa.cu).
 pub fn fa_kernel(d: usize) -> &'static str {

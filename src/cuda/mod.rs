@@ -338,7 +338,7 @@ impl Gpu {
         let dec = [64, 128, 256].map(|d| (attn_dec_kernel(d), attn_dec_smem(d).min(optin)));
         let skinny = SKINNY_KERNELS.map(|k| (k, smem_optin));
         let pstep = [("pstep", optin)];
-        let gdn = [("gdn_chunk_scan_tc", GDN_TC_SMEM.min(optin))];
+        let gdn = [("gdn_chunk_scan_tc", GDN_TC_SMEM.min(optin)), ("gdn_chunk_prep_tc", GDN_PREP_TC_SMEM.min(optin))];
         for (k, bytes) in skinny.into_iter().chain(fa).chain(pipe).chain(dec).chain(pstep).chain(gdn) {
             // SAFETY: a valid function handle and attribute; the value is within the device limit.
             unsafe {

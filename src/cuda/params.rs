@@ -245,7 +245,7 @@ kernel_params! {
     /// `gdn_out_norm`: the gated RMSNorm of the output, in place.
     GdnOutNormParams spread ["gdn_out_norm"] { o: Out<f32>, z: In<f32>, ldz: i64, w: In<f32>, hv: i32, dv: i32, eps: f32 }
     /// `gdn_chunk_prep`: the chunked delta rule's per-chunk preparation (`Wt`, `Qt`, `U`, `Mt`, `G`).
-    GdnChunkPrepParams spread ["gdn_chunk_prep"] { qn: In<f32>, kn: In<f32>, y: In<f32>, ldy: i64, bproj: In<f32>, aproj: In<f32>, ldp: i64, dt_bias: In<f32>, neg_a: In<f32>, Wt: Out<f32>, Qt: Out<f32>, U: Out<f32>, Mt: Out<f32>, G: Out<f32>, hk: i32, hv: i32, dk: i32, dv: i32, T: i32 }
+    GdnChunkPrepParams spread ["gdn_chunk_prep", "gdn_chunk_prep_tc"] { qn: In<f32>, kn: In<f32>, y: In<f32>, ldy: i64, bproj: In<f32>, aproj: In<f32>, ldp: i64, dt_bias: In<f32>, neg_a: In<f32>, Wt: Out<f32>, Qt: Out<f32>, U: Out<f32>, Mt: Out<f32>, G: Out<f32>, hk: i32, hv: i32, dk: i32, dv: i32, T: i32 }
     /// `gdn_chunk_scan`: the scan over chunks (state `S`, output `o`).
     GdnChunkScanParams spread ["gdn_chunk_scan", "gdn_chunk_scan_tc"] { kn: In<f32>, Wt: In<f32>, Qt: In<f32>, U: In<f32>, Mt: In<f32>, G: In<f32>, S: Out<f32>, o: Out<f32>, hk: i32, hv: i32, dk: i32, dv: i32, T: i32 }
     /// `argmax`: the index of each row's largest of `n` values (row = block) into `out`.

@@ -8,7 +8,7 @@ use super::super::params::{
 };
 use super::super::Gpu;
 use super::{blocks, gemv_default, GemvKernel, GpuLinear, Precision, GEMV_XMAX};
-use crate::cuda::GDN_TC_SMEM;
+use crate::cuda::{GDN_PREP_TC_SMEM, GDN_TC_SMEM};
 use anyhow::{bail, Result};
 
 impl Gpu {
@@ -93,10 +93,10 @@ impl Gpu {
         self.launch_params("gdn_out_norm", ((t * s.hv) as u32, 1, 1), s.dv as u32, 0, &a)
     }
 
-    /// Whether gdn_chunk_scan_tc runs here: its shared memory fits the device's opt-in limit
-    /// and D_k is a multiple of 16 up to 128.
+    /// Whether the tensor-core chunk kernels run here: their shared memory fits the device's
+    /// opt-in limit and D_k is a multiple of 32 up to 128.
     pub fn gdn_tc_fits(&self, dk: usize) -> bool {
-        self.smem_optin_max >= GDN_TC_SMEM && dk.is_multiple_of(16) && dk <= 128
+        self.smem_optin_max >= GDN_TC_SMEM.max(GDN_PREP_TC_SMEM) && dk.is_multiple_of(32) && dk <= 128
     }
 
     /// The chunked recurrence (kernels/gdn_chunk.cu): per-chunk preparation, then the scan over
@@ -132,8 +132,12 @@ impl Gpu {
             dv,
             T: tt,
         };
-        let grid = (nch as u32, s.hv as u32, (s.dk + s.dv).div_ceil(256) as u32);
-        self.launch_params("gdn_chunk_prep", grid, 256, 0, &a)?;
+        if tc {
+            self.launch_params("gdn_chunk_prep_tc", (nch as u32, s.hv as u32, 1), 256, GDN_PREP_TC_SMEM as u32, &a)?;
+        } else {
+            let grid = (nch as u32, s.hv as u32, (s.dk + s.dv).div_ceil(256) as u32);
+            self.launch_params("gdn_chunk_prep", grid, 256, 0, &a)?;
+        }
         let a = GdnChunkScanParams {
             kn: In::new(p.kn),
             Wt: In::new(wt),
