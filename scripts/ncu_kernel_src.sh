@@ -4,6 +4,7 @@
 # routed experts' gemm_skinny8_q4) in a LAYERS-layer cut of the synthetic Qwen3.6-35B-A3B at batch B
 # (256-token prompts), under ncu's warp-state sampling with --clock-control none; prints the
 # stall reasons and the SASS instructions holding the most samples (report and CSVs under $OUT).
+# CMD replaces the profiled command (e.g. CMD=".gpu/x/bin/gdn_bench 4096" KERNEL=gdn_chunk_scan_tc).
 set -u
 mkdir -p .gpu/x && tar -C .gpu/x -xzf .gpu/bundle.tar.gz
 export LILY_KERNEL_CACHE=$PWD/.gpu/kcache LILY_REPO=$PWD
@@ -11,8 +12,8 @@ KERNEL=${KERNEL:-gemm_skinny8_q4} LAYERS=${LAYERS:-4} SKIP=${SKIP:-8} B=${B:-16}
 timeout 300 ncu --clock-control none --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats \
   --section SourceCounters --section SchedulerStats --section Occupancy --section LaunchStats \
   --kernel-name "$KERNEL" --launch-skip "$SKIP" --launch-count 1 -f -o "$OUT/$TAG" \
-  .gpu/x/bin/lily bench --device cuda --model synthetic:qwen3.6-35b-a3b --layers "$LAYERS" --contexts 256 \
-  --batch "$B" --decode-steps 4 --warmup 0 > "$OUT/$TAG.log" 2>&1
+  ${CMD:-.gpu/x/bin/lily bench --device cuda --model synthetic:qwen3.6-35b-a3b --layers "$LAYERS" --contexts 256 \
+  --batch "$B" --decode-steps 4 --warmup 0} > "$OUT/$TAG.log" 2>&1
 echo "ncu rc=$?"
 ncu -i "$OUT/$TAG.ncu-rep" --page details --csv > "$OUT/${TAG}_details.csv" 2>&1
 grep -i "duration\|throughput\|stall\|issue\|warp cycles\|eligible\|active warps\|registers\|grid size\|achieved occ" \

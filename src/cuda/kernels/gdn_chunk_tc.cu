@@ -133,25 +133,36 @@ extern "C" __global__ void __launch_bounds__(256)
     cp_async_commit();
 
     int m0 = 16 * (w & 3); /* this warp's 16 rows of the chunk in steps 1-3 */
+    /* warps 0-3: chunk c's gamma_63, gamma of their two rows and their U rows, a chunk ahead */
+    float gn[3] = {0.f, 0.f, 0.f}, un[4][4] = {};
+    auto load_gu = [&](int c) {
+        if (w >= 4) return;
+        const float* Gc = G + h * tpad + c * GC;
+        gn[0] = Gc[GC - 1];
+        gn[1] = Gc[m0 + g];
+        gn[2] = Gc[m0 + g + 8];
+        const float* Ur = U + (h * tpad + c * GC + m0 + g) * dv + j0 + 2 * q;
+#pragma unroll
+        for (int nt = 0; nt < 4; nt++) {
+            float2 lo = *(const float2*)(Ur + 8 * nt), hi = *(const float2*)(Ur + 8 * dv + 8 * nt);
+            un[nt][0] = lo.x;
+            un[nt][1] = lo.y;
+            un[nt][2] = hi.x;
+            un[nt][3] = hi.y;
+        }
+    };
+    load_gu(0);
     for (int c = 0; c < nch; c++) {
         int t0 = c * GC;
-        const float* Gc = G + h * tpad + t0;
-        float gC = Gc[GC - 1];
-        float eC = expf(gC);
-        float u[4][4], dec0 = 0.f, dec1 = 0.f;
-        if (w < 4) {
-            const float* Ur = U + (h * tpad + t0 + m0 + g) * dv + j0 + 2 * q;
+        /* this chunk's gammas and U rows arrived during the previous chunk; fetch the next's */
+        float gC = gn[0], eC = expf(gC);
+        float dec0 = expf(gC - gn[1]), dec1 = expf(gC - gn[2]); /* exponents <= 0 */
+        float u[4][4];
 #pragma unroll
-            for (int nt = 0; nt < 4; nt++) {
-                float2 lo = *(const float2*)(Ur + 8 * nt), hi = *(const float2*)(Ur + 8 * dv + 8 * nt);
-                u[nt][0] = lo.x;
-                u[nt][1] = lo.y;
-                u[nt][2] = hi.x;
-                u[nt][3] = hi.y;
-            }
-            dec0 = expf(gC - Gc[m0 + g]); /* exponents <= 0 */
-            dec1 = expf(gC - Gc[m0 + g + 8]);
-        }
+        for (int nt = 0; nt < 4; nt++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) u[nt][e] = un[nt][e];
+        if (c + 1 < nch) load_gu(c + 1);
         cp_async_wait1(); /* this chunk's Wt, Qt (its Mt, K may still be in flight) */
         __syncthreads();  /* ... visible to all; Ss of the previous chunk's step 4 too */
 
@@ -250,7 +261,8 @@ extern "C" __global__ void __launch_bounds__(256)
  *   3. the WY solve [W | U] = (I + A)^-1 X, X = [diag(beta e^gamma) K | diag(beta) V], in row
  *      blocks of 16: Y_i = X_i - sum_{j<i} A_ij Z_j, Z_i = T_ii Y_i. The columns are independent,
  *      so warp w takes 8 columns per pass (64 per pass over D_k + D_v) and keeps its Z [64][8] in
- *      a private part of Qs (free once Qt is written): no block barrier inside the solve.
+ *      a private part of Qs (free once Qt is written): no block barrier inside the solve. The V
+ *      rows of X are prefetched into the L2 at the start (they come from HBM at long prompts).
  * Requires D_k % 32 == 0, D_k <= 128, D_v % 32 == 0.
  */
 #define GP_LDA 68
@@ -281,6 +293,11 @@ extern "C" __global__ void __launch_bounds__(256, 2)
         cp_async16((u32)__cvta_generic_to_shared(Qs + r * ldk + j), qn + src, r < L ? 16 : 0);
     }
     cp_async_commit();
+    /* the chunk's V rows (read by the solve's X, long after) into the L2 now */
+    for (int i = tid, lr = dv / 32; i < L * lr; i += 256) {
+        int r = i / lr;
+        asm volatile("prefetch.global.L2 [%0];" ::"l"(y + (long long)(t0 + r) * ldy + 2 * hk * dk + h * dv + 32 * (i - r * lr)));
+    }
     if (tid < GC) {
         float gg = 0.f, bb = 0.f;
         if (tid < L) {
@@ -337,8 +354,10 @@ extern "C" __global__ void __launch_bounds__(256, 2)
             }
     }
     __syncthreads(); /* As complete; Ks, Qs no longer read by the products */
-    /* Qt: (e^gamma q) transposed, 4 rows of one column per thread */
-    for (int e = tid; e < dk * 16; e += 256) {
+    /* Qt: (e^gamma q) transposed, 4 rows of one column per thread, by warps 2-7 while warps 0-1
+       form the T_ii below */
+    for (int e = tid - 64; e < dk * 16; e += 192) {
+        if (e < 0) break;
         int d = e >> 4, r = 4 * (e & 15);
         *(uint4*)(Qt + (hc * dk + d) * GC + r) =
             make_uint4(tf32_rna(egam[r] * Qs[r * ldk + d]), tf32_rna(egam[r + 1] * Qs[(r + 1) * ldk + d]),
