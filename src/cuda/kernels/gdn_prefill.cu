@@ -4,8 +4,10 @@
  *
  * conv_prefill: causal depthwise conv1d (K <= 8 taps) + SiLU over T tokens with carried state.
  *   x [T, ldx] (channel c at x[t*ldx + c]); state [K-1, C]; w [C, K]; y [T, C].
- *   y[t, c] = silu(sum_j w[c, j] X[t + j, c]) with X = [state; x]. One thread per (t, c), loads
- *   coalesced across channels. grid (ceil(C/256), T), block 256. The state is not touched here.
+ *   y[t, c] = silu(sum_j w[c, j] X[t + j, c]) with X = [state; x] (taps summed in order j).
+ *   One thread per channel and run of CONV_TT = 16 tokens, the taps and the last K-1 rows in
+ *   registers (each x element read once per run, plus K-1 rows of overlap), loads coalesced
+ *   across channels. grid (ceil(C/256), ceil(T/16)), block 256. The state is not touched here.
  * conv_state: state <- last K-1 rows of X, after conv_prefill (one thread per channel, rows in
  *   increasing order, so the in-place shift for T < K-1 reads rows not yet overwritten).
  *   grid ceil(C/256), block 256.
@@ -29,16 +31,34 @@
  * gdn_out_norm: o[t, h, :] <- w * o * rsqrt(mean(o^2) + eps) * silu(z[t, h, :]) in place
  *   (z at z[t*ldz + h*D_v + j]). grid (T*H_v), block D_v (multiple of 32, <= 1024).
  */
+#define CONV_TT 16
 extern "C" __global__ void conv_prefill(ConvPrefillParams_fields) {
-    int c = blockIdx.x * blockDim.x + threadIdx.x, t = blockIdx.y;
+    int c = blockIdx.x * blockDim.x + threadIdx.x, t0 = blockIdx.y * CONV_TT;
     if (c >= C) return;
-    float acc = 0.f;
-    for (int j = 0; j < K; j++) {
-        int r = t + j - (K - 1); /* row of x, or of the state when negative */
-        float v = r >= 0 ? x[(long long)r * ldx + c] : state[(long long)(K - 1 + r) * C + c];
-        acc += w[(long long)c * K + j] * v;
+    /* taps and the window of the K - 1 rows before t in registers (static indices only) */
+    float wk[8], win[7];
+#pragma unroll
+    for (int j = 0; j < 8; j++) wk[j] = j < K ? w[(long long)c * K + j] : 0.f;
+#pragma unroll
+    for (int j = 0; j < 7; j++) {
+        int r = t0 + j - (K - 1); /* row of x, or of the state when negative */
+        win[j] = j >= K - 1 ? 0.f : r >= 0 ? x[(long long)r * ldx + c] : state[(long long)(K - 1 + r) * C + c];
     }
-    y[(long long)t * C + c] = silu_f(acc);
+    int tend = min(T, t0 + CONV_TT);
+#pragma unroll 4
+    for (int t = t0; t < tend; t++) {
+        float xt = x[(long long)t * ldx + c];
+        float acc = 0.f;
+#pragma unroll
+        for (int j = 0; j < 7; j++)
+            if (j < K - 1) acc += wk[j] * win[j];
+#pragma unroll
+        for (int j = 0; j < 8; j++)
+            if (j == K - 1) acc += wk[j] * xt;
+#pragma unroll
+        for (int j = 0; j < 7; j++) win[j] = j == K - 2 ? xt : j < K - 2 ? win[j + 1] : win[j];
+        y[(long long)t * C + c] = silu_f(acc);
+    }
 }
 
 extern "C" __global__ void conv_state(ConvStateParams_fields) {

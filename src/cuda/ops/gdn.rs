@@ -39,7 +39,8 @@ impl Gpu {
             K: k,
             T: t,
         };
-        self.launch_params("conv_prefill", (blocks(c as usize, 256), t as u32, 1), 256, 0, &a)?;
+        // One thread per channel and run of 16 tokens (kernels/gdn_prefill.cu, CONV_TT).
+        self.launch_params("conv_prefill", (blocks(c as usize, 256), (t as u32).div_ceil(16), 1), 256, 0, &a)?;
         let a = ConvStateParams { x: In::new(x), ldx, state: Out::new(state), C: c, K: k, T: t };
         self.launch_params("conv_state", (blocks(c as usize, 256), 1, 1), 256, 0, &a)
     }
