@@ -63,16 +63,13 @@ __device__ __forceinline__ float4 lds4(const float* p) {
     return v;
 }
 
-extern "C" __global__ void __launch_bounds__(256)
-    gdn_chunk_prep(GdnChunkPrepParams_fields) {
-    __shared__ __align__(16) float Ks[GC][36], Qs[GC][36];
-    __shared__ __align__(16) float As[GC][68];
-    __shared__ float gam[GC], bet[GC], egam[GC];
-    int c = blockIdx.x, h = blockIdx.y, tid = threadIdx.x;
-    int nch = gridDim.x;
-    int kh = h / (hv / hk);
-    int t0 = c * GC, L = min(GC, T - t0);
-    long long tpad = (long long)nch * GC;
+/* The chunk's gammas (within-chunk cumsum of g_t = neg_a softplus(a_t + dt_bias); rows past T
+   have g = 0, so they repeat the last real row's) and betas (sigmoid(b); 0 past T) into shared
+   gam[64], bet[64]: threads < 64 compute, a barrier, thread 0 sums in order as the CPU
+   reference does. The caller syncs before reading gam. */
+__device__ __forceinline__ void gc_gammas(int tid, int t0, int L, int h, long long ldp, const float* neg_a,
+                                          const float* aproj, const float* dt_bias, const float* bproj,
+                                          float* gam, float* bet) {
     if (tid < GC) {
         float gg = 0.f, bb = 0.f;
         if (tid < L) {
@@ -85,12 +82,25 @@ extern "C" __global__ void __launch_bounds__(256)
     }
     __syncthreads();
     if (tid == 0) {
-        float acc = 0.f; /* sequential, as the CPU reference sums */
+        float acc = 0.f;
         for (int r = 0; r < GC; r++) {
             acc += gam[r];
             gam[r] = acc;
         }
     }
+}
+
+extern "C" __global__ void __launch_bounds__(256)
+    gdn_chunk_prep(GdnChunkPrepParams_fields) {
+    __shared__ __align__(16) float Ks[GC][36], Qs[GC][36];
+    __shared__ __align__(16) float As[GC][68];
+    __shared__ float gam[GC], bet[GC], egam[GC];
+    int c = blockIdx.x, h = blockIdx.y, tid = threadIdx.x;
+    int nch = gridDim.x;
+    int kh = h / (hv / hk);
+    int t0 = c * GC, L = min(GC, T - t0);
+    long long tpad = (long long)nch * GC;
+    gc_gammas(tid, t0, L, h, ldp, neg_a, aproj, dt_bias, bproj, gam, bet);
     /* KK^T and QK^T: a[i][j] = k_r.k_s, m[i][j] = q_r.k_s for r = tx + 16i, s = ty + 16j, only
        for j <= i (for j > i, r - s <= 15 - 16 < 0: masked for every thread; left at 0) */
     int tx = tid & 15, ty = tid >> 4;

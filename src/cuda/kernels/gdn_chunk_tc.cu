@@ -298,24 +298,7 @@ extern "C" __global__ void __launch_bounds__(256, 2)
         int r = i / lr;
         asm volatile("prefetch.global.L2 [%0];" ::"l"(y + (long long)(t0 + r) * ldy + 2 * hk * dk + h * dv + 32 * (i - r * lr)));
     }
-    if (tid < GC) {
-        float gg = 0.f, bb = 0.f;
-        if (tid < L) {
-            long long row = (long long)(t0 + tid) * ldp + h;
-            gg = neg_a[h] * softplus_f(aproj[row] + dt_bias[h]);
-            bb = sigmoid_f(bproj[row]);
-        }
-        gam[tid] = gg;
-        bet[tid] = bb;
-    }
-    __syncthreads();
-    if (tid == 0) {
-        float acc = 0.f; /* sequential, as the CPU reference sums */
-        for (int r = 0; r < GC; r++) {
-            acc += gam[r];
-            gam[r] = acc;
-        }
-    }
+    gc_gammas(tid, t0, L, h, ldp, neg_a, aproj, dt_bias, bproj, gam, bet);
     cp_async_wait0();
     __syncthreads();
     if (tid < GC) {
