@@ -1,8 +1,8 @@
 /*
  * gdn_chunk_tc.cu: gdn_chunk_scan on tensor cores. The same scan over 64-token chunks, the same
  * inputs (the scratch Wt, Qt, U, Mt, G of gdn_chunk_prep_tc below, which stores Wt, Qt and Mt
- * already rounded to TF32, and the normalized keys kn) and outputs (o
- * before the gated norm, the state S updated in place) as gdn_chunk.cu, with every product an
+ * already rounded to TF32, and the normalized keys kn) and outputs (o before the gated norm, the
+ * state S updated in place) as gdn_chunk.cu, with every product an
  * mma.sync m16n8k8 in TF32 (operands rounded to nearest by cvt.rna: 10 mantissa bits) with fp32
  * accumulation. The state itself stays fp32 in registers from the first chunk to the last; only
  * its copy used as a product operand is rounded. Used by the bf16 prefill (Precision::Bf16); the
@@ -28,7 +28,11 @@
  *   WQ  Wt [128][72], Qt [128][72]  (this chunk's, loaded during the previous chunk's steps 3-4)
  *   Ms  Mt [64][72], Ks kn rows [64][136]  (loaded during this chunk's steps 1-2)
  *   Ss  [128][40], Vs [64][40], V2s [64][40].
- * Three block barriers per chunk. Requires D_k % 16 == 0, D_k <= 128, D_v % 32 == 0.
+ *   Warps 0-3 fetch the next chunk's gammas and U rows into registers a chunk ahead.
+ * Three block barriers per chunk. Requires D_k % 16 == 0, D_k <= 128, D_v % 32 == 0 (the host
+ * runs the pair for D_k % 32 == 0, the prep kernel's requirement).
+ * H200, Qwen3.6 shape, 4096 tokens: 313 us per layer (668 for gdn_chunk_scan); latency-bound
+ * (docs/perf-log.md, session 23).
  */
 #define GT_LDW 72
 #define GT_LDK 136
