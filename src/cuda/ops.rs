@@ -20,6 +20,12 @@ pub use gdn::{gdn_chunk_floats, gdn_prefill_kernel, GdnPrefill, GdnPrefillKernel
 pub use gemm::{GemmKernel, Precision};
 pub use sampling::{sampling_params_bytes, SAMPLE_WS_BYTES};
 
+/// A whole-number setting read once from the environment variable `name` into `cell`
+/// (`default` when unset or not a number).
+pub(crate) fn env_usize(cell: &'static std::sync::OnceLock<usize>, name: &str, default: usize) -> usize {
+    *cell.get_or_init(|| std::env::var(name).ok().and_then(|v| v.parse().ok()).unwrap_or(default))
+}
+
 fn ty_code(t: FloatType) -> i32 {
     match t {
         FloatType::F32 => 0,

@@ -268,7 +268,7 @@ fn shared_grouped(skinny_tiles: bool) -> bool {
 /// at 1,024 tokens 13,397-13,419 → 14,333 tok/s (docs/perf-log.md, 2026-12-03).
 fn skinny_tiles(prec: Precision, pairs: usize, experts: usize) -> bool {
     static V: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    let avg = *V.get_or_init(|| std::env::var("LILY_CUDA_BM8_AVG").ok().and_then(|v| v.parse().ok()).unwrap_or(48));
+    let avg = crate::cuda::ops::env_usize(&V, "LILY_CUDA_BM8_AVG", 48);
     prec == Precision::Bf16 && pairs.div_ceil(experts) <= avg
 }
 

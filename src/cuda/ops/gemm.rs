@@ -237,7 +237,7 @@ pub enum GemmKernel {
 /// Most rows of a plain product that go to the skinny kernel (`LILY_CUDA_SKINNY_MAX_M`).
 fn skinny_max_m() -> usize {
     static V: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    *V.get_or_init(|| std::env::var("LILY_CUDA_SKINNY_MAX_M").ok().and_then(|v| v.parse().ok()).unwrap_or(64))
+    super::env_usize(&V, "LILY_CUDA_SKINNY_MAX_M", 64)
 }
 
 /// Plain products with at most this many output rows go to the skinny kernel for up to 1,024
@@ -246,14 +246,14 @@ fn skinny_max_m() -> usize {
 /// the skinny kernel spreads it over row passes and K splits that read the 0.5 MB from L2.
 fn skinny_small_n() -> usize {
     static V: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    *V.get_or_init(|| std::env::var("LILY_CUDA_SKINNY_SMALL_N").ok().and_then(|v| v.parse().ok()).unwrap_or(512))
+    super::env_usize(&V, "LILY_CUDA_SKINNY_SMALL_N", 512)
 }
 
 /// Most input rows per matrix, on average, for which grouped products go to the skinny kernel
 /// (`LILY_CUDA_SKINNY_MAX_AVG`).
 fn skinny_max_avg() -> usize {
     static V: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    *V.get_or_init(|| std::env::var("LILY_CUDA_SKINNY_MAX_AVG").ok().and_then(|v| v.parse().ok()).unwrap_or(24))
+    super::env_usize(&V, "LILY_CUDA_SKINNY_MAX_AVG", 24)
 }
 
 impl GemmKernel {
@@ -301,7 +301,7 @@ fn wg_on() -> bool {
 /// (`LILY_CUDA_WG128_FROM`, default 1024).
 fn wg128_from() -> usize {
     static V: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    *V.get_or_init(|| std::env::var("LILY_CUDA_WG128_FROM").ok().and_then(|v| v.parse().ok()).unwrap_or(1024))
+    super::env_usize(&V, "LILY_CUDA_WG128_FROM", 1024)
 }
 
 /// Whether Auto picks [`GemmKernel::Pipe`] over the tiles kernel (`LILY_CUDA_GEMM_PIPE=0`: no).
@@ -387,7 +387,7 @@ fn skinny_kq(k: usize) -> usize {
 /// 32-row passes at one block per SM by 4-5% at B=64).
 fn skinny_tn_cap() -> usize {
     static CAP: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    *CAP.get_or_init(|| std::env::var("LILY_CUDA_SKINNY_TN").ok().and_then(|v| v.parse().ok()).unwrap_or(8))
+    super::env_usize(&CAP, "LILY_CUDA_SKINNY_TN", 8)
 }
 
 /// `tn` (8, 16 or 32) lowered until its shared memory fits `optin` bytes.
