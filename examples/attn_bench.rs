@@ -130,7 +130,11 @@ fn main() -> Result<()> {
         let pairs: f64 = (0..t).map(|i| (p0 + i + 1) as f64).sum();
         let flops = pairs * 4.0 * (hd * nh) as f64;
         let mut reference: Option<Vec<f32>> = None;
-        for k in [PrefillAttn::Tc, PrefillAttn::Flash] {
+        let mut kernels = vec![PrefillAttn::Tc, PrefillAttn::Flash];
+        if g.arch == "sm_90a" {
+            kernels.extend([PrefillAttn::FlashWg, PrefillAttn::FlashWgPipe]);
+        }
+        for k in kernels {
             let run = || {
                 g.attn_prefill_with(
                     k,

@@ -607,6 +607,9 @@ fn attention_prefill_matches_cpu() {
         let mut kernels = vec![Some(PrefillAttn::Simt), Some(PrefillAttn::Tc), None];
         if [64, 128, 256].contains(&hd) {
             kernels.push(Some(PrefillAttn::Flash));
+            if g.arch == "sm_90a" {
+                kernels.extend([Some(PrefillAttn::FlashWg), Some(PrefillAttn::FlashWgPipe)]);
+            }
         }
         for k in kernels {
             out.write_f32(0, &vec![f32::NAN; t * nh * hd]).unwrap();

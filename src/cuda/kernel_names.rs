@@ -3,7 +3,7 @@
 //! (gemm_skinny, flash-attention prefill, tensor-core decode attention) with its shared memory.
 
 /// Every kernel source, in compile order (the prelude first). One NVRTC program, one module.
-pub const SOURCES: [(&str, &str); 19] = [
+pub const SOURCES: [(&str, &str); 20] = [
     ("common.cuh", include_str!("kernels/common.cuh")),
     ("norm.cu", include_str!("kernels/norm.cu")),
     ("linear.cu", include_str!("kernels/linear.cu")),
@@ -19,6 +19,7 @@ pub const SOURCES: [(&str, &str); 19] = [
     ("attention_dec.cu", include_str!("kernels/attention_dec.cu")),
     ("attention_prefill.cu", include_str!("kernels/attention_prefill.cu")),
     ("attention_fa.cu", include_str!("kernels/attention_fa.cu")),
+    ("attention_wg.cu", include_str!("kernels/attention_wg.cu")),
     ("moe.cu", include_str!("kernels/moe.cu")),
     ("gemv.cu", include_str!("kernels/gemv.cu")),
     ("sampling.cu", include_str!("kernels/sampling.cu")),
@@ -27,7 +28,7 @@ pub const SOURCES: [(&str, &str); 19] = [
 
 /// Kernel entry points loaded from the module that are launched plainly; with [`PDL_KERNELS`] and
 /// [`SKINNY_KERNELS`] they are every entry point (see [`all_kernels`]), each listed once.
-pub const KERNELS: [&str; 26] = [
+pub const KERNELS: [&str; 32] = [
     "gemv_q_loadonly",
     "gemm_f32",
     "gemm_bf16",
@@ -50,6 +51,12 @@ pub const KERNELS: [&str; 26] = [
     "attn_prefill_fa64",
     "attn_prefill_fa128",
     "attn_prefill_fa256",
+    "attn_prefill_wg64",
+    "attn_prefill_wg128",
+    "attn_prefill_wg256",
+    "attn_prefill_wgp64",
+    "attn_prefill_wgp128",
+    "attn_prefill_wgp256",
     "moe_align",
     "moe_combine",
     "moe_combine_rows",
@@ -191,6 +198,20 @@ pub fn fa_kernel(d: usize) -> &'static str {
         64 => "attn_prefill_fa64",
         128 => "attn_prefill_fa128",
         _ => "attn_prefill_fa256",
+    }
+}
+
+/// The wgmma prefill attention kernel for head dim `d` (64, 128 or 256; kernels/attention_wg.cu):
+/// one tile at a time, or (`pipe`) with the softmax under the previous tile's P V. Its shared
+/// memory is [`fa_smem`]`(d)`.
+pub fn wg_attn_kernel(d: usize, pipe: bool) -> &'static str {
+    match (d, pipe) {
+        (64, false) => "attn_prefill_wg64",
+        (128, false) => "attn_prefill_wg128",
+        (_, false) => "attn_prefill_wg256",
+        (64, true) => "attn_prefill_wgp64",
+        (128, true) => "attn_prefill_wgp128",
+        (_, true) => "attn_prefill_wgp256",
     }
 }
 

@@ -329,6 +329,8 @@ impl Gpu {
             .max(48 * 1024) as usize;
         let smem_optin = optin.min(160 * 1024);
         let fa = [64, 128, 256].map(|d| (fa_kernel(d), fa_smem(d).min(optin)));
+        let fa_wg = [(64, false), (128, false), (256, false), (64, true), (128, true), (256, true)]
+            .map(|(d, pipe)| (wg_attn_kernel(d, pipe), fa_smem(d).min(optin)));
         let pipe = [
             ("gemm_pipe64", GEMM_PIPE_SMEM64),
             ("gemm_pipe128", GEMM_PIPE_SMEM128),
@@ -339,7 +341,7 @@ impl Gpu {
         let skinny = SKINNY_KERNELS.map(|k| (k, smem_optin));
         let pstep = [("pstep", optin)];
         let gdn = [("gdn_chunk_scan_tc", GDN_TC_SMEM.min(optin)), ("gdn_chunk_prep_tc", GDN_PREP_TC_SMEM.min(optin))];
-        for (k, bytes) in skinny.into_iter().chain(fa).chain(pipe).chain(dec).chain(pstep).chain(gdn) {
+        for (k, bytes) in skinny.into_iter().chain(fa).chain(fa_wg).chain(pipe).chain(dec).chain(pstep).chain(gdn) {
             // SAFETY: a valid function handle and attribute; the value is within the device limit.
             unsafe {
                 sys::cuFuncSetAttribute(

@@ -288,7 +288,9 @@ kernel_params! {
     /// caches by kernel), output gate from `qg` rows of stride `ldg` when `gated`.
     AttnPrefillParams spread [
         "attn_prefill", "attn_prefill_bf16", "attn_prefill_tc", "attn_prefill_tc_bf16",
-        "attn_prefill_fa64", "attn_prefill_fa128", "attn_prefill_fa256"
+        "attn_prefill_fa64", "attn_prefill_fa128", "attn_prefill_fa256", "attn_prefill_wg64",
+        "attn_prefill_wg128", "attn_prefill_wg256", "attn_prefill_wgp64", "attn_prefill_wgp128",
+        "attn_prefill_wgp256"
     ] {
         q: In<f32>, kc: In<Void>, vc: In<Void>, qg: In<f32>, ldg: i64, out: Out<f32>, nh: i32, hkv: i32, hd: i32, T: i32,
         pos_p: In<i32>, scale: f32, gated: i32

@@ -30,7 +30,7 @@ impl Gpu {
         gated: bool,
         kv: KvDtype,
     ) -> Result<()> {
-        let k = PrefillAttn::default_for(prec, kv, dims.2, self.smem_optin_max);
+        let k = PrefillAttn::default_for(prec, kv, dims.2, self.smem_optin_max, self.arch == "sm_90a");
         self.attn_prefill_with(k, q, kc, vc, qg, out, dims, t, pos0, gated, kv)
     }
 
@@ -55,15 +55,20 @@ impl Gpu {
             bail!("attn_prefill: head dim {hd} / heads {nh}:{hkv} unsupported");
         }
         let g = nh / hkv;
-        if k == PrefillAttn::Flash
+        let flash = matches!(k, PrefillAttn::Flash | PrefillAttn::FlashWg | PrefillAttn::FlashWgPipe);
+        if flash
             && (kv != KvDtype::Bf16 || ![64, 128, 256].contains(&hd) || super::super::fa_smem(hd) > self.smem_optin_max)
         {
-            bail!("attn_prefill: the flash kernel needs a bf16 cache and head dim 64/128/256 (got {kv:?}, {hd})");
+            bail!("attn_prefill: the flash kernels need a bf16 cache and head dim 64/128/256 (got {kv:?}, {hd})");
         }
+        if matches!(k, PrefillAttn::FlashWg | PrefillAttn::FlashWgPipe) && self.arch != "sm_90a" {
+            bail!("attn_prefill: the wgmma kernels need an sm_90a device (this one is {})", self.arch);
+        }
+        let fa_smem = super::super::fa_smem(hd);
         let (name, grid, block, shared) = match (k, kv) {
-            (PrefillAttn::Flash, _) => {
-                (super::super::fa_kernel(hd), blocks(t * g, 128), 256, super::super::fa_smem(hd))
-            }
+            (PrefillAttn::Flash, _) => (super::super::fa_kernel(hd), blocks(t * g, 128), 256, fa_smem),
+            (PrefillAttn::FlashWg, _) => (super::super::wg_attn_kernel(hd, false), blocks(t * g, 128), 256, fa_smem),
+            (PrefillAttn::FlashWgPipe, _) => (super::super::wg_attn_kernel(hd, true), blocks(t * g, 128), 256, fa_smem),
             (PrefillAttn::Simt, KvDtype::F32) => ("attn_prefill", blocks(t * g, 8), 256, 0),
             (PrefillAttn::Simt, KvDtype::Bf16) => ("attn_prefill_bf16", blocks(t * g, 8), 256, 0),
             (_, KvDtype::F32) => ("attn_prefill_tc", blocks(t * g, 64), 128, 0),
@@ -410,31 +415,33 @@ pub struct AttnPrep {
 }
 
 /// The prefill attention kernels: fp32 SIMT (the exact mode), bf16 tensor cores one 32-key tile
-/// at a time (`attn_prefill_tc*`, any cache), and the flash kernel (kernels/attention_fa.cu:
-/// 128-row blocks, cp.async double buffering, ldmatrix; bf16 cache, head dim 64/128/256).
+/// at a time (`attn_prefill_tc*`, any cache), and the flash kernels (bf16 cache, head dim
+/// 64/128/256, 128-row blocks, cp.async double buffering): on mma.sync with ldmatrix
+/// (kernels/attention_fa.cu), and on Hopper's wgmma (kernels/attention_wg.cu, sm_90a), one tile
+/// at a time or with the softmax under the previous tile's P V.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum PrefillAttn {
     Simt,
     Tc,
     Flash,
+    FlashWg,
+    FlashWgPipe,
 }
 
 impl PrefillAttn {
-    /// SIMT in the exact mode; in the bf16 mode the flash kernel where it applies, unless
-    /// `LILY_CUDA_ATTN_PREFILL=tc` (the A/B switch).
-    pub fn default_for(prec: Precision, kv: KvDtype, hd: usize, smem_max: usize) -> PrefillAttn {
-        static TC: OnceLock<bool> = OnceLock::new();
-        let forced_tc = *TC.get_or_init(|| std::env::var("LILY_CUDA_ATTN_PREFILL").is_ok_and(|v| v == "tc"));
+    /// SIMT in the exact mode; in the bf16 mode the mma.sync flash kernel where it applies.
+    /// `LILY_CUDA_ATTN_PREFILL` picks another for an A/B: `tc`, or on sm_90a `wg` / `wgp` (the
+    /// wgmma kernels, opt-in until measured; docs/perf-log.md).
+    pub fn default_for(prec: Precision, kv: KvDtype, hd: usize, smem_max: usize, sm90a: bool) -> PrefillAttn {
+        static PICK: OnceLock<String> = OnceLock::new();
+        let pick = PICK.get_or_init(|| std::env::var("LILY_CUDA_ATTN_PREFILL").unwrap_or_default());
+        let flash_fits = kv == KvDtype::Bf16 && [64, 128, 256].contains(&hd) && super::super::fa_smem(hd) <= smem_max;
         match prec {
             Precision::F32 => PrefillAttn::Simt,
-            _ if !forced_tc
-                && kv == KvDtype::Bf16
-                && [64, 128, 256].contains(&hd)
-                && super::super::fa_smem(hd) <= smem_max =>
-            {
-                PrefillAttn::Flash
-            }
-            _ => PrefillAttn::Tc,
+            _ if !flash_fits || pick == "tc" => PrefillAttn::Tc,
+            _ if sm90a && pick == "wg" => PrefillAttn::FlashWg,
+            _ if sm90a && pick == "wgp" => PrefillAttn::FlashWgPipe,
+            _ => PrefillAttn::Flash,
         }
     }
 }
