@@ -118,9 +118,9 @@ fn grouped_experts_match_cpu() {
     let Some(g) = gpu() else { return };
     let mut r = rng(12);
     // inter 128: both products' widths are whole k-tiles of gemm_wg (128 columns)
-    let (e, k, t, h, inter) = (6usize, 3usize, 41usize, 128usize, 128usize);
-    // Router logits biased so expert 1 gets every token (a segment longer than one 64-row tile)
-    // and expert 4 none.
+    let (e, k, t, h, inter) = (6usize, 3usize, 100usize, 128usize, 128usize);
+    // Router logits biased so expert 1 gets every token (a segment longer than one 64-row tile,
+    // one 128-row tile) and expert 4 none.
     let mut logits = uniform(&mut r, t * (e + 1), 1.0);
     for row in logits.chunks_mut(e + 1) {
         row[1] += 10.0;
@@ -169,10 +169,12 @@ fn grouped_experts_match_cpu() {
     check("batched moe_topk weights", &wb.read_f32(0, pairs).unwrap(), &want_w, 1e-12);
 
     // Every kernel over the precision's tiles; the skinny kernel also over tiles as tall as its
-    // pass (the routed experts of a short prompt: one pass per tile).
+    // pass (the routed experts of a short prompt: one pass per tile), gemm_wg also over 128-row
+    // tiles (WgTall).
     let tilings = kernels(&g, &gu).into_iter().flat_map(|(prec, kern)| {
         let own = match kern {
             GemmKernel::Skinny(tn) => Some((prec, kern, tn)),
+            GemmKernel::Wg => Some((prec, GemmKernel::WgTall, 128)),
             _ => None,
         };
         [(prec, kern, prec.bm())].into_iter().chain(own)

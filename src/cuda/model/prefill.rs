@@ -3,7 +3,7 @@
 //! gdn_prefill.cu, attention_prefill.cu).
 
 use super::{CudaModel, CudaSession, GFfn, GLayer, GMixer, GState};
-use crate::cuda::ops::{gdn_chunk_floats, GdnPrefill, GemmKernel, Precision};
+use crate::cuda::ops::{gdn_chunk_floats, wg_tall_avg, GdnPrefill, GemmKernel, Precision};
 use crate::cuda::DevBuf;
 use anyhow::{bail, Context, Result};
 
@@ -309,10 +309,28 @@ pub(super) fn ffn_rows(m: &CudaModel, layer: &GLayer, p: &PScratch, t: usize, pr
             let pairs = t * slots;
             router.run_rows(g, prec, p.xn.ptr, h, p.router.ptr, e + 1, t)?;
             g.moe_topk_rows(p.router.ptr, e + 1, t, e, k, c.norm_topk_prob, p.ids.ptr, p.wts.ptr, 0, inside)?;
-            let bm = if skinny_tiles(prec, pairs, grouped) { skinny_bm(pairs, grouped) } else { prec.bm() };
+            let skinny = skinny_tiles(prec, pairs, grouped);
+            // Many rows per expert: 128-row tiles on gemm_wg128 (LILY_CUDA_WG_TALL_AVG).
+            let tall = !skinny
+                && prec == Precision::Bf16
+                && wg_tall_avg() > 0
+                && pairs >= wg_tall_avg() * grouped
+                && g.wg_fits(&experts.gate_up, t)
+                && g.wg_fits(&experts.down, pairs);
+            let bm = if skinny {
+                skinny_bm(pairs, grouped)
+            } else if tall {
+                128
+            } else {
+                prec.bm()
+            };
             // 16- and 32-row tiles: one pass that wide (Auto caps the pass at 8 rows, the
             // batched step's best).
-            let kern = if bm == 16 || bm == 32 { GemmKernel::Skinny(bm) } else { GemmKernel::Auto };
+            let kern = match bm {
+                16 | 32 => GemmKernel::Skinny(bm),
+                _ if tall => GemmKernel::WgTall,
+                _ => GemmKernel::Auto,
+            };
             g.moe_align(p.ids.ptr, pairs, grouped, bm, p.perm.ptr, p.inv.ptr, p.tiles.ptr)?;
             let tl = (p.tiles.ptr, max_tiles(pairs, bm, grouped), pairs);
             let gu = (p.egu.ptr, 2 * inter);

@@ -150,7 +150,16 @@ impl Gpu {
                 let grid = if tiles == 0 { (grid, ksplit as u32, 1) } else { (grid, ntiles as u32, 1) };
                 self.launch_params(name, grid, 256, skinny_smem(tn, w.cols) as u32, &a)
             }
-            (Precision::Bf16, GemmKernel::Wg) if self.wg_fits(w, xrows) => {
+            (Precision::Bf16, GemmKernel::WgTall) if !self.wg_fits(w, xrows) => {
+                bail!(
+                    "gemm_wg128: {} rows of width {} ({}-bit, group {}) do not fit gemm_wg",
+                    xrows,
+                    w.cols,
+                    w.bits,
+                    w.group
+                )
+            }
+            (Precision::Bf16, GemmKernel::Wg | GemmKernel::WgTall) if self.wg_fits(w, xrows) => {
                 // the inputs as bf16 in wgmma's k order into the workspace, then the product
                 let k = w.cols;
                 let xp = XPermParams {
@@ -163,7 +172,8 @@ impl Gpu {
                 self.launch_params("x_bf16_perm", ((xrows * k / 8).div_ceil(256) as u32, 1, 1), 256, 0, &xp)?;
                 a.x = In::new(self.wg_ws);
                 a.ldx = k as i64;
-                let (name, smem, bt, per_sm) = if tiles == 0 && m >= wg128_from() {
+                let tall = kern == GemmKernel::WgTall || (tiles == 0 && m >= wg128_from());
+                let (name, smem, bt, per_sm) = if tall {
                     ("gemm_wg128", crate::cuda::GEMM_WG_SMEM128, 128, 1)
                 } else {
                     ("gemm_wg64", crate::cuda::GEMM_WG_SMEM64, 64, 2)
@@ -205,7 +215,7 @@ impl Gpu {
 
     /// Whether gemm_wg takes this product: a format gemm_pipe reads, in groups of a power of
     /// two and whole 128-column k-tiles, with `xrows` input rows within the workspace.
-    fn wg_fits(&self, w: &GpuLinear, xrows: usize) -> bool {
+    pub fn wg_fits(&self, w: &GpuLinear, xrows: usize) -> bool {
         self.wg_available()
             && w.pipe_ok()
             && (w.group as u32).is_power_of_two()
@@ -232,6 +242,10 @@ pub enum GemmKernel {
     /// gemm_wg: the same products on Hopper's wgmma, inputs converted once to bf16 (sm_90a and
     /// inputs within [`crate::cuda::WG_WS_BYTES`]; else [`GemmKernel::Pipe`]).
     Wg,
+    /// gemm_wg's 128-row kernel (gemm_wg128) on a grouped product's tiles, which `moe_align`
+    /// must then build 128 rows tall: each expert's weights dequantized once per 128 rows instead
+    /// of 64. An error, not a fallback, where gemm_wg does not take the product.
+    WgTall,
 }
 
 /// Most rows of a plain product that go to the skinny kernel (`LILY_CUDA_SKINNY_MAX_M`).
@@ -287,6 +301,14 @@ impl GemmKernel {
             k => k,
         }
     }
+}
+
+/// Grouped bf16 products whose experts average at least this many rows take
+/// [`GemmKernel::WgTall`] (128-row tiles) where gemm_wg takes them (`LILY_CUDA_WG_TALL_AVG`;
+/// 0, the default until measured, never).
+pub fn wg_tall_avg() -> usize {
+    static V: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    super::env_usize(&V, "LILY_CUDA_WG_TALL_AVG", 0)
 }
 
 /// Whether Auto picks [`GemmKernel::Wg`] for what [`GemmKernel::Pipe`] reads
