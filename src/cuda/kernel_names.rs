@@ -129,9 +129,10 @@ fn skinny_occ2() -> bool {
 /// Kernels that call `pdl_wait()` before touching activations (kernels/common.cuh) and so may be
 /// launched as programmatic dependents: their launch and weight reads overlap the previous
 /// kernel's tail. The gemm_skinny entry points are such kernels too (see [`is_pdl`]).
-pub const PDL_KERNELS: [&str; 42] = [
+pub const PDL_KERNELS: [&str; 43] = [
     "gemm_wg64",
     "gemm_wg128",
+    "gemm_wg256",
     "x_bf16_perm",
     "moe_fused_q",
     "gemv_q2_conv",
@@ -183,6 +184,8 @@ pub const GEMM_PIPE_SMEM128: usize = 4 * (128 * 256 + 128 * 32);
 /// inputs and [128][64 bytes] of 4-bit codes (kernels/gemm_wg.cu).
 pub const GEMM_WG_SMEM64: usize = 3 * (64 * 256 + 128 * 64);
 pub const GEMM_WG_SMEM128: usize = 3 * (128 * 256 + 128 * 64);
+/// gemm_wg256's: 256-row input tiles, 216 KB.
+pub const GEMM_WG_SMEM256: usize = 3 * (256 * 256 + 128 * 64);
 
 /// Dynamic shared memory of gdn_chunk_scan_tc (kernels/gdn_chunk_tc.cu): fp32 tiles Wt and Qt
 /// [128][72], Mt [64][72], keys [64][136], the state [128][40], V_new and V2 [64][40].

@@ -337,6 +337,7 @@ impl Gpu {
             ("gemm_pipe128", GEMM_PIPE_SMEM128),
             ("gemm_wg64", GEMM_WG_SMEM64),
             ("gemm_wg128", GEMM_WG_SMEM128),
+            ("gemm_wg256", GEMM_WG_SMEM256.min(optin)),
         ];
         let dec = [64, 128, 256].map(|d| (attn_dec_kernel(d), attn_dec_smem(d).min(optin)));
         let skinny = SKINNY_KERNELS.map(|k| (k, smem_optin));

@@ -34,8 +34,11 @@
  * Launch: block 256 = 2 warpgroups; warpgroup h owns weight rows n0 + 64h .. +63 (warp w of it
  *   rows 16w + g and 16w + g + 8, the A fragment rows), all BT = 64*NB input rows of the tile
  *   (NB m64n64 accumulators of 32 floats per thread). grid (ceil(N/128), tiles) as gemm_pipe64
- *   (NB = 1; grouped experts and plain products under LILY_CUDA_WG128_FROM = 1024 rows) or (ceil(N/128), ceil(M/128))
- *   (NB = 2). Per k-tile: wait for its stage, one barrier, refill the stage used one k-tile ago
+ *   (NB = 1; grouped experts and plain products under LILY_CUDA_WG128_FROM = 1024 rows),
+ *   (ceil(N/128), ceil(M/128)) (NB = 2, also grouped experts' 128-row tiles), or
+ *   (ceil(N/128), ceil(M/256)) (NB = 4, gemm_wg256: plain products from LILY_CUDA_WG256_FROM
+ *   rows, off by default until measured; 216 KB of shared memory, each weight dequantized once
+ *   per 256 input rows). Per k-tile: wait for its stage, one barrier, refill the stage used one k-tile ago
  *   (its wgmmas are complete: each warpgroup waits for its own before the barrier); per 64-column
  *   half dequantize 4 k-steps x 4 A registers and issue its 4*NB wgmmas (the second half's
  *   dequantization overlaps the first half's wgmmas); commit, wait. The scales and biases are
@@ -129,27 +132,40 @@ __device__ __forceinline__ void gemm_wg_body(const void* w, const void* sc, cons
     /* this block's k-tiles: all, or part blockIdx.z of ksplit (plain products only) */
     int kb = (int)blockIdx.z * (K / 128) / ksplit, nk = ((int)blockIdx.z + 1) * (K / 128) / ksplit - kb;
 
-    /* input copies: piece ci = tid + 256j is row (ci & 7) + 8(ci >> 7), piece (ci >> 3) & 15, so a
-       warp's 32 copies fill 4 whole core matrices (conflict-free) from 64-byte runs of 8 rows */
-    const u16* xsrc[XC];
-    u32 xdst[XC];
-    int xbytes[XC];
+    /* input copies: piece ci = tid + 256j is row (ci & 7) + 8(ci >> 7) = xr0 + 16j, piece
+       (ci >> 3) & 15 = xq, so a warp's 32 copies fill 4 whole core matrices (conflict-free) from
+       64-byte runs of 8 rows. Up to 128-row tiles the copies' addresses are kept in registers;
+       the 256-row tiles (LEAN) compute them per copy (the registers hold the accumulators). */
+    constexpr bool LEAN = NB > 2;
+    const int xr0 = (tid & 7) + 8 * (tid >> 7), xq = (tid >> 3) & 15;
+    const u32 xd0 = (u32)((xq * (BT / 8) + (xr0 >> 3)) * 128 + (xr0 & 7) * 16); /* + 256j */
+    const u16* xsrc[LEAN ? 1 : XC];
+    int xbytes[LEAN ? 1 : XC];
+    if constexpr (!LEAN) {
 #pragma unroll
-    for (int j = 0; j < XC; j++) {
-        int ci = tid + 256 * j, r = (ci & 7) + 8 * (ci >> 7), q = (ci >> 3) & 15;
-        int m = tl.m0 + r;
-        bool ok = m < tl.m1;
-        xsrc[j] = xb + (ok ? gemm_xrow(gather, gdiv, m) : 0) * (long long)K + q * 8;
-        xbytes[j] = ok ? 16 : 0;
-        xdst[j] = (u32)((q * (BT / 8) + (r >> 3)) * 128 + (r & 7) * 16);
+        for (int j = 0; j < XC; j++) {
+            int m = tl.m0 + xr0 + 16 * j;
+            bool ok = m < tl.m1;
+            xsrc[j] = xb + (ok ? gemm_xrow(gather, gdiv, m) : 0) * (long long)K + xq * 8;
+            xbytes[j] = ok ? 16 : 0;
+        }
     }
     /* code copies: row tid/2 of the block's 128, 16-byte pieces 2(tid%2) and 2(tid%2)+1 of its 64
        bytes per k-tile */
     const u32* wsrc = (const u32*)w + ((long long)tl.e * N + min(n0 + tid / 2, N - 1)) * (K / 8) + (tid & 1) * 8;
     auto load_x = [&](int kt, int st) {
-        u32 base = s0 + st * STAGE;
+        u32 base = s0 + st * STAGE + xd0;
 #pragma unroll
-        for (int j = 0; j < XC; j++) cp_async16(base + xdst[j], xsrc[j] + (kb + kt) * 128, xbytes[j]);
+        for (int j = 0; j < XC; j++) {
+            if constexpr (LEAN) {
+                int m = tl.m0 + xr0 + 16 * j;
+                bool ok = m < tl.m1;
+                const u16* src = xb + (ok ? gemm_xrow(gather, gdiv, m) : 0) * (long long)K + xq * 8;
+                cp_async16(base + 256 * j, src + (kb + kt) * 128, ok ? 16 : 0);
+            } else {
+                cp_async16(base + 256 * j, xsrc[j] + (kb + kt) * 128, xbytes[j]);
+            }
+        }
     };
     auto load_w = [&](int kt, int st) {
         u32 base = s0 + st * STAGE;
@@ -299,3 +315,4 @@ __device__ __forceinline__ void gemm_wg_body(const void* w, const void* sc, cons
     }
 GEMM_WG(gemm_wg64, 1, 2)
 GEMM_WG(gemm_wg128, 2, 1)
+GEMM_WG(gemm_wg256, 4, 1)

@@ -150,6 +150,12 @@ impl Gpu {
                 let grid = if tiles == 0 { (grid, ksplit as u32, 1) } else { (grid, ntiles as u32, 1) };
                 self.launch_params(name, grid, 256, skinny_smem(tn, w.cols) as u32, &a)
             }
+            (Precision::Bf16, GemmKernel::Wg256) if tiles != 0 || !self.wg256_fits(w, xrows) => {
+                bail!(
+                    "gemm_wg256: a grouped product, or {xrows} rows of width {} that gemm_wg256 does not take",
+                    w.cols
+                )
+            }
             (Precision::Bf16, GemmKernel::WgTall) if !self.wg_fits(w, xrows) => {
                 bail!(
                     "gemm_wg128: {} rows of width {} ({}-bit, group {}) do not fit gemm_wg",
@@ -159,7 +165,7 @@ impl Gpu {
                     w.group
                 )
             }
-            (Precision::Bf16, GemmKernel::Wg | GemmKernel::WgTall) if self.wg_fits(w, xrows) => {
+            (Precision::Bf16, GemmKernel::Wg | GemmKernel::WgTall | GemmKernel::Wg256) if self.wg_fits(w, xrows) => {
                 // the inputs as bf16 in wgmma's k order into the workspace, then the product
                 let k = w.cols;
                 let xp = XPermParams {
@@ -172,8 +178,13 @@ impl Gpu {
                 self.launch_params("x_bf16_perm", ((xrows * k / 8).div_ceil(256) as u32, 1, 1), 256, 0, &xp)?;
                 a.x = In::new(self.wg_ws);
                 a.ldx = k as i64;
+                let wide = tiles == 0
+                    && (kern == GemmKernel::Wg256
+                        || (wg256_from() > 0 && m >= wg256_from() && self.wg256_fits(w, xrows)));
                 let tall = kern == GemmKernel::WgTall || (tiles == 0 && m >= wg128_from());
-                let (name, smem, bt, per_sm) = if tall {
+                let (name, smem, bt, per_sm) = if wide {
+                    ("gemm_wg256", crate::cuda::GEMM_WG_SMEM256, 256, 1)
+                } else if tall {
                     ("gemm_wg128", crate::cuda::GEMM_WG_SMEM128, 128, 1)
                 } else {
                     ("gemm_wg64", crate::cuda::GEMM_WG_SMEM64, 64, 2)
@@ -222,6 +233,11 @@ impl Gpu {
             && w.cols.is_multiple_of(128)
             && xrows * w.cols * 2 <= crate::cuda::WG_WS_BYTES
     }
+
+    /// Whether gemm_wg256 takes a plain product (gemm_wg does, and its shared memory fits).
+    fn wg256_fits(&self, w: &GpuLinear, xrows: usize) -> bool {
+        self.wg_fits(w, xrows) && crate::cuda::GEMM_WG_SMEM256 <= self.smem_optin_max
+    }
 }
 
 /// Which bf16 kernel runs a many-row product.
@@ -246,6 +262,10 @@ pub enum GemmKernel {
     /// must then build 128 rows tall: each expert's weights dequantized once per 128 rows instead
     /// of 64. An error, not a fallback, where gemm_wg does not take the product.
     WgTall,
+    /// gemm_wg256 on a plain product: 256-row input tiles, each weight dequantized once per 256
+    /// rows (an error where gemm_wg does not take the product or the device lacks its 216 KB of
+    /// shared memory).
+    Wg256,
 }
 
 /// Most rows of a plain product that go to the skinny kernel (`LILY_CUDA_SKINNY_MAX_M`).
@@ -301,6 +321,13 @@ impl GemmKernel {
             k => k,
         }
     }
+}
+
+/// Plain gemm_wg products of at least this many rows take 256-row tiles (gemm_wg256)
+/// (`LILY_CUDA_WG256_FROM`; 0, the default until measured, never).
+fn wg256_from() -> usize {
+    static V: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    super::env_usize(&V, "LILY_CUDA_WG256_FROM", 0)
 }
 
 /// Grouped bf16 products whose experts average at least this many rows take
