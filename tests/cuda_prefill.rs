@@ -44,7 +44,7 @@ fn i32_bytes(v: &[i32]) -> Vec<u8> {
 }
 
 /// The product kernels to check: fp32, the bf16 tiles, gemm_pipe and gemm_wg (sm_90a; also its
-/// 256-row tiles) where they read the format, and the bf16 skinny kernel at each pass width (when it reads the format).
+/// 256-row tiles and the warp-specialized gemm_ws) where they read the format, and the bf16 skinny kernel at each pass width (when it reads the format).
 fn kernels(g: &lily::cuda::Gpu, gl: &GpuLinear) -> Vec<(Precision, GemmKernel)> {
     let mut v = vec![(Precision::F32, GemmKernel::Auto), (Precision::Bf16, GemmKernel::Tiles)];
     if gl.pipe_ok() {
@@ -56,6 +56,8 @@ fn kernels(g: &lily::cuda::Gpu, gl: &GpuLinear) -> Vec<(Precision, GemmKernel)> 
             // 256-row tiles (plain products only; the grouped test skips it)
             v.push((Precision::Bf16, GemmKernel::Wg256));
         }
+        // the warp-specialized persistent form (the grouped test also runs its 128-row tiles)
+        v.push((Precision::Bf16, GemmKernel::Ws));
     }
     if gl.skinny_ok() {
         v.extend([8, 16, 32].map(|tn| (Precision::Bf16, GemmKernel::Skinny(tn))));
@@ -179,6 +181,7 @@ fn grouped_experts_match_cpu() {
         let own = match kern {
             GemmKernel::Skinny(tn) => Some((prec, kern, tn)),
             GemmKernel::Wg => Some((prec, GemmKernel::WgTall, 128)),
+            GemmKernel::Ws => Some((prec, GemmKernel::WsTall, 128)),
             _ => None,
         };
         [(prec, kern, prec.bm())].into_iter().chain(own)

@@ -3,7 +3,7 @@
 //! (gemm_skinny, flash-attention prefill, tensor-core decode attention) with its shared memory.
 
 /// Every kernel source, in compile order (the prelude first). One NVRTC program, one module.
-pub const SOURCES: [(&str, &str); 20] = [
+pub const SOURCES: [(&str, &str); 21] = [
     ("common.cuh", include_str!("kernels/common.cuh")),
     ("norm.cu", include_str!("kernels/norm.cu")),
     ("linear.cu", include_str!("kernels/linear.cu")),
@@ -11,6 +11,7 @@ pub const SOURCES: [(&str, &str); 20] = [
     ("gemm_skinny.cu", include_str!("kernels/gemm_skinny.cu")),
     ("gemm_pipe.cu", include_str!("kernels/gemm_pipe.cu")),
     ("gemm_wg.cu", include_str!("kernels/gemm_wg.cu")),
+    ("gemm_ws.cu", include_str!("kernels/gemm_ws.cu")),
     ("gdn.cu", include_str!("kernels/gdn.cu")),
     ("gdn_prefill.cu", include_str!("kernels/gdn_prefill.cu")),
     ("gdn_chunk.cu", include_str!("kernels/gdn_chunk.cu")),
@@ -28,13 +29,15 @@ pub const SOURCES: [(&str, &str); 20] = [
 
 /// Kernel entry points loaded from the module that are launched plainly; with [`PDL_KERNELS`] and
 /// [`SKINNY_KERNELS`] they are every entry point (see [`all_kernels`]), each listed once.
-pub const KERNELS: [&str; 32] = [
+pub const KERNELS: [&str; 34] = [
     "gemv_q_loadonly",
     "gemm_f32",
     "gemm_bf16",
     "gemm_bf16_m128",
     "gemm_pipe64",
     "gemm_pipe128",
+    "gemm_ws64",
+    "gemm_ws128",
     "conv_prefill",
     "conv_state",
     "gdn_qk_prep",
@@ -184,6 +187,10 @@ pub const GEMM_PIPE_SMEM128: usize = 4 * (128 * 256 + 128 * 32);
 /// inputs and [128][64 bytes] of 4-bit codes (kernels/gemm_wg.cu).
 pub const GEMM_WG_SMEM64: usize = 3 * (64 * 256 + 128 * 64);
 pub const GEMM_WG_SMEM128: usize = 3 * (128 * 256 + 128 * 64);
+/// Dynamic shared memory of gemm_ws64 / gemm_ws128: 8 or 5 stages of gemm_wg's [64 or 128
+/// rows][128] bf16 inputs and [128][64 bytes] of codes (kernels/gemm_ws.cu).
+pub const GEMM_WS_SMEM64: usize = 8 * (64 * 256 + 128 * 64);
+pub const GEMM_WS_SMEM128: usize = 5 * (128 * 256 + 128 * 64);
 /// gemm_wg256's: 256-row input tiles, 216 KB.
 pub const GEMM_WG_SMEM256: usize = 3 * (256 * 256 + 128 * 64);
 

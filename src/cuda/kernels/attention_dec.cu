@@ -29,7 +29,6 @@ __device__ __forceinline__ void cp_async_wait() {
     asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
 }
 
-__device__ __forceinline__ u32 smem_u32(const void* p) { return (u32)__cvta_generic_to_shared(p); }
 
 /* (hi, lo) bf16 pair of x: hi = bf16(x), lo = bf16(x - hi). */
 __device__ __forceinline__ void split_bf16(float x, u32& hi, u32& lo) {

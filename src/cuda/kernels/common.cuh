@@ -80,6 +80,38 @@ __device__ __forceinline__ void pdl_begin() {
     pdl_trigger();
     pdl_wait();
 }
+__device__ __forceinline__ u32 smem_u32(const void* p) { return (u32)__cvta_generic_to_shared(p); }
+/* mbarriers (sm_90: pstep.cu, gemm_ws.cu): init, wait for a phase's parity, arrive, arrive with
+   an expected transaction byte count, and a bulk global -> shared copy completing on one. */
+#if __CUDA_ARCH__ >= 900
+__device__ __forceinline__ void mb_init(u64* b, int count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_u32(b)), "r"(count) : "memory");
+}
+/* The waiting threads are suspended (up to the hint, 20 µs, per try) instead of spinning, so a
+   block's waiting consumers leave the issue slots to its producer. */
+__device__ __forceinline__ void mb_wait(u64* b, u32 parity) {
+    u32 a = smem_u32(b), done = 0;
+    while (!done) {
+        asm volatile(
+            "{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2, %3; selp.u32 %0, 1, 0, p; }"
+            : "=r"(done)
+            : "r"(a), "r"(parity), "n"(20000)
+            : "memory");
+    }
+}
+__device__ __forceinline__ void mb_arrive(u64* b) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_u32(b)) : "memory");
+}
+__device__ __forceinline__ void mb_expect(u64* b, u32 tx) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(b)), "r"(tx) : "memory");
+}
+__device__ __forceinline__ void bulk_g2s(void* dst, const void* src, u32 bytes, u64* bar) {
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
+                     smem_u32(dst)),
+                 "l"(src), "r"(bytes), "r"(smem_u32(bar))
+                 : "memory");
+}
+#endif
 /* cp.async (16 bytes; `bytes` < 16 zero-fills the rest), ldmatrix at a shared-space address, and
    mma.sync m16n8k16 bf16 -> fp32 (c += A B), shared by the tensor-core kernels. */
 __device__ __forceinline__ void cp_async16(u32 dst, const void* src, int bytes) {

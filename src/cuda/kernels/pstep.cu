@@ -105,35 +105,6 @@ static_assert((sizeof(PsShared) + 127) / 128 * 128 == 12288, "PsShared changed: 
 
 __device__ __forceinline__ void ps_cbar() { asm volatile("bar.sync 1, %0;" ::"n"(PS_THREADS) : "memory"); }
 
-#if __CUDA_ARCH__ >= 900
-__device__ __forceinline__ void mb_init(u64* b, int count) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_u32(b)), "r"(count) : "memory");
-}
-/* The waiting threads are suspended (up to the hint, 20 µs, per try) instead of spinning, so a
-   block's waiting consumers leave the issue slots to its producer. */
-__device__ __forceinline__ void mb_wait(u64* b, u32 parity) {
-    u32 a = smem_u32(b), done = 0;
-    while (!done) {
-        asm volatile(
-            "{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2, %3; selp.u32 %0, 1, 0, p; }"
-            : "=r"(done)
-            : "r"(a), "r"(parity), "n"(20000)
-            : "memory");
-    }
-}
-__device__ __forceinline__ void mb_arrive(u64* b) {
-    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_u32(b)) : "memory");
-}
-__device__ __forceinline__ void mb_expect(u64* b, u32 tx) {
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(b)), "r"(tx) : "memory");
-}
-__device__ __forceinline__ void bulk_g2s(void* dst, const void* src, u32 bytes, u64* bar) {
-    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
-                     smem_u32(dst)),
-                 "l"(src), "r"(bytes), "r"(smem_u32(bar))
-                 : "memory");
-}
-#endif
 
 __device__ __forceinline__ u64 ps_load_relaxed(const u64* p) {
     u64 v;

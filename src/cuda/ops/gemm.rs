@@ -156,7 +156,7 @@ impl Gpu {
                     w.cols
                 )
             }
-            (Precision::Bf16, GemmKernel::WgTall) if !self.wg_fits(w, xrows) => {
+            (Precision::Bf16, GemmKernel::WgTall | GemmKernel::Ws | GemmKernel::WsTall) if !self.wg_fits(w, xrows) => {
                 bail!(
                     "gemm_wg128: {} rows of width {} ({}-bit, group {}) do not fit gemm_wg",
                     xrows,
@@ -165,7 +165,10 @@ impl Gpu {
                     w.group
                 )
             }
-            (Precision::Bf16, GemmKernel::Wg | GemmKernel::WgTall | GemmKernel::Wg256) if self.wg_fits(w, xrows) => {
+            (
+                Precision::Bf16,
+                GemmKernel::Wg | GemmKernel::WgTall | GemmKernel::Wg256 | GemmKernel::Ws | GemmKernel::WsTall,
+            ) if self.wg_fits(w, xrows) => {
                 // the inputs as bf16 in wgmma's k order into the workspace, then the product
                 let k = w.cols;
                 let xp = XPermParams {
@@ -181,7 +184,18 @@ impl Gpu {
                 let wide = tiles == 0
                     && (kern == GemmKernel::Wg256
                         || (wg256_from() > 0 && m >= wg256_from() && self.wg256_fits(w, xrows)));
-                let tall = kern == GemmKernel::WgTall || (tiles == 0 && m >= wg128_from());
+                let tall = matches!(kern, GemmKernel::WgTall | GemmKernel::WsTall) || (tiles == 0 && m >= wg128_from());
+                if matches!(kern, GemmKernel::Ws | GemmKernel::WsTall) || (ws_on() && !wide) {
+                    // persistent: one block per SM (at most one per tile), 288 threads
+                    let (name, smem, bt) = if tall {
+                        ("gemm_ws128", crate::cuda::GEMM_WS_SMEM128, 128)
+                    } else {
+                        ("gemm_ws64", crate::cuda::GEMM_WS_SMEM64, 64)
+                    };
+                    let ntile = blocks(n, 128) as usize * if tiles == 0 { m.div_ceil(bt) } else { ntiles };
+                    let grid = ntile.min(self.sms as usize) as u32;
+                    return self.launch_params(name, (grid, 1, 1), 288, smem as u32, &a);
+                }
                 let (name, smem, bt, per_sm) = if wide {
                     ("gemm_wg256", crate::cuda::GEMM_WG_SMEM256, 256, 1)
                 } else if tall {
@@ -266,6 +280,14 @@ pub enum GemmKernel {
     /// rows (an error where gemm_wg does not take the product or the device lacks its 216 KB of
     /// shared memory).
     Wg256,
+    /// gemm_ws: gemm_wg's product as a warp-specialized persistent kernel (a producer warp
+    /// keeping mbarrier-paced stages full, two consumer warpgroups; kernels/gemm_ws.cu) on
+    /// 64-row tiles (plain products under `LILY_CUDA_WG128_FROM` rows, grouped products on
+    /// moe_align's 64-row tiles) or 128-row ones (larger plain products). `LILY_CUDA_GEMM_WS=1`
+    /// runs it wherever Auto would run gemm_wg's 64/128-row kernels.
+    Ws,
+    /// [`GemmKernel::Ws`] on a grouped product's 128-row tiles (as [`GemmKernel::WgTall`]).
+    WsTall,
 }
 
 /// Most rows of a plain product that go to the skinny kernel (`LILY_CUDA_SKINNY_MAX_M`).
@@ -328,6 +350,13 @@ impl GemmKernel {
 fn wg256_from() -> usize {
     static V: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
     super::env_usize(&V, "LILY_CUDA_WG256_FROM", 0)
+}
+
+/// Whether Auto's gemm_wg products (64/128-row tiles) run on gemm_ws (`LILY_CUDA_GEMM_WS=1`;
+/// off by default until measured).
+fn ws_on() -> bool {
+    static V: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *V.get_or_init(|| std::env::var("LILY_CUDA_GEMM_WS").is_ok_and(|v| v == "1"))
 }
 
 /// Grouped bf16 products whose experts average at least this many rows take
