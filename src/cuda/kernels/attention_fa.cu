@@ -36,6 +36,35 @@ template <int D> __device__ __forceinline__ u32 fa_off(int i, int c) {
     return (u32)(i * (D * 2) + ((c ^ (i & 7)) << 4));
 }
 
+/* The end of a 128-row block (attention_fa.cu and attention_wg.cu): this thread's rows r and r + 8
+   (r = r0 + 16 warp + g), their sums l over the quad's 4 lanes, out = o / l times sigmoid(gate)
+   when gated; o[4n + 2i + c] is row r + 8i, column 8n + 2 t4 + c. Rows past T*G are not written. */
+template <int D>
+__device__ __forceinline__ void fa_store_rows(const float* o, float* l, int r, int nrows, int G, int kvh, int nh, int t4,
+                                              float* out, const float* qg, long long ldg, int gated) {
+#pragma unroll
+    for (int i = 0; i < 2; i++) {
+        l[i] += __shfl_xor_sync(0xffffffffu, l[i], 1);
+        l[i] += __shfl_xor_sync(0xffffffffu, l[i], 2);
+        int ri = r + 8 * i;
+        if (ri >= nrows) continue;
+        int t = ri / G, h = kvh * G + ri % G;
+        float inv = 1.f / l[i];
+        float* op = out + ((long long)t * nh + h) * D;
+        const float* gp = qg + (long long)t * ldg + (long long)h * 2 * D + D;
+#pragma unroll
+        for (int n = 0; n < D / 8; n++) {
+            int d = 8 * n + 2 * t4;
+            float x0 = o[4 * n + 2 * i] * inv, x1 = o[4 * n + 2 * i + 1] * inv;
+            if (gated) {
+                x0 *= sigmoid_f(gp[d]);
+                x1 *= sigmoid_f(gp[d + 1]);
+            }
+            *(float2*)(op + d) = make_float2(x0, x1);
+        }
+    }
+}
+
 template <int D>
 __device__ __forceinline__ void attn_fa_t(const float* q, const u16* kc, const u16* vc, const float* qg, long long ldg,
                                           float* out, int nh, int hkv, int T, const int* pos_p, float scale,
@@ -184,27 +213,7 @@ __device__ __forceinline__ void attn_fa_t(const float* q, const u16* kc, const u
         __syncthreads();
     }
 
-#pragma unroll
-    for (int i = 0; i < 2; i++) {
-        l[i] += __shfl_xor_sync(0xffffffffu, l[i], 1);
-        l[i] += __shfl_xor_sync(0xffffffffu, l[i], 2);
-        int r = r0 + 16 * warp + g + 8 * i;
-        if (r >= nrows) continue;
-        int t = r / G, h = kvh * G + r % G;
-        float inv = 1.f / l[i];
-        float* op = out + ((long long)t * nh + h) * D;
-        const float* gp = qg + (long long)t * ldg + (long long)h * 2 * D + D;
-#pragma unroll
-        for (int n = 0; n < D / 8; n++) {
-            int d = 8 * n + 2 * t4;
-            float x0 = o[n][2 * i] * inv, x1 = o[n][2 * i + 1] * inv;
-            if (gated) {
-                x0 *= sigmoid_f(gp[d]);
-                x1 *= sigmoid_f(gp[d + 1]);
-            }
-            *(float2*)(op + d) = make_float2(x0, x1);
-        }
-    }
+    fa_store_rows<D>(&o[0][0], l, r0 + 16 * warp + g, nrows, G, kvh, nh, t4, out, qg, ldg, gated);
 }
 
 #define ATTN_FA(D)                                                                                                 \

@@ -270,27 +270,7 @@ __device__ __forceinline__ void attn_wg_t(const float* q, const u16* kc, const u
         wg_wait0();
     }
 
-#pragma unroll
-    for (int i = 0; i < 2; i++) {
-        l[i] += __shfl_xor_sync(0xffffffffu, l[i], 1);
-        l[i] += __shfl_xor_sync(0xffffffffu, l[i], 2);
-        int r = r0 + 16 * warp + g + 8 * i;
-        if (r >= nrows) continue;
-        int t = r / G, h = kvh * G + r % G;
-        float inv = 1.f / l[i];
-        float* op = out + ((long long)t * nh + h) * D;
-        const float* gp = qg + (long long)t * ldg + (long long)h * 2 * D + D;
-#pragma unroll
-        for (int n = 0; n < D / 8; n++) {
-            int d = 8 * n + 2 * t4;
-            float x0 = o[4 * n + 2 * i] * inv, x1 = o[4 * n + 2 * i + 1] * inv;
-            if (gated) {
-                x0 *= sigmoid_f(gp[d]);
-                x1 *= sigmoid_f(gp[d + 1]);
-            }
-            *(float2*)(op + d) = make_float2(x0, x1);
-        }
-    }
+    fa_store_rows<D>(o, l, r0 + 16 * warp + g, nrows, G, kvh, nh, t4, out, qg, ldg, gated);
 #endif
 }
 

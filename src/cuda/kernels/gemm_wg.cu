@@ -107,6 +107,74 @@ __device__ __forceinline__ void wgmma_m64n64(float* d, const u32* a, u64 desc) {
           "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(1));
 }
+
+/* bf16 scale and bias of a thread's two weight rows (so0, so1: their first group's index) for
+   both 64-column halves of the k-tile at column k0: sb[h][r][0] scale, [1] bias of half h, row
+   rb0 (r = 0) or rb1. Groups are 2^lg columns. */
+__device__ __forceinline__ void wg_load_sb(const void* sc, const void* bi, long long so0, long long so1, int k0, int t4,
+                                           int lg, u32 (&sb)[2][2][2]) {
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+        int kg = (k0 + 64 * h + 16 * t4) >> lg;
+        sb[h][0][0] = ((const u16*)sc)[so0 + kg];
+        sb[h][0][1] = ((const u16*)bi)[so0 + kg];
+        sb[h][1][0] = ((const u16*)sc)[so1 + kg];
+        sb[h][1][1] = ((const u16*)bi)[so1 + kg];
+    }
+}
+
+/* One k-tile of a warpgroup: per 64-column half, dequantize the codes of rows rb0 and rb1 (cod:
+   the stage's [128][64 bytes]) into 4 k-steps x 4 A registers, then issue its 4*NB wgmmas on
+   the inputs at descriptor dk (the stage's BT rows); commit and wait for all of them. */
+template <int NB>
+__device__ __forceinline__ void wg_ktile(float (&acc)[NB][32], const unsigned char* cod, int rb0, int rb1, int t4,
+                                         const u32 (&sb)[2][2][2], u64 dk) {
+    constexpr int BT = 64 * NB;
+    u32 a[2][4][4];
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+        uint2 c0 = *(const uint2*)(cod + rb0 * 64 + h * 32 + t4 * 8);
+        uint2 c1 = *(const uint2*)(cod + rb1 * 64 + h * 32 + t4 * 8);
+        u32 s0v = sb[h][0][0] * 0x10001u, b0v = sb[h][0][1] * 0x10001u;
+        u32 s1v = sb[h][1][0] * 0x10001u, b1v = sb[h][1][1] * 0x10001u;
+#pragma unroll
+        for (int s = 0; s < 4; s++) {
+            u32 w0 = (s >> 1) ? c0.y : c0.x, w1 = (s >> 1) ? c1.y : c1.x;
+            int sh = 8 * (s & 1);
+            a[h][s][0] = wg_dq(w0, sh, s0v, b0v);
+            a[h][s][1] = wg_dq(w1, sh, s1v, b1v);
+            a[h][s][2] = wg_dq(w0, sh + 4, s0v, b0v);
+            a[h][s][3] = wg_dq(w1, sh + 4, s1v, b1v);
+        }
+        wg_fence();
+#pragma unroll
+        for (int s = 0; s < 4; s++)
+#pragma unroll
+            for (int j = 0; j < NB; j++)
+                wgmma_m64n64(acc[j], a[h][s], dk + (u32)(((2 * (4 * h + s) * (BT / 8) + 8 * j) * 128) >> 4));
+    }
+    wg_commit();
+    wg_wait0();
+}
+
+/* acc[j][4i + v] is weight row nA (v < 2) or nB, input row m0 + 64j + 8i + 2t4 + (v & 1): stored
+   to dst[m, n] (added to it when `add`) for m < m1, n < N. */
+template <int NB>
+__device__ __forceinline__ void wg_store(const float (&acc)[NB][32], float* dst, long long ldd, int m0, int m1, int nA,
+                                         int nB, int N, int t4, bool add) {
+#pragma unroll
+    for (int j = 0; j < NB; j++)
+#pragma unroll
+        for (int i = 0; i < 8; i++)
+#pragma unroll
+            for (int v = 0; v < 4; v++) {
+                int m = m0 + 64 * j + 8 * i + 2 * t4 + (v & 1), n = v < 2 ? nA : nB;
+                if (m < m1 && n < N) {
+                    float* p = dst + (long long)m * ldd + n;
+                    *p = add ? *p + acc[j][4 * i + v] : acc[j][4 * i + v];
+                }
+            }
+}
 #endif
 
 template <int NB>
@@ -135,7 +203,8 @@ __device__ __forceinline__ void gemm_wg_body(const void* w, const void* sc, cons
     /* input copies: piece ci = tid + 256j is row (ci & 7) + 8(ci >> 7) = xr0 + 16j, piece
        (ci >> 3) & 15 = xq, so a warp's 32 copies fill 4 whole core matrices (conflict-free) from
        64-byte runs of 8 rows. Up to 128-row tiles the copies' addresses are kept in registers;
-       the 256-row tiles (LEAN) compute them per copy (the registers hold the accumulators). */
+       the 256-row tiles (LEAN, plain products only: rows are not gathered) compute them per copy
+       (the registers hold the accumulators). */
     constexpr bool LEAN = NB > 2;
     const int xr0 = (tid & 7) + 8 * (tid >> 7), xq = (tid >> 3) & 15;
     const u32 xd0 = (u32)((xq * (BT / 8) + (xr0 >> 3)) * 128 + (xr0 & 7) * 16); /* + 256j */
@@ -160,7 +229,7 @@ __device__ __forceinline__ void gemm_wg_body(const void* w, const void* sc, cons
             if constexpr (LEAN) {
                 int m = tl.m0 + xr0 + 16 * j;
                 bool ok = m < tl.m1;
-                const u16* src = xb + (ok ? gemm_xrow(gather, gdiv, m) : 0) * (long long)K + xq * 8;
+                const u16* src = xb + (ok ? m : 0) * (long long)K + xq * 8; /* plain products: no gather */
                 cp_async16(base + 256 * j, src + (kb + kt) * 128, ok ? 16 : 0);
             } else {
                 cp_async16(base + 256 * j, xsrc[j] + (kb + kt) * 128, xbytes[j]);
@@ -183,16 +252,7 @@ __device__ __forceinline__ void gemm_wg_body(const void* w, const void* sc, cons
        used, so no instruction waits for a load issued in the same k-tile). */
     int lg = __ffs(group) - 1; /* group is a power of two (no division in the loop) */
     long long so0 = wr0 * (K >> lg), so1 = wr1 * (K >> lg);
-    auto load_sb = [&](int kt, u32 (&sb)[2][2][2]) {
-#pragma unroll
-        for (int h = 0; h < 2; h++) {
-            int kg = ((kb + kt) * 128 + 64 * h + 16 * t4) >> lg;
-            sb[h][0][0] = ((const u16*)sc)[so0 + kg];
-            sb[h][0][1] = ((const u16*)bi)[so0 + kg];
-            sb[h][1][0] = ((const u16*)sc)[so1 + kg];
-            sb[h][1][1] = ((const u16*)bi)[so1 + kg];
-        }
-    };
+    auto load_sb = [&](int kt, u32 (&sb)[2][2][2]) { wg_load_sb(sc, bi, so0, so1, (kb + kt) * 128, t4, lg, sb); };
 
     float acc[NB][32];
 #pragma unroll
@@ -228,32 +288,7 @@ __device__ __forceinline__ void gemm_wg_body(const void* w, const void* sc, cons
         cp_async_commit();
         if (kt + 1 < nk) load_sb(kt + 1, nsb);
         u64 dk = dbase + (u32)(((kt % S) * STAGE) >> 4); /* this stage's B descriptor (start field) */
-        const unsigned char* cod = wg_sm + (kt % S) * STAGE + XB;
-        u32 a[2][4][4];
-#pragma unroll
-        for (int h = 0; h < 2; h++) { /* 64-column half h: dequantize, then its 4 k-steps */
-            uint2 c0 = *(const uint2*)(cod + rb0 * 64 + h * 32 + t4 * 8);
-            uint2 c1 = *(const uint2*)(cod + rb1 * 64 + h * 32 + t4 * 8);
-            u32 s0v = sb[h][0][0] * 0x10001u, b0v = sb[h][0][1] * 0x10001u;
-            u32 s1v = sb[h][1][0] * 0x10001u, b1v = sb[h][1][1] * 0x10001u;
-#pragma unroll
-            for (int s = 0; s < 4; s++) {
-                u32 w0 = (s >> 1) ? c0.y : c0.x, w1 = (s >> 1) ? c1.y : c1.x;
-                int sh = 8 * (s & 1);
-                a[h][s][0] = wg_dq(w0, sh, s0v, b0v);
-                a[h][s][1] = wg_dq(w1, sh, s1v, b1v);
-                a[h][s][2] = wg_dq(w0, sh + 4, s0v, b0v);
-                a[h][s][3] = wg_dq(w1, sh + 4, s1v, b1v);
-            }
-            wg_fence();
-#pragma unroll
-            for (int s = 0; s < 4; s++)
-#pragma unroll
-                for (int j = 0; j < NB; j++)
-                    wgmma_m64n64(acc[j], a[h][s], dk + (u32)(((2 * (4 * h + s) * (BT / 8) + 8 * j) * 128) >> 4));
-        }
-        wg_commit();
-        wg_wait0();
+        wg_ktile<NB>(acc, wg_sm + (kt % S) * STAGE + XB, rb0, rb1, t4, sb, dk);
     };
     for (int kt = 0; kt < nk; kt += 2) {
         step(kt, sbA, sbB);
@@ -266,18 +301,7 @@ __device__ __forceinline__ void gemm_wg_body(const void* w, const void* sc, cons
     int nA = n0 + rb0, nB = n0 + rb1;
     float* dst = ksplit > 1 ? part + (long long)blockIdx.z * M * N : y;
     long long ldd = ksplit > 1 ? N : ldy;
-#pragma unroll
-    for (int j = 0; j < NB; j++)
-#pragma unroll
-        for (int i = 0; i < 8; i++)
-#pragma unroll
-            for (int v = 0; v < 4; v++) {
-                int m = tl.m0 + 64 * j + 8 * i + 2 * t4 + (v & 1), n = v < 2 ? nA : nB;
-                if (m < tl.m1 && n < N) {
-                    float* p = dst + (long long)m * ldd + n;
-                    *p = accumulate && ksplit == 1 ? *p + acc[j][4 * i + v] : acc[j][4 * i + v];
-                }
-            }
+    wg_store<NB>(acc, dst, ldd, tl.m0, tl.m1, nA, nB, N, t4, accumulate && ksplit == 1);
     if (ksplit == 1) return;
     __threadfence();
     __syncthreads();

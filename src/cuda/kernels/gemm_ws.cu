@@ -148,16 +148,7 @@ __device__ __forceinline__ void gemm_ws_body(const void* w, const void* sc, cons
         tile_of(t, e, m0, m1, n0);
         long long wr0 = (long long)e * N + min(n0 + rb0, N - 1), wr1 = (long long)e * N + min(n0 + rb1, N - 1);
         long long so0 = wr0 * (K >> lg), so1 = wr1 * (K >> lg);
-        auto load_sb = [&](int kt, u32 (&sb)[2][2][2]) {
-#pragma unroll
-            for (int h = 0; h < 2; h++) {
-                int kg = (kt * 128 + 64 * h + 16 * t4) >> lg;
-                sb[h][0][0] = ((const u16*)sc)[so0 + kg];
-                sb[h][0][1] = ((const u16*)bi)[so0 + kg];
-                sb[h][1][0] = ((const u16*)sc)[so1 + kg];
-                sb[h][1][1] = ((const u16*)bi)[so1 + kg];
-            }
-        };
+        auto load_sb = [&](int kt, u32 (&sb)[2][2][2]) { wg_load_sb(sc, bi, so0, so1, kt * 128, t4, lg, sb); };
         float acc[NB][32];
 #pragma unroll
         for (int j = 0; j < NB; j++)
@@ -169,33 +160,7 @@ __device__ __forceinline__ void gemm_ws_body(const void* w, const void* sc, cons
             int st = it % S;
             ws_wait(&full[st], (it / S) & 1);
             if (kt + 1 < nk) load_sb(kt + 1, nsb);
-            u64 dk = dbase + (u32)((st * STAGE) >> 4);
-            const unsigned char* cod = ws_sm + st * STAGE + XB;
-            u32 a[2][4][4];
-#pragma unroll
-            for (int h = 0; h < 2; h++) {
-                uint2 c0 = *(const uint2*)(cod + rb0 * 64 + h * 32 + t4 * 8);
-                uint2 c1 = *(const uint2*)(cod + rb1 * 64 + h * 32 + t4 * 8);
-                u32 s0v = sb[h][0][0] * 0x10001u, b0v = sb[h][0][1] * 0x10001u;
-                u32 s1v = sb[h][1][0] * 0x10001u, b1v = sb[h][1][1] * 0x10001u;
-#pragma unroll
-                for (int s = 0; s < 4; s++) {
-                    u32 w0 = (s >> 1) ? c0.y : c0.x, w1 = (s >> 1) ? c1.y : c1.x;
-                    int sh = 8 * (s & 1);
-                    a[h][s][0] = wg_dq(w0, sh, s0v, b0v);
-                    a[h][s][1] = wg_dq(w1, sh, s1v, b1v);
-                    a[h][s][2] = wg_dq(w0, sh + 4, s0v, b0v);
-                    a[h][s][3] = wg_dq(w1, sh + 4, s1v, b1v);
-                }
-                wg_fence();
-#pragma unroll
-                for (int s = 0; s < 4; s++)
-#pragma unroll
-                    for (int j = 0; j < NB; j++)
-                        wgmma_m64n64(acc[j], a[h][s], dk + (u32)(((2 * (4 * h + s) * (BT / 8) + 8 * j) * 128) >> 4));
-            }
-            wg_commit();
-            wg_wait0();
+            wg_ktile<NB>(acc, ws_sm + st * STAGE + XB, rb0, rb1, t4, sb, dbase + (u32)((st * STAGE) >> 4));
             mb_arrive(&empty[st]);
             it++;
         };
@@ -203,20 +168,7 @@ __device__ __forceinline__ void gemm_ws_body(const void* w, const void* sc, cons
             step(kt, sbA, sbB);
             if (kt + 1 < nk) step(kt + 1, sbB, sbA);
         }
-        /* acc[j][4i + v]: weight row rb0 (v < 2) or rb1, input row 64j + 8i + 2t4 + (v & 1) */
-        int nA = n0 + rb0, nB = n0 + rb1;
-#pragma unroll
-        for (int j = 0; j < NB; j++)
-#pragma unroll
-            for (int i = 0; i < 8; i++)
-#pragma unroll
-                for (int v = 0; v < 4; v++) {
-                    int m = m0 + 64 * j + 8 * i + 2 * t4 + (v & 1), n = v < 2 ? nA : nB;
-                    if (m < m1 && n < N) {
-                        float* p = y + (long long)m * ldy + n;
-                        *p = accumulate ? *p + acc[j][4 * i + v] : acc[j][4 * i + v];
-                    }
-                }
+        wg_store<NB>(acc, y, ldy, m0, m1, n0 + rb0, n0 + rb1, N, t4, accumulate);
     }
 #endif
 }
