@@ -36,6 +36,20 @@ template <int D> __device__ __forceinline__ u32 fa_off(int i, int c) {
     return (u32)(i * (D * 2) + ((c ^ (i & 7)) << 4));
 }
 
+/* The online-softmax update of this thread's two rows after a tile: mx (the running maxima folded
+   with this lane's scores) reduced over the quad's 4 lanes, corr = exp2(m - mx), then m = mx and
+   l *= corr. Every row sees key 0 in tile 0, so mx is finite from the first tile on. */
+__device__ __forceinline__ void fa_rescale(float* mx, float* m, float* l, float* corr) {
+#pragma unroll
+    for (int i = 0; i < 2; i++) {
+        mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 1));
+        mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 2));
+        corr[i] = exp2f(m[i] - mx[i]);
+        m[i] = mx[i];
+        l[i] *= corr[i];
+    }
+}
+
 /* The end of a 128-row block (attention_fa.cu and attention_wg.cu): this thread's rows r and r + 8
    (r = r0 + 16 warp + g), their sums l over the quad's 4 lanes, out = o / l times sigmoid(gate)
    when gated; o[4n + 2i + c] is row r + 8i, column 8n + 2 t4 + c. Rows past T*G are not written. */
@@ -172,15 +186,7 @@ __device__ __forceinline__ void attn_fa_t(const float* q, const u16* kc, const u
                 mx[i] = fmaxf(mx[i], v);
             }
         float corr[2];
-#pragma unroll
-        for (int i = 0; i < 2; i++) {
-            mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 1));
-            mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 2));
-            /* every row sees key 0 in tile 0, so mx is finite from the first tile on */
-            corr[i] = exp2f(m[i] - mx[i]);
-            m[i] = mx[i];
-            l[i] *= corr[i];
-        }
+        fa_rescale(mx, m, l, corr);
 #pragma unroll
         for (int n = 0; n < 8; n++)
 #pragma unroll

@@ -170,15 +170,7 @@ __device__ __forceinline__ void attn_wg_t(const float* q, const u16* kc, const u
             s[j] = v;
             mx[i] = fmaxf(mx[i], v);
         }
-#pragma unroll
-        for (int i = 0; i < 2; i++) {
-            mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 1));
-            mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 2));
-            /* every row sees key 0 in tile 0, so mx is finite from the first tile on */
-            corr[i] = exp2f(m[i] - mx[i]);
-            m[i] = mx[i];
-            l[i] *= corr[i];
-        }
+        fa_rescale(mx, m, l, corr);
 #pragma unroll
         for (int j = 0; j < 32; j++) {
             float p = exp2f(s[j] - mx[(j >> 1) & 1]);
