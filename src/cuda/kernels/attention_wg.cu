@@ -178,7 +178,8 @@ __device__ __forceinline__ void attn_wg_t(const float* q, const u16* kc, const u
             l[(j >> 1) & 1] += p;
         }
     };
-    auto rescale = [&](const float* corr) {
+    auto rescale = [&](const float* corr) { /* skipped (same result) while no row max of the warp moved */
+        if (!__any_sync(0xffffffffu, corr[0] != 1.f || corr[1] != 1.f)) return;
 #pragma unroll
         for (int j = 0; j < D / 2; j++) o[j] *= corr[(j >> 1) & 1];
     };
