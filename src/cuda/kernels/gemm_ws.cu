@@ -90,8 +90,8 @@ __device__ __forceinline__ void gemm_ws_body(const void* w, const void* sc, cons
 
     if (warp == 8) {
         /* producer: lane copies X pieces q = (lane >> 3) + 4(j & 3) of rows (lane & 7) + 8(j >> 2)
-           (j < BT/2: 8 rows x 4 pieces per warp copy, conflict-free) and W rows (lane >> 2) + 8j
-           piece... as bulk copies, 4 rows per lane */
+           (j < BT/2: 8 rows x 4 pieces per warp copy, conflict-free), and the 64 code bytes of W
+           rows lane + 32i (i < 4) as bulk copies */
         const int xq = lane >> 3;
         int it = 0;
         for (int t = blockIdx.x; t < ntile; t += gridDim.x) {
