@@ -474,9 +474,53 @@ fn fused_decode_moe_matches_cpu() {
         for rep in 0..3 {
             xb.write_f32(0, &x).unwrap();
             let (ids_f, wts_f) = (g.zeros(4 * (k + 1)).unwrap(), g.zeros(4 * (k + 1)).unwrap());
-            g.moe_fused(&gu, &dn, xb.ptr, (nwb.ptr, 1e-6), egu_r.ptr, route, (ids_f.ptr, wts_f.ptr), ctr.ptr).unwrap();
+            g.moe_fused(&gu, &dn, None, xb.ptr, (nwb.ptr, 1e-6), egu_r.ptr, route, (ids_f.ptr, wts_f.ptr), ctr.ptr)
+                .unwrap();
             assert_eq!(ids_f.read_i32(k + 1).unwrap(), want_ids, "moe_fused: ids");
             check(&format!("moe_fused q{bits} E{e} K{k} run {rep}"), &xb.read_f32(0, h).unwrap(), &want, TOL);
+        }
+        // The router in the same launch (LILY_CUDA_MOE_ROUTER=fused), on the same counter: a
+        // random 8-bit router (as the checkpoints'); the launch writes its logits on
+        // rms_norm(x), then routes on them.
+        let router = quant(&mut r, e + 1, h, 8, 64);
+        let mut rl = vec![0f32; e + 1];
+        router.matvec(&xn, &mut rl);
+        let rg = GpuLinear::upload(&g, &router).unwrap();
+        assert!(g.moe_router_ok(&rg, &gu, e), "moe_fused refuses the router");
+        let mut want_r = x.clone();
+        let mut slots_r = lily::cpu::moe::route(&rl[..e], k, true);
+        slots_r.push((e, sigmoid(rl[e])));
+        for &(ex, w) in &slots_r {
+            let (mut a, mut b) = (vec![0f32; inter], vec![0f32; inter]);
+            gate_up[2 * ex].matvec(&xn, &mut a);
+            gate_up[2 * ex + 1].matvec(&xn, &mut b);
+            let hh: Vec<f32> = a.iter().zip(&b).map(|(p, q)| lily::cpu::norm::silu(*p) * q).collect();
+            let mut y = vec![0f32; h];
+            down[ex].matvec(&hh, &mut y);
+            want_r.iter_mut().zip(&y).for_each(|(o, v)| *o += w * v);
+        }
+        let want_ids_r: Vec<i32> = slots_r.iter().map(|(i, _)| *i as i32).collect();
+        let lr = g.upload_f32(&vec![f32::NAN; e + 1]).unwrap();
+        for rep in 0..2 {
+            xb.write_f32(0, &x).unwrap();
+            let (ids_f, wts_f) = (g.zeros(4 * (k + 1)).unwrap(), g.zeros(4 * (k + 1)).unwrap());
+            let route_r = (lr.ptr, e, k, true);
+            g.moe_fused(
+                &gu,
+                &dn,
+                Some(&rg),
+                xb.ptr,
+                (nwb.ptr, 1e-6),
+                egu_r.ptr,
+                route_r,
+                (ids_f.ptr, wts_f.ptr),
+                ctr.ptr,
+            )
+            .unwrap();
+            check(&format!("moe_fused router q8 E{e} run {rep}: logits"), &lr.read_f32(0, e + 1).unwrap(), &rl, TOL);
+            assert_eq!(ids_f.read_i32(k + 1).unwrap(), want_ids_r, "moe_fused with the router: ids");
+            let name = format!("moe_fused with the router q{bits} E{e} K{k} run {rep}");
+            check(&name, &xb.read_f32(0, h).unwrap(), &want_r, TOL);
         }
         for (kern, bpsm) in [(GemvKernel::Old, 0), (GemvKernel::Q2, 1), (GemvKernel::Q2, 4)] {
             xb.write_f32(0, &x).unwrap();

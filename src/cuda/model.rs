@@ -12,7 +12,7 @@
 //! attention over the cache, and routed experts grouped by expert on the GPU (`moe_align` →
 //! grouped GEMM → combine).
 
-use super::ops::{AttnKernel, AttnPrep, GdnStep, GpuLinear, KvDtype, Precision};
+use super::ops::{router_fused, AttnKernel, AttnPrep, GdnStep, GpuLinear, KvDtype, Precision};
 use super::{DevBuf, Gpu, Graph, PagedBuf};
 use crate::config::ModelConfig;
 use crate::generate::{Session, Snapshot};
@@ -581,13 +581,19 @@ impl CudaSession {
                     // Router (+ shared gate logit), top-k with the shared expert as slot K, one
                     // gate/up GEMV over the K + 1 experts, one fused down + combine + residual.
                     let (e, k) = (c.num_experts, c.num_experts_per_tok);
-                    router.run(g, s.x.ptr, post_norm, s.router.ptr)?;
                     let route = (s.router.ptr, e, k, c.norm_topk_prob);
                     let (gu, dn) = (&experts.gate_up, &experts.down);
                     if self.routed && g.moe_fused_ok(gu, dn, e, k) {
-                        // Top-k, gate/up and down + residual in one launch.
-                        g.moe_fused(gu, dn, s.x.ptr, post_norm, s.egu.ptr, route, (s.ids.ptr, s.wts.ptr), s.sync.ptr)?;
+                        // Top-k, gate/up and down + residual in one launch (the router too with
+                        // LILY_CUDA_MOE_ROUTER=fused).
+                        let fr = router.fused.as_ref().filter(|r| router_fused() && g.moe_router_ok(r, gu, e));
+                        if fr.is_none() {
+                            router.run(g, s.x.ptr, post_norm, s.router.ptr)?;
+                        }
+                        let ids = (s.ids.ptr, s.wts.ptr);
+                        g.moe_fused(gu, dn, fr, s.x.ptr, post_norm, s.egu.ptr, route, ids, s.sync.ptr)?;
                     } else {
+                        router.run(g, s.x.ptr, post_norm, s.router.ptr)?;
                         if self.routed && gu.streams() {
                             g.gemv_routed(gu, s.x.ptr, post_norm, s.egu.ptr, route, s.ids.ptr, s.wts.ptr)?;
                         } else {

@@ -13,6 +13,7 @@ mod attention;
 mod gdn;
 mod gemm;
 mod moe;
+pub use moe::router_fused;
 mod sampling;
 
 pub use attention::{AttnDecode, AttnKernel, AttnPlan, AttnPrep, AttnRows, KvDtype, PrefillAttn};

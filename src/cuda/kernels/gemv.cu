@@ -488,7 +488,11 @@ extern "C" __global__ void __launch_bounds__(512) gemv_q2_routed(GemvRoutedParam
    of a session raises it from nG to (n+1)G, so it never needs resetting), issues the loads of its
    first down-projection rows, waits until all G blocks have arrived, and runs moe_down_q's body on
    the virtual grid (b, G), reading the experts and weights from its own shared top-K. Same result
-   as gemv_q2_routed + moe_down_q; saves one launch and its ramp per MoE layer. */
+   as gemv_q2_routed + moe_down_q; saves one launch and its ramp per MoE layer.
+   With router weights (wr not null; LILY_CUDA_MOE_ROUTER=fused): first the router's R rows
+   (bits_r, group_r, ty_r; the same normalized input) over the whole grid into logits, then the
+   blocks meet on ctr (as before the down projections: each meeting raises it by G) before the
+   top-K reads them through L2. Saves the router's launch too. */
 extern "C" __global__ void __launch_bounds__(512, 1)
     moe_fused_q(MoeFusedParams_fields) {
     extern __shared__ __align__(16) float xs[];
@@ -496,6 +500,34 @@ extern "C" __global__ void __launch_bounds__(512, 1)
     __shared__ int chosen[65];
     __shared__ u64 s_target;
     pdl_begin();
+    /* every block of the launch arrives at ctr and waits for all of them (target: the next
+       multiple of G after its own arrival) */
+    auto meet = [&](bool wait) {
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            __threadfence();
+            u64 old = atomicAdd(ctr, 1ull);
+            s_target = (old / gridDim.x + 1) * gridDim.x;
+            if (wait) {
+                u64 v;
+                do {
+                    asm volatile("ld.acquire.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(ctr) : "memory");
+                } while (v < s_target);
+            }
+        }
+        __syncthreads();
+    };
+    if (wr) {
+        const u32* Wr = (const u32*)wr;
+        const u16 *Sr = (const u16*)sr, *Br = (const u16*)br;
+#define MF_ROUTER(B, T) gq_body<B, T, 2, 2, false, false>(Wr, Sr, Br, group_r, x, logits, R, H, 0, 0, normw, eps, xs, red)
+        if (bits_r == 4 && ty_r == TY_BF16) MF_ROUTER(4, TY_BF16);
+        else if (bits_r == 4) MF_ROUTER(4, TY_F16);
+        else if (ty_r == TY_BF16) MF_ROUTER(8, TY_BF16);
+        else MF_ROUTER(8, TY_F16);
+#undef MF_ROUTER
+        meet(true);
+    }
     if (rank) {
         route_rank<BarBlock>(logits, E, K, renorm, 1, 512, ls, rk, chosen, wsel);
     } else {
@@ -520,13 +552,8 @@ extern "C" __global__ void __launch_bounds__(512, 1)
     else if (ty == TY_BF16) MF_UP(8, TY_BF16);
     else MF_UP(8, TY_F16);
 #undef MF_UP
-    __syncthreads(); /* this block's gu rows are written (and its staging is free) */
-    if (threadIdx.x == 0) {
-        __threadfence();
-        u64 old = atomicAdd(ctr, 1ull);
-        s_target = (old / gridDim.x + 1) * gridDim.x;
-    }
-    __syncthreads();
+    meet(false); /* this block's gu rows are written (and its staging is free); the wait is in the
+                    down projection's body, after its first loads */
     const u64 target = s_target;
 #define MF_DOWN(B, T) gq_body<B, T, MD_NR, MD_U, false, true>(Wd, Sd, Bd, group_d, gu, x, H, inter, 0, 1, wsel, 0.f, xs, 0, chosen, K + 1, nc, blockIdx.x, gridDim.x, ctr, target)
     if (bits == 4 && ty == TY_BF16) MF_DOWN(4, TY_BF16);

@@ -17,6 +17,13 @@ fn route_rank() -> bool {
     *ON.get_or_init(|| std::env::var("LILY_CUDA_ROUTE").is_ok_and(|v| v == "rank"))
 }
 
+/// Whether the decode step computes the router inside moe_fused_q (`LILY_CUDA_MOE_ROUTER=fused`;
+/// off by default until measured).
+pub fn router_fused() -> bool {
+    static V: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *V.get_or_init(|| std::env::var("LILY_CUDA_MOE_ROUTER").is_ok_and(|v| v == "fused"))
+}
+
 impl Gpu {
     /// Decode MoE gate/up with the routing inside: top-`k` of the `e` router logits (the shared
     /// expert's gate logit at `logits[e]`, its matrices at stack slot `e`), then `y[2(k+1), rows]`
@@ -91,15 +98,23 @@ impl Gpu {
             && gemv_default().0 != GemvKernel::Old
     }
 
+    /// Whether [`Gpu::moe_fused`] can also compute this router (`e + 1` rows: the experts' logits
+    /// and the shared expert's gate, over the experts' input width).
+    pub fn moe_router_ok(&self, router: &GpuLinear, gate_up: &GpuLinear, e: usize) -> bool {
+        router.streams() && router.count == 1 && router.rows == e + 1 && router.cols == gate_up.cols
+    }
+
     /// Decode MoE in one launch (moe_fused_q): routing ([`Gpu::gemv_routed`]'s top-`k` with the
     /// shared expert as slot `k`), the gate/up rows of the chosen experts into `gu`
     /// `[2(k+1), inter]`, then [`Gpu::moe_down`]'s down projections, weighted sum and residual
     /// into `x`; `ids`/`wts` get the routing; `ctr` is a zeroed u64 the launch's blocks meet on.
+    /// With `router`, its logits are computed first in the same launch (into `logits`).
     #[allow(clippy::too_many_arguments)]
     pub fn moe_fused(
         &self,
         gate_up: &GpuLinear,
         down: &GpuLinear,
+        router: Option<&GpuLinear>,
         x: u64,
         (normw, eps): (u64, f32),
         gu: u64,
@@ -110,6 +125,11 @@ impl Gpu {
         if !self.moe_fused_ok(gate_up, down, e, k) {
             bail!("moe_fused: experts of this shape or format are not fused");
         }
+        if router.is_some_and(|r| !self.moe_router_ok(r, gate_up, e)) {
+            bail!("moe_fused: a router of this shape or format is not fused");
+        }
+        let (wr, sr, br, bits_r, group_r, ty_r) =
+            router.map_or((In::new(0), In::new(0), In::new(0), 0, 0, 0), |r| r.weight_fields());
         let slots = 2 * (k + 1);
         let bps = (self.sms as usize / slots).max(1);
         let (wg, sg, bg, bits, group_g, ty) = gate_up.weight_fields();
@@ -131,7 +151,7 @@ impl Gpu {
             H: gate_up.cols as i32,
             normw: In::new(normw),
             eps,
-            logits: In::new(logits),
+            logits: Out::new(logits),
             E: e as i32,
             K: k as i32,
             renorm: renorm as i32,
@@ -140,8 +160,16 @@ impl Gpu {
             ctr: Out::new(ctr),
             bps: bps as i32,
             rank: route_rank() as i32,
+            wr,
+            sr,
+            br,
+            bits_r,
+            group_r,
+            ty_r,
+            R: router.map_or(0, |r| r.rows) as i32,
         };
-        let epv = 128 / gate_up.bits as usize;
+        // the staging holds the input and its chunk sums for the narrowest chunks in use
+        let epv = 128 / router.map_or(gate_up.bits, |r| r.bits.max(gate_up.bits)) as usize;
         let (h, s) = (gate_up.cols, (k + 1) * down.cols);
         let shared = (4 * (h + h / epv).max(s + s / epv)) as u32;
         // At least one block per 16 down rows (one row per warp, as moe_down_q), within the SMs.
