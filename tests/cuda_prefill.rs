@@ -52,12 +52,14 @@ fn kernels(g: &lily::cuda::Gpu, gl: &GpuLinear) -> Vec<(Precision, GemmKernel)> 
     }
     if gl.pipe_ok() && g.wg_available() {
         v.push((Precision::Bf16, GemmKernel::Wg));
+        // Where gemm_wg takes the product (widths of whole 128-column k-tiles; elsewhere Wg falls
+        // back to gemm_pipe and these are errors): 256-row tiles (plain products only; the
+        // grouped test skips it) and the warp-specialized persistent form (the grouped test also
+        // runs its 128-row tiles).
         if gl.cols.is_multiple_of(128) {
-            // 256-row tiles (plain products only; the grouped test skips it)
             v.push((Precision::Bf16, GemmKernel::Wg256));
+            v.push((Precision::Bf16, GemmKernel::Ws));
         }
-        // the warp-specialized persistent form (the grouped test also runs its 128-row tiles)
-        v.push((Precision::Bf16, GemmKernel::Ws));
     }
     if gl.skinny_ok() {
         v.extend([8, 16, 32].map(|tn| (Precision::Bf16, GemmKernel::Skinny(tn))));
