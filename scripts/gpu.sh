@@ -8,7 +8,8 @@
 #                             bundle, runs the GPU tests, then `lily bench --device cuda` on the
 #                             full-size synthetic Qwen3.6-35B-A3B and prints a short table last.
 #                             Logs go to $OUT (or .gpu/out) when set. Knobs: ONLY_TESTS (test
-#                             executables, each optionally :filter, e.g. cuda_prefill:attention), SKIP_TESTS,
+#                             executables, each optionally :filter or :!skip1,skip2, e.g.
+#                             cuda_prefill:wgmma cuda_prefill:!wgmma,new_kernels), SKIP_TESTS,
 #                             BENCH_CONTEXTS, BENCH_BATCH (e.g. 1,4,16,64), BENCH_LONG, LONG_ENV, KV_AB,
 #                             ATTN_BENCH, GDN_BENCH, AB_OLD (another build's lily binary: batch-1 A/B),
 #                             BATCH_VARIANTS (';'-separated env settings: the batched bench per
@@ -69,13 +70,20 @@ status=0
 [ -n "${ONLY_TESTS:-}" ] && TESTS="$ONLY_TESTS"
 for spec in $TESTS; do
   # an entry is a test executable, or executable:filter (only the tests whose names contain the
-  # filter: a kernel that traps poisons the CUDA context of the rest of its process)
+  # filter, or with !filter all but those: a kernel that traps poisons the CUDA context of the
+  # rest of its process)
   t=${spec%%:*}
   filt=""
   [ "$spec" != "$t" ] && filt=${spec#*:}
-  log="$OUTDIR/$t${filt:+.$filt}.log"
+  fargs=()
+  case "$filt" in
+    "") ;;
+    !*) IFS=',' read -ra skips <<<"${filt#!}"; for k in "${skips[@]}"; do fargs+=(--skip "$k"); done ;;
+    *) fargs=("$filt") ;;
+  esac
+  log="$OUTDIR/$t${filt:+.$(echo "${filt#!}" | tr ',' '_')}.log"
   echo "== $t${filt:+ ($filt)}"
-  if ! env ${TEST_ENV:-} timeout 600 .gpu/x/bin/$t $filt --test-threads=1 --nocapture >"$log" 2>&1; then status=1; fi
+  if ! env ${TEST_ENV:-} timeout 600 .gpu/x/bin/$t ${fargs[@]+"${fargs[@]}"} --test-threads=1 --nocapture >"$log" 2>&1; then status=1; fi
   grep -E "^test |test result|SKIPPED|worst|panicked|nmse .*e-0[0-8]" "$log" | head -60 || true
   if [ "$t" = cuda_kernels ]; then
     # the routed MoE kernels again with the block-wide top-k (route_rank; pstep always uses it)
