@@ -423,21 +423,26 @@ fn fused_decode_moe_matches_cpu() {
         let logits = uniform(&mut r, e + 1, 3.0);
         let x = uniform(&mut r, h, 2.0);
         let nw = uniform(&mut r, h, 1.5);
-        // CPU: Model::moe's order of operations for one token.
+        // CPU: Model::moe's order of operations for one token, routed on `logits` (the routed
+        // experts and the shared one as the last slot; the result with the residual).
         let mut xn = x.clone();
         rms_norm(&mut xn, &nw, 1e-6);
-        let mut want = x.clone();
-        let mut slots = lily::cpu::moe::route(&logits[..e], k, true);
-        slots.push((e, sigmoid(logits[e])));
-        for &(ex, w) in &slots {
-            let (mut a, mut b) = (vec![0f32; inter], vec![0f32; inter]);
-            gate_up[2 * ex].matvec(&xn, &mut a);
-            gate_up[2 * ex + 1].matvec(&xn, &mut b);
-            let hh: Vec<f32> = a.iter().zip(&b).map(|(p, q)| lily::cpu::norm::silu(*p) * q).collect();
-            let mut y = vec![0f32; h];
-            down[ex].matvec(&hh, &mut y);
-            want.iter_mut().zip(&y).for_each(|(o, v)| *o += w * v);
-        }
+        let cpu_moe = |logits: &[f32]| {
+            let mut slots = lily::cpu::moe::route(&logits[..e], k, true);
+            slots.push((e, sigmoid(logits[e])));
+            let mut want = x.clone();
+            for &(ex, w) in &slots {
+                let (mut a, mut b) = (vec![0f32; inter], vec![0f32; inter]);
+                gate_up[2 * ex].matvec(&xn, &mut a);
+                gate_up[2 * ex + 1].matvec(&xn, &mut b);
+                let hh: Vec<f32> = a.iter().zip(&b).map(|(p, q)| lily::cpu::norm::silu(*p) * q).collect();
+                let mut y = vec![0f32; h];
+                down[ex].matvec(&hh, &mut y);
+                want.iter_mut().zip(&y).for_each(|(o, v)| *o += w * v);
+            }
+            (slots, want)
+        };
+        let (slots, want) = cpu_moe(&logits);
         let (lb, xb, nwb) = (g.upload_f32(&logits).unwrap(), g.upload_f32(&x).unwrap(), g.upload_f32(&nw).unwrap());
         let (ids, wts, ids2) =
             (g.zeros(4 * (k + 1)).unwrap(), g.zeros(4 * (k + 1)).unwrap(), g.zeros(8 * (k + 1)).unwrap());
@@ -487,18 +492,7 @@ fn fused_decode_moe_matches_cpu() {
         router.matvec(&xn, &mut rl);
         let rg = GpuLinear::upload(&g, &router).unwrap();
         assert!(g.moe_router_ok(&rg, &gu, e), "moe_fused refuses the router");
-        let mut want_r = x.clone();
-        let mut slots_r = lily::cpu::moe::route(&rl[..e], k, true);
-        slots_r.push((e, sigmoid(rl[e])));
-        for &(ex, w) in &slots_r {
-            let (mut a, mut b) = (vec![0f32; inter], vec![0f32; inter]);
-            gate_up[2 * ex].matvec(&xn, &mut a);
-            gate_up[2 * ex + 1].matvec(&xn, &mut b);
-            let hh: Vec<f32> = a.iter().zip(&b).map(|(p, q)| lily::cpu::norm::silu(*p) * q).collect();
-            let mut y = vec![0f32; h];
-            down[ex].matvec(&hh, &mut y);
-            want_r.iter_mut().zip(&y).for_each(|(o, v)| *o += w * v);
-        }
+        let (slots_r, want_r) = cpu_moe(&rl);
         let want_ids_r: Vec<i32> = slots_r.iter().map(|(i, _)| *i as i32).collect();
         let lr = g.upload_f32(&vec![f32::NAN; e + 1]).unwrap();
         for rep in 0..2 {
