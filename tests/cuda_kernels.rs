@@ -247,6 +247,76 @@ fn gdn_decode_steps_match_cpu() {
     }
 }
 
+/// gdn_step_out (LILY_CUDA_GDN_OUT=fused): the state step and the output projection + residual
+/// in one launch, over several tokens (state and counter carried), against the CPU step and
+/// x + W·o. Shapes: the real one (32 value heads of 128 x 128, W 2048 x 4096), blocks of 32 to
+/// 192 threads, a ragged row part (D_k 40), 8-bit W.
+#[test]
+fn gdn_step_out_matches_cpu() {
+    let Some(g) = gpu() else { return };
+    let mut r = rng(24);
+    for (hk, hv, dk, dv, rows, bits) in [
+        (16usize, 32usize, 128usize, 128usize, 2048usize, 4u32),
+        (2, 4, 32, 32, 96, 4),
+        (3, 3, 64, 96, 70, 8),
+        (2, 4, 40, 64, 130, 4),
+    ] {
+        let d = GdnDims { hk, hv, dk, dv };
+        let (kd, vd) = (hk * dk, hv * dv);
+        let c = 2 * kd + vd;
+        let k = 4;
+        let wo = quant(&mut r, rows, vd, bits, 32);
+        let gwo = GpuLinear::upload(&g, &wo).unwrap();
+        let conv_w = uniform(&mut r, c * k, 0.5);
+        let dt_bias = uniform(&mut r, hv, 1.0);
+        let neg_a: Vec<f32> = uniform(&mut r, hv, 1.0).iter().map(|v| -(v.abs() + 0.1)).collect();
+        let normw = uniform(&mut r, dv, 1.5);
+        let mut cstate = vec![0f32; (k - 1) * c];
+        let mut rec = uniform(&mut r, hv * dk * dv, 0.5);
+        let mut x = uniform(&mut r, rows, 1.0);
+        let gb = |v: &[f32]| g.upload_f32(v).unwrap();
+        let (cw, dtb, nab, nwb) = (gb(&conv_w), gb(&dt_bias), gb(&neg_a), gb(&normw));
+        let (gcs, grec, xb) = (gb(&cstate), gb(&rec), gb(&x));
+        let (yb, ob) = (gb(&vec![f32::NAN; c]), gb(&vec![f32::NAN; vd]));
+        let ctr = g.zeros(8).unwrap();
+        for step in 0..3 {
+            let qkv = uniform(&mut r, c, 2.0);
+            let z = uniform(&mut r, vd, 2.0);
+            let b = uniform(&mut r, hv, 3.0);
+            let a = uniform(&mut r, hv, 3.0);
+            let w = GdnWeights { d, conv_w: &conv_w, taps: k, neg_a: &neg_a, dt_bias: &dt_bias, norm: &normw };
+            let (_, o) = cpu_gdn(&w, 1, &qkv, &z, &b, &a, &mut cstate, &mut rec);
+            let mut wo_o = vec![0f32; rows];
+            wo.matvec(&o, &mut wo_o);
+            x.iter_mut().zip(&wo_o).for_each(|(xi, v)| *xi += v);
+            let (xq, zb, bb, ab) = (gb(&qkv), gb(&z), gb(&b), gb(&a));
+            g.conv_step(xq.ptr, gcs.ptr, cw.ptr, yb.ptr, c, k).unwrap();
+            let gs = lily::cuda::GdnStep {
+                y: yb.ptr,
+                b: bb.ptr,
+                a: ab.ptr,
+                z: zb.ptr,
+                dt_bias: dtb.ptr,
+                neg_a: nab.ptr,
+                norm: nwb.ptr,
+                state: grec.ptr,
+                out: ob.ptr,
+                hk,
+                hv,
+                dk,
+                dv,
+                eps: 1e-6,
+            };
+            assert!(g.gdn_step_out_ok(&gs, &gwo), "gdn_step_out refuses H_v{hv} D_k{dk} D_v{dv}");
+            g.gdn_step_out(&gs, &gwo, xb.ptr, ctr.ptr).unwrap();
+            let name = format!("gdn_step_out H_k{hk} H_v{hv} D_k{dk} D_v{dv} W{rows} q{bits} step {step}");
+            check(&format!("{name} out"), &ob.read_f32(0, vd).unwrap(), &o, 1e-8);
+            check(&format!("{name} state"), &grec.read_f32(0, rec.len()).unwrap(), &rec, 1e-8);
+            check(&format!("{name} x"), &xb.read_f32(0, rows).unwrap(), &x, TOL);
+        }
+    }
+}
+
 /// attn_prep + attn_decode token by token against Model::attention's CPU steps.
 #[test]
 fn attention_decode_matches_cpu() {

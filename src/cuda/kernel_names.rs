@@ -29,7 +29,7 @@ pub const SOURCES: [(&str, &str); 21] = [
 
 /// Kernel entry points loaded from the module that are launched plainly; with [`PDL_KERNELS`] and
 /// [`SKINNY_KERNELS`] they are every entry point (see [`all_kernels`]), each listed once.
-pub const KERNELS: [&str; 34] = [
+pub const KERNELS: [&str; 35] = [
     "gemv_q_loadonly",
     "gemm_f32",
     "gemm_bf16",
@@ -63,6 +63,7 @@ pub const KERNELS: [&str; 34] = [
     "moe_align",
     "moe_combine",
     "moe_combine_rows",
+    "gdn_step_out",
     "pstep",
 ];
 

@@ -12,7 +12,7 @@
 //! attention over the cache, and routed experts grouped by expert on the GPU (`moe_align` →
 //! grouped GEMM → combine).
 
-use super::ops::{router_fused, AttnKernel, AttnPrep, GdnStep, GpuLinear, KvDtype, Precision};
+use super::ops::{gdn_out_fused, router_fused, AttnKernel, AttnPrep, GdnStep, GpuLinear, KvDtype, Precision};
 use super::{DevBuf, Gpu, Graph, PagedBuf};
 use crate::config::ModelConfig;
 use crate::generate::{Session, Snapshot};
@@ -188,6 +188,8 @@ struct Scratch {
     pick_ws: DevBuf,
     /// The u64 counter moe_fused_q's blocks meet on (zeroed once).
     sync: DevBuf,
+    /// The same for gdn_step_out (its own: a counter's launches must all have the same grid).
+    sync_gdn: DevBuf,
 }
 
 enum GState {
@@ -348,6 +350,7 @@ impl CudaSession {
             sp: f(6)?,
             pick_ws: g.zeros(super::SAMPLE_WS_BYTES)?,
             sync: g.zeros(8)?,
+            sync_gdn: g.zeros(8)?,
         });
         self.states = self.fresh_states()?;
         self.graphs = Default::default();
@@ -566,8 +569,14 @@ impl CudaSession {
                             g.conv_step(s.proj.ptr, cs.ptr, conv.ptr, s.conv.ptr, cd, taps)?;
                         }
                     }
-                    g.gdn_step(&gdn_step_args(c, s.proj.ptr, s.conv.ptr, [dt_bias, neg_a, norm], rec, s.o.ptr))?;
-                    g.gemv(out, s.o.ptr, 0, s.x.ptr, 1, 0, true)?;
+                    let gs = gdn_step_args(c, s.proj.ptr, s.conv.ptr, [dt_bias, neg_a, norm], rec, s.o.ptr);
+                    if gdn_out_fused() && g.gdn_step_out_ok(&gs, out) {
+                        // The state step and the output projection + residual in one launch.
+                        g.gdn_step_out(&gs, out, s.x.ptr, s.sync_gdn.ptr)?;
+                    } else {
+                        g.gdn_step(&gs)?;
+                        g.gemv(out, s.o.ptr, 0, s.x.ptr, 1, 0, true)?;
+                    }
                 }
                 (GMixer::Attn { proj, o, .. }, GState::Attn { .. }) => {
                     proj.run(g, xin, in_norm, s.proj.ptr)?;

@@ -17,7 +17,7 @@ pub use moe::router_fused;
 mod sampling;
 
 pub use attention::{AttnDecode, AttnKernel, AttnPlan, AttnPrep, AttnRows, KvDtype, PrefillAttn};
-pub use gdn::{gdn_chunk_floats, gdn_prefill_kernel, GdnPrefill, GdnPrefillKernel, GdnRows, GdnStep};
+pub use gdn::{gdn_chunk_floats, gdn_out_fused, gdn_prefill_kernel, GdnPrefill, GdnPrefillKernel, GdnRows, GdnStep};
 pub use gemm::{wg_tall_avg, GemmKernel, Precision};
 pub use sampling::{sampling_params_bytes, SAMPLE_WS_BYTES};
 

@@ -128,10 +128,10 @@ __device__ __forceinline__ void gdn_step_par_body(const float* y, const float* b
                                                   const float* dt_bias, const float* neg_a, const float* normw, float* S,
                                                   float* out, int hk, int hv, int dk, int dv, float eps,
                                                   const unsigned long long* states, long long ldy, long long ldp,
-                                                  long long ldo) {
+                                                  long long ldo, int h) {
     __shared__ float qs[256], ks[256], sh[33];
     __shared__ float part[1024]; /* [P][D_v] partial sums */
-    int h = blockIdx.x, tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     /* Row offsets are applied where each input is read (kernel parameters stay in the constant
        bank instead of 64-bit registers live across the kernel: this block is at 64 registers).
        The table is written before the step graph is captured, so it may be read before the wait. */
@@ -188,12 +188,13 @@ __device__ __forceinline__ void gdn_step_par_body(const float* y, const float* b
 
 /* One sequence (up to 1024 threads: 64 registers). */
 extern "C" __global__ void __launch_bounds__(1024) gdn_step_par(GdnStepParParams_fields) {
-    gdn_step_par_body<false>(y, bproj, aproj, z, dt_bias, neg_a, normw, S, out, hk, hv, dk, dv, eps, nullptr, 0, 0, 0);
+    gdn_step_par_body<false>(y, bproj, aproj, z, dt_bias, neg_a, normw, S, out, hk, hv, dk, dv, eps, nullptr, 0, 0, 0,
+                             blockIdx.x);
 }
 
 /* The batched decode's rows (grid.y), each on its own state (at most 512 threads, so the row
    offsets and the table fit in registers beside the 32 state entries per thread). */
 extern "C" __global__ void __launch_bounds__(512) gdn_step_par_rows(GdnStepParRowsParams_fields) {
     gdn_step_par_body<true>(y, bproj, aproj, z, dt_bias, neg_a, normw, nullptr, out, hk, hv, dk, dv, eps, states, ldy,
-                            ldp, ldo);
+                            ldp, ldo, blockIdx.x);
 }

@@ -191,8 +191,9 @@ __device__ __forceinline__ void gq_compute(const GqTrip<NR, U>& t, int nvalid, i
     }
 }
 
-/* Stages xw = x * normw (or x) and the per-chunk sums; returns rr (1 without a norm). */
-template <int EPV>
+/* Stages xw = x * normw (or x) and the per-chunk sums; returns rr (1 without a norm). L2X: x is
+   read through L2 (other blocks of the same launch wrote it: gdn_step_out). */
+template <int EPV, bool L2X = false>
 __device__ __forceinline__ float gq_stage(const float* xg, int cols, const float* normw, float eps, float* xs,
                                           float* xsum, float* red) {
     int nch = cols / EPV;
@@ -203,7 +204,7 @@ __device__ __forceinline__ float gq_stage(const float* xg, int cols, const float
         float4* o4 = (float4*)xs;
         float4 v[EPV / 4];
 #pragma unroll
-        for (int j = 0; j < EPV / 4; j++) v[j] = x4[j];
+        for (int j = 0; j < EPV / 4; j++) v[j] = L2X ? __ldcg(x4 + j) : x4[j];
         float sum = 0.f;
 #pragma unroll
         for (int j = 0; j < EPV / 4; j++) {
@@ -263,7 +264,7 @@ struct ConvEpi {
     int C, K;
 };
 
-template <int BITS, int TY, int NR, int U, bool LOADONLY, bool MOE, bool CONV = false>
+template <int BITS, int TY, int NR, int U, bool LOADONLY, bool MOE, bool CONV = false, bool L2X = false>
 __device__ __forceinline__ void gq_body(const u32* w, const u16* sc, const u16* bi, int group,
                                         const float* xg, float* y, int rows, int cols, long long E0, int accumulate,
                                         const float* normw, float eps, float* xs, float* red, const int* ids = 0,
@@ -317,7 +318,7 @@ __device__ __forceinline__ void gq_body(const u32* w, const u16* sc, const u16* 
         pdl_wait(); /* weights are read above, activations only from here on */
     }
     float* xsum = xs + nv * EPV;
-    float rr = MOE ? moe_stage<EPV>(xg, normw, S, cols, xs, xsum) : gq_stage<EPV>(xg, cols, normw, eps, xs, xsum, red);
+    float rr = MOE ? moe_stage<EPV>(xg, normw, S, cols, xs, xsum) : gq_stage<EPV, L2X>(xg, cols, normw, eps, xs, xsum, red);
     float acc[NR];
 #pragma unroll
     for (int r = 0; r < NR; r++) acc[r] = 0.f;
@@ -561,4 +562,40 @@ extern "C" __global__ void __launch_bounds__(512, 1)
     else if (ty == TY_BF16) MF_DOWN(8, TY_BF16);
     else MF_DOWN(8, TY_F16);
 #undef MF_DOWN
+}
+
+/* gdn_step_out (decode, batch 1; LILY_CUDA_GDN_OUT=fused): a GDN layer's state step and its output
+   projection + residual in one launch. Grid G <= SMs blocks of D_v * ceil(D_k/32) threads (512
+   for Qwen3.6), all resident, G >= H_v: block h < H_v runs gdn_step_par's body for value head h
+   (o [H_v * D_v], the gated norm applied), then every block arrives at ctr (its own counter: each
+   launch raises it by G), issues its first out-projection weight loads, waits for all G blocks and
+   runs gemv_q2's body on the grid over o (read through L2: other blocks wrote it) with
+   x += W o. Same result as gdn_step_par + gemv_q2 (accumulate); one launch fewer per GDN layer,
+   and the projection's weights are in flight while the state step runs. */
+extern "C" __global__ void __launch_bounds__(512, 1) gdn_step_out(GdnStepOutParams_fields) {
+    extern __shared__ __align__(16) float xs[];
+    __shared__ float red[33];
+    __shared__ u64 s_target;
+    if ((int)blockIdx.x < hv)
+        gdn_step_par_body<false>(y, bproj, aproj, z, dt_bias, neg_a, normw, S, o, hk, hv, dk, dv, eps, nullptr, 0, 0, 0,
+                                 blockIdx.x);
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        __threadfence();
+        u64 old = atomicAdd(ctr, 1ull);
+        s_target = (old / gridDim.x + 1) * gridDim.x;
+    }
+    __syncthreads();
+    const u64 target = s_target;
+    const u32* W = (const u32*)w;
+    const u16 *Sc = (const u16*)sc, *B = (const u16*)bi;
+    const ConvEpi nc{0, 0, 0, 0, 1};
+#define GO(BB, T)                                                                                                    \
+    gq_body<BB, T, 2, 2, false, false, false, true>(W, Sc, B, group, o, x, rows, hv * dv, 0, 1, nullptr, 0.f, xs, red, 0, \
+                                                    1, nc, blockIdx.x, gridDim.x, ctr, target)
+    if (bits == 4 && ty == TY_BF16) GO(4, TY_BF16);
+    else if (bits == 4) GO(4, TY_F16);
+    else if (ty == TY_BF16) GO(8, TY_BF16);
+    else GO(8, TY_F16);
+#undef GO
 }

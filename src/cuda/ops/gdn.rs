@@ -4,12 +4,20 @@
 
 use super::super::params::{
     ConvPrefillParams, ConvStateParams, ConvStepParams, GdnChunkPrepParams, GdnChunkScanParams, GdnOutNormParams,
-    GdnQkPrepParams, GdnScanParams, GdnStepParParams, GdnStepParRowsParams, GdnStepParams, GemvConvParams, In, Out,
+    GdnQkPrepParams, GdnScanParams, GdnStepOutParams, GdnStepParParams, GdnStepParRowsParams, GdnStepParams,
+    GemvConvParams, In, Out,
 };
 use super::super::Gpu;
 use super::{blocks, gemv_default, GemvKernel, GpuLinear, Precision, GEMV_XMAX};
 use crate::cuda::{GDN_PREP_TC_SMEM, GDN_TC_SMEM};
 use anyhow::{bail, Result};
+
+/// Whether the decode step runs a GDN layer's state step and output projection as one launch
+/// (`LILY_CUDA_GDN_OUT=fused`; off by default until measured).
+pub fn gdn_out_fused() -> bool {
+    static V: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *V.get_or_init(|| std::env::var("LILY_CUDA_GDN_OUT").is_ok_and(|v| v == "fused"))
+}
 
 impl Gpu {
     /// Causal conv1d + SiLU over t tokens (input rows of stride ldx), updating the state.
@@ -278,6 +286,60 @@ impl Gpu {
     /// One gated-delta-rule step for every value head, with the gated RMSNorm.
     pub fn gdn_step(&self, p: &GdnStep) -> Result<()> {
         self.gdn_step_rows(p, &GdnRows::one())
+    }
+
+    /// Whether [`Gpu::gdn_step_out`] takes this step and output projection: the row-split step
+    /// in one block of at most 512 threads, a streaming GEMV format over the step's output width,
+    /// and at least one block per value head on the GPU.
+    pub fn gdn_step_out_ok(&self, p: &GdnStep, out: &GpuLinear) -> bool {
+        let threads = p.dv * p.dk.div_ceil(32);
+        p.dv.is_multiple_of(32)
+            && p.dk <= 256
+            && p.hv.is_multiple_of(p.hk)
+            && threads <= 512
+            && out.streams()
+            && out.count == 1
+            && out.cols == p.hv * p.dv
+            && out.cols <= GEMV_XMAX
+            && out.cols.is_multiple_of(4)
+            && p.hv <= self.sms as usize
+    }
+
+    /// The decode step's GDN state step ([`Gpu::gdn_step`], output `p.out`) and the output
+    /// projection `x += out · p.out` in one launch (gdn_step_out, kernels/gemv.cu); `ctr` is a
+    /// zeroed u64 that only this kernel's launches meet on.
+    pub fn gdn_step_out(&self, p: &GdnStep, out: &GpuLinear, x: u64, ctr: u64) -> Result<()> {
+        if !self.gdn_step_out_ok(p, out) {
+            bail!("gdn_step_out: head dims (D_v {} D_k {}) or output projection not fused", p.dv, p.dk);
+        }
+        let (w, sc, bi, bits, group, ty) = out.weight_fields();
+        let a = GdnStepOutParams {
+            y: In::new(p.y),
+            bproj: In::new(p.b),
+            aproj: In::new(p.a),
+            z: In::new(p.z),
+            dt_bias: In::new(p.dt_bias),
+            neg_a: In::new(p.neg_a),
+            normw: In::new(p.norm),
+            S: Out::new(p.state),
+            o: Out::new(p.out),
+            hk: p.hk as i32,
+            hv: p.hv as i32,
+            dk: p.dk as i32,
+            dv: p.dv as i32,
+            eps: p.eps,
+            w,
+            sc,
+            bi,
+            bits,
+            group,
+            ty,
+            rows: out.rows as i32,
+            x: Out::new(x),
+            ctr: Out::new(ctr),
+        };
+        let threads = (p.dv * p.dk.div_ceil(32)) as u32;
+        self.launch_params("gdn_step_out", (self.sms, 1, 1), threads, out.stream_smem(), &a)
     }
 
     /// [`Gpu::gdn_step`] for `r.rows` sequences at once (see [`GdnRows`]).
