@@ -16,6 +16,7 @@ use lily::cpu::rope::Rope;
 use lily::cuda::{AttnDecode, AttnKernel, GemvKernel, GpuLinear, KvDtype};
 use lily::linear::{FloatType, Linear};
 use lily::safetensors::{bf16_to_f32, f32_to_bf16};
+use lily::sampling::Rng;
 use lily::state::KvRows;
 
 const TOL: f64 = 1e-9;
@@ -189,6 +190,30 @@ fn gemv_conv_matches_cpu() {
     assert!(e.to_string().contains("not fused"), "{e}");
 }
 
+/// A GDN layer's decode weights for the tests: K = 4 conv taps over `c` channels, dt bias,
+/// negative A (away from 0) and the gated norm's weights.
+fn gdn_test_weights(r: &mut Rng, c: usize, hv: usize, dv: usize) -> (usize, Vec<f32>, Vec<f32>, Vec<f32>, Vec<f32>) {
+    let k = 4;
+    let conv_w = uniform(r, c * k, 0.5);
+    let dt_bias = uniform(r, hv, 1.0);
+    let neg_a: Vec<f32> = uniform(r, hv, 1.0).iter().map(|v| -(v.abs() + 0.1)).collect();
+    let normw = uniform(r, dv, 1.5);
+    (k, conv_w, dt_bias, neg_a, normw)
+}
+
+/// The step's arguments over those weights on the device ((dt bias, negative A, norm)), the
+/// state, the output and the conv output `y`; each token sets b, a and z.
+fn gdn_test_step(
+    d: GdnDims,
+    (dt_bias, neg_a, norm): (u64, u64, u64),
+    state: u64,
+    out: u64,
+    y: u64,
+) -> lily::cuda::GdnStep {
+    let GdnDims { hk, hv, dk, dv } = d;
+    lily::cuda::GdnStep { y, b: 0, a: 0, z: 0, dt_bias, neg_a, norm, state, out, hk, hv, dk, dv, eps: 1e-6 }
+}
+
 #[test]
 fn gdn_decode_steps_match_cpu() {
     let Some(g) = gpu() else { return };
@@ -199,17 +224,14 @@ fn gdn_decode_steps_match_cpu() {
         let d = GdnDims { hk, hv, dk, dv };
         let (kd, vd) = (hk * dk, hv * dv);
         let c = 2 * kd + vd;
-        let k = 4;
-        let conv_w = uniform(&mut r, c * k, 0.5);
-        let dt_bias = uniform(&mut r, hv, 1.0);
-        let neg_a: Vec<f32> = uniform(&mut r, hv, 1.0).iter().map(|v| -(v.abs() + 0.1)).collect();
-        let normw = uniform(&mut r, dv, 1.5);
+        let (k, conv_w, dt_bias, neg_a, normw) = gdn_test_weights(&mut r, c, hv, dv);
         let mut cstate = vec![0f32; (k - 1) * c];
         let mut rec = vec![0f32; hv * dk * dv];
         let gb = |v: &[f32]| g.upload_f32(v).unwrap();
         let (cw, dtb, nab, nwb) = (gb(&conv_w), gb(&dt_bias), gb(&neg_a), gb(&normw));
         let (gcs, grec) = (gb(&cstate), gb(&rec));
         let (yb, ob) = (gb(&vec![f32::NAN; c]), gb(&vec![f32::NAN; vd]));
+        let base = gdn_test_step(d, (dtb.ptr, nab.ptr, nwb.ptr), grec.ptr, ob.ptr, yb.ptr);
         for step in 0..5 {
             let qkv = uniform(&mut r, c, 2.0);
             let z = uniform(&mut r, vd, 2.0);
@@ -221,23 +243,7 @@ fn gdn_decode_steps_match_cpu() {
             // GPU.
             let (xq, zb, bb, ab) = (gb(&qkv), gb(&z), gb(&b), gb(&a));
             g.conv_step(xq.ptr, gcs.ptr, cw.ptr, yb.ptr, c, k).unwrap();
-            g.gdn_step(&lily::cuda::GdnStep {
-                y: yb.ptr,
-                b: bb.ptr,
-                a: ab.ptr,
-                z: zb.ptr,
-                dt_bias: dtb.ptr,
-                neg_a: nab.ptr,
-                norm: nwb.ptr,
-                state: grec.ptr,
-                out: ob.ptr,
-                hk,
-                hv,
-                dk,
-                dv,
-                eps: 1e-6,
-            })
-            .unwrap();
+            g.gdn_step(&lily::cuda::GdnStep { b: bb.ptr, a: ab.ptr, z: zb.ptr, ..base }).unwrap();
             let name = format!("gdn H_k{hk} H_v{hv} D_k{dk} D_v{dv} step {step}");
             check(&format!("{name} conv"), &yb.read_f32(0, c).unwrap(), &conv, TOL);
             check(&format!("{name} out"), &ob.read_f32(0, vd).unwrap(), &o, 1e-8);
@@ -264,13 +270,9 @@ fn gdn_step_out_matches_cpu() {
         let d = GdnDims { hk, hv, dk, dv };
         let (kd, vd) = (hk * dk, hv * dv);
         let c = 2 * kd + vd;
-        let k = 4;
         let wo = quant(&mut r, rows, vd, bits, 32);
         let gwo = GpuLinear::upload(&g, &wo).unwrap();
-        let conv_w = uniform(&mut r, c * k, 0.5);
-        let dt_bias = uniform(&mut r, hv, 1.0);
-        let neg_a: Vec<f32> = uniform(&mut r, hv, 1.0).iter().map(|v| -(v.abs() + 0.1)).collect();
-        let normw = uniform(&mut r, dv, 1.5);
+        let (k, conv_w, dt_bias, neg_a, normw) = gdn_test_weights(&mut r, c, hv, dv);
         let mut cstate = vec![0f32; (k - 1) * c];
         let mut rec = uniform(&mut r, hv * dk * dv, 0.5);
         let mut x = uniform(&mut r, rows, 1.0);
@@ -278,6 +280,7 @@ fn gdn_step_out_matches_cpu() {
         let (cw, dtb, nab, nwb) = (gb(&conv_w), gb(&dt_bias), gb(&neg_a), gb(&normw));
         let (gcs, grec, xb) = (gb(&cstate), gb(&rec), gb(&x));
         let (yb, ob) = (gb(&vec![f32::NAN; c]), gb(&vec![f32::NAN; vd]));
+        let base = gdn_test_step(d, (dtb.ptr, nab.ptr, nwb.ptr), grec.ptr, ob.ptr, yb.ptr);
         let ctr = g.zeros(8).unwrap();
         for step in 0..3 {
             let qkv = uniform(&mut r, c, 2.0);
@@ -291,22 +294,7 @@ fn gdn_step_out_matches_cpu() {
             x.iter_mut().zip(&wo_o).for_each(|(xi, v)| *xi += v);
             let (xq, zb, bb, ab) = (gb(&qkv), gb(&z), gb(&b), gb(&a));
             g.conv_step(xq.ptr, gcs.ptr, cw.ptr, yb.ptr, c, k).unwrap();
-            let gs = lily::cuda::GdnStep {
-                y: yb.ptr,
-                b: bb.ptr,
-                a: ab.ptr,
-                z: zb.ptr,
-                dt_bias: dtb.ptr,
-                neg_a: nab.ptr,
-                norm: nwb.ptr,
-                state: grec.ptr,
-                out: ob.ptr,
-                hk,
-                hv,
-                dk,
-                dv,
-                eps: 1e-6,
-            };
+            let gs = lily::cuda::GdnStep { b: bb.ptr, a: ab.ptr, z: zb.ptr, ..base };
             assert!(g.gdn_step_out_ok(&gs, &gwo), "gdn_step_out refuses H_v{hv} D_k{dk} D_v{dv}");
             g.gdn_step_out(&gs, &gwo, xb.ptr, ctr.ptr).unwrap();
             let name = format!("gdn_step_out H_k{hk} H_v{hv} D_k{dk} D_v{dv} W{rows} q{bits} step {step}");
