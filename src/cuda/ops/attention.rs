@@ -64,11 +64,14 @@ impl Gpu {
         if matches!(k, PrefillAttn::FlashWg | PrefillAttn::FlashWgPipe) && self.arch != "sm_90a" {
             bail!("attn_prefill: the wgmma kernels need an sm_90a device (this one is {})", self.arch);
         }
-        let fa_smem = super::super::fa_smem(hd);
         let (name, grid, block, shared) = match (k, kv) {
-            (PrefillAttn::Flash, _) => (super::super::fa_kernel(hd), blocks(t * g, 128), 256, fa_smem),
-            (PrefillAttn::FlashWg, _) => (super::super::wg_attn_kernel(hd, false), blocks(t * g, 128), 256, fa_smem),
-            (PrefillAttn::FlashWgPipe, _) => (super::super::wg_attn_kernel(hd, true), blocks(t * g, 128), 256, fa_smem),
+            _ if flash => {
+                let name = match k {
+                    PrefillAttn::Flash => super::super::fa_kernel(hd),
+                    _ => super::super::wg_attn_kernel(hd, k == PrefillAttn::FlashWgPipe),
+                };
+                (name, blocks(t * g, 128), 256, super::super::fa_smem(hd))
+            }
             (PrefillAttn::Simt, KvDtype::F32) => ("attn_prefill", blocks(t * g, 8), 256, 0),
             (PrefillAttn::Simt, KvDtype::Bf16) => ("attn_prefill_bf16", blocks(t * g, 8), 256, 0),
             (_, KvDtype::F32) => ("attn_prefill_tc", blocks(t * g, 64), 128, 0),

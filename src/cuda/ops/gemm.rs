@@ -158,7 +158,7 @@ impl Gpu {
             }
             (Precision::Bf16, GemmKernel::WgTall | GemmKernel::Ws | GemmKernel::WsTall) if !self.wg_fits(w, xrows) => {
                 bail!(
-                    "gemm_wg128: {} rows of width {} ({}-bit, group {}) do not fit gemm_wg",
+                    "gemm {kern:?}: {} rows of width {} ({}-bit, group {}) do not fit gemm_wg",
                     xrows,
                     w.cols,
                     w.bits,
