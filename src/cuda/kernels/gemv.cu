@@ -264,6 +264,30 @@ struct ConvEpi {
     int C, K;
 };
 
+/* The blocks of one launch meeting on a u64 counter (moe_fused_q, gdn_step_out; every block
+   resident, G = gridDim.x). grid_arrive: this block arrives (after all its threads' writes) and
+   gets the target, the next multiple of G after its arrival (each meeting raises the counter by
+   G, so it never needs resetting); grid_wait: the block waits until the counter reaches it. */
+__device__ __forceinline__ u64 grid_arrive(u64* ctr, u64* s_target) {
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        __threadfence();
+        u64 old = atomicAdd(ctr, 1ull);
+        *s_target = (old / gridDim.x + 1) * gridDim.x;
+    }
+    __syncthreads();
+    return *s_target;
+}
+__device__ __forceinline__ void grid_wait(const u64* ctr, u64 target) {
+    if (threadIdx.x == 0) {
+        u64 v;
+        do {
+            asm volatile("ld.acquire.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(ctr) : "memory");
+        } while (v < target);
+    }
+    __syncthreads();
+}
+
 template <int BITS, int TY, int NR, int U, bool LOADONLY, bool MOE, bool CONV = false, bool L2X = false>
 __device__ __forceinline__ void gq_body(const u32* w, const u16* sc, const u16* bi, int group,
                                         const float* xg, float* y, int rows, int cols, long long E0, int accumulate,
@@ -306,14 +330,8 @@ __device__ __forceinline__ void gq_body(const u32* w, const u16* sc, const u16* 
         else
             gq_load<BITS, NR, U, false>(cur, w, sc, bi, E0 + r0, min(NR, rows - r0), n4, ng, gsh, lane);
     }
-    if (spin) { /* moe_fused_q: every block of the launch has finished its gate/up rows */
-        if (threadIdx.x == 0) {
-            u64 v;
-            do {
-                asm volatile("ld.acquire.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(spin) : "memory");
-            } while (v < spin_target);
-        }
-        __syncthreads();
+    if (spin) { /* moe_fused_q, gdn_step_out: every block of the launch has done its first part */
+        grid_wait(spin, spin_target);
     } else {
         pdl_wait(); /* weights are read above, activations only from here on */
     }
@@ -501,23 +519,6 @@ extern "C" __global__ void __launch_bounds__(512, 1)
     __shared__ int chosen[65];
     __shared__ u64 s_target;
     pdl_begin();
-    /* every block of the launch arrives at ctr and waits for all of them (target: the next
-       multiple of G after its own arrival) */
-    auto meet = [&](bool wait) {
-        __syncthreads();
-        if (threadIdx.x == 0) {
-            __threadfence();
-            u64 old = atomicAdd(ctr, 1ull);
-            s_target = (old / gridDim.x + 1) * gridDim.x;
-            if (wait) {
-                u64 v;
-                do {
-                    asm volatile("ld.acquire.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(ctr) : "memory");
-                } while (v < s_target);
-            }
-        }
-        __syncthreads();
-    };
     if (wr) {
         const u32* Wr = (const u32*)wr;
         const u16 *Sr = (const u16*)sr, *Br = (const u16*)br;
@@ -527,7 +528,7 @@ extern "C" __global__ void __launch_bounds__(512, 1)
         else if (ty_r == TY_BF16) MF_ROUTER(8, TY_BF16);
         else MF_ROUTER(8, TY_F16);
 #undef MF_ROUTER
-        meet(true);
+        grid_wait(ctr, grid_arrive(ctr, &s_target));
     }
     if (rank) {
         route_rank<BarBlock>(logits, E, K, renorm, 1, 512, ls, rk, chosen, wsel);
@@ -553,9 +554,9 @@ extern "C" __global__ void __launch_bounds__(512, 1)
     else if (ty == TY_BF16) MF_UP(8, TY_BF16);
     else MF_UP(8, TY_F16);
 #undef MF_UP
-    meet(false); /* this block's gu rows are written (and its staging is free); the wait is in the
-                    down projection's body, after its first loads */
-    const u64 target = s_target;
+    /* this block's gu rows are written (and its staging is free); the wait is in the down
+       projection's body, after its first loads */
+    const u64 target = grid_arrive(ctr, &s_target);
 #define MF_DOWN(B, T) gq_body<B, T, MD_NR, MD_U, false, true>(Wd, Sd, Bd, group_d, gu, x, H, inter, 0, 1, wsel, 0.f, xs, 0, chosen, K + 1, nc, blockIdx.x, gridDim.x, ctr, target)
     if (bits == 4 && ty == TY_BF16) MF_DOWN(4, TY_BF16);
     else if (bits == 4) MF_DOWN(4, TY_F16);
@@ -579,14 +580,7 @@ extern "C" __global__ void __launch_bounds__(512, 1) gdn_step_out(GdnStepOutPara
     if ((int)blockIdx.x < hv)
         gdn_step_par_body<false>(y, bproj, aproj, z, dt_bias, neg_a, normw, S, o, hk, hv, dk, dv, eps, nullptr, 0, 0, 0,
                                  blockIdx.x);
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        __threadfence();
-        u64 old = atomicAdd(ctr, 1ull);
-        s_target = (old / gridDim.x + 1) * gridDim.x;
-    }
-    __syncthreads();
-    const u64 target = s_target;
+    const u64 target = grid_arrive(ctr, &s_target); /* the wait is in the projection's body */
     const u32* W = (const u32*)w;
     const u16 *Sc = (const u16*)sc, *B = (const u16*)bi;
     const ConvEpi nc{0, 0, 0, 0, 1};
