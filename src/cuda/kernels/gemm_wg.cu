@@ -219,9 +219,14 @@ __device__ __forceinline__ void gemm_wg_body(const void* w, const void* sc, cons
             xbytes[j] = ok ? 16 : 0;
         }
     }
-    /* code copies: row tid/2 of the block's 128, 16-byte pieces 2(tid%2) and 2(tid%2)+1 of its 64
-       bytes per k-tile */
-    const u32* wsrc = (const u32*)w + ((long long)tl.e * N + min(n0 + tid / 2, N - 1)) * (K / 8) + (tid & 1) * 8;
+    /* code copies: pieces tid and tid + 256 of the block's 128 rows x 4 16-byte pieces per k-tile
+       (row p/4, piece p%4), so a warp copy is 8 whole 64-byte runs (two pieces of one sector per
+       thread fetched each sector twice) */
+    const unsigned char* wsrc[2];
+#pragma unroll
+    for (int j = 0; j < 2; j++)
+        wsrc[j] = (const unsigned char*)w + ((long long)tl.e * N + min(n0 + (tid >> 2) + 64 * j, N - 1)) * (K / 2) +
+                  (tid & 3) * 16;
     auto load_x = [&](int kt, int st) {
         u32 base = s0 + st * STAGE + xd0;
 #pragma unroll
@@ -237,9 +242,9 @@ __device__ __forceinline__ void gemm_wg_body(const void* w, const void* sc, cons
         }
     };
     auto load_w = [&](int kt, int st) {
-        u32 base = s0 + st * STAGE;
-        cp_async16(base + XB + tid * 32, wsrc + (kb + kt) * 16, 16);
-        cp_async16(base + XB + tid * 32 + 16, wsrc + (kb + kt) * 16 + 4, 16);
+        u32 base = s0 + st * STAGE + XB + tid * 16;
+        cp_async16(base, wsrc[0] + (kb + kt) * 64, 16);
+        cp_async16(base + 4096, wsrc[1] + (kb + kt) * 64, 16);
     };
 
     /* this thread's two weight rows (block-relative) and their global rows (clamped past N: they

@@ -16,15 +16,16 @@
  *   of row tile t / gx: rows BT*(t/gx) .. of a plain product, or entry t / gx of the moe_align
  *   tile list (tiles[0] of them, each at most BT rows of one expert). BT = 64 NB.
  * Stages (WS_STAGES(NB): 8 at NB = 1, 5 at NB = 2): X BT x 128 bf16 as core matrices (gemm_wg's
- *   layout), then W 128 rows x 64 bytes. Each stage has a "full" mbarrier (count 33: the 32
- *   producer lanes, plus lane 0's arrive.expect_tx of W's 8192 bytes) and an "empty" one (count
- *   256: every consumer thread after its wgmmas on the stage completed).
+ *   layout), then W 128 rows x 64 bytes. Each stage has a "full" mbarrier (count 32: the
+ *   producer lanes) and an "empty" one (count 256: every consumer thread after its wgmmas on the
+ *   stage completed).
  *   Producer, k-tile i of its walk (stage i % S, use i / S): wait for "empty" of the previous use;
- *   W as 128 bulk copies of 64 bytes (cp.async.bulk, complete_tx on "full"); X as 64 cp.async per
- *   lane (gathered rows, zero-filled past the tile), one commit group per k-tile; then for k-tile
- *   i - WS_LAG: wait for that group, fence.proxy.async (its generic writes -> wgmma's reads) and
- *   arrive on its "full". WS_LAG < S, so this never waits on itself; the last WS_LAG are flushed
- *   at the end.
+ *   W as 16 cp.async per lane (8 whole 64-byte rows per warp copy; per-lane cp.async.bulk was
+ *   serialized through the uniform datapath, 2.4x slower than gemm_wg, perf log session 25); X as
+ *   BT/2 cp.async per lane (gathered rows, zero-filled past the tile); one commit group per
+ *   k-tile; then for k-tile i - LAG (LAG = S - 2): wait for that group, fence.proxy.async (its
+ *   generic writes -> wgmma's reads) and arrive on its "full". LAG < S, so this never waits on
+ *   itself; the last LAG are flushed at the end.
  *   Consumers, per tile: zero the accumulators; per k-tile wait for "full", dequantize the codes
  *   and issue the wgmmas exactly as gemm_wg (scales and biases from global one k-tile ahead),
  *   wait for the wgmmas, arrive on "empty"; then store the tile (accumulate or overwrite).
@@ -34,7 +35,6 @@
  * are empty and the host never launches them.
  */
 #define WS_STAGES(NB) ((NB) == 1 ? 8 : 5)
-#define WS_LAG 2
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 __device__ __forceinline__ void ws_wait(u64* b, u32 parity) {
@@ -57,14 +57,14 @@ __device__ __forceinline__ void gemm_ws_body(const void* w, const void* sc, cons
                                              const int* gather, int gdiv, float* y, long long ldy, int M, int N,
                                              int K, const int* tiles, int accumulate) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    constexpr int S = WS_STAGES(NB), BT = 64 * NB, XB = BT * 256, STAGE = XB + 128 * 64;
+    constexpr int S = WS_STAGES(NB), LAG = S - 2, BT = 64 * NB, XB = BT * 256, STAGE = XB + 128 * 64;
     extern __shared__ __align__(128) unsigned char ws_sm[];
     __shared__ __align__(8) u64 full[S], empty[S];
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t4 = lane & 3;
     const u32 s0 = (u32)__cvta_generic_to_shared(ws_sm);
     if (tid == 0) {
         for (int i = 0; i < S; i++) {
-            mb_init(&full[i], 33);
+            mb_init(&full[i], 32);
             mb_init(&empty[i], 256);
         }
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
@@ -91,12 +91,20 @@ __device__ __forceinline__ void gemm_ws_body(const void* w, const void* sc, cons
     if (warp == 8) {
         /* producer: lane copies X pieces q = (lane >> 3) + 4(j & 3) of rows (lane & 7) + 8(j >> 2)
            (j < BT/2: 8 rows x 4 pieces per warp copy, conflict-free), and the 64 code bytes of W
-           rows lane + 32i (i < 4) as bulk copies */
+           rows as below, all by cp.async */
         const int xq = lane >> 3;
         int it = 0;
         for (int t = blockIdx.x; t < ntile; t += gridDim.x) {
             int e, m0, m1, n0;
             tile_of(t, e, m0, m1, n0);
+            /* W: piece lane + 32i (i < 16) of the tile's 128 rows x 4 pieces: row (lane >> 2) + 8i,
+               piece lane & 3, so a warp copy is 8 whole 64-byte runs */
+            const unsigned char* wrow[16];
+#pragma unroll
+            for (int i = 0; i < 16; i++) {
+                long long wr = (long long)e * N + min(n0 + (lane >> 2) + 8 * i, N - 1);
+                wrow[i] = (const unsigned char*)w + wr * (K / 2) + (lane & 3) * 16;
+            }
             const u16* xrow[BT / 8];
             int xok[BT / 8];
 #pragma unroll
@@ -109,15 +117,9 @@ __device__ __forceinline__ void gemm_ws_body(const void* w, const void* sc, cons
                 int st = it % S;
                 if (it >= S) ws_wait(&empty[st], ((it / S) - 1) & 1);
                 u32 xs = s0 + st * STAGE;
-                unsigned char* wsm = ws_sm + st * STAGE + XB;
-                if (lane == 0) mb_expect(&full[st], 128 * 64);
-                __syncwarp();
 #pragma unroll
-                for (int i = 0; i < 4; i++) {
-                    int row = lane + 32 * i;
-                    long long wr = (long long)e * N + min(n0 + row, N - 1);
-                    bulk_g2s(wsm + row * 64, (const unsigned char*)w + wr * (K / 2) + kt * 64, 64, &full[st]);
-                }
+                for (int i = 0; i < 16; i++)
+                    cp_async16(s0 + st * STAGE + XB + (u32)(lane + 32 * i) * 16, wrow[i] + kt * 64, 16);
 #pragma unroll
                 for (int j = 0; j < BT / 2; j++) {
                     int rr = j >> 2, q = xq + 4 * (j & 3), r = (lane & 7) + 8 * rr;
@@ -125,16 +127,16 @@ __device__ __forceinline__ void gemm_ws_body(const void* w, const void* sc, cons
                     cp_async16(dst, xrow[rr] + kt * 128 + 4 * (j & 3) * 8, xok[rr] ? 16 : 0);
                 }
                 cp_async_commit();
-                if (it >= WS_LAG) {
-                    asm volatile("cp.async.wait_group %0;\n" ::"n"(WS_LAG) : "memory");
+                if (it >= LAG) {
+                    asm volatile("cp.async.wait_group %0;\n" ::"n"(LAG) : "memory");
                     asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-                    mb_arrive(&full[(it - WS_LAG) % S]);
+                    mb_arrive(&full[(it - LAG) % S]);
                 }
             }
         }
         asm volatile("cp.async.wait_group 0;\n" ::: "memory");
         asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-        for (int i = max(0, it - WS_LAG); i < it; i++) mb_arrive(&full[i % S]);
+        for (int i = max(0, it - LAG); i < it; i++) mb_arrive(&full[i % S]);
         return;
     }
 
