@@ -133,12 +133,10 @@ fn skinny_occ2() -> bool {
 /// Kernels that call `pdl_wait()` before touching activations (kernels/common.cuh) and so may be
 /// launched as programmatic dependents: their launch and weight reads overlap the previous
 /// kernel's tail. The gemm_skinny entry points are such kernels too (see [`is_pdl`]).
-pub const PDL_KERNELS: [&str; 45] = [
+pub const PDL_KERNELS: [&str; 43] = [
     "gemm_wg64",
     "gemm_wg128",
     "gemm_wg256",
-    "gemm_wg64o",
-    "gemm_wg128o",
     "x_bf16_perm",
     "moe_fused_q",
     "gemv_q2_conv",
@@ -190,9 +188,6 @@ pub const GEMM_PIPE_SMEM128: usize = 4 * (128 * 256 + 128 * 32);
 /// inputs and [128][64 bytes] of 4-bit codes (kernels/gemm_wg.cu).
 pub const GEMM_WG_SMEM64: usize = 3 * (64 * 256 + 128 * 64);
 pub const GEMM_WG_SMEM128: usize = 3 * (128 * 256 + 128 * 64);
-/// The overlapped forms (`LILY_CUDA_WG_OVERLAP=1`): gemm_wg64o / gemm_wg128o, 4 stages.
-pub const GEMM_WG_SMEM64O: usize = 4 * (64 * 256 + 128 * 64);
-pub const GEMM_WG_SMEM128O: usize = 4 * (128 * 256 + 128 * 64);
 /// Dynamic shared memory of gemm_ws64 / gemm_ws128: 8 or 5 stages of gemm_wg's [64 or 128
 /// rows][128] bf16 inputs and [128][64 bytes] of codes (kernels/gemm_ws.cu).
 pub const GEMM_WS_SMEM64: usize = 8 * (64 * 256 + 128 * 64);

@@ -338,8 +338,6 @@ impl Gpu {
             ("gemm_wg64", GEMM_WG_SMEM64),
             ("gemm_wg128", GEMM_WG_SMEM128),
             ("gemm_wg256", GEMM_WG_SMEM256.min(optin)),
-            ("gemm_wg64o", GEMM_WG_SMEM64O.min(optin)),
-            ("gemm_wg128o", GEMM_WG_SMEM128O.min(optin)),
             ("gemm_ws64", GEMM_WS_SMEM64.min(optin)),
             ("gemm_ws128", GEMM_WS_SMEM128.min(optin)),
         ];

@@ -125,12 +125,8 @@ __device__ __forceinline__ void wg_load_sb(const void* sc, const void* bi, long 
 
 /* One k-tile of a warpgroup: per 64-column half, dequantize the codes of rows rb0 and rb1 (cod:
    the stage's [128][64 bytes]) into 4 k-steps x 4 A registers, then issue its 4*NB wgmmas on
-   the inputs at descriptor dk (the stage's BT rows). OVL = false: one commit group, waited for
-   before returning. OVL = true: one group per half, none waited for at the end; before a half
-   overwrites its A registers it waits until only the newest group is in flight (the previous
-   k-tile's same half is then complete), so each half's dequantization runs under the other
-   half's wgmmas, across k-tiles too (the caller waits for all before reading acc). */
-template <int NB, bool OVL = false>
+   the inputs at descriptor dk (the stage's BT rows); commit and wait for all of them. */
+template <int NB>
 __device__ __forceinline__ void wg_ktile(float (&acc)[NB][32], const unsigned char* cod, int rb0, int rb1, int t4,
                                          const u32 (&sb)[2][2][2], u64 dk) {
     constexpr int BT = 64 * NB;
@@ -141,7 +137,6 @@ __device__ __forceinline__ void wg_ktile(float (&acc)[NB][32], const unsigned ch
         uint2 c1 = *(const uint2*)(cod + rb1 * 64 + h * 32 + t4 * 8);
         u32 s0v = sb[h][0][0] * 0x10001u, b0v = sb[h][0][1] * 0x10001u;
         u32 s1v = sb[h][1][0] * 0x10001u, b1v = sb[h][1][1] * 0x10001u;
-        if constexpr (OVL) asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
 #pragma unroll
         for (int s = 0; s < 4; s++) {
             u32 w0 = (s >> 1) ? c0.y : c0.x, w1 = (s >> 1) ? c1.y : c1.x;
@@ -157,12 +152,9 @@ __device__ __forceinline__ void wg_ktile(float (&acc)[NB][32], const unsigned ch
 #pragma unroll
             for (int j = 0; j < NB; j++)
                 wgmma_m64n64(acc[j], a[h][s], dk + (u32)(((2 * (4 * h + s) * (BT / 8) + 8 * j) * 128) >> 4));
-        if constexpr (OVL) wg_commit();
     }
-    if constexpr (!OVL) {
-        wg_commit();
-        wg_wait0();
-    }
+    wg_commit();
+    wg_wait0();
 }
 
 /* acc[j][4i + v] is weight row nA (v < 2) or nB, input row m0 + 64j + 8i + 2t4 + (v & 1): stored
@@ -185,16 +177,13 @@ __device__ __forceinline__ void wg_store(const float (&acc)[NB][32], float* dst,
 }
 #endif
 
-template <int NB, int S, bool OVL>
+template <int NB>
 __device__ __forceinline__ void gemm_wg_body(const void* w, const void* sc, const void* bi, int group, const u16* xb,
                                              const int* gather, int gdiv, float* y, long long ldy, int M, int N,
                                              int K, const int* tiles, int accumulate, int ksplit, float* part,
                                              unsigned* tickets) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    constexpr int BT = 64 * NB, XB = BT * 256, STAGE = XB + 128 * 64, XC = BT * 16 / 256;
-    /* k-tiles loaded ahead: S - 1, or with OVL S - 2 (the stage refilled at k-tile kt was read two
-       k-tiles ago: wg_ktile<OVL> leaves the previous k-tile's second half in flight) */
-    constexpr int D = OVL ? S - 2 : S - 1;
+    constexpr int S = WG_STAGES, BT = 64 * NB, XB = BT * 256, STAGE = XB + 128 * 64, XC = BT * 16 / 256;
     extern __shared__ __align__(128) unsigned char wg_sm[];
     /* programmatic dependent launch: weights (codes, scales) are read before pdl_wait(), the
        inputs (and a grouped product's tile list and row map) after it */
@@ -280,12 +269,12 @@ __device__ __forceinline__ void gemm_wg_body(const void* w, const void* sc, cons
        cp.async group st holds stage st's inputs and, in group 0, every prologue stage's codes */
     u32 sbA[2][2][2], sbB[2][2][2];
 #pragma unroll
-    for (int st = 0; st < D; st++)
+    for (int st = 0; st < S - 1; st++)
         if (st < nk) load_w(st, st);
     load_sb(0, sbA);
     if (!tiles) pdl_wait();
 #pragma unroll
-    for (int st = 0; st < D; st++) {
+    for (int st = 0; st < S - 1; st++) {
         if (st < nk) load_x(st, st);
         cp_async_commit();
     }
@@ -293,24 +282,23 @@ __device__ __forceinline__ void gemm_wg_body(const void* w, const void* sc, cons
        their byte offset / 16 (the start field, 14 bits, holds every shared address) */
     const u64 dbase = wg_desc(s0, BT / 8 * 128, 128);
     auto step = [&](int kt, const u32 (&sb)[2][2][2], u32 (&nsb)[2][2][2]) {
-        asm volatile("cp.async.wait_group %0;\n" ::"n"(D - 1) : "memory");
+        asm volatile("cp.async.wait_group %0;\n" ::"n"(S - 2) : "memory");
         asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); /* cp.async writes -> wgmma reads */
         __syncthreads();
         /* the stage read one k-tile ago: every warpgroup waited for its wgmmas before the barrier */
-        if (kt + D < nk) {
-            load_x(kt + D, (kt + D) % S);
-            load_w(kt + D, (kt + D) % S);
+        if (kt + S - 1 < nk) {
+            load_x(kt + S - 1, (kt + S - 1) % S);
+            load_w(kt + S - 1, (kt + S - 1) % S);
         }
         cp_async_commit();
         if (kt + 1 < nk) load_sb(kt + 1, nsb);
         u64 dk = dbase + (u32)(((kt % S) * STAGE) >> 4); /* this stage's B descriptor (start field) */
-        wg_ktile<NB, OVL>(acc, wg_sm + (kt % S) * STAGE + XB, rb0, rb1, t4, sb, dk);
+        wg_ktile<NB>(acc, wg_sm + (kt % S) * STAGE + XB, rb0, rb1, t4, sb, dk);
     };
     for (int kt = 0; kt < nk; kt += 2) {
         step(kt, sbA, sbB);
         if (kt + 1 < nk) step(kt + 1, sbB, sbA);
     }
-    if constexpr (OVL) wg_wait0();
 
     /* acc[j][4i + v]: weight row rb0 (v < 2) or rb1, input row 64j + 8i + 2t + (v & 1). Split K:
        the sums go to part[z][m][n]; the last of the ksplit blocks of this tile to take its ticket
@@ -348,17 +336,12 @@ __device__ __forceinline__ void gemm_wg_body(const void* w, const void* sc, cons
 #endif
 }
 
-#define GEMM_WG(NAME, NB, MINB, S, OVL)                                                                            \
+#define GEMM_WG(NAME, NB, MINB)                                                                               \
     extern "C" __global__ void __launch_bounds__(256, MINB) NAME(GemmParams_fields) {                        \
         GEMM_SHAPE;                                                                                           \
-        gemm_wg_body<NB, S, OVL>(w, sc, bi, group, (const u16*)x, gather, gdiv, y, ldy, M, N, K, tiles, accumulate, ksplit, \
-                            part, tickets);                                                               \
+        gemm_wg_body<NB>(w, sc, bi, group, (const u16*)x, gather, gdiv, y, ldy, M, N, K, tiles, accumulate, ksplit, \
+                         part, tickets);                                                                 \
     }
-GEMM_WG(gemm_wg64, 1, 2, WG_STAGES, false)
-GEMM_WG(gemm_wg128, 2, 1, WG_STAGES, false)
-GEMM_WG(gemm_wg256, 4, 1, WG_STAGES, false)
-/* the wgmmas of one k-tile-half in flight while the next half dequantizes, across k-tiles and the
-   block barrier (LILY_CUDA_WG_OVERLAP=1, until measured): 4 stages, two loaded ahead (two blocks
-   per SM at 64 rows, 192 KB; 160 KB at 128) */
-GEMM_WG(gemm_wg64o, 1, 2, 4, true)
-GEMM_WG(gemm_wg128o, 2, 1, 4, true)
+GEMM_WG(gemm_wg64, 1, 2)
+GEMM_WG(gemm_wg128, 2, 1)
+GEMM_WG(gemm_wg256, 4, 1)

@@ -198,12 +198,8 @@ impl Gpu {
                 }
                 let (name, smem, bt, per_sm) = if wide {
                     ("gemm_wg256", crate::cuda::GEMM_WG_SMEM256, 256, 1)
-                } else if tall && wg_overlap() {
-                    ("gemm_wg128o", crate::cuda::GEMM_WG_SMEM128O, 128, 1)
                 } else if tall {
                     ("gemm_wg128", crate::cuda::GEMM_WG_SMEM128, 128, 1)
-                } else if wg_overlap() {
-                    ("gemm_wg64o", crate::cuda::GEMM_WG_SMEM64O, 64, 2)
                 } else {
                     ("gemm_wg64", crate::cuda::GEMM_WG_SMEM64, 64, 2)
                 };
@@ -355,14 +351,6 @@ impl GemmKernel {
 fn wg256_from() -> usize {
     static V: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
     super::env_usize(&V, "LILY_CUDA_WG256_FROM", 2048)
-}
-
-/// Whether gemm_wg's 64/128-row tiles keep a half k-tile's wgmmas in flight while the next half
-/// dequantizes (gemm_wg64o / gemm_wg128o, `LILY_CUDA_WG_OVERLAP=1`; off until measured). (Deeper
-/// pipelines alone, 4/5 stages, measured −0.5%: perf log session 25.)
-fn wg_overlap() -> bool {
-    static V: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *V.get_or_init(|| std::env::var("LILY_CUDA_WG_OVERLAP").is_ok_and(|v| v == "1"))
 }
 
 /// Whether Auto's gemm_wg products (64/128-row tiles) run on gemm_ws (`LILY_CUDA_GEMM_WS=1`;
