@@ -177,7 +177,7 @@ __device__ __forceinline__ void wg_store(const float (&acc)[NB][32], float* dst,
 }
 #endif
 
-template <int NB>
+template <int NB, bool XM>
 __device__ __forceinline__ void gemm_wg_body(const void* w, const void* sc, const void* bi, int group, const u16* xb,
                                              const int* gather, int gdiv, float* y, long long ldy, int M, int N,
                                              int K, const int* tiles, int accumulate, int ksplit, float* part,
@@ -200,13 +200,19 @@ __device__ __forceinline__ void gemm_wg_body(const void* w, const void* sc, cons
     /* this block's k-tiles: all, or part blockIdx.z of ksplit (plain products only) */
     int kb = (int)blockIdx.z * (K / 128) / ksplit, nk = ((int)blockIdx.z + 1) * (K / 128) / ksplit - kb;
 
-    /* input copies: piece ci = tid + 256j is row (ci & 7) + 8(ci >> 7) = xr0 + 16j, piece
-       (ci >> 3) & 15 = xq, so a warp's 32 copies fill 4 whole core matrices (conflict-free) from
-       64-byte runs of 8 rows. Up to 128-row tiles the copies' addresses are kept in registers;
+    /* input copies: piece ci = tid + 256j is row xr0 + 16j, piece xq. XM = false: row (ci & 7) +
+       8(ci >> 7), piece (ci >> 3) & 15, so a warp's 32 copies fill 4 whole core matrices
+       (conflict-free) from 64-byte runs of 8 rows; but the 8 lanes of each quarter-warp phase
+       then read 8 rows' same piece, 8 sectors for 128 bytes (every input sector fetched twice).
+       XM = true (LILY_CUDA_WG_XCOPY=1, until measured): row 4(tid >> 6) + ((tid >> 1) & 3), piece
+       8((tid >> 5) & 1) + 2((tid >> 3) & 3) + (tid & 1): a phase reads 4 rows' same two pieces
+       (4 whole sectors), a warp 4 rows x one 64-column chunk; the shared-memory writes then meet
+       2-way bank conflicts. Up to 128-row tiles the copies' addresses are kept in registers;
        the 256-row tiles (LEAN, plain products only: rows are not gathered) compute them per copy
        (the registers hold the accumulators). */
     constexpr bool LEAN = NB > 2;
-    const int xr0 = (tid & 7) + 8 * (tid >> 7), xq = (tid >> 3) & 15;
+    const int xr0 = XM ? 4 * (tid >> 6) + ((tid >> 1) & 3) : (tid & 7) + 8 * (tid >> 7);
+    const int xq = XM ? 8 * ((tid >> 5) & 1) + 2 * ((tid >> 3) & 3) + (tid & 1) : (tid >> 3) & 15;
     const u32 xd0 = (u32)((xq * (BT / 8) + (xr0 >> 3)) * 128 + (xr0 & 7) * 16); /* + 256j */
     const u16* xsrc[LEAN ? 1 : XC];
     int xbytes[LEAN ? 1 : XC];
@@ -336,12 +342,15 @@ __device__ __forceinline__ void gemm_wg_body(const void* w, const void* sc, cons
 #endif
 }
 
-#define GEMM_WG(NAME, NB, MINB)                                                                               \
+#define GEMM_WG(NAME, NB, MINB, XM)                                                                           \
     extern "C" __global__ void __launch_bounds__(256, MINB) NAME(GemmParams_fields) {                        \
         GEMM_SHAPE;                                                                                           \
-        gemm_wg_body<NB>(w, sc, bi, group, (const u16*)x, gather, gdiv, y, ldy, M, N, K, tiles, accumulate, ksplit, \
-                         part, tickets);                                                                 \
+        gemm_wg_body<NB, XM>(w, sc, bi, group, (const u16*)x, gather, gdiv, y, ldy, M, N, K, tiles, accumulate, \
+                             ksplit, part, tickets);                                                      \
     }
-GEMM_WG(gemm_wg64, 1, 2)
-GEMM_WG(gemm_wg128, 2, 1)
-GEMM_WG(gemm_wg256, 4, 1)
+GEMM_WG(gemm_wg64, 1, 2, false)
+GEMM_WG(gemm_wg128, 2, 1, false)
+GEMM_WG(gemm_wg256, 4, 1, false)
+GEMM_WG(gemm_wg64x, 1, 2, true)
+GEMM_WG(gemm_wg128x, 2, 1, true)
+GEMM_WG(gemm_wg256x, 4, 1, true)

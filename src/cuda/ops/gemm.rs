@@ -203,6 +203,13 @@ impl Gpu {
                 } else {
                     ("gemm_wg64", crate::cuda::GEMM_WG_SMEM64, 64, 2)
                 };
+                // the same kernels with sector-whole input copies (gemm_wg.cu, XM)
+                let name = match (wg_xcopy(), name) {
+                    (true, "gemm_wg256") => "gemm_wg256x",
+                    (true, "gemm_wg128") => "gemm_wg128x",
+                    (true, "gemm_wg64") => "gemm_wg64x",
+                    (_, n) => n,
+                };
                 let (gx, gy) = (blocks(n, 128), if tiles == 0 { m.div_ceil(bt) } else { ntiles } as u32);
                 let ks = if tiles == 0 {
                     wg_ksplit((gx * gy) as usize, (self.sms * per_sm) as usize, k / 128, m * n)
@@ -351,6 +358,13 @@ impl GemmKernel {
 fn wg256_from() -> usize {
     static V: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
     super::env_usize(&V, "LILY_CUDA_WG256_FROM", 2048)
+}
+
+/// Whether gemm_wg copies its inputs in whole 32-byte sectors per quarter-warp (gemm_wg*x,
+/// `LILY_CUDA_WG_XCOPY=1`; off until measured).
+fn wg_xcopy() -> bool {
+    static V: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *V.get_or_init(|| std::env::var("LILY_CUDA_WG_XCOPY").is_ok_and(|v| v == "1"))
 }
 
 /// Whether Auto's gemm_wg products (64/128-row tiles) run on gemm_ws (`LILY_CUDA_GEMM_WS=1`;
