@@ -60,6 +60,7 @@ __device__ __forceinline__ void gemm_ws_body(const void* w, const void* sc, cons
     constexpr int S = WS_STAGES(NB), LAG = S - 2, BT = 64 * NB, XB = BT * 256, STAGE = XB + 128 * 64;
     extern __shared__ __align__(128) unsigned char ws_sm[];
     __shared__ __align__(8) u64 full[S], empty[S];
+    __shared__ int xri[BT];
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t4 = lane & 3;
     const u32 s0 = (u32)__cvta_generic_to_shared(ws_sm);
     if (tid == 0) {
@@ -89,42 +90,40 @@ __device__ __forceinline__ void gemm_ws_body(const void* w, const void* sc, cons
     };
 
     if (warp == 8) {
-        /* producer: lane copies X pieces q = (lane >> 3) + 4(j & 3) of rows (lane & 7) + 8(j >> 2)
-           (j < BT/2: 8 rows x 4 pieces per warp copy, conflict-free), and the 64 code bytes of W
-           rows as below, all by cp.async */
-        const int xq = lane >> 3;
+        /* producer: X copy j (j < BT/2) is 4 rows x one 64-column chunk: row 4(j >> 1) + xro, piece
+           8(j & 1) + xqo, so each quarter-warp phase reads 4 rows' same two pieces, 4 whole 32-byte
+           sectors (8 rows' same piece, as first written, fetched every sector twice; the shared
+           writes meet 2-way bank conflicts instead); the 64 code bytes of W rows as below; all by
+           cp.async */
+        const int xqo = 2 * (lane >> 3) + (lane & 1), xro = (lane >> 1) & 3;
         int it = 0;
         for (int t = blockIdx.x; t < ntile; t += gridDim.x) {
             int e, m0, m1, n0;
             tile_of(t, e, m0, m1, n0);
             /* W: piece lane + 32i (i < 16) of the tile's 128 rows x 4 pieces: row (lane >> 2) + 8i,
                piece lane & 3, so a warp copy is 8 whole 64-byte runs */
-            const unsigned char* wrow[16];
+            const unsigned char* wb = (const unsigned char*)w + (lane & 3) * 16;
+            int wri[16]; /* weight rows (lane >> 2) + 8i, clamped to the last */
 #pragma unroll
-            for (int i = 0; i < 16; i++) {
-                long long wr = (long long)e * N + min(n0 + (lane >> 2) + 8 * i, N - 1);
-                wrow[i] = (const unsigned char*)w + wr * (K / 2) + (lane & 3) * 16;
-            }
-            const u16* xrow[BT / 8];
-            int xok[BT / 8];
-#pragma unroll
-            for (int rr = 0; rr < BT / 8; rr++) {
-                int m = m0 + (lane & 7) + 8 * rr;
-                xok[rr] = m < m1;
-                xrow[rr] = xb + (xok[rr] ? gemm_xrow(gather, gdiv, m) : 0) * (long long)K + xq * 8;
-            }
+            for (int i = 0; i < 16; i++) wri[i] = e * N + min(n0 + (lane >> 2) + 8 * i, N - 1);
+            /* the tile's source rows (-1 past it), in shared memory: BT/4 per lane in registers
+               spilled at 128 rows (ptxas budgets 168 registers for the 288 threads) */
+            __syncwarp();
+            for (int i = lane; i < BT; i += 32) xri[i] = m0 + i < m1 ? gemm_xrow(gather, gdiv, m0 + i) : -1;
+            __syncwarp();
             for (int kt = 0; kt < nk; kt++, it++) {
                 int st = it % S;
                 if (it >= S) ws_wait(&empty[st], ((it / S) - 1) & 1);
                 u32 xs = s0 + st * STAGE;
 #pragma unroll
                 for (int i = 0; i < 16; i++)
-                    cp_async16(s0 + st * STAGE + XB + (u32)(lane + 32 * i) * 16, wrow[i] + kt * 64, 16);
+                    cp_async16(s0 + st * STAGE + XB + (u32)(lane + 32 * i) * 16, wb + (long long)wri[i] * (K / 2) + kt * 64, 16);
 #pragma unroll
                 for (int j = 0; j < BT / 2; j++) {
-                    int rr = j >> 2, q = xq + 4 * (j & 3), r = (lane & 7) + 8 * rr;
+                    int rg = j >> 1, r = 4 * rg + xro, q = 8 * (j & 1) + xqo;
                     u32 dst = xs + (u32)((q * (BT / 8) + (r >> 3)) * 128 + (r & 7) * 16);
-                    cp_async16(dst, xrow[rr] + kt * 128 + 4 * (j & 3) * 8, xok[rr] ? 16 : 0);
+                    int sr = xri[r];
+                    cp_async16(dst, xb + (long long)max(sr, 0) * K + kt * 128 + q * 8, sr >= 0 ? 16 : 0);
                 }
                 cp_async_commit();
                 if (it >= LAG) {
