@@ -341,6 +341,9 @@ impl Gpu {
             ("gemm_wg64x", GEMM_WG_SMEM64),
             ("gemm_wg128x", GEMM_WG_SMEM128),
             ("gemm_wg256x", GEMM_WG_SMEM256.min(optin)),
+            ("gemm_wg64xs", GEMM_WG_SMEM64),
+            ("gemm_wg128xs", GEMM_WG_SMEM128),
+            ("gemm_wg256xs", GEMM_WG_SMEM256.min(optin)),
             ("gemm_ws64", GEMM_WS_SMEM64.min(optin)),
             ("gemm_ws128", GEMM_WS_SMEM128.min(optin)),
         ];

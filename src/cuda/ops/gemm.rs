@@ -204,10 +204,14 @@ impl Gpu {
                     ("gemm_wg64", crate::cuda::GEMM_WG_SMEM64, 64, 2)
                 };
                 // the same kernels with sector-whole input copies (gemm_wg.cu, XM)
+                // (and, at 2, one scale/bias load per row and array per k-tile)
                 let name = match (wg_xcopy(), name) {
-                    (true, "gemm_wg256") => "gemm_wg256x",
-                    (true, "gemm_wg128") => "gemm_wg128x",
-                    (true, "gemm_wg64") => "gemm_wg64x",
+                    (1, "gemm_wg256") => "gemm_wg256x",
+                    (1, "gemm_wg128") => "gemm_wg128x",
+                    (1, "gemm_wg64") => "gemm_wg64x",
+                    (2, "gemm_wg256") => "gemm_wg256xs",
+                    (2, "gemm_wg128") => "gemm_wg128xs",
+                    (2, "gemm_wg64") => "gemm_wg64xs",
                     (_, n) => n,
                 };
                 let (gx, gy) = (blocks(n, 128), if tiles == 0 { m.div_ceil(bt) } else { ntiles } as u32);
@@ -361,10 +365,11 @@ fn wg256_from() -> usize {
 }
 
 /// Whether gemm_wg copies its inputs in whole 32-byte sectors per quarter-warp (gemm_wg*x,
-/// `LILY_CUDA_WG_XCOPY=1`; off until measured).
-fn wg_xcopy() -> bool {
-    static V: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *V.get_or_init(|| std::env::var("LILY_CUDA_WG_XCOPY").is_ok_and(|v| v == "1"))
+/// `LILY_CUDA_WG_XCOPY=1`), and also loads a k-tile's scales and biases of a row in one
+/// instruction per array (gemm_wg*xs, `=2`); 0 (the default until measured): neither.
+fn wg_xcopy() -> usize {
+    static V: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    super::env_usize(&V, "LILY_CUDA_WG_XCOPY", 0)
 }
 
 /// Whether Auto's gemm_wg products (64/128-row tiles) run on gemm_ws (`LILY_CUDA_GEMM_WS=1`;
