@@ -20,6 +20,16 @@ fn every_kernel_compiles_for_sm_90a() {
     let (ptx, cached) = lily::cuda::compile("sm_90a").unwrap_or_else(|e| panic!("{e:#}"));
     assert!(!cached);
     eprintln!("compiled {} bytes of PTX for sm_90a in {:.2} s", ptx.len(), t.elapsed().as_secs_f64());
+    // LILY_PTX_EXPORT=<dir>: the cache file goes there too (scripts/gpu.sh ships it in the bundle,
+    // so the GPU machine skips NVRTC)
+    if let Ok(out) = std::env::var("LILY_PTX_EXPORT") {
+        std::fs::create_dir_all(&out).unwrap();
+        for f in std::fs::read_dir(&dir).unwrap().flatten() {
+            if f.path().extension().is_some_and(|e| e == "ptx") {
+                std::fs::copy(f.path(), std::path::Path::new(&out).join(f.file_name())).unwrap();
+            }
+        }
+    }
     for k in lily::cuda::all_kernels() {
         assert!(ptx.contains(&format!(".entry {k}(")), "kernel {k} missing from the PTX");
     }

@@ -117,13 +117,27 @@ fn cache_dir() -> Option<PathBuf> {
     Some(base.join("lily").join("kernels"))
 }
 
+/// NVRTC's version as "major.minor" (part of the kernel cache key).
+fn nvrtc_version() -> String {
+    let (mut major, mut minor) = (0, 0);
+    // SAFETY: nvrtcVersion writes two ints; the library was found by `nvrtc_available`.
+    let ok = unsafe { cudarc::nvrtc::sys::nvrtcVersion(&mut major, &mut minor) };
+    if ok == cudarc::nvrtc::sys::nvrtcResult::NVRTC_SUCCESS {
+        format!("{major}.{minor}")
+    } else {
+        "unknown".into()
+    }
+}
+
 /// Compiles every kernel for `arch` (PTX text), through an on-disk cache keyed by the source
-/// hash, the architecture and the flags. Returns (ptx, whether it came from the cache).
+/// hash, the architecture, the flags and NVRTC's version (not by the include paths: the kernels
+/// include no CUDA headers, so a cache filled on another machine with the same NVRTC, such as
+/// scripts/gpu.sh's bundle, is found). Returns (ptx, whether it came from the cache).
 pub fn compile(arch: &'static str) -> Result<(String, bool)> {
     let src = kernel_source();
     let includes = include_paths();
     let flags = ["--std=c++17".to_string()];
-    let key = fnv1a(&[&src, arch, &flags.join(" "), &includes.join(":")]);
+    let key = fnv1a(&[&src, arch, &flags.join(" "), &nvrtc_version()]);
     let path = cache_dir().map(|d| d.join(format!("lily-{arch}-{key:016x}.ptx")));
     if let Some(p) = &path {
         if let Ok(ptx) = std::fs::read_to_string(p) {
