@@ -133,6 +133,49 @@ fn gemm_cases(pick: fn(&lily::cuda::Gpu, &GpuLinear) -> Vec<(Precision, GemmKern
     }
 }
 
+/// silu_mul_pairs_perm writes gemm_wg's input as x_bf16_perm writes it from silu_mul_pairs' f32
+/// rows (the same f32 product, rounded once): the product from the workspace equals the product
+/// through the f32 rows bit for bit, and both match the CPU within the bf16 bound. A product that
+/// would not run on gemm_wg refuses the workspace as its input.
+#[test]
+fn silu_perm_feeds_gemm_wg_bit_identically() {
+    let Some(g) = gpu() else { return };
+    if !g.wg_available() {
+        eprintln!("SKIPPED: this device has no gemm_wg (sm_90a)");
+        return;
+    }
+    let mut r = rng(23);
+    // 70 gate/up pairs of width 256 (gate row k at [k, 0..256), up at [k, 256..512)) into a
+    // 600-row down projection
+    let (n, rows, out) = (256, 70, 600);
+    let l = quant(&mut r, out, n, 4, 64);
+    let gl = GpuLinear::upload(&g, &l).unwrap();
+    let gu = uniform(&mut r, rows * 2 * n, 3.0);
+    let h: Vec<f32> = (0..rows * n)
+        .map(|i| {
+            let (k, j) = (i / n, i % n);
+            let (a, b) = (gu[k * 2 * n + j], gu[k * 2 * n + n + j]);
+            a * sigmoid(a) * b
+        })
+        .collect();
+    let mut want = vec![0f32; rows * out];
+    l.matmul(&h, &mut want);
+    let gub = g.upload_f32(&gu).unwrap();
+    let hb = g.upload_f32(&vec![f32::NAN; rows * n]).unwrap();
+    let ya = g.upload_f32(&vec![f32::NAN; rows * out]).unwrap();
+    let yb = g.upload_f32(&vec![f32::NAN; rows * out]).unwrap();
+    assert!(g.gemm_takes_wg(GemmKernel::Wg, &gl, Precision::Bf16, None, rows));
+    g.silu_mul_pairs(gub.ptr, hb.ptr, n, rows).unwrap();
+    g.gemm_with(GemmKernel::Wg, &gl, Precision::Bf16, hb.ptr, n, ya.ptr, out, rows, false).unwrap();
+    g.silu_mul_pairs_perm(gub.ptr, n, rows).unwrap();
+    g.gemm_with(GemmKernel::Wg, &gl, Precision::Bf16, g.wg_ws, n, yb.ptr, out, rows, false).unwrap();
+    let (a, b) = (ya.read_f32(0, rows * out).unwrap(), yb.read_f32(0, rows * out).unwrap());
+    assert!(a.iter().zip(&b).all(|(x, y)| x.to_bits() == y.to_bits()), "fused and f32-rows products differ");
+    check("silu_mul_pairs_perm -> gemm_wg", &b, &want, TOL_BF16);
+    let err = g.gemm_with(GemmKernel::Auto, &gl, Precision::F32, g.wg_ws, n, ya.ptr, out, rows, false).unwrap_err();
+    assert!(format!("{err:#}").contains("workspace"), "{err:#}");
+}
+
 /// Routing of a chunk: batched top-k, grouping by expert (moe_align), the grouped products with
 /// gathered inputs (gate/up pairs and down), and the weighted combination.
 #[test]

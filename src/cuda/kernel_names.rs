@@ -133,7 +133,7 @@ fn skinny_occ2() -> bool {
 /// Kernels that call `pdl_wait()` before touching activations (kernels/common.cuh) and so may be
 /// launched as programmatic dependents: their launch and weight reads overlap the previous
 /// kernel's tail. The gemm_skinny entry points are such kernels too (see [`is_pdl`]).
-pub const PDL_KERNELS: [&str; 49] = [
+pub const PDL_KERNELS: [&str; 50] = [
     "gemm_wg64",
     "gemm_wg128",
     "gemm_wg256",
@@ -182,6 +182,7 @@ pub const PDL_KERNELS: [&str; 49] = [
     "rms_norm",
     "silu_mul",
     "silu_mul_pairs",
+    "silu_mul_pairs_perm",
     "add_inplace",
 ];
 

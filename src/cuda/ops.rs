@@ -2,7 +2,8 @@
 //! shape checks the kernels rely on. Pointers are device addresses (`DevBuf::at`).
 
 use super::params::{
-    AddParams, EmbedParams, GemvParams, In, Out, RmsNormParams, SiluMulPairsParams, SiluMulParams, Void,
+    AddParams, EmbedParams, GemvParams, In, Out, RmsNormParams, SiluMulPairsParams, SiluMulPairsPermParams,
+    SiluMulParams, Void,
 };
 use super::{DevBuf, Gpu};
 use crate::linear::{FloatType, Linear, Weight};
@@ -18,7 +19,7 @@ mod sampling;
 
 pub use attention::{AttnDecode, AttnKernel, AttnPlan, AttnPrep, AttnRows, KvDtype, PrefillAttn};
 pub use gdn::{gdn_chunk_floats, gdn_out_fused, gdn_prefill_kernel, GdnPrefill, GdnPrefillKernel, GdnRows, GdnStep};
-pub use gemm::{wg_tall_avg, GemmKernel, Precision};
+pub use gemm::{silu_perm_on, wg_tall_avg, GemmKernel, Precision};
 pub use sampling::{sampling_params_bytes, SAMPLE_WS_BYTES};
 
 /// A whole-number setting read once from the environment variable `name` into `cell`
@@ -250,6 +251,17 @@ impl Gpu {
     pub fn silu_mul_pairs(&self, gu: u64, h: u64, n: usize, pairs: usize) -> Result<()> {
         let p = SiluMulPairsParams { gu: In::new(gu), h: Out::new(h), n: n as i32, pairs: pairs as i32 };
         self.launch_params("silu_mul_pairs", (blocks(n * pairs, 256), 1, 1), 256, 0, &p)
+    }
+
+    /// [`Gpu::silu_mul_pairs`] written as bf16 in gemm_wg's k order into its workspace, where the
+    /// next product ([`Gpu::gemm_grouped_with`] / [`Gpu::gemm`] with x = [`Gpu::wg_ws`]) reads
+    /// it without converting (n a multiple of 64; `LILY_CUDA_SILU_PERM=1` in the prefill).
+    pub fn silu_mul_pairs_perm(&self, gu: u64, n: usize, pairs: usize) -> Result<()> {
+        if !n.is_multiple_of(64) || pairs * n * 2 > crate::cuda::WG_WS_BYTES || self.wg_ws == 0 {
+            bail!("silu_mul_pairs_perm: {pairs} rows of {n} do not fit gemm_wg's workspace");
+        }
+        let p = SiluMulPairsPermParams { gu: In::new(gu), xb: Out::new(self.wg_ws), n: n as i32, pairs: pairs as i32 };
+        self.launch_params("silu_mul_pairs_perm", (blocks(n / 8 * pairs, 256), 1, 1), 256, 0, &p)
     }
 
     /// `x += y` over n elements.

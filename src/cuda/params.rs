@@ -180,6 +180,9 @@ kernel_params! {
     SiluMulParams ["silu_mul"] { g: In<f32>, u: In<f32>, h: Out<f32>, n: i32 }
     /// `silu_mul_pairs`: h[k, i] = silu(gu[2k, i]) · gu[2k+1, i] for i < n, k < pairs.
     SiluMulPairsParams ["silu_mul_pairs"] { gu: In<f32>, h: Out<f32>, n: i32, pairs: i32 }
+    /// `silu_mul_pairs_perm` (gemm_wg.cu): the same h as bf16 rows in wgmma's k order
+    /// (`x_bf16_perm`'s layout, width n a multiple of 64), straight into gemm_wg's workspace `xb`.
+    SiluMulPairsPermParams ["silu_mul_pairs_perm"] { gu: In<f32>, xb: Out<u16>, n: i32, pairs: i32 }
     /// `add_inplace`: x[i] += y[i] for i < n.
     AddParams ["add_inplace"] { x: Out<f32>, y: In<f32>, n: i32 }
     /// The many-row weight products (gemm.cu, gemm_pipe.cu, gemm_skinny.cu):

@@ -73,6 +73,27 @@ extern "C" __global__ void x_bf16_perm(XPermParams p) {
     *(uint4*)(p.xb + row * p.k + q * 8) = o;
 }
 
+/* silu_mul_pairs_perm: h[k, :] = silu(gu[2k, :]) * gu[2k+1, :] (gate/up rows side by side, width
+   n a multiple of 64) written as x_bf16_perm would write it (the same f32 product, rounded once):
+   the down projection's input without the f32 round trip. One thread per 16-byte piece. */
+extern "C" __global__ void silu_mul_pairs_perm(const SiluMulPairsPermParams p) {
+    pdl_begin();
+    int n = p.n, per = n / 8;
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (long long)per * p.pairs) return;
+    long long k = i / per;
+    int q = (int)(i - k * per), c = q >> 3, qq = q & 7, s = qq >> 1;
+    /* as x_bf16_perm: element 2j is physical column base + 16j, 2j+1 is base + 16j + 4 */
+    int base = c * 64 + 8 * (s >> 1) + 2 * (s & 1) + (qq & 1);
+    const float* g = p.gu + k * 2 * n + base;
+    const float* u = g + n;
+    u32 o[4];
+#pragma unroll
+    for (int j = 0; j < 4; j++)
+        o[j] = gp_bf16x2(silu_f(g[16 * j]) * u[16 * j], silu_f(g[16 * j + 4]) * u[16 * j + 4]);
+    *(uint4*)(p.xb + k * n + q * 8) = make_uint4(o[0], o[1], o[2], o[3]);
+}
+
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 __device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }

@@ -3,7 +3,7 @@
 //! gdn_prefill.cu, attention_prefill.cu).
 
 use super::{CudaModel, CudaSession, GFfn, GLayer, GMixer, GState};
-use crate::cuda::ops::{gdn_chunk_floats, wg_tall_avg, GdnPrefill, GemmKernel, Precision};
+use crate::cuda::ops::{gdn_chunk_floats, silu_perm_on, wg_tall_avg, GdnPrefill, GemmKernel, Precision};
 use crate::cuda::DevBuf;
 use anyhow::{bail, Context, Result};
 
@@ -335,23 +335,48 @@ pub(super) fn ffn_rows(m: &CudaModel, layer: &GLayer, p: &PScratch, t: usize, pr
             let tl = (p.tiles.ptr, max_tiles(pairs, bm, grouped), pairs);
             let gu = (p.egu.ptr, 2 * inter);
             g.gemm_grouped_with(kern, &experts.gate_up, prec, 2 * inter, (p.xn.ptr, h, p.perm.ptr, slots), gu, tl)?;
-            g.silu_mul_pairs(p.egu.ptr, p.eh.ptr, inter, pairs)?;
-            g.gemm_grouped_with(kern, &experts.down, prec, h, (p.eh.ptr, inter, 0, 1), (p.ye.ptr, h), tl)?;
+            let eh = silu_then(g, &experts.down, prec, kern, Some(h), p.egu.ptr, p.eh.ptr, inter, pairs)?;
+            g.gemm_grouped_with(kern, &experts.down, prec, h, (eh, inter, 0, 1), (p.ye.ptr, h), tl)?;
             let (ys, gate) = if inside {
                 (0, (0, 0))
             } else {
                 shared.gate_up.run_rows(g, prec, p.xn.ptr, h, p.sgu.ptr, 2 * shared.inter, t)?;
-                g.silu_mul_pairs(p.sgu.ptr, p.sh.ptr, shared.inter, t)?;
-                g.gemm(&shared.down, prec, p.sh.ptr, shared.inter, p.ys.ptr, h, t, false)?;
+                let sh =
+                    silu_then(g, &shared.down, prec, GemmKernel::Auto, None, p.sgu.ptr, p.sh.ptr, shared.inter, t)?;
+                g.gemm(&shared.down, prec, sh, shared.inter, p.ys.ptr, h, t, false)?;
                 (p.ys.ptr, (p.router.at(4 * e), e + 1))
             };
             g.moe_combine_rows(p.x.ptr, p.ye.ptr, p.inv.ptr, p.wts.ptr, ys, gate, h, slots, t)?;
         }
         GFfn::Dense(mm) => {
             mm.gate_up.run_rows(g, prec, p.xn.ptr, h, p.sgu.ptr, 2 * mm.inter, t)?;
-            g.silu_mul_pairs(p.sgu.ptr, p.sh.ptr, mm.inter, t)?;
-            g.gemm(&mm.down, prec, p.sh.ptr, mm.inter, p.x.ptr, h, t, true)?;
+            let sh = silu_then(g, &mm.down, prec, GemmKernel::Auto, None, p.sgu.ptr, p.sh.ptr, mm.inter, t)?;
+            g.gemm(&mm.down, prec, sh, mm.inter, p.x.ptr, h, t, true)?;
         }
     }
     Ok(())
+}
+
+/// `silu(gate) ⊙ up` of `rows` gate/up pairs (width n) for the down projection `down` (grouped
+/// into matrices of its output width when `grouped`): into `h` as f32, or with
+/// `LILY_CUDA_SILU_PERM=1`, where that product runs on gemm_wg, as its bf16 input straight into
+/// its workspace. Returns the product's input pointer.
+#[allow(clippy::too_many_arguments)]
+fn silu_then(
+    g: &crate::cuda::Gpu,
+    down: &crate::cuda::ops::GpuLinear,
+    prec: Precision,
+    kern: GemmKernel,
+    grouped: Option<usize>,
+    gu: u64,
+    h: u64,
+    n: usize,
+    rows: usize,
+) -> Result<u64> {
+    if silu_perm_on() && g.gemm_takes_wg(kern, down, prec, grouped, rows) {
+        g.silu_mul_pairs_perm(gu, n, rows)?;
+        return Ok(g.wg_ws);
+    }
+    g.silu_mul_pairs(gu, h, n, rows)?;
+    Ok(h)
 }

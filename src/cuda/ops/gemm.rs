@@ -44,6 +44,24 @@ impl Gpu {
         self.gemm_raw(w, prec, kern, w.rows, (x, ldx, 0, 1, m), (y, ldy), m, (0, tiles), accumulate)
     }
 
+    /// Whether [`Gpu::gemm_with`] (`n` = None) or [`Gpu::gemm_grouped_with`] (`Some(n)`) over `rows`
+    /// input rows runs on gemm_wg, so that its input may be written into [`Gpu::wg_ws`] in its
+    /// layout beforehand (as [`Gpu::silu_mul_pairs_perm`] does) and passed as x (ldx = width).
+    pub fn gemm_takes_wg(
+        &self,
+        kern: GemmKernel,
+        w: &GpuLinear,
+        prec: Precision,
+        n: Option<usize>,
+        rows: usize,
+    ) -> bool {
+        let kern = match n {
+            None => kern.pick(w, rows, rows, 1),
+            Some(n) => kern.pick(w, rows, 64, (w.rows * w.count / n.max(1)).max(1)),
+        };
+        prec == Precision::Bf16 && kern.is_wg() && self.wg_fits(w, rows)
+    }
+
     /// The routed-expert product: rows grouped by expert through `tiles` (from [`Gpu::moe_align`],
     /// built for `prec.bm()`, at most `max_tiles`) over `pairs` rows in all; row m reads x row
     /// `gather[m] / gdiv` (or m when gather is 0) and uses matrix e of the stack seen as matrices
@@ -129,6 +147,9 @@ impl Gpu {
             part: Out::new(0),
             tickets: Out::new(0),
         };
+        if x == self.wg_ws && x != 0 && !(prec == Precision::Bf16 && kern.is_wg() && self.wg_fits(w, xrows)) {
+            bail!("gemm: inputs in gemm_wg's workspace, but this product ({kern:?}, {xrows} rows) does not run on gemm_wg");
+        }
         match (prec, kern) {
             (Precision::F32, _) => self.launch_params("gemm_f32", (blocks(n, 8), ntiles as u32, 1), 256, 0, &a),
             (Precision::Bf16, GemmKernel::Skinny(tn) | GemmKernel::SkinnyUnsplit(tn)) => {
@@ -169,16 +190,21 @@ impl Gpu {
                 Precision::Bf16,
                 GemmKernel::Wg | GemmKernel::WgTall | GemmKernel::Wg256 | GemmKernel::Ws | GemmKernel::WsTall,
             ) if self.wg_fits(w, xrows) => {
-                // the inputs as bf16 in wgmma's k order into the workspace, then the product
+                // the inputs as bf16 in wgmma's k order into the workspace (unless a kernel such
+                // as silu_mul_pairs_perm wrote them there already), then the product
                 let k = w.cols;
-                let xp = XPermParams {
-                    x: In::new(x),
-                    ldx: ldx as i64,
-                    xb: Out::new(self.wg_ws),
-                    rows: xrows as i32,
-                    k: k as i32,
-                };
-                self.launch_params("x_bf16_perm", ((xrows * k / 8).div_ceil(256) as u32, 1, 1), 256, 0, &xp)?;
+                if x != self.wg_ws {
+                    let xp = XPermParams {
+                        x: In::new(x),
+                        ldx: ldx as i64,
+                        xb: Out::new(self.wg_ws),
+                        rows: xrows as i32,
+                        k: k as i32,
+                    };
+                    self.launch_params("x_bf16_perm", ((xrows * k / 8).div_ceil(256) as u32, 1, 1), 256, 0, &xp)?;
+                } else if gather != 0 || ldx != k {
+                    bail!("gemm: inputs in gemm_wg's workspace are read as {xrows} plain rows of {k}");
+                }
                 a.x = In::new(self.wg_ws);
                 a.ldx = k as i64;
                 let wide = tiles == 0
@@ -324,6 +350,11 @@ fn skinny_max_avg() -> usize {
 }
 
 impl GemmKernel {
+    /// A gemm_wg / gemm_ws kernel (bf16 inputs in wgmma's k order from gemm_wg's workspace).
+    fn is_wg(self) -> bool {
+        matches!(self, GemmKernel::Wg | GemmKernel::WgTall | GemmKernel::Wg256 | GemmKernel::Ws | GemmKernel::WsTall)
+    }
+
     /// The kernel for `rows` input rows over `mats` matrices (at most `per_tile` in one tile).
     fn pick(self, w: &GpuLinear, rows: usize, per_tile: usize, mats: usize) -> GemmKernel {
         match self {
@@ -385,6 +416,14 @@ fn ws_on() -> bool {
 pub fn wg_tall_avg() -> usize {
     static V: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
     super::env_usize(&V, "LILY_CUDA_WG_TALL_AVG", 0)
+}
+
+/// Whether the prefill's down projections take their input from [`Gpu::silu_mul_pairs_perm`]
+/// (bf16 in gemm_wg's layout, no f32 round trip and no conversion launch) where they run on
+/// gemm_wg (`LILY_CUDA_SILU_PERM=1`; off until measured).
+pub fn silu_perm_on() -> bool {
+    static V: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *V.get_or_init(|| std::env::var("LILY_CUDA_SILU_PERM").is_ok_and(|v| v == "1"))
 }
 
 /// Whether Auto picks [`GemmKernel::Wg`] for what [`GemmKernel::Pipe`] reads
