@@ -487,7 +487,9 @@ const GDN_TC_TOL: f64 = 1e-6;
 /// start) against the CPU conv and recurrent delta rule, for the fp32 chunked kernels (the exact
 /// mode), the serial scan (`LILY_CUDA_GDN_PREFILL=scan`) and the tensor-core scan (the bf16
 /// prefill). Scratch and outputs start as NaN, so a read of anything the kernels did not write
-/// shows.
+/// shows. With the tensor-core scan, where gemm_wg takes the out-projection (sm_90a, D_v a
+/// multiple of 64, H_v·D_v of 128): gdn_prefill_to_wg from the same state writes the same state
+/// and an out-projection input that gives the product of the f32 rows bit for bit.
 #[test]
 fn gdn_prefill_matches_cpu() {
     let Some(g) = gpu() else { return };
@@ -498,6 +500,10 @@ fn gdn_prefill_matches_cpu() {
         let (kd, vd, cd, ldp, kc) = (hk * dk, hv * dv, case.cd(), case.ldp(), case.kc);
         let gb = |v: &[f32]| g.upload_f32(v).unwrap();
         let (cw, dtb, nab, nwb) = (gb(&case.conv_w), gb(&case.dt_bias), gb(&case.neg_a), gb(&case.normw));
+        // a 160-row out-projection for the gdn_prefill_to_wg check (its own generator: the
+        // cases' data stay as they were)
+        let wo = (dv % 64 == 0 && vd % 128 == 0 && g.wg_available())
+            .then(|| GpuLinear::upload(&g, &quant(&mut rng(31), 160, vd, 4, 64)).unwrap());
         let mut kernels = vec![GdnPrefillKernel::Chunked, GdnPrefillKernel::Scan];
         if g.gdn_tc_fits(dk) {
             kernels.push(GdnPrefillKernel::ChunkedTc);
@@ -539,8 +545,33 @@ fn gdn_prefill_matches_cpu() {
                     kq: kq.ptr,
                     chunk: chunk.ptr,
                 };
-                g.gdn_prefill_with(&p, kernel).unwrap();
                 let name = format!("gdn prefill {kernel:?} H_k{hk} H_v{hv} D_k{dk} D_v{dv} call {ci} T={t}");
+                let mut fused = None;
+                if let (GdnPrefillKernel::ChunkedTc, Some(wo)) = (kernel, &wo) {
+                    // from a copy of the state: the norm into gemm_wg's workspace, then the product from it
+                    let rec2 = gb(&grec.read_f32(0, rec.len()).unwrap());
+                    let ob2 = gb(&vec![f32::NAN; t * vd]);
+                    let p2 = GdnPrefill { step: GdnStep { state: rec2.ptr, out: ob2.ptr, ..p.step }, ..p };
+                    g.gdn_prefill_to_wg(&p2, Precision::Bf16).unwrap();
+                    let y2 = gb(&vec![f32::NAN; t * 160]);
+                    g.gemm_with(GemmKernel::Wg, wo, Precision::Bf16, g.wg_ws, vd, y2.ptr, 160, t, false).unwrap();
+                    fused = Some((y2.read_f32(0, t * 160).unwrap(), rec2.read_f32(0, rec.len()).unwrap()));
+                }
+                g.gdn_prefill_with(&p, kernel).unwrap();
+                if let (Some((yf, recf)), Some(wo)) = (fused, &wo) {
+                    let y1 = gb(&vec![f32::NAN; t * 160]);
+                    g.gemm_with(GemmKernel::Wg, wo, Precision::Bf16, ob.ptr, vd, y1.ptr, 160, t, false).unwrap();
+                    let ya = y1.read_f32(0, t * 160).unwrap();
+                    assert!(
+                        ya.iter().zip(&yf).all(|(a, b)| a.to_bits() == b.to_bits()),
+                        "{name}: to_wg product differs"
+                    );
+                    let reca = grec.read_f32(0, rec.len()).unwrap();
+                    assert!(
+                        reca.iter().zip(&recf).all(|(a, b)| a.to_bits() == b.to_bits()),
+                        "{name}: to_wg state differs"
+                    );
+                }
                 check(&format!("{name} conv"), &yb.read_f32(0, t * cd).unwrap(), conv, TOL);
                 check(&format!("{name} conv state"), &gcs.read_f32(0, cstate.len()).unwrap(), cstate, 0.0);
                 check(&format!("{name} out"), &ob.read_f32(0, t * vd).unwrap(), o, tol);

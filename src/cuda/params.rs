@@ -251,8 +251,11 @@ kernel_params! {
     GdnQkPrepParams spread ["gdn_qk_prep"] { y: In<f32>, ldy: i64, qn: Out<f32>, kn: Out<f32>, kq: Out<f32>, hk: i32, dk: i32 }
     /// `gdn_scan`: the serial gated delta rule over `T` tokens, state in registers.
     GdnScanParams spread ["gdn_scan"] { qn: In<f32>, kn: In<f32>, kq: In<f32>, y: In<f32>, ldy: i64, bproj: In<f32>, aproj: In<f32>, ldp: i64, dt_bias: In<f32>, neg_a: In<f32>, S: Out<f32>, o: Out<f32>, hk: i32, hv: i32, dk: i32, dv: i32, T: i32 }
-    /// `gdn_out_norm`: the gated RMSNorm of the output, in place.
-    GdnOutNormParams spread ["gdn_out_norm"] { o: Out<f32>, z: In<f32>, ldz: i64, w: In<f32>, hv: i32, dv: i32, eps: f32 }
+    /// `gdn_out_norm`: the gated RMSNorm of the output, in place, or with `xb` set, as bf16 rows
+    /// in gemm_wg's k order into `xb` (gemm_wg's workspace; o is then left as it was).
+    GdnOutNormParams spread ["gdn_out_norm"] {
+        o: Out<f32>, z: In<f32>, ldz: i64, w: In<f32>, hv: i32, dv: i32, eps: f32, xb: Out<u16>
+    }
     /// `gdn_chunk_prep`: the chunked delta rule's per-chunk preparation (`Wt`, `Qt`, `U`, `Mt`, `G`).
     GdnChunkPrepParams spread ["gdn_chunk_prep", "gdn_chunk_prep_tc"] { qn: In<f32>, kn: In<f32>, y: In<f32>, ldy: i64, bproj: In<f32>, aproj: In<f32>, ldp: i64, dt_bias: In<f32>, neg_a: In<f32>, Wt: Out<f32>, Qt: Out<f32>, U: Out<f32>, Mt: Out<f32>, G: Out<f32>, hk: i32, hv: i32, dk: i32, dv: i32, T: i32 }
     /// `gdn_chunk_scan`: the scan over chunks (state `S`, output `o`).

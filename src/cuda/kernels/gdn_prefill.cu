@@ -29,7 +29,10 @@
  *   Requires D_k % 32 == 0, D_k <= 256, D_v % 8 == 0.
  *
  * gdn_out_norm: o[t, h, :] <- w * o * rsqrt(mean(o^2) + eps) * silu(z[t, h, :]) in place
- *   (z at z[t*ldz + h*D_v + j]). grid (T*H_v), block D_v (multiple of 32, <= 1024).
+ *   (z at z[t*ldz + h*D_v + j]). grid (T*H_v), block D_v (multiple of 32, <= 1024). With xb
+ *   (D_v a multiple of 64; LILY_CUDA_GDN_NORM_PERM=1): the same values rounded to bf16 into row t
+ *   of xb [T, H_v*D_v] in x_bf16_perm's layout (the out-projection's gemm_wg input; o untouched),
+ *   threads q < D_v/8 writing the head's 16-byte pieces from shared memory.
  */
 #define CONV_TT 16
 extern "C" __global__ void conv_prefill(ConvPrefillParams_fields) {
@@ -205,13 +208,28 @@ extern "C" __global__ void gdn_scan(GdnScanParams_fields) {
 }
 
 extern "C" __global__ void gdn_out_norm(GdnOutNormParams_fields) {
-    __shared__ float sh[33];
+    __shared__ float sh[33], sv[1024];
     int row = blockIdx.x, j = threadIdx.x;
     int t = row / hv, h = row - t * hv;
     float val = j < dv ? o[(long long)row * dv + j] : 0.f;
     float ss = block_sum(val * val, sh);
+    float v = 0.f;
     if (j < dv) {
         float r = 1.f / sqrtf(ss / (float)dv + eps);
-        o[(long long)row * dv + j] = val * r * w[j] * silu_f(z[(long long)t * ldz + h * dv + j]);
+        v = val * r * w[j] * silu_f(z[(long long)t * ldz + h * dv + j]);
+        if (!xb) o[(long long)row * dv + j] = v;
     }
+    if (!xb) return;
+    sv[j] = v;
+    __syncthreads();
+    if (j >= dv / 8) return;
+    /* global piece Q of row t; its 64-column chunk lies inside head h (D_v % 64 == 0) */
+    int Q = h * (dv / 8) + j, qq = Q & 7, s = qq >> 1;
+    int loc = (Q >> 3) * 64 - h * dv + 8 * (s >> 1) + 2 * (s & 1) + (qq & 1);
+    uint4 out;
+    out.x = gp_bf16x2(sv[loc], sv[loc + 4]);
+    out.y = gp_bf16x2(sv[loc + 16], sv[loc + 20]);
+    out.z = gp_bf16x2(sv[loc + 32], sv[loc + 36]);
+    out.w = gp_bf16x2(sv[loc + 48], sv[loc + 52]);
+    *(uint4*)(xb + (long long)t * hv * dv + Q * 8) = out;
 }

@@ -3,7 +3,9 @@
 //! gdn_prefill.cu, attention_prefill.cu).
 
 use super::{CudaModel, CudaSession, GFfn, GLayer, GMixer, GState};
-use crate::cuda::ops::{gdn_chunk_floats, silu_perm_on, wg_tall_avg, GdnPrefill, GemmKernel, Precision};
+use crate::cuda::ops::{
+    gdn_chunk_floats, gdn_norm_perm_on, silu_perm_on, wg_tall_avg, GdnPrefill, GemmKernel, Precision,
+};
 use crate::cuda::DevBuf;
 use anyhow::{bail, Context, Result};
 
@@ -175,20 +177,29 @@ impl CudaSession {
                 let ldp = cd + vd + 2 * hv;
                 proj.run_rows(g, prec, p.xn.ptr, h, p.proj.ptr, ldp, t)?;
                 g.conv_prefill(p.proj.ptr, ldp, cs.ptr, conv.ptr, p.conv.ptr, cd, c.linear_conv_kernel_dim, t)?;
-                g.gdn_prefill(
-                    &GdnPrefill {
-                        step: super::gdn_step_args(c, p.proj.ptr, p.conv.ptr, [dt_bias, neg_a, norm], rec, p.o.ptr),
-                        t,
-                        ldy: cd,
-                        ldp,
-                        qn: p.qn.ptr,
-                        kn: p.kn.ptr,
-                        kq: p.kq.ptr,
-                        chunk: p.gchunk.ptr,
-                    },
-                    prec,
-                )?;
-                g.gemm(out, prec, p.o.ptr, vd, p.x.ptr, h, t, true)?;
+                let gp = GdnPrefill {
+                    step: super::gdn_step_args(c, p.proj.ptr, p.conv.ptr, [dt_bias, neg_a, norm], rec, p.o.ptr),
+                    t,
+                    ldy: cd,
+                    ldp,
+                    qn: p.qn.ptr,
+                    kn: p.kn.ptr,
+                    kq: p.kq.ptr,
+                    chunk: p.gchunk.ptr,
+                };
+                // the gated norm's output as the out-projection's bf16 input where that runs on
+                // gemm_wg (LILY_CUDA_GDN_NORM_PERM=1), else f32 rows in place
+                let o = if gdn_norm_perm_on()
+                    && c.linear_value_head_dim.is_multiple_of(64)
+                    && g.gemm_takes_wg(GemmKernel::Auto, out, prec, None, t)
+                {
+                    g.gdn_prefill_to_wg(&gp, prec)?;
+                    g.wg_ws
+                } else {
+                    g.gdn_prefill(&gp, prec)?;
+                    p.o.ptr
+                };
+                g.gemm(out, prec, o, vd, p.x.ptr, h, t, true)?;
             }
             (GMixer::Attn { proj, o, q_norm, k_norm }, GState::Attn { k: kc, v: vc, .. }) => {
                 let (nh, hkv, hd) = (c.num_attention_heads, c.num_key_value_heads, c.head_dim);

@@ -60,9 +60,25 @@ impl Gpu {
         self.gdn_prefill_with(p, gdn_prefill_kernel(prec))
     }
 
+    /// [`Gpu::gdn_prefill`] with the normalized output written as bf16 in gemm_wg's k order into
+    /// its workspace ([`Gpu::wg_ws`], to be the out-projection's input there; `p.out` keeps the
+    /// raw recurrence output) instead of in place (D_v a multiple of 64, the rows fitting).
+    pub fn gdn_prefill_to_wg(&self, p: &GdnPrefill, prec: Precision) -> Result<()> {
+        let s = &p.step;
+        if self.wg_ws == 0 || !s.dv.is_multiple_of(64) || p.t * s.hv * s.dv * 2 > crate::cuda::WG_WS_BYTES {
+            bail!("gdn_prefill_to_wg: {} rows of {} heads x {} do not fit gemm_wg's workspace", p.t, s.hv, s.dv);
+        }
+        self.gdn_prefill_opts(p, gdn_prefill_kernel(prec), self.wg_ws)
+    }
+
     /// [`Gpu::gdn_prefill`] with the recurrence done by `kernel` (the chunked form falls back to
     /// the scan for D_k > 128).
     pub fn gdn_prefill_with(&self, p: &GdnPrefill, kernel: GdnPrefillKernel) -> Result<()> {
+        self.gdn_prefill_opts(p, kernel, 0)
+    }
+
+    /// The recurrence, then the gated RMSNorm in place (xb = 0) or into xb as gemm_wg's input.
+    fn gdn_prefill_opts(&self, p: &GdnPrefill, kernel: GdnPrefillKernel, xb: u64) -> Result<()> {
         let s = &p.step;
         if !s.dk.is_multiple_of(32)
             || s.dk > 256
@@ -98,6 +114,7 @@ impl Gpu {
             hv: s.hv as i32,
             dv: s.dv as i32,
             eps: s.eps,
+            xb: Out::new(xb),
         };
         self.launch_params("gdn_out_norm", ((t * s.hv) as u32, 1, 1), s.dv as u32, 0, &a)
     }

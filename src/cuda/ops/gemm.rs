@@ -426,6 +426,14 @@ pub fn silu_perm_on() -> bool {
     *V.get_or_init(|| std::env::var("LILY_CUDA_SILU_PERM").is_ok_and(|v| v == "1"))
 }
 
+/// Whether the prefill's GDN out-projections take their input from the gated norm written as
+/// bf16 straight into gemm_wg's workspace ([`Gpu::gdn_prefill_to_wg`]) where they run on
+/// gemm_wg (`LILY_CUDA_GDN_NORM_PERM=1`; off until measured).
+pub fn gdn_norm_perm_on() -> bool {
+    static V: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *V.get_or_init(|| std::env::var("LILY_CUDA_GDN_NORM_PERM").is_ok_and(|v| v == "1"))
+}
+
 /// Whether Auto picks [`GemmKernel::Wg`] for what [`GemmKernel::Pipe`] reads
 /// (`LILY_CUDA_GEMM_WG=0`: no).
 fn wg_on() -> bool {
