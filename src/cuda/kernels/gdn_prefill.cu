@@ -224,12 +224,6 @@ extern "C" __global__ void gdn_out_norm(GdnOutNormParams_fields) {
     __syncthreads();
     if (j >= dv / 8) return;
     /* global piece Q of row t; its 64-column chunk lies inside head h (D_v % 64 == 0) */
-    int Q = h * (dv / 8) + j, qq = Q & 7, s = qq >> 1;
-    int loc = (Q >> 3) * 64 - h * dv + 8 * (s >> 1) + 2 * (s & 1) + (qq & 1);
-    uint4 out;
-    out.x = gp_bf16x2(sv[loc], sv[loc + 4]);
-    out.y = gp_bf16x2(sv[loc + 16], sv[loc + 20]);
-    out.z = gp_bf16x2(sv[loc + 32], sv[loc + 36]);
-    out.w = gp_bf16x2(sv[loc + 48], sv[loc + 52]);
-    *(uint4*)(xb + (long long)t * hv * dv + Q * 8) = out;
+    int Q = h * (dv / 8) + j, loc = xperm_col(Q) - h * dv;
+    *(uint4*)(xb + (long long)t * hv * dv + Q * 8) = xperm_piece([&](int o) { return sv[loc + o]; });
 }

@@ -57,20 +57,28 @@
 
 /* x_bf16_perm: xb[r, 64c + 8q + i] = bf16(x[r, 64c + physical(s = q>>1, kl = 8(q&1) + i)]) for
    r < rows; one thread per 16-byte piece. */
+/* The layout, for every kernel that writes gemm_wg's input: 16-byte piece q of a row holds, from
+   physical column xperm_col(q), elements 2j = +16j and 2j + 1 = +16j + 4 (j < 4); xperm_piece
+   packs them from v(offset), rounded to bf16. */
+__device__ __forceinline__ int xperm_col(int q) {
+    int qq = q & 7, s = qq >> 1;
+    return (q >> 3) * 64 + 8 * (s >> 1) + 2 * (s & 1) + (qq & 1);
+}
+template <class F>
+__device__ __forceinline__ uint4 xperm_piece(F v) {
+    return make_uint4(gp_bf16x2(v(0), v(4)), gp_bf16x2(v(16), v(20)), gp_bf16x2(v(32), v(36)),
+                      gp_bf16x2(v(48), v(52)));
+}
+
 extern "C" __global__ void x_bf16_perm(XPermParams p) {
     pdl_begin();
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     int per = p.k / 8;
     if (i >= (long long)p.rows * per) return;
     long long row = i / per;
-    int q = (int)(i % per), c = q >> 3, qq = q & 7, s = qq >> 1;
-    const float* xr = p.x + row * p.ldx + c * 64 + 8 * (s >> 1) + 2 * (s & 1) + (qq & 1);
-    uint4 o; /* element 2j: physical +16j, element 2j+1: +16j+4 */
-    o.x = gp_bf16x2(xr[0], xr[4]);
-    o.y = gp_bf16x2(xr[16], xr[20]);
-    o.z = gp_bf16x2(xr[32], xr[36]);
-    o.w = gp_bf16x2(xr[48], xr[52]);
-    *(uint4*)(p.xb + row * p.k + q * 8) = o;
+    int q = (int)(i % per);
+    const float* xr = p.x + row * p.ldx + xperm_col(q);
+    *(uint4*)(p.xb + row * p.k + q * 8) = xperm_piece([&](int o) { return xr[o]; });
 }
 
 /* silu_mul_pairs_perm: h[k, :] = silu(gu[2k, :]) * gu[2k+1, :] (gate/up rows side by side, width
@@ -82,16 +90,10 @@ extern "C" __global__ void silu_mul_pairs_perm(const SiluMulPairsPermParams p) {
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= (long long)per * p.pairs) return;
     long long k = i / per;
-    int q = (int)(i - k * per), c = q >> 3, qq = q & 7, s = qq >> 1;
-    /* as x_bf16_perm: element 2j is physical column base + 16j, 2j+1 is base + 16j + 4 */
-    int base = c * 64 + 8 * (s >> 1) + 2 * (s & 1) + (qq & 1);
-    const float* g = p.gu + k * 2 * n + base;
+    int q = (int)(i - k * per);
+    const float* g = p.gu + k * 2 * n + xperm_col(q);
     const float* u = g + n;
-    u32 o[4];
-#pragma unroll
-    for (int j = 0; j < 4; j++)
-        o[j] = gp_bf16x2(silu_f(g[16 * j]) * u[16 * j], silu_f(g[16 * j + 4]) * u[16 * j + 4]);
-    *(uint4*)(p.xb + k * n + q * 8) = make_uint4(o[0], o[1], o[2], o[3]);
+    *(uint4*)(p.xb + k * n + q * 8) = xperm_piece([&](int o) { return silu_f(g[o]) * u[o]; });
 }
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)

@@ -59,7 +59,12 @@ impl Gpu {
             None => kern.pick(w, rows, rows, 1),
             Some(n) => kern.pick(w, rows, 64, (w.rows * w.count / n.max(1)).max(1)),
         };
-        prec == Precision::Bf16 && kern.is_wg() && self.wg_fits(w, rows)
+        self.wg_runs(prec, kern, w, rows)
+    }
+
+    /// Whether gemm_raw's gemm_wg arm takes a product of `xrows` input rows (kernel resolved).
+    fn wg_runs(&self, prec: Precision, kern: GemmKernel, w: &GpuLinear, xrows: usize) -> bool {
+        prec == Precision::Bf16 && kern.is_wg() && self.wg_fits(w, xrows)
     }
 
     /// The routed-expert product: rows grouped by expert through `tiles` (from [`Gpu::moe_align`],
@@ -147,7 +152,7 @@ impl Gpu {
             part: Out::new(0),
             tickets: Out::new(0),
         };
-        if x == self.wg_ws && x != 0 && !(prec == Precision::Bf16 && kern.is_wg() && self.wg_fits(w, xrows)) {
+        if x == self.wg_ws && x != 0 && !self.wg_runs(prec, kern, w, xrows) {
             bail!("gemm: inputs in gemm_wg's workspace, but this product ({kern:?}, {xrows} rows) does not run on gemm_wg");
         }
         match (prec, kern) {
@@ -186,10 +191,7 @@ impl Gpu {
                     w.group
                 )
             }
-            (
-                Precision::Bf16,
-                GemmKernel::Wg | GemmKernel::WgTall | GemmKernel::Wg256 | GemmKernel::Ws | GemmKernel::WsTall,
-            ) if self.wg_fits(w, xrows) => {
+            (Precision::Bf16, _) if self.wg_runs(prec, kern, w, xrows) => {
                 // the inputs as bf16 in wgmma's k order into the workspace (unless a kernel such
                 // as silu_mul_pairs_perm wrote them there already), then the product
                 let k = w.cols;
