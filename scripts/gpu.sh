@@ -39,10 +39,13 @@ for line in sys.stdin:
         shutil.copy(m["executable"], ".gpu/stage/bin/" + m["target"]["name"])
 '
   # The kernels' PTX, compiled here by NVRTC (the CI wheel, when present) into the bundle's
-  # kernel cache: the GPU machine then skips NVRTC (~1-2 min of device time per fresh machine).
+  # kernel cache: the GPU machine then skips NVRTC (~1-2 min of device time per fresh machine);
+  # with ptxas (the nvcc wheel) also their sm_90a cubin, which skips the driver's JIT (~1 min).
   NVRTC_DIR="${LILY_NVRTC_DIR:-$HOME/.cache/lily-ci/nvrtc}"
+  PTXAS="${LILY_PTXAS:-$HOME/.cache/lily-ci/nvcc/nvidia/cu13/bin/ptxas}"
   if [ -f "$NVRTC_DIR/nvidia/cu13/lib/libnvrtc.so.13" ]; then
-    env -u LILY_PTXAS LD_LIBRARY_PATH="$NVRTC_DIR/nvidia/cu13/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" \
+    if [ -x "$PTXAS" ]; then export LILY_PTXAS="$PTXAS"; else unset LILY_PTXAS; fi
+    LD_LIBRARY_PATH="$NVRTC_DIR/nvidia/cu13/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" \
       LILY_REQUIRE_NVRTC=1 LILY_PTX_EXPORT="$PWD/.gpu/stage/kcache" cargo test --release --test cuda_compile -q 2>&1 | tail -1
   else
     echo "(no NVRTC wheel at $NVRTC_DIR: the GPU machine compiles the kernels itself)"
@@ -69,6 +72,12 @@ export LILY_REPO=$PWD
 export LILY_KERNEL_CACHE=$PWD/.gpu/kcache
 # the PTX compiled at build time (found only if this machine's NVRTC has the same version)
 mkdir -p .gpu/kcache && cp .gpu/x/kcache/*.ptx .gpu/kcache/ 2>/dev/null && echo "kernel cache seeded from the bundle" || true
+if cp .gpu/x/kcache/*.cubin .gpu/kcache/ 2>/dev/null; then
+  # the kernels compiled and assembled at build time (tests/cuda_compile.rs ran there): no need
+  # to spend a minute of device time compiling them again
+  echo "(with the sm_90a cubin; cuda_compile ran at build time)"
+  TESTS=${TESTS/cuda_compile /}
+fi
 export LD_LIBRARY_PATH=${LD_LIBRARY_PATH:-}:/usr/local/cuda/targets/x86_64-linux/lib
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv | tee "$OUTDIR/gpu.txt"
 # SM/memory clocks, power and throttle reasons every 100 ms while this script runs

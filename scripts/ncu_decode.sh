@@ -7,7 +7,7 @@
 set -u
 mkdir -p .gpu/x && tar -C .gpu/x -xzf .gpu/bundle.tar.gz
 export LILY_KERNEL_CACHE=$PWD/.gpu/kcache LILY_REPO=$PWD
-mkdir -p .gpu/kcache && cp .gpu/x/kcache/*.ptx .gpu/kcache/ 2>/dev/null || true
+mkdir -p .gpu/kcache && cp .gpu/x/kcache/* .gpu/kcache/ 2>/dev/null || true
 LAYERS=${LAYERS:-4} SKIP=${SKIP:-40} COUNT=${COUNT:-80}
 M="gpu__time_duration.sum,dram__bytes_read.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,lts__t_bytes.sum,launch__grid_size,launch__block_size,launch__registers_per_thread,sm__warps_active.avg.per_cycle_active,smsp__issue_active.avg.pct_of_peak_sustained_active,smsp__average_warps_issue_stalled_long_scoreboard_per_issue_active.ratio,smsp__average_warps_issue_stalled_barrier_per_issue_active.ratio,smsp__average_warps_issue_stalled_membar_per_issue_active.ratio,smsp__average_warps_issue_stalled_short_scoreboard_per_issue_active.ratio,sm__cycles_active.avg,gpc__cycles_elapsed.max"
 timeout 300 ncu --clock-control none --cache-control none \

@@ -8,7 +8,7 @@
 set -u
 mkdir -p .gpu/x && tar -C .gpu/x -xzf .gpu/bundle.tar.gz
 export LILY_KERNEL_CACHE=$PWD/.gpu/kcache LILY_REPO=$PWD
-mkdir -p .gpu/kcache && cp .gpu/x/kcache/*.ptx .gpu/kcache/ 2>/dev/null || true
+mkdir -p .gpu/kcache && cp .gpu/x/kcache/* .gpu/kcache/ 2>/dev/null || true
 KERNEL=${KERNEL:-gemm_skinny8_q4} LAYERS=${LAYERS:-4} SKIP=${SKIP:-8} B=${B:-16} TAG=${TAG:-k}
 timeout 300 ncu --clock-control none --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats \
   --section SourceCounters --section SchedulerStats --section Occupancy --section LaunchStats \

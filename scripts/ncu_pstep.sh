@@ -6,7 +6,7 @@
 set -u
 mkdir -p .gpu/x && tar -C .gpu/x -xzf .gpu/bundle.tar.gz
 export LILY_KERNEL_CACHE=$PWD/.gpu/kcache LILY_REPO=$PWD LILY_CUDA_DECODE=persistent
-mkdir -p .gpu/kcache && cp .gpu/x/kcache/*.ptx .gpu/kcache/ 2>/dev/null || true
+mkdir -p .gpu/kcache && cp .gpu/x/kcache/* .gpu/kcache/ 2>/dev/null || true
 LAYERS=${LAYERS:-4} SKIP=${SKIP:-10}
 timeout 300 ncu --clock-control none --section WarpStateStats --section SourceCounters --section SchedulerStats \
   --kernel-name pstep --launch-skip $SKIP --launch-count 1 -f -o $OUT/pstep \

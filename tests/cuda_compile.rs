@@ -68,7 +68,12 @@ fn every_kernel_compiles_for_sm_90a() {
         }
     }
     if let Ok(ptxas) = std::env::var("LILY_PTXAS") {
-        ptxas_report(&ptxas, &ptx, &dir);
+        let cubin = ptxas_report(&ptxas, &ptx, &dir);
+        // with LILY_PTX_EXPORT the cubin goes there too, named as the kernel cache finds it
+        if let Ok(out) = std::env::var("LILY_PTX_EXPORT") {
+            let name = format!("{}.cubin", lily::cuda::cache_stem("sm_90a"));
+            std::fs::copy(&cubin, std::path::Path::new(&out).join(name)).unwrap();
+        }
     }
     // Second call comes from the on-disk cache.
     let (again, cached) = lily::cuda::compile("sm_90a").unwrap();
@@ -79,8 +84,8 @@ fn every_kernel_compiles_for_sm_90a() {
 /// With `LILY_PTXAS=/path/to/ptxas` (the `nvidia-cuda-nvcc` wheel has one): assembles the PTX for
 /// sm_90a, prints each kernel's registers and spills, and fails if any kernel spills registers
 /// to local memory (a spill in a streaming kernel costs more than the kernel itself). The cubin
-/// is left at `target/lily-sm_90a.cubin` for `nvdisasm`/`cuobjdump --dump-sass`.
-fn ptxas_report(ptxas: &str, ptx: &str, dir: &std::path::Path) {
+/// is left at `target/lily-sm_90a.cubin` for `nvdisasm`/`cuobjdump --dump-sass`; returns its path.
+fn ptxas_report(ptxas: &str, ptx: &str, dir: &std::path::Path) -> std::path::PathBuf {
     std::fs::create_dir_all(dir).unwrap();
     let src = dir.join("lily.ptx");
     std::fs::write(&src, ptx).unwrap();
@@ -109,4 +114,5 @@ fn ptxas_report(ptxas: &str, ptx: &str, dir: &std::path::Path) {
         }
     }
     assert!(spills.is_empty(), "kernels spill registers:\n{}", spills.join("\n"));
+    std::path::PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/target/lily-sm_90a.cubin"))
 }

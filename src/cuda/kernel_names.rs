@@ -133,16 +133,10 @@ fn skinny_occ2() -> bool {
 /// Kernels that call `pdl_wait()` before touching activations (kernels/common.cuh) and so may be
 /// launched as programmatic dependents: their launch and weight reads overlap the previous
 /// kernel's tail. The gemm_skinny entry points are such kernels too (see [`is_pdl`]).
-pub const PDL_KERNELS: [&str; 50] = [
+pub const PDL_KERNELS: [&str; 44] = [
     "gemm_wg64",
     "gemm_wg128",
     "gemm_wg256",
-    "gemm_wg64x",
-    "gemm_wg128x",
-    "gemm_wg256x",
-    "gemm_wg64xs",
-    "gemm_wg128xs",
-    "gemm_wg256xs",
     "x_bf16_perm",
     "moe_fused_q",
     "gemv_q2_conv",

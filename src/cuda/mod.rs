@@ -129,6 +129,27 @@ fn nvrtc_version() -> String {
     }
 }
 
+/// NVRTC's options for the kernels (besides the architecture).
+const COMPILE_FLAGS: [&str; 1] = ["--std=c++17"];
+
+/// The kernel cache's file name for `arch`, without extension: `lily-{arch}-{hash}` of the
+/// source, the architecture, the flags and NVRTC's version (`.ptx`: [`compile`]'s output;
+/// `.cubin`: the same PTX assembled by ptxas for `arch`, [`cached_cubin`]).
+pub fn cache_stem(arch: &str) -> String {
+    let key = fnv1a(&[&kernel_source(), arch, &COMPILE_FLAGS.join(" "), &nvrtc_version()]);
+    format!("lily-{arch}-{key:016x}")
+}
+
+/// The kernels assembled for `arch` (a cubin in the kernel cache, put there by scripts/gpu.sh's
+/// bundle from tests/cuda_compile.rs's ptxas run), if present: loading it skips the driver's
+/// PTX JIT (about a minute for every kernel on a fresh machine).
+fn cached_cubin(arch: &str) -> Option<Vec<u8>> {
+    if std::env::var("LILY_KERNEL_CUBIN").as_deref() == Ok("0") {
+        return None;
+    }
+    std::fs::read(cache_dir()?.join(format!("{}.cubin", cache_stem(arch)))).ok()
+}
+
 /// Compiles every kernel for `arch` (PTX text), through an on-disk cache keyed by the source
 /// hash, the architecture, the flags and NVRTC's version (not by the include paths: the kernels
 /// include no CUDA headers, so a cache filled on another machine with the same NVRTC, such as
@@ -136,9 +157,8 @@ fn nvrtc_version() -> String {
 pub fn compile(arch: &'static str) -> Result<(String, bool)> {
     let src = kernel_source();
     let includes = include_paths();
-    let flags = ["--std=c++17".to_string()];
-    let key = fnv1a(&[&src, arch, &flags.join(" "), &nvrtc_version()]);
-    let path = cache_dir().map(|d| d.join(format!("lily-{arch}-{key:016x}.ptx")));
+    let flags = COMPILE_FLAGS.map(String::from);
+    let path = cache_dir().map(|d| d.join(format!("{}.ptx", cache_stem(arch))));
     if let Some(p) = &path {
         if let Ok(ptx) = std::fs::read_to_string(p) {
             return Ok((ptx, true));
@@ -325,12 +345,21 @@ impl Gpu {
             .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
             .map_err(|e| anyhow!("{e:?}"))?
             .max(1) as u32;
-        let (ptx, _) = compile(arch)?;
         ctx.bind_to_thread().map_err(|e| anyhow!("{e:?}"))?;
-        let c = CString::new(ptx).context("PTX contains a NUL")?;
-        // SAFETY: c is a NUL-terminated PTX image; the module lives as long as the process.
-        let module = unsafe { drv::module::load_data(c.as_ptr() as *const c_void) }
-            .map_err(|e| anyhow!("loading the compiled kernels: {e:?}"))?;
+        // SAFETY: a cubin image read whole from the cache; the module lives as long as the
+        // process. A cubin the driver refuses falls back to the PTX.
+        let cubin =
+            cached_cubin(arch).and_then(|b| unsafe { drv::module::load_data(b.as_ptr() as *const c_void) }.ok());
+        let module = match cubin {
+            Some(m) => m,
+            None => {
+                let (ptx, _) = compile(arch)?;
+                let c = CString::new(ptx).context("PTX contains a NUL")?;
+                // SAFETY: c is a NUL-terminated PTX image; the module lives as long as the process.
+                unsafe { drv::module::load_data(c.as_ptr() as *const c_void) }
+                    .map_err(|e| anyhow!("loading the compiled kernels: {e:?}"))?
+            }
+        };
         let mut funcs = HashMap::new();
         for k in all_kernels() {
             // SAFETY: module is loaded and never unloaded.
@@ -352,12 +381,6 @@ impl Gpu {
             ("gemm_wg64", GEMM_WG_SMEM64),
             ("gemm_wg128", GEMM_WG_SMEM128),
             ("gemm_wg256", GEMM_WG_SMEM256.min(optin)),
-            ("gemm_wg64x", GEMM_WG_SMEM64),
-            ("gemm_wg128x", GEMM_WG_SMEM128),
-            ("gemm_wg256x", GEMM_WG_SMEM256.min(optin)),
-            ("gemm_wg64xs", GEMM_WG_SMEM64),
-            ("gemm_wg128xs", GEMM_WG_SMEM128),
-            ("gemm_wg256xs", GEMM_WG_SMEM256.min(optin)),
             ("gemm_ws64", GEMM_WS_SMEM64.min(optin)),
             ("gemm_ws128", GEMM_WS_SMEM128.min(optin)),
         ];

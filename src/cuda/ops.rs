@@ -255,7 +255,7 @@ impl Gpu {
 
     /// [`Gpu::silu_mul_pairs`] written as bf16 in gemm_wg's k order into its workspace, where the
     /// next product ([`Gpu::gemm_grouped_with`] / [`Gpu::gemm`] with x = [`Gpu::wg_ws`]) reads
-    /// it without converting (n a multiple of 64; `LILY_CUDA_SILU_PERM=1` in the prefill).
+    /// it without converting (n a multiple of 64; the prefill by default).
     pub fn silu_mul_pairs_perm(&self, gu: u64, n: usize, pairs: usize) -> Result<()> {
         if !n.is_multiple_of(64) || pairs * n * 2 > crate::cuda::WG_WS_BYTES || self.wg_ws == 0 {
             bail!("silu_mul_pairs_perm: {pairs} rows of {n} do not fit gemm_wg's workspace");

@@ -193,8 +193,7 @@ kernel_params! {
     /// are the kernels' parameters (`NAME(GemmParams_fields)`).
     GemmParams spread [
         "gemm_f32", "gemm_bf16", "gemm_bf16_m128", "gemm_pipe64", "gemm_pipe128", "gemm_wg64", "gemm_wg128",
-        "gemm_wg256", "gemm_wg64x", "gemm_wg128x", "gemm_wg256x", "gemm_wg64xs", "gemm_wg128xs",
-        "gemm_wg256xs", "gemm_ws64", "gemm_ws128",
+        "gemm_wg256", "gemm_ws64", "gemm_ws128",
         "gemm_skinny8_q4", "gemm_skinny16_q4", "gemm_skinny32_q4", "gemm_skinny8_q8", "gemm_skinny16_q8",
         "gemm_skinny32_q8", "gemm_skinny8_q4w", "gemm_skinny8_bf16", "gemm_skinny16_bf16", "gemm_skinny32_bf16"
     ] {

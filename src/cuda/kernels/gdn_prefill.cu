@@ -30,8 +30,8 @@
  *
  * gdn_out_norm: o[t, h, :] <- w * o * rsqrt(mean(o^2) + eps) * silu(z[t, h, :]) in place
  *   (z at z[t*ldz + h*D_v + j]). grid (T*H_v), block D_v (multiple of 32, <= 1024). With xb
- *   (D_v a multiple of 64; LILY_CUDA_GDN_NORM_PERM=1): the same values rounded to bf16 into row t
- *   of xb [T, H_v*D_v] in x_bf16_perm's layout (the out-projection's gemm_wg input; o untouched),
+ *   (D_v a multiple of 64; the default, LILY_CUDA_GDN_NORM_PERM=0: none): the same values rounded
+ *   to bf16 into row t of xb [T, H_v*D_v] in x_bf16_perm's layout (the out-projection's gemm_wg input; o untouched),
  *   threads q < D_v/8 writing the head's 16-byte pieces from shared memory.
  */
 #define CONV_TT 16

@@ -132,36 +132,13 @@ __device__ __forceinline__ void wgmma_m64n64(float* d, const u32* a, u64 desc) {
 }
 
 /* bf16 scale and bias of a thread's two weight rows (so0, so1: their first group's index) for
-   both 64-column halves of the k-tile at column k0, as loaded (converted where used, wg_sbv):
-   SBW = false: sb[h][r][0] scale, [1] bias of half h, row rb0 (r = 0) or rb1, one u16 load each.
-   SBW = true (LILY_CUDA_WG_XCOPY=2, until measured): one load per row and array of all the
-   k-tile's groups where they fit a word pair: groups of 32 (four: sb[0] groups 0-1, sb[1] 2-3, one
-   8-byte load), 64 (two: sb[0], one 4-byte load), 128 or more (sb[0], u16); groups of 16 as
-   SBW = false. Half the load instructions at groups of 64. Groups are 2^lg columns. */
-template <bool SBW = false>
+   both 64-column halves of the k-tile at column k0: sb[h][r][0] scale, [1] bias of half h, row
+   rb0 (r = 0) or rb1, one u16 load each. Groups are 2^lg columns. (One load per row and array of
+   all the k-tile's groups measured 2% slower at 4K, session 26.) */
 __device__ __forceinline__ void wg_load_sb(const void* sc, const void* bi, long long so0, long long so1, int k0, int t4,
                                            int lg, u32 (&sb)[2][2][2]) {
     const u16* ar[2] = {(const u16*)sc, (const u16*)bi};
     const long long so[2] = {so0, so1};
-    if (SBW && lg >= 5) {
-        long long g0 = k0 >> lg;
-#pragma unroll
-        for (int r = 0; r < 2; r++)
-#pragma unroll
-            for (int a = 0; a < 2; a++) {
-                const u16* p = ar[a] + so[r] + g0;
-                if (lg == 5) {
-                    uint2 v = *(const uint2*)p;
-                    sb[0][r][a] = v.x;
-                    sb[1][r][a] = v.y;
-                } else if (lg == 6) {
-                    sb[0][r][a] = *(const u32*)p;
-                } else {
-                    sb[0][r][a] = *p;
-                }
-            }
-        return;
-    }
 #pragma unroll
     for (int h = 0; h < 2; h++) {
         int kg = (k0 + 64 * h + 16 * t4) >> lg;
@@ -172,39 +149,20 @@ __device__ __forceinline__ void wg_load_sb(const void* sc, const void* bi, long 
     }
 }
 
-/* Half h's value of row r, array a (0 scale, 1 bias) from wg_load_sb's words, as a bf16 pair:
-   SBW = false or groups of 16: word h, low half; groups of 32: word h, half t4 >> 1; 64: word 0,
-   half h; 128 and more: word 0, low half. sel[h] is the byte selector of the half (per thread,
-   from wg_sb_sel). */
-template <bool SBW>
-__device__ __forceinline__ u32 wg_sbv(const u32 (&sb)[2][2][2], int h, int r, int a, int lg, const u32 (&sel)[2]) {
-    if (!SBW) return sb[h][r][a] * 0x10001u;
-    u32 w = (h == 0 || lg <= 5) ? sb[h][r][a] : sb[0][r][a];
-    return __byte_perm(w, 0, sel[h]);
-}
-
-__device__ __forceinline__ void wg_sb_sel(int lg, int t4, u32 (&sel)[2]) {
-#pragma unroll
-    for (int h = 0; h < 2; h++) {
-        bool hi = (lg == 5 && (t4 >> 1)) || (lg == 6 && h);
-        sel[h] = hi ? 0x3232u : 0x1010u;
-    }
-}
-
 /* One k-tile of a warpgroup: per 64-column half, dequantize the codes of rows rb0 and rb1 (cod:
    the stage's [128][64 bytes]) into 4 k-steps x 4 A registers, then issue its 4*NB wgmmas on
    the inputs at descriptor dk (the stage's BT rows); commit and wait for all of them. */
-template <int NB, bool SBW = false>
+template <int NB>
 __device__ __forceinline__ void wg_ktile(float (&acc)[NB][32], const unsigned char* cod, int rb0, int rb1, int t4,
-                                         const u32 (&sb)[2][2][2], u64 dk, int lg = 0, const u32 (&sel)[2] = {0u, 0u}) {
+                                         const u32 (&sb)[2][2][2], u64 dk) {
     constexpr int BT = 64 * NB;
     u32 a[2][4][4];
 #pragma unroll
     for (int h = 0; h < 2; h++) {
         uint2 c0 = *(const uint2*)(cod + rb0 * 64 + h * 32 + t4 * 8);
         uint2 c1 = *(const uint2*)(cod + rb1 * 64 + h * 32 + t4 * 8);
-        u32 s0v = wg_sbv<SBW>(sb, h, 0, 0, lg, sel), b0v = wg_sbv<SBW>(sb, h, 0, 1, lg, sel);
-        u32 s1v = wg_sbv<SBW>(sb, h, 1, 0, lg, sel), b1v = wg_sbv<SBW>(sb, h, 1, 1, lg, sel);
+        u32 s0v = sb[h][0][0] * 0x10001u, b0v = sb[h][0][1] * 0x10001u;
+        u32 s1v = sb[h][1][0] * 0x10001u, b1v = sb[h][1][1] * 0x10001u;
 #pragma unroll
         for (int s = 0; s < 4; s++) {
             u32 w0 = (s >> 1) ? c0.y : c0.x, w1 = (s >> 1) ? c1.y : c1.x;
@@ -245,7 +203,7 @@ __device__ __forceinline__ void wg_store(const float (&acc)[NB][32], float* dst,
 }
 #endif
 
-template <int NB, int MODE>
+template <int NB>
 __device__ __forceinline__ void gemm_wg_body(const void* w, const void* sc, const void* bi, int group, const u16* xb,
                                              const int* gather, int gdiv, float* y, long long ldy, int M, int N,
                                              int K, const int* tiles, int accumulate, int ksplit, float* part,
@@ -268,19 +226,16 @@ __device__ __forceinline__ void gemm_wg_body(const void* w, const void* sc, cons
     /* this block's k-tiles: all, or part blockIdx.z of ksplit (plain products only) */
     int kb = (int)blockIdx.z * (K / 128) / ksplit, nk = ((int)blockIdx.z + 1) * (K / 128) / ksplit - kb;
 
-    /* input copies: piece ci = tid + 256j is row xr0 + 16j, piece xq. XM = false: row (ci & 7) +
-       8(ci >> 7), piece (ci >> 3) & 15, so a warp's 32 copies fill 4 whole core matrices
-       (conflict-free) from 64-byte runs of 8 rows; but the 8 lanes of each quarter-warp phase
-       then read 8 rows' same piece, 8 sectors for 128 bytes (every input sector fetched twice).
-       XM = true (LILY_CUDA_WG_XCOPY=1, until measured): row 4(tid >> 6) + ((tid >> 1) & 3), piece
-       8((tid >> 5) & 1) + 2((tid >> 3) & 3) + (tid & 1): a phase reads 4 rows' same two pieces
-       (4 whole sectors), a warp 4 rows x one 64-column chunk; the shared-memory writes then meet
-       2-way bank conflicts. Up to 128-row tiles the copies' addresses are kept in registers;
-       the 256-row tiles (LEAN, plain products only: rows are not gathered) compute them per copy
-       (the registers hold the accumulators). */
-    constexpr bool LEAN = NB > 2, XM = MODE & 1, SBW = MODE & 2;
-    const int xr0 = XM ? 4 * (tid >> 6) + ((tid >> 1) & 3) : (tid & 7) + 8 * (tid >> 7);
-    const int xq = XM ? 8 * ((tid >> 5) & 1) + 2 * ((tid >> 3) & 3) + (tid & 1) : (tid >> 3) & 15;
+    /* input copies: piece ci = tid + 256j is row xr0 + 16j, piece xq: row (ci & 7) + 8(ci >> 7),
+       piece (ci >> 3) & 15, so a warp's 32 copies fill 4 whole core matrices (conflict-free) from
+       64-byte runs of 8 rows; the 8 lanes of each quarter-warp phase then read 8 rows' same piece,
+       8 sectors for 128 bytes (every input sector fetched twice; reading whole sectors per phase
+       instead costs 2-way bank conflicts on the shared-memory side and measured 1.3% slower at 4K,
+       session 26). Up to 128-row tiles the copies' addresses are kept in registers; the 256-row
+       tiles (LEAN, plain products only: rows are not gathered) compute them per copy (the
+       registers hold the accumulators). */
+    constexpr bool LEAN = NB > 2;
+    const int xr0 = (tid & 7) + 8 * (tid >> 7), xq = (tid >> 3) & 15;
     const u32 xd0 = (u32)((xq * (BT / 8) + (xr0 >> 3)) * 128 + (xr0 & 7) * 16); /* + 256j */
     const u16* xsrc[LEAN ? 1 : XC];
     int xbytes[LEAN ? 1 : XC];
@@ -331,9 +286,7 @@ __device__ __forceinline__ void gemm_wg_body(const void* w, const void* sc, cons
        used, so no instruction waits for a load issued in the same k-tile). */
     int lg = __ffs(group) - 1; /* group is a power of two (no division in the loop) */
     long long so0 = wr0 * (K >> lg), so1 = wr1 * (K >> lg);
-    auto load_sb = [&](int kt, u32 (&sb)[2][2][2]) { wg_load_sb<SBW>(sc, bi, so0, so1, (kb + kt) * 128, t4, lg, sb); };
-    u32 sel[2];
-    wg_sb_sel(lg, t4, sel);
+    auto load_sb = [&](int kt, u32 (&sb)[2][2][2]) { wg_load_sb(sc, bi, so0, so1, (kb + kt) * 128, t4, lg, sb); };
 
     float acc[NB][32];
 #pragma unroll
@@ -369,7 +322,7 @@ __device__ __forceinline__ void gemm_wg_body(const void* w, const void* sc, cons
         cp_async_commit();
         if (kt + 1 < nk) load_sb(kt + 1, nsb);
         u64 dk = dbase + (u32)(((kt % S) * STAGE) >> 4); /* this stage's B descriptor (start field) */
-        wg_ktile<NB, SBW>(acc, wg_sm + (kt % S) * STAGE + XB, rb0, rb1, t4, sb, dk, lg, sel);
+        wg_ktile<NB>(acc, wg_sm + (kt % S) * STAGE + XB, rb0, rb1, t4, sb, dk);
     };
     for (int kt = 0; kt < nk; kt += 2) {
         step(kt, sbA, sbB);
@@ -412,20 +365,12 @@ __device__ __forceinline__ void gemm_wg_body(const void* w, const void* sc, cons
 #endif
 }
 
-#define GEMM_WG(NAME, NB, MINB, MODE)                                                                         \
+#define GEMM_WG(NAME, NB, MINB)                                                                               \
     extern "C" __global__ void __launch_bounds__(256, MINB) NAME(GemmParams_fields) {                        \
         GEMM_SHAPE;                                                                                           \
-        gemm_wg_body<NB, MODE>(w, sc, bi, group, (const u16*)x, gather, gdiv, y, ldy, M, N, K, tiles, accumulate, \
-                               ksplit, part, tickets);                                                    \
+        gemm_wg_body<NB>(w, sc, bi, group, (const u16*)x, gather, gdiv, y, ldy, M, N, K, tiles, accumulate,   \
+                         ksplit, part, tickets);                                                              \
     }
-GEMM_WG(gemm_wg64, 1, 2, 0)
-GEMM_WG(gemm_wg128, 2, 1, 0)
-GEMM_WG(gemm_wg256, 4, 1, 0)
-/* MODE bit 0: sector-whole input copies (LILY_CUDA_WG_XCOPY=1); bit 1: also one scale/bias load
-   per row and array per k-tile (=2); both until measured */
-GEMM_WG(gemm_wg64x, 1, 2, 1)
-GEMM_WG(gemm_wg128x, 2, 1, 1)
-GEMM_WG(gemm_wg256x, 4, 1, 1)
-GEMM_WG(gemm_wg64xs, 1, 2, 3)
-GEMM_WG(gemm_wg128xs, 2, 1, 3)
-GEMM_WG(gemm_wg256xs, 4, 1, 3)
+GEMM_WG(gemm_wg64, 1, 2)
+GEMM_WG(gemm_wg128, 2, 1)
+GEMM_WG(gemm_wg256, 4, 1)

@@ -188,7 +188,7 @@ impl CudaSession {
                     chunk: p.gchunk.ptr,
                 };
                 // the gated norm's output as the out-projection's bf16 input where that runs on
-                // gemm_wg (LILY_CUDA_GDN_NORM_PERM=1), else f32 rows in place
+                // gemm_wg (default; LILY_CUDA_GDN_NORM_PERM=0: no), else f32 rows in place
                 let o = if gdn_norm_perm_on()
                     && c.linear_value_head_dim.is_multiple_of(64)
                     && g.gemm_takes_wg(GemmKernel::Auto, out, prec, None, t)
@@ -369,9 +369,9 @@ pub(super) fn ffn_rows(m: &CudaModel, layer: &GLayer, p: &PScratch, t: usize, pr
 }
 
 /// `silu(gate) ⊙ up` of `rows` gate/up pairs (width n) for the down projection `down` (grouped
-/// into matrices of its output width when `grouped`): into `h` as f32, or with
-/// `LILY_CUDA_SILU_PERM=1`, where that product runs on gemm_wg, as its bf16 input straight into
-/// its workspace. Returns the product's input pointer.
+/// into matrices of its output width when `grouped`): where that product runs on gemm_wg, as
+/// its bf16 input straight into its workspace (the default; `LILY_CUDA_SILU_PERM=0`: no), else
+/// into `h` as f32. Returns the product's input pointer.
 #[allow(clippy::too_many_arguments)]
 fn silu_then(
     g: &crate::cuda::Gpu,

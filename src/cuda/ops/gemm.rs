@@ -231,17 +231,6 @@ impl Gpu {
                 } else {
                     ("gemm_wg64", crate::cuda::GEMM_WG_SMEM64, 64, 2)
                 };
-                // the same kernels with sector-whole input copies (gemm_wg.cu, XM)
-                // (and, at 2, one scale/bias load per row and array per k-tile)
-                let name = match (wg_xcopy(), name) {
-                    (1, "gemm_wg256") => "gemm_wg256x",
-                    (1, "gemm_wg128") => "gemm_wg128x",
-                    (1, "gemm_wg64") => "gemm_wg64x",
-                    (2, "gemm_wg256") => "gemm_wg256xs",
-                    (2, "gemm_wg128") => "gemm_wg128xs",
-                    (2, "gemm_wg64") => "gemm_wg64xs",
-                    (_, n) => n,
-                };
                 let (gx, gy) = (blocks(n, 128), if tiles == 0 { m.div_ceil(bt) } else { ntiles } as u32);
                 let ks = if tiles == 0 {
                     wg_ksplit((gx * gy) as usize, (self.sms * per_sm) as usize, k / 128, m * n)
@@ -397,14 +386,6 @@ fn wg256_from() -> usize {
     super::env_usize(&V, "LILY_CUDA_WG256_FROM", 2048)
 }
 
-/// Whether gemm_wg copies its inputs in whole 32-byte sectors per quarter-warp (gemm_wg*x,
-/// `LILY_CUDA_WG_XCOPY=1`), and also loads a k-tile's scales and biases of a row in one
-/// instruction per array (gemm_wg*xs, `=2`); 0 (the default until measured): neither.
-fn wg_xcopy() -> usize {
-    static V: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    super::env_usize(&V, "LILY_CUDA_WG_XCOPY", 0)
-}
-
 /// Whether Auto's gemm_wg products (64/128-row tiles) run on gemm_ws (`LILY_CUDA_GEMM_WS=1`;
 /// off by default until measured).
 fn ws_on() -> bool {
@@ -422,18 +403,19 @@ pub fn wg_tall_avg() -> usize {
 
 /// Whether the prefill's down projections take their input from [`Gpu::silu_mul_pairs_perm`]
 /// (bf16 in gemm_wg's layout, no f32 round trip and no conversion launch) where they run on
-/// gemm_wg (`LILY_CUDA_SILU_PERM=1`; off until measured).
+/// gemm_wg (`LILY_CUDA_SILU_PERM=0`: no; on by default, +1.9% prefill at 4K with
+/// [`gdn_norm_perm_on`], session 26).
 pub fn silu_perm_on() -> bool {
     static V: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *V.get_or_init(|| std::env::var("LILY_CUDA_SILU_PERM").is_ok_and(|v| v == "1"))
+    *V.get_or_init(|| std::env::var("LILY_CUDA_SILU_PERM").map_or(true, |v| v != "0"))
 }
 
 /// Whether the prefill's GDN out-projections take their input from the gated norm written as
 /// bf16 straight into gemm_wg's workspace ([`Gpu::gdn_prefill_to_wg`]) where they run on
-/// gemm_wg (`LILY_CUDA_GDN_NORM_PERM=1`; off until measured).
+/// gemm_wg (`LILY_CUDA_GDN_NORM_PERM=0`: no; on by default, session 26).
 pub fn gdn_norm_perm_on() -> bool {
     static V: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *V.get_or_init(|| std::env::var("LILY_CUDA_GDN_NORM_PERM").is_ok_and(|v| v == "1"))
+    *V.get_or_init(|| std::env::var("LILY_CUDA_GDN_NORM_PERM").map_or(true, |v| v != "0"))
 }
 
 /// Whether Auto picks [`GemmKernel::Wg`] for what [`GemmKernel::Pipe`] reads
