@@ -31,7 +31,7 @@ fn have_gpu() -> bool {
 fn session(gm: &Arc<CudaModel>, exact: bool) -> CudaSession {
     let mut s = CudaSession::new(gm.clone());
     if exact {
-        s.set_kv_dtype(KvDtype::F32);
+        s.set_kv_dtype(KvDtype::F32).unwrap();
         s.prefill = Some(Precision::F32);
     }
     s

@@ -12,7 +12,7 @@ use common::*;
 use lily::cpu::attention::{attention, AttnDims};
 use lily::cpu::norm::{rms_norm, sigmoid};
 use lily::cpu::rope::Rope;
-use lily::cuda::{AttnDecode, AttnKernel, GemvKernel, GpuLinear, KvDtype};
+use lily::cuda::{kv_fp8, AttnDecode, AttnKernel, GemvKernel, GpuLinear, KvDtype};
 use lily::linear::{FloatType, Linear};
 use lily::safetensors::{bf16_to_f32, f32_to_bf16};
 use lily::state::KvRows;
@@ -487,6 +487,25 @@ fn attention_decode_long_context_matches_cpu() {
             let name = format!("attention decode {kernel:?}, {shape}, bf16 cache");
             check(&format!("{name} vs cpu on the rounded K/V"), &got, &want_r, TOL);
             check(&format!("{name} vs the fp32 cache"), &got, &want, 1e-5);
+        }
+        // An fp8 cache (the tensor-core kernel, G = 8, every shape here): the kernel widens each
+        // row exactly (e4m3 value times its power-of-two scale), so against the CPU attention over
+        // the same decoded K/V it keeps the fp32 bound; against the fp32 cache the distance is
+        // e4m3's rounding (half a step: relative 2^-4 per element, NMSE about 1.3e-3 of the K/V
+        // themselves on uniform inputs, less after the softmax's averaging; bound 5e-3).
+        if !g.has_fp8() {
+            eprintln!("SKIPPED: the fp8 cache needs an sm_89 or later GPU (this one is {})", g.arch);
+        } else {
+            assert!(g.attn_tc_applies(nh, hkv, hd, KvDtype::Fp8), "the fp8 decode kernel must apply to {shape}");
+            let (k8, v8) = (kv_fp8::encode_rows(&kc, hkv, hd), kv_fp8::encode_rows(&vc, hkv, hd));
+            let want8 = cpu(&kv_fp8::decode_rows(&k8, hkv, hd), &kv_fp8::decode_rows(&v8, hkv, hd));
+            let (kb8, vb8) = (g.upload_bytes(&k8).unwrap(), g.upload_bytes(&v8).unwrap());
+            for _ in 0..2 {
+                let got = decode(kb8.ptr, vb8.ptr, KvDtype::Fp8, AttnKernel::Tc);
+                let name = format!("attention decode Tc, {shape}, fp8 cache");
+                check(&format!("{name} vs cpu on the decoded K/V"), &got, &want8, TOL);
+                check(&format!("{name} vs the fp32 cache"), &got, &want, 5e-3);
+            }
         }
     }
 }

@@ -39,7 +39,7 @@ fn tiny_on_gpu() -> Option<(Arc<lily::model::Model>, Arc<lily::cuda::CudaModel>)
 /// A session in the exact mode's cache precision (fp32 K/V); the default cache is bf16.
 fn exact(gm: Arc<CudaModel>) -> CudaSession {
     let mut s = CudaSession::new(gm);
-    s.set_kv_dtype(KvDtype::F32);
+    s.set_kv_dtype(KvDtype::F32).unwrap();
     s
 }
 
@@ -270,7 +270,7 @@ fn cuda_layers_match_cpu_locally() {
         for (prec, bound) in [(Precision::F32, 1e-9), (Precision::Bf16, 1e-3)] {
             // The exact mode with the fp32 cache; bf16 products with the default bf16 cache.
             let mut s = if prec == Precision::F32 { exact(gm.clone()) } else { CudaSession::new(gm.clone()) };
-            s.set_kv_dtype(if prec == Precision::F32 { KvDtype::F32 } else { KvDtype::Bf16 });
+            s.set_kv_dtype(if prec == Precision::F32 { KvDtype::F32 } else { KvDtype::Bf16 }).unwrap();
             let mut worst = 0f64;
             for i in 0..model.layers.len() {
                 let got = s.layer_rows(i, &xs[i], prec).unwrap();
@@ -307,7 +307,7 @@ fn cuda_bf16_kv_cache_tracks_fp32() {
         let v = model.cfg.vocab_size;
         let step = |kv: KvDtype| {
             let mut s = CudaSession::new(gm.clone());
-            s.set_kv_dtype(kv);
+            s.set_kv_dtype(kv).unwrap();
             s.prefill = None;
             assert_eq!(s.kv_dtype(), kv);
             s
@@ -321,7 +321,7 @@ fn cuda_bf16_kv_cache_tracks_fp32() {
         // Batched prefill of all but the last 8 tokens, then decode them.
         let split = prompt.len() - 8;
         let mut b = CudaSession::new(gm.clone());
-        b.set_kv_dtype(KvDtype::Bf16);
+        b.set_kv_dtype(KvDtype::Bf16).unwrap();
         b.prefill = Some(Precision::F32);
         b.forward_all(&prompt[..split]).unwrap();
         let mut tail = Vec::new();
@@ -359,7 +359,7 @@ fn cuda_tensor_core_decode_attention_in_the_model() {
     let want = CpuSession::new(model.clone()).forward_all(&prompt).unwrap();
     let run = |from: usize| {
         let mut s = CudaSession::new(gm.clone());
-        s.set_kv_dtype(KvDtype::Bf16);
+        s.set_kv_dtype(KvDtype::Bf16).unwrap();
         s.prefill = None;
         s.attn_from = from;
         s.forward_all(&prompt).unwrap()
@@ -374,6 +374,63 @@ fn cuda_tensor_core_decode_attention_in_the_model() {
     let worst = rows_worst(&tc, &head, v);
     eprintln!("G=8 tiny model, tensor-core vs per-head decode attention: worst |Δ|/range {worst:.2e}");
     assert!(worst <= 1e-4, "the tensor-core kernel differs from the per-head one by {worst:.2e}");
+}
+
+/// The fp8 KV cache (`--kv-cache-dtype fp8`) in the model, on a tiny model with 8 query heads
+/// per KV head (the fp8 kernels' shape): token by token against the fp32 cache, e4m3's rounding
+/// (half a step, relative 2^-4 per element, 32 times bf16's) moves the logits by a few 1e-2 of
+/// their range at most; bound 0.1 (an indexing or layout error moves them by the whole range).
+/// Decode after a batched prefill into the fp8 cache equals decode after a token-by-token
+/// prefill within the same bound, and an fp8 session's snapshot restores bit-identically.
+#[test]
+fn cuda_fp8_kv_cache_tracks_fp32() {
+    if !have_gpu() {
+        return;
+    }
+    let mut cfg = lily::synthetic::config("tiny", None, 1024).unwrap();
+    cfg.num_attention_heads = 8 * cfg.num_key_value_heads;
+    let model = Arc::new(lily::synthetic::build_config(cfg).unwrap());
+    let gm = lily::cuda::upload_cached(&model).unwrap();
+    if !gm.gpu.has_fp8() {
+        eprintln!("SKIPPED: the fp8 cache needs an sm_89 or later GPU (this one is {})", gm.gpu.arch);
+        return;
+    }
+    let prompt: Vec<u32> = (0..300u32).map(|i| (i * 7919 + 13) % 1024).collect();
+    let v = model.cfg.vocab_size;
+    let session = |kv: KvDtype, prefill: Option<Precision>| {
+        let mut s = CudaSession::new(gm.clone());
+        s.set_kv_dtype(kv).unwrap();
+        s.prefill = prefill;
+        assert_eq!(s.kv_dtype(), kv);
+        s
+    };
+    let f32_rows = session(KvDtype::F32, None).forward_all(&prompt).unwrap();
+    let mut s8 = session(KvDtype::Fp8, None);
+    let f8_rows = s8.forward_all(&prompt).unwrap();
+    let worst = rows_worst(&f8_rows, &f32_rows, v);
+    eprintln!("G=8 tiny model: fp8 vs fp32 KV cache, token by token, worst |Δ|/range {worst:.2e}");
+    assert!(worst <= 0.1, "fp8 KV cache moves the logits by {worst:.2e} of their range");
+    let b16_rows = session(KvDtype::Bf16, None).forward_all(&prompt).unwrap();
+    let worst16 = rows_worst(&b16_rows, &f32_rows, v);
+    eprintln!("G=8 tiny model: bf16 vs fp32 KV cache, token by token, worst |Δ|/range {worst16:.2e} (for scale)");
+    // Batched prefill (the flash kernel over the fp8 cache) of all but the last 8 tokens, then
+    // decode them.
+    let split = prompt.len() - 8;
+    let mut b = session(KvDtype::Fp8, Some(Precision::Bf16));
+    b.forward_all(&prompt[..split]).unwrap();
+    let mut tail = Vec::new();
+    for &t in &prompt[split..] {
+        tail.extend(b.forward_last(&[t]).unwrap());
+    }
+    let worst = rows_worst(&tail, &f8_rows[split * v..], v);
+    eprintln!("G=8 tiny model: fp8 KV, decode after batched prefill vs token by token, worst |Δ|/range {worst:.2e}");
+    assert!(worst <= 0.1, "decode after a batched fp8-cache prefill differs by {worst:.2e}");
+    // Snapshot and restore of an fp8 cache (decoded to f32 and encoded again).
+    let snap = s8.snapshot();
+    let a = s8.forward_last(&[1]).unwrap();
+    let mut r = session(KvDtype::Fp8, None);
+    r.restore(&snap).unwrap();
+    assert_eq!(r.forward_last(&[1]).unwrap(), a, "restored fp8-cache session differs");
 }
 
 /// A tiny model in the persistent step's shapes: 16-byte scale rows (every width a multiple of

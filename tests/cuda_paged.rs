@@ -77,7 +77,7 @@ fn cuda_decode_across_a_kv_page_boundary_matches_cpu() {
     let prompt: Vec<u32> = (0..n as u32).map(|i| (i * 7919 + 13) % 1024).collect();
 
     let mut s = CudaSession::new(gm);
-    s.set_kv_dtype(KvDtype::F32);
+    s.set_kv_dtype(KvDtype::F32).unwrap();
     s.prefill = Some(lily::cuda::Precision::F32);
     s.forward_last(&prompt[..split]).unwrap();
     let mut got = Vec::new();

@@ -761,6 +761,64 @@ fn attention_cases(wgmma: bool) {
             let bound = if k == Some(PrefillAttn::Simt) { 1e-5 } else { TOL_ATTN_BF16 };
             check(&format!("{name} out {k:?}, bf16 cache"), &out.read_f32(0, t * nh * hd).unwrap(), &want, bound);
         }
+        // An fp8 cache (the flash kernel): attn_prep_fp8 writes the chunk's rows. V rows are the
+        // host encoder's bytes exactly (same scale, same rounding); K rows decode to within
+        // e4m3's rounding of the CPU's normalized, rotated K (half a step, relative 2^-4: NMSE
+        // about 1.3e-3 on these inputs; bound 5e-3). The output keeps the bf16 flash bound against
+        // the CPU attention over the decoded cache, and e4m3's distance (5e-3) against fp32.
+        if !wgmma && flash && g.has_fp8() {
+            use lily::cuda::{kv_fp8, KvDtype};
+            let row8 = KvDtype::Fp8.pos_bytes(hkv, hd);
+            let (mut k8, mut v8) =
+                (kv_fp8::encode_rows(&kc[..p0 * kvd], hkv, hd), kv_fp8::encode_rows(&vc[..p0 * kvd], hkv, hd));
+            k8.resize((p0 + t) * row8, 0xff);
+            v8.resize((p0 + t) * row8, 0xff);
+            let (fkc, fvc) = (g.upload_bytes(&k8).unwrap(), g.upload_bytes(&v8).unwrap());
+            g.attn_prep(&lily::cuda::AttnPrep { kc: fkc.ptr, vc: fvc.ptr, kv: KvDtype::Fp8, ..prep }, t, ld).unwrap();
+            let raw = |b: &lily::cuda::DevBuf| -> Vec<u8> {
+                b.read_f32(0, (p0 + t) * row8 / 4).unwrap().iter().flat_map(|x| x.to_le_bytes()).collect()
+            };
+            let (gk8, gv8) = (raw(&fkc), raw(&fvc));
+            assert!(
+                gv8 == kv_fp8::encode_rows(&vc, hkv, hd),
+                "{name}: fp8 v cache differs from the host encoder's bytes"
+            );
+            let (dk, dv) = (kv_fp8::decode_rows(&gk8, hkv, hd), kv_fp8::decode_rows(&gv8, hkv, hd));
+            check(&format!("{name} fp8 k cache"), &dk, &kc, 5e-3);
+            let mut want8 = vec![0f32; t * nh * hd];
+            attention(
+                &AttnDims { heads: nh, kv_heads: hkv, head_dim: hd },
+                &q,
+                t,
+                p0,
+                &KvRows::from_rows(kvd, &dk),
+                &KvRows::from_rows(kvd, &dv),
+                1.0 / (hd as f32).sqrt(),
+                &mut want8,
+            );
+            want8.iter_mut().zip(&gate).for_each(|(a, b)| *a *= sigmoid(*b));
+            for _ in 0..2 {
+                out.write_f32(0, &vec![f32::NAN; t * nh * hd]).unwrap();
+                let dims = (nh, hkv, hd);
+                g.attn_prefill(
+                    Precision::Bf16,
+                    qo.ptr,
+                    fkc.ptr,
+                    fvc.ptr,
+                    (pb.ptr, ld),
+                    out.ptr,
+                    dims,
+                    t,
+                    posb.ptr,
+                    true,
+                    KvDtype::Fp8,
+                )
+                .unwrap();
+                let got = out.read_f32(0, t * nh * hd).unwrap();
+                check(&format!("{name} out, fp8 cache, vs cpu on the decoded K/V"), &got, &want8, TOL_ATTN_BF16);
+                check(&format!("{name} out, fp8 cache, vs the fp32 cache"), &got, &want, 5e-3);
+            }
+        }
     }
 }
 

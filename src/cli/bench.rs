@@ -168,8 +168,9 @@ pub fn run(a: BenchArgs) -> Result<()> {
     let peak = gpu.as_ref().and_then(|g| g.bf16_peak_tflops());
     let (rec_bytes, kv_f32) = model.state_bytes();
     // The GPU's cache may be bf16 (the CPU's is fp32).
-    let kv_per_pos = if gpu.is_some() { kv_f32 / 4 * a.model.gpu_kv().bytes() } else { kv_f32 };
     let c = &model.cfg;
+    let kv_per_pos =
+        if gpu.is_some() { a.model.gpu_kv().from_f32_bytes(kv_f32, c.num_key_value_heads, c.head_dim) } else { kv_f32 };
     let n_attn = model.layers.iter().filter(|l| matches!(l.mixer, lily::model::Mixer::Attention(_))).count();
     // Bytes a decode step moves at context `ctx`, and FLOPs per prompt token of a `ctx` prefill.
     let step_bytes = |ctx: usize| bytes + rec_bytes + kv_per_pos * ctx;

@@ -53,9 +53,11 @@ pub struct ModelArgs {
     /// tests compare against mlx-lm and transformers.
     #[arg(long)]
     pub exact: bool,
-    /// KV cache element type on the GPU: bf16 (default; scores and softmax in fp32) or f32 (the
-    /// exact mode). The CPU backend keeps an f32 cache.
-    #[arg(long, value_parser = ["auto", "bf16", "f32"], default_value = "auto")]
+    /// KV cache element type on the GPU: bf16 (default; scores and softmax in fp32), fp8 (e4m3
+    /// with a power-of-two scale per position and KV head: about half the bytes, for long
+    /// contexts; models with 8 query heads per KV head and head dim 64/128/256) or f32 (the exact
+    /// mode). The CPU backend keeps an f32 cache.
+    #[arg(long, value_parser = ["auto", "bf16", "fp8", "f32"], default_value = "auto")]
     pub kv_cache_dtype: String,
 }
 
@@ -85,11 +87,18 @@ impl ModelArgs {
         if exact && self.cpu_int8 {
             bail!("--exact and --cpu-int8 contradict each other (--exact uses fp32 activations)");
         }
-        if exact && self.kv_cache_dtype == "bf16" {
-            bail!("--exact and --kv-cache-dtype bf16 contradict each other (--exact keeps an fp32 KV cache)");
+        let low = matches!(self.kv_cache_dtype.as_str(), "bf16" | "fp8");
+        if exact && low {
+            bail!(
+                "--exact and --kv-cache-dtype {} contradict each other (--exact keeps an fp32 KV cache)",
+                self.kv_cache_dtype
+            );
         }
-        if !use_cuda && self.kv_cache_dtype == "bf16" {
-            bail!("--kv-cache-dtype bf16 needs the CUDA backend (the CPU backend keeps an f32 KV cache)");
+        if !use_cuda && low {
+            bail!(
+                "--kv-cache-dtype {} needs the CUDA backend (the CPU backend keeps an f32 KV cache)",
+                self.kv_cache_dtype
+            );
         }
         // The fast path by default: int8 (bf16 for bf16 weights) activations on the CPU (the GPU defaults to its bf16
         // prefill and KV cache); --exact is the fp32 reference on both.
@@ -104,6 +113,12 @@ impl ModelArgs {
         let loaded = lily::loader::load(&self.resolve()?, self.layers)?;
         if use_cuda {
             lily::cuda::upload_cached(&loaded.model)?;
+            if self.gpu_kv() == lily::cuda::KvDtype::Fp8 {
+                let (c, g) = (&loaded.model.cfg, lily::cuda::gpu()?);
+                if let Some(why) = g.fp8_kv_unsupported(c.num_attention_heads, c.num_key_value_heads, c.head_dim) {
+                    bail!("--kv-cache-dtype fp8: {why}");
+                }
+            }
         }
         eprintln!("{}", self.banner(&loaded, why));
         Ok(loaded)
@@ -141,7 +156,7 @@ impl ModelArgs {
         };
         let (state, kv_f32) = m.state_bytes();
         let gpu = lily::cuda::uploaded(m).is_some();
-        let kv = if gpu { kv_f32 / 4 * self.gpu_kv().bytes() } else { kv_f32 };
+        let kv = if gpu { self.gpu_kv().from_f32_bytes(kv_f32, c.num_key_value_heads, c.head_dim) } else { kv_f32 };
         let gib = |b: usize| b as f64 / (1u64 << 30) as f64;
         format!(
             "lily | {} ({}, {format}) | {} parameters, {:.2} GiB of weights | {} layers ({} Gated DeltaNet + {n_attn} attention), {ffn} | context {} | device {} ({why}) | KV cache {} KiB per token ({:.2} GiB at the full context) + {:.1} MiB recurrent state",
@@ -180,7 +195,10 @@ impl ModelArgs {
     /// A GPU session with this command's KV type and precision.
     fn cuda_session(&self, m: std::sync::Arc<lily::cuda::CudaModel>) -> lily::cuda::CudaSession {
         let mut s = lily::cuda::CudaSession::new(m);
-        s.set_kv_dtype(self.gpu_kv());
+        // load() checked that the model and device take this cache type
+        if let Err(e) = s.set_kv_dtype(self.gpu_kv()) {
+            eprintln!("warning: {e:#}; keeping the {:?} KV cache", s.kv_dtype());
+        }
         if self.exact_mode() {
             s.prefill = Some(lily::cuda::Precision::F32);
         }

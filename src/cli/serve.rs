@@ -208,7 +208,9 @@ pub fn run(mut a: ServeArgs) -> Result<()> {
         bail!("--max-prefill-tokens must be at least 1");
     }
     let (state, kv_f32) = loaded.model.state_bytes();
-    let kv_per_token = if gpu { kv_f32 / 4 * a.model.gpu_kv().bytes() } else { kv_f32 }.max(1);
+    let c = &loaded.model.cfg;
+    let kv_per_token =
+        if gpu { a.model.gpu_kv().from_f32_bytes(kv_f32, c.num_key_value_heads, c.head_dim) } else { kv_f32 }.max(1);
     let kv_budget_tokens = match (a.kv_budget_tokens, lily::cuda::uploaded(&loaded.model)) {
         (Some(0), _) => bail!("--kv-budget-tokens must be at least 1"),
         (Some(n), _) => n,

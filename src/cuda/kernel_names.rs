@@ -29,7 +29,7 @@ pub const SOURCES: [(&str, &str); 21] = [
 
 /// Kernel entry points loaded from the module that are launched plainly; with [`PDL_KERNELS`] and
 /// [`SKINNY_KERNELS`] they are every entry point (see [`all_kernels`]), each listed once.
-pub const KERNELS: [&str; 35] = [
+pub const KERNELS: [&str; 38] = [
     "gemv_q_loadonly",
     "gemm_f32",
     "gemm_bf16",
@@ -54,6 +54,9 @@ pub const KERNELS: [&str; 35] = [
     "attn_prefill_fa64",
     "attn_prefill_fa128",
     "attn_prefill_fa256",
+    "attn_prefill_fa64_fp8",
+    "attn_prefill_fa128_fp8",
+    "attn_prefill_fa256_fp8",
     "attn_prefill_wg64",
     "attn_prefill_wg128",
     "attn_prefill_wg256",
@@ -133,7 +136,7 @@ fn skinny_occ2() -> bool {
 /// Kernels that call `pdl_wait()` before touching activations (kernels/common.cuh) and so may be
 /// launched as programmatic dependents: their launch and weight reads overlap the previous
 /// kernel's tail. The gemm_skinny entry points are such kernels too (see [`is_pdl`]).
-pub const PDL_KERNELS: [&str; 44] = [
+pub const PDL_KERNELS: [&str; 48] = [
     "gemm_wg64",
     "gemm_wg128",
     "gemm_wg256",
@@ -160,6 +163,10 @@ pub const PDL_KERNELS: [&str; 44] = [
     "attn_decode_tc64",
     "attn_decode_tc128",
     "attn_decode_tc256",
+    "attn_prep_fp8",
+    "attn_decode_tc64_fp8",
+    "attn_decode_tc128_fp8",
+    "attn_decode_tc256_fp8",
     "conv_step",
     "gdn_step",
     "gdn_step_par",
@@ -204,12 +211,16 @@ pub const GDN_TC_SMEM: usize = 4 * (2 * 128 * 72 + 64 * 72 + 64 * 136 + 128 * 40
 /// queries [64][132], A [64][68], the diagonal blocks' inverses [4][16][20], gammas and betas.
 pub const GDN_PREP_TC_SMEM: usize = 4 * (2 * 64 * 132 + 64 * 68 + 4 * 16 * 20 + 3 * 64);
 
-/// The flash-attention prefill kernel for head dim `d` (64, 128 or 256; kernels/attention_fa.cu).
-pub fn fa_kernel(d: usize) -> &'static str {
-    match d {
-        64 => "attn_prefill_fa64",
-        128 => "attn_prefill_fa128",
-        _ => "attn_prefill_fa256",
+/// The flash-attention prefill kernel for head dim `d` (64, 128 or 256; kernels/attention_fa.cu)
+/// over a bf16 cache, or an fp8 one (`fp8`).
+pub fn fa_kernel(d: usize, fp8: bool) -> &'static str {
+    match (d, fp8) {
+        (64, false) => "attn_prefill_fa64",
+        (128, false) => "attn_prefill_fa128",
+        (_, false) => "attn_prefill_fa256",
+        (64, true) => "attn_prefill_fa64_fp8",
+        (128, true) => "attn_prefill_fa128_fp8",
+        (_, true) => "attn_prefill_fa256_fp8",
     }
 }
 
@@ -227,23 +238,44 @@ pub fn wg_attn_kernel(d: usize, pipe: bool) -> &'static str {
     }
 }
 
-/// Dynamic shared memory of [`fa_kernel`]`(d)`: Q [128][d] and two K and V tiles [64][d], bf16.
+/// Dynamic shared memory of [`fa_kernel`]`(d, false)`: Q [128][d] and two K and V tiles [64][d],
+/// bf16.
 pub fn fa_smem(d: usize) -> usize {
     (128 + 4 * 64) * d * 2
 }
 
-/// The tensor-core decode attention kernel for head dim `d` (64, 128 or 256; G = 8 query heads
-/// per KV head, bf16 cache; kernels/attention_dec.cu).
-pub fn attn_dec_kernel(d: usize) -> &'static str {
-    match d {
-        64 => "attn_decode_tc64",
-        128 => "attn_decode_tc128",
-        _ => "attn_decode_tc256",
+/// [`fa_smem`] or [`fa_smem_fp8`] for a cache of type `kv`.
+pub fn fa_smem_kv(d: usize, kv: super::KvDtype) -> usize {
+    if kv == super::KvDtype::Fp8 {
+        fa_smem_fp8(d)
+    } else {
+        fa_smem(d)
     }
 }
 
-/// Dynamic shared memory of [`attn_dec_kernel`]`(d)`: 4 warps' rings of 3 stages of a K and a V
-/// tile [16][d] bf16, and each warp's P buffers (2 x [8][24] u16).
-pub fn attn_dec_smem(d: usize) -> usize {
-    4 * 3 * 2 * 16 * d * 2 + 4 * 2 * 8 * 24 * 2
+/// Dynamic shared memory of [`fa_kernel`]`(d, true)`: Q [128][d] and one K and V tile [64][d],
+/// bf16, then two raw stages (K and V [64][d] bytes, their 2 x 64 f32 scales).
+pub fn fa_smem_fp8(d: usize) -> usize {
+    (128 + 2 * 64) * d * 2 + 2 * (2 * 64 * d + 2 * 64 * 4)
+}
+
+/// The tensor-core decode attention kernel for head dim `d` (64, 128 or 256; G = 8 query heads
+/// per KV head; kernels/attention_dec.cu) over a bf16 cache, or an fp8 one (`fp8`).
+pub fn attn_dec_kernel(d: usize, fp8: bool) -> &'static str {
+    match (d, fp8) {
+        (64, false) => "attn_decode_tc64",
+        (128, false) => "attn_decode_tc128",
+        (_, false) => "attn_decode_tc256",
+        (64, true) => "attn_decode_tc64_fp8",
+        (128, true) => "attn_decode_tc128_fp8",
+        (_, true) => "attn_decode_tc256_fp8",
+    }
+}
+
+/// Dynamic shared memory of [`attn_dec_kernel`]`(d, fp8)`, then each warp's P buffers
+/// (2 x [8][24] u16): bf16, 4 warps' rings of 3 stages of a K and a V tile [16][d] bf16; fp8, 4
+/// warps' one bf16 K and V tile and 3 raw stages (K and V [16][d] bytes, 2 x 16 f32 scales).
+pub fn attn_dec_smem(d: usize, fp8: bool) -> usize {
+    let warp = if fp8 { 2 * 16 * d * 2 + 3 * (2 * 16 * d + 128) } else { 3 * 2 * 16 * d * 2 };
+    4 * warp + 4 * 2 * 8 * 24 * 2
 }

@@ -11,6 +11,7 @@
 //! Activations are fp32 on the device; weights stay in their checkpoint format.
 
 mod kernel_names;
+pub mod kv_fp8;
 mod model;
 mod ops;
 mod paged;
@@ -372,7 +373,8 @@ impl Gpu {
             .unwrap_or(48 * 1024)
             .max(48 * 1024) as usize;
         let smem_optin = optin.min(160 * 1024);
-        let fa = [64, 128, 256].map(|d| (fa_kernel(d), fa_smem(d).min(optin)));
+        let fa = [64, 128, 256].map(|d| (fa_kernel(d, false), fa_smem(d).min(optin)));
+        let fa8 = [64, 128, 256].map(|d| (fa_kernel(d, true), fa_smem_fp8(d).min(optin)));
         let fa_wg = [(64, false), (128, false), (256, false), (64, true), (128, true), (256, true)]
             .map(|(d, pipe)| (wg_attn_kernel(d, pipe), fa_smem(d).min(optin)));
         let pipe = [
@@ -384,11 +386,14 @@ impl Gpu {
             ("gemm_ws64", GEMM_WS_SMEM64.min(optin)),
             ("gemm_ws128", GEMM_WS_SMEM128.min(optin)),
         ];
-        let dec = [64, 128, 256].map(|d| (attn_dec_kernel(d), attn_dec_smem(d).min(optin)));
+        let dec = [(64, false), (128, false), (256, false), (64, true), (128, true), (256, true)]
+            .map(|(d, f8)| (attn_dec_kernel(d, f8), attn_dec_smem(d, f8).min(optin)));
         let skinny = SKINNY_KERNELS.map(|k| (k, smem_optin));
         let pstep = [("pstep", optin)];
         let gdn = [("gdn_chunk_scan_tc", GDN_TC_SMEM.min(optin)), ("gdn_chunk_prep_tc", GDN_PREP_TC_SMEM.min(optin))];
-        for (k, bytes) in skinny.into_iter().chain(fa).chain(fa_wg).chain(pipe).chain(dec).chain(pstep).chain(gdn) {
+        for (k, bytes) in
+            skinny.into_iter().chain(fa).chain(fa8).chain(fa_wg).chain(pipe).chain(dec).chain(pstep).chain(gdn)
+        {
             // SAFETY: a valid function handle and attribute; the value is within the device limit.
             unsafe {
                 sys::cuFuncSetAttribute(

@@ -264,10 +264,22 @@ impl CudaSession {
         let chunk =
             std::env::var("LILY_PREFILL_CHUNK").ok().and_then(|v| v.parse().ok()).unwrap_or(default).clamp(1, 16384);
         let c = &model.cfg;
-        let kv = KvDtype::from_env().unwrap_or_else(|e| {
-            eprintln!("warning: {e:#}; using bf16");
-            KvDtype::Bf16
-        });
+        let kv = match KvDtype::from_env() {
+            Err(e) => {
+                eprintln!("warning: {e:#}; using bf16");
+                KvDtype::Bf16
+            }
+            Ok(KvDtype::Fp8) => {
+                match model.gpu.fp8_kv_unsupported(c.num_attention_heads, c.num_key_value_heads, c.head_dim) {
+                    Some(why) => {
+                        eprintln!("warning: LILY_CUDA_KV=fp8: {why}; using bf16");
+                        KvDtype::Bf16
+                    }
+                    None => KvDtype::Fp8,
+                }
+            }
+            Ok(kv) => kv,
+        };
         let (short, long, attn_from) =
             model.gpu.attn_plan(c.num_attention_heads, c.num_key_value_heads, c.head_dim, kv);
         CudaSession {
@@ -298,10 +310,17 @@ impl CudaSession {
     }
 
     /// Sets the KV caches' element type (and the attention plan that goes with it); a session
-    /// that has run starts over (empty caches).
-    pub fn set_kv_dtype(&mut self, kv: KvDtype) {
+    /// that has run starts over (empty caches). An fp8 cache the model's heads or the device
+    /// cannot use is an error.
+    pub fn set_kv_dtype(&mut self, kv: KvDtype) -> Result<()> {
+        let c = &self.model.cfg;
+        if kv == KvDtype::Fp8 {
+            let why = self.model.gpu.fp8_kv_unsupported(c.num_attention_heads, c.num_key_value_heads, c.head_dim);
+            if let Some(why) = why {
+                bail!("{why}");
+            }
+        }
         if kv != self.kv {
-            let c = &self.model.cfg;
             let (short, long, from) =
                 self.model.gpu.attn_plan(c.num_attention_heads, c.num_key_value_heads, c.head_dim, kv);
             (self.attn, self.attn_from) = ([short, long], from);
@@ -311,6 +330,7 @@ impl CudaSession {
             self.graphs = Default::default();
             self.pos = 0;
         }
+        Ok(())
     }
 
     fn ensure(&mut self) -> Result<()> {
@@ -369,7 +389,7 @@ impl CudaSession {
                     Ok(GState::Gdn { conv: g.zeros(4 * conv.len())?, rec: g.zeros(4 * rec.len())? })
                 }
                 LayerState::Attention { .. } => {
-                    let n = c.max_position_embeddings * c.kv_dim() * self.kv.bytes();
+                    let n = c.max_position_embeddings * self.kv.pos_bytes(c.num_key_value_heads, c.head_dim);
                     Ok(GState::Attn { k: PagedBuf::new(g, n)?, v: PagedBuf::new(g, n)? })
                 }
             })
@@ -503,7 +523,7 @@ impl CudaSession {
     /// Backs the KV caches with pages for `need` positions (outside any graph; the caches'
     /// addresses do not change, so the captured graphs stay).
     fn grow_kv(&mut self, need: usize) -> Result<()> {
-        let row = self.model.cfg.kv_dim() * self.kv.bytes();
+        let row = self.kv.pos_bytes(self.model.cfg.num_key_value_heads, self.model.cfg.head_dim);
         for st in self.states.iter_mut() {
             if let GState::Attn { k, v } = st {
                 k.ensure(need * row)?;

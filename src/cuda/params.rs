@@ -274,7 +274,7 @@ kernel_params! {
     /// `attn_prep`, `attn_prep_bf16`: q/k RMSNorm + partial RoPE (`rot` dims, `theta`) of rows at
     /// positions `pos_p`; queries to `q_out`, K/V to the cache `kc`/`vc` (f32 or bf16 by kernel), or
     /// each row's own cache from `kvt` when set.
-    AttnPrepParams spread ["attn_prep", "attn_prep_bf16"] {
+    AttnPrepParams spread ["attn_prep", "attn_prep_bf16", "attn_prep_fp8"] {
         qg: In<f32>, kin: In<f32>, vin: In<f32>, qn: In<f32>, kn: In<f32>, q_out: Out<f32>, kc: Out<Void>, vc: Out<Void>,
         nh: i32, hkv: i32, hd: i32, gated: i32, rot: i32, pos_p: In<i32>, theta: f64, eps: f32, ld: i64, kvt: In<u64>
     }
@@ -289,7 +289,8 @@ kernel_params! {
     AttnGqaParams spread [
         "attn_decode_gqa1", "attn_decode_gqa2", "attn_decode_gqa4", "attn_decode_gqa8",
         "attn_decode_gqa1_bf16", "attn_decode_gqa2_bf16", "attn_decode_gqa4_bf16", "attn_decode_gqa8_bf16",
-        "attn_decode_tc64", "attn_decode_tc128", "attn_decode_tc256"
+        "attn_decode_tc64", "attn_decode_tc128", "attn_decode_tc256", "attn_decode_tc64_fp8", "attn_decode_tc128_fp8",
+        "attn_decode_tc256_fp8"
     ] {
         q: In<f32>, kc: In<Void>, vc: In<Void>, part: Out<f32>, hkv: i32, hd: i32, pos_p: In<i32>, scale: f32, kvt: In<u64>
     }
@@ -299,7 +300,8 @@ kernel_params! {
     /// caches by kernel), output gate from `qg` rows of stride `ldg` when `gated`.
     AttnPrefillParams spread [
         "attn_prefill", "attn_prefill_bf16", "attn_prefill_tc", "attn_prefill_tc_bf16",
-        "attn_prefill_fa64", "attn_prefill_fa128", "attn_prefill_fa256", "attn_prefill_wg64",
+        "attn_prefill_fa64", "attn_prefill_fa128", "attn_prefill_fa256", "attn_prefill_fa64_fp8",
+        "attn_prefill_fa128_fp8", "attn_prefill_fa256_fp8", "attn_prefill_wg64",
         "attn_prefill_wg128", "attn_prefill_wg256", "attn_prefill_wgp64", "attn_prefill_wgp128",
         "attn_prefill_wgp256"
     ] {

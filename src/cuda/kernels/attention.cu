@@ -4,6 +4,14 @@
  * KV cache element type: every kernel that touches the cache exists twice, over an fp32 cache
  * (the names below) and over a bf16 one (the same name with `_bf16`: KV = u16, stored rounded to
  * nearest even, widened to fp32 on load). Scores, softmax and accumulation are fp32 either way.
+ * An fp8 cache (`--kv-cache-dtype fp8`, KV = unsigned char) is written by attn_prep_fp8 and read
+ * by the tensor-core kernels only (attn_decode_tc*_fp8, attn_prefill_fa*_fp8):
+ *   position p of KV head h is D e4m3 bytes at p*RS + h*D, RS = f8_rs(H_kv, D) = H_kv*D + 16*ceil(H_kv/4)
+ *   bytes per position, followed after the H_kv rows by their H_kv f32 scales (p*RS + H_kv*D + 4h);
+ *   element = e4m3 value * scale. Per row (one position and head, K and V apart), scale =
+ *   2^ceil(log2(amax/448)) (1 for an all-zero row): a power of two, so the row's largest value
+ *   lands in e4m3's top binade, dequantizing is exact in bf16 (3 mantissa bits times 2^k), and a
+ *   row decoded and encoded again gives the same values (snapshots round-trip).
  *
  * The position is read from device memory (pos_p[0]; L = pos + 1 cached positions) so that a
  * captured CUDA graph replays every decode step unchanged.
@@ -137,6 +145,63 @@ __device__ __forceinline__ float bf16_word(uint4 v, int i) {
     u32 w = (i >> 1) == 0 ? v.x : (i >> 1) == 1 ? v.y : (i >> 1) == 2 ? v.z : v.w;
     return __uint_as_float((i & 1) ? (w & 0xffff0000u) : (w << 16));
 }
+/* fp8 e4m3 cache rows (see the header). Conversions need sm_89 (the host refuses the fp8 cache
+   on older devices; there they compile to zeros). */
+__device__ __forceinline__ long long f8_rs(int hkv, int D) { return (long long)hkv * D + 16 * ((hkv + 3) / 4); }
+/* The power-of-two scale of a row whose largest magnitude is amax. */
+__device__ __forceinline__ float f8_scale(float amax) {
+    if (!(amax > 0.f)) return 1.f;
+    int e;
+    float m = frexpf(amax / 448.f, &e); /* amax/448 = m 2^e, m in [0.5, 1) */
+    return ldexpf(1.f, m == 0.5f ? e - 1 : e);
+}
+/* x (already divided by the row's scale) as e4m3, rounded to nearest even, saturated at 448. */
+__device__ __forceinline__ unsigned char f8_encode(float x) {
+#if __CUDA_ARCH__ >= 890
+    unsigned short h;
+    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(h) : "f"(0.f), "f"(x));
+    return (unsigned char)(h & 0xff);
+#else
+    return 0;
+#endif
+}
+/* 16 e4m3 values times scale s (a power of two) as 16 bf16 (exact): o[0] the first 8, o[1] the rest. */
+__device__ __forceinline__ void f8x16_to_bf16(uint4 v, float s, uint4 (&o)[2]) {
+    u32 w[4] = {v.x, v.y, v.z, v.w}, r[8];
+#pragma unroll
+    for (int i = 0; i < 8; i++) {
+        unsigned short pair = (unsigned short)(w[i >> 1] >> (16 * (i & 1)));
+#if __CUDA_ARCH__ >= 890
+        u32 h2;
+        float lo, hi;
+        asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h2) : "h"(pair));
+        asm("{.reg .f16 l, h;\n mov.b32 {l, h}, %2;\n cvt.f32.f16 %0, l;\n cvt.f32.f16 %1, h;\n}"
+            : "=f"(lo), "=f"(hi)
+            : "r"(h2));
+        r[i] = bf16_bits(lo * s) | (bf16_bits(hi * s) << 16);
+#else
+        (void)pair;
+        r[i] = 0u;
+#endif
+    }
+    o[0] = make_uint4(r[0], r[1], r[2], r[3]);
+    o[1] = make_uint4(r[4], r[5], r[6], r[7]);
+}
+__device__ __forceinline__ float block_max(float v, float* sh) {
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    v = warp_max(v);
+    __syncthreads();
+    if (lane == 0) sh[warp] = v;
+    __syncthreads();
+    if (warp == 0) {
+        float t = lane < nw ? sh[lane] : -INFINITY;
+        t = warp_max(t);
+        if (lane == 0) sh[32] = t;
+    }
+    __syncthreads();
+    return sh[32];
+}
+
 template <typename KV> __device__ __forceinline__ constexpr bool bf16_cache() { return false; }
 template <> __device__ __forceinline__ constexpr bool bf16_cache<u16>() { return true; }
 
@@ -175,7 +240,29 @@ __device__ __forceinline__ void attn_prep_t(const float* qg, const float* kin, c
         if (j < half) outv = xs[j] * c - xs[j + half] * s;
         else outv = xs[j] * c + xs[j - half] * s;
     }
-    if (j < hd) {
+    if constexpr (sizeof(KV) == 1) {
+        /* fp8: each row (this position's head h, K and V apart) with its own power-of-two scale;
+           every thread takes part in the block maxima (isq is the same for the whole block) */
+        if (isq) {
+            if (j < hd) q_out[(long long)h * hd + j] = outv;
+        } else {
+            float vv = j < hd ? vin[(long long)h * hd + j] : 0.f;
+            float sk = f8_scale(block_max(j < hd ? fabsf(outv) : 0.f, sh));
+            float sv = f8_scale(block_max(fabsf(vv), sh));
+            long long row = (long long)pos * f8_rs(hkv, hd);
+            unsigned char* kr = (unsigned char*)kc + row;
+            unsigned char* vr = (unsigned char*)vc + row;
+            if (j < hd) {
+                kr[(long long)h * hd + j] = f8_encode(outv * (1.f / sk));
+                vr[(long long)h * hd + j] = f8_encode(vv * (1.f / sv));
+            }
+            if (j == 0) {
+                ((float*)(kr + (long long)hkv * hd))[h] = sk;
+                ((float*)(vr + (long long)hkv * hd))[h] = sv;
+            }
+        }
+        return;
+    } else if (j < hd) {
         if (isq) q_out[(long long)h * hd + j] = outv;
         else {
             long long off = ((long long)pos * hkv + h) * hd + j;
@@ -192,6 +279,7 @@ __device__ __forceinline__ void attn_prep_t(const float* qg, const float* kin, c
     }
 ATTN_PREP(attn_prep, float)
 ATTN_PREP(attn_prep_bf16, u16)
+ATTN_PREP(attn_prep_fp8, unsigned char)
 
 template <typename KV>
 __device__ __forceinline__ void attn_decode_t(const float* q, const KV* kc, const KV* vc, float* part, int nh,

@@ -20,6 +20,10 @@
  *   chunk c stored at c ^ (row & 7), so the ldmatrix reads of 8 rows hit 8 different bank
  *   groups). Dynamic shared memory: attn_dec_smem(D) bytes. The 4 warps merge through shared
  *   memory in a fixed order (bit-identical replays).
+ * fp8 cache (attn_decode_tc{D}_fp8; layout in attention.cu): the ring holds the raw tiles (16 x D
+ *   bytes each, unswizzled) and their rows' 16 scales (4-byte cp.async); before a tile's products
+ *   the warp widens it (value times scale, exact) into one bf16 K and V tile in the layout above,
+ *   so the products are the bf16 kernel's. Shared memory: attn_dec_smem_fp8(D).
  */
 #define DT_NST 3
 #define DT_PS 24 /* row stride (u16) of a warp's P buffer [8 heads][16 keys]: conflict-free reads */
@@ -36,34 +40,63 @@ __device__ __forceinline__ void split_bf16(float x, u32& hi, u32& lo) {
     lo = bf16_bits(x - bf16_to_f32((u16)hi));
 }
 
-template <int D>
-__device__ __forceinline__ void attn_dec_tc(const float* q, const u16* kc, const u16* vc, float* part, int hkv,
+/* Byte size of one fp8 ring stage of a warp: K and V tiles [16][D] bytes, then 2 x 16 f32 scales. */
+template <int D> __device__ __forceinline__ constexpr int dt_f8_stage() { return 2 * 16 * D + 128; }
+
+__device__ __forceinline__ void cp_async4(u32 dst, const void* src, int bytes) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src), "r"(bytes) : "memory");
+}
+
+template <int D, bool F8>
+__device__ __forceinline__ void attn_dec_tc(const float* q, const void* kc_, const void* vc_, float* part, int hkv,
                                             const int* pos_p, float scale, const unsigned long long* kvt) {
-    constexpr int G = 8, KT = 16, CH = D / 8, TILE = KT * D, NK = D / 16;
+    constexpr int G = 8, KT = 16, CH = D / 8, TILE = KT * D, NK = D / 16, F8ST = dt_f8_stage<D>();
     extern __shared__ __align__(16) unsigned char dsm[];
     pdl_begin();
     int lo, hi;
-    if (!gqa_split<u16>(q, kc, vc, part, pos_p, kvt, hkv, G, D, lo, hi)) return; /* attention.cu */
+    const unsigned char *kc = (const unsigned char*)kc_, *vc = (const unsigned char*)vc_; /* bytes */
+    if (!gqa_split<unsigned char>(q, kc, vc, part, pos_p, kvt, hkv, G, D, lo, hi)) return; /* attention.cu */
     const int kvh = blockIdx.x, split = blockIdx.y, S = gridDim.y;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    u16* ring = (u16*)dsm + warp * DT_NST * 2 * TILE;
-    u16* pb = (u16*)dsm + 4 * DT_NST * 2 * TILE + warp * 2 * G * DT_PS; /* P hi, then P lo */
-    const long long rs = (long long)hkv * D;
-    const u16* kb = kc + kvh * D;
-    const u16* vb = vc + kvh * D;
+    /* per warp: bf16 ring of DT_NST (K, V) tile pairs, or for fp8 one bf16 pair then the raw ring */
+    constexpr int WARP_BYTES = F8 ? 2 * TILE * 2 + DT_NST * F8ST : DT_NST * 2 * TILE * 2;
+    u16* ring = (u16*)(dsm + warp * WARP_BYTES);
+    unsigned char* f8ring = dsm + warp * WARP_BYTES + 2 * TILE * 2;
+    u16* pb = (u16*)(dsm + 4 * WARP_BYTES) + warp * 2 * G * DT_PS; /* P hi, then P lo */
+    const long long rs = F8 ? f8_rs(hkv, D) : (long long)hkv * D * 2; /* bytes per position */
+    const unsigned char* kb = kc + (long long)kvh * D * (F8 ? 1 : 2);
+    const unsigned char* vb = vc + (long long)kvh * D * (F8 ? 1 : 2);
+    const long long so8 = (long long)hkv * D + 4 * kvh; /* fp8: this head's scale in a position's row */
     const int ntiles = (hi - lo + KT - 1) / KT;
     const int mine = ntiles > warp ? (ntiles - warp + 3) / 4 : 0; /* tiles warp, warp + 4, ... */
 
     /* Copies this warp's j-th tile into stage j % DT_NST (zeros past hi); always commits a group. */
     auto load = [&](int j) {
-        if (j < mine) {
+        if (F8 && j < mine) {
+            const int key0 = lo + (warp + 4 * j) * KT;
+            unsigned char* st = f8ring + (j % DT_NST) * F8ST;
+#pragma unroll 4
+            for (int i = lane; i < KT * (D / 16); i += 32) {
+                const int row = i / (D / 16), c = i - row * (D / 16), key = key0 + row;
+                const bool ok = key < hi;
+                const long long off = ok ? (long long)key * rs + c * 16 : 0;
+                cp_async16(smem_u32(st + row * D + c * 16), kb + off, ok ? 16 : 0);
+                cp_async16(smem_u32(st + TILE + row * D + c * 16), vb + off, ok ? 16 : 0);
+            }
+            if (lane < 2 * KT) {
+                const int row = lane & 15, key = key0 + row;
+                const bool ok = key < hi;
+                const unsigned char* src = (lane < KT ? kc : vc) + (ok ? (long long)key * rs + so8 : 0);
+                cp_async4(smem_u32(st + 2 * TILE + 4 * lane), src, ok ? 4 : 0);
+            }
+        } else if (!F8 && j < mine) {
             const int key0 = lo + (warp + 4 * j) * KT;
             u16* kt = ring + (j % DT_NST) * 2 * TILE;
 #pragma unroll 4
             for (int i = lane; i < KT * CH; i += 32) {
                 const int row = i / CH, c = i - row * CH, key = key0 + row;
                 const bool ok = key < hi;
-                const long long off = ok ? (long long)key * rs + c * 8 : 0;
+                const long long off = ok ? (long long)key * rs + c * 16 : 0;
                 const int so = row * D + ((c ^ (row & 7)) << 3);
                 cp_async16(smem_u32(kt + so), kb + off, ok ? 16 : 0);
                 cp_async16(smem_u32(kt + TILE + so), vb + off, ok ? 16 : 0);
@@ -100,7 +133,24 @@ __device__ __forceinline__ void attn_dec_tc(const float* q, const u16* kc, const
         load(j + DT_NST - 1);
         cp_async_wait<DT_NST - 1>();
         __syncwarp();
-        const u16* kt = ring + (j % DT_NST) * 2 * TILE;
+        if constexpr (F8) {
+            /* widen stage j into the bf16 pair (the previous tile's readers are past the
+               iteration's last __syncwarp): 16-byte chunk c of row r becomes bf16 chunks 2c, 2c + 1 */
+            const unsigned char* st = f8ring + (j % DT_NST) * F8ST;
+            const float* sc = (const float*)(st + 2 * TILE);
+#pragma unroll 4
+            for (int i = lane; i < 2 * KT * (D / 16); i += 32) {
+                const int kv = i >= KT * (D / 16), ii = i - kv * KT * (D / 16);
+                const int row = ii / (D / 16), c = ii - row * (D / 16);
+                uint4 o[2];
+                f8x16_to_bf16(*(const uint4*)(st + kv * TILE + row * D + c * 16), sc[kv * KT + row], o);
+                u16* dst = ring + kv * TILE + row * D;
+                *(uint4*)(dst + (((2 * c) ^ (row & 7)) << 3)) = o[0];
+                *(uint4*)(dst + (((2 * c + 1) ^ (row & 7)) << 3)) = o[1];
+            }
+            __syncwarp();
+        }
+        const u16* kt = ring + (F8 ? 0 : (j % DT_NST) * 2 * TILE);
         const u16* vt = kt + TILE;
         /* S^T = K . Q^T */
         float s[4] = {0.f, 0.f, 0.f, 0.f};
@@ -219,7 +269,11 @@ __device__ __forceinline__ void attn_dec_tc(const float* q, const u16* kc, const
 #define ATTN_DEC_TC(D)                                                                                          \
     extern "C" __global__ void __launch_bounds__(128, 1)                                                        \
         attn_decode_tc##D(AttnGqaParams_fields) {                                                               \
-        attn_dec_tc<D>(q, (const u16*)kc, (const u16*)vc, part, hkv, pos_p, scale, kvt);                        \
+        attn_dec_tc<D, false>(q, kc, vc, part, hkv, pos_p, scale, kvt);                                         \
+    }                                                                                                           \
+    extern "C" __global__ void __launch_bounds__(128, 1)                                                        \
+        attn_decode_tc##D##_fp8(AttnGqaParams_fields) {                                                         \
+        attn_dec_tc<D, true>(q, kc, vc, part, hkv, pos_p, scale, kvt);                                          \
     }
 ATTN_DEC_TC(64)
 ATTN_DEC_TC(128)

@@ -27,6 +27,12 @@
  *   (row max over the quad's 4 lanes; the row sum stays per lane until the end), then O += P V
  *   (P from the S accumulators re-packed as A fragments, V by ldmatrix.x4.trans; D/8 n-tiles).
  *   Registers: O is D/2 floats per thread (128 at D = 256), S 32.
+ * fp8 cache (attn_prefill_fa{D}_fp8; layout in attention.cu): K/V tiles arrive raw (64 x D bytes
+ *   each and their rows' scales, double-buffered) and are widened once per tile by the whole block
+ *   (value times scale, exact in bf16) into one bf16 K and V tile in the layout above; the
+ *   products are the bf16 kernel's. Shared memory: fa_smem_fp8(D) = Q, one bf16 K/V pair, two raw
+ *   stages (193 KB at D = 256); still two __syncthreads per tile (after the copy wait, after the
+ *   widening).
  */
 #define FA_BM 128
 #define FA_BN 64
@@ -79,16 +85,18 @@ __device__ __forceinline__ void fa_store_rows(const float* o, float* l, int r, i
     }
 }
 
-template <int D>
-__device__ __forceinline__ void attn_fa_t(const float* q, const u16* kc, const u16* vc, const float* qg, long long ldg,
+template <int D, bool F8>
+__device__ __forceinline__ void attn_fa_t(const float* q, const void* kc, const void* vc, const float* qg, long long ldg,
                                           float* out, int nh, int hkv, int T, const int* pos_p, float scale,
                                           int gated) {
     extern __shared__ __align__(128) unsigned char fa_sm[];
     const float scale_log2 = scale * 1.4426950408889634f; /* exp2(s * scale * log2 e) = exp(s * scale) */
-    const int CH = D / 8; /* 16-byte chunks per row */
+    const int CH = D / 8; /* 16-byte chunks per row (bf16) */
     const u32 TILE = FA_BN * D * 2;
+    constexpr u32 F8T = 2 * FA_BN * D + 2 * FA_BN * 4; /* fp8 stage: K, V rows, K, V scales */
     u32 sQ = (u32)__cvta_generic_to_shared(fa_sm);
-    u32 sK = sQ + FA_BM * D * 2, sV = sK + 2 * TILE;
+    /* bf16: K [2][64][D] then V [2][64][D]; fp8: one K and V tile, then the two raw stages */
+    u32 sK = sQ + FA_BM * D * 2, sV = sK + (F8 ? 1 : 2) * TILE, sF = sK + 2 * TILE;
     int pos0 = pos_p[0];
     int G = nh / hkv, kvh = blockIdx.y;
     int nrows = T * G;
@@ -98,22 +106,64 @@ __device__ __forceinline__ void attn_fa_t(const float* q, const u16* kc, const u
     int kend = pos0 + last_row / G + 1;
     int ntiles = (kend + FA_BN - 1) / FA_BN;
     int diag0 = pos0 + r0 / G; /* tiles reaching past this key need the causal mask */
-    long long kstride = (long long)hkv * D;
-    const u16* kb = kc + (long long)kvh * D;
-    const u16* vb = vc + (long long)kvh * D;
+    const long long kstride = F8 ? f8_rs(hkv, D) : (long long)hkv * D * 2; /* bytes per position */
+    const unsigned char* kb = (const unsigned char*)kc + (long long)kvh * D * (F8 ? 1 : 2);
+    const unsigned char* vb = (const unsigned char*)vc + (long long)kvh * D * (F8 ? 1 : 2);
+    const int sofs = hkv * D + 4 * kvh - kvh * D; /* fp8: a row's scale from its head's first byte */
 
     /* tile 0 in flight while Q is converted */
     auto load_tile = [&](int tile, int buf) {
         int k0 = tile * FA_BN;
+        if constexpr (F8) {
+            u32 st = sF + buf * F8T;
+#pragma unroll 1 /* unrolled, its addresses pushed the D = 256 kernel past 255 registers */
+            for (int it = 0; it < FA_BN * (D / 16) / 256; it++) {
+                int e = tid + 256 * it;
+                int j = e / (D / 16), c = e % (D / 16), p = k0 + j;
+                bool ok = p < kend;
+                long long off = (long long)(ok ? p : 0) * kstride + c * 16;
+                cp_async16(st + j * D + c * 16, kb + off, ok ? 16 : 0);
+                cp_async16(st + FA_BN * D + j * D + c * 16, vb + off, ok ? 16 : 0);
+            }
+            if (tid < 2 * FA_BN) {
+                int j = tid & (FA_BN - 1), p = k0 + j;
+                bool ok = p < kend;
+                const unsigned char* src = (tid < FA_BN ? kb : vb) + (ok ? (long long)p * kstride + sofs : 0);
+                cp_async4(st + 2 * FA_BN * D + 4 * tid, src, ok ? 4 : 0);
+            }
+        } else {
 #pragma unroll
-        for (int it = 0; it < FA_BN * CH / 256; it++) {
-            int e = tid + 256 * it;
-            int j = e / CH, c = e % CH, p = k0 + j;
-            bool ok = p < kend;
-            long long off = (long long)(ok ? p : 0) * kstride + c * 8;
-            u32 so = buf * TILE + fa_off<D>(j, c);
-            cp_async16(sK + so, kb + off, ok ? 16 : 0);
-            cp_async16(sV + so, vb + off, ok ? 16 : 0);
+            for (int it = 0; it < FA_BN * CH / 256; it++) {
+                int e = tid + 256 * it;
+                int j = e / CH, c = e % CH, p = k0 + j;
+                bool ok = p < kend;
+                long long off = (long long)(ok ? p : 0) * kstride + c * 16;
+                u32 so = buf * TILE + fa_off<D>(j, c);
+                cp_async16(sK + so, kb + off, ok ? 16 : 0);
+                cp_async16(sV + so, vb + off, ok ? 16 : 0);
+            }
+        }
+    };
+    /* fp8: stage buf widened into the bf16 K and V tiles (16-byte chunk c of row j becomes bf16
+       chunks 2c and 2c + 1) */
+    auto widen = [&](int buf) {
+        const u32 st = sF + buf * F8T;
+#pragma unroll 4
+        for (int e = tid; e < 2 * FA_BN * (D / 16); e += 256) {
+            int kv = e >= FA_BN * (D / 16), ee = e - kv * FA_BN * (D / 16);
+            int j = ee / (D / 16), c = ee % (D / 16);
+            uint4 o[2];
+            const unsigned char* sp = fa_sm + (st - sQ);
+            uint4 raw = *(const uint4*)(sp + kv * FA_BN * D + j * D + c * 16);
+            float sc = *(const float*)(sp + 2 * FA_BN * D + 4 * (kv * FA_BN + j));
+            f8x16_to_bf16(raw, sc, o);
+            u32 dst = (kv ? sV : sK);
+            asm volatile("st.shared.v4.u32 [%0], {%1,%2,%3,%4};\n" ::"r"(dst + fa_off<D>(j, 2 * c)), "r"(o[0].x),
+                         "r"(o[0].y), "r"(o[0].z), "r"(o[0].w)
+                         : "memory");
+            asm volatile("st.shared.v4.u32 [%0], {%1,%2,%3,%4};\n" ::"r"(dst + fa_off<D>(j, 2 * c + 1)), "r"(o[1].x),
+                         "r"(o[1].y), "r"(o[1].z), "r"(o[1].w)
+                         : "memory");
         }
     };
     load_tile(0, 0);
@@ -153,7 +203,11 @@ __device__ __forceinline__ void attn_fa_t(const float* q, const u16* kc, const u
         cp_async_commit();
         cp_async_wait1();
         __syncthreads();
-        u32 kt = sK + (tile & 1) * TILE, vt = sV + (tile & 1) * TILE;
+        if constexpr (F8) {
+            widen(tile & 1);
+            __syncthreads();
+        }
+        u32 kt = sK + (F8 ? 0 : (tile & 1) * TILE), vt = sV + (F8 ? 0 : (tile & 1) * TILE);
         int k0 = tile * FA_BN;
         float s[8][4];
 #pragma unroll
@@ -216,7 +270,9 @@ __device__ __forceinline__ void attn_fa_t(const float* q, const u16* kc, const u
                 mma_bf16(o[2 * dp + 1], a0, a1, a2, a3, b2, b3);
             }
         }
-        __syncthreads();
+        /* bf16: the next load overwrites this tile's buffers. fp8: the next load's stage was
+           widened before this tile's second barrier, and the next widening follows its first. */
+        if constexpr (!F8) __syncthreads();
     }
 
     fa_store_rows<D>(&o[0][0], l, r0 + 16 * warp + g, nrows, G, kvh, nh, t4, out, qg, ldg, gated);
@@ -225,8 +281,13 @@ __device__ __forceinline__ void attn_fa_t(const float* q, const u16* kc, const u
 #define ATTN_FA(D)                                                                                                 \
     extern "C" __global__ void __launch_bounds__(256, 1)                                                           \
         attn_prefill_fa##D(AttnPrefillParams_fields) {                                                             \
-        attn_fa_t<D>(q, (const u16*)kc, (const u16*)vc, qg, ldg, out, nh, hkv, T, pos_p, scale, gated);            \
+        attn_fa_t<D, false>(q, kc, vc, qg, ldg, out, nh, hkv, T, pos_p, scale, gated);                             \
+    }                                                                                                              \
+    extern "C" __global__ void __launch_bounds__(256, 1)                                                           \
+        attn_prefill_fa##D##_fp8(AttnPrefillParams_fields) {                                                       \
+        attn_fa_t<D, true>(q, kc, vc, qg, ldg, out, nh, hkv, T, pos_p, scale, gated);                              \
     }
 ATTN_FA(64)
 ATTN_FA(128)
 ATTN_FA(256)
+

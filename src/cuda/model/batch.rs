@@ -479,7 +479,8 @@ impl Batched for CudaBatch {
     /// One page of the GPU pool per attention layer's K and V ([`crate::cuda::PagedBuf`]): the
     /// positions of one layer's cache row that fill a page.
     fn kv_page_tokens(&self) -> Option<usize> {
-        let row = self.model.cfg.kv_dim() * self.seqs[0].kv.bytes();
+        let c = &self.model.cfg;
+        let row = self.seqs[0].kv.pos_bytes(c.num_key_value_heads, c.head_dim);
         let (page, _, _) = self.model.gpu.kv_pages().ok()?;
         Some((page / row.max(1)).max(1))
     }

@@ -1,6 +1,7 @@
 //! The session's caches to and from a CPU [`State`] (snapshots, the prefix cache): the same
 //! layouts, with a bf16 KV cache widened exactly on the way out and rounded to nearest even on
-//! the way in.
+//! the way in; an fp8 cache decoded exactly (value times its row's scale) and encoded as
+//! attn_prep_fp8 does, so a snapshot round-trips to the same values.
 
 use super::{CudaSession, GState};
 use crate::cuda::ops::KvDtype;
@@ -21,9 +22,9 @@ impl CudaSession {
                     *rec = gr.read_f32(0, rec.len())?;
                 }
                 (LayerState::Attention { k, v }, GState::Attn { k: gk, v: gv, .. }) => {
-                    let n = self.pos * c.kv_dim();
-                    *k = KvRows::from_rows(c.kv_dim(), &read_kv(gk, n, self.kv)?);
-                    *v = KvRows::from_rows(c.kv_dim(), &read_kv(gv, n, self.kv)?);
+                    let heads = (c.num_key_value_heads, c.head_dim);
+                    *k = KvRows::from_rows(c.kv_dim(), &read_kv(gk, self.pos, self.kv, heads)?);
+                    *v = KvRows::from_rows(c.kv_dim(), &read_kv(gv, self.pos, self.kv, heads)?);
                 }
                 _ => bail!("state kinds differ"),
             }
@@ -53,8 +54,9 @@ impl CudaSession {
                     // Exactly the snapshot's pages: a longer cache left from before goes back.
                     gk.release()?;
                     gv.release()?;
-                    write_kv(gk, &k.to_vec(), self.kv)?;
-                    write_kv(gv, &v.to_vec(), self.kv)?;
+                    let heads = (c.num_key_value_heads, c.head_dim);
+                    write_kv(gk, &k.to_vec(), self.kv, heads)?;
+                    write_kv(gv, &v.to_vec(), self.kv, heads)?;
                 }
                 _ => bail!("snapshot is from a different model"),
             }
@@ -64,22 +66,26 @@ impl CudaSession {
     }
 }
 
-/// The first `n` cache elements as f32 (a bf16 cache widened exactly).
-fn read_kv(b: &PagedBuf, n: usize, kv: KvDtype) -> Result<Vec<f32>> {
-    let bytes = b.read(n * kv.bytes())?;
+/// The first `npos` positions of a cache of `(hkv, hd)` heads as f32 rows of hkv·hd (bf16 and
+/// fp8 widened exactly).
+fn read_kv(b: &PagedBuf, npos: usize, kv: KvDtype, (hkv, hd): (usize, usize)) -> Result<Vec<f32>> {
+    let bytes = b.read(npos * kv.pos_bytes(hkv, hd))?;
     Ok(match kv {
         KvDtype::F32 => bytes.chunks_exact(4).map(|w| f32::from_le_bytes([w[0], w[1], w[2], w[3]])).collect(),
         KvDtype::Bf16 => {
             bytes.chunks_exact(2).map(|h| f32::from_bits((u16::from_le_bytes([h[0], h[1]]) as u32) << 16)).collect()
         }
+        KvDtype::Fp8 => crate::cuda::kv_fp8::decode_rows(&bytes, hkv, hd),
     })
 }
 
-/// Writes f32 cache rows (rounded to nearest even for a bf16 cache), mapping their pages.
-fn write_kv(b: &mut PagedBuf, data: &[f32], kv: KvDtype) -> Result<()> {
+/// Writes f32 cache rows of `(hkv, hd)` heads (rounded to nearest even for a bf16 cache, encoded
+/// per row for an fp8 one), mapping their pages.
+fn write_kv(b: &mut PagedBuf, data: &[f32], kv: KvDtype, (hkv, hd): (usize, usize)) -> Result<()> {
     let bytes: Vec<u8> = match kv {
         KvDtype::F32 => data.iter().flat_map(|x| x.to_le_bytes()).collect(),
         KvDtype::Bf16 => data.iter().flat_map(|&x| crate::safetensors::f32_to_bf16(x).to_le_bytes()).collect(),
+        KvDtype::Fp8 => crate::cuda::kv_fp8::encode_rows(data, hkv, hd),
     };
     b.write(&bytes)
 }

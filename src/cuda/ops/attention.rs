@@ -56,10 +56,18 @@ impl Gpu {
         }
         let g = nh / hkv;
         let flash = matches!(k, PrefillAttn::Flash | PrefillAttn::FlashWg | PrefillAttn::FlashWgPipe);
+        let fp8 = kv == KvDtype::Fp8;
+        if fp8 && k != PrefillAttn::Flash {
+            bail!("attn_prefill: an fp8 KV cache is read by the flash kernel only (asked for {k:?})");
+        }
         if flash
-            && (kv != KvDtype::Bf16 || ![64, 128, 256].contains(&hd) || super::super::fa_smem(hd) > self.smem_optin_max)
+            && (kv == KvDtype::F32
+                || ![64, 128, 256].contains(&hd)
+                || super::super::fa_smem_kv(hd, kv) > self.smem_optin_max)
         {
-            bail!("attn_prefill: the flash kernels need a bf16 cache and head dim 64/128/256 (got {kv:?}, {hd})");
+            bail!(
+                "attn_prefill: the flash kernels need a bf16 or fp8 cache and head dim 64/128/256 (got {kv:?}, {hd})"
+            );
         }
         if matches!(k, PrefillAttn::FlashWg | PrefillAttn::FlashWgPipe) && self.arch != "sm_90a" {
             bail!("attn_prefill: the wgmma kernels need an sm_90a device (this one is {})", self.arch);
@@ -67,11 +75,12 @@ impl Gpu {
         let (name, grid, block, shared) = match (k, kv) {
             _ if flash => {
                 let name = match k {
-                    PrefillAttn::Flash => super::super::fa_kernel(hd),
+                    PrefillAttn::Flash => super::super::fa_kernel(hd, fp8),
                     _ => super::super::wg_attn_kernel(hd, k == PrefillAttn::FlashWgPipe),
                 };
-                (name, blocks(t * g, 128), 256, super::super::fa_smem(hd))
+                (name, blocks(t * g, 128), 256, super::super::fa_smem_kv(hd, kv))
             }
+            (_, KvDtype::Fp8) => unreachable!("checked above: fp8 takes the flash kernel"),
             (PrefillAttn::Simt, KvDtype::F32) => ("attn_prefill", blocks(t * g, 8), 256, 0),
             (PrefillAttn::Simt, KvDtype::Bf16) => ("attn_prefill_bf16", blocks(t * g, 8), 256, 0),
             (_, KvDtype::F32) => ("attn_prefill_tc", blocks(t * g, 64), 128, 0),
@@ -128,7 +137,11 @@ impl Gpu {
             ld: ld as i64,
             kvt: In::new(kvt),
         };
-        let name = if p.kv == KvDtype::Bf16 { "attn_prep_bf16" } else { "attn_prep" };
+        let name = match p.kv {
+            KvDtype::F32 => "attn_prep",
+            KvDtype::Bf16 => "attn_prep_bf16",
+            KvDtype::Fp8 => "attn_prep_fp8",
+        };
         self.launch_params(name, ((p.nh + p.hkv) as u32, t as u32, 1), p.hd as u32, 0, &a)
     }
 
@@ -159,6 +172,9 @@ impl Gpu {
         // The per-head kernels take both head counts; the packed ones (one block per KV head) H_kv.
         let bf16 = a.kv == KvDtype::Bf16;
         let tc = kernel == AttnKernel::Tc && self.attn_tc_applies(nh, hkv, hd, a.kv);
+        if a.kv == KvDtype::Fp8 && !tc {
+            bail!("attention decode: an fp8 KV cache is read by the tensor-core kernel only ({kernel:?}, {nh}:{hkv} heads, dim {hd})");
+        }
         let rows = r.rows.max(1) as u32;
         let (q, kc, vc, part) = (In::new(a.q), In::new(a.kc), In::new(a.vc), Out::new(a.part));
         let (pos_p, kvt) = (In::new(a.pos), In::new(r.kvt));
@@ -166,8 +182,9 @@ impl Gpu {
         match packed {
             Some(_) if tc => {
                 let grid = (hkv as u32, a.splits as u32, rows);
-                let name = super::super::attn_dec_kernel(hd);
-                self.launch_params(name, grid, 128, super::super::attn_dec_smem(hd) as u32, &gqa)?;
+                let fp8 = a.kv == KvDtype::Fp8;
+                let name = super::super::attn_dec_kernel(hd, fp8);
+                self.launch_params(name, grid, 128, super::super::attn_dec_smem(hd, fp8) as u32, &gqa)?;
             }
             Some(g) => {
                 let names = if bf16 {
@@ -225,7 +242,12 @@ impl Gpu {
         let packed = (AttnKernel::Packed, splits);
         let tc = (AttnKernel::Tc, splits);
         let on = std::env::var("LILY_CUDA_ATTN_TC").map_or(true, |v| v != "0") && self.attn_tc_applies(nh, hkv, hd, kv);
-        let (long, from) = if on { (tc, 2048) } else { (packed, 8192) };
+        // an fp8 cache has only the tensor-core kernel: it takes every context
+        let (long, from) = match (on, kv) {
+            (true, KvDtype::Fp8) => (tc, 0),
+            (true, _) => (tc, 2048),
+            _ => (packed, 8192),
+        };
         let from = std::env::var("LILY_CUDA_ATTN_PACKED_FROM").ok().and_then(|v| v.parse().ok()).unwrap_or(from);
         match std::env::var("LILY_CUDA_ATTN").as_deref() {
             Ok("head") => (head, head, usize::MAX),
@@ -256,14 +278,38 @@ impl Gpu {
     }
 
     /// Whether [`AttnKernel::Tc`] runs on tensor cores for these heads and cache (else it is the
-    /// packed fp32-FMA kernel): 8 query heads per KV head, head dim 64, 128 or 256, a bf16 cache,
-    /// and its shared memory within the device's opt-in limit.
+    /// packed fp32-FMA kernel): 8 query heads per KV head, head dim 64, 128 or 256, a bf16 or fp8
+    /// cache (fp8: on sm_89 or later), and its shared memory within the device's opt-in limit.
     pub fn attn_tc_applies(&self, nh: usize, hkv: usize, hd: usize, kv: KvDtype) -> bool {
-        kv == KvDtype::Bf16
+        let fp8 = kv == KvDtype::Fp8;
+        (kv == KvDtype::Bf16 || (fp8 && self.has_fp8()))
             && hkv > 0
             && nh == 8 * hkv
             && matches!(hd, 64 | 128 | 256)
-            && super::super::attn_dec_smem(hd) <= self.smem_optin_max
+            && super::super::attn_dec_smem(hd, fp8) <= self.smem_optin_max
+    }
+
+    /// Whether the device converts fp8 e4m3 in hardware (sm_89 and later), which the fp8 KV
+    /// cache's kernels need.
+    pub fn has_fp8(&self) -> bool {
+        !matches!(self.arch, "sm_80" | "sm_86")
+    }
+
+    /// Why an fp8 KV cache cannot serve a model of these heads on this device (its kernels: the
+    /// tensor-core decode kernel and the flash prefill kernel), or `None` when it can.
+    pub fn fp8_kv_unsupported(&self, nh: usize, hkv: usize, hd: usize) -> Option<String> {
+        if !self.has_fp8() {
+            return Some(format!("an fp8 KV cache needs an sm_89 or later GPU (this one is {})", self.arch));
+        }
+        if !self.attn_tc_applies(nh, hkv, hd, KvDtype::Fp8)
+            || super::super::fa_smem_kv(hd, KvDtype::Fp8) > self.smem_optin_max
+        {
+            return Some(format!(
+                "an fp8 KV cache needs 8 query heads per KV head and head dim 64, 128 or 256 (this model: {nh} query \
+                 heads, {hkv} KV heads, head dim {hd})"
+            ));
+        }
+        None
     }
 }
 
@@ -363,28 +409,40 @@ pub struct AttnDecode {
 }
 
 /// Element type of the KV cache: bf16 (the default: half the bytes per decode step, scores and
-/// softmax still fp32) or fp32 (the exact mode; `LILY_CUDA_KV=f32`, `--kv-cache-dtype f32`).
+/// softmax still fp32), fp32 (the exact mode; `LILY_CUDA_KV=f32`, `--kv-cache-dtype f32`) or fp8
+/// e4m3 with a power-of-two scale per position and KV head (`--kv-cache-dtype fp8`: about half
+/// the bf16 cache's bytes; layout in kernels/attention.cu).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum KvDtype {
     F32,
     Bf16,
+    Fp8,
 }
 
 impl KvDtype {
-    /// Bytes per cached element.
-    pub fn bytes(self) -> usize {
+    /// Bytes of one position's row of one cache (K or V) with `hkv` heads of dimension `hd`:
+    /// fp8 adds the heads' f32 scales, padded to 16 bytes.
+    pub fn pos_bytes(self, hkv: usize, hd: usize) -> usize {
         match self {
-            KvDtype::F32 => 4,
-            KvDtype::Bf16 => 2,
+            KvDtype::F32 => 4 * hkv * hd,
+            KvDtype::Bf16 => 2 * hkv * hd,
+            KvDtype::Fp8 => hkv * hd + 16 * hkv.div_ceil(4),
         }
     }
 
-    /// `f32` or `bf16` (also what `--kv-cache-dtype` and `LILY_CUDA_KV` take).
+    /// The bytes of this cache type for `f32_bytes` of fp32 cache rows of `hkv` heads of
+    /// dimension `hd` (whole positions).
+    pub fn from_f32_bytes(self, f32_bytes: usize, hkv: usize, hd: usize) -> usize {
+        f32_bytes / (4 * hkv * hd).max(1) * self.pos_bytes(hkv, hd)
+    }
+
+    /// `f32`, `bf16` or `fp8` (also what `--kv-cache-dtype` and `LILY_CUDA_KV` take).
     pub fn parse(s: &str) -> Result<KvDtype> {
         match s {
             "f32" | "fp32" | "float32" => Ok(KvDtype::F32),
             "bf16" | "bfloat16" => Ok(KvDtype::Bf16),
-            _ => bail!("KV cache dtype `{s}`: expected bf16 or f32"),
+            "fp8" | "fp8_e4m3" | "e4m3" => Ok(KvDtype::Fp8),
+            _ => bail!("KV cache dtype `{s}`: expected bf16, fp8 or f32"),
         }
     }
 
@@ -438,8 +496,11 @@ impl PrefillAttn {
     pub fn default_for(prec: Precision, kv: KvDtype, hd: usize, smem_max: usize, sm90a: bool) -> PrefillAttn {
         static PICK: OnceLock<String> = OnceLock::new();
         let pick = PICK.get_or_init(|| std::env::var("LILY_CUDA_ATTN_PREFILL").unwrap_or_default());
-        let flash_fits = kv == KvDtype::Bf16 && [64, 128, 256].contains(&hd) && super::super::fa_smem(hd) <= smem_max;
+        let flash_fits =
+            kv != KvDtype::F32 && [64, 128, 256].contains(&hd) && super::super::fa_smem_kv(hd, kv) <= smem_max;
         match prec {
+            // an fp8 cache has only the flash kernel
+            _ if kv == KvDtype::Fp8 => PrefillAttn::Flash,
             Precision::F32 => PrefillAttn::Simt,
             _ if !flash_fits || pick == "tc" => PrefillAttn::Tc,
             _ if sm90a && pick == "wg" => PrefillAttn::FlashWg,
