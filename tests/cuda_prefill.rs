@@ -761,8 +761,8 @@ fn attention_cases(wgmma: bool) {
             let bound = if k == Some(PrefillAttn::Simt) { 1e-5 } else { TOL_ATTN_BF16 };
             check(&format!("{name} out {k:?}, bf16 cache"), &out.read_f32(0, t * nh * hd).unwrap(), &want, bound);
         }
-        // An fp8 cache (the flash kernel): attn_prep_fp8 writes the chunk's rows. V rows are the
-        // host encoder's bytes exactly (same scale, same rounding); K rows decode to within
+        // An fp8 cache (the flash kernel): attn_prep_fp8 writes the chunk's rows. V rows decode
+        // to the host encoder's values exactly (same scale, same rounding); K rows decode to within
         // e4m3's rounding of the CPU's normalized, rotated K (half a step, relative 2^-4: NMSE
         // about 1.3e-3 on these inputs; bound 5e-3). The output keeps the bf16 flash bound against
         // the CPU attention over the decoded cache, and e4m3's distance (5e-3) against fp32.
@@ -779,11 +779,9 @@ fn attention_cases(wgmma: bool) {
                 b.read_f32(0, (p0 + t) * row8 / 4).unwrap().iter().flat_map(|x| x.to_le_bytes()).collect()
             };
             let (gk8, gv8) = (raw(&fkc), raw(&fvc));
-            assert!(
-                gv8 == kv_fp8::encode_rows(&vc, hkv, hd),
-                "{name}: fp8 v cache differs from the host encoder's bytes"
-            );
             let (dk, dv) = (kv_fp8::decode_rows(&gk8, hkv, hd), kv_fp8::decode_rows(&gv8, hkv, hd));
+            let host_v = kv_fp8::decode_rows(&kv_fp8::encode_rows(&vc, hkv, hd), hkv, hd);
+            check(&format!("{name} fp8 v cache vs the host encoder"), &dv, &host_v, 0.0);
             check(&format!("{name} fp8 k cache"), &dk, &kc, 5e-3);
             let mut want8 = vec![0f32; t * nh * hd];
             attention(

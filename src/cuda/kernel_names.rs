@@ -254,9 +254,10 @@ pub fn fa_smem_kv(d: usize, kv: super::KvDtype) -> usize {
 }
 
 /// Dynamic shared memory of [`fa_kernel`]`(d, true)`: Q [128][d] and one K and V tile [64][d],
-/// bf16, then two raw stages (K and V [64][d] bytes, their 2 x 64 f32 scales).
+/// fp16, then two raw stages (K and V [64][d] bytes, their 2 x 64 f32 scales), then the widened
+/// tile's 2 x 64 scales.
 pub fn fa_smem_fp8(d: usize) -> usize {
-    (128 + 2 * 64) * d * 2 + 2 * (2 * 64 * d + 2 * 64 * 4)
+    (128 + 2 * 64) * d * 2 + 2 * (2 * 64 * d + 2 * 64 * 4) + 2 * 64 * 4
 }
 
 /// The tensor-core decode attention kernel for head dim `d` (64, 128 or 256; G = 8 query heads

@@ -165,28 +165,6 @@ __device__ __forceinline__ unsigned char f8_encode(float x) {
     return 0;
 #endif
 }
-/* 16 e4m3 values times scale s (a power of two) as 16 bf16 (exact): o[0] the first 8, o[1] the rest. */
-__device__ __forceinline__ void f8x16_to_bf16(uint4 v, float s, uint4 (&o)[2]) {
-    u32 w[4] = {v.x, v.y, v.z, v.w}, r[8];
-#pragma unroll
-    for (int i = 0; i < 8; i++) {
-        unsigned short pair = (unsigned short)(w[i >> 1] >> (16 * (i & 1)));
-#if __CUDA_ARCH__ >= 890
-        u32 h2;
-        float lo, hi;
-        asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h2) : "h"(pair));
-        asm("{.reg .f16 l, h;\n mov.b32 {l, h}, %2;\n cvt.f32.f16 %0, l;\n cvt.f32.f16 %1, h;\n}"
-            : "=f"(lo), "=f"(hi)
-            : "r"(h2));
-        r[i] = bf16_bits(lo * s) | (bf16_bits(hi * s) << 16);
-#else
-        (void)pair;
-        r[i] = 0u;
-#endif
-    }
-    o[0] = make_uint4(r[0], r[1], r[2], r[3]);
-    o[1] = make_uint4(r[4], r[5], r[6], r[7]);
-}
 __device__ __forceinline__ float block_max(float v, float* sh) {
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
     v = warp_max(v);

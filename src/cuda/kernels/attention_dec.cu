@@ -22,8 +22,12 @@
  *   memory in a fixed order (bit-identical replays).
  * fp8 cache (attn_decode_tc{D}_fp8; layout in attention.cu): the ring holds the raw tiles (16 x D
  *   bytes each, unswizzled) and their rows' 16 scales (4-byte cp.async); before a tile's products
- *   the warp widens it (value times scale, exact) into one bf16 K and V tile in the layout above,
- *   so the products are the bf16 kernel's. Shared memory: attn_dec_smem_fp8(D).
+ *   the warp widens its e4m3 values to fp16 (one cvt per pair, exact) into one K and V tile in the
+ *   layout above, and the products run on fp16 mma: Q and P split into fp16 hi + lo, each key's K
+ *   scale applied to its row of S^T after the product, its V scale folded into its P weight (the
+ *   running sum l takes the unscaled weights). (Widening with the scale into bf16 cost 6
+ *   instructions a pair and made the kernel slower than the bf16 one at 128K.)
+ *   Shared memory: attn_dec_smem(D, true).
  */
 #define DT_NST 3
 #define DT_PS 24 /* row stride (u16) of a warp's P buffer [8 heads][16 keys]: conflict-free reads */
@@ -38,6 +42,47 @@ __device__ __forceinline__ void cp_async_wait() {
 __device__ __forceinline__ void split_bf16(float x, u32& hi, u32& lo) {
     hi = bf16_bits(x);
     lo = bf16_bits(x - bf16_to_f32((u16)hi));
+}
+/* The same in fp16 (F16) or bf16. */
+template <bool F16> __device__ __forceinline__ void split16(float x, u32& hi, u32& lo) {
+    if constexpr (F16) {
+        unsigned short h, l;
+        asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(x));
+        float hf;
+        asm("cvt.f32.f16 %0, %1;" : "=f"(hf) : "h"(h));
+        asm("cvt.rn.f16.f32 %0, %1;" : "=h"(l) : "f"(x - hf));
+        hi = h;
+        lo = l;
+    } else {
+        split_bf16(x, hi, lo);
+    }
+}
+/* mma.sync m16n8k16 on fp16 (F16) or bf16 inputs, fp32 accumulation. */
+template <bool F16>
+__device__ __forceinline__ void mma16(float (&c)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+    if constexpr (F16) {
+        asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+            "{%0,%1,%2,%3};\n"
+            : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+            : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+    } else {
+        mma_bf16(c, a0, a1, a2, a3, b0, b1);
+    }
+}
+/* 16 e4m3 values as 16 fp16 (exact; sm_89+, else zeros): o[0] the first 8, o[1] the rest. */
+__device__ __forceinline__ void f8x16_to_f16(uint4 v, uint4 (&o)[2]) {
+    u32 w[4] = {v.x, v.y, v.z, v.w}, r[8];
+#pragma unroll
+    for (int i = 0; i < 8; i++) {
+#if __CUDA_ARCH__ >= 890
+        unsigned short pair = (unsigned short)(w[i >> 1] >> (16 * (i & 1)));
+        asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(r[i]) : "h"(pair));
+#else
+        r[i] = 0u;
+#endif
+    }
+    o[0] = make_uint4(r[0], r[1], r[2], r[3]);
+    o[1] = make_uint4(r[4], r[5], r[6], r[7]);
 }
 
 /* Byte size of one fp8 ring stage of a warp: K and V tiles [16][D] bytes, then 2 x 16 f32 scales. */
@@ -118,8 +163,8 @@ __device__ __forceinline__ void attn_dec_tc(const float* q, const void* kc_, con
             for (int h = 0; h < 2; h++) {
                 const int k = ks * 16 + 2 * (lane & 3) + 8 * h;
                 u32 h0, l0, h1, l1;
-                split_bf16(qr[k] * qs, h0, l0);
-                split_bf16(qr[k + 1] * qs, h1, l1);
+                split16<F8>(qr[k] * qs, h0, l0);
+                split16<F8>(qr[k + 1] * qs, h1, l1);
                 qh[ks][h] = h0 | (h1 << 16);
                 ql[ks][h] = l0 | (l1 << 16);
             }
@@ -133,17 +178,18 @@ __device__ __forceinline__ void attn_dec_tc(const float* q, const void* kc_, con
         load(j + DT_NST - 1);
         cp_async_wait<DT_NST - 1>();
         __syncwarp();
+        /* fp8: this stage's K (0..15) and V (16..31) row scales */
+        const float* sc8 = (const float*)(f8ring + (j % DT_NST) * F8ST + 2 * TILE);
         if constexpr (F8) {
-            /* widen stage j into the bf16 pair (the previous tile's readers are past the
-               iteration's last __syncwarp): 16-byte chunk c of row r becomes bf16 chunks 2c, 2c + 1 */
+            /* widen stage j into the fp16 pair (the previous tile's readers are past the
+               iteration's last __syncwarp): 16-byte chunk c of row r becomes chunks 2c, 2c + 1 */
             const unsigned char* st = f8ring + (j % DT_NST) * F8ST;
-            const float* sc = (const float*)(st + 2 * TILE);
 #pragma unroll 4
             for (int i = lane; i < 2 * KT * (D / 16); i += 32) {
                 const int kv = i >= KT * (D / 16), ii = i - kv * KT * (D / 16);
                 const int row = ii / (D / 16), c = ii - row * (D / 16);
                 uint4 o[2];
-                f8x16_to_bf16(*(const uint4*)(st + kv * TILE + row * D + c * 16), sc[kv * KT + row], o);
+                f8x16_to_f16(*(const uint4*)(st + kv * TILE + row * D + c * 16), o);
                 u16* dst = ring + kv * TILE + row * D;
                 *(uint4*)(dst + (((2 * c) ^ (row & 7)) << 3)) = o[0];
                 *(uint4*)(dst + (((2 * c + 1) ^ (row & 7)) << 3)) = o[1];
@@ -160,11 +206,21 @@ __device__ __forceinline__ void attn_dec_tc(const float* q, const void* kc_, con
             for (int ks = 0; ks < NK; ks++) {
                 u32 a0, a1, a2, a3;
                 ldsm_x4_at(smem_u32(kt + row * D + (((2 * ks + ch) ^ (row & 7)) << 3)), a0, a1, a2, a3);
-                mma_bf16(s, a0, a1, a2, a3, qh[ks][0], qh[ks][1]);
-                mma_bf16(s, a0, a1, a2, a3, ql[ks][0], ql[ks][1]);
+                mma16<F8>(s, a0, a1, a2, a3, qh[ks][0], qh[ks][1]);
+                mma16<F8>(s, a0, a1, a2, a3, ql[ks][0], ql[ks][1]);
             }
         }
         const int key0 = lo + (warp + 4 * j) * KT, r = lane >> 2;
+        float vs0 = 1.f, vs1 = 1.f; /* fp8: the V scales of keys r and r + 8 */
+        if constexpr (F8) {
+            const float k0s = sc8[r], k1s = sc8[r + 8];
+            s[0] *= k0s;
+            s[1] *= k0s;
+            s[2] *= k1s;
+            s[3] *= k1s;
+            vs0 = sc8[KT + r];
+            vs1 = sc8[KT + r + 8];
+        }
         if (key0 + r >= hi) s[0] = s[1] = -INFINITY;
         if (key0 + r + 8 >= hi) s[2] = s[3] = -INFINITY;
         /* online softmax per head (the max over the tile's 16 keys: lanes sharing lane & 3) */
@@ -182,8 +238,8 @@ __device__ __forceinline__ void attn_dec_tc(const float* q, const void* kc_, con
             m[h] = mn;
             const int head = 2 * (lane & 3) + h;
             u32 h0, l0, h1, l1;
-            split_bf16(p0, h0, l0);
-            split_bf16(p1, h1, l1);
+            split16<F8>(p0 * vs0, h0, l0);
+            split16<F8>(p1 * vs1, h1, l1);
             pb[head * DT_PS + r] = (u16)h0;
             pb[head * DT_PS + r + 8] = (u16)h1;
             pb[G * DT_PS + head * DT_PS + r] = (u16)l0;
@@ -206,8 +262,8 @@ __device__ __forceinline__ void attn_dec_tc(const float* q, const void* kc_, con
                 oacc[mt][3] *= corr[1];
                 u32 a0, a1, a2, a3;
                 ldsm_x4_trans_at(smem_u32(vt + row * D + (((2 * mt + ch) ^ (row & 7)) << 3)), a0, a1, a2, a3);
-                mma_bf16(oacc[mt], a0, a1, a2, a3, ph0, ph1);
-                mma_bf16(oacc[mt], a0, a1, a2, a3, pl0, pl1);
+                mma16<F8>(oacc[mt], a0, a1, a2, a3, ph0, ph1);
+                mma16<F8>(oacc[mt], a0, a1, a2, a3, pl0, pl1);
             }
         }
         __syncwarp(); /* every lane has read this tile and the P buffer before they are reused */

@@ -29,13 +29,26 @@
  *   Registers: O is D/2 floats per thread (128 at D = 256), S 32.
  * fp8 cache (attn_prefill_fa{D}_fp8; layout in attention.cu): K/V tiles arrive raw (64 x D bytes
  *   each and their rows' scales, double-buffered) and are widened once per tile by the whole block
- *   (value times scale, exact in bf16) into one bf16 K and V tile in the layout above; the
- *   products are the bf16 kernel's. Shared memory: fa_smem_fp8(D) = Q, one bf16 K/V pair, two raw
- *   stages (193 KB at D = 256); still two __syncthreads per tile (after the copy wait, after the
+ *   to fp16 (one cvt per pair, exact) into one K and V tile in the layout above, the scales copied
+ *   beside them; the products run on fp16 mma (Q and P in fp16), each key's K scale applied to its
+ *   column of S and its V scale folded into its P weight (the row sums l take the unscaled
+ *   weights). Shared memory: fa_smem_fp8(D) = Q, one K/V pair, two raw stages, 2 x 64 scales
+ *   (193 KB at D = 256); still two __syncthreads per tile (after the copy wait, after the
  *   widening).
  */
 #define FA_BM 128
 #define FA_BN 64
+
+/* Two floats as a bf16 or (F16) fp16 pair, lo in the low half. */
+template <bool F16> __device__ __forceinline__ u32 pack16(float lo, float hi) {
+    if constexpr (F16) {
+        u32 r;
+        asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+        return r;
+    } else {
+        return pack_bf16(lo, hi);
+    }
+}
 
 /* Byte offset of 16-byte chunk c of row i in a swizzled [rows][D] bf16 array. */
 template <int D> __device__ __forceinline__ u32 fa_off(int i, int c) {
@@ -97,6 +110,8 @@ __device__ __forceinline__ void attn_fa_t(const float* q, const void* kc, const 
     u32 sQ = (u32)__cvta_generic_to_shared(fa_sm);
     /* bf16: K [2][64][D] then V [2][64][D]; fp8: one K and V tile, then the two raw stages */
     u32 sK = sQ + FA_BM * D * 2, sV = sK + (F8 ? 1 : 2) * TILE, sF = sK + 2 * TILE;
+    /* fp8: the widened tile's K scales [64] then V scales [64] */
+    const float* sc8 = (const float*)(fa_sm + FA_BM * D * 2 + 2 * TILE + 2 * F8T);
     int pos0 = pos_p[0];
     int G = nh / hkv, kvh = blockIdx.y;
     int nrows = T * G;
@@ -148,15 +163,14 @@ __device__ __forceinline__ void attn_fa_t(const float* q, const void* kc, const 
        chunks 2c and 2c + 1) */
     auto widen = [&](int buf) {
         const u32 st = sF + buf * F8T;
+        if (tid < 2 * FA_BN) ((float*)sc8)[tid] = *(const float*)(fa_sm + (st - sQ) + 2 * FA_BN * D + 4 * tid);
 #pragma unroll 4
         for (int e = tid; e < 2 * FA_BN * (D / 16); e += 256) {
             int kv = e >= FA_BN * (D / 16), ee = e - kv * FA_BN * (D / 16);
             int j = ee / (D / 16), c = ee % (D / 16);
             uint4 o[2];
             const unsigned char* sp = fa_sm + (st - sQ);
-            uint4 raw = *(const uint4*)(sp + kv * FA_BN * D + j * D + c * 16);
-            float sc = *(const float*)(sp + 2 * FA_BN * D + 4 * (kv * FA_BN + j));
-            f8x16_to_bf16(raw, sc, o);
+            f8x16_to_f16(*(const uint4*)(sp + kv * FA_BN * D + j * D + c * 16), o);
             u32 dst = (kv ? sV : sK);
             asm volatile("st.shared.v4.u32 [%0], {%1,%2,%3,%4};\n" ::"r"(dst + fa_off<D>(j, 2 * c)), "r"(o[0].x),
                          "r"(o[0].y), "r"(o[0].z), "r"(o[0].w)
@@ -175,8 +189,8 @@ __device__ __forceinline__ void attn_fa_t(const float* q, const void* kc, const 
         int r = min(r0 + i, nrows - 1);
         const float* src = q + ((long long)(r / G) * nh + kvh * G + r % G) * D + c * 8;
         float4 x0 = *(const float4*)src, x1 = *(const float4*)(src + 4);
-        uint4 v = make_uint4(pack_bf16(x0.x, x0.y), pack_bf16(x0.z, x0.w), pack_bf16(x1.x, x1.y),
-                             pack_bf16(x1.z, x1.w));
+        uint4 v = make_uint4(pack16<F8>(x0.x, x0.y), pack16<F8>(x0.z, x0.w), pack16<F8>(x1.x, x1.y),
+                             pack16<F8>(x1.z, x1.w));
         u32 a = sQ + fa_off<D>(i, c);
         asm volatile("st.shared.v4.u32 [%0], {%1,%2,%3,%4};\n" ::"r"(a), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
                      : "memory");
@@ -222,8 +236,8 @@ __device__ __forceinline__ void attn_fa_t(const float* q, const void* kc, const 
             for (int np = 0; np < 4; np++) {
                 u32 b0, b1, b2, b3;
                 ldsm_x4_at(kt + fa_off<D>(16 * np + krow, 2 * ks + kch), b0, b1, b2, b3);
-                mma_bf16(s[2 * np], a0, a1, a2, a3, b0, b1);
-                mma_bf16(s[2 * np + 1], a0, a1, a2, a3, b2, b3);
+                mma16<F8>(s[2 * np], a0, a1, a2, a3, b0, b1);
+                mma16<F8>(s[2 * np + 1], a0, a1, a2, a3, b2, b3);
             }
         }
         /* s[n][2i + c]: row g + 8i, key k0 + 8n + 2t4 + c */
@@ -234,7 +248,7 @@ __device__ __forceinline__ void attn_fa_t(const float* q, const void* kc, const 
 #pragma unroll
             for (int c = 0; c < 4; c++) {
                 int i = c >> 1;
-                float v = s[n][c] * scale_log2;
+                float v = s[n][c] * (F8 ? scale_log2 * sc8[8 * n + 2 * t4 + (c & 1)] : scale_log2);
                 if (diag && k0 + 8 * n + 2 * t4 + (c & 1) > qpos[i]) v = -INFINITY;
                 s[n][c] = v;
                 mx[i] = fmaxf(mx[i], v);
@@ -258,16 +272,24 @@ __device__ __forceinline__ void attn_fa_t(const float* q, const void* kc, const 
         }
 #pragma unroll
         for (int kk = 0; kk < 4; kk++) {
-            u32 a0 = pack_bf16(s[2 * kk][0], s[2 * kk][1]);
-            u32 a1 = pack_bf16(s[2 * kk][2], s[2 * kk][3]);
-            u32 a2 = pack_bf16(s[2 * kk + 1][0], s[2 * kk + 1][1]);
-            u32 a3 = pack_bf16(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+            /* fp8: key k's weight times its V scale */
+            float v0 = 1.f, v1 = 1.f, v2 = 1.f, v3 = 1.f;
+            if constexpr (F8) {
+                v0 = sc8[FA_BN + 16 * kk + 2 * t4];
+                v1 = sc8[FA_BN + 16 * kk + 2 * t4 + 1];
+                v2 = sc8[FA_BN + 16 * kk + 8 + 2 * t4];
+                v3 = sc8[FA_BN + 16 * kk + 8 + 2 * t4 + 1];
+            }
+            u32 a0 = pack16<F8>(s[2 * kk][0] * v0, s[2 * kk][1] * v1);
+            u32 a1 = pack16<F8>(s[2 * kk][2] * v0, s[2 * kk][3] * v1);
+            u32 a2 = pack16<F8>(s[2 * kk + 1][0] * v2, s[2 * kk + 1][1] * v3);
+            u32 a3 = pack16<F8>(s[2 * kk + 1][2] * v2, s[2 * kk + 1][3] * v3);
 #pragma unroll
             for (int dp = 0; dp < D / 16; dp++) {
                 u32 b0, b1, b2, b3;
                 ldsm_x4_trans_at(vt + fa_off<D>(16 * kk + vrow, 2 * dp + vch), b0, b1, b2, b3);
-                mma_bf16(o[2 * dp], a0, a1, a2, a3, b0, b1);
-                mma_bf16(o[2 * dp + 1], a0, a1, a2, a3, b2, b3);
+                mma16<F8>(o[2 * dp], a0, a1, a2, a3, b0, b1);
+                mma16<F8>(o[2 * dp + 1], a0, a1, a2, a3, b2, b3);
             }
         }
         /* bf16: the next load overwrites this tile's buffers. fp8: the next load's stage was
