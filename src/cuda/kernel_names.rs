@@ -275,8 +275,8 @@ pub fn attn_dec_kernel(d: usize, fp8: bool) -> &'static str {
 
 /// Dynamic shared memory of [`attn_dec_kernel`]`(d, fp8)`, then each warp's P buffers
 /// (2 x [8][24] u16): bf16, 4 warps' rings of 3 stages of a K and a V tile [16][d] bf16; fp8, 4
-/// warps' one bf16 K and V tile and 3 raw stages (K and V [16][d] bytes, 2 x 16 f32 scales).
+/// warps' one fp16 tile [16][d] and 2 raw stages (K and V [16][d] bytes, 2 x 16 f32 scales).
 pub fn attn_dec_smem(d: usize, fp8: bool) -> usize {
-    let warp = if fp8 { 2 * 16 * d * 2 + 3 * (2 * 16 * d + 128) } else { 3 * 2 * 16 * d * 2 };
+    let warp = if fp8 { 16 * d * 2 + 2 * (2 * 16 * d + 128) } else { 3 * 2 * 16 * d * 2 };
     4 * warp + 4 * 2 * 8 * 24 * 2
 }

@@ -22,8 +22,9 @@
  *   memory in a fixed order (bit-identical replays).
  * fp8 cache (attn_decode_tc{D}_fp8; layout in attention.cu): the ring holds the raw tiles (16 x D
  *   bytes each, unswizzled) and their rows' 16 scales (4-byte cp.async); before a tile's products
- *   the warp widens its e4m3 values to fp16 (one cvt per pair, exact) into one K and V tile in the
- *   layout above, and the products run on fp16 mma: Q and P split into fp16 hi + lo, each key's K
+ *   the warp widens its e4m3 values to fp16 (one cvt per pair, exact) into one tile in the layout
+ *   above (K for the scores, then V over it for the output; a 2-stage raw ring, so a block takes
+ *   102 KB at D = 256 and two blocks share an SM: the plan gives fp8 twice the splits), and the products run on fp16 mma: Q and P split into fp16 hi + lo, each key's K
  *   scale applied to its row of S^T after the product, its V scale folded into its P weight (the
  *   running sum l takes the unscaled weights). (Widening with the scale into bf16 cost 6
  *   instructions a pair and made the kernel slower than the bf16 one at 128K.)
@@ -103,8 +104,10 @@ __device__ __forceinline__ void attn_dec_tc(const float* q, const void* kc_, con
     if (!gqa_split<unsigned char>(q, kc, vc, part, pos_p, kvt, hkv, G, D, lo, hi)) return; /* attention.cu */
     const int kvh = blockIdx.x, split = blockIdx.y, S = gridDim.y;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    /* per warp: bf16 ring of DT_NST (K, V) tile pairs, or for fp8 one bf16 pair then the raw ring */
-    constexpr int WARP_BYTES = F8 ? 2 * TILE * 2 + DT_NST * F8ST : DT_NST * 2 * TILE * 2;
+    /* per warp: bf16 ring of DT_NST (K, V) tile pairs, or for fp8 one fp16 tile (K, then V) and a
+       raw ring of 2 stages (102 KB a block at D = 256: two blocks per SM) */
+    constexpr int NST = F8 ? 2 : DT_NST;
+    constexpr int WARP_BYTES = F8 ? TILE * 2 + NST * F8ST : NST * 2 * TILE * 2;
     u16* ring = (u16*)(dsm + warp * WARP_BYTES);
     unsigned char* f8ring = dsm + warp * WARP_BYTES + 2 * TILE * 2;
     u16* pb = (u16*)(dsm + 4 * WARP_BYTES) + warp * 2 * G * DT_PS; /* P hi, then P lo */
@@ -119,7 +122,7 @@ __device__ __forceinline__ void attn_dec_tc(const float* q, const void* kc_, con
     auto load = [&](int j) {
         if (F8 && j < mine) {
             const int key0 = lo + (warp + 4 * j) * KT;
-            unsigned char* st = f8ring + (j % DT_NST) * F8ST;
+            unsigned char* st = f8ring + (j % NST) * F8ST;
 #pragma unroll 4
             for (int i = lane; i < KT * (D / 16); i += 32) {
                 const int row = i / (D / 16), c = i - row * (D / 16), key = key0 + row;
@@ -136,7 +139,7 @@ __device__ __forceinline__ void attn_dec_tc(const float* q, const void* kc_, con
             }
         } else if (!F8 && j < mine) {
             const int key0 = lo + (warp + 4 * j) * KT;
-            u16* kt = ring + (j % DT_NST) * 2 * TILE;
+            u16* kt = ring + (j % NST) * 2 * TILE;
 #pragma unroll 4
             for (int i = lane; i < KT * CH; i += 32) {
                 const int row = i / CH, c = i - row * CH, key = key0 + row;
@@ -150,7 +153,7 @@ __device__ __forceinline__ void attn_dec_tc(const float* q, const void* kc_, con
         cp_async_commit();
     };
 #pragma unroll
-    for (int j = 0; j < DT_NST - 1; j++) load(j);
+    for (int j = 0; j < NST - 1; j++) load(j);
 
     /* Q^T as B fragments (k = dim, n = head = lane / 4), prescaled, split into hi and lo. */
     u32 qh[NK][2], ql[NK][2];
@@ -175,29 +178,29 @@ __device__ __forceinline__ void attn_dec_tc(const float* q, const void* kc_, con
     float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f}; /* heads 2 (lane & 3) + j; l per thread */
 
     for (int j = 0; j < mine; j++) {
-        load(j + DT_NST - 1);
-        cp_async_wait<DT_NST - 1>();
+        load(j + NST - 1);
+        cp_async_wait<NST - 1>();
         __syncwarp();
-        /* fp8: this stage's K (0..15) and V (16..31) row scales */
-        const float* sc8 = (const float*)(f8ring + (j % DT_NST) * F8ST + 2 * TILE);
-        if constexpr (F8) {
-            /* widen stage j into the fp16 pair (the previous tile's readers are past the
-               iteration's last __syncwarp): 16-byte chunk c of row r becomes chunks 2c, 2c + 1 */
-            const unsigned char* st = f8ring + (j % DT_NST) * F8ST;
+        /* fp8: this stage's raw K and V tiles, then their row scales (K 0..15, V 16..31) */
+        const unsigned char* st8 = f8ring + (j % NST) * F8ST;
+        const float* sc8 = (const float*)(st8 + 2 * TILE);
+        /* fp8: the raw tile kv (0 K, 1 V) widened into the fp16 tile (its previous readers are
+           past a __syncwarp): 16-byte chunk c of row r becomes chunks 2c, 2c + 1 */
+        auto widen = [&](int kv) {
 #pragma unroll 4
-            for (int i = lane; i < 2 * KT * (D / 16); i += 32) {
-                const int kv = i >= KT * (D / 16), ii = i - kv * KT * (D / 16);
-                const int row = ii / (D / 16), c = ii - row * (D / 16);
+            for (int i = lane; i < KT * (D / 16); i += 32) {
+                const int row = i / (D / 16), c = i - row * (D / 16);
                 uint4 o[2];
-                f8x16_to_f16(*(const uint4*)(st + kv * TILE + row * D + c * 16), o);
-                u16* dst = ring + kv * TILE + row * D;
+                f8x16_to_f16(*(const uint4*)(st8 + kv * TILE + row * D + c * 16), o);
+                u16* dst = ring + row * D;
                 *(uint4*)(dst + (((2 * c) ^ (row & 7)) << 3)) = o[0];
                 *(uint4*)(dst + (((2 * c + 1) ^ (row & 7)) << 3)) = o[1];
             }
             __syncwarp();
-        }
-        const u16* kt = ring + (F8 ? 0 : (j % DT_NST) * 2 * TILE);
-        const u16* vt = kt + TILE;
+        };
+        if constexpr (F8) widen(0);
+        const u16* kt = ring + (F8 ? 0 : (j % NST) * 2 * TILE);
+        const u16* vt = F8 ? ring : kt + TILE;
         /* S^T = K . Q^T */
         float s[4] = {0.f, 0.f, 0.f, 0.f};
         {
@@ -246,6 +249,7 @@ __device__ __forceinline__ void attn_dec_tc(const float* q, const void* kc_, con
             pb[G * DT_PS + head * DT_PS + r + 8] = (u16)l1;
         }
         __syncwarp();
+        if constexpr (F8) widen(1); /* V over K (every lane's K reads came before the barrier) */
         /* P^T as B fragments: (k = key 2 (lane & 3) + {0, 1} (+8), n = head lane / 4) */
         const u32* pw = (const u32*)pb;
         const int bo = (lane >> 2) * (DT_PS / 2) + (lane & 3);

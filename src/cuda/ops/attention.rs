@@ -238,7 +238,9 @@ impl Gpu {
         if hkv == 0 || !nh.is_multiple_of(hkv) || !matches!(nh / hkv, 1 | 2 | 4 | 8) {
             return (head, head, usize::MAX);
         }
-        let splits = (self.sms as usize / hkv).clamp(1, 1024);
+        // the fp8 kernel fits two blocks per SM (kernel_names.rs, attn_dec_smem)
+        let per_sm = if kv == KvDtype::Fp8 { 2 } else { 1 };
+        let splits = (per_sm * self.sms as usize / hkv).clamp(1, 1024);
         let packed = (AttnKernel::Packed, splits);
         let tc = (AttnKernel::Tc, splits);
         let on = std::env::var("LILY_CUDA_ATTN_TC").map_or(true, |v| v != "0") && self.attn_tc_applies(nh, hkv, hd, kv);
