@@ -109,7 +109,7 @@ __device__ __forceinline__ void attn_dec_tc(const float* q, const void* kc_, con
     constexpr int NST = F8 ? 2 : DT_NST;
     constexpr int WARP_BYTES = F8 ? TILE * 2 + NST * F8ST : NST * 2 * TILE * 2;
     u16* ring = (u16*)(dsm + warp * WARP_BYTES);
-    unsigned char* f8ring = dsm + warp * WARP_BYTES + 2 * TILE * 2;
+    unsigned char* f8ring = dsm + warp * WARP_BYTES + TILE * 2; /* fp8: after the fp16 tile */
     u16* pb = (u16*)(dsm + 4 * WARP_BYTES) + warp * 2 * G * DT_PS; /* P hi, then P lo */
     const long long rs = F8 ? f8_rs(hkv, D) : (long long)hkv * D * 2; /* bytes per position */
     const unsigned char* kb = kc + (long long)kvh * D * (F8 ? 1 : 2);
