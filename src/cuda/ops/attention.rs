@@ -238,8 +238,13 @@ impl Gpu {
         if hkv == 0 || !nh.is_multiple_of(hkv) || !matches!(nh / hkv, 1 | 2 | 4 | 8) {
             return (head, head, usize::MAX);
         }
-        // the fp8 kernel fits two blocks per SM (kernel_names.rs, attn_dec_smem)
-        let per_sm = if kv == KvDtype::Fp8 { 2 } else { 1 };
+        // the fp8 kernel fits two blocks per SM (kernel_names.rs, attn_dec_smem):
+        // `LILY_CUDA_FP8_SPLITS_PER_SM` (default 2) splits per SM and KV head
+        let per_sm = if kv == KvDtype::Fp8 {
+            std::env::var("LILY_CUDA_FP8_SPLITS_PER_SM").ok().and_then(|v| v.parse().ok()).unwrap_or(2usize).clamp(1, 8)
+        } else {
+            1
+        };
         let splits = (per_sm * self.sms as usize / hkv).clamp(1, 1024);
         let packed = (AttnKernel::Packed, splits);
         let tc = (AttnKernel::Tc, splits);
