@@ -410,6 +410,13 @@ fn cuda_fp8_kv_cache_tracks_fp32() {
     let worst = rows_worst(&f8_rows, &f32_rows, v);
     eprintln!("G=8 tiny model: fp8 vs fp32 KV cache, token by token, worst |Δ|/range {worst:.2e}");
     assert!(worst <= 0.1, "fp8 KV cache moves the logits by {worst:.2e} of their range");
+    // The long-context plan (twice the splits; from 65,536 positions by default) from position 0:
+    // the same math in another summation order.
+    let mut long = session(KvDtype::Fp8, None);
+    long.attn_from = 0;
+    let worst = rows_worst(&long.forward_all(&prompt).unwrap(), &f8_rows, v);
+    eprintln!("G=8 tiny model: fp8 KV, long-context splits vs short, worst |Δ|/range {worst:.2e}");
+    assert!(worst <= 1e-4, "the fp8 long-context plan differs by {worst:.2e}");
     let b16_rows = session(KvDtype::Bf16, None).forward_all(&prompt).unwrap();
     let worst16 = rows_worst(&b16_rows, &f32_rows, v);
     eprintln!("G=8 tiny model: bf16 vs fp32 KV cache, token by token, worst |Δ|/range {worst16:.2e} (for scale)");
