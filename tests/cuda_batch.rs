@@ -37,6 +37,13 @@ fn session(gm: &Arc<CudaModel>, exact: bool) -> CudaSession {
     s
 }
 
+/// A default-mode session over an fp8 KV cache.
+fn session_fp8(gm: &Arc<CudaModel>) -> CudaSession {
+    let mut s = CudaSession::new(gm.clone());
+    s.set_kv_dtype(KvDtype::Fp8).unwrap();
+    s
+}
+
 fn prompt(seed: u64, n: usize, vocab: usize) -> Vec<u32> {
     let mut r = rng(seed);
     (0..n).map(|_| (r.next_u64() % vocab as u64) as u32).collect()
@@ -50,14 +57,19 @@ fn rel(got: &[f32], want: &[f32]) -> f32 {
 fn check(dir: &str, exact: bool, gemm_from: Option<usize>) {
     let model = Arc::new(lily::weights::load_model(&fixtures().join(dir)).unwrap());
     let gm = lily::cuda::upload_cached(&model).unwrap();
-    let v = model.cfg.vocab_size;
+    check_on(dir, &gm, exact, gemm_from, &|| session(&gm, exact));
+}
+
+/// [`check`] on an uploaded model, its sessions (alone and the batch's) made by `make`.
+fn check_on(dir: &str, gm: &Arc<CudaModel>, exact: bool, gemm_from: Option<usize>, make: &dyn Fn() -> CudaSession) {
+    let v = gm.cfg.vocab_size;
     let prompts = [prompt(1, 5, v), prompt(2, 17, v), prompt(3, 40, v)];
     let steps = 12;
     // Alone: the prompt, then greedy tokens through the session's own decode step.
     let want: Vec<Vec<Vec<f32>>> = prompts
         .iter()
         .map(|p| {
-            let mut s = session(&gm, exact);
+            let mut s = make();
             let mut out = vec![s.forward_last(p).unwrap()];
             for _ in 0..steps {
                 let t = argmax(out.last().unwrap());
@@ -66,7 +78,7 @@ fn check(dir: &str, exact: bool, gemm_from: Option<usize>) {
             out
         })
         .collect();
-    let mut b = CudaBatch::new(gm.clone(), 4, || session(&gm, exact)).unwrap();
+    let mut b = CudaBatch::new(gm.clone(), 4, make).unwrap();
     if let Some(r) = gemm_from {
         b.set_gemm_from(r);
     }
@@ -129,6 +141,27 @@ fn cuda_batched_decode_equals_each_sequence_alone() {
             check(dir, true, gemm_from);
             check(dir, false, gemm_from);
         }
+    }
+}
+
+/// The same over an fp8 KV cache (batched attn_prep_fp8 and fp8 decode attention over the rows'
+/// own caches), on a tiny model with 8 query heads per KV head (the fp8 kernels' shape), in the
+/// default mode's bound.
+#[test]
+fn cuda_batched_fp8_decode_equals_each_sequence_alone() {
+    if !have_gpu() {
+        return;
+    }
+    let mut cfg = lily::synthetic::config("tiny", None, 1024).unwrap();
+    cfg.num_attention_heads = 8 * cfg.num_key_value_heads;
+    let model = Arc::new(lily::synthetic::build_config(cfg).unwrap());
+    let gm = lily::cuda::upload_cached(&model).unwrap();
+    if !gm.gpu.has_fp8() {
+        eprintln!("SKIPPED: the fp8 cache needs an sm_89 or later GPU (this one is {})", gm.gpu.arch);
+        return;
+    }
+    for gemm_from in [None, Some(2)] {
+        check_on("G=8 tiny, fp8 KV", &gm, false, gemm_from, &|| session_fp8(&gm));
     }
 }
 
