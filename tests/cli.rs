@@ -163,6 +163,29 @@ fn bad_input_gives_clear_errors() {
         (vec!["run", "--model", "synthetic:tiny", "--prompt-tokens", "1", "--max-tokens", "-3"], "invalid value '-3'"),
         (vec!["run", "--model", "/nonexistent/model.gguf", "--prompt-tokens", "1"], "GGUF is not supported"),
         (vec!["run", "--model", "synthetic:tiny", "--prompt-tokens", "1", "--threads", "100000"], "far above"),
+        // Low-precision KV caches are GPU-only, and not for the exact mode.
+        (
+            vec![
+                "run",
+                "--model",
+                "synthetic:tiny",
+                "--prompt-tokens",
+                "1",
+                "--device",
+                "cpu",
+                "--kv-cache-dtype",
+                "fp8",
+            ],
+            "needs the CUDA backend",
+        ),
+        (
+            vec!["run", "--model", "synthetic:tiny", "--prompt-tokens", "1", "--exact", "--kv-cache-dtype", "fp8"],
+            "contradict",
+        ),
+        (
+            vec!["run", "--model", "synthetic:tiny", "--prompt-tokens", "1", "--kv-cache-dtype", "fp4"],
+            "invalid value 'fp4'",
+        ),
         // Contexts beyond the model's are refused before any prefill runs.
         (vec!["bench", "--model", "synthetic:tiny", "--contexts", "16,262144"], "exceed the model's context"),
     ];
