@@ -10,8 +10,8 @@
  *   bytes per position, followed after the H_kv rows by their H_kv f32 scales (p*RS + H_kv*D + 4h);
  *   element = e4m3 value * scale. Per row (one position and head, K and V apart), scale =
  *   2^ceil(log2(amax/448)) (1 for an all-zero row): a power of two, so the row's largest value
- *   lands in e4m3's top binade, dequantizing is exact in bf16 (3 mantissa bits times 2^k), and a
- *   row decoded and encoded again gives the same values (snapshots round-trip).
+ *   lands in e4m3's top binade, value times scale is exact in fp32 (the e4m3 value alone in
+ *   fp16), and a row decoded and encoded again gives the same values (snapshots round-trip).
  *
  * The position is read from device memory (pos_p[0]; L = pos + 1 cached positions) so that a
  * captured CUDA graph replays every decode step unchanged.

@@ -18,17 +18,18 @@
  *   positions, warp w the 16-key tiles w, w + 4, ... of it. Each warp streams its tiles through
  *   its own DT_NST-stage ring of K and V tiles (cp.async, 16 x D bf16 each; a row's 16-byte
  *   chunk c stored at c ^ (row & 7), so the ldmatrix reads of 8 rows hit 8 different bank
- *   groups). Dynamic shared memory: attn_dec_smem(D) bytes. The 4 warps merge through shared
+ *   groups). Dynamic shared memory: attn_dec_smem(D, false) bytes. The 4 warps merge through shared
  *   memory in a fixed order (bit-identical replays).
- * fp8 cache (attn_decode_tc{D}_fp8; layout in attention.cu): the ring holds the raw tiles (16 x D
- *   bytes each, unswizzled) and their rows' 16 scales (4-byte cp.async); before a tile's products
- *   the warp widens its e4m3 values to fp16 (one cvt per pair, exact) into one tile in the layout
- *   above (K for the scores, then V over it for the output; a 2-stage raw ring, so a block takes
- *   102 KB at D = 256 and two blocks share an SM: the plan gives fp8 twice the splits), and the products run on fp16 mma: Q and P split into fp16 hi + lo, each key's K
- *   scale applied to its row of S^T after the product, its V scale folded into its P weight (the
- *   running sum l takes the unscaled weights). (Widening with the scale into bf16 cost 6
- *   instructions a pair and made the kernel slower than the bf16 one at 128K.)
- *   Shared memory: attn_dec_smem(D, true).
+ * fp8 cache (attn_decode_tc{D}_fp8; layout in attention.cu): the ring (2 stages) holds the raw
+ *   tiles (16 x D bytes each, unswizzled) and their rows' 16 scales (4-byte cp.async). Before the
+ *   scores the warp widens the K tile's e4m3 values to fp16 (one cvt per pair, exact) into one
+ *   tile in the layout above, and before the output the V tile over it. The products run on fp16
+ *   mma: Q and P split into fp16 hi + lo, each key's K scale applied to its row of S^T after the
+ *   product, its V scale folded into its P weight (the running sum l takes the unscaled
+ *   weights). A block takes attn_dec_smem(D, true) = 102 KB at D = 256, so two share an SM (the
+ *   plan gives fp8 up to twice the splits). Measured: widening with the scale into bf16 (6
+ *   instructions a pair) made the kernel slower than the bf16 one at 128K; this form matches it
+ *   while reading half the bytes (it is bound by its per-tile work, not by memory).
  */
 #define DT_NST 3
 #define DT_PS 24 /* row stride (u16) of a warp's P buffer [8 heads][16 keys]: conflict-free reads */
