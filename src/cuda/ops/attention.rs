@@ -344,7 +344,26 @@ fn rows_plan(
 
 #[cfg(test)]
 mod tests {
-    use super::{rows_plan, AttnKernel};
+    use super::{rows_plan, AttnKernel, KvDtype};
+
+    /// Cache sizes per position as the kernels address them (kernels/attention.cu: fp8 rows are
+    /// H_kv·D bytes, then the heads' f32 scales padded to 16 bytes), and the names the flag takes.
+    #[test]
+    fn kv_dtypes_size_positions_as_the_kernels_address_them() {
+        assert_eq!(KvDtype::F32.pos_bytes(2, 256), 2048);
+        assert_eq!(KvDtype::Bf16.pos_bytes(2, 256), 1024);
+        assert_eq!(KvDtype::Fp8.pos_bytes(2, 256), 512 + 16);
+        assert_eq!(KvDtype::Fp8.pos_bytes(5, 64), 320 + 32);
+        // 10 attention layers of the 35B model, K and V: 20 KiB (bf16) and 10.3 KiB (fp8) a token
+        let f32_bytes = 10 * 2 * 4 * 2 * 256;
+        assert_eq!(KvDtype::Bf16.from_f32_bytes(f32_bytes, 2, 256), 20 * 1024);
+        assert_eq!(KvDtype::Fp8.from_f32_bytes(f32_bytes, 2, 256), 10 * 2 * 528);
+        for (s, k) in [("bf16", KvDtype::Bf16), ("fp8", KvDtype::Fp8), ("f32", KvDtype::F32)] {
+            assert_eq!(KvDtype::parse(s).unwrap(), k);
+        }
+        let e = KvDtype::parse("fp4").unwrap_err().to_string();
+        assert!(e.contains("fp4") && e.contains("fp8"), "{e}");
+    }
 
     #[test]
     fn batched_attention_lowers_the_splits_to_about_two_blocks_per_sm() {
