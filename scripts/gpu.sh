@@ -9,7 +9,7 @@
 #                             full-size synthetic Qwen3.6-35B-A3B and prints a short table last.
 #                             Logs go to $OUT (or .gpu/out) when set. Knobs: ONLY_TESTS (test
 #                             executables, each optionally :filter or :!skip1,skip2, e.g.
-#                             cuda_prefill:wgmma cuda_prefill:!wgmma,new_kernels), SKIP_TESTS,
+#                             cuda_attention_prefill:wgmma cuda_prefill:!new_kernels), SKIP_TESTS,
 #                             BENCH_CONTEXTS, BENCH_BATCH (e.g. 1,4,16,64), BENCH_LONG, LONG_ENV, KV_AB,
 #                             ATTN_BENCH, GDN_BENCH, AB_OLD (another build's lily binary: batch-1 A/B),
 #                             BATCH_VARIANTS (';'-separated env settings: the batched bench per
@@ -21,7 +21,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-TESTS="cuda_compile cuda_kernels cuda_gdn cuda_prefill cuda_model cuda_batch cuda_paged"
+TESTS="cuda_compile cuda_kernels cuda_gdn cuda_prefill cuda_attention_prefill cuda_model cuda_batch cuda_paged"
 
 if [ "${1:-build}" = build ]; then
   cargo build --release

@@ -16,6 +16,10 @@ pub fn gpu() -> Option<Arc<Gpu>> {
     Some(lily::cuda::gpu().unwrap_or_else(|e| panic!("CUDA libraries present but the GPU failed: {e:#}")))
 }
 
+pub fn i32_bytes(v: &[i32]) -> Vec<u8> {
+    v.iter().flat_map(|i| i.to_le_bytes()).collect()
+}
+
 pub fn rand_bytes(r: &mut Rng, n: usize) -> Vec<u8> {
     (0..n).map(|_| r.next_u64() as u8).collect()
 }
