@@ -152,12 +152,8 @@ fn cuda_batched_fp8_decode_equals_each_sequence_alone() {
     if !have_gpu() {
         return;
     }
-    let mut cfg = lily::synthetic::config("tiny", None, 1024).unwrap();
-    cfg.num_attention_heads = 8 * cfg.num_key_value_heads;
-    let model = Arc::new(lily::synthetic::build_config(cfg).unwrap());
-    let gm = lily::cuda::upload_cached(&model).unwrap();
-    if !gm.gpu.has_fp8() {
-        eprintln!("SKIPPED: the fp8 cache needs an sm_89 or later GPU (this one is {})", gm.gpu.arch);
+    let (_, gm) = common::gpu::tiny_g8();
+    if !common::gpu::fp8_ok(&gm) {
         return;
     }
     for gemm_from in [None, Some(2)] {

@@ -349,11 +349,9 @@ fn cuda_tensor_core_decode_attention_in_the_model() {
     if !have_gpu() {
         return;
     }
-    let mut cfg = lily::synthetic::config("tiny", None, 1024).unwrap();
-    cfg.num_attention_heads = 8 * cfg.num_key_value_heads;
-    let (nh, hkv, hd) = (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim);
-    let model = Arc::new(lily::synthetic::build_config(cfg).unwrap());
-    let gm = lily::cuda::upload_cached(&model).unwrap();
+    let (model, gm) = common::gpu::tiny_g8();
+    let c = &model.cfg;
+    let (nh, hkv, hd) = (c.num_attention_heads, c.num_key_value_heads, c.head_dim);
     assert!(gm.gpu.attn_tc_applies(nh, hkv, hd, KvDtype::Bf16), "the tensor-core kernel must apply to this shape");
     let prompt: Vec<u32> = (0..200u32).map(|i| (i * 7919 + 13) % 1024).collect();
     let want = CpuSession::new(model.clone()).forward_all(&prompt).unwrap();
@@ -387,12 +385,8 @@ fn cuda_fp8_kv_cache_tracks_fp32() {
     if !have_gpu() {
         return;
     }
-    let mut cfg = lily::synthetic::config("tiny", None, 1024).unwrap();
-    cfg.num_attention_heads = 8 * cfg.num_key_value_heads;
-    let model = Arc::new(lily::synthetic::build_config(cfg).unwrap());
-    let gm = lily::cuda::upload_cached(&model).unwrap();
-    if !gm.gpu.has_fp8() {
-        eprintln!("SKIPPED: the fp8 cache needs an sm_89 or later GPU (this one is {})", gm.gpu.arch);
+    let (model, gm) = common::gpu::tiny_g8();
+    if !common::gpu::fp8_ok(&gm) {
         return;
     }
     let prompt: Vec<u32> = (0..300u32).map(|i| (i * 7919 + 13) % 1024).collect();

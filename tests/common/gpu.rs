@@ -16,6 +16,25 @@ pub fn gpu() -> Option<Arc<Gpu>> {
     Some(lily::cuda::gpu().unwrap_or_else(|e| panic!("CUDA libraries present but the GPU failed: {e:#}")))
 }
 
+/// synthetic:tiny with 8 query heads per KV head (the tensor-core decode attention's and the fp8
+/// cache's shape), on the CPU and uploaded.
+pub fn tiny_g8() -> (Arc<lily::model::Model>, Arc<lily::cuda::CudaModel>) {
+    let mut cfg = lily::synthetic::config("tiny", None, 1024).unwrap();
+    cfg.num_attention_heads = 8 * cfg.num_key_value_heads;
+    let model = Arc::new(lily::synthetic::build_config(cfg).unwrap());
+    let gm = lily::cuda::upload_cached(&model).unwrap();
+    (model, gm)
+}
+
+/// Whether `gm`'s GPU takes the fp8 KV cache (sm_89+), else a loud skip.
+pub fn fp8_ok(gm: &lily::cuda::CudaModel) -> bool {
+    let ok = gm.gpu.has_fp8();
+    if !ok {
+        eprintln!("SKIPPED: the fp8 cache needs an sm_89 or later GPU (this one is {})", gm.gpu.arch);
+    }
+    ok
+}
+
 pub fn i32_bytes(v: &[i32]) -> Vec<u8> {
     v.iter().flat_map(|i| i.to_le_bytes()).collect()
 }
