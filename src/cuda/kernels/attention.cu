@@ -165,21 +165,6 @@ __device__ __forceinline__ unsigned char f8_encode(float x) {
     return 0;
 #endif
 }
-__device__ __forceinline__ float block_max(float v, float* sh) {
-    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
-    v = warp_max(v);
-    __syncthreads();
-    if (lane == 0) sh[warp] = v;
-    __syncthreads();
-    if (warp == 0) {
-        float t = lane < nw ? sh[lane] : -INFINITY;
-        t = warp_max(t);
-        if (lane == 0) sh[32] = t;
-    }
-    __syncthreads();
-    return sh[32];
-}
-
 template <typename KV> __device__ __forceinline__ constexpr bool bf16_cache() { return false; }
 template <> __device__ __forceinline__ constexpr bool bf16_cache<u16>() { return true; }
 

@@ -4,8 +4,8 @@
  * - Element types of weights and scales are passed as a runtime code: 0 = f32, 1 = f16, 2 = bf16
  *   (bf16 -> f32 is a 16-bit shift; f16 -> f32 is one cvt instruction), so one kernel serves
  *   every checkpoint format without including cuda_bf16.h / cuda_fp16.h.
- * - Reductions: warp_sum / warp_max with shuffles; block_sum over up to 32 warps through a
- *   32-float shared scratch (every thread gets the total).
+ * - Reductions: warp_sum / warp_max with shuffles; block_sum / block_max over up to 32 warps
+ *   through a 33-float shared scratch (every thread gets the result).
  * - Programmatic dependent launch (decode): the kernels for which is_pdl() holds
  *   (src/cuda/kernel_names.rs) may be launched before the previous kernel in the stream has
  *   finished. Each of them calls pdl_trigger() (lets the next kernel's blocks be scheduled as
@@ -48,21 +48,24 @@ __device__ __forceinline__ float warp_max(float v) {
     for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
     return v;
 }
-/* Sum over the whole block (blockDim.x a multiple of 32); `sh` holds >= 33 floats. */
-__device__ __forceinline__ float block_sum(float v, float* sh) {
+/* Sum (or with MAX the maximum) over the whole block (blockDim.x a multiple of 32); `sh` holds
+   >= 33 floats. */
+template <bool MAX> __device__ __forceinline__ float block_reduce(float v, float* sh) {
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
-    v = warp_sum(v);
+    v = MAX ? warp_max(v) : warp_sum(v);
     __syncthreads();
     if (lane == 0) sh[warp] = v;
     __syncthreads();
     if (warp == 0) {
-        float t = lane < nw ? sh[lane] : 0.f;
-        t = warp_sum(t);
+        float t = lane < nw ? sh[lane] : (MAX ? -INFINITY : 0.f);
+        t = MAX ? warp_max(t) : warp_sum(t);
         if (lane == 0) sh[32] = t;
     }
     __syncthreads();
     return sh[32];
 }
+__device__ __forceinline__ float block_sum(float v, float* sh) { return block_reduce<false>(v, sh); }
+__device__ __forceinline__ float block_max(float v, float* sh) { return block_reduce<true>(v, sh); }
 __device__ __forceinline__ float sigmoid_f(float x) { return 1.f / (1.f + expf(-x)); }
 __device__ __forceinline__ float silu_f(float x) { return x / (1.f + expf(-x)); }
 __device__ __forceinline__ float softplus_f(float x) { return x > 20.f ? x : log1pf(expf(x)); }
