@@ -137,7 +137,11 @@ const COMPILE_FLAGS: [&str; 1] = ["--std=c++17"];
 /// source, the architecture, the flags and NVRTC's version (`.ptx`: [`compile`]'s output;
 /// `.cubin`: the same PTX assembled by ptxas for `arch`, [`cached_cubin`]).
 pub fn cache_stem(arch: &str) -> String {
-    let key = fnv1a(&[&kernel_source(), arch, &COMPILE_FLAGS.join(" "), &nvrtc_version()]);
+    stem_of(&kernel_source(), arch)
+}
+
+fn stem_of(src: &str, arch: &str) -> String {
+    let key = fnv1a(&[src, arch, &COMPILE_FLAGS.join(" "), &nvrtc_version()]);
     format!("lily-{arch}-{key:016x}")
 }
 
@@ -159,7 +163,7 @@ pub fn compile(arch: &'static str) -> Result<(String, bool)> {
     let src = kernel_source();
     let includes = include_paths();
     let flags = COMPILE_FLAGS.map(String::from);
-    let path = cache_dir().map(|d| d.join(format!("{}.ptx", cache_stem(arch))));
+    let path = cache_dir().map(|d| d.join(format!("{}.ptx", stem_of(&src, arch))));
     if let Some(p) = &path {
         if let Ok(ptx) = std::fs::read_to_string(p) {
             return Ok((ptx, true));
