@@ -112,12 +112,9 @@ impl ModelArgs {
         };
         let loaded = lily::loader::load(&self.resolve()?, self.layers)?;
         if use_cuda {
-            lily::cuda::upload_cached(&loaded.model)?;
-            if self.gpu_kv() == lily::cuda::KvDtype::Fp8 {
-                let (c, g) = (&loaded.model.cfg, lily::cuda::gpu()?);
-                if let Some(why) = g.fp8_kv_unsupported(c.num_attention_heads, c.num_key_value_heads, c.head_dim) {
-                    bail!("--kv-cache-dtype fp8: {why}");
-                }
+            let gm = lily::cuda::upload_cached(&loaded.model)?;
+            if let Some(why) = (self.gpu_kv() == lily::cuda::KvDtype::Fp8).then(|| gm.fp8_kv_unsupported()).flatten() {
+                bail!("--kv-cache-dtype fp8: {why}");
             }
         }
         eprintln!("{}", self.banner(&loaded, why));

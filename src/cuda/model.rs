@@ -99,6 +99,15 @@ pub struct CudaModel {
     pub weight_bytes: usize,
 }
 
+impl CudaModel {
+    /// Why an fp8 KV cache cannot serve this model on its device ([`Gpu::fp8_kv_unsupported`]),
+    /// or `None` when it can.
+    pub fn fp8_kv_unsupported(&self) -> Option<String> {
+        let c = &self.cfg;
+        self.gpu.fp8_kv_unsupported(c.num_attention_heads, c.num_key_value_heads, c.head_dim)
+    }
+}
+
 /// The GDN step's arguments for one token row: `proj` holds `[conv input | z | b | a]` (f32),
 /// `y` the conv output, `w` the layer's `[dt_bias, neg_a, norm]`.
 pub(crate) fn gdn_step_args(c: &ModelConfig, proj: u64, y: u64, w: [&DevBuf; 3], state: &DevBuf, out: u64) -> GdnStep {
@@ -269,15 +278,13 @@ impl CudaSession {
                 eprintln!("warning: {e:#}; using bf16");
                 KvDtype::Bf16
             }
-            Ok(KvDtype::Fp8) => {
-                match model.gpu.fp8_kv_unsupported(c.num_attention_heads, c.num_key_value_heads, c.head_dim) {
-                    Some(why) => {
-                        eprintln!("warning: LILY_CUDA_KV=fp8: {why}; using bf16");
-                        KvDtype::Bf16
-                    }
-                    None => KvDtype::Fp8,
+            Ok(KvDtype::Fp8) => match model.fp8_kv_unsupported() {
+                Some(why) => {
+                    eprintln!("warning: LILY_CUDA_KV=fp8: {why}; using bf16");
+                    KvDtype::Bf16
                 }
-            }
+                None => KvDtype::Fp8,
+            },
             Ok(kv) => kv,
         };
         let (short, long, attn_from) =
@@ -313,13 +320,10 @@ impl CudaSession {
     /// that has run starts over (empty caches). An fp8 cache the model's heads or the device
     /// cannot use is an error.
     pub fn set_kv_dtype(&mut self, kv: KvDtype) -> Result<()> {
-        let c = &self.model.cfg;
-        if kv == KvDtype::Fp8 {
-            let why = self.model.gpu.fp8_kv_unsupported(c.num_attention_heads, c.num_key_value_heads, c.head_dim);
-            if let Some(why) = why {
-                bail!("{why}");
-            }
+        if let Some(why) = (kv == KvDtype::Fp8).then(|| self.model.fp8_kv_unsupported()).flatten() {
+            bail!("{why}");
         }
+        let c = &self.model.cfg;
         if kv != self.kv {
             let (short, long, from) =
                 self.model.gpu.attn_plan(c.num_attention_heads, c.num_key_value_heads, c.head_dim, kv);
