@@ -139,7 +139,7 @@ if [ -n "${PROFILE_LAYERS:-}" ]; then
   echo "== per-kernel profile (LILY_CUDA_PROFILE=1, $PROFILE_LAYERS layers, context $PC, 16 decode steps)"
   LILY_CUDA_PROFILE=1 timeout 180 .gpu/x/bin/lily bench --device cuda --model synthetic:qwen3.6-35b-a3b \
     --layers "$PROFILE_LAYERS" --contexts "$PC" --warmup 0 --decode-steps 16 >"$OUTDIR/profile.txt" 2>&1 || status=1
-  grep -E "^\|" "$OUTDIR/profile.txt" | head -40 || true
+  grep -E "^\||^decode step" "$OUTDIR/profile.txt" | head -80 || true
 fi
 BENCH_CONTEXTS=${BENCH_CONTEXTS:-256,4096}
 if [ "$BENCH_CONTEXTS" != none ]; then

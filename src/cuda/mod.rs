@@ -16,6 +16,7 @@ mod model;
 mod ops;
 mod paged;
 pub mod params;
+pub mod profile;
 
 pub use model::{upload_cached, uploaded, CudaBatch, CudaModel, CudaSession};
 pub use ops::{
@@ -268,64 +269,7 @@ fn skipped(name: &str) -> bool {
     .any(|s| s == name)
 }
 
-/// `LILY_CUDA_PROFILE=1`: time every launch with a pair of device events around it (recorded in
-/// the stream, read in batches, so launches still queue ahead of the GPU; graphs are off) and
-/// print a table when a session is dropped. Gaps between kernels are in no kernel's total.
-pub fn profiling() -> bool {
-    static P: OnceLock<bool> = OnceLock::new();
-    *P.get_or_init(|| std::env::var("LILY_CUDA_PROFILE").is_ok_and(|v| v == "1"))
-}
-
-static PROFILE: std::sync::Mutex<Vec<(String, (u64, f64))>> = std::sync::Mutex::new(Vec::new());
-
-/// An event handle waiting in the profile queue.
-struct Ev(sys::CUevent);
-// SAFETY: event handles may be used from any thread with the context current.
-unsafe impl Send for Ev {}
-
-static PENDING: std::sync::Mutex<Vec<(String, Ev, Ev)>> = std::sync::Mutex::new(Vec::new());
-
-/// Waits for the queued profile events and adds their times to the totals.
-fn flush_profile(pending: &mut Vec<(String, Ev, Ev)>) -> Result<()> {
-    let mut p = PROFILE.lock().unwrap();
-    for (name, t0, t1) in pending.drain(..) {
-        // SAFETY: both events were recorded on the stream and are destroyed once, here.
-        let ms = unsafe {
-            drv::event::synchronize(t1.0).map_err(|e| anyhow!("{e:?}"))?;
-            let ms = drv::event::elapsed(t0.0, t1.0).map_err(|e| anyhow!("{e:?}"))?;
-            let _ = drv::event::destroy(t0.0);
-            let _ = drv::event::destroy(t1.0);
-            ms
-        };
-        match p.iter_mut().find(|e| e.0 == name) {
-            Some(e) => {
-                e.1 .0 += 1;
-                e.1 .1 += ms as f64;
-            }
-            None => p.push((name, (1, ms as f64))),
-        }
-    }
-    Ok(())
-}
-
-/// Prints and clears the per-kernel totals gathered under `LILY_CUDA_PROFILE=1`.
-pub fn profile_report() {
-    if let Err(e) = flush_profile(&mut PENDING.lock().unwrap()) {
-        eprintln!("LILY_CUDA_PROFILE: {e:#}");
-    }
-    let mut p = PROFILE.lock().unwrap();
-    if p.is_empty() {
-        return;
-    }
-    p.sort_by(|a, b| b.1 .1.total_cmp(&a.1 .1));
-    let total: f64 = p.iter().map(|e| e.1 .1).sum();
-    eprintln!("| kernel | launches | total ms | share | µs per launch |");
-    eprintln!("|---|---:|---:|---:|---:|");
-    for (name, (n, ms)) in p.iter() {
-        eprintln!("| {name} | {n} | {ms:.2} | {:.1}% | {:.2} |", 100.0 * ms / total, 1000.0 * ms / *n as f64);
-    }
-    p.clear();
-}
+pub use profile::{profiling, report as profile_report};
 
 static GPU: OnceLock<std::result::Result<Arc<Gpu>, String>> = OnceLock::new();
 
@@ -520,11 +464,7 @@ impl Gpu {
         }
         if let Some(t0) = t0 {
             let t1 = self.event_now()?;
-            let mut pending = PENDING.lock().unwrap();
-            pending.push((name.to_string(), Ev(t0), Ev(t1)));
-            if pending.len() >= 4096 {
-                flush_profile(&mut pending)?;
-            }
+            profile::record(name, profile::Ev(t0), profile::Ev(t1))?;
         }
         Ok(())
     }

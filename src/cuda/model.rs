@@ -41,6 +41,12 @@ struct GMlp {
     down: GpuLinear,
 }
 
+impl GMlp {
+    fn nbytes(&self) -> usize {
+        self.gate_up.nbytes() + self.down.nbytes()
+    }
+}
+
 /// All experts of a layer: gate and up interleaved per expert (`[E·2, I, H]`, so expert e's gate
 /// is matrix 2e and its up 2e+1), down stacked `[E, H, I]`. When the shared expert has the
 /// routed experts' shape and format it is stacked after them as expert E (`shared_slot`), so a
@@ -488,11 +494,14 @@ impl CudaSession {
         let step = |this: &Self, long: bool| -> Result<()> {
             this.record(true, long)?;
             let s = this.scratch.as_ref().context("session scratch")?;
+            super::profile::op(Some("sample"), 4 * v);
             if sampled {
                 g.sample_io(s.logits.ptr, v, s.io.ptr, ring, s.sp.ptr, s.pick_ws.ptr)
             } else {
                 g.argmax_io(s.logits.ptr, v, s.io.ptr, ring, s.pick_ws.ptr)
-            }
+            }?;
+            super::profile::op(None, 0);
+            Ok(())
         };
         // Steps before the long-context attention threshold, then the rest.
         let short = self.attn_from.saturating_sub(pos).min(n);
@@ -571,6 +580,10 @@ impl CudaSession {
             return self.record_persistent(plan, logits, long);
         }
         let s = self.scratch.as_ref().context("session scratch")?;
+        // Op labels and the bytes each op must move, for LILY_CUDA_PROFILE=1's per-op table.
+        let op = super::profile::op;
+        let emb_row = m.embed.nbytes() / m.embed.rows.max(1);
+        op(Some("embed"), emb_row + 4 * h);
         g.embed(&m.embed, s.io.ptr, s.x.ptr, 1)?;
         for (li, (layer, st)) in m.layers.iter().zip(self.states.iter()).enumerate() {
             // Fused: each GEMV normalizes its input; else rms_norm into xn and plain GEMVs.
@@ -583,6 +596,8 @@ impl CudaSession {
             match (&layer.mixer, st) {
                 (GMixer::Gdn { proj, conv, dt_bias, neg_a, norm, out }, GState::Gdn { conv: cs, rec }) => {
                     let (cd, taps) = (c.gdn_conv_dim(), c.linear_conv_kernel_dim);
+                    // weights, the conv taps and the conv state (read and written)
+                    op(Some("gdn.in_proj+conv"), proj.nbytes() + conv.bytes + 2 * cs.bytes);
                     match &proj.fused {
                         // The conv runs in the projection's epilogue (one launch fewer per layer).
                         Some(f) if Gpu::gemv_conv_ok(f, cd, taps) => {
@@ -594,17 +609,25 @@ impl CudaSession {
                         }
                     }
                     let gs = gdn_step_args(c, s.proj.ptr, s.conv.ptr, [dt_bias, neg_a, norm], rec, s.o.ptr);
+                    // the recurrent state, read and written
+                    op(Some("gdn.state"), 2 * rec.bytes);
                     if gdn_out_fused() && g.gdn_step_out_ok(&gs, out) {
                         // The state step and the output projection + residual in one launch.
                         g.gdn_step_out(&gs, out, s.x.ptr, s.sync_gdn.ptr)?;
                     } else {
                         g.gdn_step(&gs)?;
+                        op(Some("gdn.out_proj"), out.nbytes());
                         g.gemv(out, s.o.ptr, 0, s.x.ptr, 1, 0, true)?;
                     }
                 }
                 (GMixer::Attn { proj, o, .. }, GState::Attn { .. }) => {
+                    op(Some("attn.qkv_proj"), proj.nbytes());
                     proj.run(g, xin, in_norm, s.proj.ptr)?;
+                    // the cache's pos + 1 rows of K and V read (one written)
+                    let row = self.kv.pos_bytes(c.num_key_value_heads, c.head_dim);
+                    op(Some("attn.core"), 2 * (self.pos + 1) * row);
                     self.attn_mid(li, long)?;
+                    op(Some("attn.o_proj"), o.nbytes());
                     g.gemv(o, s.o.ptr, 0, s.x.ptr, 1, 0, true)?;
                 }
                 _ => bail!("layer state does not match the layer kind"),
@@ -616,6 +639,9 @@ impl CudaSession {
                     let (e, k) = (c.num_experts, c.num_experts_per_tok);
                     let route = (s.router.ptr, e, k, c.norm_topk_prob);
                     let (gu, dn) = (&experts.gate_up, &experts.down);
+                    // the K routed experts' and the shared expert's matrices
+                    let per_expert = (gu.nbytes() + dn.nbytes()) / dn.count.max(1);
+                    op(Some("moe.router"), router.nbytes());
                     if self.routed && g.moe_fused_ok(gu, dn, e, k) {
                         // Top-k, gate/up and down + residual in one launch (the router too with
                         // LILY_CUDA_MOE_ROUTER=fused).
@@ -623,10 +649,12 @@ impl CudaSession {
                         if fr.is_none() {
                             router.run(g, s.x.ptr, post_norm, s.router.ptr)?;
                         }
+                        op(Some("moe.experts"), (k + 1) * per_expert);
                         let ids = (s.ids.ptr, s.wts.ptr);
                         g.moe_fused(gu, dn, fr, s.x.ptr, post_norm, s.egu.ptr, route, ids, s.sync.ptr)?;
                     } else {
                         router.run(g, s.x.ptr, post_norm, s.router.ptr)?;
+                        op(Some("moe.experts"), (k + 1) * per_expert);
                         if self.routed && gu.streams() {
                             g.gemv_routed(gu, s.x.ptr, post_norm, s.egu.ptr, route, s.ids.ptr, s.wts.ptr)?;
                         } else {
@@ -640,6 +668,9 @@ impl CudaSession {
                 GFfn::Moe { router, experts, shared } => {
                     let (e, k) = (c.num_experts, c.num_experts_per_tok);
                     let inter = experts.down.cols;
+                    let (gu, dn) = (&experts.gate_up, &experts.down);
+                    let routed = k * (gu.nbytes() + dn.nbytes()) / dn.count.max(1);
+                    op(Some("moe.router+experts"), router.nbytes() + routed + shared.nbytes());
                     g.rms_norm(s.x.ptr, layer.post_norm.ptr, s.xn.ptr, 1, h, eps)?;
                     router.run(g, s.xn.ptr, (0, 0.0), s.router.ptr)?;
                     g.moe_topk(s.router.ptr, e, k, c.norm_topk_prob, s.ids.ptr, s.wts.ptr, s.ids2.ptr)?;
@@ -652,6 +683,7 @@ impl CudaSession {
                     g.moe_combine(s.x.ptr, s.ye.ptr, s.wts.ptr, s.ys.ptr, s.router.at(4 * e), h, k)?;
                 }
                 GFfn::Dense(mm) => {
+                    op(Some("mlp"), mm.nbytes());
                     if !self.fused {
                         g.rms_norm(s.x.ptr, layer.post_norm.ptr, s.xn.ptr, 1, h, eps)?;
                     }
@@ -661,12 +693,14 @@ impl CudaSession {
                 }
             }
         }
+        op(Some("lm_head"), if logits { m.lm_head.nbytes() } else { 0 });
         if logits && self.fused {
             g.gemv_norm(&m.lm_head, s.x.ptr, (m.norm.ptr, eps), s.logits.ptr, 1, 0, false)?;
         } else if logits {
             g.rms_norm(s.x.ptr, m.norm.ptr, s.xn.ptr, 1, h, eps)?;
             g.gemv(&m.lm_head, s.xn.ptr, 0, s.logits.ptr, 1, 0, false)?;
         }
+        op(None, 0);
         Ok(())
     }
 
