@@ -17,7 +17,9 @@
 #                             AB_CONTEXTS), ATTN_DEC_BENCH (decode attention kernels alone),
 #                             TEST_ENV (env settings for the test executables, e.g.
 #                             LILY_CUDA_SHARED_GROUPED=1), SERVE_CLIENTS (e.g. "1 16 64":
-#                             scripts/serve_load.sh, AB_OLD's binary too), ...
+#                             scripts/serve_load.sh, AB_OLD's binary too), PROFILE_LAYERS /
+#                             PROFILE_CONTEXT (LILY_CUDA_PROFILE=1: per-op decode table), ABLATE
+#                             (kernel names left out, LILY_CUDA_SKIP) / ABLATE_CONTEXT, ...
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -212,10 +214,11 @@ if [ -n "${ENV_AB:-}" ]; then
   done
 fi
 if [ -n "${ABLATE:-}" ]; then
-  echo "== ablation: decode tok/s at context 256 with kernels left out (LILY_CUDA_SKIP; garbage results)"
+  AC=${ABLATE_CONTEXT:-256}
+  echo "== ablation: decode tok/s at context $AC with kernels left out (LILY_CUDA_SKIP; garbage results)"
   for k in none $ABLATE; do
     r=$(LILY_CUDA_SKIP=$k timeout 120 .gpu/x/bin/lily bench --device cuda --model synthetic:qwen3.6-35b-a3b \
-      --contexts 256 --json 2>/dev/null | python3 -c 'import json,sys; d=json.loads(sys.stdin.read().strip().splitlines()[-1]); print(round(d["rows"][0]["decode_tokens_per_s"], 1))' 2>&1 | tail -1)
+      --contexts "$AC" --json 2>/dev/null | python3 -c 'import json,sys; d=json.loads(sys.stdin.read().strip().splitlines()[-1]); print(round(d["rows"][0]["decode_tokens_per_s"], 1))' 2>&1 | tail -1)
     echo "| $k | $r |"
   done
 fi
