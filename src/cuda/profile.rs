@@ -125,15 +125,21 @@ fn op_table(p: &Totals, ob: &[(&'static str, (u64, f64))]) -> String {
     let steps = ob[0].1 .0.max(1) as f64;
     let mut s = format!(
         "decode step by op ({steps} steps; each kernel timed alone; bytes priced at {HBM_READ_GBS} GB/s)\n\
-         | op | kernels | launches/step | µs/step | MB/step | µs at HBM rate | GB/s reached | share of time |\n\
+         | op | kernels (µs/step) | launches/step | µs/step | MB/step | µs at HBM rate | GB/s reached | share of time |\n\
          |---|---|---:|---:|---:|---:|---:|---:|\n"
     );
     let rows: Vec<(&str, String, f64, f64, f64)> = ob
         .iter()
         .map(|(l, (_, bytes))| {
             let mine: Vec<_> = p.iter().filter(|e| e.0 .0 == Some(*l)).collect();
-            let mut names: Vec<&str> = mine.iter().map(|e| e.0 .1.as_str()).collect();
-            names.dedup();
+            // each kernel with its µs a step when the op has several
+            let names: Vec<String> = mine
+                .iter()
+                .map(|e| match mine.len() {
+                    1 => e.0 .1.clone(),
+                    _ => format!("{} {:.1}", e.0 .1, 1000.0 * e.1 .1 / steps),
+                })
+                .collect();
             let launches = mine.iter().map(|e| e.1 .0).sum::<u64>() as f64 / steps;
             let us = 1000.0 * mine.iter().map(|e| e.1 .1).sum::<f64>() / steps;
             (*l, names.join(", "), launches, us, bytes / steps)
@@ -175,7 +181,7 @@ mod tests {
         let ob = [("embed", (2, 0.0)), ("moe", (2, 2.0 * 41.83e6))];
         let t = op_table(&p, &ob);
         assert!(t.contains("(2 steps;"), "{t}");
-        assert!(t.contains("| moe | a, b | 2 | 30.0 | 41.83 | 10.0 | 1394 | 93.8% |"), "{t}");
+        assert!(t.contains("| moe | a 20.0, b 10.0 | 2 | 30.0 | 41.83 | 10.0 | 1394 | 93.8% |"), "{t}");
         assert!(t.contains("| embed | embed_row | 1 | 2.0 | 0.00 | 0.0 | 0 | 6.2% |"), "{t}");
         assert!(t.contains("| **step (sum)** |  | 3 | 32.0 | 41.83 | 10.0 | 1307 | 100.0% |"), "{t}");
         assert!(!t.contains("gemm"), "unlabelled kernels stay out of the op table: {t}");

@@ -40,9 +40,12 @@
  *   partial: part[h, s] = (M_s, l_s = sum_w l_w e^{m_w - M_s}, o_s = sum_w o_w e^{m_w - M_s}) [D + 2].
  *   An empty split writes M = -inf. scale = 1/sqrt(D).
  *
- * attn_combine: grid (H_q), block 256, S <= 1024: M = max_s M_s; the weights e^{M_s - M} go to
+ * attn_combine: grid (H_q), block 1024, S <= 1024: M = max_s M_s; the weights e^{M_s - M} go to
  *   shared memory once; out[h] = sum_s o_s e^{M_s - M} / sum_s l_s e^{M_s - M}, times
- *   sigmoid(gate[h]) when gated.
+ *   sigmoid(gate[h]) when gated. The sum over splits is spread over floor(1024/D) thread groups
+ *   (group g takes splits g, g + groups, ..., four loads in flight per thread, an empty split's
+ *   unwritten o_s selected away), then the groups' sums are added in shared memory: at 66 splits
+ *   a thread waits on ~5 rounds of L2 loads instead of 66.
  *
  * attn_decode_gqa{1,2,4,8} (GQA-packed flash-decoding; G = H_q/H_kv query heads per KV head, the
  *   suffix): grid (H_kv, S), block 256 = 8 warps, one block per (KV head, split), so each K/V row
@@ -342,8 +345,8 @@ __device__ __forceinline__ void attn_decode_t(const float* q, const KV* kc, cons
 ATTN_DECODE(attn_decode, float)
 ATTN_DECODE(attn_decode_bf16, u16)
 
-extern "C" __global__ void attn_combine(AttnCombineParams_fields) {
-    __shared__ float w[1024], red[33];
+extern "C" __global__ void __launch_bounds__(1024) attn_combine(AttnCombineParams_fields) {
+    __shared__ float w[1024], red[33], accs[1024];
     pdl_begin();
     int h = blockIdx.x;
     part += (long long)blockIdx.z * nh * S * (hd + 2);
@@ -367,11 +370,21 @@ extern "C" __global__ void attn_combine(AttnCombineParams_fields) {
         dl += e * ph[(long long)s * (hd + 2) + 1];
     }
     float den = block_sum(dl, red); /* its barriers also publish w[] */
-    for (int d = threadIdx.x; d < hd; d += blockDim.x) {
-        float acc = 0.f;
-        for (int s = 0; s < S; s++)
-            if (w[s] != 0.f) acc += ph[(long long)s * (hd + 2) + 2 + d] * w[s];
-        float r = acc / den;
+    int ng = blockDim.x / hd, grp = threadIdx.x / hd, d = threadIdx.x - grp * hd; /* hd <= 256 */
+    float acc = 0.f;
+    if (grp < ng) {
+#pragma unroll 4
+        for (int s = grp; s < S; s += ng) {
+            float v = ph[(long long)s * (hd + 2) + 2 + d], ws = w[s];
+            acc += ws != 0.f ? v * ws : 0.f;
+        }
+    }
+    accs[threadIdx.x] = acc;
+    __syncthreads();
+    if (threadIdx.x < hd) {
+        float a = 0.f;
+        for (int g = 0; g < ng; g++) a += accs[g * hd + d];
+        float r = a / den;
         if (gated) r *= sigmoid_f(qg[(long long)h * 2 * hd + hd + d]);
         out[(long long)h * hd + d] = r;
     }

@@ -222,7 +222,7 @@ impl Gpu {
             gated: a.gated as i32,
             ldqg: r.ldqg as i64,
         };
-        self.launch_params("attn_combine", (nh as u32, 1, rows), 256, 0, &c)
+        self.launch_params("attn_combine", (nh as u32, 1, rows), 1024, 0, &c)
     }
 
     /// The decode attention kernels this device uses for these heads and cache: (kernel,
