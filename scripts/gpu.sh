@@ -107,12 +107,6 @@ for spec in $TESTS; do
   echo "== $t${filt:+ ($filt)}"
   if ! env ${TEST_ENV:-} timeout 600 .gpu/x/bin/$t ${fargs[@]+"${fargs[@]}"} --test-threads=1 --nocapture >"$log" 2>&1; then status=1; fi
   grep -E "^test |test result|SKIPPED|worst|panicked|nmse .*e-0[0-8]" "$log" | head -60 || true
-  if [ "$t" = cuda_gdn ] && [ -z "$filt" ]; then
-    # the decode state step again on the row-split kernel (the default is the cluster one on sm_90)
-    echo "== cuda_gdn gdn_decode, LILY_CUDA_GDN_STEP=par"
-    if ! LILY_CUDA_GDN_STEP=par .gpu/x/bin/$t gdn_decode --test-threads=1 >"$OUTDIR/$t.par.log" 2>&1; then status=1; fi
-    grep -E "^test |test result|panicked" "$OUTDIR/$t.par.log" || true
-  fi
   if [ "$t" = cuda_kernels ]; then
     # the routed MoE kernels again with the block-wide top-k (route_rank; pstep always uses it)
     echo "== cuda_kernels moe, LILY_CUDA_ROUTE=rank"

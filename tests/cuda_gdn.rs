@@ -90,12 +90,9 @@ fn gdn_test_step(
     lily::cuda::GdnStep { y, b: 0, a: 0, z: 0, dt_bias, neg_a, norm, state, out, hk, hv, dk, dv, eps: 1e-6 }
 }
 
-/// conv_step + gdn_step for several tokens (state carried) against the CPU ops of model.rs. On
-/// sm_90 the shapes with D_v a multiple of 128 take the cluster kernel (gdn_step_cl: Qwen3.6's
-/// 16/32/128/128, and D_v 256 with a ragged last row part, D_k 40), the others the row-split one
-/// (a ragged part: D_k 40 at D_v 64) or the serial one (D_v x D_k too large for one block: the
-/// last); `LILY_CUDA_GDN_STEP=par` (scripts/gpu.sh runs this test again with it) takes the
-/// row-split kernel for the cluster shapes too.
+/// conv_step + gdn_step for several tokens (state carried) against the CPU ops of model.rs; the
+/// row-split kernel with a ragged last part (D_k 40) at D_v 256 and 64, and the serial one
+/// (D_v x D_k too large for one block: the last shape).
 #[test]
 fn gdn_decode_steps_match_cpu() {
     let Some(g) = gpu() else { return };

@@ -84,35 +84,6 @@ __device__ __forceinline__ void pdl_begin() {
     pdl_wait();
 }
 __device__ __forceinline__ u32 smem_u32(const void* p) { return (u32)__cvta_generic_to_shared(p); }
-/* Thread-block clusters (sm_90; a kernel declared with __cluster_dims__): cluster_sum returns the
-   sum over the cluster's CS blocks of v (which every thread of a block holds alike), the same
-   value in every block (ranks added in order): each block publishes v in its *slot, a cluster
-   barrier orders those writes before the peers read them through distributed shared memory, and
-   the block then arrives on the barrier again; it must call cluster_leave() before it exits, so
-   that no block's shared memory goes away while a peer still reads it. Every thread calls both. */
-__device__ __forceinline__ float cluster_sum(float v, float* slot, int cs) {
-#if __CUDA_ARCH__ >= 900
-    if (threadIdx.x == 0) *slot = v;
-    asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
-    float s = 0.f;
-    for (int r = 0; r < cs; r++) {
-        u32 a;
-        float x;
-        asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(a) : "r"(smem_u32(slot)), "r"(r));
-        asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(x) : "r"(a) : "memory");
-        s += x;
-    }
-    asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");
-    return s;
-#else
-    return v;
-#endif
-}
-__device__ __forceinline__ void cluster_leave() {
-#if __CUDA_ARCH__ >= 900
-    asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory");
-#endif
-}
 /* mbarriers (sm_90: pstep.cu, gemm_ws.cu): init, wait for a phase's parity, arrive, arrive with
    an expected transaction byte count, and a bulk global -> shared copy completing on one. */
 #if __CUDA_ARCH__ >= 900

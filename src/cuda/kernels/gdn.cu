@@ -27,13 +27,6 @@
  *   rows 32*(w div CG)..+31; each thread loads its 32 state entries once (all loads issued before
  *   the q/k norms), keeps them in registers for both passes, and the per-part partial sums of
  *   S^T k and S^T q are added through shared memory. Same math and state layout as gdn_step.
- *
- * gdn_step_cl (sm_90, one sequence): gdn_step_par with each head's D_v columns split over a
- *   cluster of 4 blocks (grid 4 H_v, block (D_v/4) x P threads; cluster c = head c, its block of
- *   rank r owns columns r D_v/4 ..): the columns of the delta rule are independent, and only the
- *   gated RMSNorm's sum of squares joins them, added across the cluster through distributed
- *   shared memory (cluster_sum). 4 H_v blocks (128 for Qwen3.6) instead of H_v (32) stream the
- *   state: each SM moves a quarter of a head's 64 KB in and out.
  */
 extern "C" __global__ void conv_step(ConvStepParams_fields) {
     pdl_begin();
@@ -130,24 +123,21 @@ extern "C" __global__ void gdn_step(GdnStepParams_fields) {
     }
 }
 
-/* CS > 1: this block owns columns c0 .. c0 + D_v/CS of head h (c0 = crank D_v/CS) and its
-   cluster's CS blocks join the norm's sum of squares. */
-template <bool ROWS, int CS = 1>
+template <bool ROWS>
 __device__ __forceinline__ void gdn_step_par_body(const float* y, const float* bproj, const float* aproj, const float* z,
                                                   const float* dt_bias, const float* neg_a, const float* normw, float* S,
                                                   float* out, int hk, int hv, int dk, int dv, float eps,
                                                   const unsigned long long* states, long long ldy, long long ldp,
-                                                  long long ldo, int h, int crank = 0) {
-    __shared__ float qs[256], ks[256], sh[33], ss_slot;
-    __shared__ float part[1024]; /* [P][D_v/CS] partial sums */
+                                                  long long ldo, int h) {
+    __shared__ float qs[256], ks[256], sh[33];
+    __shared__ float part[1024]; /* [P][D_v] partial sums */
     int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-    const int dvb = dv / CS, c0 = crank * dvb; /* this block's columns */
     /* Row offsets are applied where each input is read (kernel parameters stay in the constant
        bank instead of 64-bit registers live across the kernel: this block is at 64 registers).
        The table is written before the step graph is captured, so it may be read before the wait. */
     if (ROWS) S = (float*)states[blockIdx.y];
-    int cg = dvb >> 5, p = warp / cg, jl = (warp - p * cg) * 32 + lane, j = c0 + jl;
-    int nparts = blockDim.x / dvb;
+    int cg = dv >> 5, p = warp / cg, j = (warp - p * cg) * 32 + lane;
+    int nparts = blockDim.x / dv;
     int kh = h / (hv / hk), kd = hk * dk;
     float* Sh = S + (long long)h * dk * dv;
     float sv[32];
@@ -169,10 +159,10 @@ __device__ __forceinline__ void gdn_step_par_body(const float* y, const float* b
         int i = p * 32 + ii;
         if (i < dk) u += (alpha * sv[ii]) * (ks[i] * rk);
     }
-    part[p * dvb + jl] = u;
+    part[p * dv + j] = u;
     __syncthreads();
     u = 0.f;
-    for (int pp = 0; pp < nparts; pp++) u += part[pp * dvb + jl];
+    for (int pp = 0; pp < nparts; pp++) u += part[pp * dv + j];
     float delta = beta * (y[(ROWS ? blockIdx.y * ldy : 0) + 2 * kd + h * dv + j] - u);
     float o = 0.f;
 #pragma unroll
@@ -185,35 +175,21 @@ __device__ __forceinline__ void gdn_step_par_body(const float* y, const float* b
         }
     }
     __syncthreads(); /* every thread has read its u partials */
-    part[p * dvb + jl] = o;
+    part[p * dv + j] = o;
     __syncthreads();
     o = 0.f;
-    for (int pp = 0; pp < nparts; pp++) o += part[pp * dvb + jl];
+    for (int pp = 0; pp < nparts; pp++) o += part[pp * dv + j];
     float ss = block_sum(p == 0 ? o * o : 0.f, sh);
-    if (CS > 1) ss = cluster_sum(ss, &ss_slot, CS);
     if (p == 0) {
         float r = 1.f / sqrtf(ss / (float)dv + eps);
         out[(ROWS ? blockIdx.y * ldo : 0) + h * dv + j] = o * r * normw[j] * silu_f(z[(ROWS ? blockIdx.y * ldp : 0) + h * dv + j]);
     }
-    if (CS > 1) cluster_leave();
 }
 
 /* One sequence (up to 1024 threads: 64 registers). */
 extern "C" __global__ void __launch_bounds__(1024) gdn_step_par(GdnStepParParams_fields) {
     gdn_step_par_body<false>(y, bproj, aproj, z, dt_bias, neg_a, normw, S, out, hk, hv, dk, dv, eps, nullptr, 0, 0, 0,
                              blockIdx.x);
-}
-
-/* One sequence, a head's columns over a cluster of 4 blocks (sm_90; the host launches it nowhere
-   else). */
-#if __CUDA_ARCH__ >= 900
-#define GDN_CL_DIMS __cluster_dims__(4, 1, 1)
-#else
-#define GDN_CL_DIMS
-#endif
-extern "C" __global__ void GDN_CL_DIMS __launch_bounds__(1024) gdn_step_cl(GdnStepParParams_fields) {
-    gdn_step_par_body<false, 4>(y, bproj, aproj, z, dt_bias, neg_a, normw, S, out, hk, hv, dk, dv, eps, nullptr, 0, 0, 0,
-                                blockIdx.x >> 2, blockIdx.x & 3);
 }
 
 /* The batched decode's rows (grid.y), each on its own state (at most 512 threads, so the row

@@ -19,16 +19,6 @@ pub fn gdn_out_fused() -> bool {
     *V.get_or_init(|| std::env::var("LILY_CUDA_GDN_OUT").is_ok_and(|v| v == "fused"))
 }
 
-/// `LILY_CUDA_GDN_STEP`: which decode state-step kernel runs: `serial` (gdn_step), `par`
-/// (gdn_step_par, one block per value head), unset: gdn_step_cl where it applies, else par.
-fn gdn_step_mode() -> Option<String> {
-    static V: std::sync::OnceLock<Option<String>> = std::sync::OnceLock::new();
-    V.get_or_init(|| std::env::var("LILY_CUDA_GDN_STEP").ok()).clone()
-}
-
-/// Blocks per value head in gdn_step_cl (its `__cluster_dims__`, kernels/gdn.cu).
-const GDN_CLUSTER: usize = 4;
-
 impl Gpu {
     /// Causal conv1d + SiLU over t tokens (input rows of stride ldx), updating the state.
     #[allow(clippy::too_many_arguments)]
@@ -370,15 +360,6 @@ impl Gpu {
     }
 
     /// [`Gpu::gdn_step`] for `r.rows` sequences at once (see [`GdnRows`]).
-    /// Whether gdn_step_cl takes this step: thread-block clusters (sm_90+), each head's D_v
-    /// columns in [`GDN_CLUSTER`] whole warps' worth, D_k at most 256.
-    pub fn gdn_step_cl_ok(&self, p: &GdnStep) -> bool {
-        !matches!(self.arch, "sm_80" | "sm_86" | "sm_89")
-            && p.dv.is_multiple_of(32 * GDN_CLUSTER)
-            && p.dk <= 256
-            && p.hv.is_multiple_of(p.hk)
-    }
-
     pub fn gdn_step_rows(&self, p: &GdnStep, r: &GdnRows) -> Result<()> {
         if !p.dv.is_multiple_of(32) || p.dv > 1024 || p.dk > 256 || !p.hv.is_multiple_of(p.hk) {
             bail!("gdn_step: unsupported head dims (D_v {} D_k {})", p.dv, p.dk);
@@ -387,14 +368,13 @@ impl Gpu {
         // its batched form up to 512 threads.
         let threads = p.dv * p.dk.div_ceil(32);
         let batched = r.rows > 1 || r.states != 0;
-        let par = threads <= if batched { 512 } else { 1024 } && gdn_step_mode().as_deref() != Some("serial");
+        let par = threads <= if batched { 512 } else { 1024 }
+            && std::env::var("LILY_CUDA_GDN_STEP").as_deref() != Ok("serial");
         let (y, bproj, aproj, z) = (In::new(p.y), In::new(p.b), In::new(p.a), In::new(p.z));
         let (dt_bias, neg_a, normw, out) = (In::new(p.dt_bias), In::new(p.neg_a), In::new(p.norm), Out::new(p.out));
         let (hk, hv, dk, dv, eps) = (p.hk as i32, p.hv as i32, p.dk as i32, p.dv as i32, p.eps);
         let (states, ldy, ldp, ldo) = (In::new(r.states), r.ldy as i64, r.ldp as i64, r.ldo as i64);
         let grid = (p.hv as u32, r.rows as u32, 1);
-        // One sequence on sm_90+: each head's columns over a cluster of 4 blocks (gdn_step_cl).
-        let cl = !batched && par && self.gdn_step_cl_ok(p) && gdn_step_mode().as_deref() != Some("par");
         match (par, batched) {
             (true, false) => {
                 let a = GdnStepParParams {
@@ -413,12 +393,7 @@ impl Gpu {
                     dv,
                     eps,
                 };
-                if cl {
-                    let block = p.dv / GDN_CLUSTER * p.dk.div_ceil(32);
-                    self.launch_params("gdn_step_cl", (GDN_CLUSTER as u32 * grid.0, 1, 1), block as u32, 0, &a)
-                } else {
-                    self.launch_params("gdn_step_par", grid, threads as u32, 0, &a)
-                }
+                self.launch_params("gdn_step_par", grid, threads as u32, 0, &a)
             }
             (true, true) => {
                 let a = GdnStepParRowsParams {
