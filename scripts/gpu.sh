@@ -112,10 +112,6 @@ for spec in $TESTS; do
     echo "== cuda_kernels moe, LILY_CUDA_ROUTE=rank"
     if ! LILY_CUDA_ROUTE=rank .gpu/x/bin/$t moe --test-threads=1 >"$OUTDIR/$t.rank.log" 2>&1; then status=1; fi
     grep -E "^test |test result|panicked" "$OUTDIR/$t.rank.log" || true
-    # and the streaming one-launch MoE (moe_fused_q) where moe_fused_sm is the default
-    echo "== cuda_kernels moe, LILY_CUDA_MOE_SMEM=0"
-    if ! LILY_CUDA_MOE_SMEM=0 .gpu/x/bin/$t fused_decode_moe --test-threads=1 >"$OUTDIR/$t.q.log" 2>&1; then status=1; fi
-    grep -E "^test |test result|panicked" "$OUTDIR/$t.q.log" || true
   fi
 done
 if [ -n "${GEMV_BENCH:-}" ]; then

@@ -3,7 +3,7 @@
 //! (gemm_skinny, flash-attention prefill, tensor-core decode attention) with its shared memory.
 
 /// Every kernel source, in compile order (the prelude first). One NVRTC program, one module.
-pub const SOURCES: [(&str, &str); 22] = [
+pub const SOURCES: [(&str, &str); 21] = [
     ("common.cuh", include_str!("kernels/common.cuh")),
     ("norm.cu", include_str!("kernels/norm.cu")),
     ("linear.cu", include_str!("kernels/linear.cu")),
@@ -23,7 +23,6 @@ pub const SOURCES: [(&str, &str); 22] = [
     ("attention_wg.cu", include_str!("kernels/attention_wg.cu")),
     ("moe.cu", include_str!("kernels/moe.cu")),
     ("gemv.cu", include_str!("kernels/gemv.cu")),
-    ("moe_smem.cu", include_str!("kernels/moe_smem.cu")),
     ("sampling.cu", include_str!("kernels/sampling.cu")),
     ("pstep.cu", include_str!("kernels/pstep.cu")),
 ];
@@ -137,7 +136,7 @@ fn skinny_occ2() -> bool {
 /// Kernels that call `pdl_wait()` before touching activations (kernels/common.cuh) and so may be
 /// launched as programmatic dependents: their launch and weight reads overlap the previous
 /// kernel's tail. The gemm_skinny entry points are such kernels too (see [`is_pdl`]).
-pub const PDL_KERNELS: [&str; 49] = [
+pub const PDL_KERNELS: [&str; 48] = [
     "gemm_wg64",
     "gemm_wg128",
     "gemm_wg256",
@@ -172,7 +171,6 @@ pub const PDL_KERNELS: [&str; 49] = [
     "gdn_step",
     "gdn_step_par",
     "gdn_step_par_rows",
-    "moe_fused_sm",
     "moe_down",
     "moe_down_q",
     "embed_row",

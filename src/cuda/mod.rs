@@ -230,10 +230,6 @@ pub struct Gpu {
     pages: std::sync::Mutex<paged::PagePool>,
 }
 
-/// Static shared memory reserved for moe_fused_sm's own arrays (routing scratch, mbarriers),
-/// next to its dynamic share of the weights.
-pub const MOE_SM_STATIC: usize = 8 * 1024;
-
 /// Bytes of partial sums a split-K skinny product may write (ksplit · M · N floats).
 pub const SPLITK_PART_BYTES: usize = 8 << 20;
 /// Blocks (row tile, sub-tile) of a split-K skinny product: one ticket each.
@@ -341,7 +337,7 @@ impl Gpu {
         let dec = [(64, false), (128, false), (256, false), (64, true), (128, true), (256, true)]
             .map(|(d, f8)| (attn_dec_kernel(d, f8), attn_dec_smem(d, f8).min(optin)));
         let skinny = SKINNY_KERNELS.map(|k| (k, smem_optin));
-        let pstep = [("pstep", optin), ("moe_fused_sm", optin - MOE_SM_STATIC)];
+        let pstep = [("pstep", optin)];
         let gdn = [("gdn_chunk_scan_tc", GDN_TC_SMEM.min(optin)), ("gdn_chunk_prep_tc", GDN_PREP_TC_SMEM.min(optin))];
         for (k, bytes) in
             skinny.into_iter().chain(fa).chain(fa8).chain(fa_wg).chain(pipe).chain(dec).chain(pstep).chain(gdn)

@@ -223,9 +223,6 @@ kernel_params! {
     /// `moe_fused_q`: the decode MoE in one launch (routing, gate/up into `gu`, down + residual into `x`; blocks meet on `ctr`).
     /// (`wr` not null: the router's `R` rows are computed first, into `logits`.)
     MoeFusedParams spread ["moe_fused_q"] { wg: In<Void>, sg: In<Void>, bg: In<Void>, wd: In<Void>, sd: In<Void>, bd: In<Void>, bits: i32, group_g: i32, group_d: i32, ty: i32, x: Out<f32>, gu: Out<f32>, inter: i32, H: i32, normw: In<f32>, eps: f32, logits: Out<f32>, E: i32, K: i32, renorm: i32, ids_out: Out<i32>, wts_out: Out<f32>, ctr: Out<u64>, bps: i32, rank: i32, wr: In<Void>, sr: In<Void>, br: In<Void>, bits_r: i32, group_r: i32, ty_r: i32, R: i32 }
-    /// `moe_fused_sm` (moe_smem.cu): moe_fused_q's math with each block's whole weight share
-    /// (`rg` gate/up rows, `rd` down rows of every slot) copied into shared memory after the top-K.
-    MoeSmemParams ["moe_fused_sm"] { wg: In<Void>, sg: In<Void>, bg: In<Void>, wd: In<Void>, sd: In<Void>, bd: In<Void>, bits: i32, group_g: i32, group_d: i32, ty: i32, x: Out<f32>, gu: Out<f32>, inter: i32, H: i32, normw: In<f32>, eps: f32, logits: In<f32>, E: i32, K: i32, renorm: i32, ids_out: Out<i32>, wts_out: Out<f32>, ctr: Out<u64>, rank: i32, rg: i32, rd: i32 }
     /// `moe_topk`: softmax + top-K of `E` logits per row (stride `lstride`) into `ids`/`wout` (and `ids2` gate/up rows); `shared`: slot K is the shared expert.
     MoeTopkParams spread ["moe_topk"] { logits: In<f32>, E: i32, K: i32, renorm: i32, ids: Out<i32>, wout: Out<f32>, ids2: Out<i32>, lstride: i64, shared: i32 }
     /// `moe_combine`: x += Σ_k w_k ye[k] + g·ys, g = sigmoid(sg) (1 without sg).

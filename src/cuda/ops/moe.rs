@@ -1,10 +1,10 @@
 //! The MoE wrappers: the decode step's routed gate/up GEMV, expert down projections and the
-//! one-launch MoE (kernels/gemv.cu; moe_smem.cu with the weights in shared memory), top-k routing, and the prefill's expert grouping and combine
+//! one-launch MoE (kernels/gemv.cu), top-k routing, and the prefill's expert grouping and combine
 //! (kernels/moe.cu).
 
 use super::super::params::{
     GemvRoutedParams, In, MoeAlignParams, MoeCombineParams, MoeCombineRowsParams, MoeDownParams, MoeFusedParams,
-    MoeSmemParams, MoeTopkParams, Out,
+    MoeTopkParams, Out,
 };
 use super::super::Gpu;
 use super::{blocks, gemv_default, GemvKernel, GpuLinear, GEMV_XMAX};
@@ -98,35 +98,6 @@ impl Gpu {
             && gemv_default().0 != GemvKernel::Old
     }
 
-    /// moe_fused_sm's plan for experts [`Gpu::moe_fused_ok`] takes, on sm_90+ unless
-    /// `LILY_CUDA_MOE_SMEM=0`: (grid = one block per SM, gate/up rows per block, down rows per
-    /// block, dynamic shared memory), or `None` when a block's share does not fit its shared
-    /// memory or a row's bytes are not whole 16-byte pieces (the bulk copies' unit).
-    pub fn moe_smem_plan(
-        &self,
-        gate_up: &GpuLinear,
-        down: &GpuLinear,
-        k: usize,
-    ) -> Option<(usize, usize, usize, usize)> {
-        static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-        let on = *ON.get_or_init(|| std::env::var("LILY_CUDA_MOE_SMEM").map_or(true, |v| v != "0"));
-        if !on || matches!(self.arch, "sm_80" | "sm_86" | "sm_89") {
-            return None;
-        }
-        let (h, i, s, bits) = (gate_up.cols, gate_up.rows, k + 1, gate_up.bits as usize);
-        let (rbg, ngg) = (h * bits / 8, h / gate_up.group.max(1) as usize);
-        let (rbd, ngd) = (i * bits / 8, i / down.group.max(1) as usize);
-        if [rbg, rbd, 2 * ngg, 2 * ngd].iter().any(|b| !b.is_multiple_of(16)) {
-            return None;
-        }
-        let g = self.sms as usize;
-        let (rg, rd) = ((2 * s * i).div_ceil(g), down.rows.div_ceil(g));
-        let epv = 128 / bits;
-        let xsf = (h + h / epv).max(s * i + s * i / epv);
-        let bytes = (4 * xsf).next_multiple_of(16) + rg * (rbg + 4 * ngg) + s * rd * (rbd + 4 * ngd);
-        (bytes + super::super::MOE_SM_STATIC <= self.smem_optin_max).then_some((g, rg, rd, bytes))
-    }
-
     /// Whether [`Gpu::moe_fused`] can also compute this router (`e + 1` rows: the experts' logits
     /// and the shared expert's gate, over the experts' input width).
     pub fn moe_router_ok(&self, router: &GpuLinear, gate_up: &GpuLinear, e: usize) -> bool {
@@ -156,39 +127,6 @@ impl Gpu {
         }
         if router.is_some_and(|r| !self.moe_router_ok(r, gate_up, e)) {
             bail!("moe_fused: a router of this shape or format is not fused");
-        }
-        if let (None, Some((grid, rg, rd, shared))) = (router, self.moe_smem_plan(gate_up, down, k)) {
-            let (wg, sg, bg, bits, group_g, ty) = gate_up.weight_fields();
-            let (wd, sd, bd, _, group_d, _) = down.weight_fields();
-            let a = MoeSmemParams {
-                wg,
-                sg,
-                bg,
-                wd,
-                sd,
-                bd,
-                bits,
-                group_g,
-                group_d,
-                ty,
-                x: Out::new(x),
-                gu: Out::new(gu),
-                inter: gate_up.rows as i32,
-                H: gate_up.cols as i32,
-                normw: In::new(normw),
-                eps,
-                logits: In::new(logits),
-                E: e as i32,
-                K: k as i32,
-                renorm: renorm as i32,
-                ids_out: Out::new(ids),
-                wts_out: Out::new(wts),
-                ctr: Out::new(ctr),
-                rank: route_rank() as i32,
-                rg: rg as i32,
-                rd: rd as i32,
-            };
-            return self.launch_params("moe_fused_sm", (grid as u32, 1, 1), 512, shared as u32, &a);
         }
         let (wr, sr, br, bits_r, group_r, ty_r) =
             router.map_or((In::new(0), In::new(0), In::new(0), 0, 0, 0), |r| r.weight_fields());
