@@ -136,7 +136,7 @@ fn skinny_occ2() -> bool {
 /// Kernels that call `pdl_wait()` before touching activations (kernels/common.cuh) and so may be
 /// launched as programmatic dependents: their launch and weight reads overlap the previous
 /// kernel's tail. The gemm_skinny entry points are such kernels too (see [`is_pdl`]).
-pub const PDL_KERNELS: [&str; 49] = [
+pub const PDL_KERNELS: [&str; 48] = [
     "gemm_wg64",
     "gemm_wg128",
     "gemm_wg256",
@@ -179,7 +179,6 @@ pub const PDL_KERNELS: [&str; 49] = [
     "argmax_io",
     "linear_gemv",
     "gemv_q2",
-    "gemv_q1",
     "gemv_q2_routed",
     "rms_norm",
     "silu_mul",

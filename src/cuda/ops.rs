@@ -192,14 +192,11 @@ impl GpuLinear {
 
 /// The decode GEMV kernel for quantized weights: `gemv_q2` (2 rows per warp, streaming from a
 /// grid that fills the GPU once) in blocks of 4 warps (`Q2`, `bpsm` blocks per SM) or of 16
-/// warps (`Wide`, one block per SM), `gemv_q1` (`Q1`: one row per warp, 4 chunks per lane per
-/// trip, blocks as `Q2`; `Q2` takes it for one slot when every row gets its own warp), or the
-/// older `linear_gemv` (one short-lived warp per 4 rows).
+/// warps (`Wide`, one block per SM), or the older `linear_gemv` (one short-lived warp per 4 rows).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum GemvKernel {
     Old,
     Q2,
-    Q1,
     Wide,
     /// Timing experiment: `gemv_q2`'s loads without its arithmetic (wrong results).
     LoadOnly,
@@ -228,12 +225,6 @@ pub fn gemv_default() -> (GemvKernel, u32) {
         let b = std::env::var("LILY_CUDA_GEMV_BPSM").ok().and_then(|v| v.parse().ok()).unwrap_or(4);
         (k, b)
     })
-}
-
-/// Whether the one-slot GEMV may take `gemv_q1` (`LILY_CUDA_GEMV_Q1=0`: never).
-fn gemv_q1_on() -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| std::env::var("LILY_CUDA_GEMV_Q1").map_or(true, |v| v != "0"))
 }
 
 /// Widest input the GEMV stages in shared memory (and so can normalize on the fly).
@@ -417,17 +408,7 @@ impl Gpu {
             xdiv: xdiv as i32,
         };
         let streaming = w.streams() && w.cols <= GEMV_XMAX && xstride.is_multiple_of(4);
-        let (threads, per_sm) = kernel.geometry(bpsm);
-        // One row per warp where every row gets its own warp and a 4-chunk trip is mostly used
-        // (at least 96 16-byte chunks a row); LILY_CUDA_GEMV_Q1=0 keeps gemv_q2.
-        let q1 = kernel == GemvKernel::Q1
-            || (kernel == GemvKernel::Q2
-                && slots == 1
-                && gemv_q1_on()
-                && w.rows <= (self.sms * per_sm * threads / 32) as usize
-                && w.cols * w.bits.max(1) as usize / 128 >= 96);
         let name = match kernel {
-            _ if streaming && q1 => "gemv_q1",
             GemvKernel::Q2 | GemvKernel::Wide if streaming => "gemv_q2",
             GemvKernel::LoadOnly if streaming => "gemv_q_loadonly",
             _ => {
@@ -436,14 +417,15 @@ impl Gpu {
             }
         };
         let shared = w.stream_smem();
-        let gx = self.stream_grid(w.rows, if q1 { 1 } else { 2 }, threads, per_sm, slots);
+        let (threads, per_sm) = kernel.geometry(bpsm);
+        let gx = self.stream_grid(w.rows, threads, per_sm, slots);
         self.launch_params(name, (gx, slots as u32, 1), threads, shared, &a)
     }
 
     /// Blocks per slot for the streaming GEMV: enough for every 2-row group, at most what fills
     /// the GPU once (`per_sm` blocks of `threads` on each SM, shared among the slots).
-    fn stream_grid(&self, rows: usize, nr: usize, threads: u32, per_sm: u32, slots: usize) -> u32 {
-        let need = rows.div_ceil(nr).div_ceil(threads as usize / 32);
+    fn stream_grid(&self, rows: usize, threads: u32, per_sm: u32, slots: usize) -> u32 {
+        let need = rows.div_ceil(2).div_ceil(threads as usize / 32);
         let fill = ((self.sms * per_sm) as usize / slots.max(1)).max(1);
         need.min(fill).max(1) as u32
     }

@@ -394,7 +394,7 @@ __device__ __forceinline__ void gq_body(const u32* w, const u16* sc, const u16* 
     }
 }
 
-#define GQ_KERNEL(NAME, NR, U, LOADONLY)                                                                                     \
+#define GQ_KERNEL(NAME, NR, LOADONLY)                                                                                       \
     extern "C" __global__ void __launch_bounds__(512) NAME(GemvParams_fields) {                                  \
         extern __shared__ __align__(16) float xs[]; /* cols + cols/EPV floats */                                  \
         __shared__ float red[33];                                                                                  \
@@ -407,22 +407,17 @@ __device__ __forceinline__ void gq_body(const u32* w, const u16* sc, const u16* 
         const u32* W = (const u32*)w;                                                                              \
         const u16 *S = (const u16*)sc, *B = (const u16*)bi;                                                        \
         if (bits == 4 && ty == TY_BF16)                                                                            \
-            gq_body<4, TY_BF16, NR, U, LOADONLY, false>(W, S, B, group, xg, yz, rows, cols, E0, accumulate, normw, eps, xs, red); \
+            gq_body<4, TY_BF16, NR, 2, LOADONLY, false>(W, S, B, group, xg, yz, rows, cols, E0, accumulate, normw, eps, xs, red); \
         else if (bits == 4)                                                                                        \
-            gq_body<4, TY_F16, NR, U, LOADONLY, false>(W, S, B, group, xg, yz, rows, cols, E0, accumulate, normw, eps, xs, red); \
+            gq_body<4, TY_F16, NR, 2, LOADONLY, false>(W, S, B, group, xg, yz, rows, cols, E0, accumulate, normw, eps, xs, red); \
         else if (ty == TY_BF16)                                                                                    \
-            gq_body<8, TY_BF16, NR, U, LOADONLY, false>(W, S, B, group, xg, yz, rows, cols, E0, accumulate, normw, eps, xs, red); \
+            gq_body<8, TY_BF16, NR, 2, LOADONLY, false>(W, S, B, group, xg, yz, rows, cols, E0, accumulate, normw, eps, xs, red); \
         else                                                                                                       \
-            gq_body<8, TY_F16, NR, U, LOADONLY, false>(W, S, B, group, xg, yz, rows, cols, E0, accumulate, normw, eps, xs, red); \
+            gq_body<8, TY_F16, NR, 2, LOADONLY, false>(W, S, B, group, xg, yz, rows, cols, E0, accumulate, normw, eps, xs, red); \
     }
 
-GQ_KERNEL(gemv_q2, 2, 2, false)
-GQ_KERNEL(gemv_q_loadonly, 2, 2, true)
-/* gemv_q1: one row per warp and 4 chunks per lane per trip (a 4096-wide 4-bit row, or a 2048-wide
-   8-bit one, in one trip), for products with no more rows than the grid has warps (the decode
-   step's output projections and router): twice the warps of gemv_q2 at work and half the
-   dependent trips per warp, the same bytes in flight per warp. */
-GQ_KERNEL(gemv_q1, 1, 4, false)
+GQ_KERNEL(gemv_q2, 2, false)
+GQ_KERNEL(gemv_q_loadonly, 2, true)
 
 /* gemv_q2_conv: gemv_q2 for one slot (the batch-1 GDN input projection, x RMS-normalized when
    normw is set) whose rows c < C then go through conv_step's causal conv + SiLU into cy, updating

@@ -278,7 +278,7 @@ impl Gpu {
         };
         let (kernel, bpsm) = gemv_default();
         let (threads, per_sm) = kernel.geometry(bpsm);
-        let gx = self.stream_grid(w.rows, 2, threads, per_sm, 1);
+        let gx = self.stream_grid(w.rows, threads, per_sm, 1);
         self.launch_params("gemv_q2_conv", (gx, 1, 1), threads, w.stream_smem(), &a)
     }
 

@@ -70,7 +70,7 @@ impl Gpu {
         let slots = 2 * (k + 1);
         let (kernel, bpsm) = gemv_default();
         let (threads, per_sm) = kernel.geometry(bpsm);
-        let gx = self.stream_grid(w.rows, 2, threads, per_sm, slots);
+        let gx = self.stream_grid(w.rows, threads, per_sm, slots);
         self.launch_params("gemv_q2_routed", (gx, slots as u32, 1), threads, shared, &a)
     }
 
