@@ -288,9 +288,11 @@ fn cuda_layers_match_cpu_locally() {
 /// kernels get the CPU's input row to that layer at that position (the layer's GDN and conv
 /// state and KV cache carried on the GPU, built from the CPU's inputs at the earlier positions),
 /// and the layer's update (output − input) is compared with the CPU's. Bounds: the exact mode
-/// (fp32 cache) differs from the CPU in summation order and in the 4-bit GEMV's code trick (about
-/// one bit of the fp32 mantissa), so 1e-9; the default bf16 cache rounds K/V to 8 mantissa bits
-/// (relative 2^-9 per element), so 1e-4: an indexing error gives NMSE of order 1, one flipped
+/// (fp32 cache) differs from the CPU in summation order and in the decode GEMV's 4-bit code trick
+/// (gemv.cu: the codes' x/2 offset removed per chunk, about one bit of the fp32 mantissa, more
+/// where a layer's update is small against its input): measured 1e-11 to 8.8e-10 on the H200,
+/// bound 1e-8; the default bf16 cache rounds K/V to 8 mantissa bits (relative 2^-9 per element):
+/// measured 2.5e-6 to 3.2e-6, bound 1e-4. An indexing error gives NMSE of order 1, one flipped
 /// expert choice about 1e-2.
 #[test]
 fn cuda_decode_layers_match_cpu_locally() {
@@ -304,7 +306,7 @@ fn cuda_decode_layers_match_cpu_locally() {
         let gm = lily::cuda::upload_cached(&model).unwrap();
         let prompt = reference(reference_name).prompt;
         let hid = model.cfg.hidden_size;
-        for (kv, bound) in [(KvDtype::F32, 1e-9), (KvDtype::Bf16, 1e-4)] {
+        for (kv, bound) in [(KvDtype::F32, 1e-8), (KvDtype::Bf16, 1e-4)] {
             let mut s = if kv == KvDtype::F32 { exact(gm.clone()) } else { CudaSession::new(gm.clone()) };
             s.set_kv_dtype(kv).unwrap();
             let mut st = model.new_state();
