@@ -227,13 +227,6 @@ pub fn gemv_default() -> (GemvKernel, u32) {
     })
 }
 
-/// Whether the streaming GEMVs (gemv_q2, gemv_q2_conv) prefetch into L2 the trip after the one
-/// they have in flight (`LILY_CUDA_GEMV_PF=0`: not).
-pub(crate) fn gemv_prefetch() -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| std::env::var("LILY_CUDA_GEMV_PF").map_or(true, |v| v != "0"))
-}
-
 /// Widest input the GEMV stages in shared memory (and so can normalize on the fly).
 pub const GEMV_XMAX: usize = 8192;
 
@@ -413,7 +406,6 @@ impl Gpu {
             normw: In::new(normw),
             eps,
             xdiv: xdiv as i32,
-            pf: gemv_prefetch() as i32,
         };
         let streaming = w.streams() && w.cols <= GEMV_XMAX && xstride.is_multiple_of(4);
         let name = match kernel {

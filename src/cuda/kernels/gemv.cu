@@ -79,29 +79,6 @@ __device__ __forceinline__ void gq_load(GqTrip<NR, U>& t, const u32* w, const u1
     }
 }
 
-/* gq_load's addresses, prefetched into L2 (no registers held): the trip after the one in flight
-   (pf in gq_body), so that its register loads find their lines in L2. */
-template <int BITS, int NR, int U>
-__device__ __forceinline__ void gq_prefetch(const u32* w, const u16* sc, const u16* bi, long long R0, int nvalid, int n4,
-                                            int ng, int gsh, int i0) {
-    constexpr int EPV = 128 / BITS;
-    const uint4* wr = (const uint4*)w + R0 * n4 + i0;
-    long long g0 = R0 * ng + ((i0 * EPV) >> gsh);
-    int gstep = (32 * EPV) >> gsh;
-#pragma unroll
-    for (int r = 0; r < NR; r++) {
-#pragma unroll
-        for (int u = 0; u < U; u++) {
-            if (r < nvalid && i0 + 32 * u < n4) {
-                asm volatile("prefetch.global.L2 [%0];" ::"l"(wr + r * n4 + 32 * u));
-                int o = r * ng + u * gstep;
-                asm volatile("prefetch.global.L2 [%0];" ::"l"(sc + g0 + o));
-                asm volatile("prefetch.global.L2 [%0];" ::"l"(bi + g0 + o));
-            }
-        }
-    }
-}
-
 /* moe_down's loads: virtual chunk c = k * n4 + i is chunk i of row R0 + r of expert ids[k]. */
 template <int BITS, int NR, int U>
 __device__ __forceinline__ void gq_load_moe(GqTrip<NR, U>& t, const u32* w, const u16* sc, const u16* bi, int R0,
@@ -316,7 +293,7 @@ __device__ __forceinline__ void gq_body(const u32* w, const u16* sc, const u16* 
                                         const float* xg, float* y, int rows, int cols, long long E0, int accumulate,
                                         const float* normw, float eps, float* xs, float* red, const int* ids = 0,
                                         int S = 1, ConvEpi cv = ConvEpi{0, 0, 0, 0, 1}, int vbx = -1, int vgx = 0,
-                                        const u64* spin = 0, u64 spin_target = 0, int pf = 0) {
+                                        const u64* spin = 0, u64 spin_target = 0) {
     constexpr int EPV = 128 / BITS;
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     int n4 = cols / EPV, ng = cols / group, gsh = __ffs(group) - 1;
@@ -380,15 +357,6 @@ __device__ __forceinline__ void gq_body(const u32* w, const u16* sc, const u16* 
                 gq_load<BITS, NR, U, true>(nxt, w, sc, bi, E0 + r2, NR, n4, ng, gsh, t2 * 32 * U + lane);
             else
                 gq_load<BITS, NR, U, false>(nxt, w, sc, bi, E0 + r2, min(NR, rows - r2), n4, ng, gsh, t2 * 32 * U + lane);
-            if (!MOE && pf) { /* the trip after nxt, into L2 */
-                int g3 = g2, t3 = t2 + 1;
-                if (t3 == tpr) {
-                    g3 = g2 + gstride;
-                    t3 = 0;
-                }
-                if (g3 < ngroups)
-                    gq_prefetch<BITS, NR, U>(w, sc, bi, E0 + g3 * NR, min(NR, rows - g3 * NR), n4, ng, gsh, t3 * 32 * U + lane);
-            }
         }
         if (nvalid == NR && (t + 1) * 32 * U <= nv)
             gq_compute<BITS, TY, NR, U, LOADONLY, true>(cur, NR, nv, t * 32 * U + lane, xs, xsum, acc);
@@ -426,7 +394,6 @@ __device__ __forceinline__ void gq_body(const u32* w, const u16* sc, const u16* 
     }
 }
 
-#define GQ_PF 0, 1, ConvEpi{0, 0, 0, 0, 1}, -1, 0, 0, 0, pf /* gq_body's defaults, then pf */
 #define GQ_KERNEL(NAME, NR, LOADONLY)                                                                                       \
     extern "C" __global__ void __launch_bounds__(512) NAME(GemvParams_fields) {                                  \
         extern __shared__ __align__(16) float xs[]; /* cols + cols/EPV floats */                                  \
@@ -440,13 +407,13 @@ __device__ __forceinline__ void gq_body(const u32* w, const u16* sc, const u16* 
         const u32* W = (const u32*)w;                                                                              \
         const u16 *S = (const u16*)sc, *B = (const u16*)bi;                                                        \
         if (bits == 4 && ty == TY_BF16)                                                                            \
-            gq_body<4, TY_BF16, NR, 2, LOADONLY, false>(W, S, B, group, xg, yz, rows, cols, E0, accumulate, normw, eps, xs, red, GQ_PF); \
+            gq_body<4, TY_BF16, NR, 2, LOADONLY, false>(W, S, B, group, xg, yz, rows, cols, E0, accumulate, normw, eps, xs, red); \
         else if (bits == 4)                                                                                        \
-            gq_body<4, TY_F16, NR, 2, LOADONLY, false>(W, S, B, group, xg, yz, rows, cols, E0, accumulate, normw, eps, xs, red, GQ_PF); \
+            gq_body<4, TY_F16, NR, 2, LOADONLY, false>(W, S, B, group, xg, yz, rows, cols, E0, accumulate, normw, eps, xs, red); \
         else if (ty == TY_BF16)                                                                                    \
-            gq_body<8, TY_BF16, NR, 2, LOADONLY, false>(W, S, B, group, xg, yz, rows, cols, E0, accumulate, normw, eps, xs, red, GQ_PF); \
+            gq_body<8, TY_BF16, NR, 2, LOADONLY, false>(W, S, B, group, xg, yz, rows, cols, E0, accumulate, normw, eps, xs, red); \
         else                                                                                                       \
-            gq_body<8, TY_F16, NR, 2, LOADONLY, false>(W, S, B, group, xg, yz, rows, cols, E0, accumulate, normw, eps, xs, red, GQ_PF); \
+            gq_body<8, TY_F16, NR, 2, LOADONLY, false>(W, S, B, group, xg, yz, rows, cols, E0, accumulate, normw, eps, xs, red); \
     }
 
 GQ_KERNEL(gemv_q2, 2, false)
@@ -463,13 +430,13 @@ extern "C" __global__ void __launch_bounds__(512) gemv_q2_conv(GemvConvParams_fi
     const u16 *S = (const u16*)sc, *B = (const u16*)bi;
     ConvEpi cv{cstate, cw, cy, C, K};
     if (bits == 4 && ty == TY_BF16)
-        gq_body<4, TY_BF16, 2, 2, false, false, true>(W, S, B, group, x, y, rows, cols, 0, 0, normw, eps, xs, red, 0, 1, cv, -1, 0, 0, 0, pf);
+        gq_body<4, TY_BF16, 2, 2, false, false, true>(W, S, B, group, x, y, rows, cols, 0, 0, normw, eps, xs, red, 0, 1, cv);
     else if (bits == 4)
-        gq_body<4, TY_F16, 2, 2, false, false, true>(W, S, B, group, x, y, rows, cols, 0, 0, normw, eps, xs, red, 0, 1, cv, -1, 0, 0, 0, pf);
+        gq_body<4, TY_F16, 2, 2, false, false, true>(W, S, B, group, x, y, rows, cols, 0, 0, normw, eps, xs, red, 0, 1, cv);
     else if (ty == TY_BF16)
-        gq_body<8, TY_BF16, 2, 2, false, false, true>(W, S, B, group, x, y, rows, cols, 0, 0, normw, eps, xs, red, 0, 1, cv, -1, 0, 0, 0, pf);
+        gq_body<8, TY_BF16, 2, 2, false, false, true>(W, S, B, group, x, y, rows, cols, 0, 0, normw, eps, xs, red, 0, 1, cv);
     else
-        gq_body<8, TY_F16, 2, 2, false, false, true>(W, S, B, group, x, y, rows, cols, 0, 0, normw, eps, xs, red, 0, 1, cv, -1, 0, 0, 0, pf);
+        gq_body<8, TY_F16, 2, 2, false, false, true>(W, S, B, group, x, y, rows, cols, 0, 0, normw, eps, xs, red, 0, 1, cv);
 }
 
 /* moe_down_q (decode): x[r] += sum_{k < S} wts[k] * (W[ids[k]*rows + r, :] . h_k),

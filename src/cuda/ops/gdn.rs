@@ -275,7 +275,6 @@ impl Gpu {
             cy: Out::new(cy),
             C: c as i32,
             K: k as i32,
-            pf: super::gemv_prefetch() as i32,
         };
         let (kernel, bpsm) = gemv_default();
         let (threads, per_sm) = kernel.geometry(bpsm);
