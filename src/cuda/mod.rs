@@ -623,6 +623,10 @@ impl DevBuf {
         self.write_bytes(4 * off_elems, f32_bytes(data))
     }
 
+    pub fn write_i32(&self, off_elems: usize, data: &[i32]) -> Result<()> {
+        self.write_bytes(4 * off_elems, &data.iter().flat_map(|v| v.to_le_bytes()).collect::<Vec<u8>>())
+    }
+
     /// Copies `n` f32 values starting at element `off` back to the host (synchronizes).
     pub fn read_f32(&self, off: usize, n: usize) -> Result<Vec<f32>> {
         assert!(4 * (off + n) <= self.bytes, "DevBuf read out of bounds");
