@@ -38,9 +38,30 @@ fn tiny_on_gpu() -> Option<(Arc<lily::model::Model>, Arc<lily::cuda::CudaModel>)
 
 /// A session in the exact mode's cache precision (fp32 K/V); the default cache is bf16.
 fn exact(gm: Arc<CudaModel>) -> CudaSession {
+    with_cache(gm, KvDtype::F32)
+}
+
+/// A session with the KV cache `kv` (F32: the exact mode's).
+fn with_cache(gm: Arc<CudaModel>, kv: KvDtype) -> CudaSession {
     let mut s = CudaSession::new(gm);
-    s.set_kv_dtype(KvDtype::F32).unwrap();
+    s.set_kv_dtype(kv).unwrap();
     s
+}
+
+/// A reference fixture of the layer-local tests: (name, CPU model, its upload, the reference
+/// prompt).
+type LayerFixture = (&'static str, Arc<lily::model::Model>, Arc<CudaModel>, Vec<u32>);
+
+/// The three reference fixtures of the layer-local tests.
+fn layer_fixtures() -> Vec<LayerFixture> {
+    ["tiny-mlx4", "tiny-hf", "tiny-mlx8-g32"]
+        .into_iter()
+        .map(|dir| {
+            let model = Arc::new(lily::weights::load_model(&fixtures().join(dir)).unwrap());
+            let gm = lily::cuda::upload_cached(&model).unwrap();
+            (dir, model, gm, reference(dir).prompt)
+        })
+        .collect()
 }
 
 fn check_model(dir: &str, reference_name: &str) {
@@ -250,12 +271,7 @@ fn cuda_layers_match_cpu_locally() {
     if !have_gpu() {
         return;
     }
-    for (dir, reference_name) in
-        [("tiny-mlx4", "tiny-mlx4"), ("tiny-hf", "tiny-hf"), ("tiny-mlx8-g32", "tiny-mlx8-g32")]
-    {
-        let model = Arc::new(lily::weights::load_model(&fixtures().join(dir)).unwrap());
-        let gm = lily::cuda::upload_cached(&model).unwrap();
-        let prompt = reference(reference_name).prompt;
+    for (dir, model, gm, prompt) in layer_fixtures() {
         let hid = model.cfg.hidden_size;
         let mut x = vec![0f32; prompt.len() * hid];
         for (i, &tok) in prompt.iter().enumerate() {
@@ -269,8 +285,7 @@ fn cuda_layers_match_cpu_locally() {
         }
         for (prec, bound) in [(Precision::F32, 1e-9), (Precision::Bf16, 1e-3)] {
             // The exact mode with the fp32 cache; bf16 products with the default bf16 cache.
-            let mut s = if prec == Precision::F32 { exact(gm.clone()) } else { CudaSession::new(gm.clone()) };
-            s.set_kv_dtype(if prec == Precision::F32 { KvDtype::F32 } else { KvDtype::Bf16 }).unwrap();
+            let mut s = with_cache(gm.clone(), if prec == Precision::F32 { KvDtype::F32 } else { KvDtype::Bf16 });
             let mut worst = 0f64;
             for i in 0..model.layers.len() {
                 let got = s.layer_rows(i, &xs[i], prec).unwrap();
@@ -299,16 +314,10 @@ fn cuda_decode_layers_match_cpu_locally() {
     if !have_gpu() {
         return;
     }
-    for (dir, reference_name) in
-        [("tiny-mlx4", "tiny-mlx4"), ("tiny-hf", "tiny-hf"), ("tiny-mlx8-g32", "tiny-mlx8-g32")]
-    {
-        let model = Arc::new(lily::weights::load_model(&fixtures().join(dir)).unwrap());
-        let gm = lily::cuda::upload_cached(&model).unwrap();
-        let prompt = reference(reference_name).prompt;
+    for (dir, model, gm, prompt) in layer_fixtures() {
         let hid = model.cfg.hidden_size;
         for (kv, bound) in [(KvDtype::F32, 1e-8), (KvDtype::Bf16, 1e-4)] {
-            let mut s = if kv == KvDtype::F32 { exact(gm.clone()) } else { CudaSession::new(gm.clone()) };
-            s.set_kv_dtype(kv).unwrap();
+            let mut s = with_cache(gm.clone(), kv);
             let mut st = model.new_state();
             let mut worst = 0f64;
             for (p, &tok) in prompt.iter().enumerate() {
