@@ -53,8 +53,11 @@ fn every_kernel_compiles_for_sm_90a() {
                 let params: Vec<&str> = decl.lines().filter(|l| l.contains(".param")).collect();
                 assert_eq!(params.len(), sizes.len(), "{k}: {} fields expected:\n{decl}", sizes.len());
                 for (i, (l, &sz)) in params.iter().zip(sizes).enumerate() {
-                    let width = if l.contains(".u64") || l.contains(".b64") || l.contains(".s64") || l.contains(".f64")
-                    {
+                    // a by-value struct parameter (TmaMap) is declared as bytes: `.b8 NAME[size]`
+                    let bytes = l.split('[').nth(1).and_then(|t| t.split(']').next()).and_then(|n| n.parse().ok());
+                    let width = if let Some(b) = bytes {
+                        b
+                    } else if l.contains(".u64") || l.contains(".b64") || l.contains(".s64") || l.contains(".f64") {
                         8
                     } else if l.contains(".u32") || l.contains(".b32") || l.contains(".s32") || l.contains(".f32") {
                         4

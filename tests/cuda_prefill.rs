@@ -47,14 +47,19 @@ fn kernels(g: &lily::cuda::Gpu, gl: &GpuLinear) -> Vec<(Precision, GemmKernel)> 
     v
 }
 
-/// The opt-in gemm_wg forms not yet measured (sm_90a, where gemm_wg takes the product: widths of
-/// whole 128-column k-tiles; elsewhere they are errors, not fallbacks): 256-row tiles (plain
-/// products only; the grouped test skips it) and the warp-specialized persistent kernel (the
-/// grouped test also runs its 128-row tiles). Their own tests, so that a kernel that traps does
-/// not take the others' results with it (filter by test name).
+/// The gemm_wg forms beside Auto's (sm_90a, where gemm_wg takes the product: widths of whole
+/// 128-column k-tiles; elsewhere they are errors, not fallbacks): 256-row tiles (plain products
+/// only; the grouped test skips them) and gemm_wt, the TMA form, on gemm_wg's tiles and on 256
+/// rows (the grouped test also runs its 128-row tiles; its gathered gate/up stays on gemm_wg,
+/// its down projection runs on gemm_wt). Their own tests, so that a kernel that traps does not
+/// take the others' results with it (filter by test name).
 fn new_kernels(g: &lily::cuda::Gpu, gl: &GpuLinear) -> Vec<(Precision, GemmKernel)> {
     if gl.pipe_ok() && g.wg_available() && gl.cols.is_multiple_of(128) {
-        vec![(Precision::Bf16, GemmKernel::Wg256), (Precision::Bf16, GemmKernel::Ws)]
+        vec![
+            (Precision::Bf16, GemmKernel::Wg256),
+            (Precision::Bf16, GemmKernel::Wt),
+            (Precision::Bf16, GemmKernel::Wt256),
+        ]
     } else {
         Vec::new()
     }
@@ -231,15 +236,18 @@ fn grouped_cases(pick: fn(&lily::cuda::Gpu, &GpuLinear) -> Vec<(Precision, GemmK
     // Every kernel over the precision's tiles; the skinny kernel also over tiles as tall as its
     // pass (the routed experts of a short prompt: one pass per tile), gemm_wg also over 128-row
     // tiles (WgTall).
-    let tilings = pick(&g, &gu).into_iter().filter(|&(_, k)| k != GemmKernel::Wg256).flat_map(|(prec, kern)| {
-        let own = match kern {
-            GemmKernel::Skinny(tn) => Some((prec, kern, tn)),
-            GemmKernel::Wg => Some((prec, GemmKernel::WgTall, 128)),
-            GemmKernel::Ws => Some((prec, GemmKernel::WsTall, 128)),
-            _ => None,
-        };
-        [(prec, kern, prec.bm())].into_iter().chain(own)
-    });
+    let tilings = pick(&g, &gu)
+        .into_iter()
+        .filter(|&(_, k)| !matches!(k, GemmKernel::Wg256 | GemmKernel::Wt256))
+        .flat_map(|(prec, kern)| {
+            let own = match kern {
+                GemmKernel::Skinny(tn) => Some((prec, kern, tn)),
+                GemmKernel::Wg => Some((prec, GemmKernel::WgTall, 128)),
+                GemmKernel::Wt => Some((prec, GemmKernel::WtTall, 128)),
+                _ => None,
+            };
+            [(prec, kern, prec.bm())].into_iter().chain(own)
+        });
     for (prec, kern, bm) in tilings {
         let max_tiles = pairs.div_ceil(bm) + e + 1;
         let (perm, inv, tiles) =

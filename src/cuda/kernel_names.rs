@@ -11,7 +11,7 @@ pub const SOURCES: [(&str, &str); 21] = [
     ("gemm_skinny.cu", include_str!("kernels/gemm_skinny.cu")),
     ("gemm_pipe.cu", include_str!("kernels/gemm_pipe.cu")),
     ("gemm_wg.cu", include_str!("kernels/gemm_wg.cu")),
-    ("gemm_ws.cu", include_str!("kernels/gemm_ws.cu")),
+    ("gemm_wt.cu", include_str!("kernels/gemm_wt.cu")),
     ("gdn.cu", include_str!("kernels/gdn.cu")),
     ("gdn_prefill.cu", include_str!("kernels/gdn_prefill.cu")),
     ("gdn_chunk.cu", include_str!("kernels/gdn_chunk.cu")),
@@ -29,15 +29,13 @@ pub const SOURCES: [(&str, &str); 21] = [
 
 /// Kernel entry points loaded from the module that are launched plainly; with [`PDL_KERNELS`] and
 /// [`SKINNY_KERNELS`] they are every entry point (see [`all_kernels`]), each listed once.
-pub const KERNELS: [&str; 38] = [
+pub const KERNELS: [&str; 36] = [
     "gemv_q_loadonly",
     "gemm_f32",
     "gemm_bf16",
     "gemm_bf16_m128",
     "gemm_pipe64",
     "gemm_pipe128",
-    "gemm_ws64",
-    "gemm_ws128",
     "conv_prefill",
     "conv_state",
     "gdn_qk_prep",
@@ -136,10 +134,13 @@ fn skinny_occ2() -> bool {
 /// Kernels that call `pdl_wait()` before touching activations (kernels/common.cuh) and so may be
 /// launched as programmatic dependents: their launch and weight reads overlap the previous
 /// kernel's tail. The gemm_skinny entry points are such kernels too (see [`is_pdl`]).
-pub const PDL_KERNELS: [&str; 48] = [
+pub const PDL_KERNELS: [&str; 51] = [
     "gemm_wg64",
     "gemm_wg128",
     "gemm_wg256",
+    "gemm_wt64",
+    "gemm_wt128",
+    "gemm_wt256",
     "x_bf16_perm",
     "moe_fused_q",
     "gemv_q2_conv",
@@ -196,12 +197,14 @@ pub const GEMM_PIPE_SMEM128: usize = 4 * (128 * 256 + 128 * 32);
 /// inputs and [128][64 bytes] of 4-bit codes (kernels/gemm_wg.cu).
 pub const GEMM_WG_SMEM64: usize = 3 * (64 * 256 + 128 * 64);
 pub const GEMM_WG_SMEM128: usize = 3 * (128 * 256 + 128 * 64);
-/// Dynamic shared memory of gemm_ws64 / gemm_ws128: 8 or 5 stages of gemm_wg's [64 or 128
-/// rows][128] bf16 inputs and [128][64 bytes] of codes (kernels/gemm_ws.cu).
-pub const GEMM_WS_SMEM64: usize = 8 * (64 * 256 + 128 * 64);
-pub const GEMM_WS_SMEM128: usize = 5 * (128 * 256 + 128 * 64);
 /// gemm_wg256's: 256-row input tiles, 216 KB.
 pub const GEMM_WG_SMEM256: usize = 3 * (256 * 256 + 128 * 64);
+/// Dynamic shared memory of gemm_wt64 / 128 / 256 (kernels/gemm_wt.cu): 4, 5 or 3 stages of
+/// [64, 128 or 256 rows][128] bf16 inputs and [128][64 bytes] of codes, plus 1 KB to align the
+/// swizzled tiles.
+pub const GEMM_WT_SMEM64: usize = 4 * (64 * 256 + 128 * 64) + 1024;
+pub const GEMM_WT_SMEM128: usize = 5 * (128 * 256 + 128 * 64) + 1024;
+pub const GEMM_WT_SMEM256: usize = 3 * (256 * 256 + 128 * 64) + 1024;
 
 /// Dynamic shared memory of gdn_chunk_scan_tc (kernels/gdn_chunk_tc.cu): fp32 tiles Wt and Qt
 /// [128][72], Mt [64][72], keys [64][136], the state [128][40], V_new and V2 [64][40].

@@ -331,8 +331,9 @@ impl Gpu {
             ("gemm_wg64", GEMM_WG_SMEM64),
             ("gemm_wg128", GEMM_WG_SMEM128),
             ("gemm_wg256", GEMM_WG_SMEM256.min(optin)),
-            ("gemm_ws64", GEMM_WS_SMEM64.min(optin)),
-            ("gemm_ws128", GEMM_WS_SMEM128.min(optin)),
+            ("gemm_wt64", GEMM_WT_SMEM64.min(optin)),
+            ("gemm_wt128", GEMM_WT_SMEM128.min(optin)),
+            ("gemm_wt256", GEMM_WT_SMEM256.min(optin)),
         ];
         let dec = [(64, false), (128, false), (256, false), (64, true), (128, true), (256, true)]
             .map(|(d, f8)| (attn_dec_kernel(d, f8), attn_dec_smem(d, f8).min(optin)));

@@ -18,6 +18,11 @@ use std::marker::PhantomData;
 /// A Rust field type and the C type it is declared as in the kernels' copy of the struct.
 pub trait CField {
     fn c_type() -> String;
+    /// The type as a kernel parameter (spread structs' parameter lists): the field type, except
+    /// where the kernel needs the parameter itself in memory ([`TmaMap`]).
+    fn c_param_type() -> String {
+        Self::c_type()
+    }
 }
 
 /// Scalar field types and their C names.
@@ -40,6 +45,25 @@ impl CField for Void {
     fn c_type() -> String {
         "void".into()
     }
+}
+
+/// A TMA tensor map (the driver's `CUtensorMap`, 128 opaque bytes, encoded on the host by
+/// `cuTensorMapEncodeTiled`) passed by value. As a parameter it is `const __grid_constant__`, so
+/// the kernel can hand the parameter's own address to `cp.async.bulk.tensor` (kernels/gemm_wt.cu).
+#[repr(C, align(64))]
+#[derive(Clone, Copy)]
+pub struct TmaMap(pub [u64; 16]);
+impl CField for TmaMap {
+    fn c_type() -> String {
+        "TmaMap".into()
+    }
+    fn c_param_type() -> String {
+        "const __grid_constant__ TmaMap".into()
+    }
+}
+impl TmaMap {
+    /// The map a kernel that does not read it is given.
+    pub const NONE: TmaMap = TmaMap([0; 16]);
 }
 
 /// Element types that are structs of the kernel source (declared there; `c_decls` forward-
@@ -145,6 +169,7 @@ macro_rules! kernel_params {
         /// `XParams_fields`), for the kernel source.
         pub fn c_decls() -> String {
             let mut s = String::from("// ---- kernel params (src/cuda/params.rs) ----\n");
+            s.push_str("struct alignas(64) TmaMap { unsigned long long v[16]; };\n");
             for t in OPAQUE {
                 s.push_str(&format!("struct {t};\n"));
             }
@@ -152,7 +177,7 @@ macro_rules! kernel_params {
                 s.push_str(concat!("struct ", stringify!($name), " {"));
                 $( s.push_str(&format!(" {} {};", <$t as CField>::c_type(), stringify!($f))); )*
                 s.push_str(" };\n");
-                let fields: Vec<String> = vec![$( format!("{} {}", <$t as CField>::c_type(), stringify!($f)) ),*];
+                let fields: Vec<String> = vec![$( format!("{} {}", <$t as CField>::c_param_type(), stringify!($f)) ),*];
                 s.push_str(&format!(concat!("#define ", stringify!($name), "_fields {}\n"), fields.join(", ")));
             )*
             s
@@ -189,18 +214,19 @@ kernel_params! {
     /// `y[m, n] (+)= Σ_k x[xr(m), k] · W[e·n_rows + n, k]`, W from `w`/`sc`/`bi` (`bits` 0, 4 or
     /// 8, quantization `group`, scale type `ty`), xr(m) = `gather[m] / gdiv` (or m without
     /// `gather`), expert e and rows from the `tiles` list (see gemm.cu). `kq`, `ksplit`, `part`
-    /// and `tickets` are the skinny kernels' K split (the others ignore them). Spread: these
-    /// are the kernels' parameters (`NAME(GemmParams_fields)`).
+    /// and `tickets` are the skinny kernels' K split (the others ignore them); `xm` and `wm` the
+    /// TMA maps of the inputs and the codes (gemm_wt only). Spread: these are the kernels'
+    /// parameters (`NAME(GemmParams_fields)`).
     GemmParams spread [
         "gemm_f32", "gemm_bf16", "gemm_bf16_m128", "gemm_pipe64", "gemm_pipe128", "gemm_wg64", "gemm_wg128",
-        "gemm_wg256", "gemm_ws64", "gemm_ws128",
+        "gemm_wg256", "gemm_wt64", "gemm_wt128", "gemm_wt256",
         "gemm_skinny8_q4", "gemm_skinny16_q4", "gemm_skinny32_q4", "gemm_skinny8_q8", "gemm_skinny16_q8",
         "gemm_skinny32_q8", "gemm_skinny8_q4w", "gemm_skinny8_bf16", "gemm_skinny16_bf16", "gemm_skinny32_bf16"
     ] {
         w: In<Void>, sc: In<Void>, bi: In<Void>, bits: i32, group: i32, ty: i32,
         x: In<f32>, ldx: i64, gather: In<i32>, gdiv: i32, y: Out<f32>, ldy: i64,
         m: i32, n: i32, k: i32, tiles: In<i32>, accumulate: i32,
-        kq: i32, ksplit: i32, part: Out<f32>, tickets: Out<u32>
+        kq: i32, ksplit: i32, part: Out<f32>, tickets: Out<u32>, xm: TmaMap, wm: TmaMap
     }
     /// `x_bf16_perm` (gemm_wg.cu): `xb[r, :]` = x row r (stride `ldx`) as bf16, each 64-column
     /// chunk in wgmma's k order, for r < rows (width k, a multiple of 64).

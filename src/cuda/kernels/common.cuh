@@ -84,7 +84,7 @@ __device__ __forceinline__ void pdl_begin() {
     pdl_wait();
 }
 __device__ __forceinline__ u32 smem_u32(const void* p) { return (u32)__cvta_generic_to_shared(p); }
-/* mbarriers (sm_90: pstep.cu, gemm_ws.cu): init, wait for a phase's parity, arrive, arrive with
+/* mbarriers (sm_90: pstep.cu, gemm_wt.cu): init, wait for a phase's parity, arrive, arrive with
    an expected transaction byte count, and a bulk global -> shared copy completing on one. */
 #if __CUDA_ARCH__ >= 900
 __device__ __forceinline__ void mb_init(u64* b, int count) {

@@ -149,9 +149,27 @@ __device__ __forceinline__ void wg_load_sb(const void* sc, const void* bi, long 
     }
 }
 
-/* One k-tile of a warpgroup: per 64-column half, dequantize the codes of rows rb0 and rb1 (cod:
-   the stage's [128][64 bytes]) into 4 k-steps x 4 A registers, then issue its 4*NB wgmmas on
-   the inputs at descriptor dk (the stage's BT rows); commit and wait for all of them. */
+/* One 64-column half h of a k-tile: the codes of rows rb0 and rb1 (cod: the stage's [128][64
+   bytes]) dequantized into 4 k-steps x 4 A registers. */
+__device__ __forceinline__ void wg_dq_half(u32 (&a)[4][4], const unsigned char* cod, int rb0, int rb1, int h, int t4,
+                                           const u32 (&sb)[2][2][2]) {
+    uint2 c0 = *(const uint2*)(cod + rb0 * 64 + h * 32 + t4 * 8);
+    uint2 c1 = *(const uint2*)(cod + rb1 * 64 + h * 32 + t4 * 8);
+    u32 s0v = sb[h][0][0] * 0x10001u, b0v = sb[h][0][1] * 0x10001u;
+    u32 s1v = sb[h][1][0] * 0x10001u, b1v = sb[h][1][1] * 0x10001u;
+#pragma unroll
+    for (int s = 0; s < 4; s++) {
+        u32 w0 = (s >> 1) ? c0.y : c0.x, w1 = (s >> 1) ? c1.y : c1.x;
+        int sh = 8 * (s & 1);
+        a[s][0] = wg_dq(w0, sh, s0v, b0v);
+        a[s][1] = wg_dq(w1, sh, s1v, b1v);
+        a[s][2] = wg_dq(w0, sh + 4, s0v, b0v);
+        a[s][3] = wg_dq(w1, sh + 4, s1v, b1v);
+    }
+}
+
+/* One k-tile of a warpgroup: per 64-column half, dequantize (wg_dq_half), then issue its 4*NB
+   wgmmas on the inputs at descriptor dk (the stage's BT rows); commit and wait for all of them. */
 template <int NB>
 __device__ __forceinline__ void wg_ktile(float (&acc)[NB][32], const unsigned char* cod, int rb0, int rb1, int t4,
                                          const u32 (&sb)[2][2][2], u64 dk) {
@@ -159,19 +177,7 @@ __device__ __forceinline__ void wg_ktile(float (&acc)[NB][32], const unsigned ch
     u32 a[2][4][4];
 #pragma unroll
     for (int h = 0; h < 2; h++) {
-        uint2 c0 = *(const uint2*)(cod + rb0 * 64 + h * 32 + t4 * 8);
-        uint2 c1 = *(const uint2*)(cod + rb1 * 64 + h * 32 + t4 * 8);
-        u32 s0v = sb[h][0][0] * 0x10001u, b0v = sb[h][0][1] * 0x10001u;
-        u32 s1v = sb[h][1][0] * 0x10001u, b1v = sb[h][1][1] * 0x10001u;
-#pragma unroll
-        for (int s = 0; s < 4; s++) {
-            u32 w0 = (s >> 1) ? c0.y : c0.x, w1 = (s >> 1) ? c1.y : c1.x;
-            int sh = 8 * (s & 1);
-            a[h][s][0] = wg_dq(w0, sh, s0v, b0v);
-            a[h][s][1] = wg_dq(w1, sh, s1v, b1v);
-            a[h][s][2] = wg_dq(w0, sh + 4, s0v, b0v);
-            a[h][s][3] = wg_dq(w1, sh + 4, s1v, b1v);
-        }
+        wg_dq_half(a[h], cod, rb0, rb1, h, t4, sb);
         wg_fence();
 #pragma unroll
         for (int s = 0; s < 4; s++)
@@ -198,6 +204,45 @@ __device__ __forceinline__ void wg_store(const float (&acc)[NB][32], float* dst,
                 if (m < m1 && n < N) {
                     float* p = dst + (long long)m * ldd + n;
                     *p = add ? *p + acc[j][4 * i + v] : acc[j][4 * i + v];
+                }
+            }
+}
+
+/* The tile's end (gemm_wg, gemm_wt): acc[j][4i + v] is weight row nA (v < 2) or nB, input row
+   m0 + 64j + 8i + 2t4 + (v & 1). Without split K stored to y (added when `accumulate`); split K:
+   the sums go to part[z][m][n], and the last of the ksplit blocks of this tile to take its ticket
+   adds the parts in order z = 0..ksplit-1 into y (deterministic) and re-arms the ticket. */
+template <int NB>
+__device__ __forceinline__ void wg_finish(const float (&acc)[NB][32], float* y, long long ldy, int M, int N, int m0,
+                                          int m1, int nA, int nB, int t4, int accumulate, int ksplit, float* part,
+                                          unsigned* tickets) {
+    float* dst = ksplit > 1 ? part + (long long)blockIdx.z * M * N : y;
+    long long ldd = ksplit > 1 ? N : ldy;
+    wg_store<NB>(acc, dst, ldd, m0, m1, nA, nB, N, t4, accumulate && ksplit == 1);
+    if (ksplit == 1) return;
+    __threadfence();
+    __syncthreads();
+    __shared__ unsigned last;
+    unsigned* tk = tickets + blockIdx.y * gridDim.x + blockIdx.x;
+    if (threadIdx.x == 0) {
+        last = atomicAdd(tk, 1u) == (unsigned)ksplit - 1;
+        if (last) *tk = 0;
+    }
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+#pragma unroll
+    for (int j = 0; j < NB; j++)
+#pragma unroll
+        for (int i = 0; i < 8; i++)
+#pragma unroll
+            for (int v = 0; v < 4; v++) {
+                int m = m0 + 64 * j + 8 * i + 2 * t4 + (v & 1), n = v < 2 ? nA : nB;
+                if (m < m1 && n < N) {
+                    float t = 0.f;
+                    for (int z = 0; z < ksplit; z++) t += __ldcg(part + ((long long)z * M + m) * N + n);
+                    float* p = y + (long long)m * ldy + n;
+                    *p = accumulate ? *p + t : t;
                 }
             }
 }
@@ -329,39 +374,7 @@ __device__ __forceinline__ void gemm_wg_body(const void* w, const void* sc, cons
         if (kt + 1 < nk) step(kt + 1, sbB, sbA);
     }
 
-    /* acc[j][4i + v]: weight row rb0 (v < 2) or rb1, input row 64j + 8i + 2t + (v & 1). Split K:
-       the sums go to part[z][m][n]; the last of the ksplit blocks of this tile to take its ticket
-       adds the parts in order z = 0..ksplit-1 into y (deterministic) and re-arms the ticket. */
-    int nA = n0 + rb0, nB = n0 + rb1;
-    float* dst = ksplit > 1 ? part + (long long)blockIdx.z * M * N : y;
-    long long ldd = ksplit > 1 ? N : ldy;
-    wg_store<NB>(acc, dst, ldd, tl.m0, tl.m1, nA, nB, N, t4, accumulate && ksplit == 1);
-    if (ksplit == 1) return;
-    __threadfence();
-    __syncthreads();
-    __shared__ unsigned last;
-    unsigned* tk = tickets + blockIdx.y * gridDim.x + blockIdx.x;
-    if (tid == 0) {
-        last = atomicAdd(tk, 1u) == (unsigned)ksplit - 1;
-        if (last) *tk = 0;
-    }
-    __syncthreads();
-    if (!last) return;
-    __threadfence();
-#pragma unroll
-    for (int j = 0; j < NB; j++)
-#pragma unroll
-        for (int i = 0; i < 8; i++)
-#pragma unroll
-            for (int v = 0; v < 4; v++) {
-                int m = tl.m0 + 64 * j + 8 * i + 2 * t4 + (v & 1), n = v < 2 ? nA : nB;
-                if (m < tl.m1 && n < N) {
-                    float t = 0.f;
-                    for (int z = 0; z < ksplit; z++) t += __ldcg(part + ((long long)z * M + m) * N + n);
-                    float* p = y + (long long)m * ldy + n;
-                    *p = accumulate ? *p + t : t;
-                }
-            }
+    wg_finish<NB>(acc, y, ldy, M, N, tl.m0, tl.m1, n0 + rb0, n0 + rb1, t4, accumulate, ksplit, part, tickets);
 #endif
 }
 

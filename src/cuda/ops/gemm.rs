@@ -2,7 +2,7 @@
 //! plain and grouped by expert, the kernel each shape takes, and the skinny and wgmma kernels'
 //! launch heuristics.
 
-use super::super::params::{GemmParams, In, Out, XPermParams};
+use super::super::params::{GemmParams, In, Out, TmaMap, XPermParams};
 use super::super::Gpu;
 use super::{blocks, GpuLinear};
 use anyhow::{bail, Result};
@@ -151,6 +151,8 @@ impl Gpu {
             ksplit: 1,
             part: Out::new(0),
             tickets: Out::new(0),
+            xm: TmaMap::NONE,
+            wm: TmaMap::NONE,
         };
         if x == self.wg_ws && x != 0 && !self.wg_runs(prec, kern, w, xrows) {
             bail!("gemm: inputs in gemm_wg's workspace, but this product ({kern:?}, {xrows} rows) does not run on gemm_wg");
@@ -176,13 +178,13 @@ impl Gpu {
                 let grid = if tiles == 0 { (grid, ksplit as u32, 1) } else { (grid, ntiles as u32, 1) };
                 self.launch_params(name, grid, 256, skinny_smem(tn, w.cols) as u32, &a)
             }
-            (Precision::Bf16, GemmKernel::Wg256) if tiles != 0 || !self.wg256_fits(w, xrows) => {
+            (Precision::Bf16, GemmKernel::Wg256 | GemmKernel::Wt256) if tiles != 0 || !self.wg256_fits(w, xrows) => {
                 bail!(
-                    "gemm_wg256: a grouped product, or {xrows} rows of width {} that gemm_wg256 does not take",
+                    "gemm {kern:?}: a grouped product, or {xrows} rows of width {} that 256-row tiles do not take",
                     w.cols
                 )
             }
-            (Precision::Bf16, GemmKernel::WgTall | GemmKernel::Ws | GemmKernel::WsTall) if !self.wg_fits(w, xrows) => {
+            (Precision::Bf16, GemmKernel::WgTall | GemmKernel::Wt | GemmKernel::WtTall) if !self.wg_fits(w, xrows) => {
                 bail!(
                     "gemm {kern:?}: {} rows of width {} ({}-bit, group {}) do not fit gemm_wg",
                     xrows,
@@ -210,27 +212,25 @@ impl Gpu {
                 a.x = In::new(self.wg_ws);
                 a.ldx = k as i64;
                 let wide = tiles == 0
-                    && (kern == GemmKernel::Wg256
+                    && (matches!(kern, GemmKernel::Wg256 | GemmKernel::Wt256)
                         || (wg256_from() > 0 && m >= wg256_from() && self.wg256_fits(w, xrows)));
-                let tall = matches!(kern, GemmKernel::WgTall | GemmKernel::WsTall) || (tiles == 0 && m >= wg128_from());
-                if matches!(kern, GemmKernel::Ws | GemmKernel::WsTall) || (ws_on() && !wide) {
-                    // persistent: one block per SM (at most one per tile), 288 threads
-                    let (name, smem, bt) = if tall {
-                        ("gemm_ws128", crate::cuda::GEMM_WS_SMEM128, 128)
-                    } else {
-                        ("gemm_ws64", crate::cuda::GEMM_WS_SMEM64, 64)
-                    };
-                    let ntile = blocks(n, 128) as usize * if tiles == 0 { m.div_ceil(bt) } else { ntiles };
-                    let grid = ntile.min(self.sms as usize) as u32;
-                    return self.launch_params(name, (grid, 1, 1), 288, smem as u32, &a);
-                }
-                let (name, smem, bt, per_sm) = if wide {
-                    ("gemm_wg256", crate::cuda::GEMM_WG_SMEM256, 256, 1)
-                } else if tall {
-                    ("gemm_wg128", crate::cuda::GEMM_WG_SMEM128, 128, 1)
-                } else {
-                    ("gemm_wg64", crate::cuda::GEMM_WG_SMEM64, 64, 2)
+                let tall = matches!(kern, GemmKernel::WgTall | GemmKernel::WtTall) || (tiles == 0 && m >= wg128_from());
+                // gemm_wt's TMA copies do not gather rows: gathered inputs stay on gemm_wg
+                let tma = matches!(kern, GemmKernel::Wt | GemmKernel::WtTall | GemmKernel::Wt256) && gather == 0;
+                let (name, smem, bt, per_sm) = match (tma, wide, tall) {
+                    (false, true, _) => ("gemm_wg256", crate::cuda::GEMM_WG_SMEM256, 256, 1),
+                    (false, false, true) => ("gemm_wg128", crate::cuda::GEMM_WG_SMEM128, 128, 1),
+                    (false, false, false) => ("gemm_wg64", crate::cuda::GEMM_WG_SMEM64, 64, 2),
+                    (true, true, _) => ("gemm_wt256", crate::cuda::GEMM_WT_SMEM256, 256, 1),
+                    (true, false, true) => ("gemm_wt128", crate::cuda::GEMM_WT_SMEM128, 128, 1),
+                    (true, false, false) => ("gemm_wt64", crate::cuda::GEMM_WT_SMEM64, 64, 2),
                 };
+                if tma {
+                    // inputs: bf16 [xrows][k], boxes of 64 columns x bt rows in the 128-byte
+                    // swizzle; codes: bytes [stack rows][k / 2], boxes of 64 bytes x 128 rows
+                    a.xm = tma_map(self.wg_ws, true, k, xrows, (64, bt as u32), true)?;
+                    a.wm = tma_map(wp.0, false, k / 2, w.rows * w.count, (64, 128), false)?;
+                }
                 let (gx, gy) = (blocks(n, 128), if tiles == 0 { m.div_ceil(bt) } else { ntiles } as u32);
                 let ks = if tiles == 0 {
                     wg_ksplit((gx * gy) as usize, (self.sms * per_sm) as usize, k / 128, m * n)
@@ -242,7 +242,7 @@ impl Gpu {
                 a.tickets = Out::new(self.splitk_ws + crate::cuda::SPLITK_PART_BYTES as u64);
                 self.launch_params(name, (gx, gy, ks as u32), 256, smem as u32, &a)
             }
-            (Precision::Bf16, GemmKernel::Pipe | GemmKernel::Wg) => {
+            (Precision::Bf16, GemmKernel::Pipe | GemmKernel::Wg | GemmKernel::Wt) => {
                 if !w.pipe_ok() {
                     bail!("gemm_pipe: {}-bit weights of width {} (group {}) unsupported", w.bits, w.cols, w.group);
                 }
@@ -308,14 +308,15 @@ pub enum GemmKernel {
     /// rows (an error where gemm_wg does not take the product or the device lacks its 216 KB of
     /// shared memory).
     Wg256,
-    /// gemm_ws: gemm_wg's product as a warp-specialized persistent kernel (a producer warp
-    /// keeping mbarrier-paced stages full, two consumer warpgroups; kernels/gemm_ws.cu) on
-    /// 64-row tiles (plain products under `LILY_CUDA_WG128_FROM` rows, grouped products on
-    /// moe_align's 64-row tiles) or 128-row ones (larger plain products). `LILY_CUDA_GEMM_WS=1`
-    /// runs it wherever Auto would run gemm_wg's 64/128-row kernels.
-    Ws,
-    /// [`GemmKernel::Ws`] on a grouped product's 128-row tiles (as [`GemmKernel::WgTall`]).
-    WsTall,
+    /// gemm_wt: gemm_wg's product with its tiles copied by the TMA and its wgmmas kept in flight
+    /// across k-tiles (kernels/gemm_wt.cu), on the tiles [`GemmKernel::Wg`] would take; a
+    /// gathered input (the routed experts' gate/up) stays on gemm_wg, whose copies gather rows.
+    /// `LILY_CUDA_GEMM_TMA=1` makes Auto pick it.
+    Wt,
+    /// [`GemmKernel::Wt`] on a grouped product's 128-row tiles (as [`GemmKernel::WgTall`]).
+    WtTall,
+    /// [`GemmKernel::Wt`] on 256-row tiles of a plain product (as [`GemmKernel::Wg256`]).
+    Wt256,
 }
 
 /// Most rows of a plain product that go to the skinny kernel (`LILY_CUDA_SKINNY_MAX_M`).
@@ -341,9 +342,17 @@ fn skinny_max_avg() -> usize {
 }
 
 impl GemmKernel {
-    /// A gemm_wg / gemm_ws kernel (bf16 inputs in wgmma's k order from gemm_wg's workspace).
+    /// A gemm_wg / gemm_wt kernel (bf16 inputs in wgmma's k order from gemm_wg's workspace).
     fn is_wg(self) -> bool {
-        matches!(self, GemmKernel::Wg | GemmKernel::WgTall | GemmKernel::Wg256 | GemmKernel::Ws | GemmKernel::WsTall)
+        matches!(
+            self,
+            GemmKernel::Wg
+                | GemmKernel::WgTall
+                | GemmKernel::Wg256
+                | GemmKernel::Wt
+                | GemmKernel::WtTall
+                | GemmKernel::Wt256
+        )
     }
 
     /// The kernel for `rows` input rows over `mats` matrices (at most `per_tile` in one tile).
@@ -366,7 +375,11 @@ impl GemmKernel {
                     };
                     GemmKernel::Skinny(tn.min(skinny_tn_cap().max(8)))
                 } else if w.pipe_ok() && wg_on() {
-                    GemmKernel::Wg
+                    if tma_on() {
+                        GemmKernel::Wt
+                    } else {
+                        GemmKernel::Wg
+                    }
                 } else if w.pipe_ok() && pipe_on() {
                     GemmKernel::Pipe
                 } else {
@@ -386,11 +399,58 @@ fn wg256_from() -> usize {
     super::env_usize(&V, "LILY_CUDA_WG256_FROM", 2048)
 }
 
-/// Whether Auto's gemm_wg products (64/128-row tiles) run on gemm_ws (`LILY_CUDA_GEMM_WS=1`;
-/// off by default until measured).
-fn ws_on() -> bool {
+/// Whether Auto's gemm_wg products run on gemm_wt (`LILY_CUDA_GEMM_TMA=1`; off by default until
+/// measured).
+fn tma_on() -> bool {
     static V: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *V.get_or_init(|| std::env::var("LILY_CUDA_GEMM_WS").is_ok_and(|v| v == "1"))
+    *V.get_or_init(|| std::env::var("LILY_CUDA_GEMM_TMA").is_ok_and(|v| v == "1"))
+}
+
+/// A 2D TMA map (`cuTensorMapEncodeTiled`) over `rows` packed rows of `inner` elements (bf16
+/// when `bf16`, else bytes) at `ptr`, copied in boxes of `boxd` = (elements, rows), in the
+/// 128-byte swizzle when `swizzle`; rows past `rows` read as zeros.
+fn tma_map(ptr: u64, bf16: bool, inner: usize, rows: usize, boxd: (u32, u32), swizzle: bool) -> Result<TmaMap> {
+    use cudarc::driver::sys;
+    let es = if bf16 { 2 } else { 1 };
+    if !ptr.is_multiple_of(16) || !(inner * es).is_multiple_of(16) || rows == 0 {
+        bail!("TMA map: address {ptr:#x} or row of {} bytes not 16-byte aligned, or no rows", inner * es);
+    }
+    let dtype = if bf16 {
+        sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16
+    } else {
+        sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_UINT8
+    };
+    let swz = if swizzle {
+        sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B
+    } else {
+        sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_NONE
+    };
+    let dims = [inner as u64, rows as u64];
+    let strides = [(inner * es) as u64];
+    let boxdim = [boxd.0, boxd.1];
+    let elem = [1u32, 1];
+    let mut map = std::mem::MaybeUninit::<sys::CUtensorMap>::zeroed();
+    // SAFETY: every pointer is to a local array of the rank's length; map is written by the call.
+    unsafe {
+        sys::cuTensorMapEncodeTiled(
+            map.as_mut_ptr(),
+            dtype,
+            2,
+            ptr as *mut std::ffi::c_void,
+            dims.as_ptr(),
+            strides.as_ptr(),
+            boxdim.as_ptr(),
+            elem.as_ptr(),
+            sys::CUtensorMapInterleave::CU_TENSOR_MAP_INTERLEAVE_NONE,
+            swz,
+            sys::CUtensorMapL2promotion::CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+            sys::CUtensorMapFloatOOBfill::CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
+        )
+    }
+    .result()
+    .map_err(|e| anyhow::anyhow!("TMA map ({rows} rows of {inner}, box {boxd:?}): {e:?}"))?;
+    // SAFETY: initialized by the successful call above.
+    Ok(TmaMap(unsafe { map.assume_init() }.opaque))
 }
 
 /// Grouped bf16 products whose experts average at least this many rows take
