@@ -234,10 +234,10 @@ pub struct Gpu {
 pub const SPLITK_PART_BYTES: usize = 8 << 20;
 /// Blocks (row tile, sub-tile) of a split-K skinny product: one ticket each.
 pub const SPLITK_TICKETS: usize = 4096;
-/// Bytes of gemm_wg's input workspace: 16384 rows of 4096 bf16 columns, which holds the widest
-/// product input of a 16384-token prefill chunk (its routed experts' down product: 8 x 16384
-/// rows of 512); larger inputs take gemm_pipe.
-pub const WG_WS_BYTES: usize = 128 << 20;
+/// Bytes of gemm_wg's input workspace: the widest product input of an 8192-token prefill chunk
+/// with the routed experts' gate/up rows written out in tile order for gemm_wt (9 x 8192 rows of
+/// 2048 bf16, 302 MB); larger inputs take gemm_pipe (or, gathered, stay gathered on gemm_wg).
+pub const WG_WS_BYTES: usize = 384 << 20;
 
 impl Drop for Gpu {
     fn drop(&mut self) {

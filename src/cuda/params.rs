@@ -228,9 +228,10 @@ kernel_params! {
         m: i32, n: i32, k: i32, tiles: In<i32>, accumulate: i32,
         kq: i32, ksplit: i32, part: Out<f32>, tickets: Out<u32>, xm: TmaMap, wm: TmaMap
     }
-    /// `x_bf16_perm` (gemm_wg.cu): `xb[r, :]` = x row r (stride `ldx`) as bf16, each 64-column
+    /// `x_bf16_perm` (gemm_wg.cu): `xb[r, :]` = x row xr(r) (stride `ldx`; xr(r) = `gather[r] /
+    /// gdiv`, or r without `gather`) as bf16, each 64-column
     /// chunk in wgmma's k order, for r < rows (width k, a multiple of 64).
-    XPermParams ["x_bf16_perm"] { x: In<f32>, ldx: i64, xb: Out<u16>, rows: i32, k: i32 }
+    XPermParams ["x_bf16_perm"] { x: In<f32>, ldx: i64, gather: In<i32>, gdiv: i32, xb: Out<u16>, rows: i32, k: i32 }
     /// The GEMVs (gemv.cu's streaming `gemv_q2`/`gemv_q_loadonly`, linear.cu's `linear_gemv`):
     /// slot z = grid.y: `y[z·rows + r] (+)= Σ_c W[e·rows + r, c] · xn[c]`, xn = x row `z / xdiv`
     /// (stride `xstride`), RMS-normalized by `normw` when set, expert e = `ids[z]` (or 0).

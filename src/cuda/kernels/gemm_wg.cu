@@ -55,8 +55,9 @@
  */
 #define WG_STAGES 3
 
-/* x_bf16_perm: xb[r, 64c + 8q + i] = bf16(x[r, 64c + physical(s = q>>1, kl = 8(q&1) + i)]) for
-   r < rows; one thread per 16-byte piece. */
+/* x_bf16_perm: xb[r, 64c + 8q + i] = bf16(x[xr(r), 64c + physical(s = q>>1, kl = 8(q&1) + i)]) for
+   r < rows, xr(r) = gather[r] / gdiv (or r without gather: the grouped products' gathered rows
+   written out in tile order for gemm_wt); one thread per 16-byte piece. */
 /* The layout, for every kernel that writes gemm_wg's input: 16-byte piece q of a row holds, from
    physical column xperm_col(q), elements 2j = +16j and 2j + 1 = +16j + 4 (j < 4); xperm_piece
    packs them from v(offset), rounded to bf16. */
@@ -77,7 +78,7 @@ extern "C" __global__ void x_bf16_perm(XPermParams p) {
     if (i >= (long long)p.rows * per) return;
     long long row = i / per;
     int q = (int)(i % per);
-    const float* xr = p.x + row * p.ldx + xperm_col(q);
+    const float* xr = p.x + gemm_xrow(p.gather, p.gdiv, (int)row) * p.ldx + xperm_col(q);
     *(uint4*)(p.xb + row * p.k + q * 8) = xperm_piece([&](int o) { return xr[o]; });
 }
 

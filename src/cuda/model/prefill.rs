@@ -4,7 +4,7 @@
 
 use super::{CudaModel, CudaSession, GFfn, GLayer, GMixer, GState};
 use crate::cuda::ops::{
-    gdn_chunk_floats, gdn_norm_perm_on, silu_perm_on, wg_tall_avg, GdnPrefill, GemmKernel, Precision,
+    gdn_chunk_floats, gdn_norm_perm_on, silu_perm_on, tma_on, wg_tall_avg, GdnPrefill, GemmKernel, Precision,
 };
 use crate::cuda::DevBuf;
 use anyhow::{bail, Context, Result};
@@ -339,6 +339,7 @@ pub(super) fn ffn_rows(m: &CudaModel, layer: &GLayer, p: &PScratch, t: usize, pr
             // batched step's best).
             let kern = match bm {
                 16 | 32 => GemmKernel::Skinny(bm),
+                _ if tall && tma_on() => GemmKernel::WtTall,
                 _ if tall => GemmKernel::WgTall,
                 _ => GemmKernel::Auto,
             };

@@ -101,6 +101,27 @@ impl Gpu {
         }
         let kern = kern.pick(w, pairs, 64, (w.rows * w.count / n).max(1));
         let (xp, ldx, gather, gdiv) = x;
+        if gather != 0
+            && matches!(kern, GemmKernel::Wt | GemmKernel::WtTall)
+            && gather_expand_on()
+            && self.wg_runs(prec, kern, w, pairs)
+            && xp != self.wg_ws
+        {
+            // gemm_wt's copies do not gather: the gathered rows written out in tile order first
+            let k = w.cols;
+            let xe = XPermParams {
+                x: In::new(xp),
+                ldx: ldx as i64,
+                gather: In::new(gather),
+                gdiv: gdiv.max(1) as i32,
+                xb: Out::new(self.wg_ws),
+                rows: pairs as i32,
+                k: k as i32,
+            };
+            self.launch_params("x_bf16_perm", ((pairs * k / 8).div_ceil(256) as u32, 1, 1), 256, 0, &xe)?;
+            let x = (self.wg_ws, k, 0, 1, pairs);
+            return self.gemm_raw(w, prec, kern, n, x, y, 0, (tiles, max_tiles), false);
+        }
         // rows of x the gathered rows reach (pair p reads row p / gdiv)
         let xrows = if gather != 0 { pairs.div_ceil(gdiv.max(1)) } else { pairs };
         self.gemm_raw(w, prec, kern, n, (xp, ldx, gather, gdiv, xrows), y, 0, (tiles, max_tiles), false)
@@ -201,6 +222,8 @@ impl Gpu {
                     let xp = XPermParams {
                         x: In::new(x),
                         ldx: ldx as i64,
+                        gather: In::new(0),
+                        gdiv: 1,
                         xb: Out::new(self.wg_ws),
                         rows: xrows as i32,
                         k: k as i32,
@@ -311,7 +334,7 @@ pub enum GemmKernel {
     /// gemm_wt: gemm_wg's product with its tiles copied by the TMA and its wgmmas kept in flight
     /// across k-tiles (kernels/gemm_wt.cu), on the tiles [`GemmKernel::Wg`] would take; a
     /// gathered input (the routed experts' gate/up) stays on gemm_wg, whose copies gather rows.
-    /// `LILY_CUDA_GEMM_TMA=1` makes Auto pick it.
+    /// Auto picks it where it would pick gemm_wg (`LILY_CUDA_GEMM_TMA=0`: gemm_wg).
     Wt,
     /// [`GemmKernel::Wt`] on a grouped product's 128-row tiles (as [`GemmKernel::WgTall`]).
     WtTall,
@@ -399,11 +422,20 @@ fn wg256_from() -> usize {
     super::env_usize(&V, "LILY_CUDA_WG256_FROM", 2048)
 }
 
-/// Whether Auto's gemm_wg products run on gemm_wt (`LILY_CUDA_GEMM_TMA=1`; off by default until
-/// measured).
-fn tma_on() -> bool {
+/// Whether Auto's gemm_wg products run on gemm_wt (`LILY_CUDA_GEMM_TMA=0`: no; on by default,
+/// +31% prefill at 4K, +28% at 16K, perf log session 28).
+pub fn tma_on() -> bool {
     static V: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *V.get_or_init(|| std::env::var("LILY_CUDA_GEMM_TMA").is_ok_and(|v| v == "1"))
+    *V.get_or_init(|| std::env::var("LILY_CUDA_GEMM_TMA").map_or(true, |v| v != "0"))
+}
+
+/// Whether a grouped product with gathered inputs (the routed experts' gate/up) on gemm_wt first
+/// writes its rows out in tile order (x_bf16_perm with the row map: pairs rows instead of tokens)
+/// so that gemm_wt's TMA copies read them, instead of running on gemm_wg
+/// (`LILY_CUDA_GATHER_EXPAND=1`; off until measured).
+fn gather_expand_on() -> bool {
+    static V: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *V.get_or_init(|| std::env::var("LILY_CUDA_GATHER_EXPAND").is_ok_and(|v| v == "1"))
 }
 
 /// A 2D TMA map (`cuTensorMapEncodeTiled`) over `rows` packed rows of `inner` elements (bf16
