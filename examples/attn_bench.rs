@@ -132,7 +132,7 @@ fn main() -> Result<()> {
         let mut reference: Option<Vec<f32>> = None;
         let mut kernels = vec![PrefillAttn::Tc, PrefillAttn::Flash];
         if g.arch == "sm_90a" {
-            kernels.extend([PrefillAttn::FlashWg, PrefillAttn::FlashWgPipe]);
+            kernels.push(PrefillAttn::FlashWg);
         }
         for k in kernels {
             let run = || {
@@ -147,7 +147,7 @@ fn main() -> Result<()> {
                     t,
                     posb.ptr,
                     true,
-                    KvDtype::Bf16,
+                    (KvDtype::Bf16, kc.bytes),
                 )
             };
             run()?;

@@ -148,7 +148,7 @@ fn attention_cases(wgmma: bool) {
                 t,
                 posb.ptr,
                 true,
-                lily::cuda::KvDtype::F32,
+                (lily::cuda::KvDtype::F32, gkc.bytes),
             )
             .unwrap();
             let bound = if prec == Precision::F32 { TOL } else { TOL_ATTN_BF16 };
@@ -178,7 +178,7 @@ fn attention_cases(wgmma: bool) {
         // Every kernel explicitly (the flash kernel where its head dims allow), and the default.
         let flash = [64, 128, 256].contains(&hd);
         let kernels = match (wgmma, flash) {
-            (true, true) => vec![Some(PrefillAttn::FlashWg), Some(PrefillAttn::FlashWgPipe)],
+            (true, true) => vec![Some(PrefillAttn::FlashWg)],
             (true, false) => vec![],
             (false, true) => vec![Some(PrefillAttn::Simt), Some(PrefillAttn::Tc), None, Some(PrefillAttn::Flash)],
             (false, false) => vec![Some(PrefillAttn::Simt), Some(PrefillAttn::Tc), None],
@@ -188,9 +188,19 @@ fn attention_cases(wgmma: bool) {
             let kv = lily::cuda::KvDtype::Bf16;
             let dims = (nh, hkv, hd);
             match k {
-                Some(k) => {
-                    g.attn_prefill_with(k, qo.ptr, hkc.ptr, hvc.ptr, (pb.ptr, ld), out.ptr, dims, t, posb.ptr, true, kv)
-                }
+                Some(k) => g.attn_prefill_with(
+                    k,
+                    qo.ptr,
+                    hkc.ptr,
+                    hvc.ptr,
+                    (pb.ptr, ld),
+                    out.ptr,
+                    dims,
+                    t,
+                    posb.ptr,
+                    true,
+                    (kv, hkc.bytes),
+                ),
                 None => g.attn_prefill(
                     Precision::Bf16,
                     qo.ptr,
@@ -202,7 +212,7 @@ fn attention_cases(wgmma: bool) {
                     t,
                     posb.ptr,
                     true,
-                    kv,
+                    (kv, hkc.bytes),
                 ),
             }
             .unwrap();
@@ -246,7 +256,7 @@ fn attention_cases(wgmma: bool) {
                     t,
                     posb.ptr,
                     true,
-                    KvDtype::Fp8,
+                    (KvDtype::Fp8, fkc.bytes),
                 )
                 .unwrap();
                 let got = out.read_f32(0, t * nh * hd).unwrap();

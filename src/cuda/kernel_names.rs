@@ -29,7 +29,7 @@ pub const SOURCES: [(&str, &str); 21] = [
 
 /// Kernel entry points loaded from the module that are launched plainly; with [`PDL_KERNELS`] and
 /// [`SKINNY_KERNELS`] they are every entry point (see [`all_kernels`]), each listed once.
-pub const KERNELS: [&str; 36] = [
+pub const KERNELS: [&str; 33] = [
     "gemv_q_loadonly",
     "gemm_f32",
     "gemm_bf16",
@@ -58,9 +58,6 @@ pub const KERNELS: [&str; 36] = [
     "attn_prefill_wg64",
     "attn_prefill_wg128",
     "attn_prefill_wg256",
-    "attn_prefill_wgp64",
-    "attn_prefill_wgp128",
-    "attn_prefill_wgp256",
     "moe_align",
     "moe_combine",
     "moe_combine_rows",
@@ -227,18 +224,20 @@ pub fn fa_kernel(d: usize, fp8: bool) -> &'static str {
     }
 }
 
-/// The wgmma prefill attention kernel for head dim `d` (64, 128 or 256; kernels/attention_wg.cu):
-/// one tile at a time, or (`pipe`) with the softmax under the previous tile's P V. Its shared
-/// memory is [`fa_smem`]`(d)`.
-pub fn wg_attn_kernel(d: usize, pipe: bool) -> &'static str {
-    match (d, pipe) {
-        (64, false) => "attn_prefill_wg64",
-        (128, false) => "attn_prefill_wg128",
-        (_, false) => "attn_prefill_wg256",
-        (64, true) => "attn_prefill_wgp64",
-        (128, true) => "attn_prefill_wgp128",
-        (_, true) => "attn_prefill_wgp256",
+/// The wgmma + TMA prefill attention kernel for head dim `d` (64, 128 or 256;
+/// kernels/attention_wg.cu). Its shared memory is [`wg_attn_smem`]`(d)`.
+pub fn wg_attn_kernel(d: usize) -> &'static str {
+    match d {
+        64 => "attn_prefill_wg64",
+        128 => "attn_prefill_wg128",
+        _ => "attn_prefill_wg256",
     }
+}
+
+/// Dynamic shared memory of [`wg_attn_kernel`]`(d)`: [`fa_smem`]`(d)` and 1 KB to align the
+/// swizzled tiles.
+pub fn wg_attn_smem(d: usize) -> usize {
+    fa_smem(d) + 1024
 }
 
 /// Dynamic shared memory of [`fa_kernel`]`(d, false)`: Q [128][d] and two K and V tiles [64][d],

@@ -323,8 +323,7 @@ impl Gpu {
         let smem_optin = optin.min(160 * 1024);
         let fa = [64, 128, 256].map(|d| (fa_kernel(d, false), fa_smem(d).min(optin)));
         let fa8 = [64, 128, 256].map(|d| (fa_kernel(d, true), fa_smem_fp8(d).min(optin)));
-        let fa_wg = [(64, false), (128, false), (256, false), (64, true), (128, true), (256, true)]
-            .map(|(d, pipe)| (wg_attn_kernel(d, pipe), fa_smem(d).min(optin)));
+        let fa_wg = [64, 128, 256].map(|d| (wg_attn_kernel(d), wg_attn_smem(d).min(optin)));
         let pipe = [
             ("gemm_pipe64", GEMM_PIPE_SMEM64),
             ("gemm_pipe128", GEMM_PIPE_SMEM128),

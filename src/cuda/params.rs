@@ -324,16 +324,16 @@ kernel_params! {
     /// `attn_combine`: the decode splits' partials merged per head, times the output gate `qg` (rows of stride `ldqg`) when `gated`.
     AttnCombineParams spread ["attn_combine"] { part: In<f32>, qg: In<f32>, out: Out<f32>, nh: i32, hd: i32, S: i32, gated: i32, ldqg: i64 }
     /// Causal prefill attention of `T` tokens (SIMT, tensor-core and flash kernels, f32 or bf16
-    /// caches by kernel), output gate from `qg` rows of stride `ldg` when `gated`.
+    /// caches by kernel), output gate from `qg` rows of stride `ldg` when `gated`; `km` / `vm` the
+    /// caches' TMA maps (attn_prefill_wg* only).
     AttnPrefillParams spread [
         "attn_prefill", "attn_prefill_bf16", "attn_prefill_tc", "attn_prefill_tc_bf16",
         "attn_prefill_fa64", "attn_prefill_fa128", "attn_prefill_fa256", "attn_prefill_fa64_fp8",
         "attn_prefill_fa128_fp8", "attn_prefill_fa256_fp8", "attn_prefill_wg64",
-        "attn_prefill_wg128", "attn_prefill_wg256", "attn_prefill_wgp64", "attn_prefill_wgp128",
-        "attn_prefill_wgp256"
+        "attn_prefill_wg128", "attn_prefill_wg256"
     ] {
         q: In<f32>, kc: In<Void>, vc: In<Void>, qg: In<f32>, ldg: i64, out: Out<f32>, nh: i32, hkv: i32, hd: i32, T: i32,
-        pos_p: In<i32>, scale: f32, gated: i32
+        pos_p: In<i32>, scale: f32, gated: i32, km: TmaMap, vm: TmaMap
     }
     /// `embed_row`: out[t, c] = W[row[t], c] dequantized, for c < cols (grid.y = tokens).
     EmbedParams ["embed_row"] {

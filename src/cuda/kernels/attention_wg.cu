@@ -1,38 +1,39 @@
 /*
  * attention_wg.cu: causal gated attention prefill over a bf16 KV cache on Hopper's warpgroup MMA
- *   (wgmma, sm_90a): attention_fa.cu's blocks and math with both products on wgmma.
+ *   (wgmma) with its K/V tiles copied by the TMA (sm_90a): attention_fa.cu's blocks and math.
  *
  * Math: as attention_fa.cu (scores in the log2 domain, online softmax in fp32, P rounded to bf16
- *   for P V, output times sigmoid(gate) when gated). Same inputs, outputs and AttnPrefillParams.
+ *   for P V, output times sigmoid(gate) when gated). Same inputs and outputs; AttnPrefillParams
+ *   with the TMA maps km / vm of the K and V caches (bf16 [positions][H_kv * D], boxes of 64
+ *   columns x 64 keys, 128-byte swizzle), built by the host over the caches' whole allocation.
  *
  * Launch: grid (ceil(T*G / 128), H_kv), block 256 = 2 warpgroups, dynamic shared memory
- *   fa_smem(D) = (128 + 4*64) * D * 2 bytes (192 KB at D = 256). Block x (in reverse) owns query
- *   rows 128x .. 128x + 127 of KV head y (16 tokens x 8 heads at G = 8); warpgroup h owns rows
- *   64h .. 64h + 63, warp w of it the 16 rows 64h + 16w .. (the wgmma accumulator rows).
+ *   fa_smem(D) + 1024 (193 KB at D = 256). Block x (in reverse) owns query rows 128x .. 128x + 127
+ *   of KV head y (16 tokens x 8 heads at G = 8); warpgroup h owns rows 64h .. 64h + 63, warp w of
+ *   it the 16 rows 64h + 16w .. (the wgmma accumulator rows; s[4n + c] / o[4n + c] hold row
+ *   16w + g + 8(c>>1), column 8n + 2(lane%4) + (c&1), as mma.sync's, so the softmax and the
+ *   epilogue are attention_fa.cu's).
  *
- * Shared memory, every tile as wgmma "core matrices" (8 rows x 16 bytes, no swizzle): 16-byte
- *   chunk c (columns 8c .. 8c+7) of row i of a [64][D] tile at (c*8 + i/8)*128 + (i%8)*16.
- *   Q: two such [64][D] tiles (one per warpgroup); K and V: two buffers of one [64 keys][D] tile.
- *   - S = Q K^T, per warpgroup m64n64 over D/16 k-steps (both operands in shared memory, K-major:
- *     the k-neighbour core matrix LBO = 1024 bytes on, the next 8 rows SBO = 128 bytes on).
- *   - O += P V, per warpgroup 4 k-steps (16 keys) x D/64 m64n64 (P from registers: the S
- *     accumulators as bf16 pairs, which is exactly the A fragment layout; V read transposed by the
- *     instruction, tnsp-b, as an MN-major operand: the same bytes with LBO = 128 (next 8 keys) and
- *     SBO = 1024 (next 8 columns)).
- *   The accumulators s[4n + c] / o[4n + c] (n: 8-column group) hold row 16w + g + 8(c>>1), column
- *   8n + 2(lane%4) + (c&1), as mma.sync's, so the softmax is attention_fa.cu's.
- *   Copies: cp.async 16 bytes, lanes over 8 rows then 4 chunks (a warp fills four 128-byte runs:
- *   no bank conflicts), zero-filled past the last key; fence.proxy.async after each wait, before
- *   the barrier that lets wgmma read them.
- *
- * Two schedules (template PIPE):
- *   false (attn_prefill_wg*): per tile: wait for it, barrier, start the next tile's copies,
- *     S (wait), softmax, rescale O, O += P V (wait), barrier.
- *   true (attn_prefill_wgp*, FA3's intra-warpgroup overlap): K runs one tile ahead of V; per
- *     tile t: wait, barrier, start K(t+1) and V(t) copies, issue S(t) and then O += P(t-1) V(t-1),
- *     wait for S(t) only, softmax(t) while P V runs on the tensor cores, wait, rescale O, pack
- *     P(t); a last P V after the loop. K(t+1) overwrites K(t-1) and V(t) overwrites V(t-2), both
- *     finished by every warpgroup before the barrier.
+ * Shared memory from a 1024-byte aligned base: Q [2 warpgroups][64 rows][D], then K [2 buffers][64
+ *   keys][D], then V likewise, every [64][D] tile as D/64 chunks of [64 rows][128 bytes] in the
+ *   128-byte swizzle (16-byte unit u of row i at u ^ (i % 8)): what TMA writes for one box, and
+ *   wgmma's SW128 layouts. Q is converted to bf16 by the threads into the same layout.
+ *   - S = Q K^T, per warpgroup m64n64 over D/16 k-steps: both operands K-major SW128 (k-step ks:
+ *     chunk ks/4, start + 32 (ks % 4) bytes, SBO 1024 = the next 8 rows).
+ *   - O += P V: P from registers (the S accumulators as bf16 pairs: the A fragment layout), V as
+ *     the MN-major SW128 operand (tnsp-b): per 16-key step kk and 64-column chunk nb one m64n64k16
+ *     at chunk nb, start + 2048 kk, the 8-key groups 1024 bytes apart (given as both LBO and SBO:
+ *     an m64n64 step spans one swizzle atom across N, so only the K stride is read, whichever
+ *     field the hardware takes it from).
+ *   - Per buffer a "full" mbarrier for K and one for V (armed with the tile's bytes by the issuing
+ *     thread), and a release count: the second warpgroup done with a buffer (S(t) complete for K,
+ *     P(t) V(t) for V) issues the copy of the tile two on into it. No block barrier in the loop.
+ *   - Keys past the last query's position (kend) read whatever the cache holds there (rows past
+ *     the allocation read as zeros): their scores are masked to -inf, and their V rows (last tile
+ *     only) are zeroed in shared memory before the last P V, so garbage (NaN) never reaches O.
+ * Schedule per warpgroup (FA3's intra-warpgroup overlap): S(0), softmax(0); for t >= 1: issue
+ *   S(t), then P(t-1) V(t-1); wait for S(t); softmax(t) while P V runs; wait; rescale O, pack P(t);
+ *   a last P V after the loop.
  * Registers: O D/2 floats, S 32, P 16 (at D = 256 about 200 in all).
  * Elsewhere than sm_90a the kernels are empty and the host never launches them.
  */
@@ -64,27 +65,30 @@ __device__ __forceinline__ void aw_mma_rs_t(float* d, const u32* a, u64 db) {
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(1));
 }
 
-/* A descriptor from its low word (start, LBO) and SBO in bytes; no swizzle */
-__device__ __forceinline__ u64 aw_desc(u32 lo, u32 sbo) { return (u64)lo | ((u64)(sbo >> 4) << 32); }
-
 __device__ __forceinline__ void aw_wait1() { asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory"); }
 __device__ __forceinline__ void aw_fence_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 #endif
 
-/* Byte offset of 16-byte chunk c of row i in a [64][D] core-matrix tile (see the header). */
-__device__ __forceinline__ u32 aw_off(int i, int c) { return (u32)(((c * 8 + (i >> 3)) << 7) + ((i & 7) << 4)); }
-
-template <int D, bool PIPE>
-__device__ __forceinline__ void attn_wg_t(const float* q, const u16* kc, const u16* vc, const float* qg, long long ldg,
-                                          float* out, int nh, int hkv, int T, const int* pos_p, float scale,
-                                          int gated) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    extern __shared__ __align__(128) unsigned char aw_sm[];
-    const float scale_log2 = scale * 1.4426950408889634f;
-    constexpr int CH = D / 8; /* 16-byte chunks per row */
-    constexpr u32 TILE = 64 * D * 2;
-    const u32 sQ = (u32)__cvta_generic_to_shared(aw_sm);
+/* SW128 descriptor: start, LBO (bytes), SBO 1024, layout type 1 */
+__device__ __forceinline__ u64 at_desc(u32 saddr, u32 lbo) {
+    return (u64)((saddr & 0x3FFFFu) >> 4) | ((u64)(lbo >> 4) << 16) | ((u64)(1024 >> 4) << 32) | ((u64)1 << 62);
+}
+#endif
+
+template <int D>
+__device__ __forceinline__ void attn_wt_t(const float* q, const TmaMap* km, const TmaMap* vm, const float* qg,
+                                          long long ldg, float* out, int nh, int hkv, int T, const int* pos_p,
+                                          float scale, int gated) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    extern __shared__ __align__(1024) unsigned char at_sm[];
+    __shared__ __align__(8) u64 kfull[2], vfull[2];
+    __shared__ unsigned krel[2], vrel[2];
+    constexpr int NC = D / 64;       /* 64-column chunks per row */
+    constexpr u32 TILE = 64 * D * 2; /* one [64][D] tile */
+    const u32 raw = smem_u32(at_sm), sQ = (raw + 1023u) & ~1023u;
     const u32 sK = sQ + 2 * TILE, sV = sK + 2 * TILE;
+    const float scale_log2 = scale * 1.4426950408889634f;
     const int pos0 = pos_p[0];
     const int G = nh / hkv, kvh = blockIdx.y;
     const int nrows = T * G;
@@ -93,40 +97,51 @@ __device__ __forceinline__ void attn_wg_t(const float* q, const u16* kc, const u
     const int last_row = min(nrows - 1, r0 + 127);
     const int kend = pos0 + last_row / G + 1;
     const int ntiles = (kend + 63) / 64;
-    const int diag0 = pos0 + r0 / G; /* tiles reaching past this key need the causal mask */
-    const long long kstride = (long long)hkv * D;
-    const u16* kb = kc + (long long)kvh * D;
-    const u16* vb = vc + (long long)kvh * D;
-
-    /* one [64][D] tile of keys (or values) from position 64*tile into the buffer at dst: copy it
-       of this thread is chunk c of key j0 + JS*it (few registers live across the loop) */
-    constexpr int JS = 256 / CH;
-    const int j0 = 8 * ((tid >> 3) / CH) + (tid & 7), c0 = (tid >> 3) % CH;
-    const u32 soff = aw_off(j0, c0);
-    auto load_kv = [&](u32 dst, const u16* src, int tile) {
-        int lim = kend - 64 * tile - j0; /* copy it is in range when JS*it < lim */
-        const u16* p = src + (long long)(64 * tile + j0) * kstride + c0 * 8;
-#pragma unroll
-        for (int it = 0; it < CH / 4; it++) {
-            bool ok = JS * it < lim;
-            cp_async16(dst + soff + JS * it * 16, ok ? p + (long long)JS * it * kstride : src, ok ? 16 : 0);
+    const int diag0 = pos0 + r0 / G;
+    if (tid == 0) {
+        for (int i = 0; i < 2; i++) {
+            mb_init(&kfull[i], 1);
+            mb_init(&vfull[i], 1);
+            krel[i] = vrel[i] = 0;
         }
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+    __syncthreads();
+    auto load_k = [&](int tile) {
+        u64* b = &kfull[tile & 1];
+        mb_expect(b, TILE);
+#pragma unroll
+        for (int c = 0; c < NC; c++) tma_2d(sK + (tile & 1) * TILE + c * 8192, km, kvh * D + 64 * c, 64 * tile, b);
     };
-    /* Q as bf16, each warpgroup's 64 rows one tile; rows past T*G repeat the last row */
+    auto load_v = [&](int tile) {
+        u64* b = &vfull[tile & 1];
+        mb_expect(b, TILE);
+#pragma unroll
+        for (int c = 0; c < NC; c++) tma_2d(sV + (tile & 1) * TILE + c * 8192, vm, kvh * D + 64 * c, 64 * tile, b);
+    };
+    if (tid == 0) {
+        load_k(0);
+        load_v(0);
+        if (ntiles > 1) {
+            load_k(1);
+            load_v(1);
+        }
+    }
+    /* Q as bf16 in the swizzled layout; rows past T*G repeat the last row */
 #pragma unroll 4
-    for (int it = 0; it < CH / 2; it++) {
-        int e = tid + 256 * it, rest = e >> 3;
-        int i = 8 * (rest / CH) + (e & 7), c = rest % CH;
+    for (int it = 0; it < D / 16; it++) {
+        int e = tid + 256 * it, i = e / (D / 8), c = e % (D / 8), ii = i & 63;
         int r = min(r0 + i, nrows - 1);
         const float* src = q + ((long long)(r / G) * nh + kvh * G + r % G) * D + c * 8;
         float4 x0 = *(const float4*)src, x1 = *(const float4*)(src + 4);
-        u32 a = sQ + (i >> 6) * TILE + aw_off(i & 63, c);
+        u32 a = sQ + (i >> 6) * TILE + (c >> 3) * 8192 + ii * 128 + (((c & 7) ^ (ii & 7)) << 4);
         asm volatile("st.shared.v4.u32 [%0], {%1,%2,%3,%4};\n" ::"r"(a), "r"(pack_bf16(x0.x, x0.y)),
                      "r"(pack_bf16(x0.z, x0.w)), "r"(pack_bf16(x1.x, x1.y)), "r"(pack_bf16(x1.z, x1.w))
                      : "memory");
     }
+    aw_fence_async();
+    __syncthreads();
 
-    /* this thread's two rows: g and g + 8 of its warp's 16 */
     int qpos[2];
 #pragma unroll
     for (int i = 0; i < 2; i++) qpos[i] = pos0 + min(r0 + 16 * warp + g + 8 * i, nrows - 1) / G;
@@ -138,28 +153,33 @@ __device__ __forceinline__ void attn_wg_t(const float* q, const u16* kc, const u
 #pragma unroll
     for (int j = 0; j < 32; j++) s[j] = 0.f;
     u32 pa[4][4];
-    /* descriptors' low words (start address and LBO, 16-byte units): this warpgroup's Q, k-step
-       0; K and V buffer 0. The high words (SBO) are constants. */
-    const u32 dq = ((sQ + wg * TILE) >> 4) | (64u << 16), dk = (sK >> 4) | (64u << 16), dv = (sV >> 4) | (8u << 16);
-
-    auto scores = [&](int tile) { /* issue S = Q K^T of this tile (K in buffer tile & 1) */
-        u32 kt = dk + (tile & 1) * (TILE >> 4);
+    const u32 qw = sQ + wg * TILE;
+    const bool lead = (tid & 127) == 0;
+    auto scores = [&](int tile) {
+        u32 kt = sK + (tile & 1) * TILE;
 #pragma unroll
-        for (int ks = 0; ks < D / 16; ks++)
-            aw_mma_ss(s, aw_desc(dq + ks * 128, 128), aw_desc(kt + ks * 128, 128), ks);
+        for (int ks = 0; ks < D / 16; ks++) {
+            u32 off = (ks >> 2) * 8192 + (ks & 3) * 32;
+            aw_mma_ss(s, at_desc(qw + off, 16), at_desc(kt + off, 16), ks);
+        }
     };
-    auto pv = [&](int tile) { /* issue O += P V of this tile (V in buffer tile & 1) */
-        u32 vt = dv + (tile & 1) * (TILE >> 4);
+    auto pv = [&](int tile) {
+        u32 vt = sV + (tile & 1) * TILE;
 #pragma unroll
         for (int kk = 0; kk < 4; kk++)
 #pragma unroll
-            for (int nb = 0; nb < D / 64; nb++) aw_mma_rs_t(o + 32 * nb, pa[kk], aw_desc(vt + kk * 16 + nb * 512, 1024));
+            for (int nb = 0; nb < NC; nb++) aw_mma_rs_t(o + 32 * nb, pa[kk], at_desc(vt + nb * 8192 + kk * 2048, 1024));
     };
-    /* mask, online-softmax update of m and l, s := exp2(s - m); returns the rescale factors */
+    /* this warpgroup is done with K(tile) / V(tile): the second to say so loads tile + 2 there */
+    auto rel_k = [&](int tile) {
+        if (lead && tile + 2 < ntiles && (atomicAdd(&krel[tile & 1], 1u) & 1u)) load_k(tile + 2);
+    };
+    auto rel_v = [&](int tile) {
+        if (lead && tile + 2 < ntiles && (atomicAdd(&vrel[tile & 1], 1u) & 1u)) load_v(tile + 2);
+    };
     auto softmax = [&](int tile, float* corr) {
         int k0 = 64 * tile;
         bool diag = k0 + 63 > diag0;
-        /* key k0 + 8(j>>2) + 2 t4 + (j&1) is masked for row i when 8(j>>2) + (j&1) > lim[i] */
         int lim[2] = {qpos[0] - k0 - 2 * t4, qpos[1] - k0 - 2 * t4};
         float mx[2] = {m[0], m[1]};
 #pragma unroll
@@ -178,12 +198,11 @@ __device__ __forceinline__ void attn_wg_t(const float* q, const u16* kc, const u
             l[(j >> 1) & 1] += p;
         }
     };
-    auto rescale = [&](const float* corr) { /* skipped (same result) while no row max of the warp moved */
+    auto rescale = [&](const float* corr) {
         if (!__any_sync(0xffffffffu, corr[0] != 1.f || corr[1] != 1.f)) return;
 #pragma unroll
         for (int j = 0; j < D / 2; j++) o[j] *= corr[(j >> 1) & 1];
     };
-    /* P as the A fragments of the 4 k-steps: keys 16kk + 2t4 (+8), rows g (+8) */
     auto pack = [&]() {
 #pragma unroll
         for (int kk = 0; kk < 4; kk++) {
@@ -195,84 +214,56 @@ __device__ __forceinline__ void attn_wg_t(const float* q, const u16* kc, const u
     };
     float corr[2];
 
-    if (!PIPE) {
-        load_kv(sK, kb, 0);
-        load_kv(sV, vb, 0);
-        cp_async_commit();
-        for (int tile = 0; tile < ntiles; tile++) {
-            if (tile + 1 < ntiles) {
-                load_kv(sK + ((tile + 1) & 1) * TILE, kb, tile + 1);
-                load_kv(sV + ((tile + 1) & 1) * TILE, vb, tile + 1);
-            }
-            cp_async_commit();
-            cp_async_wait1();
-            aw_fence_async();
-            __syncthreads();
-            wg_fence();
-            scores(tile);
-            wg_commit();
-            wg_wait0();
-            softmax(tile, corr);
-            rescale(corr);
-            pack();
-            wg_fence();
-            pv(tile);
-            wg_commit();
-            wg_wait0();
-            __syncthreads(); /* the next trip refills this tile's buffers */
-        }
-    } else {
-        load_kv(sK, kb, 0);
-        cp_async_commit();
-        asm volatile("cp.async.wait_group 0;\n" ::: "memory");
-        aw_fence_async();
-        __syncthreads();
-        if (ntiles > 1) load_kv(sK + TILE, kb, 1);
-        load_kv(sV, vb, 0);
-        cp_async_commit();
+    wt_wait(&kfull[0], 0);
+    wg_fence();
+    scores(0);
+    wg_commit();
+    wg_wait0();
+    rel_k(0);
+    softmax(0, corr);
+    pack();
+    for (int tile = 1; tile < ntiles; tile++) {
+        wt_wait(&kfull[tile & 1], (tile >> 1) & 1);
         wg_fence();
-        scores(0);
+        scores(tile);
         wg_commit();
+        wt_wait(&vfull[(tile - 1) & 1], ((tile - 1) >> 1) & 1);
+        pv(tile - 1);
+        wg_commit();
+        aw_wait1(); /* S(tile) done; P(tile - 1) V(tile - 1) may still run */
+        rel_k(tile);
+        softmax(tile, corr);
         wg_wait0();
-        softmax(0, corr);
+        rel_v(tile - 1);
+        rescale(corr);
         pack();
-        for (int tile = 1; tile < ntiles; tile++) {
-            asm volatile("cp.async.wait_group 0;\n" ::: "memory"); /* K(tile), V(tile - 1) */
-            aw_fence_async();
-            __syncthreads(); /* every warpgroup is done with K(tile - 1) and V(tile - 2) */
-            if (tile + 1 < ntiles) load_kv(sK + ((tile + 1) & 1) * TILE, kb, tile + 1);
-            load_kv(sV + (tile & 1) * TILE, vb, tile);
-            cp_async_commit();
-            wg_fence();
-            scores(tile);
-            wg_commit();
-            pv(tile - 1);
-            wg_commit();
-            aw_wait1(); /* S(tile) done; P(tile - 1) V(tile - 1) may still run */
-            softmax(tile, corr);
-            wg_wait0();
-            rescale(corr);
-            pack();
-        }
-        asm volatile("cp.async.wait_group 0;\n" ::: "memory"); /* V(ntiles - 1) */
-        aw_fence_async();
-        __syncthreads();
-        wg_fence();
-        pv(ntiles - 1);
-        wg_commit();
-        wg_wait0();
     }
+    const int lt = ntiles - 1;
+    wt_wait(&vfull[lt & 1], (lt >> 1) & 1);
+    /* the last tile's V rows of keys >= kend (unwritten cache rows) to zero, by this warpgroup */
+    const int j0 = kend - 64 * lt;
+    if (j0 < 64) {
+        const u32 vt = sV + (lt & 1) * TILE;
+        for (int u = tid & 127; u < (64 - j0) * NC * 8; u += 128) {
+            int row = j0 + u / (NC * 8), c = (u / 8) % NC, x = u % 8;
+            asm volatile("st.shared.v4.u32 [%0], {%1,%1,%1,%1};\n" ::"r"(vt + c * 8192 + row * 128 + x * 16), "r"(0)
+                         : "memory");
+        }
+        aw_fence_async();
+        asm volatile("bar.sync %0, 128;\n" ::"r"(1 + wg) : "memory");
+    }
+    wg_fence();
+    pv(lt);
+    wg_commit();
+    wg_wait0();
 
     fa_store_rows<D>(o, l, r0 + 16 * warp + g, nrows, G, kvh, nh, t4, out, qg, ldg, gated);
 #endif
 }
 
-#define ATTN_WG(D)                                                                                          \
-    extern "C" __global__ void __launch_bounds__(256, 1) attn_prefill_wg##D(AttnPrefillParams_fields) {    \
-        attn_wg_t<D, false>(q, (const u16*)kc, (const u16*)vc, qg, ldg, out, nh, hkv, T, pos_p, scale, gated); \
-    }                                                                                                       \
-    extern "C" __global__ void __launch_bounds__(256, 1) attn_prefill_wgp##D(AttnPrefillParams_fields) {   \
-        attn_wg_t<D, true>(q, (const u16*)kc, (const u16*)vc, qg, ldg, out, nh, hkv, T, pos_p, scale, gated);  \
+#define ATTN_WG(D)                                                                                       \
+    extern "C" __global__ void __launch_bounds__(256, 1) attn_prefill_wg##D(AttnPrefillParams_fields) { \
+        attn_wt_t<D>(q, &km, &vm, qg, ldg, out, nh, hkv, T, pos_p, scale, gated);                       \
     }
 ATTN_WG(64)
 ATTN_WG(128)

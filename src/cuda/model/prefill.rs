@@ -220,7 +220,7 @@ impl CudaSession {
                     t,
                     p.pos.ptr,
                     c.attn_output_gate,
-                    self.kv,
+                    (self.kv, kc.mapped()),
                 )?;
                 g.gemm(o, prec, p.o.ptr, nh * hd, p.x.ptr, h, t, true)?;
             }

@@ -3,7 +3,7 @@
 //! cache element type every one of them is launched for (kernels/attention*.cu).
 
 use super::super::params::{
-    AttnCombineParams, AttnDecodeParams, AttnGqaParams, AttnPrefillParams, AttnPrepParams, In, Out,
+    AttnCombineParams, AttnDecodeParams, AttnGqaParams, AttnPrefillParams, AttnPrepParams, In, Out, TmaMap,
 };
 use super::super::Gpu;
 use super::{blocks, Precision};
@@ -14,7 +14,8 @@ impl Gpu {
     /// Causal attention of t new tokens (queries `q: [t, H_q, D]`, K/V already in the caches at
     /// positions pos0.., pos0 read from the device) with the output gate read from `qg` rows of
     /// stride ldg; out `[t, H_q·D]`. fp32 SIMT, or bf16 tensor cores: the flash kernel
-    /// ([`PrefillAttn::default_for`]).
+    /// ([`PrefillAttn::default_for`]). `kv_bytes`: the K (and V) cache's allocation (the TMA
+    /// kernel's maps span it).
     #[allow(clippy::too_many_arguments)]
     pub fn attn_prefill(
         &self,
@@ -28,10 +29,10 @@ impl Gpu {
         t: usize,
         pos0: u64,
         gated: bool,
-        kv: KvDtype,
+        (kv, kv_bytes): (KvDtype, usize),
     ) -> Result<()> {
         let k = PrefillAttn::default_for(prec, kv, dims.2, self.smem_optin_max, self.arch == "sm_90a");
-        self.attn_prefill_with(k, q, kc, vc, qg, out, dims, t, pos0, gated, kv)
+        self.attn_prefill_with(k, q, kc, vc, qg, out, dims, t, pos0, gated, (kv, kv_bytes))
     }
 
     /// [`Gpu::attn_prefill`] on a chosen kernel (the kernel tests run each of them).
@@ -48,14 +49,14 @@ impl Gpu {
         t: usize,
         pos0: u64,
         gated: bool,
-        kv: KvDtype,
+        (kv, kv_bytes): (KvDtype, usize),
     ) -> Result<()> {
         let (nh, hkv, hd) = dims;
         if !hd.is_multiple_of(32) || hd > 256 || !nh.is_multiple_of(hkv) {
             bail!("attn_prefill: head dim {hd} / heads {nh}:{hkv} unsupported");
         }
         let g = nh / hkv;
-        let flash = matches!(k, PrefillAttn::Flash | PrefillAttn::FlashWg | PrefillAttn::FlashWgPipe);
+        let flash = matches!(k, PrefillAttn::Flash | PrefillAttn::FlashWg);
         let fp8 = kv == KvDtype::Fp8;
         if fp8 && k != PrefillAttn::Flash {
             bail!("attn_prefill: an fp8 KV cache is read by the flash kernel only (asked for {k:?})");
@@ -69,16 +70,16 @@ impl Gpu {
                 "attn_prefill: the flash kernels need a bf16 or fp8 cache and head dim 64/128/256 (got {kv:?}, {hd})"
             );
         }
-        if matches!(k, PrefillAttn::FlashWg | PrefillAttn::FlashWgPipe) && self.arch != "sm_90a" {
+        if k == PrefillAttn::FlashWg && self.arch != "sm_90a" {
             bail!("attn_prefill: the wgmma kernels need an sm_90a device (this one is {})", self.arch);
         }
         let (name, grid, block, shared) = match (k, kv) {
             _ if flash => {
-                let name = match k {
-                    PrefillAttn::Flash => super::super::fa_kernel(hd, fp8),
-                    _ => super::super::wg_attn_kernel(hd, k == PrefillAttn::FlashWgPipe),
+                let (name, smem) = match k {
+                    PrefillAttn::Flash => (super::super::fa_kernel(hd, fp8), super::super::fa_smem_kv(hd, kv)),
+                    _ => (super::super::wg_attn_kernel(hd), super::super::wg_attn_smem(hd)),
                 };
-                (name, blocks(t * g, 128), 256, super::super::fa_smem_kv(hd, kv))
+                (name, blocks(t * g, 128), 256, smem)
             }
             (_, KvDtype::Fp8) => unreachable!("checked above: fp8 takes the flash kernel"),
             (PrefillAttn::Simt, KvDtype::F32) => ("attn_prefill", blocks(t * g, 8), 256, 0),
@@ -100,7 +101,16 @@ impl Gpu {
             pos_p: In::new(pos0),
             scale: 1.0 / (hd as f32).sqrt(),
             gated: gated as i32,
+            km: TmaMap::NONE,
+            vm: TmaMap::NONE,
         };
+        let mut a = a;
+        if k == PrefillAttn::FlashWg {
+            // the caches as bf16 [positions][H_kv·D], boxes of 64 columns x 64 keys, 128-byte swizzle
+            let rows = kv_bytes / (hkv * hd * 2);
+            a.km = super::tma_map(kc, true, hkv * hd, rows, (64, 64), true)?;
+            a.vm = super::tma_map(vc, true, hkv * hd, rows, (64, 64), true)?;
+        }
         self.launch_params(name, (grid, hkv as u32, 1), block, shared as u32, &a)
     }
 
@@ -502,22 +512,21 @@ pub struct AttnPrep {
 
 /// The prefill attention kernels: fp32 SIMT (the exact mode), bf16 tensor cores one 32-key tile
 /// at a time (`attn_prefill_tc*`, any cache), and the flash kernels (bf16 cache, head dim
-/// 64/128/256, 128-row blocks, cp.async double buffering): on mma.sync with ldmatrix
-/// (kernels/attention_fa.cu), and on Hopper's wgmma (kernels/attention_wg.cu, sm_90a), one tile
-/// at a time or with the softmax under the previous tile's P V.
+/// 64/128/256, 128-row blocks): on mma.sync with ldmatrix and cp.async double buffering
+/// (kernels/attention_fa.cu), and on Hopper's wgmma with TMA copies and the softmax under the
+/// previous tile's P V (kernels/attention_wg.cu, sm_90a).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum PrefillAttn {
     Simt,
     Tc,
     Flash,
     FlashWg,
-    FlashWgPipe,
 }
 
 impl PrefillAttn {
     /// SIMT in the exact mode; in the bf16 mode the mma.sync flash kernel where it applies.
-    /// `LILY_CUDA_ATTN_PREFILL` picks another for an A/B: `tc`, or on sm_90a `wg` / `wgp` (the
-    /// wgmma kernels, opt-in until measured; docs/perf-log.md).
+    /// `LILY_CUDA_ATTN_PREFILL` picks another for an A/B: `tc`, or on sm_90a `wg` (the wgmma
+    /// kernel, opt-in until measured; docs/perf-log.md).
     pub fn default_for(prec: Precision, kv: KvDtype, hd: usize, smem_max: usize, sm90a: bool) -> PrefillAttn {
         static PICK: OnceLock<String> = OnceLock::new();
         let pick = PICK.get_or_init(|| std::env::var("LILY_CUDA_ATTN_PREFILL").unwrap_or_default());
@@ -529,7 +538,6 @@ impl PrefillAttn {
             Precision::F32 => PrefillAttn::Simt,
             _ if !flash_fits || pick == "tc" => PrefillAttn::Tc,
             _ if sm90a && pick == "wg" => PrefillAttn::FlashWg,
-            _ if sm90a && pick == "wgp" => PrefillAttn::FlashWgPipe,
             _ => PrefillAttn::Flash,
         }
     }

@@ -4,6 +4,7 @@
 
 use super::super::params::{GemmParams, In, Out, TmaMap, XPermParams};
 use super::super::Gpu;
+use super::tma_map;
 use super::{blocks, GpuLinear};
 use anyhow::{bail, Result};
 
@@ -439,53 +440,6 @@ pub fn tma_on() -> bool {
 fn gather_expand_on() -> bool {
     static V: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *V.get_or_init(|| std::env::var("LILY_CUDA_GATHER_EXPAND").map_or(true, |v| v != "0"))
-}
-
-/// A 2D TMA map (`cuTensorMapEncodeTiled`) over `rows` packed rows of `inner` elements (bf16
-/// when `bf16`, else bytes) at `ptr`, copied in boxes of `boxd` = (elements, rows), in the
-/// 128-byte swizzle when `swizzle`; rows past `rows` read as zeros.
-fn tma_map(ptr: u64, bf16: bool, inner: usize, rows: usize, boxd: (u32, u32), swizzle: bool) -> Result<TmaMap> {
-    use cudarc::driver::sys;
-    let es = if bf16 { 2 } else { 1 };
-    if !ptr.is_multiple_of(16) || !(inner * es).is_multiple_of(16) || rows == 0 {
-        bail!("TMA map: address {ptr:#x} or row of {} bytes not 16-byte aligned, or no rows", inner * es);
-    }
-    let dtype = if bf16 {
-        sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16
-    } else {
-        sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_UINT8
-    };
-    let swz = if swizzle {
-        sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B
-    } else {
-        sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_NONE
-    };
-    let dims = [inner as u64, rows as u64];
-    let strides = [(inner * es) as u64];
-    let boxdim = [boxd.0, boxd.1];
-    let elem = [1u32, 1];
-    let mut map = std::mem::MaybeUninit::<sys::CUtensorMap>::zeroed();
-    // SAFETY: every pointer is to a local array of the rank's length; map is written by the call.
-    unsafe {
-        sys::cuTensorMapEncodeTiled(
-            map.as_mut_ptr(),
-            dtype,
-            2,
-            ptr as *mut std::ffi::c_void,
-            dims.as_ptr(),
-            strides.as_ptr(),
-            boxdim.as_ptr(),
-            elem.as_ptr(),
-            sys::CUtensorMapInterleave::CU_TENSOR_MAP_INTERLEAVE_NONE,
-            swz,
-            sys::CUtensorMapL2promotion::CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-            sys::CUtensorMapFloatOOBfill::CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
-        )
-    }
-    .result()
-    .map_err(|e| anyhow::anyhow!("TMA map ({rows} rows of {inner}, box {boxd:?}): {e:?}"))?;
-    // SAFETY: initialized by the successful call above.
-    Ok(TmaMap(unsafe { map.assume_init() }.opaque))
 }
 
 /// Grouped bf16 products whose experts average at least this many rows take
