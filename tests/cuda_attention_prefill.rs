@@ -46,7 +46,7 @@ fn attention_prefill_matches_cpu() {
     attention_cases(false);
 }
 
-/// The wgmma kernels (sm_90a; opt-in, not yet measured) in their own test, so that a kernel that
+/// The wgmma + TMA kernel (sm_90a; the default there over a bf16 cache) in its own test, so that a kernel that
 /// faults does not take the others' results with it.
 #[test]
 fn attention_prefill_wgmma_matches_cpu() {
@@ -159,10 +159,13 @@ fn attention_cases(wgmma: bool) {
         // ulps of the CPU's); the output is within the rounding's distance of the fp32-cache
         // result (relative 2^-9 per element: NMSE about 1e-6 here; bound 1e-5).
         let b16 = |v: &[f32]| -> Vec<u8> { v.iter().flat_map(|&x| f32_to_bf16(x).to_le_bytes()).collect() };
+        // 64 positions past the prompt stay NaN (0xffff): a kernel that reads cache rows past
+        // the last query's position must not let them reach the output (attention_wg.cu's TMA
+        // maps span the whole allocation).
         let n = (p0 + t) * kvd;
         let (mut k16, mut v16) = (b16(&kc[..p0 * kvd]), b16(&vc[..p0 * kvd]));
-        k16.resize(2 * n, 0xff);
-        v16.resize(2 * n, 0xff);
+        k16.resize(2 * (n + 64 * kvd), 0xff);
+        v16.resize(2 * (n + 64 * kvd), 0xff);
         let (hkc, hvc) = (g.upload_bytes(&k16).unwrap(), g.upload_bytes(&v16).unwrap());
         let prep16 = lily::cuda::AttnPrep { kc: hkc.ptr, vc: hvc.ptr, kv: lily::cuda::KvDtype::Bf16, ..prep };
         g.attn_prep(&prep16, t, ld).unwrap();

@@ -524,9 +524,10 @@ pub enum PrefillAttn {
 }
 
 impl PrefillAttn {
-    /// SIMT in the exact mode; in the bf16 mode the mma.sync flash kernel where it applies.
-    /// `LILY_CUDA_ATTN_PREFILL` picks another for an A/B: `tc`, or on sm_90a `wg` (the wgmma
-    /// kernel, opt-in until measured; docs/perf-log.md).
+    /// SIMT in the exact mode; in the bf16 mode on sm_90a the wgmma + TMA kernel over a bf16
+    /// cache (519 against 300 TFLOP/s at 128K, perf log session 28), else the mma.sync flash
+    /// kernel where it applies. `LILY_CUDA_ATTN_PREFILL` picks another for an A/B: `fa` (the
+    /// mma.sync flash kernel) or `tc`.
     pub fn default_for(prec: Precision, kv: KvDtype, hd: usize, smem_max: usize, sm90a: bool) -> PrefillAttn {
         static PICK: OnceLock<String> = OnceLock::new();
         let pick = PICK.get_or_init(|| std::env::var("LILY_CUDA_ATTN_PREFILL").unwrap_or_default());
@@ -537,7 +538,9 @@ impl PrefillAttn {
             _ if kv == KvDtype::Fp8 => PrefillAttn::Flash,
             Precision::F32 => PrefillAttn::Simt,
             _ if !flash_fits || pick == "tc" => PrefillAttn::Tc,
-            _ if sm90a && pick == "wg" => PrefillAttn::FlashWg,
+            _ if sm90a && pick != "fa" && kv == KvDtype::Bf16 && super::super::wg_attn_smem(hd) <= smem_max => {
+                PrefillAttn::FlashWg
+            }
             _ => PrefillAttn::Flash,
         }
     }
