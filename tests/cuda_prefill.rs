@@ -50,19 +50,20 @@ fn kernels(g: &lily::cuda::Gpu, gl: &GpuLinear) -> Vec<(Precision, GemmKernel)> 
 /// The gemm_wg forms beside Auto's (sm_90a, where gemm_wg takes the product: widths of whole
 /// 128-column k-tiles; elsewhere they are errors, not fallbacks): 256-row tiles (plain products
 /// only; the grouped test skips them) and gemm_wt, the TMA form, on gemm_wg's tiles and on 256
-/// rows (the grouped test also runs its 128-row tiles; its gathered gate/up stays on gemm_wg,
-/// its down projection runs on gemm_wt). Their own tests, so that a kernel that traps does not
+/// rows, for 4-bit, 8-bit and dense bf16 weights (the grouped test also runs its 128-row tiles;
+/// its gathered gate/up is written out in tile order first). Their own tests, so that a kernel that traps does not
 /// take the others' results with it (filter by test name).
 fn new_kernels(g: &lily::cuda::Gpu, gl: &GpuLinear) -> Vec<(Precision, GemmKernel)> {
-    if gl.pipe_ok() && g.wg_available() && gl.cols.is_multiple_of(128) {
-        vec![
-            (Precision::Bf16, GemmKernel::Wg256),
-            (Precision::Bf16, GemmKernel::Wt),
-            (Precision::Bf16, GemmKernel::Wt256),
-        ]
-    } else {
-        Vec::new()
+    let mut v = Vec::new();
+    if g.wg_available() && gl.cols.is_multiple_of(128) {
+        if gl.pipe_ok() {
+            v.push((Precision::Bf16, GemmKernel::Wg256));
+        }
+        if gl.wt_ok() {
+            v.extend([(Precision::Bf16, GemmKernel::Wt), (Precision::Bf16, GemmKernel::Wt256)]);
+        }
     }
+    v
 }
 
 #[test]
@@ -96,6 +97,9 @@ fn gemm_cases(pick: fn(&lily::cuda::Gpu, &GpuLinear) -> Vec<(Precision, GemmKern
         cases.push((format!("dense {ty:?} 29x96"), dense(&mut r, 29, 96, ty)));
     }
     cases.push(("dense BF16 29x192".into(), dense(&mut r, 29, 192, FloatType::BF16)));
+    // gemm_wt's 8-bit and dense bf16 forms (whole 128-column k-tiles)
+    cases.push(("q8 g64 45x256".into(), quant(&mut r, 45, 256, 8, 64)));
+    cases.push(("dense BF16 40x256".into(), dense(&mut r, 40, 256, FloatType::BF16)));
     for (name, l) in &cases {
         let gl = GpuLinear::upload(&g, l).unwrap();
         // 1100 rows take the 128-row-tile kernel (plain products of at least 1024 rows).

@@ -131,13 +131,19 @@ fn skinny_occ2() -> bool {
 /// Kernels that call `pdl_wait()` before touching activations (kernels/common.cuh) and so may be
 /// launched as programmatic dependents: their launch and weight reads overlap the previous
 /// kernel's tail. The gemm_skinny entry points are such kernels too (see [`is_pdl`]).
-pub const PDL_KERNELS: [&str; 51] = [
+pub const PDL_KERNELS: [&str; 57] = [
     "gemm_wg64",
     "gemm_wg128",
     "gemm_wg256",
     "gemm_wt64",
     "gemm_wt128",
     "gemm_wt256",
+    "gemm_wt64_q8",
+    "gemm_wt128_q8",
+    "gemm_wt256_q8",
+    "gemm_wt64_bf16",
+    "gemm_wt128_bf16",
+    "gemm_wt256_bf16",
     "x_bf16_perm",
     "moe_fused_q",
     "gemv_q2_conv",
@@ -196,12 +202,41 @@ pub const GEMM_WG_SMEM64: usize = 3 * (64 * 256 + 128 * 64);
 pub const GEMM_WG_SMEM128: usize = 3 * (128 * 256 + 128 * 64);
 /// gemm_wg256's: 256-row input tiles, 216 KB.
 pub const GEMM_WG_SMEM256: usize = 3 * (256 * 256 + 128 * 64);
-/// Dynamic shared memory of gemm_wt64 / 128 / 256 (kernels/gemm_wt.cu): 4, 5 or 3 stages of
-/// [64, 128 or 256 rows][128] bf16 inputs and [128][64 bytes] of codes, plus 1 KB to align the
-/// swizzled tiles.
-pub const GEMM_WT_SMEM64: usize = 4 * (64 * 256 + 128 * 64) + 1024;
-pub const GEMM_WT_SMEM128: usize = 5 * (128 * 256 + 128 * 64) + 1024;
-pub const GEMM_WT_SMEM256: usize = 3 * (256 * 256 + 128 * 64) + 1024;
+/// gemm_wt's kernels (kernels/gemm_wt.cu): (input rows per tile, weight bits: 4, 8 or 16 for
+/// dense bf16) and the name.
+pub const GEMM_WT_KERNELS: [((usize, u32), &str); 9] = [
+    ((64, 4), "gemm_wt64"),
+    ((128, 4), "gemm_wt128"),
+    ((256, 4), "gemm_wt256"),
+    ((64, 8), "gemm_wt64_q8"),
+    ((128, 8), "gemm_wt128_q8"),
+    ((256, 8), "gemm_wt256_q8"),
+    ((64, 16), "gemm_wt64_bf16"),
+    ((128, 16), "gemm_wt128_bf16"),
+    ((256, 16), "gemm_wt256_bf16"),
+];
+
+/// gemm_wt's kernel for `bt`-row tiles (64, 128 or 256) of weights of `bits` (4, 8, 16).
+pub fn gemm_wt_kernel(bt: usize, bits: u32) -> &'static str {
+    GEMM_WT_KERNELS.iter().find(|(k, _)| *k == (bt, bits)).map_or("gemm_wt64", |(_, n)| n)
+}
+
+/// Dynamic shared memory of [`gemm_wt_kernel`]`(bt, bits)`: its stages (gemm_wt.cu's WT_STAGES
+/// table) of [bt rows][128] bf16 inputs and [128 rows][16·bits bytes] of weights, plus 1 KB to
+/// align the swizzled tiles.
+pub fn gemm_wt_smem(bt: usize, bits: u32) -> usize {
+    let stages = match (bt, bits) {
+        (256, 4) => 3,
+        (256, _) => 2,
+        (128, 4) => 5,
+        (128, 8) => 4,
+        (128, _) => 3,
+        (_, 4) => 4,
+        (_, 8) => 3,
+        _ => 2,
+    };
+    stages * (bt * 256 + 128 * 16 * bits as usize) + 1024
+}
 
 /// Dynamic shared memory of gdn_chunk_scan_tc (kernels/gdn_chunk_tc.cu): fp32 tiles Wt and Qt
 /// [128][72], Mt [64][72], keys [64][136], the state [128][40], V_new and V2 [64][40].

@@ -330,17 +330,23 @@ impl Gpu {
             ("gemm_wg64", GEMM_WG_SMEM64),
             ("gemm_wg128", GEMM_WG_SMEM128),
             ("gemm_wg256", GEMM_WG_SMEM256.min(optin)),
-            ("gemm_wt64", GEMM_WT_SMEM64.min(optin)),
-            ("gemm_wt128", GEMM_WT_SMEM128.min(optin)),
-            ("gemm_wt256", GEMM_WT_SMEM256.min(optin)),
         ];
+        let wt = GEMM_WT_KERNELS.map(|((bt, bits), k)| (k, gemm_wt_smem(bt, bits).min(optin)));
         let dec = [(64, false), (128, false), (256, false), (64, true), (128, true), (256, true)]
             .map(|(d, f8)| (attn_dec_kernel(d, f8), attn_dec_smem(d, f8).min(optin)));
         let skinny = SKINNY_KERNELS.map(|k| (k, smem_optin));
         let pstep = [("pstep", optin)];
         let gdn = [("gdn_chunk_scan_tc", GDN_TC_SMEM.min(optin)), ("gdn_chunk_prep_tc", GDN_PREP_TC_SMEM.min(optin))];
-        for (k, bytes) in
-            skinny.into_iter().chain(fa).chain(fa8).chain(fa_wg).chain(pipe).chain(dec).chain(pstep).chain(gdn)
+        for (k, bytes) in skinny
+            .into_iter()
+            .chain(fa)
+            .chain(fa8)
+            .chain(fa_wg)
+            .chain(pipe)
+            .chain(wt)
+            .chain(dec)
+            .chain(pstep)
+            .chain(gdn)
         {
             // SAFETY: a valid function handle and attribute; the value is within the device limit.
             unsafe {

@@ -158,6 +158,16 @@ impl GpuLinear {
         self.bits == 4 && self.ty == 2 && self.group >= 16 && self.group % 16 == 0 && self.cols.is_multiple_of(64)
     }
 
+    /// Whether gemm_wt reads this format: MLX 4- or 8-bit codes with bf16 scales and biases in
+    /// groups of a power of two from 16 columns, or dense bf16.
+    pub fn wt_ok(&self) -> bool {
+        match self.bits {
+            4 | 8 => self.ty == 2 && self.group >= 16 && (self.group as u32).is_power_of_two(),
+            0 => self.ty == 2,
+            _ => false,
+        }
+    }
+
     /// Whether gemm_skinny reads this format: 4/8-bit codes in groups of a power of two from 16
     /// columns (MLX uses 32, 64, 128), or dense bf16; width a multiple of 64.
     pub fn skinny_ok(&self) -> bool {

@@ -1,7 +1,8 @@
 /*
- * gemm_wt.cu: gemm_wg's product (same math, formats, k order, dequantization and output; see
- *   gemm_wg.cu) with its tiles brought in by the Tensor Memory Accelerator and its wgmmas kept in
- *   flight across k-tiles (sm_90a):
+ * gemm_wt.cu: gemm_wg's product (same math, k order, dequantization and output; see gemm_wg.cu)
+ *   with its tiles brought in by the Tensor Memory Accelerator and its wgmmas kept in flight
+ *   across k-tiles (sm_90a), for MLX 4-bit and 8-bit codes (bf16 scales and biases, groups of a
+ *   power of two from 16) and dense bf16 weights (BITS 4, 8, 16):
  *   Y[m, n] (+)= sum_k X[m, k] * W[e*N + n, k], X the bf16 k-permuted rows of x_bf16_perm's
  *   layout, not gathered: plain products, and grouped products whose inputs are already in the
  *   tile list's row order (silu_mul_pairs_perm's, for the down projections).
@@ -19,9 +20,16 @@
  *      That is wgmma's K-major SW128 layout: 8-row atoms of 1024 bytes (SBO), the 16 columns of
  *      k-step s at byte 32s of a row (the descriptor's start moves by 32s; the swizzle is applied
  *      by the hardware on the address bits, so every atom must start 1024-aligned).
- *   W: the block's 128 weight rows x 64 bytes of codes, a box {64 bytes, 128 rows} of wm (u8
- *      [E*N][K/2], no swizzle): gemm_wg's [128][64] layout. Rows past an expert's N (or past the
- *      stack: zero-filled) are read and never stored, as gemm_wg's clamped rows.
+ *   W: the block's 128 weight rows x CB = 16 BITS bytes (the k-tile's 128 columns: 64 bytes of
+ *      4-bit codes, 128 of 8-bit, 256 of bf16), a box {CB bytes, 128 rows} of wm (u8
+ *      [E*N][K*BITS/8], no swizzle): row-major [128][CB] (gemm_wg's [128][64] at 4 bits). Rows
+ *      past an expert's N (or past the stack: zero-filled) are read and never stored, as
+ *      gemm_wg's clamped rows.
+ *   A fragments (thread g = lane/4, t = lane%4 owns physical columns 16t..16t+15 of each 64-column
+ *      half, gemm_wg's k order): 4 bits as gemm_wg (wg_dq_half); 8 bits: its 16 bytes of a row by
+ *      one 16-byte load, each code q made exact in fp32 (the byte under the exponent of 2^23,
+ *      minus 2^23), s*q + b by an fp32 fma, each pair rounded to bf16 by one cvt; bf16: its 32
+ *      bytes by two 16-byte loads, the pairs of columns (c, c+4) gathered by byte permutes.
  *   Each stage has a "full" mbarrier, armed by the issuing thread with the stage's bytes (a box
  *   always completes its whole size, rows past the map included) and completed by the copies.
  *   A stage is refilled once both warpgroups' wgmmas on it completed: the first thread of each
@@ -37,10 +45,14 @@
  * Launch: as gemm_wg (block 256 = 2 warpgroups with gemm_wg's rows, grid (ceil(N/128), row tiles
  *   or tile list, ksplit), split K and the epilogue shared: wg_finish); the maps are in
  *   GemmParams (xm: box {64, BT}, SW128; wm: box {64, 128}), encoded by the host per launch.
- *   Dynamic shared memory WT_STAGES(NB) * (BT*256 + 8192) + 1024 bytes. Programmatic dependent
+ *   Dynamic shared memory WT_STAGES(NB, BITS) * (BT*256 + 128*CB) + 1024 bytes (the stage
+ *   counts fill up to ~216 KB, or ~97 KB at NB = 1: two blocks per SM). Programmatic dependent
  *   launch as gemm_wg: codes and scales before pdl_wait(), inputs (and a tile list) after it.
  */
-#define WT_STAGES(NB) ((NB) == 4 ? 3 : (NB) == 2 ? 5 : 4)
+/* stages by tile height and weight bits: kernel_names.rs gemm_wt_smem mirrors this table */
+#define WT_STAGES(NB, BITS)                                                                                   \
+    ((NB) == 4 ? ((BITS) == 4 ? 3 : 2) : (NB) == 2 ? ((BITS) == 4 ? 5 : (BITS) == 8 ? 4 : 3)                  \
+               : ((BITS) == 4 ? 4 : (BITS) == 8 ? 3 : 2))
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 /* A 2D box of `map` at coordinates (c0 innermost, c1) into shared memory at dst, completing on bar. */
@@ -73,15 +85,66 @@ template <int P>
 __device__ __forceinline__ void wg_wait_pending() {
     asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(P) : "memory");
 }
+
+/* 8-bit code in byte k of w, exact in fp32: 2^23 + q with q under the exponent, minus 2^23 */
+__device__ __forceinline__ float wt_q8(u32 w, int k) {
+    return __uint_as_float(__byte_perm(w, 0x4B000000u, 0x7440 | k)) - 8388608.f;
+}
+/* bf16 pair (byte k of wa, byte k of wb) as s*q + b */
+__device__ __forceinline__ u32 wt_dq8(u32 wa, u32 wb, int k, float s, float b) {
+    float lo = fmaf(s, wt_q8(wa, k), b), hi = fmaf(s, wt_q8(wb, k), b);
+    u32 r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+
+/* One 64-column half h of a k-tile as A registers (the layout of wg_dq_half): cod is the stage's
+   [128][16 BITS] weight rows. */
+template <int BITS>
+__device__ __forceinline__ void wt_half(u32 (&a)[4][4], const unsigned char* cod, int rb0, int rb1, int h, int t4,
+                                        const u32 (&sb)[2][2][2]) {
+    if constexpr (BITS == 4) {
+        wg_dq_half(a, cod, rb0, rb1, h, t4, sb);
+    } else if constexpr (BITS == 8) {
+        uint4 c0 = *(const uint4*)(cod + rb0 * 128 + h * 64 + t4 * 16);
+        uint4 c1 = *(const uint4*)(cod + rb1 * 128 + h * 64 + t4 * 16);
+        const u32 w0[4] = {c0.x, c0.y, c0.z, c0.w}, w1[4] = {c1.x, c1.y, c1.z, c1.w};
+        float s0 = bf16_to_f32((u16)sb[h][0][0]), b0 = bf16_to_f32((u16)sb[h][0][1]);
+        float s1 = bf16_to_f32((u16)sb[h][1][0]), b1 = bf16_to_f32((u16)sb[h][1][1]);
+#pragma unroll
+        for (int s = 0; s < 4; s++) {
+            int wi = 2 * (s >> 1), k = 2 * (s & 1); /* columns 8(s>>1) + 2(s&1) + {0, 4} (+1) */
+            a[s][0] = wt_dq8(w0[wi], w0[wi + 1], k, s0, b0);
+            a[s][1] = wt_dq8(w1[wi], w1[wi + 1], k, s1, b1);
+            a[s][2] = wt_dq8(w0[wi], w0[wi + 1], k + 1, s0, b0);
+            a[s][3] = wt_dq8(w1[wi], w1[wi + 1], k + 1, s1, b1);
+        }
+    } else {
+        const unsigned char* p0 = cod + rb0 * 256 + h * 128 + t4 * 32;
+        const unsigned char* p1 = cod + rb1 * 256 + h * 128 + t4 * 32;
+        uint4 x0 = *(const uint4*)p0, y0 = *(const uint4*)(p0 + 16);
+        uint4 x1 = *(const uint4*)p1, y1 = *(const uint4*)(p1 + 16);
+        const u32 w0[8] = {x0.x, x0.y, x0.z, x0.w, y0.x, y0.y, y0.z, y0.w};
+        const u32 w1[8] = {x1.x, x1.y, x1.z, x1.w, y1.x, y1.y, y1.z, y1.w};
+#pragma unroll
+        for (int s = 0; s < 4; s++) {
+            int j = 4 * (s >> 1) + (s & 1); /* word of columns 8(s>>1) + 2(s&1) (+1); +4 is j + 2 */
+            a[s][0] = __byte_perm(w0[j], w0[j + 2], 0x5410);
+            a[s][1] = __byte_perm(w1[j], w1[j + 2], 0x5410);
+            a[s][2] = __byte_perm(w0[j], w0[j + 2], 0x7632);
+            a[s][3] = __byte_perm(w1[j], w1[j + 2], 0x7632);
+        }
+    }
+}
 #endif
 
-template <int NB>
+template <int NB, int BITS>
 __device__ __forceinline__ void gemm_wt_body(const void* sc, const void* bi, int group, const TmaMap* xm,
                                              const TmaMap* wm, float* y, long long ldy, int M, int N, int K,
                                              const int* tiles, int accumulate, int ksplit, float* part,
                                              unsigned* tickets) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    constexpr int S = WT_STAGES(NB), BT = 64 * NB, XC = BT * 128, STAGE = 2 * XC + 128 * 64;
+    constexpr int S = WT_STAGES(NB, BITS), BT = 64 * NB, XC = BT * 128, CB = 16 * BITS, STAGE = 2 * XC + 128 * CB;
     extern __shared__ __align__(1024) unsigned char wt_sm[];
     __shared__ __align__(8) u64 full[S];
     __shared__ unsigned rel[S];
@@ -106,7 +169,7 @@ __device__ __forceinline__ void gemm_wt_body(const void* sc, const void* bi, int
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     }
     __syncthreads();
-    auto load_w = [&](int kt) { tma_2d(s0 + (kt % S) * STAGE + 2 * XC, wm, (kb + kt) * 64, wrow, &full[kt % S]); };
+    auto load_w = [&](int kt) { tma_2d(s0 + (kt % S) * STAGE + 2 * XC, wm, (kb + kt) * CB, wrow, &full[kt % S]); };
     auto load_x = [&](int kt) {
         u32 d = s0 + (kt % S) * STAGE;
         int c = (kb + kt) * 128;
@@ -121,10 +184,12 @@ __device__ __forceinline__ void gemm_wt_body(const void* sc, const void* bi, int
 
     const int rb0 = (warp >> 2) * 64 + (warp & 3) * 16 + g, rb1 = rb0 + 8;
     const long long wr0 = (long long)tl.e * N + min(n0 + rb0, N - 1), wr1 = (long long)tl.e * N + min(n0 + rb1, N - 1);
-    const int lg = __ffs(group) - 1;
+    const int lg = BITS == 16 ? 0 : __ffs(group) - 1;
     const long long so0 = wr0 * (K >> lg), so1 = wr1 * (K >> lg);
-    auto load_sb = [&](int kt, u32 (&sb)[2][2][2]) { wg_load_sb(sc, bi, so0, so1, (kb + kt) * 128, t4, lg, sb); };
-    u32 sbA[2][2][2], sbB[2][2][2];
+    auto load_sb = [&](int kt, u32 (&sb)[2][2][2]) {
+        if constexpr (BITS != 16) wg_load_sb(sc, bi, so0, so1, (kb + kt) * 128, t4, lg, sb);
+    };
+    u32 sbA[2][2][2] = {}, sbB[2][2][2] = {};
     load_sb(0, sbA);
     if (!tiles) pdl_wait();
     if (tid == 0)
@@ -158,11 +223,11 @@ __device__ __forceinline__ void gemm_wt_body(const void* sc, const void* bi, int
         wt_wait(&full[st], (kt / S) & 1);
         if (kt + 1 < nk) load_sb(kt + 1, nsb);
         const unsigned char* cod = sm + st * STAGE + 2 * XC;
-        wg_dq_half(a0, cod, rb0, rb1, 0, t4, sb);
+        wt_half<BITS>(a0, cod, rb0, rb1, 0, t4, sb);
         mma_half(a0, s0 + st * STAGE);
         wg_wait_pending<1>();
         if (kt > 0) release(kt - 1);
-        wg_dq_half(a1, cod, rb0, rb1, 1, t4, sb);
+        wt_half<BITS>(a1, cod, rb0, rb1, 1, t4, sb);
         mma_half(a1, s0 + st * STAGE + XC);
         wg_wait_pending<1>();
     };
@@ -179,11 +244,17 @@ __device__ __forceinline__ void gemm_wt_body(const void* sc, const void* bi, int
 #endif
 }
 
-#define GEMM_WT(NAME, NB, MINB)                                                                               \
-    extern "C" __global__ void __launch_bounds__(256, MINB) NAME(GemmParams_fields) {                        \
-        GEMM_SHAPE;                                                                                           \
-        gemm_wt_body<NB>(sc, bi, group, &xm, &wm, y, ldy, M, N, K, tiles, accumulate, ksplit, part, tickets); \
+#define GEMM_WT(NAME, NB, BITS, MINB)                                                                               \
+    extern "C" __global__ void __launch_bounds__(256, MINB) NAME(GemmParams_fields) {                              \
+        GEMM_SHAPE;                                                                                                 \
+        gemm_wt_body<NB, BITS>(sc, bi, group, &xm, &wm, y, ldy, M, N, K, tiles, accumulate, ksplit, part, tickets); \
     }
-GEMM_WT(gemm_wt64, 1, 2)
-GEMM_WT(gemm_wt128, 2, 1)
-GEMM_WT(gemm_wt256, 4, 1)
+GEMM_WT(gemm_wt64, 1, 4, 2)
+GEMM_WT(gemm_wt128, 2, 4, 1)
+GEMM_WT(gemm_wt256, 4, 4, 1)
+GEMM_WT(gemm_wt64_q8, 1, 8, 2)
+GEMM_WT(gemm_wt128_q8, 2, 8, 1)
+GEMM_WT(gemm_wt256_q8, 4, 8, 1)
+GEMM_WT(gemm_wt64_bf16, 1, 16, 2)
+GEMM_WT(gemm_wt128_bf16, 2, 16, 1)
+GEMM_WT(gemm_wt256_bf16, 4, 16, 1)

@@ -65,7 +65,26 @@ impl Gpu {
 
     /// Whether gemm_raw's gemm_wg arm takes a product of `xrows` input rows (kernel resolved).
     fn wg_runs(&self, prec: Precision, kern: GemmKernel, w: &GpuLinear, xrows: usize) -> bool {
-        prec == Precision::Bf16 && kern.is_wg() && self.wg_fits(w, xrows)
+        prec == Precision::Bf16 && kern.is_wg() && self.fits(kern, w, xrows)
+    }
+
+    /// Whether the gemm_wg kernel `kern` (gemm_wt's for the Wt kernels: more formats) takes the
+    /// product.
+    fn fits(&self, kern: GemmKernel, w: &GpuLinear, xrows: usize) -> bool {
+        if kern.is_wt() {
+            self.wg_available()
+                && w.wt_ok()
+                && w.cols.is_multiple_of(128)
+                && xrows * w.cols * 2 <= crate::cuda::WG_WS_BYTES
+        } else {
+            self.wg_fits(w, xrows)
+        }
+    }
+
+    /// [`Gpu::fits`] with 256-row tiles (their shared memory within the device's).
+    fn wide_fits(&self, kern: GemmKernel, w: &GpuLinear, xrows: usize) -> bool {
+        let smem = if kern.is_wt() { crate::cuda::gemm_wt_smem(256, wt_bits(w)) } else { crate::cuda::GEMM_WG_SMEM256 };
+        self.fits(kern, w, xrows) && smem <= self.smem_optin_max
     }
 
     /// The routed-expert product: rows grouped by expert through `tiles` (from [`Gpu::moe_align`],
@@ -200,13 +219,15 @@ impl Gpu {
                 let grid = if tiles == 0 { (grid, ksplit as u32, 1) } else { (grid, ntiles as u32, 1) };
                 self.launch_params(name, grid, 256, skinny_smem(tn, w.cols) as u32, &a)
             }
-            (Precision::Bf16, GemmKernel::Wg256 | GemmKernel::Wt256) if tiles != 0 || !self.wg256_fits(w, xrows) => {
+            (Precision::Bf16, GemmKernel::Wg256 | GemmKernel::Wt256)
+                if tiles != 0 || !self.wide_fits(kern, w, xrows) =>
+            {
                 bail!(
                     "gemm {kern:?}: a grouped product, or {xrows} rows of width {} that 256-row tiles do not take",
                     w.cols
                 )
             }
-            (Precision::Bf16, GemmKernel::WgTall | GemmKernel::WtTall) if !self.wg_fits(w, xrows) => {
+            (Precision::Bf16, GemmKernel::WgTall | GemmKernel::WtTall) if !self.fits(kern, w, xrows) => {
                 bail!(
                     "gemm {kern:?}: {} rows of width {} ({}-bit, group {}) do not fit gemm_wg",
                     xrows,
@@ -215,7 +236,9 @@ impl Gpu {
                     w.group
                 )
             }
-            (Precision::Bf16, _) if self.wg_runs(prec, kern, w, xrows) => {
+            // (gemm_wg gathers rows but reads 4-bit codes only: a gathered input of another
+            // format that gemm_wt cannot take goes to the tiles kernel below)
+            (Precision::Bf16, _) if self.wg_runs(prec, kern, w, xrows) && (gather == 0 || w.pipe_ok()) => {
                 // the inputs as bf16 in wgmma's k order into the workspace (unless a kernel such
                 // as silu_mul_pairs_perm wrote them there already), then the product
                 let k = w.cols;
@@ -237,23 +260,34 @@ impl Gpu {
                 a.ldx = k as i64;
                 let wide = tiles == 0
                     && (matches!(kern, GemmKernel::Wg256 | GemmKernel::Wt256)
-                        || (wg256_from() > 0 && m >= wg256_from() && self.wg256_fits(w, xrows)));
+                        || (wg256_from() > 0 && m >= wg256_from() && self.wide_fits(kern, w, xrows)));
                 let tall = matches!(kern, GemmKernel::WgTall | GemmKernel::WtTall) || (tiles == 0 && m >= wg128_from());
                 // gemm_wt's TMA copies do not gather rows: gathered inputs stay on gemm_wg
                 let tma = matches!(kern, GemmKernel::Wt | GemmKernel::WtTall | GemmKernel::Wt256) && gather == 0;
-                let (name, smem, bt, per_sm) = match (tma, wide, tall) {
-                    (false, true, _) => ("gemm_wg256", crate::cuda::GEMM_WG_SMEM256, 256, 1),
-                    (false, false, true) => ("gemm_wg128", crate::cuda::GEMM_WG_SMEM128, 128, 1),
-                    (false, false, false) => ("gemm_wg64", crate::cuda::GEMM_WG_SMEM64, 64, 2),
-                    (true, true, _) => ("gemm_wt256", crate::cuda::GEMM_WT_SMEM256, 256, 1),
-                    (true, false, true) => ("gemm_wt128", crate::cuda::GEMM_WT_SMEM128, 128, 1),
-                    (true, false, false) => ("gemm_wt64", crate::cuda::GEMM_WT_SMEM64, 64, 2),
+                let bt = if wide {
+                    256
+                } else if tall {
+                    128
+                } else {
+                    64
+                };
+                let per_sm = if bt == 64 { 2 } else { 1 };
+                let (name, smem) = match (tma, bt) {
+                    (false, 256) => ("gemm_wg256", crate::cuda::GEMM_WG_SMEM256),
+                    (false, 128) => ("gemm_wg128", crate::cuda::GEMM_WG_SMEM128),
+                    (false, _) => ("gemm_wg64", crate::cuda::GEMM_WG_SMEM64),
+                    (true, _) => {
+                        let bits = wt_bits(w);
+                        (crate::cuda::gemm_wt_kernel(bt, bits), crate::cuda::gemm_wt_smem(bt, bits))
+                    }
                 };
                 if tma {
                     // inputs: bf16 [xrows][k], boxes of 64 columns x bt rows in the 128-byte
-                    // swizzle; codes: bytes [stack rows][k / 2], boxes of 64 bytes x 128 rows
+                    // swizzle; weights: bytes [stack rows][k·bits/8], boxes of that row's
+                    // k-tile (128 columns) x 128 rows
+                    let (bits, row) = (wt_bits(w) as usize, k * wt_bits(w) as usize / 8);
                     a.xm = tma_map(self.wg_ws, true, k, xrows, (64, bt as u32), true)?;
-                    a.wm = tma_map(wp.0, false, k / 2, w.rows * w.count, (64, 128), false)?;
+                    a.wm = tma_map(wp.0, false, row, w.rows * w.count, (16 * bits as u32, 128), false)?;
                 }
                 let (gx, gy) = (blocks(n, 128), if tiles == 0 { m.div_ceil(bt) } else { ntiles } as u32);
                 let ks = if tiles == 0 {
@@ -266,7 +300,9 @@ impl Gpu {
                 a.tickets = Out::new(self.splitk_ws + crate::cuda::SPLITK_PART_BYTES as u64);
                 self.launch_params(name, (gx, gy, ks as u32), 256, smem as u32, &a)
             }
-            (Precision::Bf16, GemmKernel::Pipe | GemmKernel::Wg | GemmKernel::Wt) => {
+            (Precision::Bf16, GemmKernel::Pipe | GemmKernel::Wg | GemmKernel::Wt)
+                if kern == GemmKernel::Pipe || w.pipe_ok() =>
+            {
                 if !w.pipe_ok() {
                     bail!("gemm_pipe: {}-bit weights of width {} (group {}) unsupported", w.bits, w.cols, w.group);
                 }
@@ -299,10 +335,14 @@ impl Gpu {
             && w.cols.is_multiple_of(128)
             && xrows * w.cols * 2 <= crate::cuda::WG_WS_BYTES
     }
+}
 
-    /// Whether gemm_wg256 takes a plain product (gemm_wg does, and its shared memory fits).
-    fn wg256_fits(&self, w: &GpuLinear, xrows: usize) -> bool {
-        self.wg_fits(w, xrows) && crate::cuda::GEMM_WG_SMEM256 <= self.smem_optin_max
+/// gemm_wt's weight bits for a format it reads (dense bf16: 16).
+fn wt_bits(w: &GpuLinear) -> u32 {
+    if w.bits == 0 {
+        16
+    } else {
+        w.bits as u32
     }
 }
 
@@ -333,8 +373,9 @@ pub enum GemmKernel {
     /// shared memory).
     Wg256,
     /// gemm_wt: gemm_wg's product with its tiles copied by the TMA and its wgmmas kept in flight
-    /// across k-tiles (kernels/gemm_wt.cu), on the tiles [`GemmKernel::Wg`] would take (and
-    /// like it [`GemmKernel::Pipe`] where gemm_wg does not take the product); a gathered input
+    /// across k-tiles (kernels/gemm_wt.cu), on the tiles [`GemmKernel::Wg`] would take, for
+    /// 4-bit, 8-bit and dense bf16 weights (and like Wg [`GemmKernel::Pipe`], or the tiles
+    /// kernel for the formats gemm_pipe does not read, where it does not take the product); a gathered input
     /// (the routed experts' gate/up) is first written out in tile order (`LILY_CUDA_GATHER_EXPAND`,
     /// where the workspace holds it) or else stays on gemm_wg, whose copies gather rows.
     /// Auto picks it where it would pick gemm_wg (`LILY_CUDA_GEMM_TMA=0`: gemm_wg).
@@ -368,6 +409,11 @@ fn skinny_max_avg() -> usize {
 }
 
 impl GemmKernel {
+    /// A gemm_wt kernel.
+    fn is_wt(self) -> bool {
+        matches!(self, GemmKernel::Wt | GemmKernel::WtTall | GemmKernel::Wt256)
+    }
+
     /// A gemm_wg / gemm_wt kernel (bf16 inputs in wgmma's k order from gemm_wg's workspace).
     fn is_wg(self) -> bool {
         matches!(
@@ -406,6 +452,9 @@ impl GemmKernel {
                     } else {
                         GemmKernel::Wg
                     }
+                } else if w.wt_ok() && wg_on() && tma_on() {
+                    // 8-bit and dense bf16: gemm_wt where it takes the product, else the tiles
+                    GemmKernel::Wt
                 } else if w.pipe_ok() && pipe_on() {
                     GemmKernel::Pipe
                 } else {
