@@ -131,7 +131,7 @@ fn skinny_occ2() -> bool {
 /// Kernels that call `pdl_wait()` before touching activations (kernels/common.cuh) and so may be
 /// launched as programmatic dependents: their launch and weight reads overlap the previous
 /// kernel's tail. The gemm_skinny entry points are such kernels too (see [`is_pdl`]).
-pub const PDL_KERNELS: [&str; 60] = [
+pub const PDL_KERNELS: [&str; 57] = [
     "gemm_wg64",
     "gemm_wg128",
     "gemm_wg256",
@@ -144,9 +144,6 @@ pub const PDL_KERNELS: [&str; 60] = [
     "gemm_wt64_bf16",
     "gemm_wt128_bf16",
     "gemm_wt256_bf16",
-    "gemm_wtp64",
-    "gemm_wtp128",
-    "gemm_wtp256",
     "x_bf16_perm",
     "moe_fused_q",
     "gemv_q2_conv",
@@ -207,7 +204,7 @@ pub const GEMM_WG_SMEM128: usize = 3 * (128 * 256 + 128 * 64);
 pub const GEMM_WG_SMEM256: usize = 3 * (256 * 256 + 128 * 64);
 /// gemm_wt's kernels (kernels/gemm_wt.cu): (input rows per tile, weight bits: 4, 8 or 16 for
 /// dense bf16) and the name.
-pub const GEMM_WT_KERNELS: [((usize, u32), &str); 12] = [
+pub const GEMM_WT_KERNELS: [((usize, u32), &str); 9] = [
     ((64, 4), "gemm_wt64"),
     ((128, 4), "gemm_wt128"),
     ((256, 4), "gemm_wt256"),
@@ -217,10 +214,6 @@ pub const GEMM_WT_KERNELS: [((usize, u32), &str); 12] = [
     ((64, 16), "gemm_wt64_bf16"),
     ((128, 16), "gemm_wt128_bf16"),
     ((256, 16), "gemm_wt256_bf16"),
-    // the persistent 4-bit forms (bits 4 + 1000 in this table only)
-    ((64, 1004), "gemm_wtp64"),
-    ((128, 1004), "gemm_wtp128"),
-    ((256, 1004), "gemm_wtp256"),
 ];
 
 /// gemm_wt's kernel for `bt`-row tiles (64, 128 or 256) of weights of `bits` (4, 8, 16).
@@ -232,7 +225,6 @@ pub fn gemm_wt_kernel(bt: usize, bits: u32) -> &'static str {
 /// table) of [bt rows][128] bf16 inputs and [128 rows][16·bits bytes] of weights, plus 1 KB to
 /// align the swizzled tiles.
 pub fn gemm_wt_smem(bt: usize, bits: u32) -> usize {
-    let bits = bits % 1000;
     let stages = match (bt, bits) {
         (256, 4) => 3,
         (256, _) => 2,

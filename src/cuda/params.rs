@@ -220,8 +220,7 @@ kernel_params! {
     GemmParams spread [
         "gemm_f32", "gemm_bf16", "gemm_bf16_m128", "gemm_pipe64", "gemm_pipe128", "gemm_wg64", "gemm_wg128",
         "gemm_wg256", "gemm_wt64", "gemm_wt128", "gemm_wt256", "gemm_wt64_q8", "gemm_wt128_q8",
-        "gemm_wt256_q8", "gemm_wt64_bf16", "gemm_wt128_bf16", "gemm_wt256_bf16", "gemm_wtp64", "gemm_wtp128",
-        "gemm_wtp256",
+        "gemm_wt256_q8", "gemm_wt64_bf16", "gemm_wt128_bf16", "gemm_wt256_bf16",
         "gemm_skinny8_q4", "gemm_skinny16_q4", "gemm_skinny32_q4", "gemm_skinny8_q8", "gemm_skinny16_q8",
         "gemm_skinny32_q8", "gemm_skinny8_q4w", "gemm_skinny8_bf16", "gemm_skinny16_bf16", "gemm_skinny32_bf16"
     ] {

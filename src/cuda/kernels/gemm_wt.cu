@@ -43,11 +43,7 @@
  *   kt complete: buffer 0 free again).
  *
  * Launch: as gemm_wg (block 256 = 2 warpgroups with gemm_wg's rows, grid (ceil(N/128), row tiles
- *   or tile list, ksplit), split K and the epilogue shared: wg_finish); or persistent
- *   (gemm_wtp*, 4-bit, `LILY_CUDA_GEMM_PERSIST=1`): grid = at most one block per SM, block
- *   b takes tiles b, b + gridDim.x, .. (weight block t % gx of row tile t / gx), its k-tiles
- *   numbered through all its tiles so the stages run on across tiles: the next tile's first
- *   copies are in flight while a tile's last products and its stores finish. The maps are in
+ *   or tile list, ksplit), split K and the epilogue shared: wg_finish); the maps are in
  *   GemmParams (xm: box {64, BT}, SW128; wm: box {64, 128}), encoded by the host per launch.
  *   Dynamic shared memory WT_STAGES(NB, BITS) * (BT*256 + 128*CB) + 1024 bytes (the stage
  *   counts fill up to ~216 KB, or ~97 KB at NB = 1: two blocks per SM). Programmatic dependent
@@ -142,7 +138,7 @@ __device__ __forceinline__ void wt_half(u32 (&a)[4][4], const unsigned char* cod
 }
 #endif
 
-template <int NB, int BITS, bool PERSIST>
+template <int NB, int BITS>
 __device__ __forceinline__ void gemm_wt_body(const void* sc, const void* bi, int group, const TmaMap* xm,
                                              const TmaMap* wm, float* y, long long ldy, int M, int N, int K,
                                              const int* tiles, int accumulate, int ksplit, float* part,
@@ -154,43 +150,17 @@ __device__ __forceinline__ void gemm_wt_body(const void* sc, const void* bi, int
     __shared__ unsigned rel[S];
     pdl_trigger();
     if (tiles) pdl_wait();
-    /* this block's tiles: one (grid (x: weight block, y: row tile, z: k part)), or PERSIST the
-       tiles t = blockIdx.x + i gridDim.x of gx weight blocks x the row tiles, K whole */
-    const int gx = (N + 127) / 128;
-    const int ntile = PERSIST ? gx * (tiles ? tiles[0] : (M + BT - 1) / BT) : 1;
-    const int mine = PERSIST ? max(0, (ntile - (int)blockIdx.x + (int)gridDim.x - 1) / (int)gridDim.x) : 1;
-    auto tile_at = [&](int i, GemmTile& t, int& n0) -> bool {
-        if constexpr (!PERSIST) {
-            n0 = blockIdx.x * 128;
-            return gemm_tile(tiles, M, BT, t);
-        } else {
-            if (i >= mine) return false;
-            int tt = blockIdx.x + i * gridDim.x, r = tt / gx;
-            n0 = (tt % gx) * 128;
-            if (tiles) {
-                t.e = tiles[1 + 3 * r];
-                t.m0 = tiles[2 + 3 * r];
-                t.m1 = tiles[3 + 3 * r];
-            } else {
-                t.e = 0;
-                t.m0 = r * BT;
-                t.m1 = min(M, t.m0 + BT);
-            }
-            return true;
-        }
-    };
     GemmTile tl;
-    int n0;
-    if (!tile_at(0, tl, n0)) {
+    if (!gemm_tile(tiles, M, BT, tl)) {
         pdl_wait();
         return;
     }
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t4 = lane & 3;
+    const int n0 = blockIdx.x * 128;
     const u32 raw = smem_u32(wt_sm), s0 = (raw + 1023u) & ~1023u;
     const unsigned char* sm = wt_sm + (s0 - raw);
-    const int kb = PERSIST ? 0 : (int)blockIdx.z * (K / 128) / ksplit;
-    const int nk = PERSIST ? K / 128 : ((int)blockIdx.z + 1) * (K / 128) / ksplit - kb;
-    const int total = mine * nk; /* k-tiles of this block, all its tiles in order: it = i nk + kt */
+    const int kb = (int)blockIdx.z * (K / 128) / ksplit, nk = ((int)blockIdx.z + 1) * (K / 128) / ksplit - kb;
+    const int wrow = tl.e * N + n0;
     if (tid == 0) {
         for (int i = 0; i < S; i++) {
             mb_init(&full[i], 1);
@@ -199,37 +169,23 @@ __device__ __forceinline__ void gemm_wt_body(const void* sc, const void* bi, int
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     }
     __syncthreads();
-    /* the copies of k-tile `it` of this block into its stage (issued by one thread) */
-    auto load_w = [&](int it) {
-        GemmTile t;
-        int nb;
-        tile_at(it / nk, t, nb);
-        tma_2d(s0 + (it % S) * STAGE + 2 * XC, wm, (kb + it % nk) * CB, t.e * N + nb, &full[it % S]);
-    };
-    auto load_x = [&](int it) {
-        GemmTile t;
-        int nb;
-        tile_at(it / nk, t, nb);
-        u32 d = s0 + (it % S) * STAGE;
-        int c = (kb + it % nk) * 128;
-        tma_2d(d, xm, c, t.m0, &full[it % S]);
-        tma_2d(d + XC, xm, c + 64, t.m0, &full[it % S]);
+    auto load_w = [&](int kt) { tma_2d(s0 + (kt % S) * STAGE + 2 * XC, wm, (kb + kt) * CB, wrow, &full[kt % S]); };
+    auto load_x = [&](int kt) {
+        u32 d = s0 + (kt % S) * STAGE;
+        int c = (kb + kt) * 128;
+        tma_2d(d, xm, c, tl.m0, &full[kt % S]);
+        tma_2d(d + XC, xm, c + 64, tl.m0, &full[kt % S]);
     };
     if (tid == 0)
-        for (int it = 0; it < min(S, total); it++) {
-            mb_expect(&full[it], STAGE);
-            load_w(it);
+        for (int kt = 0; kt < min(S, nk); kt++) {
+            mb_expect(&full[kt], STAGE);
+            load_w(kt);
         }
 
     const int rb0 = (warp >> 2) * 64 + (warp & 3) * 16 + g, rb1 = rb0 + 8;
+    const long long wr0 = (long long)tl.e * N + min(n0 + rb0, N - 1), wr1 = (long long)tl.e * N + min(n0 + rb1, N - 1);
     const int lg = BITS == 16 ? 0 : __ffs(group) - 1;
-    long long so0, so1;
-    auto rows_of = [&](const GemmTile& t, int nb) {
-        long long wr0 = (long long)t.e * N + min(nb + rb0, N - 1), wr1 = (long long)t.e * N + min(nb + rb1, N - 1);
-        so0 = wr0 * (K >> lg);
-        so1 = wr1 * (K >> lg);
-    };
-    rows_of(tl, n0);
+    const long long so0 = wr0 * (K >> lg), so1 = wr1 * (K >> lg);
     auto load_sb = [&](int kt, u32 (&sb)[2][2][2]) {
         if constexpr (BITS != 16) wg_load_sb(sc, bi, so0, so1, (kb + kt) * 128, t4, lg, sb);
     };
@@ -237,17 +193,21 @@ __device__ __forceinline__ void gemm_wt_body(const void* sc, const void* bi, int
     load_sb(0, sbA);
     if (!tiles) pdl_wait();
     if (tid == 0)
-        for (int it = 0; it < min(S, total); it++) load_x(it);
+        for (int kt = 0; kt < min(S, nk); kt++) load_x(kt);
 
     float acc[NB][32];
+#pragma unroll
+    for (int j = 0; j < NB; j++)
+#pragma unroll
+        for (int i = 0; i < 32; i++) acc[j][i] = 0.f;
     u32 a0[4][4], a1[4][4];
     const bool lead = (tid & 127) == 0;
-    /* k-tile j's wgmmas completed in this warpgroup: the second warpgroup to say so refills its stage */
-    auto release = [&](int j) {
-        if (lead && j + S < total && (atomicAdd(&rel[j % S], 1u) & 1u)) {
-            mb_expect(&full[j % S], STAGE);
-            load_w(j + S);
-            load_x(j + S);
+    /* k-tile kt's wgmmas completed in this warpgroup: the second warpgroup to say so refills its stage */
+    auto release = [&](int kt) {
+        if (lead && kt + S < nk && (atomicAdd(&rel[kt % S], 1u) & 1u)) {
+            mb_expect(&full[kt % S], STAGE);
+            load_w(kt + S);
+            load_x(kt + S);
         }
     };
     auto mma_half = [&](const u32 (&a)[4][4], u32 xs) {
@@ -258,61 +218,43 @@ __device__ __forceinline__ void gemm_wt_body(const void* sc, const void* bi, int
             for (int j = 0; j < NB; j++) wgmma_m64n64(acc[j], a[s], wt_desc(xs + j * 64 * 128 + s * 32));
         wg_commit();
     };
-    int it = 0;
     auto step = [&](int kt, const u32 (&sb)[2][2][2], u32 (&nsb)[2][2][2]) {
-        const int st = it % S;
-        wt_wait(&full[st], (it / S) & 1);
+        const int st = kt % S;
+        wt_wait(&full[st], (kt / S) & 1);
         if (kt + 1 < nk) load_sb(kt + 1, nsb);
         const unsigned char* cod = sm + st * STAGE + 2 * XC;
         wt_half<BITS>(a0, cod, rb0, rb1, 0, t4, sb);
         mma_half(a0, s0 + st * STAGE);
         wg_wait_pending<1>();
-        if (it > 0) release(it - 1);
+        if (kt > 0) release(kt - 1);
         wt_half<BITS>(a1, cod, rb0, rb1, 1, t4, sb);
         mma_half(a1, s0 + st * STAGE + XC);
         wg_wait_pending<1>();
-        it++;
     };
-    for (int i = 0;; i++) {
-        if (i > 0) {
-            if (!tile_at(i, tl, n0)) break;
-            rows_of(tl, n0);
-            load_sb(0, sbA);
-        }
-#pragma unroll
-        for (int j = 0; j < NB; j++)
-#pragma unroll
-            for (int e = 0; e < 32; e++) acc[j][e] = 0.f;
-        for (int kt = 0; kt < nk; kt += 2) {
-            step(kt, sbA, sbB);
-            if (kt + 1 < nk) step(kt + 1, sbB, sbA);
-        }
-        wg_wait_pending<0>();
-#pragma unroll
-        for (int j = 0; j < NB; j++)
-#pragma unroll
-            for (int e = 0; e < 32; e++) asm volatile("" : "+f"(acc[j][e])::"memory");
-        wg_finish<NB>(acc, y, ldy, M, N, tl.m0, tl.m1, n0 + rb0, n0 + rb1, t4, accumulate, ksplit, part, tickets);
-        if constexpr (!PERSIST) break;
+    for (int kt = 0; kt < nk; kt += 2) {
+        step(kt, sbA, sbB);
+        if (kt + 1 < nk) step(kt + 1, sbB, sbA);
     }
+    wg_wait_pending<0>();
+#pragma unroll
+    for (int j = 0; j < NB; j++)
+#pragma unroll
+        for (int i = 0; i < 32; i++) asm volatile("" : "+f"(acc[j][i])::"memory");
+    wg_finish<NB>(acc, y, ldy, M, N, tl.m0, tl.m1, n0 + rb0, n0 + rb1, t4, accumulate, ksplit, part, tickets);
 #endif
 }
 
-#define GEMM_WT(NAME, NB, BITS, MINB, PERSIST)                                                               \
-    extern "C" __global__ void __launch_bounds__(256, MINB) NAME(GemmParams_fields) {                          \
-        GEMM_SHAPE;                                                                                             \
-        gemm_wt_body<NB, BITS, PERSIST>(sc, bi, group, &xm, &wm, y, ldy, M, N, K, tiles, accumulate, ksplit, part, \
-                                        tickets);                                                               \
+#define GEMM_WT(NAME, NB, BITS, MINB)                                                                               \
+    extern "C" __global__ void __launch_bounds__(256, MINB) NAME(GemmParams_fields) {                              \
+        GEMM_SHAPE;                                                                                                 \
+        gemm_wt_body<NB, BITS>(sc, bi, group, &xm, &wm, y, ldy, M, N, K, tiles, accumulate, ksplit, part, tickets); \
     }
-GEMM_WT(gemm_wt64, 1, 4, 2, false)
-GEMM_WT(gemm_wt128, 2, 4, 1, false)
-GEMM_WT(gemm_wt256, 4, 4, 1, false)
-GEMM_WT(gemm_wt64_q8, 1, 8, 2, false)
-GEMM_WT(gemm_wt128_q8, 2, 8, 1, false)
-GEMM_WT(gemm_wt256_q8, 4, 8, 1, false)
-GEMM_WT(gemm_wt64_bf16, 1, 16, 2, false)
-GEMM_WT(gemm_wt128_bf16, 2, 16, 1, false)
-GEMM_WT(gemm_wt256_bf16, 4, 16, 1, false)
-GEMM_WT(gemm_wtp64, 1, 4, 1, true)
-GEMM_WT(gemm_wtp128, 2, 4, 1, true)
-GEMM_WT(gemm_wtp256, 4, 4, 1, true)
+GEMM_WT(gemm_wt64, 1, 4, 2)
+GEMM_WT(gemm_wt128, 2, 4, 1)
+GEMM_WT(gemm_wt256, 4, 4, 1)
+GEMM_WT(gemm_wt64_q8, 1, 8, 2)
+GEMM_WT(gemm_wt128_q8, 2, 8, 1)
+GEMM_WT(gemm_wt256_q8, 4, 8, 1)
+GEMM_WT(gemm_wt64_bf16, 1, 16, 2)
+GEMM_WT(gemm_wt128_bf16, 2, 16, 1)
+GEMM_WT(gemm_wt256_bf16, 4, 16, 1)

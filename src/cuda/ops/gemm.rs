@@ -298,13 +298,6 @@ impl Gpu {
                 a.ksplit = ks as i32;
                 a.part = Out::new(self.splitk_ws);
                 a.tickets = Out::new(self.splitk_ws + crate::cuda::SPLITK_PART_BYTES as u64);
-                if tma && ks == 1 && w.bits == 4 && persist_on() {
-                    // persistent: one block per SM (gemm_wtp64 too: at two per SM it spilled)
-                    // walking all tiles
-                    let grid = (gx * gy).min(self.sms);
-                    let name = crate::cuda::gemm_wt_kernel(bt, 1004);
-                    return self.launch_params(name, (grid, 1, 1), 256, smem as u32, &a);
-                }
                 self.launch_params(name, (gx, gy, ks as u32), 256, smem as u32, &a)
             }
             (Precision::Bf16, GemmKernel::Pipe | GemmKernel::Wg | GemmKernel::Wt)
@@ -486,13 +479,6 @@ fn wg256_from() -> usize {
 pub fn tma_on() -> bool {
     static V: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *V.get_or_init(|| std::env::var("LILY_CUDA_GEMM_TMA").map_or(true, |v| v != "0"))
-}
-
-/// Whether gemm_wt's 4-bit products run as persistent kernels (gemm_wtp*:
-/// `LILY_CUDA_GEMM_PERSIST=1`; off until measured).
-fn persist_on() -> bool {
-    static V: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *V.get_or_init(|| std::env::var("LILY_CUDA_GEMM_PERSIST").is_ok_and(|v| v == "1"))
 }
 
 /// Whether a grouped product with gathered inputs (the routed experts' gate/up) on gemm_wt first
