@@ -369,14 +369,20 @@ mod tests {
             "{d}"
         );
         const { assert!(GemmParams::SPREAD && !RmsNormParams::SPREAD) };
-        assert_eq!(GemmParams::OFFSETS.len(), 21);
+        assert_eq!(GemmParams::OFFSETS.len(), 23);
+        // the TMA maps: 128 bytes each on 64-byte boundaries, parameters the kernel may take the
+        // address of
+        assert_eq!(GemmParams::SIZES[21..], [128, 128]);
+        assert!(GemmParams::OFFSETS[21..].iter().all(|o| o % 64 == 0));
+        assert!(d.contains("const __grid_constant__ TmaMap xm, const __grid_constant__ TmaMap wm\n"), "{d}");
+        assert!(d.contains("struct GemmParams {") && d.contains(" TmaMap xm; TmaMap wm; };"), "{d}");
         assert_eq!(&GemmParams::OFFSETS[..9], &[0, 8, 16, 24, 28, 32, 40, 48, 56]);
         assert_eq!(GemmParams::OFFSETS[9], 64); // gdiv
         assert_eq!(GemmParams::OFFSETS[10], 72); // y, aligned past gdiv
         assert_eq!(GemmParams::SIZES[..4], [8, 8, 8, 4]);
         let k: Vec<_> = kernels().into_iter().filter(|k| k.name == "gemm_skinny8_q4w").collect();
         assert_eq!(k.len(), 1);
-        assert_eq!(k[0].spread.map(|s| s.len()), Some(21));
+        assert_eq!(k[0].spread.map(|s| s.len()), Some(23));
     }
 
     /// Rust lays the structs out as C does: pointers 8 bytes, then 4-byte fields.
