@@ -87,7 +87,7 @@ impl Gpu {
             (_, KvDtype::F32) => ("attn_prefill_tc", blocks(t * g, 64), 128, 0),
             (_, KvDtype::Bf16) => ("attn_prefill_tc_bf16", blocks(t * g, 64), 128, 0),
         };
-        let a = AttnPrefillParams {
+        let mut a = AttnPrefillParams {
             q: In::new(q),
             kc: In::new(kc),
             vc: In::new(vc),
@@ -104,7 +104,6 @@ impl Gpu {
             km: TmaMap::NONE,
             vm: TmaMap::NONE,
         };
-        let mut a = a;
         if k == PrefillAttn::FlashWg {
             // the caches as bf16 [positions][H_kv·D], boxes of 64 columns x 64 keys, 128-byte swizzle
             let rows = kv_bytes / (hkv * hd * 2);

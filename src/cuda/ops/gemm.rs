@@ -68,6 +68,21 @@ impl Gpu {
         prec == Precision::Bf16 && kern.is_wg() && self.fits(kern, w, xrows)
     }
 
+    /// `rows` input rows of width `k` (row r read at x row `gather[r] / gdiv`, or r without
+    /// `gather`) as bf16 in wgmma's k order into gemm_wg's workspace (x_bf16_perm).
+    fn x_bf16_perm(&self, (x, ldx, gather, gdiv): (u64, usize, u64, usize), rows: usize, k: usize) -> Result<()> {
+        let p = XPermParams {
+            x: In::new(x),
+            ldx: ldx as i64,
+            gather: In::new(gather),
+            gdiv: gdiv.max(1) as i32,
+            xb: Out::new(self.wg_ws),
+            rows: rows as i32,
+            k: k as i32,
+        };
+        self.launch_params("x_bf16_perm", ((rows * k / 8).div_ceil(256) as u32, 1, 1), 256, 0, &p)
+    }
+
     /// Whether the gemm_wg kernel `kern` (gemm_wt's for the Wt kernels: more formats) takes the
     /// product.
     fn fits(&self, kern: GemmKernel, w: &GpuLinear, xrows: usize) -> bool {
@@ -129,16 +144,7 @@ impl Gpu {
         {
             // gemm_wt's copies do not gather: the gathered rows written out in tile order first
             let k = w.cols;
-            let xe = XPermParams {
-                x: In::new(xp),
-                ldx: ldx as i64,
-                gather: In::new(gather),
-                gdiv: gdiv.max(1) as i32,
-                xb: Out::new(self.wg_ws),
-                rows: pairs as i32,
-                k: k as i32,
-            };
-            self.launch_params("x_bf16_perm", ((pairs * k / 8).div_ceil(256) as u32, 1, 1), 256, 0, &xe)?;
+            self.x_bf16_perm((xp, ldx, gather, gdiv), pairs, k)?;
             let x = (self.wg_ws, k, 0, 1, pairs);
             return self.gemm_raw(w, prec, kern, n, x, y, 0, (tiles, max_tiles), false);
         }
@@ -243,16 +249,7 @@ impl Gpu {
                 // as silu_mul_pairs_perm wrote them there already), then the product
                 let k = w.cols;
                 if x != self.wg_ws {
-                    let xp = XPermParams {
-                        x: In::new(x),
-                        ldx: ldx as i64,
-                        gather: In::new(0),
-                        gdiv: 1,
-                        xb: Out::new(self.wg_ws),
-                        rows: xrows as i32,
-                        k: k as i32,
-                    };
-                    self.launch_params("x_bf16_perm", ((xrows * k / 8).div_ceil(256) as u32, 1, 1), 256, 0, &xp)?;
+                    self.x_bf16_perm((x, ldx, 0, 1), xrows, k)?;
                 } else if gather != 0 || ldx != k {
                     bail!("gemm: inputs in gemm_wg's workspace are read as {xrows} plain rows of {k}");
                 }
@@ -285,7 +282,8 @@ impl Gpu {
                     // inputs: bf16 [xrows][k], boxes of 64 columns x bt rows in the 128-byte
                     // swizzle; weights: bytes [stack rows][k·bits/8], boxes of that row's
                     // k-tile (128 columns) x 128 rows
-                    let (bits, row) = (wt_bits(w) as usize, k * wt_bits(w) as usize / 8);
+                    let bits = wt_bits(w) as usize;
+                    let row = k * bits / 8;
                     a.xm = tma_map(self.wg_ws, true, k, xrows, (64, bt as u32), true)?;
                     a.wm = tma_map(wp.0, false, row, w.rows * w.count, (16 * bits as u32, 128), false)?;
                 }
