@@ -60,7 +60,7 @@ fn new_kernels(g: &lily::cuda::Gpu, gl: &GpuLinear) -> Vec<(Precision, GemmKerne
             v.push((Precision::Bf16, GemmKernel::Wg256));
         }
         if gl.wt_ok() {
-            v.extend([(Precision::Bf16, GemmKernel::Wt), (Precision::Bf16, GemmKernel::Wt256)]);
+            v.extend([GemmKernel::Wt, GemmKernel::Wt256, GemmKernel::WtP, GemmKernel::WtP256].map(|k| (Precision::Bf16, k)));
         }
     }
     v
@@ -74,6 +74,45 @@ fn gemm_matches_cpu_in_both_precisions() {
 #[test]
 fn gemm_new_kernels_match_cpu() {
     gemm_cases(new_kernels);
+}
+
+/// gemm_wsp, the persistent kernel, where blocks take several tiles (more tiles than SMs): its
+/// stages and their phases run on across tile boundaries (2 and 3 k-tiles per tile against 3-5
+/// stages), 4,100 weight rows (the last tile clamped) and 1,300 input rows (a partial last tile).
+#[test]
+fn gemm_persistent_many_tiles_match_cpu() {
+    let Some(g) = gpu() else { return };
+    if !g.wg_available() {
+        eprintln!("skipped: gemm_wsp needs sm_90a");
+        return;
+    }
+    let mut r = rng(29);
+    let (rows, m) = (4100usize, 1300usize);
+    for cols in [256usize, 384] {
+        let cases = [
+            ("q4 g64", quant(&mut r, rows, cols, 4, 64)),
+            ("q4 g32", quant(&mut r, rows, cols, 4, 32)),
+            ("q8 g128", quant(&mut r, rows, cols, 8, 128)),
+            ("dense BF16", dense(&mut r, rows, cols, FloatType::BF16)),
+        ];
+        let x = uniform(&mut r, m * cols, 1.0);
+        let xb = g.upload_f32(&x).unwrap();
+        for (name, l) in &cases {
+            let gl = GpuLinear::upload(&g, l).unwrap();
+            let mut want = vec![0f32; m * rows];
+            l.matmul(&x, &mut want);
+            for kern in [GemmKernel::WtP, GemmKernel::WtP256] {
+                let yb = g.upload_f32(&vec![f32::NAN; m * rows]).unwrap();
+                g.gemm_with(kern, &gl, Precision::Bf16, xb.ptr, cols, yb.ptr, rows, m, false).unwrap();
+                let got = yb.read_f32(0, m * rows).unwrap();
+                check(&format!("gemm {kern:?} {name} {rows}x{cols} M={m}"), &got, &want, tol(Precision::Bf16));
+                g.gemm_with(kern, &gl, Precision::Bf16, xb.ptr, cols, yb.ptr, rows, m, true).unwrap();
+                let got = yb.read_f32(0, m * rows).unwrap();
+                let twice: Vec<f32> = want.iter().map(|v| 2.0 * v).collect();
+                check(&format!("gemm {kern:?} accumulate {name} {rows}x{cols}"), &got, &twice, tol(Precision::Bf16));
+            }
+        }
+    }
 }
 
 fn gemm_cases(pick: fn(&lily::cuda::Gpu, &GpuLinear) -> Vec<(Precision, GemmKernel)>) {
@@ -242,7 +281,7 @@ fn grouped_cases(pick: fn(&lily::cuda::Gpu, &GpuLinear) -> Vec<(Precision, GemmK
     // tiles (WgTall).
     let tilings = pick(&g, &gu)
         .into_iter()
-        .filter(|&(_, k)| !matches!(k, GemmKernel::Wg256 | GemmKernel::Wt256))
+        .filter(|&(_, k)| !matches!(k, GemmKernel::Wg256 | GemmKernel::Wt256 | GemmKernel::WtP | GemmKernel::WtP256))
         .flat_map(|(prec, kern)| {
             let own = match kern {
                 GemmKernel::Skinny(tn) => Some((prec, kern, tn)),

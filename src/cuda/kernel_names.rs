@@ -3,7 +3,7 @@
 //! (gemm_skinny, flash-attention prefill, tensor-core decode attention) with its shared memory.
 
 /// Every kernel source, in compile order (the prelude first). One NVRTC program, one module.
-pub const SOURCES: [(&str, &str); 21] = [
+pub const SOURCES: [(&str, &str); 22] = [
     ("common.cuh", include_str!("kernels/common.cuh")),
     ("norm.cu", include_str!("kernels/norm.cu")),
     ("linear.cu", include_str!("kernels/linear.cu")),
@@ -12,6 +12,7 @@ pub const SOURCES: [(&str, &str); 21] = [
     ("gemm_pipe.cu", include_str!("kernels/gemm_pipe.cu")),
     ("gemm_wg.cu", include_str!("kernels/gemm_wg.cu")),
     ("gemm_wt.cu", include_str!("kernels/gemm_wt.cu")),
+    ("gemm_wsp.cu", include_str!("kernels/gemm_wsp.cu")),
     ("gdn.cu", include_str!("kernels/gdn.cu")),
     ("gdn_prefill.cu", include_str!("kernels/gdn_prefill.cu")),
     ("gdn_chunk.cu", include_str!("kernels/gdn_chunk.cu")),
@@ -131,7 +132,13 @@ fn skinny_occ2() -> bool {
 /// Kernels that call `pdl_wait()` before touching activations (kernels/common.cuh) and so may be
 /// launched as programmatic dependents: their launch and weight reads overlap the previous
 /// kernel's tail. The gemm_skinny entry points are such kernels too (see [`is_pdl`]).
-pub const PDL_KERNELS: [&str; 57] = [
+pub const PDL_KERNELS: [&str; 63] = [
+    "gemm_wsp128",
+    "gemm_wsp256",
+    "gemm_wsp128_q8",
+    "gemm_wsp256_q8",
+    "gemm_wsp128_bf16",
+    "gemm_wsp256_bf16",
     "gemm_wg64",
     "gemm_wg128",
     "gemm_wg256",
@@ -219,6 +226,32 @@ pub const GEMM_WT_KERNELS: [((usize, u32), &str); 9] = [
 /// gemm_wt's kernel for `bt`-row tiles (64, 128 or 256) of weights of `bits` (4, 8, 16).
 pub fn gemm_wt_kernel(bt: usize, bits: u32) -> &'static str {
     GEMM_WT_KERNELS.iter().find(|(k, _)| *k == (bt, bits)).map_or("gemm_wt64", |(_, n)| n)
+}
+
+/// gemm_wsp's kernels (kernels/gemm_wsp.cu, persistent and warp-specialized, plain products):
+/// (input rows per tile, weight bits) and the name.
+pub const GEMM_WSP_KERNELS: [((usize, u32), &str); 6] = [
+    ((128, 4), "gemm_wsp128"),
+    ((256, 4), "gemm_wsp256"),
+    ((128, 8), "gemm_wsp128_q8"),
+    ((256, 8), "gemm_wsp256_q8"),
+    ((128, 16), "gemm_wsp128_bf16"),
+    ((256, 16), "gemm_wsp256_bf16"),
+];
+
+/// gemm_wsp's kernel for `bt`-row tiles (128 or 256) of weights of `bits` (4, 8, 16).
+pub fn gemm_wsp_kernel(bt: usize, bits: u32) -> &'static str {
+    GEMM_WSP_KERNELS.iter().find(|(k, _)| *k == (bt, bits)).map_or("gemm_wsp128", |(_, n)| n)
+}
+
+/// Dynamic shared memory of [`gemm_wsp_kernel`]`(bt, bits)` for groups of `group` columns:
+/// gemm_wt's stages and, for codes, one slot per stage of 128 rows x (128 / group) u32
+/// scale/bias pairs.
+pub fn gemm_wsp_smem(bt: usize, bits: u32, group: usize) -> usize {
+    let wt = gemm_wt_smem(bt, bits);
+    let stages = (wt - 1024) / (bt * 256 + 128 * 16 * bits as usize);
+    let slot = if bits == 16 { 0 } else { 128 * (128 / group.max(1)) * 4 };
+    wt + stages * slot
 }
 
 /// Dynamic shared memory of [`gemm_wt_kernel`]`(bt, bits)`: its stages (gemm_wt.cu's WT_STAGES

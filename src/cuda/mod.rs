@@ -332,6 +332,7 @@ impl Gpu {
             ("gemm_wg256", GEMM_WG_SMEM256.min(optin)),
         ];
         let wt = GEMM_WT_KERNELS.map(|((bt, bits), k)| (k, gemm_wt_smem(bt, bits).min(optin)));
+        let wsp = GEMM_WSP_KERNELS.map(|(_, k)| (k, optin));
         let dec = [(64, false), (128, false), (256, false), (64, true), (128, true), (256, true)]
             .map(|(d, f8)| (attn_dec_kernel(d, f8), attn_dec_smem(d, f8).min(optin)));
         let skinny = SKINNY_KERNELS.map(|k| (k, smem_optin));
@@ -344,6 +345,7 @@ impl Gpu {
             .chain(fa_wg)
             .chain(pipe)
             .chain(wt)
+            .chain(wsp)
             .chain(dec)
             .chain(pstep)
             .chain(gdn)

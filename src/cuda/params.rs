@@ -215,12 +215,13 @@ kernel_params! {
     /// 8, quantization `group`, scale type `ty`), xr(m) = `gather[m] / gdiv` (or m without
     /// `gather`), expert e and rows from the `tiles` list (see gemm.cu). `kq`, `ksplit`, `part`
     /// and `tickets` are the skinny kernels' K split (the others ignore them); `xm` and `wm` the
-    /// TMA maps of the inputs and the codes (gemm_wt only). Spread: these are the kernels'
+    /// TMA maps of the inputs and the codes (gemm_wt and gemm_wsp only). Spread: these are the kernels'
     /// parameters (`NAME(GemmParams_fields)`).
     GemmParams spread [
         "gemm_f32", "gemm_bf16", "gemm_bf16_m128", "gemm_pipe64", "gemm_pipe128", "gemm_wg64", "gemm_wg128",
         "gemm_wg256", "gemm_wt64", "gemm_wt128", "gemm_wt256", "gemm_wt64_q8", "gemm_wt128_q8",
-        "gemm_wt256_q8", "gemm_wt64_bf16", "gemm_wt128_bf16", "gemm_wt256_bf16",
+        "gemm_wt256_q8", "gemm_wt64_bf16", "gemm_wt128_bf16", "gemm_wt256_bf16", "gemm_wsp128", "gemm_wsp256",
+        "gemm_wsp128_q8", "gemm_wsp256_q8", "gemm_wsp128_bf16", "gemm_wsp256_bf16",
         "gemm_skinny8_q4", "gemm_skinny16_q4", "gemm_skinny32_q4", "gemm_skinny8_q8", "gemm_skinny16_q8",
         "gemm_skinny32_q8", "gemm_skinny8_q4w", "gemm_skinny8_bf16", "gemm_skinny16_bf16", "gemm_skinny32_bf16"
     ] {

@@ -225,7 +225,7 @@ impl Gpu {
                 let grid = if tiles == 0 { (grid, ksplit as u32, 1) } else { (grid, ntiles as u32, 1) };
                 self.launch_params(name, grid, 256, skinny_smem(tn, w.cols) as u32, &a)
             }
-            (Precision::Bf16, GemmKernel::Wg256 | GemmKernel::Wt256)
+            (Precision::Bf16, GemmKernel::Wg256 | GemmKernel::Wt256 | GemmKernel::WtP256)
                 if tiles != 0 || !self.wide_fits(kern, w, xrows) =>
             {
                 bail!(
@@ -233,7 +233,10 @@ impl Gpu {
                     w.cols
                 )
             }
-            (Precision::Bf16, GemmKernel::WgTall | GemmKernel::WtTall) if !self.fits(kern, w, xrows) => {
+            (Precision::Bf16, GemmKernel::WtP) if tiles != 0 => {
+                bail!("gemm {kern:?}: gemm_wsp takes plain products only, not a grouped one")
+            }
+            (Precision::Bf16, GemmKernel::WgTall | GemmKernel::WtTall | GemmKernel::WtP) if !self.fits(kern, w, xrows) => {
                 bail!(
                     "gemm {kern:?}: {} rows of width {} ({}-bit, group {}) do not fit gemm_wg",
                     xrows,
@@ -256,11 +259,12 @@ impl Gpu {
                 a.x = In::new(self.wg_ws);
                 a.ldx = k as i64;
                 let wide = tiles == 0
-                    && (matches!(kern, GemmKernel::Wg256 | GemmKernel::Wt256)
+                    && (matches!(kern, GemmKernel::Wg256 | GemmKernel::Wt256 | GemmKernel::WtP256)
                         || (wg256_from() > 0 && m >= wg256_from() && self.wide_fits(kern, w, xrows)));
-                let tall = matches!(kern, GemmKernel::WgTall | GemmKernel::WtTall) || (tiles == 0 && m >= wg128_from());
+                let tall = matches!(kern, GemmKernel::WgTall | GemmKernel::WtTall | GemmKernel::WtP)
+                    || (tiles == 0 && m >= wg128_from());
                 // gemm_wt's TMA copies do not gather rows: gathered inputs stay on gemm_wg
-                let tma = matches!(kern, GemmKernel::Wt | GemmKernel::WtTall | GemmKernel::Wt256) && gather == 0;
+                let tma = kern.is_wt() && gather == 0;
                 let bt = if wide {
                     256
                 } else if tall {
@@ -293,6 +297,18 @@ impl Gpu {
                 } else {
                     1
                 };
+                let forced = matches!(kern, GemmKernel::WtP | GemmKernel::WtP256);
+                let wsp_smem = crate::cuda::gemm_wsp_smem(bt, wt_bits(w), w.group.max(1) as usize);
+                let room = wsp_smem <= self.smem_optin_max;
+                if tma && tiles == 0 && bt >= 128 && (forced || (ks == 1 && persist_on() && room)) {
+                    if !room {
+                        bail!("gemm_wsp: {wsp_smem} bytes of shared memory (group {}) exceed the device's", w.group);
+                    }
+                    // persistent: one block per SM over all the tiles, no split K
+                    let grid = (gx * gy).min(self.sms);
+                    let name = crate::cuda::gemm_wsp_kernel(bt, wt_bits(w));
+                    return self.launch_params(name, (grid, 1, 1), 384, wsp_smem as u32, &a);
+                }
                 a.ksplit = ks as i32;
                 a.part = Out::new(self.splitk_ws);
                 a.tickets = Out::new(self.splitk_ws + crate::cuda::SPLITK_PART_BYTES as u64);
@@ -382,6 +398,12 @@ pub enum GemmKernel {
     WtTall,
     /// [`GemmKernel::Wt`] on 256-row tiles of a plain product (as [`GemmKernel::Wg256`]).
     Wt256,
+    /// gemm_wsp (kernels/gemm_wsp.cu): gemm_wt's product, persistent and warp-specialized, on
+    /// 128-row tiles of a plain product (256 from `LILY_CUDA_WG256_FROM` rows, as Wt). Auto's plain gemm_wt products of 128- and 256-row tiles
+    /// without split K run on it under `LILY_CUDA_GEMM_PERSIST=1`.
+    WtP,
+    /// [`GemmKernel::WtP`] on 256-row tiles.
+    WtP256,
 }
 
 /// Most rows of a plain product that go to the skinny kernel (`LILY_CUDA_SKINNY_MAX_M`).
@@ -409,7 +431,7 @@ fn skinny_max_avg() -> usize {
 impl GemmKernel {
     /// A gemm_wt kernel.
     fn is_wt(self) -> bool {
-        matches!(self, GemmKernel::Wt | GemmKernel::WtTall | GemmKernel::Wt256)
+        matches!(self, GemmKernel::Wt | GemmKernel::WtTall | GemmKernel::Wt256 | GemmKernel::WtP | GemmKernel::WtP256)
     }
 
     /// A gemm_wg / gemm_wt kernel (bf16 inputs in wgmma's k order from gemm_wg's workspace).
@@ -422,6 +444,8 @@ impl GemmKernel {
                 | GemmKernel::Wt
                 | GemmKernel::WtTall
                 | GemmKernel::Wt256
+                | GemmKernel::WtP
+                | GemmKernel::WtP256
         )
     }
 
@@ -470,6 +494,13 @@ impl GemmKernel {
 fn wg256_from() -> usize {
     static V: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
     super::env_usize(&V, "LILY_CUDA_WG256_FROM", 2048)
+}
+
+/// Whether Auto's plain gemm_wt products of 128- and 256-row tiles without split K run on the
+/// persistent gemm_wsp (`LILY_CUDA_GEMM_PERSIST=1`; off by default).
+fn persist_on() -> bool {
+    static V: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *V.get_or_init(|| std::env::var("LILY_CUDA_GEMM_PERSIST").is_ok_and(|v| v == "1"))
 }
 
 /// Whether Auto's gemm_wg products run on gemm_wt (`LILY_CUDA_GEMM_TMA=0`: no; on by default,

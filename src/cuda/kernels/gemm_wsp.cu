@@ -1,0 +1,179 @@
+/*
+ * gemm_wsp.cu: gemm_wt's product (same math, k order, dequantization into wgmma's A registers and
+ *   stores; see gemm_wt.cu and gemm_wg.cu) as a persistent, warp-specialized kernel, for plain
+ *   products (no tile list, no split K) of MLX 4/8-bit codes (bf16 scales and biases, groups of a
+ *   power of two from 16) and dense bf16 weights (BITS 4, 8, 16):
+ *   Y[m, n] (+)= sum_k X[m, k] * W[n, k], X the bf16 k-permuted rows of x_bf16_perm's layout.
+ *
+ * Why: gemm_wt runs one tile per block and one block per SM at 128 and 256 rows, so every tile's
+ *   pipeline fills from empty (the first copies' latency, nothing to multiply meanwhile) and its
+ *   stores run with no copies in flight; its consumer threads also load their scales and biases
+ *   from global memory and one of them issues the copies. Here a block stays for many tiles and
+ *   a producer warp copies the next tile's first k-tiles while the consumers store the last one;
+ *   scales and biases reach shared memory with the codes.
+ *
+ * Launch: grid min(tiles, SMs) blocks of 384 threads (3 warpgroups), one per SM. Block b takes
+ *   tiles t = b, b + G, .. (G = gridDim.x): weight rows n0 = 128 (t % gx), input rows
+ *   m0 = BT (t / gx), gx = ceil(N / 128) (consecutive blocks share input rows, as in gemm_wt's
+ *   grid). Warpgroup 0 drops to 40 registers (setmaxnreg); its warp 0 is the producer, its other
+ *   warps leave. Warpgroups 1 and 2 rise to 232 registers and are gemm_wt's two consumer
+ *   warpgroups (weight rows 64(wg - 1) .. + 63 of the tile, all BT input rows). Each (tile,
+ *   k-tile) of the block is one step j of its sequence: stage j % S, phase parity (j / S) & 1.
+ *
+ * Shared memory (from a 1024-byte aligned base): S stages in gemm_wt's layout (X: two SW128 boxes
+ *   of 64 columns x BT rows; W: [128 rows][16 BITS bytes]), then S scale slots of [128 rows][NGT]
+ *   u32, NGT = 128 / group groups per k-tile (bf16 scale bits low, bias bits high).
+ * Barriers per stage: full (count 1 + 32 for quantized weights: the producer's lane 0 arming
+ *   it with the stage's bytes before the copies, then every producer lane after its scale
+ *   stores), empty (count 8: lane 0 of each consumer warp once the warp's wgmmas on the stage
+ *   completed).
+ * Producer, per step: wait for empty (from step S on); lane 0 arms full and issues the weight box
+ *   and the two input boxes (the inputs after the programmatic-dependent wait, at the first step
+ *   only); the warp loads the 128 x NGT scale/bias pairs (clamped rows past N: never stored),
+ *   stores them to the slot and arrives.
+ * Consumers, per tile: zero the accumulators; per k-tile wait for full, read the four scale/bias
+ *   pairs of their rows and halves, dequantize half 0, issue its wgmmas, wait until one group is
+ *   pending (the previous k-tile done: release its stage), half 1, wait until one is pending;
+ *   after the last k-tile wait for all and release it, then store (wg_store).
+ */
+#define WSP_PRODUCER_REGS 40
+#define WSP_CONSUMER_REGS 232
+
+template <int NB, int BITS>
+__device__ __forceinline__ void gemm_wsp_body(const void* sc, const void* bi, int group, const TmaMap* xm,
+                                              const TmaMap* wm, float* y, long long ldy, int M, int N, int K,
+                                              int accumulate) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    constexpr int S = WT_STAGES(NB, BITS), BT = 64 * NB, XC = BT * 128, CB = 16 * BITS, STAGE = 2 * XC + 128 * CB;
+    extern __shared__ __align__(1024) unsigned char wsp_sm[];
+    __shared__ __align__(8) u64 full[S], empty[S];
+    pdl_trigger();
+    const int tid = threadIdx.x, wgi = tid >> 7;
+    const u32 raw = smem_u32(wsp_sm), s0 = (raw + 1023u) & ~1023u;
+    unsigned char* sm = wsp_sm + (s0 - raw);
+    const int lg = BITS == 16 ? 0 : __ffs(group) - 1, ngt = BITS == 16 ? 0 : 128 >> lg;
+    u32* slots = (u32*)(sm + S * STAGE);
+    const int gx = (N + 127) / 128, ntiles = gx * ((M + BT - 1) / BT), nk = K / 128;
+    if (tid == 0) {
+        for (int i = 0; i < S; i++) {
+            mb_init(&full[i], BITS == 16 ? 1 : 33);
+            mb_init(&empty[i], 8);
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+    __syncthreads();
+
+    if (wgi == 0) {
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(WSP_PRODUCER_REGS));
+        if (tid >= 32) return;
+        const int lane = tid;
+        const u16 *S16 = (const u16*)sc, *B16 = (const u16*)bi;
+        const long long gpr = K >> lg; /* groups per weight row */
+        int j = 0;
+        for (int t = blockIdx.x; t < ntiles; t += gridDim.x) {
+            const int n0 = (t % gx) * 128, m0 = (t / gx) * BT;
+            for (int kt = 0; kt < nk; kt++, j++) {
+                const int st = j % S;
+                if (j >= S) wt_wait(&empty[st], ((j / S) - 1) & 1);
+                const u32 d = s0 + st * STAGE;
+                if (lane == 0) {
+                    mb_expect(&full[st], STAGE);
+                    tma_2d(d + 2 * XC, wm, kt * CB, n0, &full[st]);
+                    if (j == 0) pdl_wait();
+                    tma_2d(d, xm, kt * 128, m0, &full[st]);
+                    tma_2d(d + XC, xm, kt * 128 + 64, m0, &full[st]);
+                }
+                if constexpr (BITS != 16) {
+                    u32* slot = slots + st * 128 * ngt;
+                    const int sh = 7 - lg; /* log2(ngt) */
+                    const int tot = 128 * ngt; /* a multiple of 128: batches of up to 8 pairs a lane */
+                    for (int e0 = 0; e0 < tot; e0 += 256) {
+                        u32 sv[8], bv[8];
+#pragma unroll
+                        for (int i = 0; i < 8; i++) {
+                            const int e = e0 + lane + 32 * i, r = e >> sh;
+                            if (e < tot) {
+                                const long long o = (long long)min(n0 + r, N - 1) * gpr + kt * ngt + (e & (ngt - 1));
+                                sv[i] = S16[o];
+                                bv[i] = B16[o];
+                            }
+                        }
+#pragma unroll
+                        for (int i = 0; i < 8; i++)
+                            if (e0 + lane + 32 * i < tot) slot[e0 + lane + 32 * i] = sv[i] | (bv[i] << 16);
+                    }
+                    mb_arrive(&full[st]);
+                }
+            }
+        }
+        return;
+    }
+
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(WSP_CONSUMER_REGS));
+    const int ct = tid - 128, warp = ct >> 5, lane = ct & 31, g = lane >> 2, t4 = lane & 3;
+    const int rb0 = (warp >> 2) * 64 + (warp & 3) * 16 + g, rb1 = rb0 + 8;
+    pdl_wait(); /* before any store */
+    float acc[NB][32];
+    u32 a0[4][4], a1[4][4];
+    auto mma_half = [&](const u32 (&a)[4][4], u32 xs) {
+        wg_fence();
+#pragma unroll
+        for (int s = 0; s < 4; s++)
+#pragma unroll
+            for (int jj = 0; jj < NB; jj++) wgmma_m64n64(acc[jj], a[s], wt_desc(xs + jj * 64 * 128 + s * 32));
+        wg_commit();
+    };
+    int j = 0;
+    for (int t = blockIdx.x; t < ntiles; t += gridDim.x) {
+        const int n0 = (t % gx) * 128, m0 = (t / gx) * BT;
+#pragma unroll
+        for (int jj = 0; jj < NB; jj++)
+#pragma unroll
+            for (int i = 0; i < 32; i++) acc[jj][i] = 0.f;
+        for (int kt = 0; kt < nk; kt++, j++) {
+            const int st = j % S;
+            wt_wait(&full[st], (j / S) & 1);
+            u32 sb[2][2][2] = {};
+            if constexpr (BITS != 16) {
+                const u32* slot = slots + st * 128 * ngt;
+#pragma unroll
+                for (int h = 0; h < 2; h++) {
+                    const int gi = (64 * h + 16 * t4) >> lg;
+                    const u32 p0 = slot[rb0 * ngt + gi], p1 = slot[rb1 * ngt + gi];
+                    sb[h][0][0] = p0 & 0xFFFFu;
+                    sb[h][0][1] = p0 >> 16;
+                    sb[h][1][0] = p1 & 0xFFFFu;
+                    sb[h][1][1] = p1 >> 16;
+                }
+            }
+            const unsigned char* cod = sm + st * STAGE + 2 * XC;
+            wt_half<BITS>(a0, cod, rb0, rb1, 0, t4, sb);
+            mma_half(a0, s0 + st * STAGE);
+            wg_wait_pending<1>();
+            if (kt > 0 && lane == 0) mb_arrive(&empty[(j - 1) % S]);
+            wt_half<BITS>(a1, cod, rb0, rb1, 1, t4, sb);
+            mma_half(a1, s0 + st * STAGE + XC);
+            wg_wait_pending<1>();
+        }
+        wg_wait_pending<0>();
+        if (lane == 0) mb_arrive(&empty[(j - 1) % S]);
+#pragma unroll
+        for (int jj = 0; jj < NB; jj++)
+#pragma unroll
+            for (int i = 0; i < 32; i++) asm volatile("" : "+f"(acc[jj][i])::"memory");
+        wg_store<NB>(acc, y, ldy, m0, min(M, m0 + BT), n0 + rb0, n0 + rb1, N, t4, accumulate);
+    }
+#endif
+}
+
+#define GEMM_WSP(NAME, NB, BITS)                                                                          \
+    extern "C" __global__ void __launch_bounds__(384, 1) NAME(GemmParams_fields) {                       \
+        GEMM_SHAPE;                                                                                       \
+        gemm_wsp_body<NB, BITS>(sc, bi, group, &xm, &wm, y, ldy, M, N, K, accumulate);                    \
+    }
+GEMM_WSP(gemm_wsp128, 2, 4)
+GEMM_WSP(gemm_wsp256, 4, 4)
+GEMM_WSP(gemm_wsp128_q8, 2, 8)
+GEMM_WSP(gemm_wsp256_q8, 4, 8)
+GEMM_WSP(gemm_wsp128_bf16, 2, 16)
+GEMM_WSP(gemm_wsp256_bf16, 4, 16)
