@@ -86,21 +86,19 @@ __device__ __forceinline__ void gemm_wsp_body(const void* sc, const void* bi, in
                 if constexpr (BITS != 16) {
                     u32* slot = slots + st * 128 * ngt;
                     const int sh = 7 - lg; /* log2(ngt) */
-                    const int tot = 128 * ngt; /* a multiple of 128: batches of up to 8 pairs a lane */
-                    for (int e0 = 0; e0 < tot; e0 += 256) {
-                        u32 sv[8], bv[8];
+                    /* 128 ngt pairs in batches of 128: four scales and four biases in flight a lane
+                       (the producer's 40 registers) */
+                    for (int e0 = 0; e0 < 128 * ngt; e0 += 128) {
+                        u32 sv[4], bv[4];
 #pragma unroll
-                        for (int i = 0; i < 8; i++) {
+                        for (int i = 0; i < 4; i++) {
                             const int e = e0 + lane + 32 * i, r = e >> sh;
-                            if (e < tot) {
-                                const long long o = (long long)min(n0 + r, N - 1) * gpr + kt * ngt + (e & (ngt - 1));
-                                sv[i] = S16[o];
-                                bv[i] = B16[o];
-                            }
+                            const long long o = (long long)min(n0 + r, N - 1) * gpr + kt * ngt + (e & (ngt - 1));
+                            sv[i] = S16[o];
+                            bv[i] = B16[o];
                         }
 #pragma unroll
-                        for (int i = 0; i < 8; i++)
-                            if (e0 + lane + 32 * i < tot) slot[e0 + lane + 32 * i] = sv[i] | (bv[i] << 16);
+                        for (int i = 0; i < 4; i++) slot[e0 + lane + 32 * i] = sv[i] | (bv[i] << 16);
                     }
                     mb_arrive(&full[st]);
                 }
