@@ -219,8 +219,8 @@ pub struct Gpu {
     /// default stream, which the synchronous copies use) that CUDA graphs can capture.
     pub stream: sys::CUstream,
     /// gemm_skinny's split-K workspace: [`SPLITK_PART_BYTES`] of partial sums, then
-    /// [`SPLITK_TICKETS`] u32 arrival tickets (zero between launches), then gemm_wsp's two tile
-    /// counters (zero between launches). Kernels on the one stream use it in turn.
+    /// [`SPLITK_TICKETS`] u32 arrival tickets (zero between launches). Kernels on the one
+    /// stream use it in turn.
     pub splitk_ws: u64,
     /// gemm_wg's input workspace ([`WG_WS_BYTES`]: the bf16, k-permuted copy of a product's
     /// inputs), 0 where the device has no wgmma (not sm_90a). Kernels on the one stream use it
@@ -332,7 +332,7 @@ impl Gpu {
             ("gemm_wg256", GEMM_WG_SMEM256.min(optin)),
         ];
         let wt = GEMM_WT_KERNELS.map(|((bt, bits), k)| (k, gemm_wt_smem(bt, bits).min(optin)));
-        let wsp = GEMM_WSP_KERNELS.map(|(_, k)| (k, optin - GEMM_WSP_STATIC_SMEM));
+        let wsp = GEMM_WSP_KERNELS.map(|(_, k)| (k, optin));
         let dec = [(64, false), (128, false), (256, false), (64, true), (128, true), (256, true)]
             .map(|(d, f8)| (attn_dec_kernel(d, f8), attn_dec_smem(d, f8).min(optin)));
         let skinny = SKINNY_KERNELS.map(|k| (k, smem_optin));
@@ -364,9 +364,9 @@ impl Gpu {
         let stream = drv::stream::create(drv::stream::StreamKind::Default).map_err(|e| anyhow!("{e:?}"))?;
         let pdl = maj >= 9 && std::env::var("LILY_CUDA_PDL").map_or(true, |v| v != "0");
         // SAFETY: a plain device allocation, zeroed (the tickets start at 0), freed in Drop.
-        let splitk_ws = unsafe { drv::malloc_sync(SPLITK_PART_BYTES + (SPLITK_TICKETS + 2) * 4) }
+        let splitk_ws = unsafe { drv::malloc_sync(SPLITK_PART_BYTES + SPLITK_TICKETS * 4) }
             .map_err(|e| anyhow!("split-K workspace: {e:?}"))?;
-        unsafe { drv::memset_d8_sync(splitk_ws, 0, SPLITK_PART_BYTES + (SPLITK_TICKETS + 2) * 4) }
+        unsafe { drv::memset_d8_sync(splitk_ws, 0, SPLITK_PART_BYTES + SPLITK_TICKETS * 4) }
             .map_err(|e| anyhow!("{e:?}"))?;
         let wg_ws = if arch == "sm_90a" {
             // SAFETY: a plain device allocation, freed in Drop.

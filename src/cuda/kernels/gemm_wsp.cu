@@ -42,13 +42,11 @@
 template <int NB, int BITS>
 __device__ __forceinline__ void gemm_wsp_body(const void* sc, const void* bi, int group, const TmaMap* xm,
                                               const TmaMap* wm, float* y, long long ldy, int M, int N, int K,
-                                              int accumulate, unsigned* tickets) {
+                                              int accumulate) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     constexpr int S = WT_STAGES(NB, BITS), BT = 64 * NB, XC = BT * 128, CB = 16 * BITS, STAGE = 2 * XC + 128 * CB;
     extern __shared__ __align__(1024) unsigned char wsp_sm[];
     __shared__ __align__(8) u64 full[S], empty[S];
-    __shared__ int tile_of[S]; /* the tile of each stage's step (-1: no more tiles) */
-    unsigned* ctr = tickets;   /* [0] tiles handed out past the first G, [1] blocks done asking */
     pdl_trigger();
     const int tid = threadIdx.x, wgi = tid >> 7;
     const u32 raw = smem_u32(wsp_sm), s0 = (raw + 1023u) & ~1023u;
@@ -72,22 +70,13 @@ __device__ __forceinline__ void gemm_wsp_body(const void* sc, const void* bi, in
         const u16 *S16 = (const u16*)sc, *B16 = (const u16*)bi;
         const long long gpr = K >> lg; /* groups per weight row */
         int j = 0;
-        for (int t = blockIdx.x;; j++) {
-            const int st = j % S;
-            if (j >= S) wt_wait(&empty[st], ((j / S) - 1) & 1);
-            if (t >= ntiles) { /* the end: a step with no copies and tile -1 */
-                if (lane == 0) tile_of[st] = -1;
-                if (lane == 0) mb_arrive(&full[st]); /* in place of the armed arrival */
-                if (BITS != 16) mb_arrive(&full[st]); /* the scale stores' 32 */
-                break;
-            }
+        for (int t = blockIdx.x; t < ntiles; t += gridDim.x) {
             const int n0 = (t % gx) * 128, m0 = (t / gx) * BT;
             for (int kt = 0; kt < nk; kt++, j++) {
                 const int st = j % S;
-                if (kt > 0 && j >= S) wt_wait(&empty[st], ((j / S) - 1) & 1);
+                if (j >= S) wt_wait(&empty[st], ((j / S) - 1) & 1);
                 const u32 d = s0 + st * STAGE;
                 if (lane == 0) {
-                    tile_of[st] = t;
                     mb_expect(&full[st], STAGE);
                     tma_2d(d + 2 * XC, wm, kt * CB, n0, &full[st]);
                     if (j == 0) pdl_wait();
@@ -114,17 +103,6 @@ __device__ __forceinline__ void gemm_wsp_body(const void* sc, const void* bi, in
                     mb_arrive(&full[st]);
                 }
             }
-            j--; /* the loop's j++ moves to the next step */
-            /* the next tile: the first G by block number, then whoever asks first (after the
-               programmatic-dependent wait of step 0: the counter is zero again by then) */
-            if (lane == 0) {
-                t = (int)gridDim.x + (int)atomicAdd(&ctr[0], 1u);
-                if (t >= ntiles && atomicAdd(&ctr[1], 1u) == gridDim.x - 1) {
-                    ctr[0] = 0; /* every block has asked past the end: re-arm for the next launch */
-                    ctr[1] = 0;
-                }
-            }
-            t = __shfl_sync(0xffffffffu, t, 0);
         }
         return;
     }
@@ -143,14 +121,8 @@ __device__ __forceinline__ void gemm_wsp_body(const void* sc, const void* bi, in
             for (int jj = 0; jj < NB; jj++) wgmma_m64n64(acc[jj], a[s], wt_desc(xs + jj * 64 * 128 + s * 32));
         wg_commit();
     };
-    /* the tile of step j (waiting for its stage), -1 at the end */
-    auto tile_at = [&](int jj) {
-        wt_wait(&full[jj % S], (jj / S) & 1);
-        return tile_of[jj % S];
-    };
     int j = 0;
-#pragma unroll 1
-    for (int t = tile_at(0); t >= 0; t = tile_at(j)) {
+    for (int t = blockIdx.x; t < ntiles; t += gridDim.x) {
         const int n0 = (t % gx) * 128, m0 = (t / gx) * BT;
 #pragma unroll
         for (int jj = 0; jj < NB; jj++)
@@ -158,7 +130,7 @@ __device__ __forceinline__ void gemm_wsp_body(const void* sc, const void* bi, in
             for (int i = 0; i < 32; i++) acc[jj][i] = 0.f;
         for (int kt = 0; kt < nk; kt++, j++) {
             const int st = j % S;
-            if (kt > 0) wt_wait(&full[st], (j / S) & 1);
+            wt_wait(&full[st], (j / S) & 1);
             u32 sb[2][2][2] = {};
             if constexpr (BITS != 16) {
                 const u32* slot = slots + st * 128 * ngt;
@@ -195,7 +167,7 @@ __device__ __forceinline__ void gemm_wsp_body(const void* sc, const void* bi, in
 #define GEMM_WSP(NAME, NB, BITS)                                                                          \
     extern "C" __global__ void __launch_bounds__(384, 1) NAME(GemmParams_fields) {                       \
         GEMM_SHAPE;                                                                                       \
-        gemm_wsp_body<NB, BITS>(sc, bi, group, &xm, &wm, y, ldy, M, N, K, accumulate, tickets);                    \
+        gemm_wsp_body<NB, BITS>(sc, bi, group, &xm, &wm, y, ldy, M, N, K, accumulate);                    \
     }
 GEMM_WSP(gemm_wsp128, 2, 4)
 GEMM_WSP(gemm_wsp256, 4, 4)

@@ -299,14 +299,13 @@ impl Gpu {
                 };
                 let forced = matches!(kern, GemmKernel::WtP | GemmKernel::WtP256);
                 let wsp_smem = crate::cuda::gemm_wsp_smem(bt, wt_bits(w), w.group.max(1) as usize);
-                let room = wsp_smem + crate::cuda::GEMM_WSP_STATIC_SMEM <= self.smem_optin_max;
+                let room = wsp_smem <= self.smem_optin_max;
                 if tma && tiles == 0 && bt >= 128 && (forced || (ks == 1 && persist_on() && room)) {
                     if !room {
                         bail!("gemm_wsp: {wsp_smem} bytes of shared memory (group {}) exceed the device's", w.group);
                     }
                     // persistent: one block per SM over all the tiles, no split K
                     let grid = (gx * gy).min(self.sms);
-                    a.tickets = Out::new(self.splitk_ws + (crate::cuda::SPLITK_PART_BYTES + crate::cuda::SPLITK_TICKETS * 4) as u64);
                     let name = crate::cuda::gemm_wsp_kernel(bt, wt_bits(w));
                     return self.launch_params(name, (grid, 1, 1), 384, wsp_smem as u32, &a);
                 }
