@@ -239,6 +239,10 @@ pub const GEMM_WSP_KERNELS: [((usize, u32), &str); 6] = [
     ((256, 16), "gemm_wsp256_bf16"),
 ];
 
+/// Static shared memory of the gemm_wsp kernels (their mbarriers, 1,024-aligned by ptxas): the
+/// dynamic part may use the device's opt-in less this.
+pub const GEMM_WSP_STATIC_SMEM: usize = 1024;
+
 /// gemm_wsp's kernel for `bt`-row tiles (128 or 256) of weights of `bits` (4, 8, 16).
 pub fn gemm_wsp_kernel(bt: usize, bits: u32) -> &'static str {
     GEMM_WSP_KERNELS.iter().find(|(k, _)| *k == (bt, bits)).map_or("gemm_wsp128", |(_, n)| n)

@@ -332,7 +332,7 @@ impl Gpu {
             ("gemm_wg256", GEMM_WG_SMEM256.min(optin)),
         ];
         let wt = GEMM_WT_KERNELS.map(|((bt, bits), k)| (k, gemm_wt_smem(bt, bits).min(optin)));
-        let wsp = GEMM_WSP_KERNELS.map(|(_, k)| (k, optin));
+        let wsp = GEMM_WSP_KERNELS.map(|(_, k)| (k, optin - GEMM_WSP_STATIC_SMEM));
         let dec = [(64, false), (128, false), (256, false), (64, true), (128, true), (256, true)]
             .map(|(d, f8)| (attn_dec_kernel(d, f8), attn_dec_smem(d, f8).min(optin)));
         let skinny = SKINNY_KERNELS.map(|k| (k, smem_optin));

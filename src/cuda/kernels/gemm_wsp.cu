@@ -39,6 +39,59 @@
 #define WSP_PRODUCER_REGS 40
 #define WSP_CONSUMER_REGS 232
 
+/* A producer scale warp (gemm_wsp): steps j = j0, j0 + 3, .. of the block's sequence (static:
+   step j is k-tile j % nk of the block's tile j / nk, tile blockIdx.x + (j / nk) G). Lane l loads
+   rows l + 32i (i < 4) of the step's 128: NGT bf16 scales and NGT biases each as one load (NGT 1,
+   2 or 4: 2, 4 or 8 bytes, aligned as the group offsets are multiples of NGT), then waits for the
+   stage, stores them as u32 pairs [row][NGT] and arrives on full. */
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+template <int NGT>
+struct WspVec {
+    using T = uint2;
+};
+template <>
+struct WspVec<1> {
+    using T = u16;
+};
+template <>
+struct WspVec<2> {
+    using T = u32;
+};
+template <int NGT>
+__device__ __forceinline__ u32 wsp_half(const typename WspVec<NGT>::T& v, int i) {
+    if constexpr (NGT == 1) return v;
+    else if constexpr (NGT == 2) return i ? v >> 16 : v & 0xFFFFu;
+    else return ((i >> 1) ? v.y : v.x) >> (16 * (i & 1)) & 0xFFFFu;
+}
+template <int NGT, int S>
+__device__ __forceinline__ void wsp_scales(const void* sc, const void* bi, u32* slots, u64* full, u64* empty, int j0,
+                                           int gx, int ntiles, int nk, int N, long long gpr, int lane) {
+    using V = typename WspVec<NGT>::T;
+    const V *SV = (const V*)sc, *BV = (const V*)bi;
+    const long long vpr = gpr / NGT; /* vectors per weight row */
+    for (int j = j0;; j += 3) {
+        const int t = blockIdx.x + (j / nk) * gridDim.x, kt = j % nk;
+        if (t >= ntiles) return;
+        const int n0 = (t % gx) * 128, st = j % S;
+        V sv[4], bv[4];
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            const long long o = (long long)min(n0 + lane + 32 * i, N - 1) * vpr + kt;
+            sv[i] = SV[o];
+            bv[i] = BV[o];
+        }
+        if (j >= S) wt_wait(&empty[st], ((j / S) - 1) & 1);
+        u32* slot = slots + st * 128 * NGT;
+#pragma unroll
+        for (int i = 0; i < 4; i++)
+#pragma unroll
+            for (int q = 0; q < NGT; q++)
+                slot[(lane + 32 * i) * NGT + q] = wsp_half<NGT>(sv[i], q) | (wsp_half<NGT>(bv[i], q) << 16);
+        mb_arrive(&full[st]);
+    }
+}
+#endif
+
 template <int NB, int BITS>
 __device__ __forceinline__ void gemm_wsp_body(const void* sc, const void* bi, int group, const TmaMap* xm,
                                               const TmaMap* wm, float* y, long long ldy, int M, int N, int K,
@@ -65,44 +118,33 @@ __device__ __forceinline__ void gemm_wsp_body(const void* sc, const void* bi, in
 
     if (wgi == 0) {
         asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(WSP_PRODUCER_REGS));
-        if (tid >= 32) return;
-        const int lane = tid;
-        const u16 *S16 = (const u16*)sc, *B16 = (const u16*)bi;
-        const long long gpr = K >> lg; /* groups per weight row */
-        int j = 0;
-        for (int t = blockIdx.x; t < ntiles; t += gridDim.x) {
-            const int n0 = (t % gx) * 128, m0 = (t / gx) * BT;
-            for (int kt = 0; kt < nk; kt++, j++) {
-                const int st = j % S;
-                if (j >= S) wt_wait(&empty[st], ((j / S) - 1) & 1);
-                const u32 d = s0 + st * STAGE;
-                if (lane == 0) {
+        const int pw = tid >> 5, lane = tid & 31;
+        if (pw == 0) {
+            /* lane 0: the copies of every step */
+            if (lane != 0) return;
+            int j = 0;
+            for (int t = blockIdx.x; t < ntiles; t += gridDim.x) {
+                const int n0 = (t % gx) * 128, m0 = (t / gx) * BT;
+                for (int kt = 0; kt < nk; kt++, j++) {
+                    const int st = j % S;
+                    if (j >= S) wt_wait(&empty[st], ((j / S) - 1) & 1);
+                    const u32 d = s0 + st * STAGE;
                     mb_expect(&full[st], STAGE);
                     tma_2d(d + 2 * XC, wm, kt * CB, n0, &full[st]);
                     if (j == 0) pdl_wait();
                     tma_2d(d, xm, kt * 128, m0, &full[st]);
                     tma_2d(d + XC, xm, kt * 128 + 64, m0, &full[st]);
                 }
-                if constexpr (BITS != 16) {
-                    u32* slot = slots + st * 128 * ngt;
-                    const int sh = 7 - lg; /* log2(ngt) */
-                    /* 128 ngt pairs in batches of 128: four scales and four biases in flight a lane
-                       (the producer's 40 registers) */
-                    for (int e0 = 0; e0 < 128 * ngt; e0 += 128) {
-                        u32 sv[4], bv[4];
-#pragma unroll
-                        for (int i = 0; i < 4; i++) {
-                            const int e = e0 + lane + 32 * i, r = e >> sh;
-                            const long long o = (long long)min(n0 + r, N - 1) * gpr + kt * ngt + (e & (ngt - 1));
-                            sv[i] = S16[o];
-                            bv[i] = B16[o];
-                        }
-#pragma unroll
-                        for (int i = 0; i < 4; i++) slot[e0 + lane + 32 * i] = sv[i] | (bv[i] << 16);
-                    }
-                    mb_arrive(&full[st]);
-                }
             }
+            return;
+        }
+        if constexpr (BITS != 16) {
+            /* warps 1-3: the scale/bias pairs of steps j = pw - 1, pw + 2, .. (three steps'
+               loads in flight), each lane rows lane + 32i (i < 4), a row's NGT groups as one load
+               per array, issued before the wait for the stage */
+            if (ngt == 1) wsp_scales<1, S>(sc, bi, slots, full, empty, pw - 1, gx, ntiles, nk, N, K >> lg, lane);
+            else if (ngt == 2) wsp_scales<2, S>(sc, bi, slots, full, empty, pw - 1, gx, ntiles, nk, N, K >> lg, lane);
+            else if (ngt == 4) wsp_scales<4, S>(sc, bi, slots, full, empty, pw - 1, gx, ntiles, nk, N, K >> lg, lane);
         }
         return;
     }

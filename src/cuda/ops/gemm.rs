@@ -299,10 +299,17 @@ impl Gpu {
                 };
                 let forced = matches!(kern, GemmKernel::WtP | GemmKernel::WtP256);
                 let wsp_smem = crate::cuda::gemm_wsp_smem(bt, wt_bits(w), w.group.max(1) as usize);
-                let room = wsp_smem <= self.smem_optin_max;
+                // (its scale warps load a row's groups of a k-tile as one vector: groups from 32,
+                // scales and biases aligned to it)
+                let vec = 256 / w.group.max(1) as u64;
+                let room = wsp_smem + crate::cuda::GEMM_WSP_STATIC_SMEM <= self.smem_optin_max
+                    && (w.bits == 0 || (w.group >= 32 && sp.0 % vec == 0 && bp.0 % vec == 0));
                 if tma && tiles == 0 && bt >= 128 && (forced || (ks == 1 && persist_on() && room)) {
                     if !room {
-                        bail!("gemm_wsp: {wsp_smem} bytes of shared memory (group {}) exceed the device's", w.group);
+                        bail!(
+                            "gemm_wsp: group {} (from 32, scales aligned to 256 / group bytes), or {wsp_smem} bytes of shared memory beyond the device's",
+                            w.group
+                        );
                     }
                     // persistent: one block per SM over all the tiles, no split K
                     let grid = (gx * gy).min(self.sms);
