@@ -2,35 +2,37 @@
  * gemm_wsp.cu: gemm_wt's product (same math, k order, dequantization into wgmma's A registers and
  *   stores; see gemm_wt.cu and gemm_wg.cu) as a persistent, warp-specialized kernel, for plain
  *   products (no tile list, no split K) of MLX 4/8-bit codes (bf16 scales and biases, groups of a
- *   power of two from 16) and dense bf16 weights (BITS 4, 8, 16):
+ *   power of two from 32) and dense bf16 weights (BITS 4, 8, 16):
  *   Y[m, n] (+)= sum_k X[m, k] * W[n, k], X the bf16 k-permuted rows of x_bf16_perm's layout.
  *
  * Why: gemm_wt runs one tile per block and one block per SM at 128 and 256 rows, so every tile's
  *   pipeline fills from empty (the first copies' latency, nothing to multiply meanwhile) and its
  *   stores run with no copies in flight; its consumer threads also load their scales and biases
  *   from global memory and one of them issues the copies. Here a block stays for many tiles and
- *   a producer warp copies the next tile's first k-tiles while the consumers store the last one;
+ *   producer warps copy the next tile's first k-tiles while the consumers store the last one;
  *   scales and biases reach shared memory with the codes.
  *
  * Launch: grid min(tiles, SMs) blocks of 384 threads (3 warpgroups), one per SM. Block b takes
  *   tiles t = b, b + G, .. (G = gridDim.x): weight rows n0 = 128 (t % gx), input rows
  *   m0 = BT (t / gx), gx = ceil(N / 128) (consecutive blocks share input rows, as in gemm_wt's
- *   grid). Warpgroup 0 drops to 40 registers (setmaxnreg); its warp 0 is the producer, its other
- *   warps leave. Warpgroups 1 and 2 rise to 232 registers and are gemm_wt's two consumer
- *   warpgroups (weight rows 64(wg - 1) .. + 63 of the tile, all BT input rows). Each (tile,
- *   k-tile) of the block is one step j of its sequence: stage j % S, phase parity (j / S) & 1.
+ *   grid). Warpgroup 0 drops to 40 registers (setmaxnreg): lane 0 of its warp 0 issues the
+ *   copies, its warps 1..W (W = min(S, 3)) load the scales and biases, the rest leave. Warpgroups
+ *   1 and 2 rise to 232 registers and are gemm_wt's two consumer warpgroups (weight rows
+ *   64(wg - 1) .. + 63 of the tile, all BT input rows). Each (tile, k-tile) of the block is one
+ *   step j of its sequence: stage j % S, phase parity (j / S) & 1.
  *
  * Shared memory (from a 1024-byte aligned base): S stages in gemm_wt's layout (X: two SW128 boxes
  *   of 64 columns x BT rows; W: [128 rows][16 BITS bytes]), then S scale slots of [128 rows][NGT]
- *   u32, NGT = 128 / group groups per k-tile (bf16 scale bits low, bias bits high).
- * Barriers per stage: full (count 1 + 32 for quantized weights: the producer's lane 0 arming
- *   it with the stage's bytes before the copies, then every producer lane after its scale
- *   stores), empty (count 8: lane 0 of each consumer warp once the warp's wgmmas on the stage
- *   completed).
- * Producer, per step: wait for empty (from step S on); lane 0 arms full and issues the weight box
- *   and the two input boxes (the inputs after the programmatic-dependent wait, at the first step
- *   only); the warp loads the 128 x NGT scale/bias pairs (clamped rows past N: never stored),
- *   stores them to the slot and arrives.
+ *   u32, NGT = 128 / group groups per k-tile (bf16 scale bits low, bias bits high; groups of
+ *   32, 64 or 128).
+ * Barriers per stage: full (count 1 + 32 for quantized weights: the copy thread arming it with
+ *   the stage's bytes, then every lane of the stage's scale warp after its stores), empty (count
+ *   8: lane 0 of each consumer warp once the warp's wgmmas on the stage completed).
+ * Copy thread, per step: wait for empty (from step S on), arm full, issue the weight box and the
+ *   two input boxes (the inputs after the programmatic-dependent wait, at the first step only).
+ * Scale warps: warp w owns the stages st with st % W == w - 1; per step on them it loads the
+ *   step's 128 x NGT pairs (a row's NGT scales as one load, its biases as another; rows past N
+ *   clamped, never stored) before waiting for empty, then stores them to the slot and arrives.
  * Consumers, per tile: zero the accumulators; per k-tile wait for full, read the four scale/bias
  *   pairs of their rows and halves, dequantize half 0, issue its wgmmas, wait until one group is
  *   pending (the previous k-tile done: release its stage), half 1, wait until one is pending;
@@ -39,8 +41,11 @@
 #define WSP_PRODUCER_REGS 40
 #define WSP_CONSUMER_REGS 232
 
-/* A producer scale warp (gemm_wsp): steps j = j0, j0 + 3, .. of the block's sequence (static:
-   step j is k-tile j % nk of the block's tile j / nk, tile blockIdx.x + (j / nk) G). Lane l loads
+/* A producer scale warp (gemm_wsp): the steps j of the block's sequence on the stages it owns
+   (j % S) % W == j0, W = min(S, 3) warps (static: step j is k-tile j % nk of the block's tile j / nk,
+   tile blockIdx.x + (j / nk) G). Owning whole stages keeps each wait on empty one phase from the
+   last this warp filled there (a warp taking every third step could run two phases ahead of a
+   stage's barrier, where its parity test passes early: the 2-stage kernels trapped). Lane l loads
    rows l + 32i (i < 4) of the step's 128: NGT bf16 scales and NGT biases each as one load (NGT 1,
    2 or 4: 2, 4 or 8 bytes, aligned as the group offsets are multiples of NGT), then waits for the
    stage, stores them as u32 pairs [row][NGT] and arrives on full. */
@@ -69,10 +74,13 @@ __device__ __forceinline__ void wsp_scales(const void* sc, const void* bi, u32* 
     using V = typename WspVec<NGT>::T;
     const V *SV = (const V*)sc, *BV = (const V*)bi;
     const long long vpr = gpr / NGT; /* vectors per weight row */
-    for (int j = j0;; j += 3) {
+    constexpr int W = S < 3 ? S : 3; /* scale warps: warp j0 + 1 owns the stages st with st % W == j0 */
+    for (int j = 0;; j++) {
+        const int st = j % S;
+        if (st % W != j0) continue;
         const int t = blockIdx.x + (j / nk) * gridDim.x, kt = j % nk;
         if (t >= ntiles) return;
-        const int n0 = (t % gx) * 128, st = j % S;
+        const int n0 = (t % gx) * 128;
         V sv[4], bv[4];
 #pragma unroll
         for (int i = 0; i < 4; i++) {
@@ -139,9 +147,10 @@ __device__ __forceinline__ void gemm_wsp_body(const void* sc, const void* bi, in
             return;
         }
         if constexpr (BITS != 16) {
-            /* warps 1-3: the scale/bias pairs of steps j = pw - 1, pw + 2, .. (three steps'
-               loads in flight), each lane rows lane + 32i (i < 4), a row's NGT groups as one load
-               per array, issued before the wait for the stage */
+            /* warps 1..min(S, 3): the scale/bias pairs of the steps on their stages (up to three
+               steps' loads in flight), each lane rows lane + 32i (i < 4), a row's NGT groups as one
+               load per array, issued before the wait for the stage */
+            if (pw - 1 >= (S < 3 ? S : 3)) return;
             if (ngt == 1) wsp_scales<1, S>(sc, bi, slots, full, empty, pw - 1, gx, ntiles, nk, N, K >> lg, lane);
             else if (ngt == 2) wsp_scales<2, S>(sc, bi, slots, full, empty, pw - 1, gx, ntiles, nk, N, K >> lg, lane);
             else if (ngt == 4) wsp_scales<4, S>(sc, bi, slots, full, empty, pw - 1, gx, ntiles, nk, N, K >> lg, lane);
