@@ -50,7 +50,8 @@ fn kernels(g: &lily::cuda::Gpu, gl: &GpuLinear) -> Vec<(Precision, GemmKernel)> 
 /// The gemm_wg forms beside Auto's (sm_90a, where gemm_wg takes the product: widths of whole
 /// 128-column k-tiles; elsewhere they are errors, not fallbacks): 256-row tiles (plain products
 /// only; the grouped test skips them) and gemm_wt, the TMA form, on gemm_wg's tiles and on 256
-/// rows, for 4-bit, 8-bit and dense bf16 weights (the grouped test also runs its 128-row tiles;
+/// rows, and gemm_wsp, its persistent warp-specialized form (WtP, WtP256: plain products only),
+/// for 4-bit, 8-bit and dense bf16 weights (the grouped test also runs gemm_wt's 128-row tiles;
 /// its gathered gate/up is written out in tile order first). Their own tests, so that a kernel that traps does not
 /// take the others' results with it (filter by test name).
 fn new_kernels(g: &lily::cuda::Gpu, gl: &GpuLinear) -> Vec<(Precision, GemmKernel)> {
@@ -60,7 +61,9 @@ fn new_kernels(g: &lily::cuda::Gpu, gl: &GpuLinear) -> Vec<(Precision, GemmKerne
             v.push((Precision::Bf16, GemmKernel::Wg256));
         }
         if gl.wt_ok() {
-            v.extend([GemmKernel::Wt, GemmKernel::Wt256, GemmKernel::WtP, GemmKernel::WtP256].map(|k| (Precision::Bf16, k)));
+            v.extend(
+                [GemmKernel::Wt, GemmKernel::Wt256, GemmKernel::WtP, GemmKernel::WtP256].map(|k| (Precision::Bf16, k)),
+            );
         }
     }
     v

@@ -236,7 +236,9 @@ impl Gpu {
             (Precision::Bf16, GemmKernel::WtP) if tiles != 0 => {
                 bail!("gemm {kern:?}: gemm_wsp takes plain products only, not a grouped one")
             }
-            (Precision::Bf16, GemmKernel::WgTall | GemmKernel::WtTall | GemmKernel::WtP) if !self.fits(kern, w, xrows) => {
+            (Precision::Bf16, GemmKernel::WgTall | GemmKernel::WtTall | GemmKernel::WtP)
+                if !self.fits(kern, w, xrows) =>
+            {
                 bail!(
                     "gemm {kern:?}: {} rows of width {} ({}-bit, group {}) do not fit gemm_wg",
                     xrows,
