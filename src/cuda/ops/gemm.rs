@@ -262,7 +262,10 @@ impl Gpu {
                 a.ldx = k as i64;
                 let wide = tiles == 0
                     && (matches!(kern, GemmKernel::Wg256 | GemmKernel::Wt256 | GemmKernel::WtP256)
-                        || (wg256_from() > 0 && m >= wg256_from() && self.wide_fits(kern, w, xrows)));
+                        || (wg256_from() > 0
+                            && m >= wg256_from()
+                            && self.wide_fits(kern, w, xrows)
+                            && !(fill_sms() && 2 * (blocks(n, 128) as usize) * m.div_ceil(256) <= self.sms as usize)));
                 let tall = matches!(kern, GemmKernel::WgTall | GemmKernel::WtTall | GemmKernel::WtP)
                     || (tiles == 0 && m >= wg128_from());
                 // gemm_wt's TMA copies do not gather rows: gathered inputs stay on gemm_wg
@@ -507,6 +510,16 @@ impl GemmKernel {
 fn wg256_from() -> usize {
     static V: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
     super::env_usize(&V, "LILY_CUDA_WG256_FROM", 2048)
+}
+
+/// Whether Auto's plain products keep 128-row tiles where 256-row ones would leave at least half
+/// the SMs without a tile (narrow products such as the 257-row router at 4K: 48 tiles of 256 rows,
+/// 1.62 → 1.07 ms over 40 layers, perf log session 29; where the 256-row tiles nearly fill the
+/// GPU, 128 of them, the 128-row form measured slower, 1.41 → 1.61 ms). `LILY_CUDA_WG256_FILL=0`
+/// takes 256 rows there too.
+fn fill_sms() -> bool {
+    static V: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *V.get_or_init(|| std::env::var("LILY_CUDA_WG256_FILL").map_or(true, |v| v != "0"))
 }
 
 /// Whether Auto's plain gemm_wt products of 128- and 256-row tiles without split K and with more
