@@ -84,11 +84,7 @@ fn gemm_new_kernels_match_cpu() {
 /// stages), 4,100 weight rows (the last tile clamped) and 1,300 input rows (a partial last tile).
 #[test]
 fn gemm_persistent_many_tiles_match_cpu() {
-    let Some(g) = gpu() else { return };
-    if !g.wg_available() {
-        eprintln!("skipped: gemm_wsp needs sm_90a");
-        return;
-    }
+    let Some(g) = wg_gpu() else { return };
     let mut r = rng(29);
     let (rows, m) = (4100usize, 1300usize);
     for cols in [256usize, 384] {
@@ -105,14 +101,8 @@ fn gemm_persistent_many_tiles_match_cpu() {
             let mut want = vec![0f32; m * rows];
             l.matmul(&x, &mut want);
             for kern in [GemmKernel::WtP, GemmKernel::WtP256] {
-                let yb = g.upload_f32(&vec![f32::NAN; m * rows]).unwrap();
-                g.gemm_with(kern, &gl, Precision::Bf16, xb.ptr, cols, yb.ptr, rows, m, false).unwrap();
-                let got = yb.read_f32(0, m * rows).unwrap();
-                check(&format!("gemm {kern:?} {name} {rows}x{cols} M={m}"), &got, &want, tol(Precision::Bf16));
-                g.gemm_with(kern, &gl, Precision::Bf16, xb.ptr, cols, yb.ptr, rows, m, true).unwrap();
-                let got = yb.read_f32(0, m * rows).unwrap();
-                let twice: Vec<f32> = want.iter().map(|v| 2.0 * v).collect();
-                check(&format!("gemm {kern:?} accumulate {name} {rows}x{cols}"), &got, &twice, tol(Precision::Bf16));
+                let label = format!("{name} {rows}x{cols}");
+                gemm_checked(&g, (Precision::Bf16, kern), &gl, xb.ptr, m, rows, &want, &label);
             }
         }
     }
@@ -153,21 +143,47 @@ fn gemm_cases(pick: fn(&lily::cuda::Gpu, &GpuLinear) -> Vec<(Precision, GemmKern
             // Output rows of stride rows + 3: the 3 guard columns must stay NaN.
             let ldy = l.rows + 3;
             let xb = g.upload_f32(&x).unwrap();
-            for (prec, kern) in pick(&g, &gl) {
-                let yb = g.upload_f32(&vec![f32::NAN; m * ldy]).unwrap();
-                g.gemm_with(kern, &gl, prec, xb.ptr, l.cols, yb.ptr, ldy, m, false).unwrap();
-                let y = yb.read_f32(0, m * ldy).unwrap();
-                let got: Vec<f32> = y.chunks(ldy).flat_map(|row| row[..l.rows].to_vec()).collect();
-                assert!(y.chunks(ldy).all(|row| row[l.rows..].iter().all(|v| v.is_nan())), "{name}: guard written");
-                check(&format!("gemm {prec:?} {kern:?} {name} M={m}"), &got, &want, tol(prec));
-                g.gemm_with(kern, &gl, prec, xb.ptr, l.cols, yb.ptr, ldy, m, true).unwrap();
-                let y = yb.read_f32(0, m * ldy).unwrap();
-                let got: Vec<f32> = y.chunks(ldy).flat_map(|row| row[..l.rows].to_vec()).collect();
-                let twice: Vec<f32> = want.iter().map(|v| 2.0 * v).collect();
-                check(&format!("gemm {prec:?} {kern:?} accumulate {name} M={m}"), &got, &twice, tol(prec));
+            for pk in pick(&g, &gl) {
+                gemm_checked(&g, pk, &gl, xb.ptr, m, ldy, &want, name);
             }
         }
     }
+}
+
+/// One product of `m` input rows (at `x`) into NaN-filled output rows of stride `ldy` against the
+/// CPU's `want`, then accumulated onto itself against twice `want`; columns past the weight's
+/// rows (guards) must stay NaN.
+#[allow(clippy::too_many_arguments)]
+fn gemm_checked(
+    g: &std::sync::Arc<lily::cuda::Gpu>,
+    (prec, kern): (Precision, GemmKernel),
+    gl: &GpuLinear,
+    x: u64,
+    m: usize,
+    ldy: usize,
+    want: &[f32],
+    name: &str,
+) {
+    let (rows, cols) = (gl.rows * gl.count, gl.cols);
+    let yb = g.upload_f32(&vec![f32::NAN; m * ldy]).unwrap();
+    for (acc, want) in [(false, want.to_vec()), (true, want.iter().map(|v| 2.0 * v).collect())] {
+        g.gemm_with(kern, gl, prec, x, cols, yb.ptr, ldy, m, acc).unwrap();
+        let y = yb.read_f32(0, m * ldy).unwrap();
+        let got: Vec<f32> = y.chunks(ldy).flat_map(|row| row[..rows].to_vec()).collect();
+        assert!(y.chunks(ldy).all(|row| row[rows..].iter().all(|v| v.is_nan())), "{name}: guard written");
+        let what = if acc { " accumulate" } else { "" };
+        check(&format!("gemm {prec:?} {kern:?}{what} {name} M={m}"), &got, &want, tol(prec));
+    }
+}
+
+/// The device when it runs gemm_wg (sm_90a), else a loud skip.
+fn wg_gpu() -> Option<std::sync::Arc<lily::cuda::Gpu>> {
+    let g = gpu()?;
+    if !g.wg_available() {
+        eprintln!("SKIPPED: this device has no gemm_wg (sm_90a)");
+        return None;
+    }
+    Some(g)
 }
 
 /// silu_mul_pairs_perm writes gemm_wg's input as x_bf16_perm writes it from silu_mul_pairs' f32
@@ -176,11 +192,7 @@ fn gemm_cases(pick: fn(&lily::cuda::Gpu, &GpuLinear) -> Vec<(Precision, GemmKern
 /// would not run on gemm_wg refuses the workspace as its input.
 #[test]
 fn silu_perm_feeds_gemm_wg_bit_identically() {
-    let Some(g) = gpu() else { return };
-    if !g.wg_available() {
-        eprintln!("SKIPPED: this device has no gemm_wg (sm_90a)");
-        return;
-    }
+    let Some(g) = wg_gpu() else { return };
     let mut r = rng(23);
     // 70 gate/up pairs of width 256 (gate row k at [k, 0..256), up at [k, 256..512)) into a
     // 600-row down projection

@@ -225,7 +225,12 @@ pub const GEMM_WT_KERNELS: [((usize, u32), &str); 9] = [
 
 /// gemm_wt's kernel for `bt`-row tiles (64, 128 or 256) of weights of `bits` (4, 8, 16).
 pub fn gemm_wt_kernel(bt: usize, bits: u32) -> &'static str {
-    GEMM_WT_KERNELS.iter().find(|(k, _)| *k == (bt, bits)).map_or("gemm_wt64", |(_, n)| n)
+    tile_kernel(&GEMM_WT_KERNELS, bt, bits)
+}
+
+/// The name for (`bt`, `bits`) in a table of tile kernels (its first entry where none matches).
+fn tile_kernel(table: &[((usize, u32), &'static str)], bt: usize, bits: u32) -> &'static str {
+    table.iter().find(|(k, _)| *k == (bt, bits)).unwrap_or(&table[0]).1
 }
 
 /// gemm_wsp's kernels (kernels/gemm_wsp.cu, persistent and warp-specialized, plain products):
@@ -245,24 +250,27 @@ pub const GEMM_WSP_STATIC_SMEM: usize = 1024;
 
 /// gemm_wsp's kernel for `bt`-row tiles (128 or 256) of weights of `bits` (4, 8, 16).
 pub fn gemm_wsp_kernel(bt: usize, bits: u32) -> &'static str {
-    GEMM_WSP_KERNELS.iter().find(|(k, _)| *k == (bt, bits)).map_or("gemm_wsp128", |(_, n)| n)
+    tile_kernel(&GEMM_WSP_KERNELS, bt, bits)
 }
 
 /// Dynamic shared memory of [`gemm_wsp_kernel`]`(bt, bits)` for groups of `group` columns:
 /// gemm_wt's stages and, for codes, one slot per stage of 128 rows x (128 / group) u32
 /// scale/bias pairs.
 pub fn gemm_wsp_smem(bt: usize, bits: u32, group: usize) -> usize {
-    let wt = gemm_wt_smem(bt, bits);
-    let stages = (wt - 1024) / (bt * 256 + 128 * 16 * bits as usize);
     let slot = if bits == 16 { 0 } else { 128 * (128 / group.max(1)) * 4 };
-    wt + stages * slot
+    gemm_wt_smem(bt, bits) + gemm_wt_stages(bt, bits) * slot
 }
 
 /// Dynamic shared memory of [`gemm_wt_kernel`]`(bt, bits)`: its stages (gemm_wt.cu's WT_STAGES
 /// table) of [bt rows][128] bf16 inputs and [128 rows][16·bits bytes] of weights, plus 1 KB to
 /// align the swizzled tiles.
 pub fn gemm_wt_smem(bt: usize, bits: u32) -> usize {
-    let stages = match (bt, bits) {
+    gemm_wt_stages(bt, bits) * (bt * 256 + 128 * 16 * bits as usize) + 1024
+}
+
+/// gemm_wt's (and gemm_wsp's) pipeline stages: gemm_wt.cu's WT_STAGES table.
+fn gemm_wt_stages(bt: usize, bits: u32) -> usize {
+    match (bt, bits) {
         (256, 4) => 3,
         (256, _) => 2,
         (128, 4) => 5,
@@ -271,8 +279,7 @@ pub fn gemm_wt_smem(bt: usize, bits: u32) -> usize {
         (_, 4) => 4,
         (_, 8) => 3,
         _ => 2,
-    };
-    stages * (bt * 256 + 128 * 16 * bits as usize) + 1024
+    }
 }
 
 /// Dynamic shared memory of gdn_chunk_scan_tc (kernels/gdn_chunk_tc.cu): fp32 tiles Wt and Qt

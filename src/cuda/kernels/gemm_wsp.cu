@@ -164,14 +164,6 @@ __device__ __forceinline__ void gemm_wsp_body(const void* sc, const void* bi, in
     pdl_wait(); /* before any store */
     float acc[NB][32];
     u32 a0[4][4], a1[4][4];
-    auto mma_half = [&](const u32 (&a)[4][4], u32 xs) {
-        wg_fence();
-#pragma unroll
-        for (int s = 0; s < 4; s++)
-#pragma unroll
-            for (int jj = 0; jj < NB; jj++) wgmma_m64n64(acc[jj], a[s], wt_desc(xs + jj * 64 * 128 + s * 32));
-        wg_commit();
-    };
     int j = 0;
     for (int t = blockIdx.x; t < ntiles; t += gridDim.x) {
         const int n0 = (t % gx) * 128, m0 = (t / gx) * BT;
@@ -197,11 +189,11 @@ __device__ __forceinline__ void gemm_wsp_body(const void* sc, const void* bi, in
             }
             const unsigned char* cod = sm + st * STAGE + 2 * XC;
             wt_half<BITS>(a0, cod, rb0, rb1, 0, t4, sb);
-            mma_half(a0, s0 + st * STAGE);
+            wt_mma_half<NB>(acc, a0, s0 + st * STAGE);
             wg_wait_pending<1>();
             if (kt > 0 && lane == 0) mb_arrive(&empty[(j - 1) % S]);
             wt_half<BITS>(a1, cod, rb0, rb1, 1, t4, sb);
-            mma_half(a1, s0 + st * STAGE + XC);
+            wt_mma_half<NB>(acc, a1, s0 + st * STAGE + XC);
             wg_wait_pending<1>();
         }
         wg_wait_pending<0>();

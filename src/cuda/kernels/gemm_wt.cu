@@ -98,6 +98,18 @@ __device__ __forceinline__ u32 wt_dq8(u32 wa, u32 wb, int k, float s, float b) {
     return r;
 }
 
+/* The 4 NB wgmmas of one 64-column half (A registers a, the stage's X chunk at shared address xs:
+   BT rows of 128 swizzled bytes), fenced before and committed as one group. */
+template <int NB>
+__device__ __forceinline__ void wt_mma_half(float (&acc)[NB][32], const u32 (&a)[4][4], u32 xs) {
+    wg_fence();
+#pragma unroll
+    for (int s = 0; s < 4; s++)
+#pragma unroll
+        for (int j = 0; j < NB; j++) wgmma_m64n64(acc[j], a[s], wt_desc(xs + j * 64 * 128 + s * 32));
+    wg_commit();
+}
+
 /* One 64-column half h of a k-tile as A registers (the layout of wg_dq_half): cod is the stage's
    [128][16 BITS] weight rows. */
 template <int BITS>
@@ -210,25 +222,17 @@ __device__ __forceinline__ void gemm_wt_body(const void* sc, const void* bi, int
             load_x(kt + S);
         }
     };
-    auto mma_half = [&](const u32 (&a)[4][4], u32 xs) {
-        wg_fence();
-#pragma unroll
-        for (int s = 0; s < 4; s++)
-#pragma unroll
-            for (int j = 0; j < NB; j++) wgmma_m64n64(acc[j], a[s], wt_desc(xs + j * 64 * 128 + s * 32));
-        wg_commit();
-    };
     auto step = [&](int kt, const u32 (&sb)[2][2][2], u32 (&nsb)[2][2][2]) {
         const int st = kt % S;
         wt_wait(&full[st], (kt / S) & 1);
         if (kt + 1 < nk) load_sb(kt + 1, nsb);
         const unsigned char* cod = sm + st * STAGE + 2 * XC;
         wt_half<BITS>(a0, cod, rb0, rb1, 0, t4, sb);
-        mma_half(a0, s0 + st * STAGE);
+        wt_mma_half<NB>(acc, a0, s0 + st * STAGE);
         wg_wait_pending<1>();
         if (kt > 0) release(kt - 1);
         wt_half<BITS>(a1, cod, rb0, rb1, 1, t4, sb);
-        mma_half(a1, s0 + st * STAGE + XC);
+        wt_mma_half<NB>(acc, a1, s0 + st * STAGE + XC);
         wg_wait_pending<1>();
     };
     for (int kt = 0; kt < nk; kt += 2) {
