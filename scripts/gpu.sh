@@ -19,7 +19,9 @@
 #                             LILY_CUDA_SHARED_GROUPED=1), SERVE_CLIENTS (e.g. "1 16 64":
 #                             scripts/serve_load.sh, AB_OLD's binary too), PROFILE_LAYERS /
 #                             PROFILE_CONTEXT (LILY_CUDA_PROFILE=1: per-op decode table), ABLATE
-#                             (kernel names left out, LILY_CUDA_SKIP) / ABLATE_CONTEXT, ...
+#                             (kernel names left out, LILY_CUDA_SKIP) / ABLATE_CONTEXT, TIMELINE
+#                             (contexts: the decode step's kernel timeline, src/cuda/timeline.rs;
+#                             build the bundle with TIMELINE_BUILD=1 to carry its kernels), ...
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -51,6 +53,11 @@ for line in sys.stdin:
       LILY_REQUIRE_NVRTC=1 LILY_PTX_EXPORT="$PWD/.gpu/stage/kcache" cargo test --release --test cuda_compile -q 2>&1 | tail -1
   else
     echo "(no NVRTC wheel at $NVRTC_DIR: the GPU machine compiles the kernels itself)"
+  fi
+  if [ -n "${TIMELINE_BUILD:-}" ] && [ -f "$NVRTC_DIR/nvidia/cu13/lib/libnvrtc.so.13" ]; then
+    # the timeline build's kernels too (LILY_CUDA_TIMELINE=1: TIMELINE on the device)
+    LD_LIBRARY_PATH="$NVRTC_DIR/nvidia/cu13/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" LILY_CUDA_TIMELINE=1 \
+      LILY_REQUIRE_NVRTC=1 LILY_PTX_EXPORT="$PWD/.gpu/stage/kcache" cargo test --release --test cuda_compile -q 2>&1 | tail -1
   fi
   cp target/release/lily .gpu/stage/bin/lily
   cp target/release/examples/gemv_bench .gpu/stage/bin/gemv_bench
@@ -142,6 +149,19 @@ if [ -n "${PROFILE_LAYERS:-}" ]; then
   LILY_CUDA_PROFILE=1 timeout 180 .gpu/x/bin/lily bench --device cuda --model synthetic:qwen3.6-35b-a3b \
     --layers "$PROFILE_LAYERS" --contexts "$PC" --warmup 0 --decode-steps 16 >"$OUTDIR/profile.txt" 2>&1 || status=1
   grep -E "^\||^decode step" "$OUTDIR/profile.txt" | head -80 || true
+fi
+if [ -n "${TIMELINE:-}" ]; then
+  # TIMELINE=ctx[,ctx...]: the decode step kernel by kernel in the replayed graph (the timeline
+  # build, LILY_CUDA_TIMELINE=1; its kernels come from the bundle when it was built with
+  # TIMELINE_BUILD=1, else NVRTC compiles them here) with moe_fused_q's own stamps
+  # (LILY_CUDA_MOE_TRACE=1). The stamps cost a little; the bench's tok/s there is not the
+  # product's.
+  for c in ${TIMELINE//,/ }; do
+    echo "== timeline, context $c"
+    LILY_CUDA_TIMELINE=1 LILY_CUDA_MOE_TRACE=1 timeout 400 .gpu/x/bin/lily bench --device cuda \
+      --model synthetic:qwen3.6-35b-a3b --contexts "$c" --warmup 0 --decode-steps 16 >"$OUTDIR/timeline_$c.txt" 2>&1 || status=1
+    sed -n '/^per kernel/,$p' "$OUTDIR/timeline_$c.txt" | head -60 || true
+  done
 fi
 BENCH_CONTEXTS=${BENCH_CONTEXTS:-256,4096}
 if [ "$BENCH_CONTEXTS" != none ]; then

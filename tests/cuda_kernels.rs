@@ -364,10 +364,13 @@ fn fused_decode_moe_matches_cpu() {
         // must wait for its own blocks only).
         assert!(g.moe_fused_ok(&gu, &dn, e, k), "moe_fused refuses q{bits} E{e} K{k}");
         let ctr = g.zeros(8).unwrap();
+        // the last run with the timing trace on (LILY_CUDA_MOE_TRACE): the same result
+        let trace = g.zeros(8 * 16 * g.sms as usize).unwrap();
         for rep in 0..3 {
             xb.write_f32(0, &x).unwrap();
             let (ids_f, wts_f) = (g.zeros(4 * (k + 1)).unwrap(), g.zeros(4 * (k + 1)).unwrap());
-            g.moe_fused(&gu, &dn, None, xb.ptr, (nwb.ptr, 1e-6), egu_r.ptr, route, (ids_f.ptr, wts_f.ptr), ctr.ptr)
+            let tr = if rep == 2 { trace.ptr } else { 0 };
+            g.moe_fused(&gu, &dn, None, xb.ptr, (nwb.ptr, 1e-6), egu_r.ptr, route, (ids_f.ptr, wts_f.ptr), ctr.ptr, tr)
                 .unwrap();
             assert_eq!(ids_f.read_i32(k + 1).unwrap(), want_ids, "moe_fused: ids");
             check(&format!("moe_fused q{bits} E{e} K{k} run {rep}"), &xb.read_f32(0, h).unwrap(), &want, TOL);
@@ -397,6 +400,7 @@ fn fused_decode_moe_matches_cpu() {
                 route_r,
                 (ids_f.ptr, wts_f.ptr),
                 ctr.ptr,
+                0,
             )
             .unwrap();
             check(&format!("moe_fused router q8 E{e} run {rep}: logits"), &lr.read_f32(0, e + 1).unwrap(), &rl, TOL);

@@ -68,7 +68,8 @@ pub const KERNELS: [&str; 33] = [
 
 /// The concatenated program text.
 pub fn kernel_source() -> String {
-    let mut s = super::params::c_decls();
+    let mut s = if super::timeline::enabled() { "#define LILY_TIMELINE 1\n".to_string() } else { String::new() };
+    s.push_str(&super::params::c_decls());
     for (name, src) in SOURCES {
         s.push_str(&format!("// ---- {name} ----\n"));
         s.push_str(src);

@@ -17,6 +17,7 @@ mod ops;
 mod paged;
 pub mod params;
 pub mod profile;
+pub mod timeline;
 
 pub use model::{upload_cached, uploaded, CudaBatch, CudaModel, CudaSession};
 pub use ops::{
@@ -214,6 +215,8 @@ pub struct Gpu {
     /// Programmatic dependent launch for [`PDL_KERNELS`]: on devices that have it (compute
     /// capability 9.0+) unless `LILY_CUDA_PDL=0`.
     pub pdl: bool,
+    /// `LILY_CUDA_TIMELINE=1`: the timeline build's record buffer ([`timeline`]).
+    pub timeline: Option<timeline::Timeline>,
     funcs: HashMap<&'static str, sys::CUfunction>,
     /// The stream every kernel runs on: a blocking stream (it synchronizes with the legacy
     /// default stream, which the synchronous copies use) that CUDA graphs can capture.
@@ -309,6 +312,7 @@ impl Gpu {
                     .map_err(|e| anyhow!("loading the compiled kernels: {e:?}"))?
             }
         };
+        let timeline = if timeline::enabled() { Some(timeline::Timeline::new(module)?) } else { None };
         let mut funcs = HashMap::new();
         for k in all_kernels() {
             // SAFETY: module is loaded and never unloaded.
@@ -383,6 +387,7 @@ impl Gpu {
             smem_optin,
             smem_optin_max: optin,
             pdl,
+            timeline,
             funcs,
             stream,
             splitk_ws,

@@ -15,7 +15,7 @@
 //! grouped GEMM → combine).
 
 use super::ops::{AttnKernel, AttnPrep, GdnStep, GpuLinear, KvDtype, Precision};
-use super::{DevBuf, Gpu, Graph, PagedBuf};
+use super::{profile, DevBuf, Gpu, Graph, PagedBuf};
 use crate::config::ModelConfig;
 use crate::generate::{Session, Snapshot};
 use crate::model::Logits;
@@ -208,6 +208,8 @@ struct Scratch {
     sync: DevBuf,
     /// The same for gdn_step_out (its own: a counter's launches must all have the same grid).
     sync_gdn: DevBuf,
+    /// `LILY_CUDA_MOE_TRACE=1`: moe_fused_q's stamps, `[layers, SMs, MOE_TRACE_SLOTS]` u64.
+    moe_trace: Option<DevBuf>,
 }
 
 enum GState {
@@ -384,6 +386,11 @@ impl CudaSession {
             pick_ws: g.zeros(super::SAMPLE_WS_BYTES)?,
             sync: g.zeros(8)?,
             sync_gdn: g.zeros(8)?,
+            moe_trace: if profile::moe_tracing() {
+                Some(g.zeros(8 * profile::MOE_TRACE_SLOTS * g.sms as usize * self.model.layers.len())?)
+            } else {
+                None
+            },
         });
         self.states = self.fresh_states()?;
         self.graphs = Default::default();

@@ -164,6 +164,75 @@ fn op_table(p: &Totals, ob: &[(&'static str, (u64, f64))]) -> String {
     s
 }
 
+/// `LILY_CUDA_MOE_TRACE=1` (a measurement switch): the decode step's moe_fused_q launches write
+/// the global timer at fixed points per block, printed after a device decode loop.
+pub fn moe_tracing() -> bool {
+    static P: OnceLock<bool> = OnceLock::new();
+    *P.get_or_init(|| std::env::var("LILY_CUDA_MOE_TRACE").is_ok_and(|v| v == "1"))
+}
+
+/// Stamps per block of one moe_fused_q launch (kernels/gemv.cu writes slots 0-6, 8, 9).
+pub const MOE_TRACE_SLOTS: usize = 16;
+
+/// Prints the last step's moe_fused_q stamps (`[layers, sms, MOE_TRACE_SLOTS]` u64): per point,
+/// µs after the launch's first block started, mean and latest over the blocks, averaged over
+/// the layers; and the time from one MoE launch's last block to the next launch's first.
+pub fn print_moe_trace(buf: &super::DevBuf, sms: usize, layers: usize) -> Result<()> {
+    let raw = buf.read_i32(2 * MOE_TRACE_SLOTS * sms * layers)?;
+    let at = |l: usize, b: usize, j: usize| {
+        let i = 2 * ((l * sms + b) * MOE_TRACE_SLOTS + j);
+        (raw[i] as u32 as u64) | ((raw[i + 1] as u32 as u64) << 32)
+    };
+    let points = [
+        (0, "entry"),
+        (1, "previous kernel done (pdl wait)"),
+        (2, "top-k done"),
+        (8, "gate/up: body start"),
+        (9, "gate/up: input staged"),
+        (3, "gate/up done (before arrive)"),
+        (4, "down: meeting passed"),
+        (5, "down: input staged"),
+        (6, "end"),
+    ];
+    let mut sums = vec![(0.0f64, 0.0f64, 0usize); points.len()];
+    let (mut between, mut nb, mut prev_end) = (0.0, 0usize, None::<u64>);
+    for l in 0..layers {
+        let blocks: Vec<usize> = (0..sms).filter(|&b| at(l, b, 0) != 0).collect();
+        let Some(t0) = blocks.iter().map(|&b| at(l, b, 0)).min() else { continue };
+        for (k, &(j, _)) in points.iter().enumerate() {
+            let v: Vec<f64> =
+                blocks.iter().filter(|&&b| at(l, b, j) != 0).map(|&b| (at(l, b, j) - t0) as f64 / 1e3).collect();
+            if v.is_empty() {
+                continue;
+            }
+            sums[k].0 += v.iter().sum::<f64>() / v.len() as f64;
+            sums[k].1 += v.iter().cloned().fold(f64::MIN, f64::max);
+            sums[k].2 += 1;
+        }
+        if let Some(p) = prev_end {
+            between += t0.saturating_sub(p) as f64 / 1e3;
+            nb += 1;
+        }
+        prev_end = blocks.iter().map(|&b| at(l, b, 6)).max();
+    }
+    eprintln!("moe_fused_q trace, last step, µs after the launch's first block (means over the MoE layers)");
+    eprintln!("| point | mean over blocks | latest block |");
+    eprintln!("|---|---:|---:|");
+    for (k, &(_, name)) in points.iter().enumerate() {
+        let (m, x, n) = sums[k];
+        if n > 0 {
+            eprintln!("| {name} | {:.2} | {:.2} |", m / n as f64, x / n as f64);
+        }
+    }
+    if nb > 0 {
+        eprintln!(
+            "| last block's end to the next launch's first block (the layer between) | {:.2} | |",
+            between / nb as f64
+        );
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

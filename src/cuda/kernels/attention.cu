@@ -240,6 +240,7 @@ __device__ __forceinline__ void attn_prep_t(const float* qg, const float* kin, c
 
 #define ATTN_PREP(NAME, KV)                                                                                        \
     extern "C" __global__ void NAME(AttnPrepParams_fields) {                                                       \
+        TL_SCOPE(#NAME);                                                                                           \
         attn_prep_t<KV>(qg, kin, vin, qn, kn, q_out, (KV*)kc, (KV*)vc, nh, hkv, hd, gated, rot, pos_p, theta, eps, \
                         ld, kvt);                                                                                  \
     }
@@ -340,6 +341,7 @@ __device__ __forceinline__ void attn_decode_t(const float* q, const KV* kc, cons
 
 #define ATTN_DECODE(NAME, KV)                                                                                  \
     extern "C" __global__ void NAME(AttnDecodeParams_fields) {                                                 \
+        TL_SCOPE(#NAME);                                                                                       \
         attn_decode_t<KV>(q, (const KV*)kc, (const KV*)vc, part, nh, hkv, hd, pos_p, scale, kvt);              \
     }
 ATTN_DECODE(attn_decode, float)
@@ -347,6 +349,7 @@ ATTN_DECODE(attn_decode_bf16, u16)
 
 extern "C" __global__ void __launch_bounds__(1024) attn_combine(AttnCombineParams_fields) {
     __shared__ float w[1024], red[33], accs[1024];
+    TL_SCOPE("attn_combine");
     pdl_begin();
     int h = blockIdx.x;
     part += (long long)blockIdx.z * nh * S * (hd + 2);
@@ -591,6 +594,7 @@ __device__ __forceinline__ void attn_gqa(const float* q, const KV* kc, const KV*
 
 #define ATTN_GQA(LG, NAME, KV)                                                                                \
     extern "C" __global__ void __launch_bounds__(256, 1) NAME(AttnGqaParams_fields) {                          \
+        TL_SCOPE(#NAME);                                                                                      \
         attn_gqa<LG, KV>(q, (const KV*)kc, (const KV*)vc, part, hkv, hd, pos_p, scale, kvt);                     \
     }
 ATTN_GQA(0, attn_decode_gqa1, float)

@@ -330,10 +330,12 @@ __device__ __forceinline__ void attn_dec_tc(const float* q, const void* kc_, con
 #define ATTN_DEC_TC(D)                                                                                          \
     extern "C" __global__ void __launch_bounds__(128, 1)                                                        \
         attn_decode_tc##D(AttnGqaParams_fields) {                                                               \
+        TL_SCOPE("attn_decode_tc" #D);                                                                          \
         attn_dec_tc<D, false>(q, kc, vc, part, hkv, pos_p, scale, kvt);                                         \
     }                                                                                                           \
     extern "C" __global__ void __launch_bounds__(128, 1)                                                        \
         attn_decode_tc##D##_fp8(AttnGqaParams_fields) {                                                         \
+        TL_SCOPE("attn_decode_tc" #D "_fp8");                                                                   \
         attn_dec_tc<D, true>(q, kc, vc, part, hkv, pos_p, scale, kvt);                                          \
     }
 ATTN_DEC_TC(64)

@@ -69,6 +69,62 @@ __device__ __forceinline__ float block_max(float v, float* sh) { return block_re
 __device__ __forceinline__ float sigmoid_f(float x) { return 1.f / (1.f + expf(-x)); }
 __device__ __forceinline__ float silu_f(float x) { return x / (1.f + expf(-x)); }
 __device__ __forceinline__ float softplus_f(float x) { return x > 20.f ? x : log1pf(expf(x)); }
+__device__ __forceinline__ u64 global_ns() {
+    u64 t;
+    asm volatile("mov.u64 %0, %globaltimer;" : "=l"(t));
+    return t;
+}
+
+/* The step timeline (LILY_CUDA_TIMELINE=1, a measurement build: the host compiles the kernels
+   with LILY_TIMELINE defined and points lily_tl_buf at a buffer of lily_tl_cap records). A kernel
+   opening with TL_SCOPE("name") appends, when its block's thread 0 returns, one record of four
+   u64: the global timer (ns) at the block's entry and at its return, the launch's %gridid, and
+   fnv1a32(name) << 32 | smid << 24 | linear block index. */
+#ifdef LILY_TIMELINE
+__device__ u64* lily_tl_buf;
+__device__ unsigned lily_tl_n, lily_tl_cap;
+__host__ __device__ constexpr u32 tl_hash(const char* s) {
+    u32 h = 0x811c9dc5u;
+    for (; *s; s++) h = (h ^ (u32)(unsigned char)*s) * 0x01000193u;
+    return h;
+}
+struct TlScope { /* three registers held through the kernel: the entry time's low word, buf */
+    u32 tag, t0;
+    u64* buf;
+    __device__ TlScope(u32 tag_) : tag(tag_) {
+        if (threadIdx.x == 0) {
+            t0 = (u32)global_ns();
+            buf = lily_tl_buf; /* loaded now, used at the return */
+        }
+    }
+    __device__ ~TlScope() {
+        if (threadIdx.x == 0 && buf) {
+            u64 t1 = global_ns(), grid;
+            u32 sm;
+            asm volatile("mov.u32 %0, %smid;" : "=r"(sm));
+            asm volatile("mov.u64 %0, %gridid;" : "=l"(grid));
+            u32 b = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
+            /* the entry: t1's high word with t0's low one, one wrap back if that is after t1 */
+            u64 e = (t1 & ~0xffffffffull) | t0;
+            if (e > t1) e -= 1ull << 32;
+            unsigned i = atomicAdd(&lily_tl_n, 1u);
+            if (i < lily_tl_cap) {
+                u64* r = buf + 4ull * i;
+                r[0] = e;
+                r[1] = t1;
+                r[2] = grid;
+                r[3] = ((u64)tag << 32) | ((u64)(sm & 0xff) << 24) | (b & 0xffffff);
+            }
+        }
+    }
+};
+#define TL_SCOPE(name)                     \
+    constexpr u32 tl_tag_ = tl_hash(name); \
+    TlScope tl_scope_(tl_tag_)
+#else
+#define TL_SCOPE(name)
+#endif
+
 __device__ __forceinline__ void pdl_trigger() {
 #if __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
@@ -78,6 +134,10 @@ __device__ __forceinline__ void pdl_wait() {
 #if __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.wait;" ::: "memory");
 #endif
+}
+/* Timing traces (measurement switches): thread 0 writes the global timer (ns) to ts[i]. */
+__device__ __forceinline__ void trace_stamp(u64* ts, int i) {
+    if (ts && threadIdx.x == 0) ts[i] = global_ns();
 }
 __device__ __forceinline__ void pdl_begin() {
     pdl_trigger();

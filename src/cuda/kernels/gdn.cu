@@ -188,6 +188,7 @@ __device__ __forceinline__ void gdn_step_par_body(const float* y, const float* b
 
 /* One sequence (up to 1024 threads: 64 registers). */
 extern "C" __global__ void __launch_bounds__(1024) gdn_step_par(GdnStepParParams_fields) {
+    TL_SCOPE("gdn_step_par");
     gdn_step_par_body<false>(y, bproj, aproj, z, dt_bias, neg_a, normw, S, out, hk, hv, dk, dv, eps, nullptr, 0, 0, 0,
                              blockIdx.x);
 }

@@ -293,7 +293,7 @@ __device__ __forceinline__ void gq_body(const u32* w, const u16* sc, const u16* 
                                         const float* xg, float* y, int rows, int cols, long long E0, int accumulate,
                                         const float* normw, float eps, float* xs, float* red, const int* ids = 0,
                                         int S = 1, ConvEpi cv = ConvEpi{0, 0, 0, 0, 1}, int vbx = -1, int vgx = 0,
-                                        const u64* spin = 0, u64 spin_target = 0) {
+                                        const u64* spin = 0, u64 spin_target = 0, u64* ts = 0) {
     constexpr int EPV = 128 / BITS;
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     int n4 = cols / EPV, ng = cols / group, gsh = __ffs(group) - 1;
@@ -335,8 +335,10 @@ __device__ __forceinline__ void gq_body(const u32* w, const u16* sc, const u16* 
     } else {
         pdl_wait(); /* weights are read above, activations only from here on */
     }
+    trace_stamp(ts, 0);
     float* xsum = xs + nv * EPV;
     float rr = MOE ? moe_stage<EPV>(xg, normw, S, cols, xs, xsum) : gq_stage<EPV, L2X>(xg, cols, normw, eps, xs, xsum, red);
+    trace_stamp(ts, 1);
     float acc[NR];
 #pragma unroll
     for (int r = 0; r < NR; r++) acc[r] = 0.f;
@@ -398,6 +400,7 @@ __device__ __forceinline__ void gq_body(const u32* w, const u16* sc, const u16* 
     extern "C" __global__ void __launch_bounds__(512) NAME(GemvParams_fields) {                                  \
         extern __shared__ __align__(16) float xs[]; /* cols + cols/EPV floats */                                  \
         __shared__ float red[33];                                                                                  \
+        TL_SCOPE(#NAME);                                                                                           \
         int z = blockIdx.y;                                                                                        \
         pdl_trigger();                                                                                             \
         if (ids) pdl_wait(); /* the expert ids come from the previous kernel */                                    \
@@ -425,6 +428,7 @@ GQ_KERNEL(gemv_q_loadonly, 2, true)
 extern "C" __global__ void __launch_bounds__(512) gemv_q2_conv(GemvConvParams_fields) {
     extern __shared__ __align__(16) float xs[];
     __shared__ float red[33];
+    TL_SCOPE("gemv_q2_conv");
     pdl_trigger();
     const u32* W = (const u32*)w;
     const u16 *S = (const u16*)sc, *B = (const u16*)bi;
@@ -450,6 +454,7 @@ extern "C" __global__ void __launch_bounds__(512) gemv_q2_conv(GemvConvParams_fi
 #define MD_U 5  /* chunks per lane per trip: a whole row of 9 slots x 512 4-bit columns in flight */
 extern "C" __global__ void __launch_bounds__(512, 1) moe_down_q(MoeDownParams_fields) {
     extern __shared__ __align__(16) float xs[]; /* S*cols + S*cols/EPV floats */
+    TL_SCOPE("moe_down_q");
     pdl_begin();
     const u32* W = (const u32*)w;
     const u16 *Sc = (const u16*)sc, *B = (const u16*)bi;
@@ -473,6 +478,7 @@ extern "C" __global__ void __launch_bounds__(512) gemv_q2_routed(GemvRoutedParam
     extern __shared__ __align__(16) float xs[];
     __shared__ float red[33], ls[1024], wsel[65], rk[32 + 512];
     __shared__ int chosen[65];
+    TL_SCOPE("gemv_q2_routed");
     pdl_begin();
     if (rank) {
         route_rank<BarBlock>(logits, E, K, renorm, 1, blockDim.x, ls, rk, chosen, wsel);
@@ -518,7 +524,12 @@ extern "C" __global__ void __launch_bounds__(512, 1)
     __shared__ float red[33], ls[1024], wsel[65], rk[32 + 512];
     __shared__ int chosen[65];
     __shared__ u64 s_target;
+    /* LILY_CUDA_MOE_TRACE=1: per block the global timer at points of the launch (16 slots) */
+    TL_SCOPE("moe_fused_q");
+    u64* ts = trace ? trace + 16 * blockIdx.x : nullptr;
+    trace_stamp(ts, 0);
     pdl_begin();
+    trace_stamp(ts, 1);
     if (wr) {
         const u32* Wr = (const u32*)wr;
         const u16 *Sr = (const u16*)sr, *Br = (const u16*)br;
@@ -536,6 +547,7 @@ extern "C" __global__ void __launch_bounds__(512, 1)
         if (threadIdx.x < 32) route_topk(logits, E, K, renorm, 1, ls, chosen, wsel);
         __syncthreads();
     }
+    trace_stamp(ts, 2);
     if (blockIdx.x == 0 && threadIdx.x <= K) {
         ids_out[threadIdx.x] = chosen[threadIdx.x];
         wts_out[threadIdx.x] = wsel[threadIdx.x];
@@ -546,7 +558,8 @@ extern "C" __global__ void __launch_bounds__(512, 1)
     const ConvEpi nc{0, 0, 0, 0, 1};
     const u32 *Wg = (const u32*)wg, *Wd = (const u32*)wd;
     const u16 *Sg = (const u16*)sg, *Bg = (const u16*)bg, *Sd = (const u16*)sd, *Bd = (const u16*)bd;
-#define MF_UP(B, T) gq_body<B, T, 2, 2, false, false>(Wg, Sg, Bg, group_g, x, gz, inter, H, E0, 0, normw, eps, xs, red, 0, 1, nc, bx, bps)
+    u64* ts_up = ts ? ts + 8 : nullptr;
+#define MF_UP(B, T) gq_body<B, T, 2, 2, false, false>(Wg, Sg, Bg, group_g, x, gz, inter, H, E0, 0, normw, eps, xs, red, 0, 1, nc, bx, bps, 0, 0, ts_up)
     if (z >= 2 * (K + 1)) {
         /* blocks beyond bps * 2(K+1) only take down-projection rows */
     } else if (bits == 4 && ty == TY_BF16) MF_UP(4, TY_BF16);
@@ -556,13 +569,16 @@ extern "C" __global__ void __launch_bounds__(512, 1)
 #undef MF_UP
     /* this block's gu rows are written (and its staging is free); the wait is in the down
        projection's body, after its first loads */
+    trace_stamp(ts, 3);
     const u64 target = grid_arrive(ctr, &s_target);
-#define MF_DOWN(B, T) gq_body<B, T, MD_NR, MD_U, false, true>(Wd, Sd, Bd, group_d, gu, x, H, inter, 0, 1, wsel, 0.f, xs, 0, chosen, K + 1, nc, blockIdx.x, gridDim.x, ctr, target)
+    u64* ts_down = ts ? ts + 4 : nullptr;
+#define MF_DOWN(B, T) gq_body<B, T, MD_NR, MD_U, false, true>(Wd, Sd, Bd, group_d, gu, x, H, inter, 0, 1, wsel, 0.f, xs, 0, chosen, K + 1, nc, blockIdx.x, gridDim.x, ctr, target, ts_down)
     if (bits == 4 && ty == TY_BF16) MF_DOWN(4, TY_BF16);
     else if (bits == 4) MF_DOWN(4, TY_F16);
     else if (ty == TY_BF16) MF_DOWN(8, TY_BF16);
     else MF_DOWN(8, TY_F16);
 #undef MF_DOWN
+    trace_stamp(ts, 6);
 }
 
 /* gdn_step_out (decode, batch 1; LILY_CUDA_GDN_OUT=fused): a GDN layer's state step and its output
@@ -577,6 +593,7 @@ extern "C" __global__ void __launch_bounds__(512, 1) gdn_step_out(GdnStepOutPara
     extern __shared__ __align__(16) float xs[];
     __shared__ float red[33];
     __shared__ u64 s_target;
+    TL_SCOPE("gdn_step_out");
     if ((int)blockIdx.x < hv)
         gdn_step_par_body<false>(y, bproj, aproj, z, dt_bias, neg_a, normw, S, o, hk, hv, dk, dv, eps, nullptr, 0, 0, 0,
                                  blockIdx.x);

@@ -303,6 +303,7 @@ extern "C" __global__ void moe_down(MoeDownParams_fields) {
 }
 
 extern "C" __global__ void embed_row(const EmbedParams p) {
+    TL_SCOPE("embed_row");
     pdl_begin();
     int c = blockIdx.x * blockDim.x + threadIdx.x, cols = p.cols;
     if (c < cols)

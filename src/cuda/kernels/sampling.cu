@@ -242,6 +242,7 @@ __device__ __forceinline__ void io_advance(int* io, int* ring, int t) {
 
 /* Greedy: token = argmax x (argmax_block's rule; all NaN: 0). grid G, block SB. */
 extern "C" __global__ void __launch_bounds__(SB) argmax_io(ArgmaxIoParams_fields) {
+    TL_SCOPE("argmax_io");
     pdl_begin();
     int s0, s1;
     samp_slice(n, &s0, &s1);

@@ -101,6 +101,9 @@ impl CudaSession {
                 self.graphs[i] = None;
             }
         }
+        if let Some(t) = &g.timeline {
+            t.reset()?;
+        }
         let s = self.scratch.as_ref().context("session scratch")?;
         let io = [first as i32, pos as i32, 0];
         s.io.write_i32(0, &io)?;
@@ -147,6 +150,13 @@ impl CudaSession {
         self.pos += n;
         if let Some(Ok(plan)) = &self.ps {
             plan.print_trace(g.sms as usize)?;
+        }
+        if let Some(t) = &g.timeline {
+            let names: Vec<&str> = crate::cuda::all_kernels().collect();
+            t.print_last_step(&names)?;
+        }
+        if let Some(t) = &self.scratch.as_ref().context("session scratch")?.moe_trace {
+            profile::print_moe_trace(t, g.sms as usize, self.model.layers.len())?;
         }
         let out = self.ring.as_ref().unwrap().0.read_i32(n)?;
         Ok(out.into_iter().map(|t| t as u32).collect())
@@ -265,7 +275,11 @@ impl CudaSession {
                     }
                     op(Some("moe.experts"), (k + 1) * per_expert);
                     let ids = (s.ids.ptr, s.wts.ptr);
-                    g.moe_fused(gu, dn, fr, s.x.ptr, post_norm, s.egu.ptr, route, ids, s.sync.ptr)?;
+                    let trace = s
+                        .moe_trace
+                        .as_ref()
+                        .map_or(0, |t| t.ptr + (8 * profile::MOE_TRACE_SLOTS * g.sms as usize * li) as u64);
+                    g.moe_fused(gu, dn, fr, s.x.ptr, post_norm, s.egu.ptr, route, ids, s.sync.ptr, trace)?;
                 } else {
                     router.run(g, s.x.ptr, post_norm, s.router.ptr)?;
                     op(Some("moe.experts"), (k + 1) * per_expert);

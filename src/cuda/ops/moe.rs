@@ -108,7 +108,8 @@ impl Gpu {
     /// shared expert as slot `k`), the gate/up rows of the chosen experts into `gu`
     /// `[2(k+1), inter]`, then [`Gpu::moe_down`]'s down projections, weighted sum and residual
     /// into `x`; `ids`/`wts` get the routing; `ctr` is a zeroed u64 the launch's blocks meet on.
-    /// With `router`, its logits are computed first in the same launch (into `logits`).
+    /// With `router`, its logits are computed first in the same launch (into `logits`). `trace`
+    /// (0: none) gets 16 global-timer stamps per block ([`MOE_TRACE_SLOTS`]).
     #[allow(clippy::too_many_arguments)]
     pub fn moe_fused(
         &self,
@@ -121,6 +122,7 @@ impl Gpu {
         (logits, e, k, renorm): (u64, usize, usize, bool),
         (ids, wts): (u64, u64),
         ctr: u64,
+        trace: u64,
     ) -> Result<()> {
         if !self.moe_fused_ok(gate_up, down, e, k) {
             bail!("moe_fused: experts of this shape or format are not fused");
@@ -167,6 +169,7 @@ impl Gpu {
             group_r,
             ty_r,
             R: router.map_or(0, |r| r.rows) as i32,
+            trace: Out::new(trace),
         };
         // the staging holds the input and its chunk sums for the narrowest chunks in use
         let epv = 128 / router.map_or(gate_up.bits, |r| r.bits.max(gate_up.bits)) as usize;

@@ -1,0 +1,230 @@
+//! `LILY_CUDA_TIMELINE=1` (a measurement build): the decode step's timeline, kernel by kernel,
+//! inside the replayed graph.
+//!
+//! The kernels are compiled with `LILY_TIMELINE` defined (a separate entry of the kernel cache;
+//! the GPU machine compiles it with NVRTC on first use), so each decode kernel opening with
+//! `TL_SCOPE(name)` (kernels/common.cuh) appends one record per block when the block's thread 0
+//! returns: entry and return times (the global timer, ns), the launch's `%gridid`, and the
+//! kernel name's fnv1a32, SM and block index. [`Timeline::reset`] empties the buffer;
+//! [`Timeline::print_last_step`] groups the records into launches (by grid id), splits them
+//! into steps at `embed_row`, and prints the last whole step: per launch when its first block
+//! entered, when its last block returned, and its cost in the step (its last return minus the
+//! previous launch's), then the same costs summed per kernel.
+//!
+//! The times are those of blocks, not of the work a block waits for: a launch's blocks enter
+//! as SMs free up (programmatic dependent launch lets them in before the previous launch ends,
+//! where registers and shared memory allow) and then wait in `griddepcontrol.wait`.
+
+use anyhow::{anyhow, bail, Result};
+use cudarc::driver::{result as drv, sys};
+use std::collections::HashMap;
+use std::ffi::CString;
+
+/// Whether `LILY_CUDA_TIMELINE=1` asks for the timeline build.
+pub fn enabled() -> bool {
+    static P: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *P.get_or_init(|| std::env::var("LILY_CUDA_TIMELINE").is_ok_and(|v| v == "1"))
+}
+
+/// Records the buffer holds (32 bytes each): ~20 steps of the 35B model's ~55,000 blocks.
+const CAP: usize = 1 << 20;
+
+/// The record buffer and the module's counter.
+pub struct Timeline {
+    buf: sys::CUdeviceptr,
+    count: sys::CUdeviceptr,
+}
+
+/// fnv1a32, as `tl_hash` in kernels/common.cuh.
+fn tl_hash(s: &str) -> u32 {
+    s.bytes().fold(0x811c_9dc5u32, |h, b| (h ^ b as u32).wrapping_mul(0x0100_0193))
+}
+
+fn global(module: sys::CUmodule, name: &str) -> Result<sys::CUdeviceptr> {
+    // SAFETY: module is loaded; the name is NUL-free.
+    let (p, _) = unsafe { drv::module::get_global(module, CString::new(name).unwrap()) }
+        .map_err(|e| anyhow!("timeline build: module global {name}: {e:?}"))?;
+    Ok(p)
+}
+
+impl Timeline {
+    /// Allocates the buffer and points the module's `lily_tl_buf` / `lily_tl_cap` at it.
+    pub fn new(module: sys::CUmodule) -> Result<Timeline> {
+        // SAFETY: a plain device allocation, kept for the process's life.
+        let buf = unsafe { drv::malloc_sync(32 * CAP) }.map_err(|e| anyhow!("timeline buffer: {e:?}"))?;
+        let (pb, pc, pn) =
+            (global(module, "lily_tl_buf")?, global(module, "lily_tl_cap")?, global(module, "lily_tl_n")?);
+        // SAFETY: the globals are a pointer and two u32s in the loaded module.
+        unsafe {
+            drv::memcpy_htod_sync(pb, &[buf])?;
+            drv::memcpy_htod_sync(pc, &[CAP as u32])?;
+            drv::memcpy_htod_sync(pn, &[0u32])?;
+        }
+        Ok(Timeline { buf, count: pn })
+    }
+
+    /// Empties the buffer (synchronous: call between steps).
+    pub fn reset(&self) -> Result<()> {
+        // SAFETY: the counter is a u32 global of the loaded module.
+        unsafe { drv::memcpy_htod_sync(self.count, &[0u32]) }.map_err(|e| anyhow!("{e:?}"))
+    }
+
+    fn records(&self) -> Result<(Vec<[u64; 4]>, bool)> {
+        let mut n = [0u32];
+        // SAFETY: as in reset; then the first min(n, CAP) records of the buffer.
+        unsafe { drv::memcpy_dtoh_sync(&mut n, self.count) }.map_err(|e| anyhow!("{e:?}"))?;
+        let k = (n[0] as usize).min(CAP);
+        let mut v = vec![0u64; 4 * k];
+        unsafe { drv::memcpy_dtoh_sync(&mut v, self.buf) }.map_err(|e| anyhow!("{e:?}"))?;
+        Ok((v.chunks_exact(4).map(|r| [r[0], r[1], r[2], r[3]]).collect(), n[0] as usize > CAP))
+    }
+
+    /// Prints the last whole step in the buffer (see the module doc); `names` are the kernel
+    /// names to recognise.
+    pub fn print_last_step(&self, names: &[&str]) -> Result<()> {
+        let (recs, overflowed) = self.records()?;
+        let by_hash: HashMap<u32, &str> = names.iter().map(|n| (tl_hash(n), *n)).collect();
+        let launches = group(&recs);
+        let (a, b) = last_step(&launches, overflowed, tl_hash("embed_row"))?;
+        print_step(&launches[a..b], &by_hash);
+        Ok(())
+    }
+}
+
+/// The launches `[a, b)` of the last step the buffer holds whole: steps start at the launches
+/// of `embed` (the step's first kernel); when the buffer overflowed, the last one is cut short.
+fn last_step(launches: &[Launch], overflowed: bool, embed: u32) -> Result<(usize, usize)> {
+    let starts: Vec<usize> = (0..launches.len()).filter(|&i| launches[i].tag == embed).collect();
+    Ok(match (starts.len(), overflowed) {
+        (0, _) => bail!("timeline: no embed_row launch among {} launches", launches.len()),
+        (1, true) => bail!("timeline: the buffer filled within one step"),
+        (n, true) => (starts[n - 2], starts[n - 1]),
+        (n, false) => (starts[n - 1], launches.len()),
+    })
+}
+
+/// One launch: its kernel's hash, blocks, SMs, first entry, last entry and last return (ns).
+struct Launch {
+    tag: u32,
+    blocks: usize,
+    sms: usize,
+    first_in: u64,
+    last_in: u64,
+    last_out: u64,
+    /// the median block's return
+    mid_out: u64,
+}
+
+fn group(recs: &[[u64; 4]]) -> Vec<Launch> {
+    let mut by_grid: HashMap<u64, Vec<&[u64; 4]>> = HashMap::new();
+    for r in recs {
+        by_grid.entry(r[2]).or_default().push(r);
+    }
+    let mut out: Vec<Launch> = by_grid
+        .into_values()
+        .map(|rs| {
+            let mut outs: Vec<u64> = rs.iter().map(|r| r[1]).collect();
+            outs.sort_unstable();
+            let mut sms: Vec<u64> = rs.iter().map(|r| (r[3] >> 24) & 0xff).collect();
+            sms.sort_unstable();
+            sms.dedup();
+            Launch {
+                tag: (rs[0][3] >> 32) as u32,
+                blocks: rs.len(),
+                sms: sms.len(),
+                first_in: rs.iter().map(|r| r[0]).min().unwrap(),
+                last_in: rs.iter().map(|r| r[0]).max().unwrap(),
+                last_out: *outs.last().unwrap(),
+                mid_out: outs[outs.len() / 2],
+            }
+        })
+        .collect();
+    out.sort_by_key(|l| (l.first_in, l.last_out));
+    out
+}
+
+fn print_step(ls: &[Launch], by_hash: &HashMap<u32, &str>) {
+    let name = |t: u32| by_hash.get(&t).copied().unwrap_or("?");
+    let t0 = ls[0].first_in;
+    let us = |t: u64| t.saturating_sub(t0) as f64 / 1e3;
+    let end = ls.iter().map(|l| l.last_out).max().unwrap_or(t0);
+    eprintln!(
+        "decode step timeline ({} launches, {:.1} µs from the first block's entry to the last return)",
+        ls.len(),
+        us(end)
+    );
+    eprintln!("| # | kernel | blocks | SMs | first in | last in | median out | last out | cost in step |");
+    eprintln!("|---:|---|---:|---:|---:|---:|---:|---:|---:|");
+    let mut per: Vec<(&str, usize, f64, f64)> = Vec::new();
+    let mut prev = t0;
+    for (i, l) in ls.iter().enumerate() {
+        let cost = l.last_out.saturating_sub(prev) as f64 / 1e3;
+        let tail = l.last_out.saturating_sub(l.mid_out) as f64 / 1e3;
+        prev = prev.max(l.last_out);
+        eprintln!(
+            "| {i} | {} | {} | {} | {:.2} | {:.2} | {:.2} | {:.2} | {:.2} |",
+            name(l.tag),
+            l.blocks,
+            l.sms,
+            us(l.first_in),
+            us(l.last_in),
+            us(l.mid_out),
+            us(l.last_out),
+            cost
+        );
+        match per.iter_mut().find(|p| p.0 == name(l.tag)) {
+            Some(p) => {
+                p.1 += 1;
+                p.2 += cost;
+                p.3 += tail;
+            }
+            None => per.push((name(l.tag), 1, cost, tail)),
+        }
+    }
+    eprintln!("per kernel: launches, summed cost in the step (µs), summed tail (last return minus the median block's)");
+    eprintln!("| kernel | launches | cost µs | per launch | tail µs |");
+    eprintln!("|---|---:|---:|---:|---:|");
+    per.sort_by(|a, b| b.2.total_cmp(&a.2));
+    for (n, c, cost, tail) in per {
+        eprintln!("| {n} | {c} | {cost:.1} | {:.2} | {tail:.1} |", cost / c as f64);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn hash_is_fnv1a32() {
+        // the published FNV-1a 32-bit test vectors
+        assert_eq!(tl_hash(""), 0x811c_9dc5);
+        assert_eq!(tl_hash("a"), 0xe40c_292c);
+        assert_eq!(tl_hash("foobar"), 0xbf9c_f968);
+    }
+
+    /// Records of two steps (embed, a kernel of 2 blocks on 2 SMs, a kernel of 1 block), given
+    /// out of order: grouped by grid id into launches in entry order, the last step found.
+    #[test]
+    fn groups_launches_and_finds_the_last_step() {
+        let (e, k) = (tl_hash("embed_row"), tl_hash("gemv_q2"));
+        let rec =
+            |t0: u64, t1: u64, grid: u64, tag: u32, sm: u64, b: u64| [t0, t1, grid, (tag as u64) << 32 | sm << 24 | b];
+        let mut recs = vec![];
+        for (s, base) in [(0u64, 1_000u64), (1, 9_000)] {
+            let g = 10 * s;
+            recs.push(rec(base + 500, base + 900, g + 2, k, 1, 0));
+            recs.push(rec(base, base + 100, g + 1, e, 0, 0));
+            recs.push(rec(base + 200, base + 700, g + 2, k, 0, 1));
+            recs.push(rec(base + 800, base + 1_200, g + 3, k, 3, 0));
+        }
+        let ls = group(&recs);
+        assert_eq!(ls.len(), 6);
+        let (a, b) = last_step(&ls, false, e).unwrap();
+        assert_eq!((a, b), (3, 6));
+        let l = &ls[4];
+        assert_eq!((l.blocks, l.sms, l.first_in, l.last_in, l.last_out), (2, 2, 9_200, 9_500, 9_900));
+        // overflowed: the last step may be cut, so the one before it
+        assert_eq!(last_step(&ls, true, e).unwrap(), (0, 3));
+        assert!(last_step(&ls[1..3], false, e).is_err());
+    }
+}
