@@ -71,7 +71,19 @@ fn gemv_quantized_and_dense_match_cpu() {
         // accumulate: y += W x on top of the previous result.
         g.gemv(&gl, xb.ptr, 0, yb.ptr, 1, 0, true).unwrap();
         let twice: Vec<f32> = want.iter().map(|v| 2.0 * v).collect();
-        check(&format!("gemv accumulate {name}"), &yb.read_f32(0, l.rows).unwrap(), &twice, TOL);
+        let acc = yb.read_f32(0, l.rows).unwrap();
+        check(&format!("gemv accumulate {name}"), &acc, &twice, TOL);
+        // the atomic accumulate (LILY_CUDA_ACC_RED): from the same y, the same bits as the
+        // load-add-store (each row has one adder per launch)
+        if gl.streams() && l.cols.is_multiple_of(4) {
+            let y1 = g.upload_f32(&want).unwrap();
+            let y2 = g.upload_f32(&want).unwrap();
+            g.gemv_variant(GemvKernel::Q2, 4, &gl, xb.ptr, 0, y1.ptr, 1, 0, true, (0, 0.0)).unwrap();
+            g.gemv_add_atomic(&gl, xb.ptr, y2.ptr).unwrap();
+            let (a1, a2) = (y1.read_f32(0, l.rows).unwrap(), y2.read_f32(0, l.rows).unwrap());
+            let same = a1.iter().zip(&a2).all(|(p, q)| p.to_bits() == q.to_bits());
+            assert!(same, "gemv atomic accumulate {name}: not the load-add-store's bits");
+        }
         // The fused RMSNorm: W · (x · rsqrt(mean(x²) + eps) · nw).
         let nw = uniform(&mut r, l.cols, 1.5);
         let mut xn = x.clone();

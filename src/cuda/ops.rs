@@ -222,6 +222,26 @@ impl GemvKernel {
     }
 }
 
+/// `LILY_CUDA_ACC_RED=1` (an experiment, off until measured): the streaming GEMVs that add into
+/// their output (the residual connections: out-projections, moe_fused_q's down projections)
+/// do it with one fire-and-forget atomic add per row (`accumulate` 2 in the kernels) instead
+/// of a load, an add and a store, so a warp does not wait an L2 round trip at each row's end.
+/// Each row is added by exactly one warp per launch, so the result is the same bits as the
+/// load-add-store (fp32 round to nearest; the atomic flushes subnormal sums to zero).
+pub fn acc_red() -> bool {
+    static V: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *V.get_or_init(|| std::env::var("LILY_CUDA_ACC_RED").is_ok_and(|v| v == "1"))
+}
+
+/// The kernels' `accumulate` for a streaming GEMV that adds into its output (or not).
+pub fn acc_code(accumulate: bool) -> i32 {
+    match (accumulate, acc_red()) {
+        (false, _) => 0,
+        (true, false) => 1,
+        (true, true) => 2,
+    }
+}
+
 /// The kernel and blocks per SM the model uses: `LILY_CUDA_GEMV=old|q2|wide` (default q2) and
 /// `LILY_CUDA_GEMV_BPSM` (default 4, for q2), read once.
 pub fn gemv_default() -> (GemvKernel, u32) {
@@ -365,7 +385,7 @@ impl Gpu {
         accumulate: bool,
         norm: (u64, f32),
     ) -> Result<()> {
-        self.gemv_launch(kernel, bpsm, w, (x, xstride, 1), y, slots, ids, accumulate, norm)
+        self.gemv_launch(kernel, bpsm, w, (x, xstride, 1), y, slots, ids, acc_code(accumulate), norm)
     }
 
     /// [`Gpu::gemv`] where slot z reads input row `z / xdiv` (`x + (z / xdiv)·xstride`): the
@@ -382,7 +402,7 @@ impl Gpu {
         ids: u64,
     ) -> Result<()> {
         let (k, bpsm) = gemv_default();
-        self.gemv_launch(k, bpsm, w, (x, xstride, xdiv.max(1)), y, slots, ids, false, (0, 0.0))
+        self.gemv_launch(k, bpsm, w, (x, xstride, xdiv.max(1)), y, slots, ids, 0, (0, 0.0))
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -395,7 +415,7 @@ impl Gpu {
         y: u64,
         slots: usize,
         ids: u64,
-        accumulate: bool,
+        acc: i32,
         (normw, eps): (u64, f32),
     ) -> Result<()> {
         let (wp, sp, bp, bits, group, ty) = w.weight_fields();
@@ -412,12 +432,14 @@ impl Gpu {
             rows: w.rows as i32,
             cols: w.cols as i32,
             ids: In::new(ids),
-            accumulate: accumulate as i32,
+            accumulate: acc,
             normw: In::new(normw),
             eps,
             xdiv: xdiv as i32,
         };
         let streaming = w.streams() && w.cols <= GEMV_XMAX && xstride.is_multiple_of(4);
+        // the atomic accumulate is the streaming kernels' alone (linear_gemv loads, adds, stores)
+        let a = GemvParams { accumulate: if streaming { acc } else { acc.min(1) }, ..a };
         let name = match kernel {
             GemvKernel::Q2 | GemvKernel::Wide if streaming => "gemv_q2",
             GemvKernel::LoadOnly if streaming => "gemv_q_loadonly",
@@ -430,6 +452,13 @@ impl Gpu {
         let (threads, per_sm) = kernel.geometry(bpsm);
         let gx = self.stream_grid(w.rows, threads, per_sm, slots);
         self.launch_params(name, (gx, slots as u32, 1), threads, shared, &a)
+    }
+
+    /// `y += W x` by the streaming GEMV with its atomic accumulate ([`acc_red`]) whatever the
+    /// switch says, so tests can hold it to the load-add-store's bits.
+    pub fn gemv_add_atomic(&self, w: &GpuLinear, x: u64, y: u64) -> Result<()> {
+        let (k, bpsm) = gemv_default();
+        self.gemv_launch(k, bpsm, w, (x, 0, 1), y, 1, 0, 2, (0, 0.0))
     }
 
     /// Blocks per slot for the streaming GEMV: enough for every 2-row group, at most what fills

@@ -373,7 +373,10 @@ __device__ __forceinline__ void gq_body(const u32* w, const u16* sc, const u16* 
                 if (r == cr) mine = a;
                 if (lane == 0 && r < nvalid) {
                     float* o = y + r0 + r;
-                    *o = accumulate ? *o + a : a;
+                    if (accumulate == 2)
+                        atomicAdd(o, a); /* LILY_CUDA_ACC_RED: the row's only adder in this launch */
+                    else
+                        *o = accumulate ? *o + a : a;
                 }
             }
             if (CONV) {
@@ -547,6 +550,10 @@ extern "C" __global__ void __launch_bounds__(512, 1)
         if (threadIdx.x < 32) route_topk(logits, E, K, renorm, 1, ls, chosen, wsel);
         __syncthreads();
     }
+    if (fixed) { /* LILY_CUDA_MOE_FIXED (measurement): the same experts every token */
+        if (threadIdx.x < K) chosen[threadIdx.x] = fixed == 1 ? threadIdx.x : threadIdx.x * (E / K);
+        __syncthreads();
+    }
     trace_stamp(ts, 2);
     if (blockIdx.x == 0 && threadIdx.x <= K) {
         ids_out[threadIdx.x] = chosen[threadIdx.x];
@@ -572,7 +579,7 @@ extern "C" __global__ void __launch_bounds__(512, 1)
     trace_stamp(ts, 3);
     const u64 target = grid_arrive(ctr, &s_target);
     u64* ts_down = ts ? ts + 4 : nullptr;
-#define MF_DOWN(B, T) gq_body<B, T, MD_NR, MD_U, false, true>(Wd, Sd, Bd, group_d, gu, x, H, inter, 0, 1, wsel, 0.f, xs, 0, chosen, K + 1, nc, blockIdx.x, gridDim.x, ctr, target, ts_down)
+#define MF_DOWN(B, T) gq_body<B, T, MD_NR, MD_U, false, true>(Wd, Sd, Bd, group_d, gu, x, H, inter, 0, acc, wsel, 0.f, xs, 0, chosen, K + 1, nc, blockIdx.x, gridDim.x, ctr, target, ts_down)
     if (bits == 4 && ty == TY_BF16) MF_DOWN(4, TY_BF16);
     else if (bits == 4) MF_DOWN(4, TY_F16);
     else if (ty == TY_BF16) MF_DOWN(8, TY_BF16);

@@ -17,6 +17,14 @@ fn route_rank() -> bool {
     *ON.get_or_init(|| std::env::var("LILY_CUDA_ROUTE").is_ok_and(|v| v == "rank"))
 }
 
+/// `LILY_CUDA_MOE_FIXED` (a measurement switch: the model's output is garbage): moe_fused_q
+/// computes experts 0..K (`1`) or every (E/K)-th expert (`2`) whatever the router chose, so a
+/// step's expert reads are the same pages every token; 0 (unset): the routed experts.
+pub fn moe_fixed() -> i32 {
+    static V: std::sync::OnceLock<i32> = std::sync::OnceLock::new();
+    *V.get_or_init(|| std::env::var("LILY_CUDA_MOE_FIXED").ok().and_then(|v| v.parse().ok()).unwrap_or(0))
+}
+
 /// Whether the decode step computes the router inside moe_fused_q (`LILY_CUDA_MOE_ROUTER=fused`;
 /// off by default until measured).
 pub fn router_fused() -> bool {
@@ -170,6 +178,8 @@ impl Gpu {
             ty_r,
             R: router.map_or(0, |r| r.rows) as i32,
             trace: Out::new(trace),
+            fixed: moe_fixed(),
+            acc: super::acc_code(true),
         };
         // the staging holds the input and its chunk sums for the narrowest chunks in use
         let epv = 128 / router.map_or(gate_up.bits, |r| r.bits.max(gate_up.bits)) as usize;
