@@ -12,7 +12,7 @@ use common::*;
 use lily::cpu::attention::{attention, AttnDims};
 use lily::cpu::norm::{rms_norm, sigmoid};
 use lily::cpu::rope::Rope;
-use lily::cuda::{kv_fp8, AttnDecode, AttnKernel, GemvKernel, GpuLinear, KvDtype};
+use lily::cuda::{kv_fp8, AttnDecode, AttnKernel, GemvKernel, GpuLinear, KvDtype, MoeForm};
 use lily::linear::{FloatType, Linear};
 use lily::safetensors::{bf16_to_f32, f32_to_bf16};
 use lily::state::KvRows;
@@ -313,9 +313,15 @@ fn moe_topk_and_argmax_match_cpu() {
 fn fused_decode_moe_matches_cpu() {
     let Some(g) = gpu() else { return };
     let mut r = rng(8);
-    for (bits, e, k, h, inter) in
-        [(4u32, 8usize, 3usize, 128usize, 64usize), (8, 16, 8, 256, 96), (4, 64, 8, 2048, 512)]
-    {
+    // the last two: Qwen3.6-35B-A3B's 256 experts top-8, and 512 top-10 (moe_fused_q2's two
+    // register top-k forms)
+    for (bits, e, k, h, inter) in [
+        (4u32, 8usize, 3usize, 128usize, 64usize),
+        (8, 16, 8, 256, 96),
+        (4, 64, 8, 2048, 512),
+        (4, 256, 8, 256, 64),
+        (8, 512, 10, 128, 32),
+    ] {
         let gate_up: Vec<Linear> = (0..2 * (e + 1)).map(|_| quant(&mut r, inter, h, bits, 32)).collect();
         let down: Vec<Linear> = (0..e + 1).map(|_| quant(&mut r, h, inter, bits, 32)).collect();
         let gu = GpuLinear::stack(&g, &gate_up.iter().collect::<Vec<_>>()).unwrap();
@@ -375,17 +381,49 @@ fn fused_decode_moe_matches_cpu() {
         // The whole MoE in one launch (moe_fused_q), three times on one counter (each launch
         // must wait for its own blocks only).
         assert!(g.moe_fused_ok(&gu, &dn, e, k), "moe_fused refuses q{bits} E{e} K{k}");
-        let ctr = g.zeros(8).unwrap();
-        // the last run with the timing trace on (LILY_CUDA_MOE_TRACE): the same result
+        let ctr = g.zeros(16).unwrap();
+        let mut q_out = (Vec::new(), Vec::new()); // moe_fused_q's x and weights, for moe_fused_q2
+                                                  // the last run with the timing trace on (LILY_CUDA_MOE_TRACE): the same result
         let trace = g.zeros(8 * 16 * g.sms as usize).unwrap();
         for rep in 0..3 {
             xb.write_f32(0, &x).unwrap();
             let (ids_f, wts_f) = (g.zeros(4 * (k + 1)).unwrap(), g.zeros(4 * (k + 1)).unwrap());
             let tr = if rep == 2 { trace.ptr } else { 0 };
-            g.moe_fused(&gu, &dn, None, xb.ptr, (nwb.ptr, 1e-6), egu_r.ptr, route, (ids_f.ptr, wts_f.ptr), ctr.ptr, tr)
+            let idw = (ids_f.ptr, wts_f.ptr);
+            g.moe_fused(&gu, &dn, None, xb.ptr, (nwb.ptr, 1e-6), egu_r.ptr, route, idw, ctr.ptr, tr, MoeForm::Q)
                 .unwrap();
             assert_eq!(ids_f.read_i32(k + 1).unwrap(), want_ids, "moe_fused: ids");
             check(&format!("moe_fused q{bits} E{e} K{k} run {rep}"), &xb.read_f32(0, h).unwrap(), &want, TOL);
+            if rep == 2 {
+                q_out = (xb.read_f32(0, h).unwrap(), wts_f.read_f32(0, k + 1).unwrap());
+            }
+        }
+        // moe_fused_q2 (LILY_CUDA_MOE=q2) on its own counter (the second u64), three times, the
+        // last traced: moe_fused_q's picks and weights bit for bit (route_topk_reg against
+        // route_topk), the output within TOL of the CPU and within 1e-6 of moe_fused_q's.
+        assert!(g.moe_fused_q2_ok(&gu, &dn, e, k), "moe_fused_q2 refuses q{bits} E{e} K{k}");
+        for rep in 0..3 {
+            xb.write_f32(0, &x).unwrap();
+            egu_r.write_f32(0, &vec![f32::NAN; 2 * (k + 1) * inter]).unwrap();
+            let (ids_f, wts_f) = (g.zeros(4 * (k + 1)).unwrap(), g.zeros(4 * (k + 1)).unwrap());
+            let tr = if rep == 2 { trace.ptr } else { 0 };
+            let idw = (ids_f.ptr, wts_f.ptr);
+            g.moe_fused(&gu, &dn, None, xb.ptr, (nwb.ptr, 1e-6), egu_r.ptr, route, idw, ctr.ptr, tr, MoeForm::Q2)
+                .unwrap();
+            let name = format!("moe_fused_q2 q{bits} E{e} K{k} H{h} I{inter} run {rep}");
+            assert_eq!(ids_f.read_i32(k + 1).unwrap(), want_ids, "{name}: ids");
+            let w2 = wts_f.read_f32(0, k + 1).unwrap();
+            assert!(
+                w2.iter().zip(&q_out.1).all(|(a, b)| a.to_bits() == b.to_bits()),
+                "{name}: weights {w2:?} vs {:?}",
+                q_out.1
+            );
+            let got = xb.read_f32(0, h).unwrap();
+            check(&name, &got, &want, TOL);
+            let scale = q_out.0.iter().fold(0f32, |m, v| m.max(v.abs()));
+            let d = got.iter().zip(&q_out.0).fold(0f32, |m, (a, b)| m.max((a - b).abs())) / scale;
+            eprintln!("{name}: max |Δ| against moe_fused_q {d:.3e} of max |x|");
+            assert!(d <= 1e-6, "{name}: {d:e} from moe_fused_q");
         }
         // The router in the same launch (LILY_CUDA_MOE_ROUTER=fused), on the same counter: a
         // random 8-bit router (as the checkpoints'); the launch writes its logits on
@@ -413,6 +451,7 @@ fn fused_decode_moe_matches_cpu() {
                 (ids_f.ptr, wts_f.ptr),
                 ctr.ptr,
                 0,
+                MoeForm::Q,
             )
             .unwrap();
             check(&format!("moe_fused router q8 E{e} run {rep}: logits"), &lr.read_f32(0, e + 1).unwrap(), &rl, TOL);

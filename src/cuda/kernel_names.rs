@@ -3,7 +3,7 @@
 //! (gemm_skinny, flash-attention prefill, tensor-core decode attention) with its shared memory.
 
 /// Every kernel source, in compile order (the prelude first). One NVRTC program, one module.
-pub const SOURCES: [(&str, &str); 22] = [
+pub const SOURCES: [(&str, &str); 23] = [
     ("common.cuh", include_str!("kernels/common.cuh")),
     ("norm.cu", include_str!("kernels/norm.cu")),
     ("linear.cu", include_str!("kernels/linear.cu")),
@@ -24,6 +24,7 @@ pub const SOURCES: [(&str, &str); 22] = [
     ("attention_wg.cu", include_str!("kernels/attention_wg.cu")),
     ("moe.cu", include_str!("kernels/moe.cu")),
     ("gemv.cu", include_str!("kernels/gemv.cu")),
+    ("moe_fused2.cu", include_str!("kernels/moe_fused2.cu")),
     ("sampling.cu", include_str!("kernels/sampling.cu")),
     ("pstep.cu", include_str!("kernels/pstep.cu")),
 ];
@@ -133,7 +134,7 @@ fn skinny_occ2() -> bool {
 /// Kernels that call `pdl_wait()` before touching activations (kernels/common.cuh) and so may be
 /// launched as programmatic dependents: their launch and weight reads overlap the previous
 /// kernel's tail. The gemm_skinny entry points are such kernels too (see [`is_pdl`]).
-pub const PDL_KERNELS: [&str; 63] = [
+pub const PDL_KERNELS: [&str; 64] = [
     "gemm_wsp128",
     "gemm_wsp256",
     "gemm_wsp128_q8",
@@ -154,6 +155,7 @@ pub const PDL_KERNELS: [&str; 63] = [
     "gemm_wt256_bf16",
     "x_bf16_perm",
     "moe_fused_q",
+    "moe_fused_q2",
     "gemv_q2_conv",
     "samp_max",
     "samp_radix",

@@ -14,7 +14,7 @@ mod attention;
 mod gdn;
 mod gemm;
 mod moe;
-pub use moe::router_fused;
+pub use moe::{moe_form, router_fused, MoeForm};
 mod sampling;
 
 pub use attention::{AttnDecode, AttnKernel, AttnPlan, AttnPrep, AttnRows, KvDtype, PrefillAttn};

@@ -56,10 +56,11 @@ __device__ __forceinline__ float half_bits(u32 h, int ty) {
 }
 
 /* FULL: every row of the group and every chunk of the trip exists (the common case: no guards,
-   so the loads share one address and immediate offsets). */
+   so the loads share one address and immediate offsets). Row r of the group is row R0 + r * rs
+   (moe_fused_q2's pairs: a gate row and the up row `inter` rows after it). */
 template <int BITS, int NR, int U, bool FULL>
 __device__ __forceinline__ void gq_load(GqTrip<NR, U>& t, const u32* w, const u16* sc, const u16* bi, long long R0,
-                                        int nvalid, int n4, int ng, int gsh, int i0) {
+                                        int nvalid, int n4, int ng, int gsh, int i0, long long rs = 1) {
     constexpr int EPV = 128 / BITS;
     const uint4* wr = (const uint4*)w + R0 * n4 + i0;
     long long g0 = R0 * ng + ((i0 * EPV) >> gsh);
@@ -70,8 +71,8 @@ __device__ __forceinline__ void gq_load(GqTrip<NR, U>& t, const u32* w, const u1
 #pragma unroll
         for (int u = 0; u < U; u++) {
             if (FULL || (r < nvalid && i0 + 32 * u < n4)) {
-                t.q[u][r] = ldg_stream(wr + r * n4 + 32 * u);
-                int o = r * ng + u * gstep;
+                t.q[u][r] = ldg_stream(wr + r * rs * n4 + 32 * u);
+                long long o = r * rs * ng + u * gstep;
                 t.s[u][r] = __ldg(sr + o);
                 t.b[u][r] = __ldg(br + o);
             }
@@ -228,7 +229,8 @@ __device__ __forceinline__ float gq_stage(const float* xg, int cols, const float
 }
 
 /* moe_down's staging: xs = wts[k] * silu(gu[2k]) * gu[2k+1] for the S slots back to back (xg = gu,
-   wk = wts), swizzled, with the per-chunk sums. */
+   wk = wts), swizzled, with the per-chunk sums. wk null: gu already holds those products, [S, cols]
+   (moe_fused_q2's pairs wrote them), staged as they are. */
 template <int EPV>
 __device__ __forceinline__ float moe_stage(const float* gu, const float* wk, int S, int cols, float* xs, float* xsum) {
     int per = cols / EPV, nch = S * per;
@@ -236,13 +238,19 @@ __device__ __forceinline__ float moe_stage(const float* gu, const float* wk, int
         int k = ch / per, c0 = (ch - k * per) * EPV;
         const float4* g4 = (const float4*)(gu + (long long)(2 * k) * cols + c0);
         const float4* u4 = (const float4*)(gu + (long long)(2 * k + 1) * cols + c0);
-        float w = wk[k], sum = 0.f;
+        float sum = 0.f;
 #pragma unroll
         for (int j = 0; j < EPV / 4; j++) {
             /* L2 reads: in moe_fused_q other blocks of the same launch wrote gu */
-            float4 g = __ldcg(g4 + j), u = __ldcg(u4 + j);
-            float4 h = make_float4(w * (silu_f(g.x) * u.x), w * (silu_f(g.y) * u.y), w * (silu_f(g.z) * u.z),
-                                   w * (silu_f(g.w) * u.w));
+            float4 h;
+            if (!wk) {
+                h = __ldcg((const float4*)(gu + (long long)k * cols + c0) + j);
+            } else {
+                float w = wk[k];
+                float4 g = __ldcg(g4 + j), u = __ldcg(u4 + j);
+                h = make_float4(w * (silu_f(g.x) * u.x), w * (silu_f(g.y) * u.y), w * (silu_f(g.z) * u.z),
+                                w * (silu_f(g.w) * u.w));
+            }
             ((float4*)xs)[xswz(ch * (EPV / 4) + j)] = h;
             sum += (h.x + h.y) + (h.z + h.w);
         }

@@ -77,6 +77,96 @@ __device__ __forceinline__ void route_topk(const float* logits, int E, int K, in
     __syncwarp();
 }
 
+/* route_topk with the warp's work in registers (moe_fused_q2): lane l holds logits l + 32j
+   (j < VPL, E <= 32 VPL), loaded at once; each lane keeps its L best as sorted 64-bit keys (the
+   logit's bits made orderable, NaN as -inf and -0 as +0, above ~index so that ties go to the
+   lower index), then five butterfly rounds merge partner lanes' lists (the top L of two sorted
+   lists: c_i = max(a_i, b_{L-1-i}), a bitonic sequence, then log2 L compare-exchange stages), so
+   every lane ends with the same top L, of which the first K (K <= L) are the picks. The max, the
+   softmax sum and the weights are computed in route_topk's order, so picks and weights are its
+   own bit for bit (except for NaN logits, which rank as -inf as in route_rank). Writes chosen /
+   wsel (shared) like route_topk; visible to the warp on return. */
+__device__ __forceinline__ u64 route_key(float v, int e) {
+    v = v != v ? -INFINITY : (v == 0.f ? 0.f : v);
+    u32 u = __float_as_uint(v);
+    u = (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+    return ((u64)u << 32) | (u64)(0xffffffffu - (u32)e);
+}
+__device__ __forceinline__ float route_key_value(u64 k) {
+    u32 u = (u32)(k >> 32);
+    u = (u & 0x80000000u) ? (u & 0x7fffffffu) : ~u;
+    return __uint_as_float(u);
+}
+template <int VPL, int L>
+__device__ __forceinline__ void route_topk_reg(const float* logits, int E, int K, int renorm, int shared, int* chosen,
+                                               float* wsel) {
+    int lane = threadIdx.x & 31;
+    float gate = shared && lane == 0 ? __ldcg(logits + E) : 0.f;
+    float v[VPL];
+#pragma unroll
+    for (int j = 0; j < VPL; j++) v[j] = lane + 32 * j < E ? __ldcg(logits + lane + 32 * j) : 0.f;
+    float mx = -INFINITY;
+#pragma unroll
+    for (int j = 0; j < VPL; j++)
+        if (lane + 32 * j < E) mx = fmaxf(mx, v[j]);
+    mx = warp_max(mx);
+    float tot = 0.f;
+#pragma unroll
+    for (int j = 0; j < VPL; j++)
+        if (lane + 32 * j < E) tot += expf(v[j] - mx);
+    tot = warp_sum(tot);
+    u64 key[L];
+#pragma unroll
+    for (int i = 0; i < L; i++) key[i] = 0; /* below every real key */
+#pragma unroll
+    for (int j = 0; j < VPL; j++) {
+        if (lane + 32 * j < E) { /* insertion into the descending list */
+            u64 c = route_key(v[j], lane + 32 * j);
+#pragma unroll
+            for (int i = 0; i < L; i++) {
+                u64 a = key[i];
+                bool up = c > a;
+                key[i] = up ? c : a;
+                c = up ? a : c;
+            }
+        }
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        u64 b[L];
+#pragma unroll
+        for (int i = 0; i < L; i++) b[i] = __shfl_xor_sync(0xffffffffu, key[i], o);
+#pragma unroll
+        for (int i = 0; i < L; i++) key[i] = key[i] > b[L - 1 - i] ? key[i] : b[L - 1 - i];
+#pragma unroll
+        for (int st = L / 2; st > 0; st >>= 1)
+#pragma unroll
+            for (int i = 0; i < L; i++)
+                if ((i & st) == 0 && key[i] < key[i + st]) {
+                    u64 t = key[i];
+                    key[i] = key[i + st];
+                    key[i + st] = t;
+                }
+    }
+    /* route_topk's weights: sel summed over k in order, then each weight */
+    float sel = 0.f;
+#pragma unroll
+    for (int i = 0; i < L; i++)
+        if (i < K) sel += expf(route_key_value(key[i]) - mx);
+    float den = renorm ? sel : tot;
+#pragma unroll
+    for (int i = 0; i < L; i++)
+        if (i < K && lane == i) {
+            chosen[i] = (int)(0xffffffffu - (u32)key[i]);
+            wsel[i] = expf(route_key_value(key[i]) - mx) / den;
+        }
+    if (shared && lane == 0) {
+        chosen[K] = E;
+        wsel[K] = sigmoid_f(gate);
+    }
+    __syncwarp();
+}
+
 /* The same routing by a whole block of nt threads (nt a multiple of 32, at most 1024) meeting at
    Bar::sync() (every one of them calls this): logit e's rank is the number of logits above it or
    equal at a lower index (NaN counts as -inf), so the ranks are distinct and rank k < K is

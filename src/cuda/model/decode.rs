@@ -279,7 +279,13 @@ impl CudaSession {
                         .moe_trace
                         .as_ref()
                         .map_or(0, |t| t.ptr + (8 * profile::MOE_TRACE_SLOTS * g.sms as usize * li) as u64);
-                    g.moe_fused(gu, dn, fr, s.x.ptr, post_norm, s.egu.ptr, route, ids, s.sync.ptr, trace)?;
+                    let form = match ops::moe_form() {
+                        ops::MoeForm::Q2 if fr.is_none() && post_norm.0 != 0 && g.moe_fused_q2_ok(gu, dn, e, k) => {
+                            ops::MoeForm::Q2
+                        }
+                        _ => ops::MoeForm::Q,
+                    };
+                    g.moe_fused(gu, dn, fr, s.x.ptr, post_norm, s.egu.ptr, route, ids, s.sync.ptr, trace, form)?;
                 } else {
                     router.run(g, s.x.ptr, post_norm, s.router.ptr)?;
                     op(Some("moe.experts"), (k + 1) * per_expert);

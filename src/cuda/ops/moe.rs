@@ -17,6 +17,21 @@ fn route_rank() -> bool {
     *ON.get_or_init(|| std::env::var("LILY_CUDA_ROUTE").is_ok_and(|v| v == "rank"))
 }
 
+/// The decode MoE launch: `moe_fused_q` (gemv.cu), or `moe_fused_q2` (moe_fused2.cu: the top-k
+/// in registers beside the input staging, gate/up rows in pairs that write SiLU(gate)·up
+/// themselves), an experiment chosen by `LILY_CUDA_MOE=q2` until measured.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum MoeForm {
+    Q,
+    Q2,
+}
+
+/// The decode step's [`MoeForm`] (`LILY_CUDA_MOE=q2`; default `Q`).
+pub fn moe_form() -> MoeForm {
+    static V: std::sync::OnceLock<MoeForm> = std::sync::OnceLock::new();
+    *V.get_or_init(|| if std::env::var("LILY_CUDA_MOE").is_ok_and(|v| v == "q2") { MoeForm::Q2 } else { MoeForm::Q })
+}
+
 /// `LILY_CUDA_MOE_FIXED` (a measurement switch: the model's output is garbage): moe_fused_q
 /// computes experts 0..K (`1`) or every (E/K)-th expert (`2`) whatever the router chose, so a
 /// step's expert reads are the same pages every token; 0 (unset): the routed experts.
@@ -106,6 +121,18 @@ impl Gpu {
             && gemv_default().0 != GemvKernel::Old
     }
 
+    /// Whether [`Gpu::moe_fused`] takes these experts in [`MoeForm::Q2`] (the router not fused,
+    /// a normalized input): at most 512 experts, top-16, and an input of at most 480 chunks of
+    /// one 128-bit load (moe_fused2.cu's staging by 15 warps).
+    pub fn moe_fused_q2_ok(&self, gate_up: &GpuLinear, down: &GpuLinear, e: usize, k: usize) -> bool {
+        self.moe_fused_ok(gate_up, down, e, k)
+            && e <= 512
+            && k <= 16
+            && gate_up.cols / (128 / gate_up.bits as usize) <= 480
+            && gate_up.bits == down.bits
+            && gate_up.ty == down.ty
+    }
+
     /// Whether [`Gpu::moe_fused`] can also compute this router (`e + 1` rows: the experts' logits
     /// and the shared expert's gate, over the experts' input width).
     pub fn moe_router_ok(&self, router: &GpuLinear, gate_up: &GpuLinear, e: usize) -> bool {
@@ -117,7 +144,9 @@ impl Gpu {
     /// `[2(k+1), inter]`, then [`Gpu::moe_down`]'s down projections, weighted sum and residual
     /// into `x`; `ids`/`wts` get the routing; `ctr` is a zeroed u64 the launch's blocks meet on.
     /// With `router`, its logits are computed first in the same launch (into `logits`). `trace`
-    /// (0: none) gets 16 global-timer stamps per block ([`MOE_TRACE_SLOTS`]).
+    /// (0: none) gets 16 global-timer stamps per block ([`crate::cuda::profile::MOE_TRACE_SLOTS`]).
+    /// `ctr` holds two zeroed u64: the first for [`MoeForm::Q`]'s launches, the second for
+    /// [`MoeForm::Q2`]'s (their grids differ; a counter's launches must share one).
     #[allow(clippy::too_many_arguments)]
     pub fn moe_fused(
         &self,
@@ -131,9 +160,13 @@ impl Gpu {
         (ids, wts): (u64, u64),
         ctr: u64,
         trace: u64,
+        form: MoeForm,
     ) -> Result<()> {
         if !self.moe_fused_ok(gate_up, down, e, k) {
             bail!("moe_fused: experts of this shape or format are not fused");
+        }
+        if form == MoeForm::Q2 && (router.is_some() || normw == 0 || !self.moe_fused_q2_ok(gate_up, down, e, k)) {
+            bail!("moe_fused_q2: this router, input or expert shape is not taken");
         }
         if router.is_some_and(|r| !self.moe_router_ok(r, gate_up, e)) {
             bail!("moe_fused: a router of this shape or format is not fused");
@@ -185,6 +218,12 @@ impl Gpu {
         let epv = 128 / router.map_or(gate_up.bits, |r| r.bits.max(gate_up.bits)) as usize;
         let (h, s) = (gate_up.cols, (k + 1) * down.cols);
         let shared = (4 * (h + h / epv).max(s + s / epv)) as u32;
+        if form == MoeForm::Q2 {
+            // Every SM: the (K + 1) * inter gate/up pairs over its 16 warps each.
+            let grid = ((k + 1) * gate_up.rows).div_ceil(16).max(down.rows.div_ceil(16)).min(self.sms as usize);
+            let a = MoeFusedParams { ctr: Out::new(ctr + 8), ..a };
+            return self.launch_params("moe_fused_q2", (grid as u32, 1, 1), 512, shared, &a);
+        }
         // At least one block per 16 down rows (one row per warp, as moe_down_q), within the SMs.
         let grid = (bps * slots).max(down.rows.div_ceil(16)).min(self.sms as usize);
         self.launch_params("moe_fused_q", (grid as u32, 1, 1), 512, shared, &a)

@@ -1,0 +1,166 @@
+/*
+ * moe_fused2.cu: moe_fused_q2, the decode MoE (batch 1) in one launch with a shorter chain than
+ * moe_fused_q (gemv.cu). `LILY_CUDA_MOE=q2`; an experiment, built without a GPU at hand and off
+ * until measured.
+ *
+ * Math (as moe_fused_q): slots s < S = K + 1 are the top-K routed experts of `logits` and the
+ *   shared expert (stacked as expert E, weight sigmoid(logits[E])); xw = rms_norm(x) * normw;
+ *   h[s, i] = w_s * silu(G_s[i] . xw) * (U_s[i] . xw) for i < inter (G_s, U_s: matrices 2 e_s and
+ *   2 e_s + 1 of the interleaved gate/up stack); x[r] += sum_s D_{e_s}[r] . h[s] for r < H.
+ *
+ * What differs from moe_fused_q, each aimed at a step of its chain:
+ *   - the top-K runs in registers (route_topk_reg in moe.cu: one load round, five butterfly
+ *     merges) while the other 15 warps stage xw (and the norm's partial sums) at the same time;
+ *   - a gate/up row group is the pair (G_s[i], U_s[i]) (gq_load with row stride inter), so the
+ *     warp that finishes it writes h[s, i] itself: the down projection stages S * inter products
+ *     instead of 2 S * inter values and their SiLUs;
+ *   - the pairs are spread over every block of the grid (moe_fused_q leaves blocks idle when
+ *     2 S does not divide the SMs).
+ *   Then, as moe_fused_q: the blocks meet on ctr (their own u64, raised by G per launch), the down
+ *   rows' first loads are issued before the wait, and gq_body's moe_down body adds into x
+ *   (accumulate = acc: 1 load-add-store, 2 an atomic add, LILY_CUDA_ACC_RED).
+ *   Picks, weights and the products are computed in moe_fused_q's order, so the results are its
+ *   own (tests/cuda_kernels.rs holds the ids and weights to its bits).
+ *
+ * Geometry: grid G <= SMs blocks of 512 threads (one per SM, all resident, G >= H / 16), the
+ *   pairs grid-strided over the G * 16 warps; dynamic shared memory: max(H + H/EPV,
+ *   S*inter + S*inter/EPV) floats. Requires E <= 512, K <= 16 and H / EPV <= 480 (the host
+ *   checks), the router not fused.
+ */
+
+/* Warps 1..15 stage xw and the chunk sums like gq_stage (chunk ch by thread 32 + ch, one chunk
+   each, nch <= 480), and leave each warp's sum of squares in red[warp - 1]: the same per-warp
+   values gq_stage's block_sum would see, one warp later. */
+template <int EPV>
+__device__ __forceinline__ void mf2_stage(const float* xg, int cols, const float* normw, float* xs, float* xsum,
+                                          float* red) {
+    int nch = cols / EPV, ch = threadIdx.x - 32;
+    float ss = 0.f;
+    if (ch < nch) {
+        const float4* x4 = (const float4*)(xg + ch * EPV);
+        const float4* n4 = (const float4*)(normw + ch * EPV);
+        float4* o4 = (float4*)xs;
+        float4 v[EPV / 4];
+#pragma unroll
+        for (int j = 0; j < EPV / 4; j++) v[j] = x4[j];
+        float sum = 0.f;
+#pragma unroll
+        for (int j = 0; j < EPV / 4; j++) {
+            float4 a = v[j];
+            ss += a.x * a.x + a.y * a.y + a.z * a.z + a.w * a.w;
+            float4 nw = n4[j];
+            a = make_float4(a.x * nw.x, a.y * nw.y, a.z * nw.z, a.w * nw.w);
+            o4[xswz(ch * (EPV / 4) + j)] = a;
+            sum += (a.x + a.y) + (a.z + a.w);
+        }
+        xsum[ch] = sum;
+    }
+    ss = warp_sum(ss);
+    if ((threadIdx.x & 31) == 0) red[(threadIdx.x >> 5) - 1] = ss;
+}
+
+/* The gate/up pairs: group g = s * inter + i is rows (2 e_s) * inter + i and that + inter, read
+   in trips of U = 2 chunks per lane like gq_body's walk (the next trip's loads in flight while
+   one is computed); the finished pair writes h[g] = wk[s] * silu(gate) * up. */
+template <int BITS, int TY>
+__device__ __forceinline__ void mf2_pairs(const u32* w, const u16* sc, const u16* bi, int group, int inter, int cols,
+                                          const int* ids, const float* wk, int S, const float* xs,
+                                          const float* xsum, float rr, float* h) {
+    constexpr int EPV = 128 / BITS, NR = 2, U = 2;
+    int lane = threadIdx.x & 31, nwarps = blockDim.x >> 5;
+    int n4 = cols / EPV, ng = cols / group, gsh = __ffs(group) - 1;
+    int tpr = (n4 + 32 * U - 1) / (32 * U), ngroups = S * inter, gstride = gridDim.x * nwarps;
+    int g = blockIdx.x * nwarps + (threadIdx.x >> 5), t = 0;
+    GqTrip<NR, U> cur, nxt;
+    auto load = [&](GqTrip<NR, U>& tr, int gg, int tt) {
+        int s = gg / inter;
+        long long R = (long long)(2 * ids[s]) * inter + (gg - s * inter);
+        int i0 = tt * 32 * U + lane;
+        if ((tt + 1) * 32 * U <= n4)
+            gq_load<BITS, NR, U, true>(tr, w, sc, bi, R, NR, n4, ng, gsh, i0, inter);
+        else
+            gq_load<BITS, NR, U, false>(tr, w, sc, bi, R, NR, n4, ng, gsh, i0, inter);
+    };
+    if (g < ngroups) load(cur, g, 0);
+    float acc[NR] = {0.f, 0.f};
+    while (g < ngroups) {
+        int g2 = g, t2 = t + 1;
+        if (t2 == tpr) {
+            g2 = g + gstride;
+            t2 = 0;
+        }
+        if (g2 < ngroups) load(nxt, g2, t2);
+        int i0 = t * 32 * U + lane;
+        if ((t + 1) * 32 * U <= n4)
+            gq_compute<BITS, TY, NR, U, false, true>(cur, NR, n4, i0, xs, xsum, acc);
+        else
+            gq_compute<BITS, TY, NR, U, false, false>(cur, NR, n4, i0, xs, xsum, acc);
+        if (t + 1 == tpr) {
+            float gv = warp_sum(acc[0]) * rr, uv = warp_sum(acc[1]) * rr;
+            acc[0] = acc[1] = 0.f;
+            if (lane == 0) h[g] = wk[g / inter] * (silu_f(gv) * uv);
+        }
+        cur = nxt;
+        g = g2;
+        t = t2;
+    }
+}
+
+template <int BITS, int TY>
+__device__ __forceinline__ void mf2_body(MoeFusedParams_fields, float* xs, float* red, float* wsel, int* chosen,
+                                         u64* s_target, u64* ts) {
+    constexpr int EPV = 128 / BITS;
+    float* xsum = xs + H;
+    if (threadIdx.x < 32) {
+        if (E <= 256 && K <= 8)
+            route_topk_reg<8, 8>(logits, E, K, renorm, 1, chosen, wsel);
+        else
+            route_topk_reg<16, 16>(logits, E, K, renorm, 1, chosen, wsel);
+    } else {
+        mf2_stage<EPV>(x, H, normw, xs, xsum, red);
+    }
+    __syncthreads();
+    /* gq_stage's block_sum over the 16 warps' sums (warp w's now in red[w - 1], warp 15's slot
+       zero as in a 16-warp block whose last warp staged nothing) */
+    float ss = (threadIdx.x & 31) < 15 ? red[threadIdx.x & 31] : 0.f;
+    float rr = 1.f / sqrtf(warp_sum(ss) / (float)H + eps);
+    if (fixed) { /* LILY_CUDA_MOE_FIXED (measurement): the same experts every token */
+        if (threadIdx.x < K) chosen[threadIdx.x] = fixed == 1 ? threadIdx.x : threadIdx.x * (E / K);
+        __syncthreads();
+    }
+    trace_stamp(ts, 2);
+    if (blockIdx.x == 0 && threadIdx.x <= K) {
+        ids_out[threadIdx.x] = chosen[threadIdx.x];
+        wts_out[threadIdx.x] = wsel[threadIdx.x];
+    }
+    mf2_pairs<BITS, TY>((const u32*)wg, (const u16*)sg, (const u16*)bg, group_g, inter, H, chosen, wsel, K + 1, xs,
+                        xsum, rr, gu);
+    trace_stamp(ts, 3);
+    const u64 target = grid_arrive(ctr, s_target);
+    const ConvEpi nc{0, 0, 0, 0, 1};
+    gq_body<BITS, TY, MD_NR, MD_U, false, true>((const u32*)wd, (const u16*)sd, (const u16*)bd, group_d, gu, x, H,
+                                                inter, 0, acc, nullptr, 0.f, xs, 0, chosen, K + 1, nc, blockIdx.x,
+                                                gridDim.x, ctr, target, ts ? ts + 4 : nullptr);
+}
+
+extern "C" __global__ void __launch_bounds__(512, 1) moe_fused_q2(MoeFusedParams_fields) {
+    extern __shared__ __align__(16) float xs[];
+    __shared__ float red[33], wsel[65];
+    __shared__ int chosen[65];
+    __shared__ u64 s_target;
+    TL_SCOPE("moe_fused_q2");
+    u64* ts = trace ? trace + 16 * blockIdx.x : nullptr; /* stamps as moe_fused_q's (no 8, 9) */
+    trace_stamp(ts, 0);
+    pdl_begin();
+    trace_stamp(ts, 1);
+#define MF2(B, T)                                                                                                    \
+    mf2_body<B, T>(wg, sg, bg, wd, sd, bd, bits, group_g, group_d, ty, x, gu, inter, H, normw, eps, logits, E, K,    \
+                   renorm, ids_out, wts_out, ctr, bps, rank, wr, sr, br, bits_r, group_r, ty_r, R, trace, fixed, acc, \
+                   xs, red, wsel, chosen, &s_target, ts)
+    if (bits == 4 && ty == TY_BF16) MF2(4, TY_BF16);
+    else if (bits == 4) MF2(4, TY_F16);
+    else if (ty == TY_BF16) MF2(8, TY_BF16);
+    else MF2(8, TY_F16);
+#undef MF2
+    trace_stamp(ts, 6);
+}
