@@ -484,17 +484,18 @@ extern "C" __global__ void __launch_bounds__(512, 1) moe_down_q(MoeDownParams_fi
    expert as slot K), then computes slot z = grid.y of the gate/up GEMV over the 2(K+1) matrices
    2*chosen[z/2] + z%2 of the interleaved gate/up stack (normalized input as gemv_q2).
    Block (0, 0) also writes ids/wts [K+1] for moe_down_q. Saves the separate top-K launch.
-   rank != 0: the top-K by the whole block (route_rank) instead of one warp (route_topk). */
+   rank 1: the top-K by the whole block (route_rank) instead of one warp (route_topk); 2: by one
+   warp in registers (route_topk_reg, where it takes E and K). */
 extern "C" __global__ void __launch_bounds__(512) gemv_q2_routed(GemvRoutedParams_fields) {
     extern __shared__ __align__(16) float xs[];
     __shared__ float red[33], ls[1024], wsel[65], rk[32 + 512];
     __shared__ int chosen[65];
     TL_SCOPE("gemv_q2_routed");
     pdl_begin();
-    if (rank) {
+    if (rank == 1) {
         route_rank<BarBlock>(logits, E, K, renorm, 1, blockDim.x, ls, rk, chosen, wsel);
     } else {
-        if (threadIdx.x < 32) route_topk(logits, E, K, renorm, 1, ls, chosen, wsel);
+        if (threadIdx.x < 32) route_warp(rank == 2, logits, E, K, renorm, 1, ls, chosen, wsel);
         __syncthreads();
     }
     if (blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x <= K) {
@@ -552,10 +553,10 @@ extern "C" __global__ void __launch_bounds__(512, 1)
 #undef MF_ROUTER
         grid_wait(ctr, grid_arrive(ctr, &s_target));
     }
-    if (rank) {
+    if (rank == 1) {
         route_rank<BarBlock>(logits, E, K, renorm, 1, 512, ls, rk, chosen, wsel);
     } else {
-        if (threadIdx.x < 32) route_topk(logits, E, K, renorm, 1, ls, chosen, wsel);
+        if (threadIdx.x < 32) route_warp(rank == 2, logits, E, K, renorm, 1, ls, chosen, wsel);
         __syncthreads();
     }
     if (fixed) { /* LILY_CUDA_MOE_FIXED (measurement): the same experts every token */

@@ -167,6 +167,18 @@ __device__ __forceinline__ void route_topk_reg(const float* logits, int E, int K
     __syncwarp();
 }
 
+/* The top-K of one warp: route_topk_reg where it takes (E, K) and reg is set (LILY_CUDA_ROUTE=reg),
+   else route_topk. */
+__device__ __forceinline__ void route_warp(int reg, const float* logits, int E, int K, int renorm, int shared,
+                                          float* ls, int* chosen, float* wsel) {
+    if (reg && E <= 256 && K <= 8)
+        route_topk_reg<8, 8>(logits, E, K, renorm, shared, chosen, wsel);
+    else if (reg && E <= 512 && K <= 16)
+        route_topk_reg<16, 16>(logits, E, K, renorm, shared, chosen, wsel);
+    else
+        route_topk(logits, E, K, renorm, shared, ls, chosen, wsel);
+}
+
 /* The same routing by a whole block of nt threads (nt a multiple of 32, at most 1024) meeting at
    Bar::sync() (every one of them calls this): logit e's rank is the number of logits above it or
    equal at a lower index (NaN counts as -inf), so the ranks are distinct and rank k < K is

@@ -10,11 +10,16 @@ use super::super::Gpu;
 use super::{blocks, gemv_default, GemvKernel, GpuLinear, GEMV_XMAX};
 use anyhow::{bail, Result};
 
-/// Whether the decode MoE kernels pick the top-k with the whole block (`LILY_CUDA_ROUTE=rank`:
-/// `route_rank` in moe.cu) or with one warp (`route_topk`, the default until measured).
-fn route_rank() -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| std::env::var("LILY_CUDA_ROUTE").is_ok_and(|v| v == "rank"))
+/// How the decode MoE kernels pick the top-k: 0 one warp (`route_topk` in moe.cu, the
+/// default), 1 the whole block (`LILY_CUDA_ROUTE=rank`: `route_rank`), 2 one warp in registers
+/// (`LILY_CUDA_ROUTE=reg`: `route_topk_reg`, moe_fused_q2's; off until measured).
+fn route_rank() -> i32 {
+    static ON: std::sync::OnceLock<i32> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| match std::env::var("LILY_CUDA_ROUTE").as_deref() {
+        Ok("rank") => 1,
+        Ok("reg") => 2,
+        _ => 0,
+    })
 }
 
 /// The decode MoE launch: `moe_fused_q` (gemv.cu), or `moe_fused_q2` (moe_fused2.cu: the top-k
@@ -87,7 +92,7 @@ impl Gpu {
             renorm: renorm as i32,
             ids_out: Out::new(ids),
             wts_out: Out::new(wts),
-            rank: route_rank() as i32,
+            rank: route_rank(),
         };
         let shared = w.stream_smem();
         let slots = 2 * (k + 1);
@@ -202,7 +207,7 @@ impl Gpu {
             wts_out: Out::new(wts),
             ctr: Out::new(ctr),
             bps: bps as i32,
-            rank: route_rank() as i32,
+            rank: route_rank(),
             wr,
             sr,
             br,
