@@ -116,6 +116,11 @@ fn gdn_decode_steps_match_cpu() {
         let (gcs, grec) = (gb(&cstate), gb(&rec));
         let (yb, ob) = (gb(&vec![f32::NAN; c]), gb(&vec![f32::NAN; vd]));
         let base = gdn_test_step(d, (dtb.ptr, nab.ptr, nwb.ptr), grec.ptr, ob.ptr, yb.ptr);
+        // gdn_step_par_e (LILY_CUDA_GDN_STEP=early) on its own state, where the row-split kernel
+        // takes the shape: gdn_step_par's output and state bit for bit
+        let par = dv % 32 == 0 && dv * dk.div_ceil(32) <= 1024 && dk <= 256;
+        let (grec_e, ob_e) = (gb(&rec), gb(&vec![f32::NAN; vd]));
+        let (grec_p, ob_p) = (gb(&rec), gb(&vec![f32::NAN; vd]));
         for step in 0..5 {
             let qkv = uniform(&mut r, c, 2.0);
             let z = uniform(&mut r, vd, 2.0);
@@ -133,6 +138,17 @@ fn gdn_decode_steps_match_cpu() {
             check(&format!("{name} out"), &ob.read_f32(0, vd).unwrap(), &o, 1e-8);
             check(&format!("{name} state"), &grec.read_f32(0, rec.len()).unwrap(), &rec, 1e-8);
             check(&format!("{name} conv state"), &gcs.read_f32(0, cstate.len()).unwrap(), &cstate, 0.0);
+            if par {
+                let st = lily::cuda::GdnStep { b: bb.ptr, a: ab.ptr, z: zb.ptr, ..base };
+                g.gdn_step_par_form(&lily::cuda::GdnStep { state: grec_p.ptr, out: ob_p.ptr, ..st }, false).unwrap();
+                g.gdn_step_par_form(&lily::cuda::GdnStep { state: grec_e.ptr, out: ob_e.ptr, ..st }, true).unwrap();
+                let bits = |b: &lily::cuda::DevBuf, n: usize| -> Vec<u32> {
+                    b.read_f32(0, n).unwrap().iter().map(|v| v.to_bits()).collect()
+                };
+                assert_eq!(bits(&ob_e, vd), bits(&ob_p, vd), "{name}: gdn_step_par_e output");
+                assert_eq!(bits(&grec_e, rec.len()), bits(&grec_p, rec.len()), "{name}: gdn_step_par_e state");
+                check(&format!("{name} early out"), &ob_e.read_f32(0, vd).unwrap(), &o, 1e-8);
+            }
         }
     }
 }

@@ -134,7 +134,7 @@ fn skinny_occ2() -> bool {
 /// Kernels that call `pdl_wait()` before touching activations (kernels/common.cuh) and so may be
 /// launched as programmatic dependents: their launch and weight reads overlap the previous
 /// kernel's tail. The gemm_skinny entry points are such kernels too (see [`is_pdl`]).
-pub const PDL_KERNELS: [&str; 64] = [
+pub const PDL_KERNELS: [&str; 65] = [
     "gemm_wsp128",
     "gemm_wsp256",
     "gemm_wsp128_q8",
@@ -184,6 +184,7 @@ pub const PDL_KERNELS: [&str; 64] = [
     "conv_step",
     "gdn_step",
     "gdn_step_par",
+    "gdn_step_par_e",
     "gdn_step_par_rows",
     "moe_down",
     "moe_down_q",

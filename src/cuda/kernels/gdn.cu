@@ -123,12 +123,18 @@ extern "C" __global__ void gdn_step(GdnStepParams_fields) {
     }
 }
 
-template <bool ROWS>
+/* EARLY (gdn_step_par_e, LILY_CUDA_GDN_STEP=early): every input of the step is loaded in one
+   round right after the wait (q, k, v, z, b, a; normw, dt_bias and neg_a, weights, before it),
+   and the two norms' sums reduced together, instead of four dependent round trips (q and k, then
+   b and a after their block sums, v after the first partial sums, z at the end behind the state
+   stores). The same arithmetic in the same order. */
+template <bool ROWS, bool EARLY = false>
 __device__ __forceinline__ void gdn_step_par_body(const float* y, const float* bproj, const float* aproj, const float* z,
                                                   const float* dt_bias, const float* neg_a, const float* normw, float* S,
                                                   float* out, int hk, int hv, int dk, int dv, float eps,
                                                   const unsigned long long* states, long long ldy, long long ldp,
                                                   long long ldo, int h) {
+    static_assert(!(ROWS && EARLY), "the early loads read one sequence's rows");
     __shared__ float qs[256], ks[256], sh[33];
     __shared__ float part[1024]; /* [P][D_v] partial sums */
     int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
@@ -141,6 +147,12 @@ __device__ __forceinline__ void gdn_step_par_body(const float* y, const float* b
     int kh = h / (hv / hk), kd = hk * dk;
     float* Sh = S + (long long)h * dk * dv;
     float sv[32];
+    float nwj = 0.f, dtb = 0.f, na = 0.f;
+    if (EARLY) { /* weights: before the wait */
+        if (p == 0) nwj = normw[j];
+        dtb = dt_bias[h];
+        na = neg_a[h];
+    }
     pdl_trigger();
     /* The state is this kernel's alone within a step (written by this layer's previous step, long
        complete), so its loads may precede the wait for the previous kernel. */
@@ -150,9 +162,40 @@ __device__ __forceinline__ void gdn_step_par_body(const float* y, const float* b
         sv[ii] = i < dk ? Sh[(long long)i * dv + j] : 0.f;
     }
     pdl_wait();
-    float rq, rk, beta, alpha;
-    gdn_prologue(y + (ROWS ? blockIdx.y * ldy : 0), bproj + (ROWS ? blockIdx.y * ldp : 0), aproj + (ROWS ? blockIdx.y * ldp : 0), dt_bias, neg_a, h, kh, kd,
-                 dk, qs, ks, sh, &rq, &rk, &beta, &alpha);
+    float rq, rk, beta, alpha, vj = 0.f, zj = 0.f;
+    if (EARLY) {
+        float q = 0.f, k = 0.f;
+        if (tid < dk) {
+            q = y[kh * dk + tid];
+            k = y[kd + kh * dk + tid];
+        }
+        vj = y[2 * kd + h * dv + j];
+        if (p == 0) zj = z[h * dv + j];
+        float b = bproj[h], a = aproj[h];
+        if (tid < dk) {
+            qs[tid] = q;
+            ks[tid] = k;
+        }
+        /* block_sum(q^2) and block_sum(k^2) as gdn_prologue's, in one pass */
+        float sq = warp_sum(tid < dk ? q * q : 0.f), sk = warp_sum(tid < dk ? k * k : 0.f);
+        if (lane == 0) {
+            part[warp] = sq;
+            part[32 + warp] = sk;
+        }
+        __syncthreads();
+        int nw = blockDim.x >> 5;
+        sq = warp_sum(lane < nw ? part[lane] : 0.f);
+        sk = warp_sum(lane < nw ? part[32 + lane] : 0.f);
+        rq = (1.f / sqrtf((float)dk)) / sqrtf(sq + 1e-6f);
+        rk = 1.f / sqrtf(sk + 1e-6f);
+        beta = sigmoid_f(b);
+        alpha = expf(na * softplus_f(a + dtb));
+        __syncthreads(); /* part is reused below */
+    } else {
+        gdn_prologue(y + (ROWS ? blockIdx.y * ldy : 0), bproj + (ROWS ? blockIdx.y * ldp : 0),
+                     aproj + (ROWS ? blockIdx.y * ldp : 0), dt_bias, neg_a, h, kh, kd, dk, qs, ks, sh, &rq, &rk, &beta,
+                     &alpha);
+    }
     float u = 0.f;
 #pragma unroll
     for (int ii = 0; ii < 32; ii++) {
@@ -163,7 +206,7 @@ __device__ __forceinline__ void gdn_step_par_body(const float* y, const float* b
     __syncthreads();
     u = 0.f;
     for (int pp = 0; pp < nparts; pp++) u += part[pp * dv + j];
-    float delta = beta * (y[(ROWS ? blockIdx.y * ldy : 0) + 2 * kd + h * dv + j] - u);
+    float delta = beta * ((EARLY ? vj : y[(ROWS ? blockIdx.y * ldy : 0) + 2 * kd + h * dv + j]) - u);
     float o = 0.f;
 #pragma unroll
     for (int ii = 0; ii < 32; ii++) {
@@ -182,7 +225,8 @@ __device__ __forceinline__ void gdn_step_par_body(const float* y, const float* b
     float ss = block_sum(p == 0 ? o * o : 0.f, sh);
     if (p == 0) {
         float r = 1.f / sqrtf(ss / (float)dv + eps);
-        out[(ROWS ? blockIdx.y * ldo : 0) + h * dv + j] = o * r * normw[j] * silu_f(z[(ROWS ? blockIdx.y * ldp : 0) + h * dv + j]);
+        float nw = EARLY ? nwj : normw[j], zz = EARLY ? zj : z[(ROWS ? blockIdx.y * ldp : 0) + h * dv + j];
+        out[(ROWS ? blockIdx.y * ldo : 0) + h * dv + j] = o * r * nw * silu_f(zz);
     }
 }
 
@@ -191,6 +235,13 @@ extern "C" __global__ void __launch_bounds__(1024) gdn_step_par(GdnStepParParams
     TL_SCOPE("gdn_step_par");
     gdn_step_par_body<false>(y, bproj, aproj, z, dt_bias, neg_a, normw, S, out, hk, hv, dk, dv, eps, nullptr, 0, 0, 0,
                              blockIdx.x);
+}
+
+/* gdn_step_par with its inputs loaded in one round (EARLY above; an experiment, off until measured). */
+extern "C" __global__ void __launch_bounds__(1024) gdn_step_par_e(GdnStepParParams_fields) {
+    TL_SCOPE("gdn_step_par_e");
+    gdn_step_par_body<false, true>(y, bproj, aproj, z, dt_bias, neg_a, normw, S, out, hk, hv, dk, dv, eps, nullptr, 0, 0,
+                                   0, blockIdx.x);
 }
 
 /* The batched decode's rows (grid.y), each on its own state (at most 512 threads, so the row

@@ -305,6 +305,34 @@ impl Gpu {
         self.gdn_step_rows(p, &GdnRows::one())
     }
 
+    /// [`Gpu::gdn_step`] through `gdn_step_par_e` (its inputs loaded in one round after the wait,
+    /// `LILY_CUDA_GDN_STEP=early`: an experiment, off until measured) or `gdn_step_par`; for the
+    /// shapes the row-split kernel takes (else an error).
+    pub fn gdn_step_par_form(&self, p: &GdnStep, early: bool) -> Result<()> {
+        let threads = p.dv * p.dk.div_ceil(32);
+        if !p.dv.is_multiple_of(32) || threads > 1024 || p.dk > 256 || !p.hv.is_multiple_of(p.hk) {
+            bail!("gdn_step_par: unsupported head dims (D_v {} D_k {})", p.dv, p.dk);
+        }
+        let a = GdnStepParParams {
+            y: In::new(p.y),
+            bproj: In::new(p.b),
+            aproj: In::new(p.a),
+            z: In::new(p.z),
+            dt_bias: In::new(p.dt_bias),
+            neg_a: In::new(p.neg_a),
+            normw: In::new(p.norm),
+            S: Out::new(p.state),
+            out: Out::new(p.out),
+            hk: p.hk as i32,
+            hv: p.hv as i32,
+            dk: p.dk as i32,
+            dv: p.dv as i32,
+            eps: p.eps,
+        };
+        let name = if early { "gdn_step_par_e" } else { "gdn_step_par" };
+        self.launch_params(name, (p.hv as u32, 1, 1), threads as u32, 0, &a)
+    }
+
     /// Whether [`Gpu::gdn_step_out`] takes this step and output projection: the row-split step
     /// in one block of at most 512 threads, a streaming GEMV format over the step's output width,
     /// and at least one block per value head on the GPU.
@@ -368,34 +396,18 @@ impl Gpu {
         // its batched form up to 512 threads.
         let threads = p.dv * p.dk.div_ceil(32);
         let batched = r.rows > 1 || r.states != 0;
-        let par = threads <= if batched { 512 } else { 1024 }
-            && std::env::var("LILY_CUDA_GDN_STEP").as_deref() != Ok("serial");
+        let form = std::env::var("LILY_CUDA_GDN_STEP");
+        let par = threads <= if batched { 512 } else { 1024 } && form.as_deref() != Ok("serial");
+        if par && !batched {
+            return self.gdn_step_par_form(p, form.as_deref() == Ok("early"));
+        }
         let (y, bproj, aproj, z) = (In::new(p.y), In::new(p.b), In::new(p.a), In::new(p.z));
         let (dt_bias, neg_a, normw, out) = (In::new(p.dt_bias), In::new(p.neg_a), In::new(p.norm), Out::new(p.out));
         let (hk, hv, dk, dv, eps) = (p.hk as i32, p.hv as i32, p.dk as i32, p.dv as i32, p.eps);
         let (states, ldy, ldp, ldo) = (In::new(r.states), r.ldy as i64, r.ldp as i64, r.ldo as i64);
         let grid = (p.hv as u32, r.rows as u32, 1);
-        match (par, batched) {
-            (true, false) => {
-                let a = GdnStepParParams {
-                    y,
-                    bproj,
-                    aproj,
-                    z,
-                    dt_bias,
-                    neg_a,
-                    normw,
-                    S: Out::new(p.state),
-                    out,
-                    hk,
-                    hv,
-                    dk,
-                    dv,
-                    eps,
-                };
-                self.launch_params("gdn_step_par", grid, threads as u32, 0, &a)
-            }
-            (true, true) => {
+        match par {
+            true => {
                 let a = GdnStepParRowsParams {
                     y,
                     bproj,
@@ -417,7 +429,7 @@ impl Gpu {
                 };
                 self.launch_params("gdn_step_par_rows", grid, threads as u32, 0, &a)
             }
-            (false, _) => {
+            false => {
                 let a = GdnStepParams {
                     y,
                     bproj,
