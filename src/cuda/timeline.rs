@@ -115,32 +115,46 @@ struct Launch {
     mid_out: u64,
 }
 
+/// A gap between two blocks' entries (ns) that no launch has inside it but consecutive steps
+/// do: records with one grid id split there, in case a replayed graph's kernel nodes keep their
+/// grid ids from one replay to the next.
+const STEP_GAP: u64 = 500_000;
+
 fn group(recs: &[[u64; 4]]) -> Vec<Launch> {
     let mut by_grid: HashMap<u64, Vec<&[u64; 4]>> = HashMap::new();
     for r in recs {
         by_grid.entry(r[2]).or_default().push(r);
     }
-    let mut out: Vec<Launch> = by_grid
-        .into_values()
-        .map(|rs| {
-            let mut outs: Vec<u64> = rs.iter().map(|r| r[1]).collect();
-            outs.sort_unstable();
-            let mut sms: Vec<u64> = rs.iter().map(|r| (r[3] >> 24) & 0xff).collect();
-            sms.sort_unstable();
-            sms.dedup();
-            Launch {
-                tag: (rs[0][3] >> 32) as u32,
-                blocks: rs.len(),
-                sms: sms.len(),
-                first_in: rs.iter().map(|r| r[0]).min().unwrap(),
-                last_in: rs.iter().map(|r| r[0]).max().unwrap(),
-                last_out: *outs.last().unwrap(),
-                mid_out: outs[outs.len() / 2],
+    let mut out: Vec<Launch> = Vec::new();
+    for mut rs in by_grid.into_values() {
+        rs.sort_by_key(|r| r[0]);
+        let mut start = 0;
+        for i in 1..=rs.len() {
+            if i == rs.len() || rs[i][0] - rs[i - 1][0] > STEP_GAP {
+                out.push(launch(&rs[start..i]));
+                start = i;
             }
-        })
-        .collect();
+        }
+    }
     out.sort_by_key(|l| (l.first_in, l.last_out));
     out
+}
+
+fn launch(rs: &[&[u64; 4]]) -> Launch {
+    let mut outs: Vec<u64> = rs.iter().map(|r| r[1]).collect();
+    outs.sort_unstable();
+    let mut sms: Vec<u64> = rs.iter().map(|r| (r[3] >> 24) & 0xff).collect();
+    sms.sort_unstable();
+    sms.dedup();
+    Launch {
+        tag: (rs[0][3] >> 32) as u32,
+        blocks: rs.len(),
+        sms: sms.len(),
+        first_in: rs.iter().map(|r| r[0]).min().unwrap(),
+        last_in: rs.iter().map(|r| r[0]).max().unwrap(),
+        last_out: *outs.last().unwrap(),
+        mid_out: outs[outs.len() / 2],
+    }
 }
 
 fn print_step(ls: &[Launch], by_hash: &HashMap<u32, &str>) {
@@ -203,28 +217,32 @@ mod tests {
     }
 
     /// Records of two steps (embed, a kernel of 2 blocks on 2 SMs, a kernel of 1 block), given
-    /// out of order: grouped by grid id into launches in entry order, the last step found.
+    /// out of order: grouped by grid id (and, where a grid id repeats, by the gap between
+    /// steps) into launches in entry order, the last step found.
     #[test]
     fn groups_launches_and_finds_the_last_step() {
         let (e, k) = (tl_hash("embed_row"), tl_hash("gemv_q2"));
         let rec =
             |t0: u64, t1: u64, grid: u64, tag: u32, sm: u64, b: u64| [t0, t1, grid, (tag as u64) << 32 | sm << 24 | b];
-        let mut recs = vec![];
-        for (s, base) in [(0u64, 1_000u64), (1, 9_000)] {
-            let g = 10 * s;
-            recs.push(rec(base + 500, base + 900, g + 2, k, 1, 0));
-            recs.push(rec(base, base + 100, g + 1, e, 0, 0));
-            recs.push(rec(base + 200, base + 700, g + 2, k, 0, 1));
-            recs.push(rec(base + 800, base + 1_200, g + 3, k, 3, 0));
+        for reuse in [false, true] {
+            let mut recs = vec![];
+            // the second step 1 ms later, once with new grid ids and once reusing the first's
+            for (s, base) in [(0u64, 1_000u64), (1, 1_001_000)] {
+                let g = if reuse { 0 } else { 10 * s };
+                recs.push(rec(base + 500, base + 900, g + 2, k, 1, 0));
+                recs.push(rec(base, base + 100, g + 1, e, 0, 0));
+                recs.push(rec(base + 200, base + 700, g + 2, k, 0, 1));
+                recs.push(rec(base + 800, base + 1_200, g + 3, k, 3, 0));
+            }
+            let ls = group(&recs);
+            assert_eq!(ls.len(), 6);
+            let (a, b) = last_step(&ls, false, e).unwrap();
+            assert_eq!((a, b), (3, 6));
+            let l = &ls[4];
+            assert_eq!((l.blocks, l.sms, l.first_in, l.last_in, l.last_out), (2, 2, 1_001_200, 1_001_500, 1_001_900));
+            // overflowed: the last step may be cut, so the one before it
+            assert_eq!(last_step(&ls, true, e).unwrap(), (0, 3));
+            assert!(last_step(&ls[1..3], false, e).is_err());
         }
-        let ls = group(&recs);
-        assert_eq!(ls.len(), 6);
-        let (a, b) = last_step(&ls, false, e).unwrap();
-        assert_eq!((a, b), (3, 6));
-        let l = &ls[4];
-        assert_eq!((l.blocks, l.sms, l.first_in, l.last_in, l.last_out), (2, 2, 9_200, 9_500, 9_900));
-        // overflowed: the last step may be cut, so the one before it
-        assert_eq!(last_step(&ls, true, e).unwrap(), (0, 3));
-        assert!(last_step(&ls[1..3], false, e).is_err());
     }
 }
