@@ -479,6 +479,9 @@ impl Gpu {
             let t1 = self.event_now()?;
             profile::record(name, profile::Ev(t0), profile::Ev(t1))?;
         }
+        if self.timeline.is_some() {
+            timeline::note_launch(name);
+        }
         Ok(())
     }
 

@@ -35,8 +35,11 @@ thread_local! {
 }
 
 /// Labels the launches that follow (on this thread) as op `label`, which moves `bytes` bytes;
-/// `None` ends the labelling. Free when not profiling.
+/// `None` ends the labelling. Free when neither profiling nor recording the timeline.
 pub fn op(label: Option<&'static str>, bytes: usize) {
+    if super::timeline::enabled() {
+        super::timeline::note_op(label, bytes);
+    }
     if !profiling() {
         return;
     }

@@ -11,6 +11,12 @@
 //! entered, when its last block returned, and its cost in the step (its last return minus the
 //! previous launch's), then the same costs summed per kernel.
 //!
+//! The host side notes the step's launches in the order it queues them, each under the op
+//! label the decode step gives it ([`super::profile::op`]: "moe.experts", "gdn.state", ... with
+//! the bytes the op must move), from [`begin_step`] (the start of the step's recording: its
+//! graph capture, or each eager step) on. Matched in order with the recorded launches, they give
+//! the per-op table: cost in the step against the time the op's bytes need at the HBM rate.
+//!
 //! The times are those of blocks, not of the work a block waits for: a launch's blocks enter
 //! as SMs free up (programmatic dependent launch lets them in before the previous launch ends,
 //! where registers and shared memory allow) and then wait in `griddepcontrol.wait`.
@@ -19,6 +25,7 @@ use anyhow::{anyhow, bail, Result};
 use cudarc::driver::{result as drv, sys};
 use std::collections::HashMap;
 use std::ffi::CString;
+use std::sync::Mutex;
 
 /// Whether `LILY_CUDA_TIMELINE=1` asks for the timeline build.
 pub fn enabled() -> bool {
@@ -33,6 +40,39 @@ const CAP: usize = 1 << 20;
 pub struct Timeline {
     buf: sys::CUdeviceptr,
     count: sys::CUdeviceptr,
+}
+
+/// The step's launches as the host queued them: (kernel name hash, index of its op in `ops`),
+/// and the ops (label, bytes).
+struct Seq {
+    launches: Vec<(u32, Option<usize>)>,
+    ops: Vec<(&'static str, usize)>,
+    cur: Option<usize>,
+}
+static SEQ: Mutex<Seq> = Mutex::new(Seq { launches: Vec::new(), ops: Vec::new(), cur: None });
+
+/// A decode step's recording begins: forget the launches noted before.
+pub fn begin_step() {
+    let mut s = SEQ.lock().unwrap();
+    s.launches.clear();
+    s.ops.clear();
+    s.cur = None;
+}
+
+/// The launches that follow belong to op `label` (moving `bytes`); `None`: to no op.
+pub fn note_op(label: Option<&'static str>, bytes: usize) {
+    let mut s = SEQ.lock().unwrap();
+    s.cur = label.map(|l| {
+        s.ops.push((l, bytes));
+        s.ops.len() - 1
+    });
+}
+
+/// Kernel `name` was queued.
+pub fn note_launch(name: &str) {
+    let mut s = SEQ.lock().unwrap();
+    let cur = s.cur;
+    s.launches.push((tl_hash(name), cur));
 }
 
 /// fnv1a32, as `tl_hash` in kernels/common.cuh.
@@ -87,6 +127,11 @@ impl Timeline {
         let launches = group(&recs);
         let (a, b) = last_step(&launches, overflowed, tl_hash("embed_row"))?;
         print_step(&launches[a..b], &by_hash);
+        let seq = SEQ.lock().unwrap();
+        match op_of(&launches[a..b], &seq.launches) {
+            Some(ops) => print_ops(&launches[a..b], &ops, &seq.ops),
+            None => eprintln!("(the step's launches do not match the host's queue: no per-op table)"),
+        }
         Ok(())
     }
 }
@@ -157,6 +202,66 @@ fn launch(rs: &[&[u64; 4]]) -> Launch {
     }
 }
 
+/// Each recorded launch's op: the host's queue `seq` walked in order beside `ls` (the host's
+/// launches of kernels without a `TL_SCOPE` are skipped). None if they do not line up.
+fn op_of(ls: &[Launch], seq: &[(u32, Option<usize>)]) -> Option<Vec<Option<usize>>> {
+    let mut out = Vec::with_capacity(ls.len());
+    let mut q = seq.iter();
+    for l in ls {
+        let &(_, op) = q.find(|(h, _)| *h == l.tag)?;
+        out.push(op);
+    }
+    Some(out)
+}
+
+/// Per op label: launches, summed cost in the step, the ops' bytes and the time they need at
+/// [`super::profile::HBM_READ_GBS`]; then the step's total against its bytes.
+fn print_ops(ls: &[Launch], op: &[Option<usize>], ops: &[(&'static str, usize)]) {
+    let mut prev = ls[0].first_in;
+    let mut rows: Vec<(&str, usize, f64, f64)> = Vec::new(); // label, launches, cost µs, bytes
+    let mut seen = vec![false; ops.len()];
+    for (l, o) in ls.iter().zip(op) {
+        let cost = l.last_out.saturating_sub(prev) as f64 / 1e3;
+        prev = prev.max(l.last_out);
+        let (label, bytes) = match o {
+            Some(i) if !std::mem::replace(&mut seen[*i], true) => (ops[*i].0, ops[*i].1 as f64),
+            Some(i) => (ops[*i].0, 0.0),
+            None => ("(no op)", 0.0),
+        };
+        match rows.iter_mut().find(|r| r.0 == label) {
+            Some(r) => {
+                r.1 += 1;
+                r.2 += cost;
+                r.3 += bytes;
+            }
+            None => rows.push((label, 1, cost, bytes)),
+        }
+    }
+    let gbs = super::profile::HBM_READ_GBS;
+    eprintln!("per op (cost in the replayed step; bytes at {gbs:.0} GB/s)");
+    eprintln!("| op | launches | µs | MB | µs at HBM rate | GB/s reached |");
+    eprintln!("|---|---:|---:|---:|---:|---:|");
+    let (mut tc, mut tb) = (0.0, 0.0);
+    for (label, n, cost, bytes) in &rows {
+        tc += cost;
+        tb += bytes;
+        let need = bytes / (gbs * 1e3);
+        eprintln!(
+            "| {label} | {n} | {cost:.1} | {:.1} | {need:.1} | {:.0} |",
+            bytes / 1e6,
+            bytes / (cost * 1e3).max(1e-9)
+        );
+    }
+    eprintln!(
+        "| **step** | {} | {tc:.1} | {:.1} | {:.1} | {:.0} = {:.1}% of {gbs:.0} |",
+        ls.len(),
+        tb / 1e6,
+        tb / (gbs * 1e3),
+        tb / (tc * 1e3).max(1e-9),
+        100.0 * tb / (tc * 1e3).max(1e-9) / gbs
+    );
+}
+
 fn print_step(ls: &[Launch], by_hash: &HashMap<u32, &str>) {
     let name = |t: u32| by_hash.get(&t).copied().unwrap_or("?");
     let t0 = ls[0].first_in;
@@ -214,6 +319,18 @@ mod tests {
         assert_eq!(tl_hash(""), 0x811c_9dc5);
         assert_eq!(tl_hash("a"), 0xe40c_292c);
         assert_eq!(tl_hash("foobar"), 0xbf9c_f968);
+    }
+
+    /// The host's queue lined up with the recorded launches: unscoped kernels skipped, each
+    /// launch given its op; a recorded launch the queue lacks gives none.
+    #[test]
+    fn launches_take_their_ops_in_queue_order() {
+        let (e, k, n) = (tl_hash("embed_row"), tl_hash("gemv_q2"), tl_hash("rms_norm"));
+        let l = |tag| Launch { tag, blocks: 1, sms: 1, first_in: 0, last_in: 0, last_out: 0, mid_out: 0 };
+        let ls = [l(e), l(k), l(k)];
+        let seq = [(e, Some(0)), (n, None), (k, Some(1)), (n, Some(2)), (k, Some(2))];
+        assert_eq!(op_of(&ls, &seq), Some(vec![Some(0), Some(1), Some(2)]));
+        assert_eq!(op_of(&ls, &seq[..3]), None);
     }
 
     /// Records of two steps (embed, a kernel of 2 blocks on 2 SMs, a kernel of 1 block), given

@@ -179,6 +179,9 @@ impl CudaSession {
         if let (true, Some(Ok(plan))) = (self.persistent, &self.ps) {
             return self.record_persistent(plan, logits, long);
         }
+        if g.timeline.is_some() {
+            crate::cuda::timeline::begin_step();
+        }
         let s = self.scratch.as_ref().context("session scratch")?;
         // Op labels and the bytes each op must move, for LILY_CUDA_PROFILE=1's per-op table.
         let op = profile::op;
