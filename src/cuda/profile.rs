@@ -218,7 +218,7 @@ pub fn print_moe_trace(buf: &super::DevBuf, sms: usize, layers: usize) -> Result
         }
         prev_end = blocks.iter().map(|&b| at(l, b, 6)).max();
     }
-    eprintln!("moe_fused_q trace, last step, µs after the launch's first block (means over the MoE layers)");
+    eprintln!("MoE launch trace (moe_fused_q or _q2), last step, µs after the launch's first block (means over the MoE layers)");
     eprintln!("| point | mean over blocks | latest block |");
     eprintln!("|---|---:|---:|");
     for (k, &(_, name)) in points.iter().enumerate() {
