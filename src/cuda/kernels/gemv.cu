@@ -56,9 +56,9 @@ __device__ __forceinline__ float half_bits(u32 h, int ty) {
 }
 
 /* FULL: every row of the group and every chunk of the trip exists (the common case: no guards,
-   so the loads share one address and immediate offsets). Row r of the group is row R0 + r * rs
-   (moe_fused_q2's pairs: a gate row and the up row `inter` rows after it). */
-template <int BITS, int NR, int U, bool FULL>
+   so the loads share one address and immediate offsets). RS: row r of the group is row R0 + r * rs
+   (moe_fused_q2's pairs: a gate row and the up row `inter` rows after it), else R0 + r. */
+template <int BITS, int NR, int U, bool FULL, bool RS = false>
 __device__ __forceinline__ void gq_load(GqTrip<NR, U>& t, const u32* w, const u16* sc, const u16* bi, long long R0,
                                         int nvalid, int n4, int ng, int gsh, int i0, long long rs = 1) {
     constexpr int EPV = 128 / BITS;
@@ -71,10 +71,17 @@ __device__ __forceinline__ void gq_load(GqTrip<NR, U>& t, const u32* w, const u1
 #pragma unroll
         for (int u = 0; u < U; u++) {
             if (FULL || (r < nvalid && i0 + 32 * u < n4)) {
-                t.q[u][r] = ldg_stream(wr + r * rs * n4 + 32 * u);
-                long long o = r * rs * ng + u * gstep;
-                t.s[u][r] = __ldg(sr + o);
-                t.b[u][r] = __ldg(br + o);
+                if (RS) {
+                    t.q[u][r] = ldg_stream(wr + r * rs * n4 + 32 * u);
+                    long long o = r * rs * ng + u * gstep;
+                    t.s[u][r] = __ldg(sr + o);
+                    t.b[u][r] = __ldg(br + o);
+                } else {
+                    t.q[u][r] = ldg_stream(wr + r * n4 + 32 * u);
+                    int o = r * ng + u * gstep;
+                    t.s[u][r] = __ldg(sr + o);
+                    t.b[u][r] = __ldg(br + o);
+                }
             }
         }
     }
@@ -236,21 +243,27 @@ __device__ __forceinline__ float moe_stage(const float* gu, const float* wk, int
     int per = cols / EPV, nch = S * per;
     for (int ch = threadIdx.x; ch < nch; ch += blockDim.x) {
         int k = ch / per, c0 = (ch - k * per) * EPV;
+        float sum = 0.f;
+        if (!wk) {
+            const float4* h4 = (const float4*)(gu + (long long)k * cols + c0);
+#pragma unroll
+            for (int j = 0; j < EPV / 4; j++) {
+                float4 h = __ldcg(h4 + j); /* through L2: other blocks of the launch wrote them */
+                ((float4*)xs)[xswz(ch * (EPV / 4) + j)] = h;
+                sum += (h.x + h.y) + (h.z + h.w);
+            }
+            xsum[ch] = sum;
+            continue;
+        }
         const float4* g4 = (const float4*)(gu + (long long)(2 * k) * cols + c0);
         const float4* u4 = (const float4*)(gu + (long long)(2 * k + 1) * cols + c0);
-        float sum = 0.f;
+        float w = wk[k];
 #pragma unroll
         for (int j = 0; j < EPV / 4; j++) {
             /* L2 reads: in moe_fused_q other blocks of the same launch wrote gu */
-            float4 h;
-            if (!wk) {
-                h = __ldcg((const float4*)(gu + (long long)k * cols + c0) + j);
-            } else {
-                float w = wk[k];
-                float4 g = __ldcg(g4 + j), u = __ldcg(u4 + j);
-                h = make_float4(w * (silu_f(g.x) * u.x), w * (silu_f(g.y) * u.y), w * (silu_f(g.z) * u.z),
-                                w * (silu_f(g.w) * u.w));
-            }
+            float4 g = __ldcg(g4 + j), u = __ldcg(u4 + j);
+            float4 h = make_float4(w * (silu_f(g.x) * u.x), w * (silu_f(g.y) * u.y), w * (silu_f(g.z) * u.z),
+                                   w * (silu_f(g.w) * u.w));
             ((float4*)xs)[xswz(ch * (EPV / 4) + j)] = h;
             sum += (h.x + h.y) + (h.z + h.w);
         }

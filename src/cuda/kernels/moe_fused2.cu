@@ -77,9 +77,9 @@ __device__ __forceinline__ void mf2_pairs(const u32* w, const u16* sc, const u16
         long long R = (long long)(2 * ids[s]) * inter + (gg - s * inter);
         int i0 = tt * 32 * U + lane;
         if ((tt + 1) * 32 * U <= n4)
-            gq_load<BITS, NR, U, true>(tr, w, sc, bi, R, NR, n4, ng, gsh, i0, inter);
+            gq_load<BITS, NR, U, true, true>(tr, w, sc, bi, R, NR, n4, ng, gsh, i0, inter);
         else
-            gq_load<BITS, NR, U, false>(tr, w, sc, bi, R, NR, n4, ng, gsh, i0, inter);
+            gq_load<BITS, NR, U, false, true>(tr, w, sc, bi, R, NR, n4, ng, gsh, i0, inter);
     };
     if (g < ngroups) load(cur, g, 0);
     float acc[NR] = {0.f, 0.f};
