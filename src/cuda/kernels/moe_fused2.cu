@@ -16,8 +16,11 @@
  *     instead of 2 S * inter values and their SiLUs;
  *   - the pairs are spread over every block of the grid (moe_fused_q leaves blocks idle when
  *     2 S does not divide the SMs).
- *   Then, as moe_fused_q: the blocks meet on ctr (their own u64, raised by G per launch), the down
- *   rows' first loads are issued before the wait, and gq_body's moe_down body adds into x
+ *   - the blocks' meeting (their own u64 ctr, raised by G per launch) takes no round trip at the
+ *     arrival: the target comes from the counter as read after the PDL wait, the arrival is a
+ *     release add (grid_arrive_rel).
+ *   Then, as moe_fused_q: the down rows' first loads are issued before the wait, and gq_body's
+ *   moe_down body adds into x
  *   (accumulate = acc: 1 load-add-store, 2 an atomic add, LILY_CUDA_ACC_RED).
  *   Picks, weights and the products are computed in moe_fused_q's order, so the results are its
  *   own (tests/cuda_kernels.rs holds the ids and weights to its bits).
@@ -106,11 +109,22 @@ __device__ __forceinline__ void mf2_pairs(const u32* w, const u16* sc, const u16
     }
 }
 
+/* The blocks' meeting without a round trip at the arrival: thread 0 reads the counter right after
+   the PDL wait (every earlier launch on it has completed, so it holds a multiple of G: base) and
+   waits for base + G later; arriving is one release add that nobody waits for (the block's
+   writes, ordered before it by the barrier, are visible to whoever sees the add). */
+__device__ __forceinline__ void grid_arrive_rel(u64* ctr) {
+    __syncthreads();
+    if (threadIdx.x == 0) asm volatile("red.release.gpu.global.add.u64 [%0], 1;" ::"l"(ctr) : "memory");
+}
+
 template <int BITS, int TY>
 __device__ __forceinline__ void mf2_body(MoeFusedParams_fields, float* xs, float* red, float* wsel, int* chosen,
-                                         u64* s_target, u64* ts) {
+                                         u64* ts) {
     constexpr int EPV = 128 / BITS;
     float* xsum = xs + H;
+    u64 base = 0; /* thread 0's: the counter before this launch */
+    if (threadIdx.x == 0) asm volatile("ld.relaxed.gpu.global.u64 %0, [%1];" : "=l"(base) : "l"(ctr) : "memory");
     if (threadIdx.x < 32) {
         if (E <= 256 && K <= 8)
             route_topk_reg<8, 8>(logits, E, K, renorm, 1, chosen, wsel);
@@ -136,7 +150,8 @@ __device__ __forceinline__ void mf2_body(MoeFusedParams_fields, float* xs, float
     mf2_pairs<BITS, TY>((const u32*)wg, (const u16*)sg, (const u16*)bg, group_g, inter, H, chosen, wsel, K + 1, xs,
                         xsum, rr, gu);
     trace_stamp(ts, 3);
-    const u64 target = grid_arrive(ctr, s_target);
+    grid_arrive_rel(ctr);
+    const u64 target = base + gridDim.x; /* used by thread 0 alone (grid_wait) */
     const ConvEpi nc{0, 0, 0, 0, 1};
     gq_body<BITS, TY, MD_NR, MD_U, false, true>((const u32*)wd, (const u16*)sd, (const u16*)bd, group_d, gu, x, H,
                                                 inter, 0, acc, nullptr, 0.f, xs, 0, chosen, K + 1, nc, blockIdx.x,
@@ -147,7 +162,6 @@ extern "C" __global__ void __launch_bounds__(512, 1) moe_fused_q2(MoeFusedParams
     extern __shared__ __align__(16) float xs[];
     __shared__ float red[33], wsel[65];
     __shared__ int chosen[65];
-    __shared__ u64 s_target;
     TL_SCOPE("moe_fused_q2");
     u64* ts = trace ? trace + 16 * blockIdx.x : nullptr; /* stamps as moe_fused_q's (no 8, 9) */
     trace_stamp(ts, 0);
@@ -156,7 +170,7 @@ extern "C" __global__ void __launch_bounds__(512, 1) moe_fused_q2(MoeFusedParams
 #define MF2(B, T)                                                                                                    \
     mf2_body<B, T>(wg, sg, bg, wd, sd, bd, bits, group_g, group_d, ty, x, gu, inter, H, normw, eps, logits, E, K,    \
                    renorm, ids_out, wts_out, ctr, bps, rank, wr, sr, br, bits_r, group_r, ty_r, R, trace, fixed, acc, \
-                   xs, red, wsel, chosen, &s_target, ts)
+                   xs, red, wsel, chosen, ts)
     if (bits == 4 && ty == TY_BF16) MF2(4, TY_BF16);
     else if (bits == 4) MF2(4, TY_F16);
     else if (ty == TY_BF16) MF2(8, TY_BF16);
