@@ -214,15 +214,24 @@ fn op_of(ls: &[Launch], seq: &[(u32, Option<usize>)]) -> Option<Vec<Option<usize
     Some(out)
 }
 
+/// Each launch's cost in the step (µs): its last return minus the latest return before it.
+fn costs(ls: &[Launch]) -> Vec<f64> {
+    let mut prev = ls.first().map_or(0, |l| l.first_in);
+    ls.iter()
+        .map(|l| {
+            let c = l.last_out.saturating_sub(prev) as f64 / 1e3;
+            prev = prev.max(l.last_out);
+            c
+        })
+        .collect()
+}
+
 /// Per op label: launches, summed cost in the step, the ops' bytes and the time they need at
 /// [`super::profile::HBM_READ_GBS`]; then the step's total against its bytes.
 fn print_ops(ls: &[Launch], op: &[Option<usize>], ops: &[(&'static str, usize)]) {
-    let mut prev = ls[0].first_in;
     let mut rows: Vec<(&str, usize, f64, f64)> = Vec::new(); // label, launches, cost µs, bytes
     let mut seen = vec![false; ops.len()];
-    for (l, o) in ls.iter().zip(op) {
-        let cost = l.last_out.saturating_sub(prev) as f64 / 1e3;
-        prev = prev.max(l.last_out);
+    for (&cost, o) in costs(ls).iter().zip(op) {
         let (label, bytes) = match o {
             Some(i) if !std::mem::replace(&mut seen[*i], true) => (ops[*i].0, ops[*i].1 as f64),
             Some(i) => (ops[*i].0, 0.0),
@@ -275,11 +284,8 @@ fn print_step(ls: &[Launch], by_hash: &HashMap<u32, &str>) {
     eprintln!("| # | kernel | blocks | SMs | first in | last in | median out | last out | cost in step |");
     eprintln!("|---:|---|---:|---:|---:|---:|---:|---:|---:|");
     let mut per: Vec<(&str, usize, f64, f64)> = Vec::new();
-    let mut prev = t0;
-    for (i, l) in ls.iter().enumerate() {
-        let cost = l.last_out.saturating_sub(prev) as f64 / 1e3;
+    for (i, (l, &cost)) in ls.iter().zip(&costs(ls)).enumerate() {
         let tail = l.last_out.saturating_sub(l.mid_out) as f64 / 1e3;
-        prev = prev.max(l.last_out);
         eprintln!(
             "| {i} | {} | {} | {} | {:.2} | {:.2} | {:.2} | {:.2} | {:.2} |",
             name(l.tag),
