@@ -530,6 +530,22 @@ extern "C" __global__ void __launch_bounds__(512) gemv_q2_routed(GemvRoutedParam
         gq_body<8, TY_F16, 2, 2, false, false>(W, S, B, group, x, yz, rows, cols, E0, 0, normw, eps, xs, red);
 }
 
+/* After the top-K of moe_fused_q / moe_fused_q2 (chosen / wsel in shared memory, visible to the
+   block): LILY_CUDA_MOE_FIXED's substitute experts when `fixed` (a measurement switch: 1 experts
+   0..K, else every (E/K)-th), the trace stamp 2, and block 0 writes the routing for the host. */
+__device__ __forceinline__ void moe_publish_route(int fixed, int E, int K, int* chosen, const float* wsel,
+                                                  int* ids_out, float* wts_out, u64* ts) {
+    if (fixed) {
+        if (threadIdx.x < K) chosen[threadIdx.x] = fixed == 1 ? threadIdx.x : threadIdx.x * (E / K);
+        __syncthreads();
+    }
+    trace_stamp(ts, 2);
+    if (blockIdx.x == 0 && threadIdx.x <= K) {
+        ids_out[threadIdx.x] = chosen[threadIdx.x];
+        wts_out[threadIdx.x] = wsel[threadIdx.x];
+    }
+}
+
 /* moe_fused_q (decode MoE, batch 1): gemv_q2_routed and moe_down_q in one launch. Grid G >=
    bps * 2(K+1) blocks of 512 threads (one per SM, all resident: G <= SMs; G >= H/16 so that each
    warp has at most one down row). Every block runs the top-K (route_topk), then block
@@ -572,15 +588,7 @@ extern "C" __global__ void __launch_bounds__(512, 1)
         if (threadIdx.x < 32) route_warp(rank == 2, logits, E, K, renorm, 1, ls, chosen, wsel);
         __syncthreads();
     }
-    if (fixed) { /* LILY_CUDA_MOE_FIXED (measurement): the same experts every token */
-        if (threadIdx.x < K) chosen[threadIdx.x] = fixed == 1 ? threadIdx.x : threadIdx.x * (E / K);
-        __syncthreads();
-    }
-    trace_stamp(ts, 2);
-    if (blockIdx.x == 0 && threadIdx.x <= K) {
-        ids_out[threadIdx.x] = chosen[threadIdx.x];
-        wts_out[threadIdx.x] = wsel[threadIdx.x];
-    }
+    moe_publish_route(fixed, E, K, chosen, wsel, ids_out, wts_out, ts);
     const int z = blockIdx.x / bps, bx = blockIdx.x - z * bps;
     const long long E0 = (long long)(2 * chosen[z >> 1] + (z & 1)) * inter;
     float* gz = gu + (long long)z * inter;

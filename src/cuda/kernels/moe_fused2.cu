@@ -138,15 +138,7 @@ __device__ __forceinline__ void mf2_body(MoeFusedParams_fields, float* xs, float
        zero as in a 16-warp block whose last warp staged nothing) */
     float ss = (threadIdx.x & 31) < 15 ? red[threadIdx.x & 31] : 0.f;
     float rr = 1.f / sqrtf(warp_sum(ss) / (float)H + eps);
-    if (fixed) { /* LILY_CUDA_MOE_FIXED (measurement): the same experts every token */
-        if (threadIdx.x < K) chosen[threadIdx.x] = fixed == 1 ? threadIdx.x : threadIdx.x * (E / K);
-        __syncthreads();
-    }
-    trace_stamp(ts, 2);
-    if (blockIdx.x == 0 && threadIdx.x <= K) {
-        ids_out[threadIdx.x] = chosen[threadIdx.x];
-        wts_out[threadIdx.x] = wsel[threadIdx.x];
-    }
+    moe_publish_route(fixed, E, K, chosen, wsel, ids_out, wts_out, ts);
     mf2_pairs<BITS, TY>((const u32*)wg, (const u16*)sg, (const u16*)bg, group_g, inter, H, chosen, wsel, K + 1, xs,
                         xsum, rr, gu);
     trace_stamp(ts, 3);
