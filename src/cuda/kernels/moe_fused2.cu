@@ -17,7 +17,8 @@
  *   - the pairs are spread over every block of the grid (moe_fused_q leaves blocks idle when
  *     2 S does not divide the SMs).
  *   - the blocks' meeting (their own u64 ctr, raised by G per launch) takes no round trip at the
- *     arrival: the target comes from the counter as read after the PDL wait, the arrival is a
+ *     arrival: the target comes from the counter as read after the PDL wait (the next multiple of
+ *     G above it), the arrival is a
  *     release add (grid_arrive_rel).
  *   Then, as moe_fused_q: the down rows' first loads are issued before the wait, and gq_body's
  *   moe_down body adds into x
@@ -110,9 +111,11 @@ __device__ __forceinline__ void mf2_pairs(const u32* w, const u16* sc, const u16
 }
 
 /* The blocks' meeting without a round trip at the arrival: thread 0 reads the counter right after
-   the PDL wait (every earlier launch on it has completed, so it holds a multiple of G: base) and
-   waits for base + G later; arriving is one release add that nobody waits for (the block's
-   writes, ordered before it by the barrier, are visible to whoever sees the add). */
+   the PDL wait (every earlier launch on it has completed: nG, plus the arrivals of this launch's
+   blocks that got there first, fewer than G since this block has not arrived) and waits for the
+   next multiple of G, (n + 1)G (not base + G: a block placed late may read some arrivals);
+   arriving is one release add that nobody waits for (the block's writes, ordered before it by
+   the barrier, are visible to whoever sees the add). */
 __device__ __forceinline__ void grid_arrive_rel(u64* ctr) {
     __syncthreads();
     if (threadIdx.x == 0) asm volatile("red.release.gpu.global.add.u64 [%0], 1;" ::"l"(ctr) : "memory");
@@ -143,7 +146,7 @@ __device__ __forceinline__ void mf2_body(MoeFusedParams_fields, float* xs, float
                         xsum, rr, gu);
     trace_stamp(ts, 3);
     grid_arrive_rel(ctr);
-    const u64 target = base + gridDim.x; /* used by thread 0 alone (grid_wait) */
+    const u64 G = gridDim.x, target = (base / G + 1) * G; /* used by thread 0 alone (grid_wait) */
     const ConvEpi nc{0, 0, 0, 0, 1};
     gq_body<BITS, TY, MD_NR, MD_U, false, true>((const u32*)wd, (const u16*)sd, (const u16*)bd, group_d, gu, x, H,
                                                 inter, 0, acc, nullptr, 0.f, xs, 0, chosen, K + 1, nc, blockIdx.x,
