@@ -21,7 +21,9 @@
 #                             PROFILE_CONTEXT (LILY_CUDA_PROFILE=1: per-op decode table), ABLATE
 #                             (kernel names left out, LILY_CUDA_SKIP) / ABLATE_CONTEXT, TIMELINE
 #                             (contexts: the decode step's kernel timeline, src/cuda/timeline.rs;
-#                             build the bundle with TIMELINE_BUILD=1 to carry its kernels), ...
+#                             build the bundle with TIMELINE_BUILD=1 to carry its kernels;
+#                             KERNEL_ENVS at build time: other env settings that change the
+#                             kernel source, e.g. LILY_CUDA_L2_HINT=first), ...
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -54,10 +56,18 @@ for line in sys.stdin:
   else
     echo "(no NVRTC wheel at $NVRTC_DIR: the GPU machine compiles the kernels itself)"
   fi
-  if [ -n "${TIMELINE_BUILD:-}" ] && [ -f "$NVRTC_DIR/nvidia/cu13/lib/libnvrtc.so.13" ]; then
-    # the timeline build's kernels too (LILY_CUDA_TIMELINE=1: TIMELINE on the device)
-    LD_LIBRARY_PATH="$NVRTC_DIR/nvidia/cu13/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" LILY_CUDA_TIMELINE=1 \
-      LILY_REQUIRE_NVRTC=1 LILY_PTX_EXPORT="$PWD/.gpu/stage/kcache" cargo test --release --test cuda_compile -q 2>&1 | tail -1
+  # Kernel sources that env settings change (';'-separated settings, each compiled too):
+  # KERNEL_ENVS="LILY_CUDA_L2_HINT=first"; TIMELINE_BUILD=1 adds the timeline build's
+  # (LILY_CUDA_TIMELINE=1: TIMELINE on the device).
+  kenvs="${KERNEL_ENVS:-}"
+  [ -n "${TIMELINE_BUILD:-}" ] && kenvs="LILY_CUDA_TIMELINE=1${kenvs:+;$kenvs}"
+  if [ -n "$kenvs" ] && [ -f "$NVRTC_DIR/nvidia/cu13/lib/libnvrtc.so.13" ]; then
+    IFS=';' read -ra kvs <<<"$kenvs"
+    for kv in "${kvs[@]}"; do
+      echo "kernels with $kv"
+      env $kv LD_LIBRARY_PATH="$NVRTC_DIR/nvidia/cu13/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" \
+        LILY_REQUIRE_NVRTC=1 LILY_PTX_EXPORT="$PWD/.gpu/stage/kcache" cargo test --release --test cuda_compile -q 2>&1 | tail -1
+    done
   fi
   cp target/release/lily .gpu/stage/bin/lily
   cp target/release/examples/gemv_bench .gpu/stage/bin/gemv_bench

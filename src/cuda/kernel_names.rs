@@ -67,9 +67,19 @@ pub const KERNELS: [&str; 33] = [
     "pstep",
 ];
 
+/// Whether the streams' loads carry an L2 evict-first policy (`LILY_CUDA_L2_HINT=first`, an
+/// experiment: kernels/common.cuh's `LILY_L2_EVICT_FIRST`; a separate entry of the kernel cache).
+pub fn l2_hint_first() -> bool {
+    static P: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *P.get_or_init(|| std::env::var("LILY_CUDA_L2_HINT").is_ok_and(|v| v == "first"))
+}
+
 /// The concatenated program text.
 pub fn kernel_source() -> String {
     let mut s = if super::timeline::enabled() { "#define LILY_TIMELINE 1\n".to_string() } else { String::new() };
+    if l2_hint_first() {
+        s.push_str("#define LILY_L2_EVICT_FIRST 1\n");
+    }
     s.push_str(&super::params::c_decls());
     for (name, src) in SOURCES {
         s.push_str(&format!("// ---- {name} ----\n"));

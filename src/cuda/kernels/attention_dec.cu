@@ -129,8 +129,8 @@ __device__ __forceinline__ void attn_dec_tc(const float* q, const void* kc_, con
                 const int row = i / (D / 16), c = i - row * (D / 16), key = key0 + row;
                 const bool ok = key < hi;
                 const long long off = ok ? (long long)key * rs + c * 16 : 0;
-                cp_async16(smem_u32(st + row * D + c * 16), kb + off, ok ? 16 : 0);
-                cp_async16(smem_u32(st + TILE + row * D + c * 16), vb + off, ok ? 16 : 0);
+                cp_async16_stream(smem_u32(st + row * D + c * 16), kb + off, ok ? 16 : 0);
+                cp_async16_stream(smem_u32(st + TILE + row * D + c * 16), vb + off, ok ? 16 : 0);
             }
             if (lane < 2 * KT) {
                 const int row = lane & 15, key = key0 + row;
@@ -147,8 +147,8 @@ __device__ __forceinline__ void attn_dec_tc(const float* q, const void* kc_, con
                 const bool ok = key < hi;
                 const long long off = ok ? (long long)key * rs + c * 16 : 0;
                 const int so = row * D + ((c ^ (row & 7)) << 3);
-                cp_async16(smem_u32(kt + so), kb + off, ok ? 16 : 0);
-                cp_async16(smem_u32(kt + TILE + so), vb + off, ok ? 16 : 0);
+                cp_async16_stream(smem_u32(kt + so), kb + off, ok ? 16 : 0);
+                cp_async16_stream(smem_u32(kt + TILE + so), vb + off, ok ? 16 : 0);
             }
         }
         cp_async_commit();

@@ -175,10 +175,43 @@ __device__ __forceinline__ void bulk_g2s(void* dst, const void* src, u32 bytes, 
                  : "memory");
 }
 #endif
+/* The decode step's streams: with LILY_L2_EVICT_FIRST (the kernel source built under
+   LILY_CUDA_L2_HINT=first, an experiment) the weight codes, their scales and biases and the decode
+   attention's K/V tiles are loaded with an L2 evict-first policy, so that ~1.9 GB a token passing
+   through the 50 MB L2 do not push out what every layer reuses (the kernels' code, the activations,
+   the meeting counters). A cache hint: the loaded values, and so the results, are the same. */
+#ifdef LILY_L2_EVICT_FIRST
+__device__ __forceinline__ u64 l2_stream_pol() {
+    u64 p;
+    asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(p)); /* at each load: no register held */
+    return p;
+}
+#endif
+/* A 16-bit weight-side value (a scale or bias) of a stream, through the read-only path. */
+__device__ __forceinline__ u16 ldg_u16_stream(const u16* p) {
+#ifdef LILY_L2_EVICT_FIRST
+    unsigned short v;
+    asm("ld.global.nc.L2::cache_hint.u16 %0, [%1], %2;" : "=h"(v) : "l"(p), "l"(l2_stream_pol()));
+    return v;
+#else
+    return __ldg(p);
+#endif
+}
 /* cp.async (16 bytes; `bytes` < 16 zero-fills the rest), ldmatrix at a shared-space address, and
    mma.sync m16n8k16 bf16 -> fp32 (c += A B), shared by the tensor-core kernels. */
 __device__ __forceinline__ void cp_async16(u32 dst, const void* src, int bytes) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(bytes) : "memory");
+}
+/* cp_async16 for a stream read once (the decode attention's K/V tiles): evict-first in L2 under
+   LILY_L2_EVICT_FIRST. */
+__device__ __forceinline__ void cp_async16_stream(u32 dst, const void* src, int bytes) {
+#ifdef LILY_L2_EVICT_FIRST
+    asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2, %3;\n" ::"r"(dst), "l"(src), "r"(bytes),
+                 "l"(l2_stream_pol())
+                 : "memory");
+#else
+    cp_async16(dst, src, bytes);
+#endif
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 __device__ __forceinline__ void cp_async_wait1() { asm volatile("cp.async.wait_group 1;\n" ::: "memory"); }

@@ -39,9 +39,15 @@ struct GqTrip {
 
 __device__ __forceinline__ uint4 ldg_stream(const uint4* p) {
     uint4 v;
+#ifdef LILY_L2_EVICT_FIRST /* common.cuh: evict-first in L2 */
+    asm("ld.global.nc.L1::no_allocate.L2::cache_hint.v4.u32 {%0,%1,%2,%3}, [%4], %5;"
+        : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+        : "l"(p), "l"(l2_stream_pol()));
+#else
     asm("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
                  : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
                  : "l"(p));
+#endif
     return v;
 }
 
@@ -74,13 +80,13 @@ __device__ __forceinline__ void gq_load(GqTrip<NR, U>& t, const u32* w, const u1
                 if (RS) {
                     t.q[u][r] = ldg_stream(wr + r * rs * n4 + 32 * u);
                     long long o = r * rs * ng + u * gstep;
-                    t.s[u][r] = __ldg(sr + o);
-                    t.b[u][r] = __ldg(br + o);
+                    t.s[u][r] = ldg_u16_stream(sr + o);
+                    t.b[u][r] = ldg_u16_stream(br + o);
                 } else {
                     t.q[u][r] = ldg_stream(wr + r * n4 + 32 * u);
                     int o = r * ng + u * gstep;
-                    t.s[u][r] = __ldg(sr + o);
-                    t.b[u][r] = __ldg(br + o);
+                    t.s[u][r] = ldg_u16_stream(sr + o);
+                    t.b[u][r] = ldg_u16_stream(br + o);
                 }
             }
         }
@@ -105,8 +111,8 @@ __device__ __forceinline__ void gq_load_moe(GqTrip<NR, U>& t, const u32* w, cons
             for (int r = 0; r < NR; r++) {
                 if (r < nvalid) {
                     t.q[u][r] = ldg_stream(wr + r * n4);
-                    t.s[u][r] = __ldg(sc + g0 + r * ng);
-                    t.b[u][r] = __ldg(bi + g0 + r * ng);
+                    t.s[u][r] = ldg_u16_stream(sc + g0 + r * ng);
+                    t.b[u][r] = ldg_u16_stream(bi + g0 + r * ng);
                 }
             }
         }
