@@ -74,11 +74,22 @@ pub fn l2_hint_first() -> bool {
     *P.get_or_init(|| std::env::var("LILY_CUDA_L2_HINT").is_ok_and(|v| v == "first"))
 }
 
+/// Whether the 4-bit decode products run on int8 parts of their input and dp4a
+/// (`LILY_CUDA_GEMV_I8=1`, an experiment: kernels/gemv.cu's `LILY_GEMV_I8`; a separate entry of
+/// the kernel cache).
+pub fn gemv_i8() -> bool {
+    static P: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *P.get_or_init(|| std::env::var("LILY_CUDA_GEMV_I8").is_ok_and(|v| v == "1"))
+}
+
 /// The concatenated program text.
 pub fn kernel_source() -> String {
     let mut s = if super::timeline::enabled() { "#define LILY_TIMELINE 1\n".to_string() } else { String::new() };
     if l2_hint_first() {
         s.push_str("#define LILY_L2_EVICT_FIRST 1\n");
+    }
+    if gemv_i8() {
+        s.push_str("#define LILY_GEMV_I8 1\n");
     }
     s.push_str(&super::params::c_decls());
     for (name, src) in SOURCES {

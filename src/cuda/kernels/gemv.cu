@@ -170,6 +170,88 @@ __device__ __forceinline__ float gq_dot(uint4 q4, const float4 (&x4)[32 / BITS])
     return a + b;
 }
 
+/* LILY_GEMV_I8 (a separate kernel build, LILY_CUDA_GEMV_I8=1; an experiment): a 4-bit product's
+   input is staged per 32-value chunk as three int8 parts of t = x / sx, sx = max|x| / 127:
+   h = rint(t), m = rint((t - h) 254), l = rint(((t - h) 254 - m) 254), so that
+   x = sx (h + m/254 + l/254^2) within ~1.2e-7 of the chunk's max |x|, and the products run on
+   dp4a with exact int32 sums: per chunk and row, A = 254 sum(q h) + sum(q m) (|A| < 2^24, exact
+   in fp32), L = sum(q l), sum(q x) = sx/254 (A + L/254). About 1.5 instructions a code instead
+   of 3.4 (the byte-permute path); the rounding is that of the parts, not of the float sums.
+   Layout over the staging's nch chunks: uint4 slot k = 2p + (w >> 1) of chunk c at
+   xs4[k * nch + c] (part p, code word w of the chunk, int32 (w & 1) * 2 + lohi, whose byte i is
+   element 8w + 2i + lohi: lohi 0 the word's even codes, its low nibbles), then sx[nch] and the
+   chunk sums xsum[nch] as floats: 26 floats a chunk (the float staging takes 33).
+   Staging work item: (chunk c, word w) = 8 values, the 4 words of a chunk in 4 adjacent lanes. */
+#ifdef LILY_GEMV_I8
+constexpr bool GQ_I8 = true;
+#else
+constexpr bool GQ_I8 = false;
+#endif
+
+/* The low bytes of four floats that hold small integers in the form v + 1.5 * 2^23. */
+__device__ __forceinline__ u32 i8_pack(float a, float b, float c, float d) {
+    u32 ab = __byte_perm(__float_as_uint(a), __float_as_uint(b), 0x0040);
+    u32 cd = __byte_perm(__float_as_uint(c), __float_as_uint(d), 0x0040);
+    return __byte_perm(ab, cd, 0x5410);
+}
+
+/* One staging item: v = the 8 (weighted) values of word w of chunk c. Every lane of the warp
+   calls it (quad shuffles); `act` false for lanes past the end (v ignored). */
+__device__ __forceinline__ void i8_stage_item(const float (&v)[8], bool act, int c, int w, int nch, float* xs) {
+    float m = 0.f, sum = 0.f;
+#pragma unroll
+    for (int j = 0; j < 8; j++) {
+        m = fmaxf(m, act ? fabsf(v[j]) : 0.f);
+        sum += act ? v[j] : 0.f;
+    }
+    m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
+    m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
+    sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+    sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+    if (!act) return;
+    const float M = 12582912.f; /* 1.5 * 2^23: v + M holds rint(v) in its low mantissa bits */
+    float inv = m > 0.f ? 127.f / m : 0.f;
+    float ph[8], pm[8], pl[8];
+#pragma unroll
+    for (int j = 0; j < 8; j++) {
+        float t = v[j] * inv;
+        ph[j] = t + M;
+        float r1 = (t - (ph[j] - M)) * 254.f;
+        pm[j] = r1 + M;
+        float r2 = (r1 - (pm[j] - M)) * 254.f;
+        pl[j] = r2 + M;
+    }
+    uint4* xs4 = (uint4*)xs;
+    const float* P[3] = {ph, pm, pl};
+#pragma unroll
+    for (int p = 0; p < 3; p++) {
+        const float* q = P[p];
+        uint2 pr = make_uint2(i8_pack(q[0], q[2], q[4], q[6]), i8_pack(q[1], q[3], q[5], q[7]));
+        ((uint2*)&xs4[(2 * p + (w >> 1)) * nch + c])[w & 1] = pr;
+    }
+    if (w == 0) {
+        float* sxv = xs + 24 * nch;
+        sxv[c] = m * (1.f / 127.f);
+        sxv[nch + c] = sum;
+    }
+}
+
+/* The i8 form of gq_stage's loop (and moe_stage's, mf2_stage's): item it = 4 c + w of the
+   nch * 4, over `nt` threads from `t0` (a multiple of 32: whole warps); get(c, w, v) fills the
+   item's 8 weighted values and returns the sum of the raw values' squares (the norm's). */
+template <class Get>
+__device__ __forceinline__ float i8_stage(int nch, float* xs, int t0, int nt, Get get) {
+    float ss = 0.f;
+    for (int b = 0; b < 4 * nch; b += nt) {
+        int it = b + t0, c = it >> 2, w = it & 3;
+        bool act = it < 4 * nch;
+        float v[8];
+        if (act) ss += get(c, w, v);
+        i8_stage_item(v, act, c, w, nch, xs);
+    }
+    return ss;
+}
+
 template <int BITS, int TY, int NR, int U, bool LOADONLY, bool FULL>
 __device__ __forceinline__ void gq_compute(const GqTrip<NR, U>& t, int nvalid, int n4, int i0,
                                            const float* xs, const float* xsum, float* acc) {
@@ -180,6 +262,43 @@ __device__ __forceinline__ void gq_compute(const GqTrip<NR, U>& t, int nvalid, i
 #pragma unroll
             for (int r = 0; r < NR; r++)
                 acc[r] += __uint_as_float((t.q[u][r].x ^ t.q[u][r].y ^ t.q[u][r].z ^ t.q[u][r].w ^ t.s[u][r] ^ t.b[u][r]) & 0x3FFFFFu);
+        return;
+    }
+    if constexpr (GQ_I8 && BITS == 4) { /* n4: the staging's chunks (see i8_stage_item) */
+        const uint4* xs4 = (const uint4*)xs;
+        const float *sxv = xs + 24 * n4, *xsm = sxv + n4;
+#pragma unroll
+        for (int u = 0; u < U; u++) {
+            int i = i0 + 32 * u;
+            if (FULL || i < n4) {
+                uint4 X[6];
+#pragma unroll
+                for (int k = 0; k < 6; k++) X[k] = xs4[k * n4 + i];
+                float sx = sxv[i] * (1.f / 254.f), sm = xsm[i];
+#pragma unroll
+                for (int r = 0; r < NR; r++) {
+                    if (FULL || r < nvalid) {
+                        float s = half_bits(t.s[u][r], TY), b = half_bits(t.b[u][r], TY);
+                        u32 words[4] = {t.q[u][r].x, t.q[u][r].y, t.q[u][r].z, t.q[u][r].w};
+                        int ah = 0, am = 0, al = 0;
+#pragma unroll
+                        for (int w = 0; w < 4; w++) {
+                            int lo = (int)(words[w] & 0x0F0F0F0Fu), hi = (int)((words[w] >> 4) & 0x0F0F0F0Fu);
+                            const uint4 &H = X[w >> 1], Mq = X[2 + (w >> 1)], L = X[4 + (w >> 1)];
+                            bool o = w & 1;
+                            ah = __dp4a(lo, (int)(o ? H.z : H.x), ah);
+                            ah = __dp4a(hi, (int)(o ? H.w : H.y), ah);
+                            am = __dp4a(lo, (int)(o ? Mq.z : Mq.x), am);
+                            am = __dp4a(hi, (int)(o ? Mq.w : Mq.y), am);
+                            al = __dp4a(lo, (int)(o ? L.z : L.x), al);
+                            al = __dp4a(hi, (int)(o ? L.w : L.y), al);
+                        }
+                        float f = (float)(ah * 254 + am) + (float)al * (1.f / 254.f);
+                        acc[r] += (s * sx) * f + b * sm;
+                    }
+                }
+            }
+        }
         return;
     }
 #pragma unroll
@@ -212,6 +331,25 @@ __device__ __forceinline__ float gq_stage(const float* xg, int cols, const float
                                           float* xsum, float* red) {
     int nch = cols / EPV;
     float ss = 0.f;
+    if constexpr (GQ_I8 && EPV == 32) {
+        ss = i8_stage(nch, xs, threadIdx.x, blockDim.x, [&](int c, int w, float (&v)[8]) {
+            const float4* x4 = (const float4*)(xg + 32 * c + 8 * w);
+            float4 a = L2X ? __ldcg(x4) : x4[0], bq = L2X ? __ldcg(x4 + 1) : x4[1];
+            float r[8] = {a.x, a.y, a.z, a.w, bq.x, bq.y, bq.z, bq.w}, q = 0.f;
+#pragma unroll
+            for (int j = 0; j < 8; j++) q += r[j] * r[j];
+            if (normw) {
+                const float4* n4 = (const float4*)(normw + 32 * c + 8 * w);
+                float4 na = n4[0], nb = n4[1];
+                float nw[8] = {na.x, na.y, na.z, na.w, nb.x, nb.y, nb.z, nb.w};
+#pragma unroll
+                for (int j = 0; j < 8; j++) r[j] *= nw[j];
+            }
+#pragma unroll
+            for (int j = 0; j < 8; j++) v[j] = r[j];
+            return q;
+        });
+    } else
     for (int ch = threadIdx.x; ch < nch; ch += blockDim.x) {
         const float4* x4 = (const float4*)(xg + ch * EPV);
         const float4* n4 = (const float4*)(normw + ch * EPV);
@@ -247,6 +385,30 @@ __device__ __forceinline__ float gq_stage(const float* xg, int cols, const float
 template <int EPV>
 __device__ __forceinline__ float moe_stage(const float* gu, const float* wk, int S, int cols, float* xs, float* xsum) {
     int per = cols / EPV, nch = S * per;
+    if constexpr (GQ_I8 && EPV == 32) {
+        i8_stage(nch, xs, threadIdx.x, blockDim.x, [&](int c, int w, float (&v)[8]) {
+            int k = c / per, c0 = (c - k * per) * 32 + 8 * w;
+            if (!wk) {
+                const float4* h4 = (const float4*)(gu + (long long)k * cols + c0);
+                float4 a = __ldcg(h4), b = __ldcg(h4 + 1);
+                float r[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+#pragma unroll
+                for (int j = 0; j < 8; j++) v[j] = r[j];
+                return 0.f;
+            }
+            const float4* g4 = (const float4*)(gu + (long long)(2 * k) * cols + c0);
+            const float4* u4 = (const float4*)(gu + (long long)(2 * k + 1) * cols + c0);
+            float4 ga = __ldcg(g4), gb = __ldcg(g4 + 1), ua = __ldcg(u4), ub = __ldcg(u4 + 1);
+            float g[8] = {ga.x, ga.y, ga.z, ga.w, gb.x, gb.y, gb.z, gb.w};
+            float uu[8] = {ua.x, ua.y, ua.z, ua.w, ub.x, ub.y, ub.z, ub.w};
+            float wt = wk[k];
+#pragma unroll
+            for (int j = 0; j < 8; j++) v[j] = wt * (silu_f(g[j]) * uu[j]);
+            return 0.f;
+        });
+        __syncthreads();
+        return 1.f;
+    }
     for (int ch = threadIdx.x; ch < nch; ch += blockDim.x) {
         int k = ch / per, c0 = (ch - k * per) * EPV;
         float sum = 0.f;

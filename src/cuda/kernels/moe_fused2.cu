@@ -9,8 +9,9 @@
  *   2 e_s + 1 of the interleaved gate/up stack); x[r] += sum_s D_{e_s}[r] . h[s] for r < H.
  *
  * What differs from moe_fused_q, each aimed at a step of its chain:
- *   - the top-K runs in registers (route_topk_reg in moe.cu: one load round, five butterfly
- *     merges) while the other 15 warps stage xw (and the norm's partial sums) at the same time;
+ *   - the top-K runs in warp 0 (route_topk, or with LILY_CUDA_ROUTE=reg route_topk_reg: one
+ *     load round, five butterfly merges, but ~2,500 straight-line instructions, 40 KB of code
+ *     run once a launch) while the other 15 warps stage xw (and the norm's partial sums);
  *   - a gate/up row group is the pair (G_s[i], U_s[i]) (gq_load with row stride inter), so the
  *     warp that finishes it writes h[s, i] itself: the down projection stages S * inter products
  *     instead of 2 S * inter values and their SiLUs;
@@ -40,7 +41,21 @@ __device__ __forceinline__ void mf2_stage(const float* xg, int cols, const float
                                           float* red) {
     int nch = cols / EPV, ch = threadIdx.x - 32;
     float ss = 0.f;
-    if (ch < nch) {
+    if constexpr (GQ_I8 && EPV == 32) { /* gemv.cu's int8 staging over warps 1..15 */
+        ss = i8_stage(nch, xs, threadIdx.x - 32, blockDim.x - 32, [&](int c, int w, float (&v)[8]) {
+            const float4* x4 = (const float4*)(xg + 32 * c + 8 * w);
+            const float4* n4 = (const float4*)(normw + 32 * c + 8 * w);
+            float4 a = x4[0], b = x4[1], na = n4[0], nb = n4[1];
+            float r[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w}, q = 0.f;
+            float nw[8] = {na.x, na.y, na.z, na.w, nb.x, nb.y, nb.z, nb.w};
+#pragma unroll
+            for (int j = 0; j < 8; j++) {
+                q += r[j] * r[j];
+                v[j] = r[j] * nw[j];
+            }
+            return q;
+        });
+    } else if (ch < nch) {
         const float4* x4 = (const float4*)(xg + ch * EPV);
         const float4* n4 = (const float4*)(normw + ch * EPV);
         float4* o4 = (float4*)xs;
@@ -123,16 +138,13 @@ __device__ __forceinline__ void grid_arrive_rel(u64* ctr) {
 
 template <int BITS, int TY>
 __device__ __forceinline__ void mf2_body(MoeFusedParams_fields, float* xs, float* red, float* wsel, int* chosen,
-                                         u64* ts) {
+                                         float* ls, u64* ts) {
     constexpr int EPV = 128 / BITS;
     float* xsum = xs + H;
     u64 base = 0; /* thread 0's: the counter before this launch */
     if (threadIdx.x == 0) asm volatile("ld.relaxed.gpu.global.u64 %0, [%1];" : "=l"(base) : "l"(ctr) : "memory");
     if (threadIdx.x < 32) {
-        if (E <= 256 && K <= 8)
-            route_topk_reg<8, 8>(logits, E, K, renorm, 1, chosen, wsel);
-        else
-            route_topk_reg<16, 16>(logits, E, K, renorm, 1, chosen, wsel);
+        route_warp(rank == 2, logits, E, K, renorm, 1, ls, chosen, wsel);
     } else {
         mf2_stage<EPV>(x, H, normw, xs, xsum, red);
     }
@@ -155,7 +167,7 @@ __device__ __forceinline__ void mf2_body(MoeFusedParams_fields, float* xs, float
 
 extern "C" __global__ void __launch_bounds__(512, 1) moe_fused_q2(MoeFusedParams_fields) {
     extern __shared__ __align__(16) float xs[];
-    __shared__ float red[33], wsel[65];
+    __shared__ float red[33], wsel[65], ls[512]; /* ls: route_topk's copy of the logits (E <= 512) */
     __shared__ int chosen[65];
     TL_SCOPE("moe_fused_q2");
     u64* ts = trace ? trace + 16 * blockIdx.x : nullptr; /* stamps as moe_fused_q's (no 8, 9) */
@@ -165,7 +177,7 @@ extern "C" __global__ void __launch_bounds__(512, 1) moe_fused_q2(MoeFusedParams
 #define MF2(B, T)                                                                                                    \
     mf2_body<B, T>(wg, sg, bg, wd, sd, bd, bits, group_g, group_d, ty, x, gu, inter, H, normw, eps, logits, E, K,    \
                    renorm, ids_out, wts_out, ctr, bps, rank, wr, sr, br, bits_r, group_r, ty_r, R, trace, fixed, acc, \
-                   xs, red, wsel, chosen, ts)
+                   xs, red, wsel, chosen, ls, ts)
     if (bits == 4 && ty == TY_BF16) MF2(4, TY_BF16);
     else if (bits == 4) MF2(4, TY_F16);
     else if (ty == TY_BF16) MF2(8, TY_BF16);
