@@ -676,7 +676,7 @@ extern "C" __global__ void __launch_bounds__(512) gemv_q2_routed(GemvRoutedParam
     if (rank == 1) {
         route_rank<BarBlock>(logits, E, K, renorm, 1, blockDim.x, ls, rk, chosen, wsel);
     } else {
-        if (threadIdx.x < 32) route_warp(rank == 2, logits, E, K, renorm, 1, ls, chosen, wsel);
+        if (threadIdx.x < 32) route_warp(rank, logits, E, K, renorm, 1, ls, chosen, wsel);
         __syncthreads();
     }
     if (blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x <= K) {
@@ -753,7 +753,7 @@ extern "C" __global__ void __launch_bounds__(512, 1)
     if (rank == 1) {
         route_rank<BarBlock>(logits, E, K, renorm, 1, 512, ls, rk, chosen, wsel);
     } else {
-        if (threadIdx.x < 32) route_warp(rank == 2, logits, E, K, renorm, 1, ls, chosen, wsel);
+        if (threadIdx.x < 32) route_warp(rank, logits, E, K, renorm, 1, ls, chosen, wsel);
         __syncthreads();
     }
     moe_publish_route(fixed, E, K, chosen, wsel, ids_out, wts_out, ts);

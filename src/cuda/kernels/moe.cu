@@ -167,13 +167,77 @@ __device__ __forceinline__ void route_topk_reg(const float* logits, int E, int K
     __syncwarp();
 }
 
-/* The top-K of one warp: route_topk_reg where it takes (E, K) and reg is set (LILY_CUDA_ROUTE=reg),
-   else route_topk. */
-__device__ __forceinline__ void route_warp(int reg, const float* logits, int E, int K, int renorm, int shared,
+/* route_topk with the logits in registers (lane l holds l + 32j, j < VPL, E <= 32 VPL, loaded in
+   one round with the shared expert's gate logit) and each of the K rounds' winner found by two
+   warp reductions (redux.sync: the largest order key, then the lowest index holding it), not by
+   five dependent shuffle-and-compare levels over a shared copy; ~100 instructions of code in a
+   loop (route_topk_reg's merges are ~2,500 run once). Keys as route_key's upper half (NaN as
+   -inf, -0 as +0; 0 = taken or past E). The max, the softmax sum and the weights in route_topk's
+   order: its picks and weights bit for bit (NaN logits aside, ranked as -inf). */
+template <int VPL>
+__device__ __forceinline__ void route_topk_redux(const float* logits, int E, int K, int renorm, int shared,
+                                                 int* chosen, float* wsel) {
+    int lane = threadIdx.x & 31;
+    float gate = shared && lane == 0 ? __ldcg(logits + E) : 0.f;
+    float v[VPL];
+#pragma unroll
+    for (int j = 0; j < VPL; j++) v[j] = lane + 32 * j < E ? __ldcg(logits + lane + 32 * j) : 0.f;
+    float mx = -INFINITY;
+#pragma unroll
+    for (int j = 0; j < VPL; j++)
+        if (lane + 32 * j < E) mx = fmaxf(mx, v[j]);
+    mx = warp_max(mx);
+    float tot = 0.f;
+#pragma unroll
+    for (int j = 0; j < VPL; j++)
+        if (lane + 32 * j < E) tot += expf(v[j] - mx);
+    tot = warp_sum(tot);
+    u32 key[VPL];
+#pragma unroll
+    for (int j = 0; j < VPL; j++) key[j] = lane + 32 * j < E ? (u32)(route_key(v[j], 0) >> 32) : 0u;
+    for (int k = 0; k < K; k++) {
+        u32 lm = 0;
+#pragma unroll
+        for (int j = 0; j < VPL; j++) lm = max(lm, key[j]);
+        u32 m = __reduce_max_sync(0xffffffffu, lm);
+        u32 li = 0xffffffffu;
+#pragma unroll
+        for (int j = VPL - 1; j >= 0; j--)
+            if (key[j] == m) li = lane + 32 * j; /* this lane's lowest index holding m */
+        u32 bi = __reduce_min_sync(0xffffffffu, li);
+#pragma unroll
+        for (int j = 0; j < VPL; j++)
+            if (lane + 32 * j == (int)bi) key[j] = 0u;
+        if (lane == 0) {
+            chosen[k] = (int)bi;
+            wsel[k] = route_key_value((u64)m << 32); /* the chosen logit, made a weight below */
+        }
+    }
+    __syncwarp();
+    if (lane == 0) { /* route_topk's weights */
+        float sel = 0.f;
+        for (int k = 0; k < K; k++) sel += expf(wsel[k] - mx);
+        float den = renorm ? sel : tot;
+        for (int k = 0; k < K; k++) wsel[k] = expf(wsel[k] - mx) / den;
+        if (shared) {
+            chosen[K] = E;
+            wsel[K] = sigmoid_f(gate);
+        }
+    }
+    __syncwarp();
+}
+
+/* The top-K of one warp by LILY_CUDA_ROUTE's form (`mode`: 2 reg, 3 redux, where they take E
+   and K), else route_topk. */
+__device__ __forceinline__ void route_warp(int mode, const float* logits, int E, int K, int renorm, int shared,
                                           float* ls, int* chosen, float* wsel) {
-    if (reg && E <= 256 && K <= 8)
+    if (mode == 3 && E <= 256)
+        route_topk_redux<8>(logits, E, K, renorm, shared, chosen, wsel);
+    else if (mode == 3 && E <= 512)
+        route_topk_redux<16>(logits, E, K, renorm, shared, chosen, wsel);
+    else if (mode == 2 && E <= 256 && K <= 8)
         route_topk_reg<8, 8>(logits, E, K, renorm, shared, chosen, wsel);
-    else if (reg && E <= 512 && K <= 16)
+    else if (mode == 2 && E <= 512 && K <= 16)
         route_topk_reg<16, 16>(logits, E, K, renorm, shared, chosen, wsel);
     else
         route_topk(logits, E, K, renorm, shared, ls, chosen, wsel);

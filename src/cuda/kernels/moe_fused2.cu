@@ -144,7 +144,7 @@ __device__ __forceinline__ void mf2_body(MoeFusedParams_fields, float* xs, float
     u64 base = 0; /* thread 0's: the counter before this launch */
     if (threadIdx.x == 0) asm volatile("ld.relaxed.gpu.global.u64 %0, [%1];" : "=l"(base) : "l"(ctr) : "memory");
     if (threadIdx.x < 32) {
-        route_warp(rank == 2, logits, E, K, renorm, 1, ls, chosen, wsel);
+        route_warp(rank, logits, E, K, renorm, 1, ls, chosen, wsel);
     } else {
         mf2_stage<EPV>(x, H, normw, xs, xsum, red);
     }

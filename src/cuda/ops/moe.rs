@@ -12,18 +12,20 @@ use anyhow::{bail, Result};
 
 /// How the decode MoE kernels pick the top-k: 0 one warp (`route_topk` in moe.cu, the
 /// default), 1 the whole block (`LILY_CUDA_ROUTE=rank`: `route_rank`), 2 one warp in registers
-/// (`LILY_CUDA_ROUTE=reg`: `route_topk_reg`, moe_fused_q2's; off until measured).
+/// (`LILY_CUDA_ROUTE=reg`: `route_topk_reg`), 3 one warp in registers with warp reductions per
+/// pick (`LILY_CUDA_ROUTE=redux`: `route_topk_redux`); 2 and 3 are off until measured.
 fn route_rank() -> i32 {
     static ON: std::sync::OnceLock<i32> = std::sync::OnceLock::new();
     *ON.get_or_init(|| match std::env::var("LILY_CUDA_ROUTE").as_deref() {
         Ok("rank") => 1,
         Ok("reg") => 2,
+        Ok("redux") => 3,
         _ => 0,
     })
 }
 
 /// The decode MoE launch: `moe_fused_q` (gemv.cu), or `moe_fused_q2` (moe_fused2.cu: the top-k
-/// in registers beside the input staging, gate/up rows in pairs that write SiLU(gate)·up
+/// in one warp beside the input staging, gate/up rows in pairs that write SiLU(gate)·up
 /// themselves), an experiment chosen by `LILY_CUDA_MOE=q2` until measured.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum MoeForm {
