@@ -242,12 +242,16 @@ __device__ __forceinline__ void i8_stage_item(const float (&v)[8], bool act, int
 template <class Get>
 __device__ __forceinline__ float i8_stage(int nch, float* xs, int t0, int nt, Get get) {
     float ss = 0.f;
-    for (int b = 0; b < 4 * nch; b += nt) {
-        int it = b + t0, c = it >> 2, w = it & 3;
-        bool act = it < 4 * nch;
-        float v[8];
-        if (act) ss += get(c, w, v);
-        i8_stage_item(v, act, c, w, nch, xs);
+    /* two items a trip, both items' loads issued before either is quantized (the staging is on
+       every product's path: one L2 latency, not one per item) */
+    for (int b = 0; b < 4 * nch; b += 2 * nt) {
+        int i0 = b + t0, i1 = i0 + nt;
+        bool a0 = i0 < 4 * nch, a1 = i1 < 4 * nch;
+        float v0[8], v1[8];
+        if (a0) ss += get(i0 >> 2, i0 & 3, v0);
+        if (a1) ss += get(i1 >> 2, i1 & 3, v1);
+        i8_stage_item(v0, a0, i0 >> 2, i0 & 3, nch, xs);
+        if (b + nt < 4 * nch) i8_stage_item(v1, a1, i1 >> 2, i1 & 3, nch, xs); /* block-uniform */
     }
     return ss;
 }
