@@ -131,6 +131,11 @@ __device__ __forceinline__ void mf2_pairs(const u32* w, const u16* sc, const u16
    next multiple of G, (n + 1)G (not base + G: a block placed late may read some arrivals);
    arriving is one release add that nobody waits for (the block's writes, ordered before it by
    the barrier, are visible to whoever sees the add). */
+__device__ __forceinline__ u64 ld_relaxed_u64(const u64* p) {
+    u64 v;
+    asm volatile("ld.relaxed.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+    return v;
+}
 __device__ __forceinline__ void grid_arrive_rel(u64* ctr) {
     __syncthreads();
     if (threadIdx.x == 0) asm volatile("red.release.gpu.global.add.u64 [%0], 1;" ::"l"(ctr) : "memory");
@@ -142,7 +147,7 @@ __device__ __forceinline__ void mf2_body(MoeFusedParams_fields, float* xs, float
     constexpr int EPV = 128 / BITS;
     float* xsum = xs + H;
     u64 base = 0; /* thread 0's: the counter before this launch */
-    if (threadIdx.x == 0) asm volatile("ld.relaxed.gpu.global.u64 %0, [%1];" : "=l"(base) : "l"(ctr) : "memory");
+    if (threadIdx.x == 0) base = ld_relaxed_u64(ctr);
     if (threadIdx.x < 32) {
         route_warp(rank, logits, E, K, renorm, 1, ls, chosen, wsel);
     } else {

@@ -1,0 +1,95 @@
+// scripts/emu.sh's cases: the decode kernels' device code (included before this file, built for
+// the host with shim.h) against double-precision references, with the kernel tests' bound
+// (NMSE 1e-9). gq_body is the streaming GEMV (gemv_q2 with the fused RMSNorm); mf2_body is
+// moe_fused_q2 whole: the top-K of each form, the input staging, the gate/up pairs, the blocks'
+// meeting (here a grid barrier: the counter protocol itself is not what this checks) and the down
+// projection added into x.
+#include <algorithm>
+#include <array>
+#include <cstdio>
+#include <random>
+static u16 to_bf16(float f) { unsigned u = __float_as_uint(f); u += 0x7FFF + ((u >> 16) & 1); return u >> 16; }
+static std::mt19937 rng(7);
+static float U() { return std::uniform_real_distribution<float>(-1, 1)(rng); }
+struct Q4 { int rows, cols, group; std::vector<u32> w; std::vector<u16> sc, bi; std::vector<int> q;
+    Q4(int r, int c, int g) : rows(r), cols(c), group(g), w((size_t)r * c / 8), sc((size_t)r * c / g), bi((size_t)r * c / g), q((size_t)r * c) {
+        for (size_t i = 0; i < q.size(); i++) { q[i] = rng() & 15; w[i / 8] |= (u32)q[i] << (4 * (i % 8)); }
+        for (auto& s : sc) s = to_bf16(0.01f + 0.05f * std::fabs(U()));
+        for (auto& b : bi) b = to_bf16(0.1f * U()); }
+    double at(size_t r, int c) const { size_t g = r * (cols / group) + c / group; return __uint_as_float((u32)sc[g] << 16) * (double)q[r * cols + c] + __uint_as_float((u32)bi[g] << 16); }
+};
+static double nmse(const float* y, const std::vector<double>& want) { double n = 0, d = 0; for (size_t i = 0; i < want.size(); i++) { n += (y[i] - want[i]) * (y[i] - want[i]); d += want[i] * want[i]; } return n / d; }
+static int fails = 0;
+static void report(const char* what, double e) { printf("%-6s %-58s nmse %.3e%s\n", VARIANT, what, e, e <= 1e-9 ? "" : "  FAIL"); fails += e > 1e-9; }
+
+// the plain GEMV with the fused norm: y = rr W (x nw)
+static void gemv_case(int rows, int cols, int G, int T, double outlier) {
+    Q4 W(rows, cols, 64);
+    std::vector<float> x(cols), nw(cols), y(rows, NAN), smem(cols + cols / 32 + 64, NAN);
+    for (auto& v : x) v = U();
+    for (auto& v : nw) v = 1.f + 0.5f * U();
+    x[5] *= outlier;
+    double ss = 0; for (float v : x) ss += (double)v * v;
+    double rr = 1.0 / std::sqrt(ss / cols + 1e-6);
+    std::vector<double> want(rows);
+    for (int r = 0; r < rows; r++) { double a = 0; for (int c = 0; c < cols; c++) a += W.at(r, c) * x[c] * nw[c]; want[r] = a * rr; }
+    std::vector<std::vector<float>> sm(G, smem); std::vector<std::array<float, 33>> red(G);
+    emu_launch(G, T, [&] { gq_body<4, 2, 2, 2, false, false>(W.w.data(), W.sc.data(), W.bi.data(), 64, x.data(), y.data(), rows, cols, 0, 0, nw.data(), 1e-6f, sm[blockIdx.x].data(), red[blockIdx.x].data()); });
+    char b[128]; snprintf(b, sizeof b, "gemv %dx%d grid %dx%d outlier %g", rows, cols, G, T, outlier); report(b, nmse(y.data(), want));
+}
+// moe_fused_q2: top-K of E logits + shared slot, gate/up pairs, meeting, down into x
+static void q2_case(int E, int K, int H, int inter, int G, int rank) {
+    int S = K + 1;
+    Q4 GU(2 * (E + 1) * inter, H, 64), DN((E + 1) * H, inter, 64);
+    std::vector<float> x(H), nw(H), logits(E + 1), gu(S * inter, NAN);
+    for (auto& v : x) v = U();
+    for (auto& v : nw) v = 1.f + 0.5f * U();
+    for (auto& v : logits) v = 2 * U();
+    logits[3] = logits[7]; // a tie
+    // reference routing: top-K by (-value, index), softmax weights renormalized
+    std::vector<int> idx(E); for (int e = 0; e < E; e++) idx[e] = e;
+    std::stable_sort(idx.begin(), idx.end(), [&](int a, int b) { return logits[a] > logits[b]; });
+    double mx = logits[idx[0]], sel = 0; for (int k = 0; k < K; k++) sel += std::exp(logits[idx[k]] - mx);
+    std::vector<double> wk(S); for (int k = 0; k < K; k++) wk[k] = std::exp(logits[idx[k]] - mx) / sel;
+    wk[K] = 1 / (1 + std::exp(-(double)logits[E])); idx.resize(K); idx.push_back(E);
+    double ss = 0; for (float v : x) ss += (double)v * v;
+    double rr = 1.0 / std::sqrt(ss / H + 1e-6);
+    std::vector<double> want(H);
+    for (int r = 0; r < H; r++) want[r] = x[r];
+    for (int s = 0; s < S; s++) {
+        int e = idx[s];
+        std::vector<double> h(inter);
+        for (int i = 0; i < inter; i++) {
+            double g = 0, u = 0;
+            for (int c = 0; c < H; c++) { double xw = x[c] * nw[c] * rr; g += GU.at((size_t)(2 * e) * inter + i, c) * xw; u += GU.at((size_t)(2 * e + 1) * inter + i, c) * xw; }
+            h[i] = wk[s] * g / (1 + std::exp(-g)) * u;
+        }
+        for (int r = 0; r < H; r++) { double a = 0; for (int i = 0; i < inter; i++) a += DN.at((size_t)e * H + r, i) * h[i]; want[r] += a; }
+    }
+    std::vector<int> ids(S, -1); std::vector<float> wts(S, NAN);
+    unsigned long long ctr[2] = {0, 0};
+    int smem = std::max(H + H / 32, S * inter + S * inter / 32) + 64;
+    std::vector<std::vector<float>> xs(G, std::vector<float>(smem, NAN)), red(G, std::vector<float>(33)), wsel(G, std::vector<float>(65)), ls(G, std::vector<float>(512));
+    std::vector<std::vector<int>> chosen(G, std::vector<int>(65));
+    emu_launch(G, 512, [&] {
+        int b = blockIdx.x;
+        mf2_body<4, 2>(GU.w.data(), GU.sc.data(), GU.bi.data(), DN.w.data(), DN.sc.data(), DN.bi.data(), 4, 64, 64, 2, x.data(), gu.data(), inter, H, nw.data(), 1e-6f, logits.data(), E, K, 1, ids.data(), wts.data(), ctr + 1, 1, rank, nullptr, nullptr, nullptr, 0, 0, 0, 0, nullptr, 0, 1, xs[b].data(), red[b].data(), wsel[b].data(), chosen[b].data(), ls[b].data(), nullptr);
+    });
+    bool ok = true; for (int s = 0; s < S; s++) ok &= ids[s] == idx[s];
+    double werr = 0; for (int s = 0; s < S; s++) werr = std::max(werr, std::fabs(wts[s] - wk[s]));
+    char b[160]; snprintf(b, sizeof b, "moe_fused_q2 E%d K%d H%d I%d grid %d route %d: ids %s, weights %.1e", E, K, H, inter, G, rank, ok ? "ok" : "WRONG", werr);
+    fails += !ok || werr > 1e-6;
+    report(b, nmse(x.data(), want));
+}
+int main() {
+    gemv_case(37, 2048, 3, 128, 1);
+    gemv_case(37, 2048, 3, 128, 300);
+    gemv_case(19, 4096, 2, 512, 1);
+    gemv_case(37, 192, 2, 128, 1);
+    gemv_case(301, 256, 2, 128, 1);
+    gemv_case(5, 8192, 1, 128, 1);
+    for (int rank : {0, 2, 3}) q2_case(64, 4, 256, 64, 3, rank);
+    q2_case(256, 8, 512, 64, 2, 3);
+    printf("%s: %d failures\n", VARIANT, fails);
+    return fails != 0;
+}
