@@ -3,7 +3,7 @@
 // (NMSE 1e-9). gq_body is the streaming GEMV (gemv_q2 with the fused RMSNorm); mf2_body is
 // moe_fused_q2 whole: the top-K of each form, the input staging, the gate/up pairs, the blocks'
 // meeting (here a grid barrier: the counter protocol itself is not what this checks) and the down
-// projection added into x.
+// projection added into x; moe_down_q's body; the GDN state step in both forms (the same bits).
 #include <algorithm>
 #include <array>
 #include <cstdio>
@@ -81,6 +81,68 @@ static void q2_case(int E, int K, int H, int inter, int G, int rank) {
     fails += !ok || werr > 1e-6;
     report(b, nmse(x.data(), want));
 }
+// moe_down_q's body: x += sum_k wts[k] D_{ids[k]} (silu(g_k) * u_k), the staging from gu = [2S, inter]
+static void down_case(int E, int S, int H, int inter, int G) {
+    Q4 DN((size_t)E * H, inter, 64);
+    std::vector<float> gu(2 * S * inter), x(H), wts(S);
+    std::vector<int> ids(S);
+    for (auto& v : gu) v = 2 * U();
+    for (auto& v : x) v = U();
+    for (int k = 0; k < S; k++) { ids[k] = (k * 7 + 3) % E; wts[k] = 0.1f + std::fabs(U()); }
+    std::vector<double> want(H);
+    for (int r = 0; r < H; r++) {
+        double a = x[r];
+        for (int k = 0; k < S; k++) for (int i = 0; i < inter; i++) {
+            double g = gu[(size_t)2 * k * inter + i], u = gu[(size_t)(2 * k + 1) * inter + i];
+            a += DN.at((size_t)ids[k] * H + r, i) * (wts[k] * (g / (1 + std::exp(-g)) * u));
+        }
+        want[r] = a;
+    }
+    int n = S * inter;
+    std::vector<std::vector<float>> sm(G, std::vector<float>(n + n / 32 + 64, NAN));
+    emu_launch(G, 512, [&] { gq_body<4, 2, 1, 5, false, true>(DN.w.data(), DN.sc.data(), DN.bi.data(), 64, gu.data(), x.data(), H, inter, 0, 1, wts.data(), 0.f, sm[blockIdx.x].data(), nullptr, ids.data(), S); });
+    char b[128]; snprintf(b, sizeof b, "moe_down_q E%d S%d H%d I%d grid %d", E, S, H, inter, G); report(b, nmse(x.data(), want));
+}
+// gdn_step_par (one block per value head) and gdn_step_par_e: the same bits, and the CPU math
+static void gdn_case(int hk, int hv, int dk, int dv) {
+    int kd = hk * dk, T = dv * ((dk + 31) / 32);
+    std::vector<float> y(2 * kd + hv * dv), b(hv), a(hv), z(hv * dv), dtb(hv), na(hv), nw(dv), S0((size_t)hv * dk * dv);
+    for (auto& v : y) v = U();
+    for (auto* vec : {&b, &a, &dtb}) for (auto& v : *vec) v = U();
+    for (auto& v : na) v = -std::fabs(U());
+    for (auto& v : z) v = U();
+    for (auto& v : nw) v = 1 + 0.3f * U();
+    for (auto& v : S0) v = 0.3f * U();
+    std::vector<float> S1 = S0, S2 = S0, o1(hv * dv, NAN), o2(hv * dv, NAN);
+    for (int h = 0; h < hv; h++) {
+        emu_launch(1, T, [&] { gdn_step_par_body<false, false>(y.data(), b.data(), a.data(), z.data(), dtb.data(), na.data(), nw.data(), S1.data(), o1.data(), hk, hv, dk, dv, 1e-6f, nullptr, 0, 0, 0, h); });
+        emu_launch(1, T, [&] { gdn_step_par_body<false, true>(y.data(), b.data(), a.data(), z.data(), dtb.data(), na.data(), nw.data(), S2.data(), o2.data(), hk, hv, dk, dv, 1e-6f, nullptr, 0, 0, 0, h); });
+    }
+    bool same = !memcmp(S1.data(), S2.data(), S1.size() * 4) && !memcmp(o1.data(), o2.data(), o1.size() * 4);
+    std::vector<double> want(hv * dv);
+    for (int h = 0; h < hv; h++) {
+        int kh = h / (hv / hk);
+        double nq = 0, nk = 0;
+        for (int i = 0; i < dk; i++) { nq += (double)y[kh * dk + i] * y[kh * dk + i]; nk += (double)y[kd + kh * dk + i] * y[kd + kh * dk + i]; }
+        double rq = 1 / std::sqrt(nq + 1e-6) / std::sqrt((double)dk), rk = 1 / std::sqrt(nk + 1e-6);
+        double beta = 1 / (1 + std::exp(-(double)b[h])), sp = a[h] + dtb[h];
+        double alpha = std::exp(na[h] * (sp > 20 ? sp : std::log1p(std::exp(sp))));
+        std::vector<double> o(dv);
+        double ss = 0;
+        for (int j = 0; j < dv; j++) {
+            double u = 0;
+            for (int i = 0; i < dk; i++) u += alpha * S0[((size_t)h * dk + i) * dv + j] * y[kd + kh * dk + i] * rk;
+            double delta = beta * (y[2 * kd + h * dv + j] - u), oj = 0;
+            for (int i = 0; i < dk; i++) oj += (alpha * S0[((size_t)h * dk + i) * dv + j] + y[kd + kh * dk + i] * rk * delta) * y[kh * dk + i] * rq;
+            o[j] = oj; ss += oj * oj;
+        }
+        double r = 1 / std::sqrt(ss / dv + 1e-6);
+        for (int j = 0; j < dv; j++) { double zz = z[h * dv + j]; want[h * dv + j] = o[j] * r * nw[j] * zz / (1 + std::exp(-zz)); }
+    }
+    char buf[128]; snprintf(buf, sizeof buf, "gdn_step_par hk%d hv%d dk%d dv%d: early %s", hk, hv, dk, dv, same ? "same bits" : "DIFFERS");
+    fails += !same;
+    report(buf, nmse(o1.data(), want));
+}
 int main() {
     gemv_case(37, 2048, 3, 128, 1);
     gemv_case(37, 2048, 3, 128, 300);
@@ -90,6 +152,10 @@ int main() {
     gemv_case(5, 8192, 1, 128, 1);
     for (int rank : {0, 2, 3}) q2_case(64, 4, 256, 64, 3, rank);
     q2_case(256, 8, 512, 64, 2, 3);
+    down_case(16, 9, 256, 64, 3);
+    down_case(16, 3, 64, 512, 1);
+    gdn_case(2, 4, 64, 64);
+    gdn_case(1, 2, 128, 128);
     printf("%s: %d failures\n", VARIANT, fails);
     return fails != 0;
 }
