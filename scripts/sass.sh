@@ -20,7 +20,8 @@ CUBIN=${CUBIN:-target/lily-sm_90a.cubin}
 OUT=$(mktemp)
 PATH="$T/nvidia/cu13/bin:$PATH" cuobjdump -sass -fun "$KERNEL" "$CUBIN" >"$OUT"
 python3 - "$OUT" "$MIN" <<'PY'
-import collections, re, sys
+import collections, re, signal, sys
+signal.signal(signal.SIGPIPE, signal.SIG_DFL)
 ins = []
 for line in open(sys.argv[1]):
     m = re.match(r"\s+/\*([0-9a-f]+)\*/\s+(.*?);", line)

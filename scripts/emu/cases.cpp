@@ -143,6 +143,65 @@ static void gdn_case(int hk, int hv, int dk, int dv) {
     fails += !same;
     report(buf, nmse(o1.data(), want));
 }
+// gemv_q2_conv's body: y = rr W (x nw), then rows c < C through the causal conv (K taps) + SiLU
+// into cy with the state [K-1, C] shifted
+static void conv_case(int rows, int cols, int C, int K, int G, int T) {
+    Q4 W(rows, cols, 64);
+    std::vector<float> x(cols), nw(cols), y(rows, NAN), cw((size_t)C * K), st((size_t)(K - 1) * C), cy(C, NAN);
+    for (auto& v : x) v = U();
+    for (auto& v : nw) v = 1.f + 0.5f * U();
+    for (auto& v : cw) v = U();
+    for (auto& v : st) v = U();
+    std::vector<float> st0 = st;
+    double ss = 0; for (float v : x) ss += (double)v * v;
+    double rr = 1.0 / std::sqrt(ss / cols + 1e-6);
+    std::vector<double> want(rows), wcy(C), wst((size_t)(K - 1) * C);
+    for (int r = 0; r < rows; r++) { double a = 0; for (int c = 0; c < cols; c++) a += W.at(r, c) * x[c] * nw[c]; want[r] = a * rr; }
+    for (int c = 0; c < C; c++) {
+        double a = 0;
+        for (int j = 0; j < K; j++) a += cw[(size_t)c * K + j] * (j < K - 1 ? st0[(size_t)j * C + c] : want[c]);
+        wcy[c] = a / (1 + std::exp(-a));
+        for (int j = 0; j < K - 1; j++) wst[(size_t)j * C + c] = j + 1 < K - 1 ? st0[(size_t)(j + 1) * C + c] : want[c];
+    }
+    std::vector<std::vector<float>> sm(G, std::vector<float>(cols + cols / 32 + 64, NAN)); std::vector<std::array<float, 33>> red(G);
+    ConvEpi cv{st.data(), cw.data(), cy.data(), C, K};
+    emu_launch(G, T, [&] { gq_body<4, 2, 2, 2, false, false, true>(W.w.data(), W.sc.data(), W.bi.data(), 64, x.data(), y.data(), rows, cols, 0, 0, nw.data(), 1e-6f, sm[blockIdx.x].data(), red[blockIdx.x].data(), nullptr, 1, cv); });
+    char b[128];
+    snprintf(b, sizeof b, "gemv_q2_conv %dx%d C%d K%d: the product", rows, cols, C, K); report(b, nmse(y.data(), want));
+    snprintf(b, sizeof b, "gemv_q2_conv %dx%d C%d K%d: conv + SiLU", rows, cols, C, K); report(b, nmse(cy.data(), wcy));
+    snprintf(b, sizeof b, "gemv_q2_conv %dx%d C%d K%d: the state", rows, cols, C, K); report(b, nmse(st.data(), wst));
+}
+// the top-K forms against each other on edge values: ties, -0 and +0, -inf (NaN aside: route_topk
+// never picks it, the register forms rank it as -inf). Where every logit is -inf, route_topk picks
+// expert 0 K times (its taken mark is -inf too) and the register forms experts 0..K-1; the
+// weights are NaN in all (0/0): only the register forms' distinct picks are checked there.
+static void route_edges() {
+    int E = 256, K = 8;
+    float edge[] = {0.f, -0.f, 1.f, 1.f, -INFINITY, -INFINITY, 3.f, 0.f, -0.f, 3.f};
+    for (int t = 0; t < 40; t++) {
+        std::vector<float> lg(E + 1);
+        for (int e = 0; e <= E; e++) lg[e] = (t & 1) ? edge[(e * 7 + t) % 10] : (float)((int)(rng() % 5) - 2);
+        if (t % 4 == 2) for (int e = 0; e < E; e++) lg[e] = -INFINITY; // every logit -inf
+        if (t % 4 == 3) for (int e = 0; e < E; e++) lg[e] = 0.f;
+        std::vector<std::vector<int>> ids(4, std::vector<int>(K + 1, -1));
+        std::vector<std::vector<float>> w(4, std::vector<float>(K + 1, NAN));
+        for (int mode : {0, 2, 3}) {
+            std::vector<float> ls(512);
+            emu_launch(1, 32, [&] { route_warp(mode, lg.data(), E, K, 1, 1, ls.data(), ids[mode].data(), w[mode].data()); });
+        }
+        for (int mode : {2, 3}) {
+            if (t % 4 == 2) {
+                for (int k = 0; k < K; k++)
+                    if (ids[mode][k] != k) { printf("%-6s route form %d: all -inf, pick %d is %d\n", VARIANT, mode, k, ids[mode][k]); fails++; }
+                continue;
+            }
+            bool same = ids[mode] == ids[0];
+            for (int k = 0; k <= K; k++) same &= memcmp(&w[mode][k], &w[0][k], 4) == 0 || (w[mode][k] != w[mode][k] && w[0][k] != w[0][k]);
+            if (!same) { printf("%-6s route form %d differs from route_topk on edge set %d\n", VARIANT, mode, t); fails++; }
+        }
+    }
+    printf("%-6s route_topk_reg / _redux against route_topk on 40 edge sets (ties, -0, -inf)\n", VARIANT);
+}
 int main() {
     gemv_case(37, 2048, 3, 128, 1);
     gemv_case(37, 2048, 3, 128, 300);
@@ -156,6 +215,9 @@ int main() {
     down_case(16, 3, 64, 512, 1);
     gdn_case(2, 4, 64, 64);
     gdn_case(1, 2, 128, 128);
+    conv_case(300, 256, 200, 4, 2, 128);
+    conv_case(96, 2048, 64, 4, 1, 512);
+    route_edges();
     printf("%s: %d failures\n", VARIANT, fails);
     return fails != 0;
 }
