@@ -3,7 +3,7 @@
 //! (gemm_skinny, flash-attention prefill, tensor-core decode attention) with its shared memory.
 
 /// Every kernel source, in compile order (the prelude first). One NVRTC program, one module.
-pub const SOURCES: [(&str, &str); 23] = [
+pub const SOURCES: [(&str, &str); 24] = [
     ("common.cuh", include_str!("kernels/common.cuh")),
     ("norm.cu", include_str!("kernels/norm.cu")),
     ("linear.cu", include_str!("kernels/linear.cu")),
@@ -23,6 +23,7 @@ pub const SOURCES: [(&str, &str); 23] = [
     ("attention_fa.cu", include_str!("kernels/attention_fa.cu")),
     ("attention_wg.cu", include_str!("kernels/attention_wg.cu")),
     ("moe.cu", include_str!("kernels/moe.cu")),
+    ("gemv_i8.cu", include_str!("kernels/gemv_i8.cu")),
     ("gemv.cu", include_str!("kernels/gemv.cu")),
     ("moe_fused2.cu", include_str!("kernels/moe_fused2.cu")),
     ("sampling.cu", include_str!("kernels/sampling.cu")),

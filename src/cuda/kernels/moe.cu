@@ -97,24 +97,33 @@ __device__ __forceinline__ float route_key_value(u64 k) {
     u = (u & 0x80000000u) ? (u & 0x7fffffffu) : ~u;
     return __uint_as_float(u);
 }
-template <int VPL, int L>
-__device__ __forceinline__ void route_topk_reg(const float* logits, int E, int K, int renorm, int shared, int* chosen,
-                                               float* wsel) {
+/* The register top-k forms' prologue: lane l's logits l + 32j (j < VPL) and the shared
+   expert's gate logit (lane 0) in one load round, then the max and the softmax sum in
+   route_topk's order. */
+template <int VPL>
+__device__ __forceinline__ void route_regs_softmax(const float* logits, int E, int shared, float (&v)[VPL], float& gate,
+                                                   float& mx, float& tot) {
     int lane = threadIdx.x & 31;
-    float gate = shared && lane == 0 ? __ldcg(logits + E) : 0.f;
-    float v[VPL];
+    gate = shared && lane == 0 ? __ldcg(logits + E) : 0.f;
 #pragma unroll
     for (int j = 0; j < VPL; j++) v[j] = lane + 32 * j < E ? __ldcg(logits + lane + 32 * j) : 0.f;
-    float mx = -INFINITY;
+    mx = -INFINITY;
 #pragma unroll
     for (int j = 0; j < VPL; j++)
         if (lane + 32 * j < E) mx = fmaxf(mx, v[j]);
     mx = warp_max(mx);
-    float tot = 0.f;
+    tot = 0.f;
 #pragma unroll
     for (int j = 0; j < VPL; j++)
         if (lane + 32 * j < E) tot += expf(v[j] - mx);
     tot = warp_sum(tot);
+}
+template <int VPL, int L>
+__device__ __forceinline__ void route_topk_reg(const float* logits, int E, int K, int renorm, int shared, int* chosen,
+                                               float* wsel) {
+    int lane = threadIdx.x & 31;
+    float gate, v[VPL], mx, tot;
+    route_regs_softmax<VPL>(logits, E, shared, v, gate, mx, tot);
     u64 key[L];
 #pragma unroll
     for (int i = 0; i < L; i++) key[i] = 0; /* below every real key */
@@ -178,20 +187,8 @@ template <int VPL>
 __device__ __forceinline__ void route_topk_redux(const float* logits, int E, int K, int renorm, int shared,
                                                  int* chosen, float* wsel) {
     int lane = threadIdx.x & 31;
-    float gate = shared && lane == 0 ? __ldcg(logits + E) : 0.f;
-    float v[VPL];
-#pragma unroll
-    for (int j = 0; j < VPL; j++) v[j] = lane + 32 * j < E ? __ldcg(logits + lane + 32 * j) : 0.f;
-    float mx = -INFINITY;
-#pragma unroll
-    for (int j = 0; j < VPL; j++)
-        if (lane + 32 * j < E) mx = fmaxf(mx, v[j]);
-    mx = warp_max(mx);
-    float tot = 0.f;
-#pragma unroll
-    for (int j = 0; j < VPL; j++)
-        if (lane + 32 * j < E) tot += expf(v[j] - mx);
-    tot = warp_sum(tot);
+    float gate, v[VPL], mx, tot;
+    route_regs_softmax<VPL>(logits, E, shared, v, gate, mx, tot);
     u32 key[VPL];
 #pragma unroll
     for (int j = 0; j < VPL; j++) key[j] = lane + 32 * j < E ? (u32)(route_key(v[j], 0) >> 32) : 0u;
