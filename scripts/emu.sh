@@ -4,7 +4,7 @@
 # scripts/emu/strip.py (kernels and PTX asm out), compiled for the host with scripts/emu/shim.h
 # (one std::thread per CUDA thread, the blocks of a grid concurrent, shuffles and barriers
 # emulated) and run on scripts/emu/cases.cpp's cases against double-precision references, once
-# for the default kernel build and once for LILY_CUDA_GEMV_I8=1. It checks the arithmetic and the
+# for the float kernel build (LILY_CUDA_GEMV_I8=0) and once for the default int8 one. It checks the arithmetic and the
 # indexing of code that may not have met a GPU yet; not timing, not memory ordering. ~1 minute
 # after a debug build; needs g++ with C++20 (<barrier>). Exit status non-zero on any failure.
 set -euo pipefail
@@ -14,7 +14,7 @@ D=$(mktemp -d)
 trap 'rm -rf "$D"' EXIT
 cargo build -q --example kernel_source
 for v in float i8; do
-  if [ "$v" = i8 ]; then export LILY_CUDA_GEMV_I8=1; else unset LILY_CUDA_GEMV_I8; fi
+  if [ "$v" = i8 ]; then export LILY_CUDA_GEMV_I8=1; else export LILY_CUDA_GEMV_I8=0; fi
   cargo run -q --example kernel_source >"$D/src.cu"
   g++ -E -P -x c++ "$D/src.cu" >"$D/pre.cu"
   python3 scripts/emu/strip.py "$D/pre.cu" >"$D/kernels.h"

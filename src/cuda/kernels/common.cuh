@@ -175,8 +175,8 @@ __device__ __forceinline__ void bulk_g2s(void* dst, const void* src, u32 bytes, 
                  : "memory");
 }
 #endif
-/* The decode step's streams: with LILY_L2_EVICT_FIRST (the kernel source built under
-   LILY_CUDA_L2_HINT=first, an experiment) the weight codes, their scales and biases and the decode
+/* The decode step's streams: with LILY_L2_EVICT_FIRST (the default kernel source;
+   LILY_CUDA_L2_HINT=none builds without it) the weight codes, their scales and biases and the decode
    attention's K/V tiles are loaded with an L2 evict-first policy, so that ~1.9 GB a token passing
    through the 50 MB L2 do not push out what every layer reuses (the kernels' code, the activations,
    the meeting counters). A cache hint: the loaded values, and so the results, are the same. */

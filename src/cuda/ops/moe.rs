@@ -10,33 +10,36 @@ use super::super::Gpu;
 use super::{blocks, gemv_default, GemvKernel, GpuLinear, GEMV_XMAX};
 use anyhow::{bail, Result};
 
-/// How the decode MoE kernels pick the top-k: 0 one warp (`route_topk` in moe.cu, the
-/// default), 1 the whole block (`LILY_CUDA_ROUTE=rank`: `route_rank`), 2 one warp in registers
-/// (`LILY_CUDA_ROUTE=reg`: `route_topk_reg`), 3 one warp in registers with warp reductions per
-/// pick (`LILY_CUDA_ROUTE=redux`: `route_topk_redux`); 2 and 3 are off until measured.
+/// How the decode MoE kernels pick the top-k: 3 one warp with the logits in registers and two
+/// warp reductions per pick (`route_topk_redux` in moe.cu, the default: +3.7% decode alone on
+/// the H200, session 32), 0 one warp over a shared copy (`LILY_CUDA_ROUTE=warp`: `route_topk`),
+/// 1 the whole block (`LILY_CUDA_ROUTE=rank`: `route_rank`), 2 one warp in registers with
+/// sorted lists (`LILY_CUDA_ROUTE=reg`: `route_topk_reg`, measured 1.2% slower). All four give
+/// the same picks and weight bits.
 fn route_rank() -> i32 {
     static ON: std::sync::OnceLock<i32> = std::sync::OnceLock::new();
     *ON.get_or_init(|| match std::env::var("LILY_CUDA_ROUTE").as_deref() {
+        Ok("warp") => 0,
         Ok("rank") => 1,
         Ok("reg") => 2,
-        Ok("redux") => 3,
-        _ => 0,
+        _ => 3,
     })
 }
 
-/// The decode MoE launch: `moe_fused_q` (gemv.cu), or `moe_fused_q2` (moe_fused2.cu: the top-k
-/// in one warp beside the input staging, gate/up rows in pairs that write SiLU(gate)·up
-/// themselves), an experiment chosen by `LILY_CUDA_MOE=q2` until measured.
+/// The decode MoE launch: `moe_fused_q2` (moe_fused2.cu, the default where it takes the shape:
+/// the top-k in one warp beside the input staging, gate/up rows in pairs that write
+/// SiLU(gate)·up themselves; +6.3% decode alone on the H200, session 32), or `moe_fused_q`
+/// (gemv.cu; `LILY_CUDA_MOE=q`, and where q2 does not take the shape or the router is fused).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum MoeForm {
     Q,
     Q2,
 }
 
-/// The decode step's [`MoeForm`] (`LILY_CUDA_MOE=q2`; default `Q`).
+/// The decode step's [`MoeForm`] (default `Q2`; `LILY_CUDA_MOE=q`: `Q`).
 pub fn moe_form() -> MoeForm {
     static V: std::sync::OnceLock<MoeForm> = std::sync::OnceLock::new();
-    *V.get_or_init(|| if std::env::var("LILY_CUDA_MOE").is_ok_and(|v| v == "q2") { MoeForm::Q2 } else { MoeForm::Q })
+    *V.get_or_init(|| if std::env::var("LILY_CUDA_MOE").is_ok_and(|v| v == "q") { MoeForm::Q } else { MoeForm::Q2 })
 }
 
 /// `LILY_CUDA_MOE_FIXED` (a measurement switch: the model's output is garbage): moe_fused_q
