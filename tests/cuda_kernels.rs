@@ -398,10 +398,10 @@ fn fused_decode_moe_matches_cpu() {
                 q_out = (xb.read_f32(0, h).unwrap(), wts_f.read_f32(0, k + 1).unwrap());
             }
         }
-        // moe_fused_q2 (LILY_CUDA_MOE=q2) on its own counter (the second u64), three times, the
-        // last traced: moe_fused_q's picks and weights bit for bit (the same route_topk, or
-        // route_topk_reg under LILY_CUDA_ROUTE=reg against route_topk_reg), the output within TOL
-        // of the CPU and within 1e-6 of moe_fused_q's.
+        // moe_fused_q2 (the decode default; LILY_CUDA_MOE=q: moe_fused_q) on its own counter
+        // (the second u64), three times, the last traced: moe_fused_q's picks and weights bit for
+        // bit (both use the top-k form LILY_CUDA_ROUTE selects), the output within TOL of the
+        // CPU and within 1e-6 of moe_fused_q's.
         assert!(g.moe_fused_q2_ok(&gu, &dn, e, k), "moe_fused_q2 refuses q{bits} E{e} K{k}");
         for rep in 0..3 {
             xb.write_f32(0, &x).unwrap();
