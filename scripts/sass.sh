@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The SASS of kernels without a GPU: disassembles KERNEL from the sm_90a cubin that
 # tests/cuda_compile.rs leaves in target/lily-sm_90a.cubin (run it first, with the env settings
-# of the build to inspect, e.g. LILY_CUDA_GEMV_I8=1) and prints its size, its register-spill
+# of the build to inspect, e.g. LILY_CUDA_GEMV_I8=0) and prints its size, its register-spill
 # traffic and, per basic block of at least MIN instructions, the instruction mix: enough to see
 # what an inner loop costs per code and whether a change did what it meant to.
 #   bash scripts/sass.sh gemv_q2 [MIN=40]

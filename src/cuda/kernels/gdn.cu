@@ -123,7 +123,7 @@ extern "C" __global__ void gdn_step(GdnStepParams_fields) {
     }
 }
 
-/* EARLY (gdn_step_par_e, LILY_CUDA_GDN_STEP=early): every input of the step is loaded in one
+/* EARLY (gdn_step_par_e, the default; LILY_CUDA_GDN_STEP=par for gdn_step_par): every input of the step is loaded in one
    round right after the wait (q, k, v, z, b, a; normw, dt_bias and neg_a, weights, before it),
    and the two norms' sums reduced together, instead of four dependent round trips (q and k, then
    b and a after their block sums, v after the first partial sums, z at the end behind the state
@@ -237,7 +237,7 @@ extern "C" __global__ void __launch_bounds__(1024) gdn_step_par(GdnStepParParams
                              blockIdx.x);
 }
 
-/* gdn_step_par with its inputs loaded in one round (EARLY above; an experiment, off until measured). */
+/* gdn_step_par with its inputs loaded in one round (EARLY above; the decode default). */
 extern "C" __global__ void __launch_bounds__(1024) gdn_step_par_e(GdnStepParParams_fields) {
     TL_SCOPE("gdn_step_par_e");
     gdn_step_par_body<false, true>(y, bproj, aproj, z, dt_bias, neg_a, normw, S, out, hk, hv, dk, dv, eps, nullptr, 0, 0,

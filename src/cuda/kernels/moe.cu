@@ -224,7 +224,7 @@ __device__ __forceinline__ void route_topk_redux(const float* logits, int E, int
     __syncwarp();
 }
 
-/* The top-K of one warp by LILY_CUDA_ROUTE's form (`mode`: 2 reg, 3 redux, where they take E
+/* The top-K of one warp by LILY_CUDA_ROUTE's form (`mode`: 3 redux, the default; 2 reg; where they take E
    and K), else route_topk. */
 __device__ __forceinline__ void route_warp(int mode, const float* logits, int E, int K, int renorm, int shared,
                                           float* ls, int* chosen, float* wsel) {

@@ -1,7 +1,7 @@
 /*
  * moe_fused2.cu: moe_fused_q2, the decode MoE (batch 1) in one launch with a shorter chain than
- * moe_fused_q (gemv.cu). `LILY_CUDA_MOE=q2`; an experiment, built without a GPU at hand and off
- * until measured.
+ * moe_fused_q (gemv.cu). The decode default since session 32 (+6.3% decode on the H200;
+ * `LILY_CUDA_MOE=q` for moe_fused_q).
  *
  * Math (as moe_fused_q): slots s < S = K + 1 are the top-K routed experts of `logits` and the
  *   shared expert (stacked as expert E, weight sigmoid(logits[E])); xw = rms_norm(x) * normw;
