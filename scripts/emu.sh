@@ -4,8 +4,8 @@
 # scripts/emu/strip.py (kernels and PTX asm out), compiled for the host with scripts/emu/shim.h
 # (one std::thread per CUDA thread, the blocks of a grid concurrent, shuffles and barriers
 # emulated) and run on scripts/emu/cases.cpp's cases against double-precision references, once
-# for the float kernel build (LILY_CUDA_GEMV_I8=0) and once for the default int8 one. It checks the arithmetic and the
-# indexing of code that may not have met a GPU yet; not timing, not memory ordering. ~1 minute
+# for the float kernel build (LILY_CUDA_GEMV_I8=0) and once for the default int8 one. It checks
+# the arithmetic and the indexing of code that may not have met a GPU yet; not timing, not memory ordering. ~1 minute
 # after a debug build; needs g++ with C++20 (<barrier>). Exit status non-zero on any failure.
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -23,7 +23,7 @@
 #                             (contexts: the decode step's kernel timeline, src/cuda/timeline.rs;
 #                             build the bundle with TIMELINE_BUILD=1 to carry its kernels;
 #                             KERNEL_ENVS at build time: other env settings that change the
-#                             kernel source, e.g. LILY_CUDA_L2_HINT=first), ...
+#                             kernel source, e.g. LILY_CUDA_GEMV_I8=0), ...
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -57,7 +57,7 @@ for line in sys.stdin:
     echo "(no NVRTC wheel at $NVRTC_DIR: the GPU machine compiles the kernels itself)"
   fi
   # Kernel sources that env settings change (';'-separated settings, each compiled too):
-  # KERNEL_ENVS="LILY_CUDA_L2_HINT=first"; TIMELINE_BUILD=1 adds the timeline build's
+  # KERNEL_ENVS="LILY_CUDA_GEMV_I8=0"; TIMELINE_BUILD=1 adds the timeline build's
   # (LILY_CUDA_TIMELINE=1: TIMELINE on the device).
   kenvs="${KERNEL_ENVS:-}"
   [ -n "${TIMELINE_BUILD:-}" ] && kenvs="LILY_CUDA_TIMELINE=1${kenvs:+;$kenvs}"

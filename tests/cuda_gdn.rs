@@ -116,8 +116,8 @@ fn gdn_decode_steps_match_cpu() {
         let (gcs, grec) = (gb(&cstate), gb(&rec));
         let (yb, ob) = (gb(&vec![f32::NAN; c]), gb(&vec![f32::NAN; vd]));
         let base = gdn_test_step(d, (dtb.ptr, nab.ptr, nwb.ptr), grec.ptr, ob.ptr, yb.ptr);
-        // gdn_step_par_e (the default; LILY_CUDA_GDN_STEP=par: gdn_step_par) on its own state, where the row-split kernel
-        // takes the shape: gdn_step_par's output and state bit for bit
+        // gdn_step_par_e (the default; LILY_CUDA_GDN_STEP=par: gdn_step_par) on its own state,
+        // where the row-split kernel takes the shape: gdn_step_par's output and state bit for bit
         let par = dv % 32 == 0 && dv * dk.div_ceil(32) <= 1024 && dk <= 256;
         let (grec_e, ob_e) = (gb(&rec), gb(&vec![f32::NAN; vd]));
         let (grec_p, ob_p) = (gb(&rec), gb(&vec![f32::NAN; vd]));

@@ -123,9 +123,9 @@ extern "C" __global__ void gdn_step(GdnStepParams_fields) {
     }
 }
 
-/* EARLY (gdn_step_par_e, the default; LILY_CUDA_GDN_STEP=par for gdn_step_par): every input of the step is loaded in one
-   round right after the wait (q, k, v, z, b, a; normw, dt_bias and neg_a, weights, before it),
-   and the two norms' sums reduced together, instead of four dependent round trips (q and k, then
+/* EARLY (gdn_step_par_e, the default; LILY_CUDA_GDN_STEP=par for gdn_step_par): every input of
+   the step is loaded in one round right after the wait (q, k, v, z, b, a; normw, dt_bias and
+   neg_a, weights, before it), and the two norms' sums reduced together, instead of four dependent round trips (q and k, then
    b and a after their block sums, v after the first partial sums, z at the end behind the state
    stores). The same arithmetic in the same order. */
 template <bool ROWS, bool EARLY = false>
