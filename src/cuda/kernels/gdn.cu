@@ -125,9 +125,9 @@ extern "C" __global__ void gdn_step(GdnStepParams_fields) {
 
 /* EARLY (gdn_step_par_e, the default; LILY_CUDA_GDN_STEP=par for gdn_step_par): every input of
    the step is loaded in one round right after the wait (q, k, v, z, b, a; normw, dt_bias and
-   neg_a, weights, before it), and the two norms' sums reduced together, instead of four dependent round trips (q and k, then
-   b and a after their block sums, v after the first partial sums, z at the end behind the state
-   stores). The same arithmetic in the same order. */
+   neg_a, weights, before it), and the two norms' sums reduced together, instead of four
+   dependent round trips (q and k, then b and a after their block sums, v after the first partial
+   sums, z at the end behind the state stores). The same arithmetic in the same order. */
 template <bool ROWS, bool EARLY = false>
 __device__ __forceinline__ void gdn_step_par_body(const float* y, const float* bproj, const float* aproj, const float* z,
                                                   const float* dt_bias, const float* neg_a, const float* normw, float* S,
