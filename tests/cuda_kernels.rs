@@ -398,20 +398,20 @@ fn fused_decode_moe_matches_cpu() {
                 q_out = (xb.read_f32(0, h).unwrap(), wts_f.read_f32(0, k + 1).unwrap());
             }
         }
-        // moe_fused_q2 (the decode default; LILY_CUDA_MOE=q: moe_fused_q) on its own counter
-        // (the second u64), three times, the last traced: moe_fused_q's picks and weights bit for
-        // bit (both use the top-k form LILY_CUDA_ROUTE selects), the output within TOL of the
-        // CPU and within 1e-6 of moe_fused_q's.
+        // moe_fused_q2 (the decode default; LILY_CUDA_MOE=q: moe_fused_q) and moe_fused_q3
+        // (LILY_CUDA_MOE=q3) on their own counter (the second u64), three times each, the last
+        // traced: moe_fused_q's picks and weights bit for bit (all use the top-k form
+        // LILY_CUDA_ROUTE selects), the output within TOL of the CPU and within 1e-6 of
+        // moe_fused_q's.
         assert!(g.moe_fused_q2_ok(&gu, &dn, e, k), "moe_fused_q2 refuses q{bits} E{e} K{k}");
-        for rep in 0..3 {
+        for (form, rep) in [MoeForm::Q2, MoeForm::Q3].into_iter().flat_map(|f| (0..3).map(move |r| (f, r))) {
             xb.write_f32(0, &x).unwrap();
             egu_r.write_f32(0, &vec![f32::NAN; 2 * (k + 1) * inter]).unwrap();
             let (ids_f, wts_f) = (g.zeros(4 * (k + 1)).unwrap(), g.zeros(4 * (k + 1)).unwrap());
             let tr = if rep == 2 { trace.ptr } else { 0 };
             let idw = (ids_f.ptr, wts_f.ptr);
-            g.moe_fused(&gu, &dn, None, xb.ptr, (nwb.ptr, 1e-6), egu_r.ptr, route, idw, ctr.ptr, tr, MoeForm::Q2)
-                .unwrap();
-            let name = format!("moe_fused_q2 q{bits} E{e} K{k} H{h} I{inter} run {rep}");
+            g.moe_fused(&gu, &dn, None, xb.ptr, (nwb.ptr, 1e-6), egu_r.ptr, route, idw, ctr.ptr, tr, form).unwrap();
+            let name = format!("moe_fused {form:?} q{bits} E{e} K{k} H{h} I{inter} run {rep}");
             assert_eq!(ids_f.read_i32(k + 1).unwrap(), want_ids, "{name}: ids");
             let w2 = wts_f.read_f32(0, k + 1).unwrap();
             assert!(

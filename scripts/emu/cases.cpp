@@ -37,8 +37,8 @@ static void gemv_case(int rows, int cols, int G, int T, double outlier) {
     emu_launch(G, T, [&] { gq_body<4, 2, 2, 2, false, false>(W.w.data(), W.sc.data(), W.bi.data(), 64, x.data(), y.data(), rows, cols, 0, 0, nw.data(), 1e-6f, sm[blockIdx.x].data(), red[blockIdx.x].data()); });
     char b[128]; snprintf(b, sizeof b, "gemv %dx%d grid %dx%d outlier %g", rows, cols, G, T, outlier); report(b, nmse(y.data(), want));
 }
-// moe_fused_q2: top-K of E logits + shared slot, gate/up pairs, meeting, down into x
-static void q2_case(int E, int K, int H, int inter, int G, int rank) {
+// moe_fused_q2 (deep: q3's pairs): top-K of E logits + shared slot, gate/up pairs, meeting, down into x
+static void q2_case(int E, int K, int H, int inter, int G, int rank, bool deep = false, int renorm = 1) {
     int S = K + 1;
     Q4 GU(2 * (E + 1) * inter, H, 64), DN((E + 1) * H, inter, 64);
     std::vector<float> x(H), nw(H), logits(E + 1), gu(S * inter, NAN);
@@ -50,6 +50,7 @@ static void q2_case(int E, int K, int H, int inter, int G, int rank) {
     std::vector<int> idx(E); for (int e = 0; e < E; e++) idx[e] = e;
     std::stable_sort(idx.begin(), idx.end(), [&](int a, int b) { return logits[a] > logits[b]; });
     double mx = logits[idx[0]], sel = 0; for (int k = 0; k < K; k++) sel += std::exp(logits[idx[k]] - mx);
+    if (!renorm) { sel = 0; for (int e = 0; e < E; e++) sel += std::exp(logits[e] - mx); }
     std::vector<double> wk(S); for (int k = 0; k < K; k++) wk[k] = std::exp(logits[idx[k]] - mx) / sel;
     wk[K] = 1 / (1 + std::exp(-(double)logits[E])); idx.resize(K); idx.push_back(E);
     double ss = 0; for (float v : x) ss += (double)v * v;
@@ -68,16 +69,26 @@ static void q2_case(int E, int K, int H, int inter, int G, int rank) {
     }
     std::vector<int> ids(S, -1); std::vector<float> wts(S, NAN);
     unsigned long long ctr[2] = {0, 0};
+    const std::vector<float> x0 = x;
     int smem = std::max(H + H / 32, S * inter + S * inter / 32) + 64;
     std::vector<std::vector<float>> xs(G, std::vector<float>(smem, NAN)), red(G, std::vector<float>(33)), wsel(G, std::vector<float>(65)), ls(G, std::vector<float>(512));
     std::vector<std::vector<int>> chosen(G, std::vector<int>(65));
-    emu_launch(G, 512, [&] {
-        int b = blockIdx.x;
-        mf2_body<4, 2>(GU.w.data(), GU.sc.data(), GU.bi.data(), DN.w.data(), DN.sc.data(), DN.bi.data(), 4, 64, 64, 2, x.data(), gu.data(), inter, H, nw.data(), 1e-6f, logits.data(), E, K, 1, ids.data(), wts.data(), ctr + 1, 1, rank, nullptr, nullptr, nullptr, 0, 0, 0, 0, nullptr, 0, 1, xs[b].data(), red[b].data(), wsel[b].data(), chosen[b].data(), ls[b].data(), nullptr);
-    });
+    std::vector<float> x2; // deep: q2's result on the same input, which q3's must equal bit for bit
+    for (int pass = 0; pass < 1 + deep; pass++) {
+        bool dp = deep && pass == 1;
+        if (pass == 1) { x2 = x; x = x0; }
+        emu_launch(G, 512, [&] {
+            int b = blockIdx.x;
+#define Q2_ARGS GU.w.data(), GU.sc.data(), GU.bi.data(), DN.w.data(), DN.sc.data(), DN.bi.data(), 4, 64, 64, 2, x.data(), gu.data(), inter, H, nw.data(), 1e-6f, logits.data(), E, K, renorm, ids.data(), wts.data(), ctr + 1, 1, rank, nullptr, nullptr, nullptr, 0, 0, 0, 0, nullptr, 0, 1, xs[b].data(), red[b].data(), wsel[b].data(), chosen[b].data(), ls[b].data(), nullptr
+            if (dp) mf2_body<4, 2, true>(Q2_ARGS);
+            else mf2_body<4, 2>(Q2_ARGS);
+#undef Q2_ARGS
+        });
+    }
+    if (deep && memcmp(x.data(), x2.data(), 4 * H) != 0) { printf("%-6s moe_fused_q3 E%d K%d H%d: not moe_fused_q2's bits\n", VARIANT, E, K, H); fails++; }
     bool ok = true; for (int s = 0; s < S; s++) ok &= ids[s] == idx[s];
     double werr = 0; for (int s = 0; s < S; s++) werr = std::max(werr, std::fabs(wts[s] - wk[s]));
-    char b[160]; snprintf(b, sizeof b, "moe_fused_q2 E%d K%d H%d I%d grid %d route %d: ids %s, weights %.1e", E, K, H, inter, G, rank, ok ? "ok" : "WRONG", werr);
+    char b[160]; snprintf(b, sizeof b, "moe_fused_q%d E%d K%d H%d I%d grid %d route %d%s: ids %s, weights %.1e", deep ? 3 : 2, E, K, H, inter, G, rank, renorm ? "" : " (softmax over all)", ok ? "ok" : "WRONG", werr);
     fails += !ok || werr > 1e-6;
     report(b, nmse(x.data(), want));
 }
@@ -178,18 +189,19 @@ static void conv_case(int rows, int cols, int C, int K, int G, int T) {
 static void route_edges() {
     int E = 256, K = 8;
     float edge[] = {0.f, -0.f, 1.f, 1.f, -INFINITY, -INFINITY, 3.f, 0.f, -0.f, 3.f};
-    for (int t = 0; t < 40; t++) {
+    for (int t = 0; t < 80; t++) {
+        int renorm = t < 40; // then the weights over the softmax of all E (tot)
         std::vector<float> lg(E + 1);
         for (int e = 0; e <= E; e++) lg[e] = (t & 1) ? edge[(e * 7 + t) % 10] : (float)((int)(rng() % 5) - 2);
         if (t % 4 == 2) for (int e = 0; e < E; e++) lg[e] = -INFINITY; // every logit -inf
         if (t % 4 == 3) for (int e = 0; e < E; e++) lg[e] = 0.f;
-        std::vector<std::vector<int>> ids(4, std::vector<int>(K + 1, -1));
-        std::vector<std::vector<float>> w(4, std::vector<float>(K + 1, NAN));
-        for (int mode : {0, 2, 3}) {
+        std::vector<std::vector<int>> ids(5, std::vector<int>(K + 1, -1));
+        std::vector<std::vector<float>> w(5, std::vector<float>(K + 1, NAN));
+        for (int mode : {0, 2, 3, 4}) {
             std::vector<float> ls(512);
-            emu_launch(1, 32, [&] { route_warp(mode, lg.data(), E, K, 1, 1, ls.data(), ids[mode].data(), w[mode].data()); });
+            emu_launch(1, 32, [&] { route_warp(mode, lg.data(), E, K, renorm, 1, ls.data(), ids[mode].data(), w[mode].data()); });
         }
-        for (int mode : {2, 3}) {
+        for (int mode : {2, 3, 4}) {
             if (t % 4 == 2) {
                 for (int k = 0; k < K; k++)
                     if (ids[mode][k] != k) { printf("%-6s route form %d: all -inf, pick %d is %d\n", VARIANT, mode, k, ids[mode][k]); fails++; }
@@ -200,7 +212,7 @@ static void route_edges() {
             if (!same) { printf("%-6s route form %d differs from route_topk on edge set %d\n", VARIANT, mode, t); fails++; }
         }
     }
-    printf("%-6s route_topk_reg / _redux against route_topk on 40 edge sets (ties, -0, -inf)\n", VARIANT);
+    printf("%-6s route_topk_reg / _redux / _redux2 against route_topk on 40 edge sets (ties, -0, -inf), renormalized and not\n", VARIANT);
 }
 int main() {
     gemv_case(37, 2048, 3, 128, 1);
@@ -209,8 +221,14 @@ int main() {
     gemv_case(37, 192, 2, 128, 1);
     gemv_case(301, 256, 2, 128, 1);
     gemv_case(5, 8192, 1, 128, 1);
-    for (int rank : {0, 2, 3}) q2_case(64, 4, 256, 64, 3, rank);
+    for (int rank : {0, 2, 3, 4}) q2_case(64, 4, 256, 64, 3, rank);
+    q2_case(64, 4, 256, 64, 3, 4, false, 0);
     q2_case(256, 8, 512, 64, 2, 3);
+    q2_case(256, 8, 512, 64, 2, 4);
+    // q3: 9 x 64 pairs over 2 x 16 warps (up to 18 a warp, the ring's every turn), and 5 x 64 at
+    // H 4096 (two trips a pair) over 3 blocks
+    q2_case(256, 8, 512, 64, 2, 3, true);
+    q2_case(64, 4, 4096, 64, 3, 4, true);
     down_case(16, 9, 256, 64, 3);
     down_case(16, 3, 64, 512, 1);
     gdn_case(2, 4, 64, 64);

@@ -72,6 +72,7 @@ inline float f16_to_f32(unsigned short) { return NAN; }
 inline unsigned long long global_ns() { return 0; }
 inline uint4 ldg_stream(const uint4* p) { return *p; }
 inline unsigned short ldg_u16_stream(const unsigned short* p) { return *p; } /* the L2 policy is a hint */
+inline void pf_l2(const void*) {} /* an L2 prefetch: no effect on results */
 inline void grid_wait(const unsigned long long*, unsigned long long) { emu_grid_bar->arrive_and_wait(); }
 inline void grid_arrive_rel(unsigned long long*) { __syncthreads(); }
 template <class T> inline T max(T a, T b) { return a > b ? a : b; }

@@ -157,7 +157,7 @@ fn skinny_occ2() -> bool {
 /// Kernels that call `pdl_wait()` before touching activations (kernels/common.cuh) and so may be
 /// launched as programmatic dependents: their launch and weight reads overlap the previous
 /// kernel's tail. The gemm_skinny entry points are such kernels too (see [`is_pdl`]).
-pub const PDL_KERNELS: [&str; 65] = [
+pub const PDL_KERNELS: [&str; 66] = [
     "gemm_wsp128",
     "gemm_wsp256",
     "gemm_wsp128_q8",
@@ -179,6 +179,7 @@ pub const PDL_KERNELS: [&str; 65] = [
     "x_bf16_perm",
     "moe_fused_q",
     "moe_fused_q2",
+    "moe_fused_q3",
     "gemv_q2_conv",
     "samp_max",
     "samp_radix",

@@ -204,7 +204,7 @@ struct Scratch {
     /// workspace (`SAMPLE_WS_BYTES`).
     sp: DevBuf,
     pick_ws: DevBuf,
-    /// The u64 counters moe_fused_q's and moe_fused_q2's blocks meet on (zeroed once).
+    /// The u64 counters moe_fused_q's and moe_fused_q2's (or q3's) blocks meet on (zeroed once).
     sync: DevBuf,
     /// The same for gdn_step_out (its own: a counter's launches must all have the same grid).
     sync_gdn: DevBuf,

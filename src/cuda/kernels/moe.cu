@@ -102,7 +102,7 @@ __device__ __forceinline__ float route_key_value(u64 k) {
    route_topk's order. */
 template <int VPL>
 __device__ __forceinline__ void route_regs_softmax(const float* logits, int E, int shared, float (&v)[VPL], float& gate,
-                                                   float& mx, float& tot) {
+                                                   float& mx, float& tot, bool need_tot = true) {
     int lane = threadIdx.x & 31;
     gate = shared && lane == 0 ? __ldcg(logits + E) : 0.f;
 #pragma unroll
@@ -113,6 +113,7 @@ __device__ __forceinline__ void route_regs_softmax(const float* logits, int E, i
         if (lane + 32 * j < E) mx = fmaxf(mx, v[j]);
     mx = warp_max(mx);
     tot = 0.f;
+    if (!need_tot) return; /* the weights renormalized over the picks: the sum over all unused */
 #pragma unroll
     for (int j = 0; j < VPL; j++)
         if (lane + 32 * j < E) tot += expf(v[j] - mx);
@@ -182,16 +183,22 @@ __device__ __forceinline__ void route_topk_reg(const float* logits, int E, int K
    five dependent shuffle-and-compare levels over a shared copy; ~100 instructions of code in a
    loop (route_topk_reg's merges are ~2,500 run once). Keys as route_key's upper half (NaN as
    -inf, -0 as +0; 0 = taken or past E). The max, the softmax sum and the weights in route_topk's
-   order: its picks and weights bit for bit (NaN logits aside, ranked as -inf). */
-template <int VPL>
+   order: its picks and weights bit for bit (NaN logits aside, ranked as -inf).
+   PW (LILY_CUDA_ROUTE=redux2, K <= 32): the weights by the lanes, not by lane 0 alone: lane k
+   keeps pick k and takes its exp, the denominator is added up over shuffles in route_topk's
+   order, each lane divides its own (one exp and one division deep instead of 2K exps and K
+   divisions one after another); and with `renorm` the softmax sum over all E, which only the
+   unrenormalized weights use, is not computed. The same bits. */
+template <int VPL, bool PW = false>
 __device__ __forceinline__ void route_topk_redux(const float* logits, int E, int K, int renorm, int shared,
                                                  int* chosen, float* wsel) {
     int lane = threadIdx.x & 31;
     float gate, v[VPL], mx, tot;
-    route_regs_softmax<VPL>(logits, E, shared, v, gate, mx, tot);
+    route_regs_softmax<VPL>(logits, E, shared, v, gate, mx, tot, !PW || !renorm);
     u32 key[VPL];
 #pragma unroll
     for (int j = 0; j < VPL; j++) key[j] = lane + 32 * j < E ? (u32)(route_key(v[j], 0) >> 32) : 0u;
+    u32 mine_m = 0, mine_i = 0; /* PW: pick number `lane`'s key and expert */
     for (int k = 0; k < K; k++) {
         u32 lm = 0;
 #pragma unroll
@@ -205,10 +212,31 @@ __device__ __forceinline__ void route_topk_redux(const float* logits, int E, int
 #pragma unroll
         for (int j = 0; j < VPL; j++)
             if (lane + 32 * j == (int)bi) key[j] = 0u;
-        if (lane == 0) {
+        if (PW) {
+            if (lane == k) {
+                mine_m = m;
+                mine_i = bi;
+            }
+        } else if (lane == 0) {
             chosen[k] = (int)bi;
             wsel[k] = route_key_value((u64)m << 32); /* the chosen logit, made a weight below */
         }
+    }
+    if (PW) {
+        float ek = lane < K ? expf(route_key_value((u64)mine_m << 32) - mx) : 0.f;
+        float sel = 0.f;
+        for (int k = 0; k < K; k++) sel += __shfl_sync(0xffffffffu, ek, k); /* route_topk's order */
+        float den = renorm ? sel : tot;
+        if (lane < K) {
+            chosen[lane] = (int)mine_i;
+            wsel[lane] = ek / den;
+        }
+        if (shared && lane == 0) {
+            chosen[K] = E;
+            wsel[K] = sigmoid_f(gate);
+        }
+        __syncwarp();
+        return;
     }
     __syncwarp();
     if (lane == 0) { /* route_topk's weights */
@@ -224,13 +252,17 @@ __device__ __forceinline__ void route_topk_redux(const float* logits, int E, int
     __syncwarp();
 }
 
-/* The top-K of one warp by LILY_CUDA_ROUTE's form (`mode`: 3 redux, the default; 2 reg; where they take E
-   and K), else route_topk. */
+/* The top-K of one warp by LILY_CUDA_ROUTE's form (`mode`: 3 redux, the default; 4 redux2, redux
+   with the weights by the lanes; 2 reg; where they take E and K), else route_topk. */
 __device__ __forceinline__ void route_warp(int mode, const float* logits, int E, int K, int renorm, int shared,
                                           float* ls, int* chosen, float* wsel) {
-    if (mode == 3 && E <= 256)
+    if (mode == 4 && E <= 256 && K <= 32)
+        route_topk_redux<8, true>(logits, E, K, renorm, shared, chosen, wsel);
+    else if (mode == 4 && E <= 512 && K <= 32)
+        route_topk_redux<16, true>(logits, E, K, renorm, shared, chosen, wsel);
+    else if ((mode == 3 || mode == 4) && E <= 256)
         route_topk_redux<8>(logits, E, K, renorm, shared, chosen, wsel);
-    else if (mode == 3 && E <= 512)
+    else if ((mode == 3 || mode == 4) && E <= 512)
         route_topk_redux<16>(logits, E, K, renorm, shared, chosen, wsel);
     else if (mode == 2 && E <= 256 && K <= 8)
         route_topk_reg<8, 8>(logits, E, K, renorm, shared, chosen, wsel);

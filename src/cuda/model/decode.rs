@@ -288,8 +288,10 @@ impl CudaSession {
                         .as_ref()
                         .map_or(0, |t| t.ptr + (8 * profile::MOE_TRACE_SLOTS * g.sms as usize * li) as u64);
                     let form = match ops::moe_form() {
-                        ops::MoeForm::Q2 if fr.is_none() && post_norm.0 != 0 && g.moe_fused_q2_ok(gu, dn, e, k) => {
-                            ops::MoeForm::Q2
+                        f @ (ops::MoeForm::Q2 | ops::MoeForm::Q3)
+                            if fr.is_none() && post_norm.0 != 0 && g.moe_fused_q2_ok(gu, dn, e, k) =>
+                        {
+                            f
                         }
                         _ => ops::MoeForm::Q,
                     };

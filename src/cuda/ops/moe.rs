@@ -14,32 +14,42 @@ use anyhow::{bail, Result};
 /// warp reductions per pick (`route_topk_redux` in moe.cu, the default: +3.7% decode alone on
 /// the H200, session 32), 0 one warp over a shared copy (`LILY_CUDA_ROUTE=warp`: `route_topk`),
 /// 1 the whole block (`LILY_CUDA_ROUTE=rank`: `route_rank`), 2 one warp in registers with
-/// sorted lists (`LILY_CUDA_ROUTE=reg`: `route_topk_reg`, measured 1.2% slower). All four give
-/// the same picks and weight bits.
+/// sorted lists (`LILY_CUDA_ROUTE=reg`: `route_topk_reg`, measured 1.2% slower), 4 redux with
+/// the weights computed by the lanes, one exp and one division deep, and no softmax sum over all
+/// experts when the weights are renormalized (`LILY_CUDA_ROUTE=redux2`, not yet measured). All
+/// five give the same picks and weight bits.
 fn route_rank() -> i32 {
     static ON: std::sync::OnceLock<i32> = std::sync::OnceLock::new();
     *ON.get_or_init(|| match std::env::var("LILY_CUDA_ROUTE").as_deref() {
         Ok("warp") => 0,
         Ok("rank") => 1,
         Ok("reg") => 2,
+        Ok("redux2") => 4,
         _ => 3,
     })
 }
 
 /// The decode MoE launch: `moe_fused_q2` (moe_fused2.cu, the default where it takes the shape:
 /// the top-k in one warp beside the input staging, gate/up rows in pairs that write
-/// SiLU(gate)·up themselves; +6.3% decode alone on the H200, session 32), or `moe_fused_q`
-/// (gemv.cu; `LILY_CUDA_MOE=q`, and where q2 does not take the shape or the router is fused).
+/// SiLU(gate)·up themselves; +6.3% decode alone on the H200, session 32), `moe_fused_q3`
+/// (`LILY_CUDA_MOE=q3`, not yet measured: q2 with the pairs dealt warp-major over the grid and
+/// three trips of loads in flight per warp, the same result), or `moe_fused_q` (gemv.cu;
+/// `LILY_CUDA_MOE=q`, and where q2 does not take the shape or the router is fused).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum MoeForm {
     Q,
     Q2,
+    Q3,
 }
 
-/// The decode step's [`MoeForm`] (default `Q2`; `LILY_CUDA_MOE=q`: `Q`).
+/// The decode step's [`MoeForm`] (default `Q2`; `LILY_CUDA_MOE=q`: `Q`, `=q3`: `Q3`).
 pub fn moe_form() -> MoeForm {
     static V: std::sync::OnceLock<MoeForm> = std::sync::OnceLock::new();
-    *V.get_or_init(|| if std::env::var("LILY_CUDA_MOE").is_ok_and(|v| v == "q") { MoeForm::Q } else { MoeForm::Q2 })
+    *V.get_or_init(|| match std::env::var("LILY_CUDA_MOE").as_deref() {
+        Ok("q") => MoeForm::Q,
+        Ok("q3") => MoeForm::Q3,
+        _ => MoeForm::Q2,
+    })
 }
 
 /// `LILY_CUDA_MOE_FIXED` (a measurement switch: the model's output is garbage): moe_fused_q
@@ -156,7 +166,8 @@ impl Gpu {
     /// With `router`, its logits are computed first in the same launch (into `logits`). `trace`
     /// (0: none) gets 16 global-timer stamps per block ([`crate::cuda::profile::MOE_TRACE_SLOTS`]).
     /// `ctr` holds two zeroed u64: the first for [`MoeForm::Q`]'s launches, the second for
-    /// [`MoeForm::Q2`]'s (their grids differ; a counter's launches must share one).
+    /// [`MoeForm::Q2`]'s and [`MoeForm::Q3`]'s (the grids differ; a counter's launches must
+    /// share one).
     #[allow(clippy::too_many_arguments)]
     pub fn moe_fused(
         &self,
@@ -175,8 +186,8 @@ impl Gpu {
         if !self.moe_fused_ok(gate_up, down, e, k) {
             bail!("moe_fused: experts of this shape or format are not fused");
         }
-        if form == MoeForm::Q2 && (router.is_some() || normw == 0 || !self.moe_fused_q2_ok(gate_up, down, e, k)) {
-            bail!("moe_fused_q2: this router, input or expert shape is not taken");
+        if form != MoeForm::Q && (router.is_some() || normw == 0 || !self.moe_fused_q2_ok(gate_up, down, e, k)) {
+            bail!("moe_fused_q2/q3: this router, input or expert shape is not taken");
         }
         if router.is_some_and(|r| !self.moe_router_ok(r, gate_up, e)) {
             bail!("moe_fused: a router of this shape or format is not fused");
@@ -228,11 +239,13 @@ impl Gpu {
         let epv = 128 / router.map_or(gate_up.bits, |r| r.bits.max(gate_up.bits)) as usize;
         let (h, s) = (gate_up.cols, (k + 1) * down.cols);
         let shared = (4 * (h + h / epv).max(s + s / epv)) as u32;
-        if form == MoeForm::Q2 {
-            // Every SM: the (K + 1) * inter gate/up pairs over its 16 warps each.
+        if form != MoeForm::Q {
+            // Every SM: the (K + 1) * inter gate/up pairs over its 16 warps each (q2 and q3: the
+            // same grid, so they may share the counter).
             let grid = ((k + 1) * gate_up.rows).div_ceil(16).max(down.rows.div_ceil(16)).min(self.sms as usize);
             let a = MoeFusedParams { ctr: Out::new(ctr + 8), ..a };
-            return self.launch_params("moe_fused_q2", (grid as u32, 1, 1), 512, shared, &a);
+            let name = if form == MoeForm::Q3 { "moe_fused_q3" } else { "moe_fused_q2" };
+            return self.launch_params(name, (grid as u32, 1, 1), 512, shared, &a);
         }
         // At least one block per 16 down rows (one row per warp, as moe_down_q), within the SMs.
         let grid = (bps * slots).max(down.rows.div_ceil(16)).min(self.sms as usize);
