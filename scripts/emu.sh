@@ -16,7 +16,7 @@ cargo build -q --example kernel_source
 for v in float i8; do
   if [ "$v" = i8 ]; then export LILY_CUDA_GEMV_I8=1; else export LILY_CUDA_GEMV_I8=0; fi
   cargo run -q --example kernel_source >"$D/src.cu"
-  g++ -E -P -x c++ "$D/src.cu" >"$D/pre.cu"
+  g++ -E -P -x c++ -DLILY_EMU "$D/src.cu" >"$D/pre.cu"
   python3 scripts/emu/strip.py "$D/pre.cu" >"$D/kernels.h"
   { echo '#include "shim.h"'; echo "#define VARIANT \"$v\""; echo '#include "kernels.h"'; cat scripts/emu/cases.cpp; } >"$D/run.cpp"
   g++ -std=c++20 -O1 -w -I scripts/emu -I "$D" -o "$D/run_$v" "$D/run.cpp" -lpthread

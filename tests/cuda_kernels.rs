@@ -381,7 +381,7 @@ fn fused_decode_moe_matches_cpu() {
         // The whole MoE in one launch (moe_fused_q), three times on one counter (each launch
         // must wait for its own blocks only).
         assert!(g.moe_fused_ok(&gu, &dn, e, k), "moe_fused refuses q{bits} E{e} K{k}");
-        let ctr = g.zeros(16).unwrap();
+        let ctr = g.zeros(24).unwrap();
         let mut q_out = (Vec::new(), Vec::new()); // moe_fused_q's x and weights, for moe_fused_q2
                                                   // the last run with the timing trace on (LILY_CUDA_MOE_TRACE): the same result
         let trace = g.zeros(8 * 16 * g.sms as usize).unwrap();
@@ -458,6 +458,37 @@ fn fused_decode_moe_matches_cpu() {
             check(&format!("moe_fused router q8 E{e} run {rep}: logits"), &lr.read_f32(0, e + 1).unwrap(), &rl, TOL);
             assert_eq!(ids_f.read_i32(k + 1).unwrap(), want_ids_r, "moe_fused with the router: ids");
             let name = format!("moe_fused with the router q{bits} E{e} K{k} run {rep}");
+            check(&name, &xb.read_f32(0, h).unwrap(), &want_r, TOL);
+        }
+        // moe_fused_qr (LILY_CUDA_MOE=qr): the router by clusters of 8 blocks in the launch, on
+        // the third u64, three times: the logits (cluster 0's), ids and output as above. Taken
+        // wherever the experts are 4-bit on sm_90.
+        let qr_ok = g.moe_fused_qr_ok(&gu, &dn, &rg, e, k);
+        assert!(qr_ok || bits != 4 || !g.arch.starts_with("sm_90"), "moe_fused_qr refuses q{bits} E{e} K{k} H{h}");
+        for rep in 0..if qr_ok { 3 } else { 0 } {
+            xb.write_f32(0, &x).unwrap();
+            lr.write_f32(0, &vec![f32::NAN; e + 1]).unwrap();
+            let (ids_f, wts_f) = (g.zeros(4 * (k + 1)).unwrap(), g.zeros(4 * (k + 1)).unwrap());
+            let route_r = (lr.ptr, e, k, true);
+            let idw = (ids_f.ptr, wts_f.ptr);
+            let tr = if rep == 2 { trace.ptr } else { 0 };
+            g.moe_fused(
+                &gu,
+                &dn,
+                Some(&rg),
+                xb.ptr,
+                (nwb.ptr, 1e-6),
+                egu_r.ptr,
+                route_r,
+                idw,
+                ctr.ptr,
+                tr,
+                MoeForm::Qr,
+            )
+            .unwrap();
+            let name = format!("moe_fused_qr q{bits} E{e} K{k} H{h} run {rep}");
+            check(&format!("{name}: logits"), &lr.read_f32(0, e + 1).unwrap(), &rl, TOL);
+            assert_eq!(ids_f.read_i32(k + 1).unwrap(), want_ids_r, "{name}: ids");
             check(&name, &xb.read_f32(0, h).unwrap(), &want_r, TOL);
         }
         for (kern, bpsm) in [(GemvKernel::Old, 0), (GemvKernel::Q2, 1), (GemvKernel::Q2, 4)] {

@@ -12,8 +12,9 @@ static u16 to_bf16(float f) { unsigned u = __float_as_uint(f); u += 0x7FFF + ((u
 static std::mt19937 rng(7);
 static float U() { return std::uniform_real_distribution<float>(-1, 1)(rng); }
 struct Q4 { int rows, cols, group; std::vector<u32> w; std::vector<u16> sc, bi; std::vector<int> q;
-    Q4(int r, int c, int g) : rows(r), cols(c), group(g), w((size_t)r * c / 8), sc((size_t)r * c / g), bi((size_t)r * c / g), q((size_t)r * c) {
-        for (size_t i = 0; i < q.size(); i++) { q[i] = rng() & 15; w[i / 8] |= (u32)q[i] << (4 * (i % 8)); }
+    Q4(int r, int c, int g, int bits = 4) : rows(r), cols(c), group(g), w((size_t)r * c * bits / 32), sc((size_t)r * c / g), bi((size_t)r * c / g), q((size_t)r * c) {
+        int per = 32 / bits;
+        for (size_t i = 0; i < q.size(); i++) { q[i] = rng() & ((1 << bits) - 1); w[i / per] |= (u32)q[i] << (bits * (i % per)); }
         for (auto& s : sc) s = to_bf16(0.01f + 0.05f * std::fabs(U()));
         for (auto& b : bi) b = to_bf16(0.1f * U()); }
     double at(size_t r, int c) const { size_t g = r * (cols / group) + c / group; return __uint_as_float((u32)sc[g] << 16) * (double)q[r * cols + c] + __uint_as_float((u32)bi[g] << 16); }
@@ -37,15 +38,23 @@ static void gemv_case(int rows, int cols, int G, int T, double outlier) {
     emu_launch(G, T, [&] { gq_body<4, 2, 2, 2, false, false>(W.w.data(), W.sc.data(), W.bi.data(), 64, x.data(), y.data(), rows, cols, 0, 0, nw.data(), 1e-6f, sm[blockIdx.x].data(), red[blockIdx.x].data()); });
     char b[128]; snprintf(b, sizeof b, "gemv %dx%d grid %dx%d outlier %g", rows, cols, G, T, outlier); report(b, nmse(y.data(), want));
 }
-// moe_fused_q2 (deep: q3's pairs): top-K of E logits + shared slot, gate/up pairs, meeting, down into x
-static void q2_case(int E, int K, int H, int inter, int G, int rank, bool deep = false, int renorm = 1) {
+// moe_fused_q2 (deep: q3's pairs): top-K of E logits + shared slot, gate/up pairs, meeting, down into
+// x. router_bits (moe_fused_qr): the logits come from a router of those bits in the same launch, run
+// by clusters of 8 of the G blocks.
+static void q2_case(int E, int K, int H, int inter, int G, int rank, bool deep = false, int renorm = 1, int router_bits = 0) {
     int S = K + 1;
-    Q4 GU(2 * (E + 1) * inter, H, 64), DN((E + 1) * H, inter, 64);
+    Q4 GU(2 * (E + 1) * inter, H, 64), DN((E + 1) * H, inter, 64), WR(router_bits ? E + 1 : 1, router_bits ? H : 64, 64, router_bits ? router_bits : 4);
     std::vector<float> x(H), nw(H), logits(E + 1), gu(S * inter, NAN);
     for (auto& v : x) v = U();
     for (auto& v : nw) v = 1.f + 0.5f * U();
     for (auto& v : logits) v = 2 * U();
     logits[3] = logits[7]; // a tie
+    std::vector<double> want_lg(E + 1);
+    if (router_bits) { // the router's logits on rms_norm(x) * nw: the reference routes on them
+        double s2 = 0; for (float v : x) s2 += (double)v * v;
+        double r2 = 1.0 / std::sqrt(s2 / H + 1e-6);
+        for (int r = 0; r <= E; r++) { double a = 0; for (int c = 0; c < H; c++) a += WR.at(r, c) * x[c] * nw[c]; want_lg[r] = a * r2; logits[r] = (float)want_lg[r]; }
+    }
     // reference routing: top-K by (-value, index), softmax weights renormalized
     std::vector<int> idx(E); for (int e = 0; e < E; e++) idx[e] = e;
     std::stable_sort(idx.begin(), idx.end(), [&](int a, int b) { return logits[a] > logits[b]; });
@@ -70,26 +79,36 @@ static void q2_case(int E, int K, int H, int inter, int G, int rank, bool deep =
     std::vector<int> ids(S, -1); std::vector<float> wts(S, NAN);
     unsigned long long ctr[2] = {0, 0};
     const std::vector<float> x0 = x;
-    int smem = std::max(H + H / 32, S * inter + S * inter / 32) + 64;
+    int smem = std::max(H + H / 16, S * inter + S * inter / 32) + 64;
+    std::vector<float> lg_out(E + 1, NAN); // qr: the logits cluster 0 writes
     std::vector<std::vector<float>> xs(G, std::vector<float>(smem, NAN)), red(G, std::vector<float>(33)), wsel(G, std::vector<float>(65)), ls(G, std::vector<float>(512));
     std::vector<std::vector<int>> chosen(G, std::vector<int>(65));
     std::vector<float> x2; // deep: q2's result on the same input, which q3's must equal bit for bit
     for (int pass = 0; pass < 1 + deep; pass++) {
         bool dp = deep && pass == 1;
         if (pass == 1) { x2 = x; x = x0; }
+        if (router_bits) { emu_cluster = 8; /* QR_CS */ for (int b = 0; b < G; b++) emu_cl_ls[b] = ls[b].data(); }
         emu_launch(G, 512, [&] {
             int b = blockIdx.x;
-#define Q2_ARGS GU.w.data(), GU.sc.data(), GU.bi.data(), DN.w.data(), DN.sc.data(), DN.bi.data(), 4, 64, 64, 2, x.data(), gu.data(), inter, H, nw.data(), 1e-6f, logits.data(), E, K, renorm, ids.data(), wts.data(), ctr + 1, 1, rank, nullptr, nullptr, nullptr, 0, 0, 0, 0, nullptr, 0, 1, xs[b].data(), red[b].data(), wsel[b].data(), chosen[b].data(), ls[b].data(), nullptr
-            if (dp) mf2_body<4, 2, true>(Q2_ARGS);
-            else mf2_body<4, 2>(Q2_ARGS);
+#define Q2_ARGS(LG) GU.w.data(), GU.sc.data(), GU.bi.data(), DN.w.data(), DN.sc.data(), DN.bi.data(), 4, 64, 64, 2, x.data(), gu.data(), inter, H, nw.data(), 1e-6f, LG, E, K, renorm, ids.data(), wts.data(), ctr + 1, 1, rank, nullptr, nullptr, nullptr, 0, 0, 0, 0, nullptr, 0, 1, xs[b].data(), red[b].data(), wsel[b].data(), chosen[b].data(), ls[b].data(), nullptr
+            if (router_bits == 8) qr_router<8, 2>(WR.w.data(), WR.sc.data(), WR.bi.data(), 64, E + 1, H, x.data(), nw.data(), 1e-6f, lg_out.data(), xs[b].data(), red[b].data(), ls[b].data());
+            if (router_bits == 4) qr_router<4, 2>(WR.w.data(), WR.sc.data(), WR.bi.data(), 64, E + 1, H, x.data(), nw.data(), 1e-6f, lg_out.data(), xs[b].data(), red[b].data(), ls[b].data());
+            if (router_bits) mf2_body<4, 2, false, true>(Q2_ARGS(ls[b].data()));
+            else if (dp) mf2_body<4, 2, true>(Q2_ARGS(logits.data()));
+            else mf2_body<4, 2>(Q2_ARGS(logits.data()));
 #undef Q2_ARGS
         });
+        emu_cluster = 1;
     }
     if (deep && memcmp(x.data(), x2.data(), 4 * H) != 0) { printf("%-6s moe_fused_q3 E%d K%d H%d: not moe_fused_q2's bits\n", VARIANT, E, K, H); fails++; }
     bool ok = true; for (int s = 0; s < S; s++) ok &= ids[s] == idx[s];
     double werr = 0; for (int s = 0; s < S; s++) werr = std::max(werr, std::fabs(wts[s] - wk[s]));
-    char b[160]; snprintf(b, sizeof b, "moe_fused_q%d E%d K%d H%d I%d grid %d route %d%s: ids %s, weights %.1e", deep ? 3 : 2, E, K, H, inter, G, rank, renorm ? "" : " (softmax over all)", ok ? "ok" : "WRONG", werr);
+    char b[160]; snprintf(b, sizeof b, "moe_fused_%s E%d K%d H%d I%d grid %d route %d%s: ids %s, weights %.1e", router_bits ? (router_bits == 8 ? "qr (q8 router)" : "qr (q4 router)") : deep ? "q3" : "q2", E, K, H, inter, G, rank, renorm ? "" : " (softmax over all)", ok ? "ok" : "WRONG", werr);
     fails += !ok || werr > 1e-6;
+    if (router_bits) {
+        std::vector<float> lg32(lg_out);
+        char lb[128]; snprintf(lb, sizeof lb, "moe_fused_qr E%d H%d q%d router: its logits", E, H, router_bits); report(lb, nmse(lg32.data(), want_lg));
+    }
     report(b, nmse(x.data(), want));
 }
 // moe_down_q's body: x += sum_k wts[k] D_{ids[k]} (silu(g_k) * u_k), the staging from gu = [2S, inter]
@@ -229,6 +248,10 @@ int main() {
     // H 4096 (two trips a pair) over 3 blocks
     q2_case(256, 8, 512, 64, 2, 3, true);
     q2_case(64, 4, 4096, 64, 3, 4, true);
+    // qr: two clusters of 8 blocks with a 4-bit router of 65 rows (33 row groups over the 128
+    // cluster warps); one cluster with an 8-bit router at H 2048 (two trips a row)
+    q2_case(64, 4, 256, 64, 16, 3, false, 1, 4);
+    q2_case(64, 4, 2048, 64, 8, 4, false, 1, 8);
     down_case(16, 9, 256, 64, 3);
     down_case(16, 3, 64, 512, 1);
     gdn_case(2, 4, 64, 64);

@@ -73,8 +73,21 @@ inline unsigned long long global_ns() { return 0; }
 inline uint4 ldg_stream(const uint4* p) { return *p; }
 inline unsigned short ldg_u16_stream(const unsigned short* p) { return *p; } /* the L2 policy is a hint */
 inline void pf_l2(const void*) {} /* an L2 prefetch: no effect on results */
+/* Thread-block clusters (moe_fused_qr, LILY_EMU): emu_cluster blocks a cluster along x; the
+   cluster barrier as the grid's (stronger: every block waits for all), a store into a cluster
+   block's shared memory through each block's registered ls (the one array written remotely). */
+inline int emu_cluster = 1;
+inline float* emu_cl_ls[1024];
+inline unsigned emu_cl_rank();
+inline void emu_cl_wait();
+inline void emu_cl_store(float* local, unsigned rank, float v) {
+    int me = blockIdx.x;
+    emu_cl_ls[me - me % emu_cluster + rank][local - emu_cl_ls[me]] = v;
+}
 inline void grid_wait(const unsigned long long*, unsigned long long) { emu_grid_bar->arrive_and_wait(); }
 inline void grid_arrive_rel(unsigned long long*) { __syncthreads(); }
+inline unsigned emu_cl_rank() { return blockIdx.x % emu_cluster; }
+inline void emu_cl_wait() { emu_grid_bar->arrive_and_wait(); }
 template <class T> inline T max(T a, T b) { return a > b ? a : b; }
 template <class T> inline T min(T a, T b) { return a < b ? a : b; }
 inline unsigned long long __cvta_generic_to_shared(const void* p) { return (unsigned long long)p; }

@@ -231,6 +231,9 @@ pub struct Gpu {
     pub wg_ws: u64,
     /// The physical pages of the KV caches ([`paged`]).
     pages: std::sync::Mutex<paged::PagePool>,
+    /// How many of moe_fused_qr's clusters the device keeps resident at once (asked once; 0:
+    /// none, or the driver could not say).
+    pub(crate) qr_clusters: std::sync::OnceLock<u32>,
 }
 
 /// Bytes of partial sums a split-K skinny product may write (ksplit · M · N floats).
@@ -393,6 +396,7 @@ impl Gpu {
             splitk_ws,
             wg_ws,
             pages: std::sync::Mutex::new(paged::PagePool::new()),
+            qr_clusters: std::sync::OnceLock::new(),
         })
     }
 
@@ -483,6 +487,31 @@ impl Gpu {
             timeline::note_launch(name);
         }
         Ok(())
+    }
+
+    /// How many clusters of kernel `name` (compiled with `__cluster_dims__`) can be resident at
+    /// once with blocks of `block` threads and `shared` bytes of dynamic shared memory (the
+    /// driver's occupancy query; an error where the kernel has no clusters or the device none).
+    pub fn max_clusters(&self, name: &str, block: u32, shared: usize) -> Result<u32> {
+        let f = *self.funcs.get(name).ok_or_else(|| anyhow!("unknown kernel {name}"))?;
+        let mut n: std::ffi::c_int = 0;
+        let cfg = sys::CUlaunchConfig {
+            gridDimX: 8 * self.sms,
+            gridDimY: 1,
+            gridDimZ: 1,
+            blockDimX: block,
+            blockDimY: 1,
+            blockDimZ: 1,
+            sharedMemBytes: shared as u32,
+            hStream: self.stream,
+            attrs: std::ptr::null_mut(),
+            numAttrs: 0,
+        };
+        // SAFETY: a query writing one int; cfg outlives the call and names no attributes.
+        unsafe { sys::cuOccupancyMaxActiveClusters(&mut n, f, &cfg) }
+            .result()
+            .map_err(|e| anyhow!("cluster occupancy of {name}: {e:?}"))?;
+        Ok(n.max(0) as u32)
     }
 
     /// Milliseconds of device time the launches `f` queues take (events around them).

@@ -204,7 +204,8 @@ struct Scratch {
     /// workspace (`SAMPLE_WS_BYTES`).
     sp: DevBuf,
     pick_ws: DevBuf,
-    /// The u64 counters moe_fused_q's and moe_fused_q2's (or q3's) blocks meet on (zeroed once).
+    /// The u64 counters moe_fused_q's, moe_fused_q2's (or q3's) and moe_fused_qr's blocks meet
+    /// on (zeroed once).
     sync: DevBuf,
     /// The same for gdn_step_out (its own: a counter's launches must all have the same grid).
     sync_gdn: DevBuf,
@@ -384,7 +385,7 @@ impl CudaSession {
             io: f(3)?,
             sp: f(6)?,
             pick_ws: g.zeros(super::SAMPLE_WS_BYTES)?,
-            sync: g.zeros(16)?,
+            sync: g.zeros(24)?,
             sync_gdn: g.zeros(8)?,
             moe_trace: if profile::moe_tracing() {
                 Some(g.zeros(8 * profile::MOE_TRACE_SLOTS * g.sms as usize * self.model.layers.len())?)

@@ -99,14 +99,16 @@ __device__ __forceinline__ float route_key_value(u64 k) {
 }
 /* The register top-k forms' prologue: lane l's logits l + 32j (j < VPL) and the shared
    expert's gate logit (lane 0) in one load round, then the max and the softmax sum in
-   route_topk's order. */
-template <int VPL>
+   route_topk's order. SMEM: the logits are in shared memory (moe_fused_qr), else global (read
+   through L2). */
+template <int VPL, bool SMEM = false>
 __device__ __forceinline__ void route_regs_softmax(const float* logits, int E, int shared, float (&v)[VPL], float& gate,
                                                    float& mx, float& tot, bool need_tot = true) {
     int lane = threadIdx.x & 31;
-    gate = shared && lane == 0 ? __ldcg(logits + E) : 0.f;
+    auto ld = [&](int i) { return SMEM ? logits[i] : __ldcg(logits + i); };
+    gate = shared && lane == 0 ? ld(E) : 0.f;
 #pragma unroll
-    for (int j = 0; j < VPL; j++) v[j] = lane + 32 * j < E ? __ldcg(logits + lane + 32 * j) : 0.f;
+    for (int j = 0; j < VPL; j++) v[j] = lane + 32 * j < E ? ld(lane + 32 * j) : 0.f;
     mx = -INFINITY;
 #pragma unroll
     for (int j = 0; j < VPL; j++)
@@ -188,13 +190,13 @@ __device__ __forceinline__ void route_topk_reg(const float* logits, int E, int K
    keeps pick k and takes its exp, the denominator is added up over shuffles in route_topk's
    order, each lane divides its own (one exp and one division deep instead of 2K exps and K
    divisions one after another); and with `renorm` the softmax sum over all E, which only the
-   unrenormalized weights use, is not computed. The same bits. */
-template <int VPL, bool PW = false>
+   unrenormalized weights use, is not computed. The same bits. SMEM: as route_regs_softmax's. */
+template <int VPL, bool PW = false, bool SMEM = false>
 __device__ __forceinline__ void route_topk_redux(const float* logits, int E, int K, int renorm, int shared,
                                                  int* chosen, float* wsel) {
     int lane = threadIdx.x & 31;
     float gate, v[VPL], mx, tot;
-    route_regs_softmax<VPL>(logits, E, shared, v, gate, mx, tot, !PW || !renorm);
+    route_regs_softmax<VPL, SMEM>(logits, E, shared, v, gate, mx, tot, !PW || !renorm);
     u32 key[VPL];
 #pragma unroll
     for (int j = 0; j < VPL; j++) key[j] = lane + 32 * j < E ? (u32)(route_key(v[j], 0) >> 32) : 0u;
@@ -270,6 +272,20 @@ __device__ __forceinline__ void route_warp(int mode, const float* logits, int E,
         route_topk_reg<16, 16>(logits, E, K, renorm, shared, chosen, wsel);
     else
         route_topk(logits, E, K, renorm, shared, ls, chosen, wsel);
+}
+
+/* The top-K of one warp from logits in shared memory (moe_fused_qr; E <= 512, the shared expert
+   as slot K): route_topk_redux, with the weights by the lanes in mode 4 (redux2). */
+__device__ __forceinline__ void route_warp_smem(int mode, const float* ls, int E, int K, int renorm, int* chosen,
+                                               float* wsel) {
+    if (mode == 4 && K <= 32 && E <= 256)
+        route_topk_redux<8, true, true>(ls, E, K, renorm, 1, chosen, wsel);
+    else if (mode == 4 && K <= 32)
+        route_topk_redux<16, true, true>(ls, E, K, renorm, 1, chosen, wsel);
+    else if (E <= 256)
+        route_topk_redux<8, false, true>(ls, E, K, renorm, 1, chosen, wsel);
+    else
+        route_topk_redux<16, false, true>(ls, E, K, renorm, 1, chosen, wsel);
 }
 
 /* The same routing by a whole block of nt threads (nt a multiple of 32, at most 1024) meeting at

@@ -225,7 +225,9 @@ __device__ __forceinline__ void grid_arrive_rel(u64* ctr) {
     if (threadIdx.x == 0) asm volatile("red.release.gpu.global.add.u64 [%0], 1;" ::"l"(ctr) : "memory");
 }
 
-template <int BITS, int TY, bool DEEP = false>
+/* DEEP: mf3_pairs (moe_fused_q3). LS: the logits are in shared memory (moe_fused_qr's router
+   wrote them there; the top-K by route_warp_smem). */
+template <int BITS, int TY, bool DEEP = false, bool LS = false>
 __device__ __forceinline__ void mf2_body(MoeFusedParams_fields, float* xs, float* red, float* wsel, int* chosen,
                                          float* ls, u64* ts) {
     constexpr int EPV = 128 / BITS;
@@ -233,7 +235,10 @@ __device__ __forceinline__ void mf2_body(MoeFusedParams_fields, float* xs, float
     u64 base = 0; /* thread 0's: the counter before this launch */
     if (threadIdx.x == 0) base = ld_relaxed_u64(ctr);
     if (threadIdx.x < 32) {
-        route_warp(rank, logits, E, K, renorm, 1, ls, chosen, wsel);
+        if (LS)
+            route_warp_smem(rank, logits, E, K, renorm, chosen, wsel);
+        else
+            route_warp(rank, logits, E, K, renorm, 1, ls, chosen, wsel);
     } else {
         mf2_stage<EPV>(x, H, normw, xs, xsum, red);
     }

@@ -276,8 +276,14 @@ impl CudaSession {
                 op(Some("moe.router"), router.nbytes());
                 if self.routed && g.moe_fused_ok(gu, dn, e, k) {
                     // Top-k, gate/up and down + residual in one launch (the router too with
-                    // LILY_CUDA_MOE_ROUTER=fused).
-                    let fr = router.fused.as_ref().filter(|r| router_fused() && g.moe_router_ok(r, gu, e));
+                    // LILY_CUDA_MOE=qr, by clusters, or LILY_CUDA_MOE_ROUTER=fused).
+                    let form = ops::moe_form();
+                    let qr = router
+                        .fused
+                        .as_ref()
+                        .filter(|r| form == ops::MoeForm::Qr && post_norm.0 != 0 && g.moe_fused_qr_ok(gu, dn, r, e, k));
+                    let fr =
+                        qr.or_else(|| router.fused.as_ref().filter(|r| router_fused() && g.moe_router_ok(r, gu, e)));
                     if fr.is_none() {
                         router.run(g, s.x.ptr, post_norm, s.router.ptr)?;
                     }
@@ -287,11 +293,15 @@ impl CudaSession {
                         .moe_trace
                         .as_ref()
                         .map_or(0, |t| t.ptr + (8 * profile::MOE_TRACE_SLOTS * g.sms as usize * li) as u64);
-                    let form = match ops::moe_form() {
-                        f @ (ops::MoeForm::Q2 | ops::MoeForm::Q3)
-                            if fr.is_none() && post_norm.0 != 0 && g.moe_fused_q2_ok(gu, dn, e, k) =>
-                        {
-                            f
+                    let form = match form {
+                        _ if qr.is_some() => ops::MoeForm::Qr,
+                        ops::MoeForm::Q => ops::MoeForm::Q,
+                        f if fr.is_none() && post_norm.0 != 0 && g.moe_fused_q2_ok(gu, dn, e, k) => {
+                            if f == ops::MoeForm::Q3 {
+                                ops::MoeForm::Q3
+                            } else {
+                                ops::MoeForm::Q2
+                            }
                         }
                         _ => ops::MoeForm::Q,
                     };

@@ -8,7 +8,7 @@ use super::super::params::{
 };
 use super::super::Gpu;
 use super::{blocks, gemv_default, GemvKernel, GpuLinear, GEMV_XMAX};
-use anyhow::{bail, Result};
+use anyhow::{bail, Context, Result};
 
 /// How the decode MoE kernels pick the top-k: 3 one warp with the logits in registers and two
 /// warp reductions per pick (`route_topk_redux` in moe.cu, the default: +3.7% decode alone on
@@ -33,24 +33,35 @@ fn route_rank() -> i32 {
 /// the top-k in one warp beside the input staging, gate/up rows in pairs that write
 /// SiLU(gate)·up themselves; +6.3% decode alone on the H200, session 32), `moe_fused_q3`
 /// (`LILY_CUDA_MOE=q3`, not yet measured: q2 with the pairs dealt warp-major over the grid and
-/// three trips of loads in flight per warp, the same result), or `moe_fused_q` (gemv.cu;
+/// three trips of loads in flight per warp, the same result), `moe_fused_qr` (moe_fused_qr.cu,
+/// `LILY_CUDA_MOE=qr`, not yet measured: q2 with the router computed in the same launch by
+/// clusters of 8 blocks, one launch fewer per MoE layer), or `moe_fused_q` (gemv.cu;
 /// `LILY_CUDA_MOE=q`, and where q2 does not take the shape or the router is fused).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum MoeForm {
     Q,
     Q2,
     Q3,
+    Qr,
 }
 
-/// The decode step's [`MoeForm`] (default `Q2`; `LILY_CUDA_MOE=q`: `Q`, `=q3`: `Q3`).
+/// The decode step's [`MoeForm`] (default `Q2`; `LILY_CUDA_MOE=q`: `Q`, `=q3`: `Q3`, `=qr`:
+/// `Qr`).
 pub fn moe_form() -> MoeForm {
     static V: std::sync::OnceLock<MoeForm> = std::sync::OnceLock::new();
     *V.get_or_init(|| match std::env::var("LILY_CUDA_MOE").as_deref() {
         Ok("q") => MoeForm::Q,
         Ok("q3") => MoeForm::Q3,
+        Ok("qr") => MoeForm::Qr,
         _ => MoeForm::Q2,
     })
 }
+
+/// moe_fused_qr's cluster size (its `__cluster_dims__`, kernels/moe_fused_qr.cu).
+const QR_CS: usize = 8;
+/// The dynamic shared memory moe_fused_qr's resident clusters are counted with (bytes; a launch
+/// that needs more is refused): the default limit, 8x Qwen3.6's 8.4 KB.
+const MOE_QR_SMEM: usize = 48 << 10;
 
 /// `LILY_CUDA_MOE_FIXED` (a measurement switch: the model's output is garbage): moe_fused_q
 /// computes experts 0..K (`1`) or every (E/K)-th expert (`2`) whatever the router chose, so a
@@ -159,15 +170,45 @@ impl Gpu {
         router.streams() && router.count == 1 && router.rows == e + 1 && router.cols == gate_up.cols
     }
 
+    /// Whether [`Gpu::moe_fused`] takes these experts and router in [`MoeForm::Qr`]: q2's shapes,
+    /// 4-bit experts, a 4- or 8-bit router of their scale type with at most 512 rows, and a
+    /// device that holds enough clusters of 8 blocks at once ([`Gpu::moe_qr_grid`]).
+    pub fn moe_fused_qr_ok(
+        &self,
+        gate_up: &GpuLinear,
+        down: &GpuLinear,
+        router: &GpuLinear,
+        e: usize,
+        k: usize,
+    ) -> bool {
+        self.moe_fused_q2_ok(gate_up, down, e, k)
+            && self.moe_router_ok(router, gate_up, e)
+            && gate_up.bits == 4
+            && matches!(router.bits, 4 | 8)
+            && router.ty == gate_up.ty
+            && e < 512
+            && self.moe_qr_grid(gate_up, down, k).is_some()
+    }
+
+    /// moe_fused_qr's grid: q2's, rounded to whole clusters of 8 blocks, within the clusters the
+    /// device can keep resident at once (every block must be, for the blocks' meeting; the
+    /// driver is asked once). None where that is no cluster (no clusters before sm_90).
+    pub fn moe_qr_grid(&self, gate_up: &GpuLinear, down: &GpuLinear, k: usize) -> Option<usize> {
+        let fits = *self.qr_clusters.get_or_init(|| self.max_clusters("moe_fused_qr", 512, MOE_QR_SMEM).unwrap_or(0));
+        let want = ((k + 1) * gate_up.rows).div_ceil(16).max(down.rows.div_ceil(16)).min(self.sms as usize);
+        let clusters = want.div_ceil(QR_CS).min(fits as usize);
+        (clusters > 0).then_some(clusters * QR_CS)
+    }
+
     /// Decode MoE in one launch (moe_fused_q): routing ([`Gpu::gemv_routed`]'s top-`k` with the
     /// shared expert as slot `k`), the gate/up rows of the chosen experts into `gu`
     /// `[2(k+1), inter]`, then [`Gpu::moe_down`]'s down projections, weighted sum and residual
     /// into `x`; `ids`/`wts` get the routing; `ctr` is a zeroed u64 the launch's blocks meet on.
     /// With `router`, its logits are computed first in the same launch (into `logits`). `trace`
     /// (0: none) gets 16 global-timer stamps per block ([`crate::cuda::profile::MOE_TRACE_SLOTS`]).
-    /// `ctr` holds two zeroed u64: the first for [`MoeForm::Q`]'s launches, the second for
-    /// [`MoeForm::Q2`]'s and [`MoeForm::Q3`]'s (the grids differ; a counter's launches must
-    /// share one).
+    /// `ctr` holds three zeroed u64: the first for [`MoeForm::Q`]'s launches, the second for
+    /// [`MoeForm::Q2`]'s and [`MoeForm::Q3`]'s, the third for [`MoeForm::Qr`]'s (the grids
+    /// differ; a counter's launches must share one).
     #[allow(clippy::too_many_arguments)]
     pub fn moe_fused(
         &self,
@@ -186,8 +227,14 @@ impl Gpu {
         if !self.moe_fused_ok(gate_up, down, e, k) {
             bail!("moe_fused: experts of this shape or format are not fused");
         }
-        if form != MoeForm::Q && (router.is_some() || normw == 0 || !self.moe_fused_q2_ok(gate_up, down, e, k)) {
+        if matches!(form, MoeForm::Q2 | MoeForm::Q3)
+            && (router.is_some() || normw == 0 || !self.moe_fused_q2_ok(gate_up, down, e, k))
+        {
             bail!("moe_fused_q2/q3: this router, input or expert shape is not taken");
+        }
+        if form == MoeForm::Qr && (normw == 0 || !router.is_some_and(|r| self.moe_fused_qr_ok(gate_up, down, r, e, k)))
+        {
+            bail!("moe_fused_qr: this router, input or expert shape is not taken");
         }
         if router.is_some_and(|r| !self.moe_router_ok(r, gate_up, e)) {
             bail!("moe_fused: a router of this shape or format is not fused");
@@ -239,6 +286,17 @@ impl Gpu {
         let epv = 128 / router.map_or(gate_up.bits, |r| r.bits.max(gate_up.bits)) as usize;
         let (h, s) = (gate_up.cols, (k + 1) * down.cols);
         let shared = (4 * (h + h / epv).max(s + s / epv)) as u32;
+        if form == MoeForm::Qr {
+            // Whole clusters; the third u64 (the grid may differ from q2's).
+            let grid = self.moe_qr_grid(gate_up, down, k).context("moe_fused_qr: no cluster fits")?;
+            if shared as usize > MOE_QR_SMEM {
+                bail!(
+                    "moe_fused_qr: {shared} bytes of shared memory, more than the {MOE_QR_SMEM} its grid was sized for"
+                );
+            }
+            let a = MoeFusedParams { ctr: Out::new(ctr + 16), ..a };
+            return self.launch_params("moe_fused_qr", (grid as u32, 1, 1), 512, shared, &a);
+        }
         if form != MoeForm::Q {
             // Every SM: the (K + 1) * inter gate/up pairs over its 16 warps each (q2 and q3: the
             // same grid, so they may share the counter).
