@@ -1,7 +1,7 @@
 //! The GDN decode kernels against the CPU reference (src/cpu/gdn.rs via tests/common): the input
 //! projection with the causal conv in its epilogue (gemv_q2_conv), conv_step + the state step
-//! token by token, the state step fused with the output projection (gdn_step_out), and 512 steps
-//! without drift. Skips (and passes, saying so) when no GPU/driver is present.
+//! token by token, the state step fused with the output projection (gdn_step_out), the projection,
+//! conv and state step in one launch of clusters (gdn_in_step_cl), and 512 steps without drift. Skips (and passes, saying so) when no GPU/driver is present.
 //!
 //! Bounds as tests/cuda_kernels.rs: fp32 on both sides, differing only in summation order
 //! (NMSE ≲ 1e-11 for these widths); 1e-9, 1e-8 where errors compound through the recurrence.
@@ -201,6 +201,55 @@ fn gdn_step_out_matches_cpu() {
             check(&format!("{name} out"), &ob.read_f32(0, vd).unwrap(), &o, 1e-8);
             check(&format!("{name} state"), &grec.read_f32(0, rec.len()).unwrap(), &rec, 1e-8);
             check(&format!("{name} x"), &xb.read_f32(0, rows).unwrap(), &x, TOL);
+        }
+    }
+}
+
+/// gdn_in_step_cl (LILY_CUDA_GDN=cl): the input projection of rms_norm(x), its conv and the state
+/// step in one launch of clusters, over several tokens (conv state and state carried), against
+/// the CPU's projection and step. Shapes: the real one (16 key heads, 12,352 x 2048 4-bit) and two
+/// key heads over 256 columns of 8-bit codes. Taken wherever the device has clusters (sm_90+).
+#[test]
+fn gdn_in_step_cl_matches_cpu() {
+    let Some(g) = gpu() else { return };
+    let mut r = rng(25);
+    for (hk, cols, bits, group) in [(16usize, 2048usize, 4u32, 64usize), (2, 256, 8, 32)] {
+        let (hv, dk, dv) = (2 * hk, 128, 128);
+        let d = GdnDims { hk, hv, dk, dv };
+        let (kd, vd) = (hk * dk, hv * dv);
+        let c = 2 * kd + vd;
+        let l = quant(&mut r, c + vd + 2 * hv, cols, bits, group);
+        let gl = GpuLinear::upload(&g, &l).unwrap();
+        let (k, conv_w, dt_bias, neg_a, normw) = gdn_test_weights(&mut r, c, hv, dv);
+        let nw = uniform(&mut r, cols, 1.5);
+        let mut cstate = uniform(&mut r, (k - 1) * c, 1.0);
+        let mut rec = uniform(&mut r, hv * dk * dv, 0.5);
+        let gb = |v: &[f32]| g.upload_f32(v).unwrap();
+        let (cw, dtb, nab, nwb, inw) = (gb(&conv_w), gb(&dt_bias), gb(&neg_a), gb(&normw), gb(&nw));
+        let (gcs, grec, ob) = (gb(&cstate), gb(&rec), gb(&vec![f32::NAN; vd]));
+        let gs = gdn_test_step(d, (dtb.ptr, nab.ptr, nwb.ptr), grec.ptr, ob.ptr, 0);
+        let name = format!("gdn_in_step_cl H_k{hk} K{cols} q{bits}");
+        if !g.gdn_in_step_cl_ok(&gl, &gs, c, k) {
+            assert!(!g.arch.starts_with("sm_90"), "{name}: refused on {}", g.arch);
+            eprintln!("SKIPPED {name}: no clusters on {}", g.arch);
+            return;
+        }
+        for step in 0..3 {
+            let x = uniform(&mut r, cols, 1.0);
+            let mut xn = x.clone();
+            rms_norm(&mut xn, &nw, 1e-6);
+            let mut proj = vec![0f32; l.rows];
+            l.matvec(&xn, &mut proj);
+            let (qkv, rest) = proj.split_at(c);
+            let (z, ba) = rest.split_at(vd);
+            let w = GdnWeights { d, conv_w: &conv_w, taps: k, neg_a: &neg_a, dt_bias: &dt_bias, norm: &normw };
+            let (_, o) = cpu_gdn(&w, 1, qkv, z, &ba[..hv], &ba[hv..], &mut cstate, &mut rec);
+            let xb = gb(&x);
+            g.gdn_in_step_cl(&gl, xb.ptr, (inw.ptr, 1e-6), (gcs.ptr, cw.ptr), c, k, &gs).unwrap();
+            let s = format!("{name} step {step}");
+            check(&format!("{s} out"), &ob.read_f32(0, vd).unwrap(), &o, 1e-8);
+            check(&format!("{s} state"), &grec.read_f32(0, rec.len()).unwrap(), &rec, 1e-8);
+            check(&format!("{s} conv state"), &gcs.read_f32(0, cstate.len()).unwrap(), &cstate, TOL);
         }
     }
 }

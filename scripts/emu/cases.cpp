@@ -87,7 +87,7 @@ static void q2_case(int E, int K, int H, int inter, int G, int rank, bool deep =
     for (int pass = 0; pass < 1 + deep; pass++) {
         bool dp = deep && pass == 1;
         if (pass == 1) { x2 = x; x = x0; }
-        if (router_bits) { emu_cluster = 8; /* QR_CS */ for (int b = 0; b < G; b++) emu_cl_ls[b] = ls[b].data(); }
+        if (router_bits) { emu_cluster = 8; /* QR_CS */ for (int b = 0; b < G; b++) emu_cl_base[b] = ls[b].data(); }
         emu_launch(G, 512, [&] {
             int b = blockIdx.x;
 #define Q2_ARGS(LG) GU.w.data(), GU.sc.data(), GU.bi.data(), DN.w.data(), DN.sc.data(), DN.bi.data(), 4, 64, 64, 2, x.data(), gu.data(), inter, H, nw.data(), 1e-6f, LG, E, K, renorm, ids.data(), wts.data(), ctr + 1, 1, rank, nullptr, nullptr, nullptr, 0, 0, 0, 0, nullptr, 0, 1, xs[b].data(), red[b].data(), wsel[b].data(), chosen[b].data(), ls[b].data(), nullptr
@@ -201,6 +201,67 @@ static void conv_case(int rows, int cols, int C, int K, int G, int T) {
     snprintf(b, sizeof b, "gemv_q2_conv %dx%d C%d K%d: conv + SiLU", rows, cols, C, K); report(b, nmse(cy.data(), wcy));
     snprintf(b, sizeof b, "gemv_q2_conv %dx%d C%d K%d: the state", rows, cols, C, K); report(b, nmse(st.data(), wst));
 }
+// gdn_in_step_cl's body (LILY_CUDA_GDN=cl): the fused in-projection [q | k | v | z | b | a] of
+// rms_norm(x) * nw, the causal conv + SiLU of the q, k, v rows, the state step of every value head
+// and its gated norm, against double precision; hk clusters of 8 blocks (D_k = D_v = 128).
+static void gdn_cl_case(int hk, int H, int K) {
+    const int dk = 128, dv = 128, hv = 2 * hk, C = 2 * hk * dk + hv * dv, rows = C + hv * dv + 2 * hv, G = 8 * hk;
+    Q4 W(rows, H, 64);
+    std::vector<float> x(H), nw(H), cw((size_t)C * K), cst((size_t)(K - 1) * C), dtb(hv), na(hv), gn(dv), S((size_t)hv * dk * dv), out(hv * dv, NAN);
+    for (auto& v : x) v = U();
+    for (auto& v : nw) v = 1 + 0.5f * U();
+    for (auto& v : cw) v = 0.5f * U();
+    for (auto& v : cst) v = U();
+    for (auto& v : dtb) v = U();
+    for (auto& v : na) v = -std::fabs(U());
+    for (auto& v : gn) v = 1 + 0.3f * U();
+    for (auto& v : S) v = 0.3f * U();
+    // reference
+    double ss = 0; for (float v : x) ss += (double)v * v;
+    double rr = 1.0 / std::sqrt(ss / H + 1e-6);
+    std::vector<double> p(rows), y(C), wst((size_t)(K - 1) * C), wS(S.begin(), S.end()), wout(hv * dv);
+    for (int r = 0; r < rows; r++) { double a = 0; for (int c = 0; c < H; c++) a += W.at(r, c) * x[c] * nw[c]; p[r] = a * rr; }
+    for (int c = 0; c < C; c++) {
+        std::vector<double> X(K); for (int j = 0; j < K - 1; j++) X[j] = cst[(size_t)j * C + c]; X[K - 1] = p[c];
+        double a = 0; for (int j = 0; j < K; j++) a += cw[(size_t)c * K + j] * X[j];
+        y[c] = a / (1 + std::exp(-a));
+        for (int j = 0; j < K - 1; j++) wst[(size_t)j * C + c] = X[j + 1];
+    }
+    for (int h = 0; h < hv; h++) {
+        int kh = h / 2;
+        std::vector<double> q(dk), k(dk);
+        double sq = 0, sk = 0;
+        for (int i = 0; i < dk; i++) { q[i] = y[kh * dk + i]; k[i] = y[hk * dk + kh * dk + i]; sq += q[i] * q[i]; sk += k[i] * k[i]; }
+        for (int i = 0; i < dk; i++) { q[i] /= std::sqrt(sq + 1e-6) * std::sqrt((double)dk); k[i] /= std::sqrt(sk + 1e-6); }
+        double beta = 1 / (1 + std::exp(-p[C + hv * dv + h])), sp = p[C + hv * dv + hv + h] + dtb[h];
+        double alpha = std::exp(na[h] * (sp > 20 ? sp : std::log1p(std::exp(sp))));
+        std::vector<double> o(dv);
+        for (int j = 0; j < dv; j++) {
+            double* col = &wS[(size_t)h * dk * dv + j];
+            double u = 0; for (int i = 0; i < dk; i++) u += alpha * col[(size_t)i * dv] * k[i];
+            double delta = beta * (y[2 * hk * dk + h * dv + j] - u);
+            double oj = 0; for (int i = 0; i < dk; i++) { col[(size_t)i * dv] = alpha * col[(size_t)i * dv] + k[i] * delta; oj += col[(size_t)i * dv] * q[i]; }
+            o[j] = oj;
+        }
+        double s2 = 0; for (double v : o) s2 += v * v;
+        double rn = 1 / std::sqrt(s2 / dv + 1e-6);
+        for (int j = 0; j < dv; j++) { double z = p[C + h * dv + j]; wout[h * dv + j] = o[j] * rn * gn[j] * (z / (1 + std::exp(-z))); }
+    }
+    // the kernel body: per block the staging, its reduction scratch and an arena [pv 772 | part 512 | ssq 4]
+    std::vector<std::vector<float>> xs(G, std::vector<float>(H + H / 16 + 64, NAN)), red(G, std::vector<float>(33)), arena(G, std::vector<float>(772 + 512 + 4, NAN));
+    emu_cluster = 8;
+    for (int b = 0; b < G; b++) emu_cl_base[b] = arena[b].data();
+    emu_launch(G, 512, [&] {
+        int b = blockIdx.x;
+        float* ar = arena[b].data();
+        gcl_body<4, 2>(W.w.data(), W.sc.data(), W.bi.data(), 4, 64, 2, x.data(), H, nw.data(), 1e-6f, cst.data(), cw.data(), C, K, dtb.data(), na.data(), gn.data(), 1e-6f, S.data(), out.data(), hk, hv, xs[b].data(), red[b].data(), ar, ar + 772, ar + 772 + 512);
+    });
+    emu_cluster = 1;
+    char b[128];
+    snprintf(b, sizeof b, "gdn_in_step_cl hk%d H%d K%d: the output", hk, H, K); report(b, nmse(out.data(), wout));
+    snprintf(b, sizeof b, "gdn_in_step_cl hk%d H%d K%d: the state", hk, H, K); report(b, nmse(S.data(), wS));
+    snprintf(b, sizeof b, "gdn_in_step_cl hk%d H%d K%d: the conv state", hk, H, K); report(b, nmse(cst.data(), wst));
+}
 // the top-K forms against each other on edge values: ties, -0 and +0, -inf (NaN aside: route_topk
 // never picks it, the register forms rank it as -inf). Where every logit is -inf, route_topk picks
 // expert 0 K times (its taken mark is -inf too) and the register forms experts 0..K-1; the
@@ -258,6 +319,7 @@ int main() {
     gdn_case(1, 2, 128, 128);
     conv_case(300, 256, 200, 4, 2, 128);
     conv_case(96, 2048, 64, 4, 1, 512);
+    gdn_cl_case(2, 256, 4);
     route_edges();
     printf("%s: %d failures\n", VARIANT, fails);
     return fails != 0;

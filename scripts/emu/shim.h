@@ -77,12 +77,12 @@ inline void pf_l2(const void*) {} /* an L2 prefetch: no effect on results */
    cluster barrier as the grid's (stronger: every block waits for all), a store into a cluster
    block's shared memory through each block's registered ls (the one array written remotely). */
 inline int emu_cluster = 1;
-inline float* emu_cl_ls[1024];
+inline float* emu_cl_base[1024];
 inline unsigned emu_cl_rank();
 inline void emu_cl_wait();
 inline void emu_cl_store(float* local, unsigned rank, float v) {
     int me = blockIdx.x;
-    emu_cl_ls[me - me % emu_cluster + rank][local - emu_cl_ls[me]] = v;
+    emu_cl_base[me - me % emu_cluster + rank][local - emu_cl_base[me]] = v;
 }
 inline void grid_wait(const unsigned long long*, unsigned long long) { emu_grid_bar->arrive_and_wait(); }
 inline void grid_arrive_rel(unsigned long long*) { __syncthreads(); }

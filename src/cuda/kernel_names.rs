@@ -3,7 +3,7 @@
 //! (gemm_skinny, flash-attention prefill, tensor-core decode attention) with its shared memory.
 
 /// Every kernel source, in compile order (the prelude first). One NVRTC program, one module.
-pub const SOURCES: [(&str, &str); 25] = [
+pub const SOURCES: [(&str, &str); 26] = [
     ("common.cuh", include_str!("kernels/common.cuh")),
     ("norm.cu", include_str!("kernels/norm.cu")),
     ("linear.cu", include_str!("kernels/linear.cu")),
@@ -27,6 +27,7 @@ pub const SOURCES: [(&str, &str); 25] = [
     ("gemv.cu", include_str!("kernels/gemv.cu")),
     ("moe_fused2.cu", include_str!("kernels/moe_fused2.cu")),
     ("moe_fused_qr.cu", include_str!("kernels/moe_fused_qr.cu")),
+    ("gdn_fused_cl.cu", include_str!("kernels/gdn_fused_cl.cu")),
     ("sampling.cu", include_str!("kernels/sampling.cu")),
     ("pstep.cu", include_str!("kernels/pstep.cu")),
 ];
@@ -158,7 +159,7 @@ fn skinny_occ2() -> bool {
 /// Kernels that call `pdl_wait()` before touching activations (kernels/common.cuh) and so may be
 /// launched as programmatic dependents: their launch and weight reads overlap the previous
 /// kernel's tail. The gemm_skinny entry points are such kernels too (see [`is_pdl`]).
-pub const PDL_KERNELS: [&str; 67] = [
+pub const PDL_KERNELS: [&str; 68] = [
     "gemm_wsp128",
     "gemm_wsp256",
     "gemm_wsp128_q8",
@@ -182,6 +183,7 @@ pub const PDL_KERNELS: [&str; 67] = [
     "moe_fused_q2",
     "moe_fused_q3",
     "moe_fused_qr",
+    "gdn_in_step_cl",
     "gemv_q2_conv",
     "samp_max",
     "samp_radix",

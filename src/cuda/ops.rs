@@ -18,7 +18,9 @@ pub use moe::{moe_form, router_fused, MoeForm};
 mod sampling;
 
 pub use attention::{AttnDecode, AttnKernel, AttnPlan, AttnPrep, AttnRows, KvDtype, PrefillAttn};
-pub use gdn::{gdn_chunk_floats, gdn_out_fused, gdn_prefill_kernel, GdnPrefill, GdnPrefillKernel, GdnRows, GdnStep};
+pub use gdn::{
+    gdn_chunk_floats, gdn_cluster, gdn_out_fused, gdn_prefill_kernel, GdnPrefill, GdnPrefillKernel, GdnRows, GdnStep,
+};
 pub use gemm::{gdn_norm_perm_on, silu_perm_on, tma_on, wg_tall_avg, GemmKernel, Precision};
 pub use sampling::{sampling_params_bytes, SAMPLE_WS_BYTES};
 

@@ -4,7 +4,7 @@
 //! it alone for the layer-local error test.
 
 use super::{gdn_step_args, CudaSession, GFfn, GMixer, GState};
-use crate::cuda::ops::{self, gdn_out_fused, router_fused};
+use crate::cuda::ops::{self, gdn_cluster, gdn_out_fused, router_fused};
 use crate::cuda::profile;
 use crate::cuda::Gpu;
 use crate::sampling::SamplingParams;
@@ -228,11 +228,21 @@ impl CudaSession {
         match (&layer.mixer, st) {
             (GMixer::Gdn { proj, conv, dt_bias, neg_a, norm, out }, GState::Gdn { conv: cs, rec }) => {
                 let (cd, taps) = (c.gdn_conv_dim(), c.linear_conv_kernel_dim);
+                let gs = gdn_step_args(c, s.proj.ptr, s.conv.ptr, [dt_bias, neg_a, norm], rec, s.o.ptr);
                 // weights, the conv taps and the conv state (read and written)
                 op(Some("gdn.in_proj+conv"), proj.nbytes() + conv.bytes + 2 * cs.bytes);
-                match &proj.fused {
+                let cl = proj
+                    .fused
+                    .as_ref()
+                    .filter(|f| gdn_cluster() && in_norm.0 != 0 && g.gdn_in_step_cl_ok(f, &gs, cd, taps));
+                match (cl, &proj.fused) {
+                    // LILY_CUDA_GDN=cl: the projection, conv and state step in one launch.
+                    (Some(f), _) => {
+                        op(Some("gdn.state"), 2 * rec.bytes);
+                        g.gdn_in_step_cl(f, xin, in_norm, (cs.ptr, conv.ptr), cd, taps, &gs)?
+                    }
                     // The conv runs in the projection's epilogue (one launch fewer per layer).
-                    Some(f) if Gpu::gemv_conv_ok(f, cd, taps) => {
+                    (None, Some(f)) if Gpu::gemv_conv_ok(f, cd, taps) => {
                         g.gemv_conv(f, xin, in_norm, s.proj.ptr, (cs.ptr, conv.ptr, s.conv.ptr), cd, taps)?
                     }
                     _ => {
@@ -240,13 +250,16 @@ impl CudaSession {
                         g.conv_step(s.proj.ptr, cs.ptr, conv.ptr, s.conv.ptr, cd, taps)?;
                     }
                 }
-                let gs = gdn_step_args(c, s.proj.ptr, s.conv.ptr, [dt_bias, neg_a, norm], rec, s.o.ptr);
-                // the recurrent state, read and written
-                op(Some("gdn.state"), 2 * rec.bytes);
-                if gdn_out_fused() && g.gdn_step_out_ok(&gs, out) {
+                if cl.is_some() {
+                    op(Some("gdn.out_proj"), out.nbytes());
+                    g.gemv(out, s.o.ptr, 0, s.x.ptr, 1, 0, true)?;
+                } else if gdn_out_fused() && g.gdn_step_out_ok(&gs, out) {
+                    // the recurrent state, read and written
+                    op(Some("gdn.state"), 2 * rec.bytes);
                     // The state step and the output projection + residual in one launch.
                     g.gdn_step_out(&gs, out, s.x.ptr, s.sync_gdn.ptr)?;
                 } else {
+                    op(Some("gdn.state"), 2 * rec.bytes);
                     g.gdn_step(&gs)?;
                     op(Some("gdn.out_proj"), out.nbytes());
                     g.gemv(out, s.o.ptr, 0, s.x.ptr, 1, 0, true)?;

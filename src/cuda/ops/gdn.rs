@@ -3,9 +3,9 @@
 //! chunked delta rule or the serial scan; kernels/gdn*.cu), with their argument structs.
 
 use super::super::params::{
-    ConvPrefillParams, ConvStateParams, ConvStepParams, GdnChunkPrepParams, GdnChunkScanParams, GdnOutNormParams,
-    GdnQkPrepParams, GdnScanParams, GdnStepOutParams, GdnStepParParams, GdnStepParRowsParams, GdnStepParams,
-    GemvConvParams, In, Out,
+    ConvPrefillParams, ConvStateParams, ConvStepParams, GdnChunkPrepParams, GdnChunkScanParams, GdnInStepParams,
+    GdnOutNormParams, GdnQkPrepParams, GdnScanParams, GdnStepOutParams, GdnStepParParams, GdnStepParRowsParams,
+    GdnStepParams, GemvConvParams, In, Out,
 };
 use super::super::Gpu;
 use super::{blocks, gemv_default, GemvKernel, GpuLinear, Precision, GEMV_XMAX};
@@ -19,7 +19,87 @@ pub fn gdn_out_fused() -> bool {
     *V.get_or_init(|| std::env::var("LILY_CUDA_GDN_OUT").is_ok_and(|v| v == "fused"))
 }
 
+/// Whether the decode step runs a GDN layer's input projection + conv and its state step as one
+/// launch of clusters (`LILY_CUDA_GDN=cl`, gdn_in_step_cl; off until measured).
+pub fn gdn_cluster() -> bool {
+    static V: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *V.get_or_init(|| std::env::var("LILY_CUDA_GDN").is_ok_and(|v| v == "cl"))
+}
+
 impl Gpu {
+    /// Whether [`Gpu::gdn_in_step_cl`] takes this layer: clusters (sm_90 and later), Qwen3.6's
+    /// head shape (D_k = D_v = 128, two value heads per key head), the fused projection's rows
+    /// in gemv_q2_conv's order over `c` conv channels of `k` taps (k a power of two, at most 16),
+    /// a streaming format, a norm on the input.
+    pub fn gdn_in_step_cl_ok(&self, proj: &GpuLinear, p: &GdnStep, c: usize, k: usize) -> bool {
+        let sm90 = self.arch.trim_start_matches("sm_").trim_end_matches('a').parse::<u32>().is_ok_and(|v| v >= 90);
+        sm90 && p.dk == 128
+            && p.dv == 128
+            && p.hv == 2 * p.hk
+            && c == 2 * p.hk * p.dk + p.hv * p.dv
+            && proj.rows == c + p.hv * p.dv + 2 * p.hv
+            && proj.streams()
+            && proj.count == 1
+            && proj.cols <= GEMV_XMAX
+            && proj.cols.is_multiple_of(4)
+            && k.is_power_of_two()
+            && k <= 16
+    }
+
+    /// A GDN layer's decode input projection of `x` (RMS-normalized with `norm`), its causal
+    /// conv (`state`, taps `cw`: `c` channels, `k` taps) and its state step `p` (`p.y`, `p.z`,
+    /// `p.b`, `p.a` unused: the projection's outputs stay in the clusters' shared memory) in one
+    /// launch: gdn_in_step_cl (kernels/gdn_fused_cl.cu), one cluster of 8 blocks per key head.
+    /// The same math as [`Gpu::gemv_conv`] then [`Gpu::gdn_step`].
+    #[allow(clippy::too_many_arguments)]
+    pub fn gdn_in_step_cl(
+        &self,
+        proj: &GpuLinear,
+        x: u64,
+        (normw, eps): (u64, f32),
+        (state, cw): (u64, u64),
+        c: usize,
+        k: usize,
+        p: &GdnStep,
+    ) -> Result<()> {
+        if normw == 0 || !self.gdn_in_step_cl_ok(proj, p, c, k) {
+            bail!(
+                "gdn_in_step_cl: heads {}:{} of {}x{}, a {}x{} projection over {c} conv channels of {k} taps, not taken",
+                p.hk,
+                p.hv,
+                p.dk,
+                p.dv,
+                proj.rows,
+                proj.cols
+            );
+        }
+        let (w, sc, bi, bits, group, ty) = proj.weight_fields();
+        let a = GdnInStepParams {
+            w,
+            sc,
+            bi,
+            bits,
+            group,
+            ty,
+            x: In::new(x),
+            cols: proj.cols as i32,
+            normw: In::new(normw),
+            eps,
+            cstate: Out::new(state),
+            cw: In::new(cw),
+            C: c as i32,
+            K: k as i32,
+            dt_bias: In::new(p.dt_bias),
+            neg_a: In::new(p.neg_a),
+            gnorm: In::new(p.norm),
+            geps: p.eps,
+            S: Out::new(p.state),
+            out: Out::new(p.out),
+            hk: p.hk as i32,
+            hv: p.hv as i32,
+        };
+        self.launch_params("gdn_in_step_cl", (8 * p.hk as u32, 1, 1), 512, proj.stream_smem(), &a)
+    }
     /// Causal conv1d + SiLU over t tokens (input rows of stride ldx), updating the state.
     #[allow(clippy::too_many_arguments)]
     pub fn conv_prefill(
