@@ -558,3 +558,64 @@ fn cuda_persistent_step_matches_graph_and_cpu() {
     let (a, b) = (greedy(true), greedy(false));
     assert_eq!(a, b, "greedy tokens after a batched prefill: persistent vs graph step");
 }
+
+/// A tiny model in Qwen3.6's GDN head shape (D_k = D_v = 128, two value heads per key head), the
+/// shape the cluster forms of the decode step take.
+fn cluster_model() -> Arc<lily::model::Model> {
+    let mut cfg = lily::synthetic::config("tiny", Some(8), 1024).unwrap();
+    cfg.hidden_size = 256;
+    (cfg.linear_num_key_heads, cfg.linear_num_value_heads) = (2, 4);
+    (cfg.linear_key_head_dim, cfg.linear_value_head_dim) = (128, 128);
+    Arc::new(lily::synthetic::build_config(cfg).unwrap())
+}
+
+/// The decode step's cluster forms (`gdn_cluster`, LILY_CUDA_GDN=cl: a GDN layer's projection,
+/// conv and state step in one launch; `moe_form` Qr, LILY_CUDA_MOE=qr: the router inside the MoE
+/// launch) against the default step and the CPU: token-by-token decode of a prompt (every
+/// step's logits), then greedy steps after a batched prefill. Both forms must be taken where the
+/// device has clusters (sm_90). The two GPU steps differ only in summation orders (the state
+/// step's partial sums, the q/k norms); both track the CPU within the bf16 cache's bound.
+#[test]
+fn cuda_cluster_forms_match_graph_and_cpu() {
+    if !have_gpu() {
+        return;
+    }
+    let model = cluster_model();
+    let gm = lily::cuda::upload_cached(&model).unwrap();
+    if !gm.gpu.arch.starts_with("sm_90") {
+        eprintln!("SKIPPED cuda_cluster_forms_match_graph_and_cpu: no thread-block clusters on {}", gm.gpu.arch);
+        return;
+    }
+    let prompt: Vec<u32> = (0..40u32).map(|i| (i * 7919 + 13) % 1024).collect();
+    let want = CpuSession::new(model.clone()).forward_all(&prompt).unwrap();
+    let session = |cl: bool| {
+        let mut s = CudaSession::new(gm.clone());
+        s.gdn_cluster = cl;
+        s.moe_form = if cl { lily::cuda::MoeForm::Qr } else { lily::cuda::MoeForm::Q2 };
+        s
+    };
+    let run = |cl: bool| {
+        let mut s = session(cl);
+        s.prefill = None;
+        let out = s.forward_all(&prompt).unwrap();
+        (out, s.cluster_forms_used())
+    };
+    let ((cl, used), (graph, used_graph)) = (run(true), run(false));
+    assert_eq!(used, (true, true), "the cluster forms were not taken (gdn_in_step_cl, moe_fused_qr)");
+    assert_eq!(used_graph, (false, false), "the default step launched a cluster form");
+    let v = model.cfg.vocab_size;
+    for (name, got) in [("cluster", &cl), ("graph", &graph)] {
+        let worst = rows_worst(got, &want, v);
+        eprintln!("cluster-form model, {name} decode vs cpu fp32: worst |Δ|/range {worst:.2e}");
+        assert!(worst <= 1e-2, "{name} decode moves the logits by {worst:.2e} of their range");
+    }
+    let worst = rows_worst(&cl, &graph, v);
+    eprintln!("cluster forms vs graph decode: worst |Δ|/range {worst:.2e}");
+    assert!(worst <= 3e-4, "the cluster forms differ from the default step by {worst:.2e}");
+    let greedy = |cl: bool| {
+        let mut s = session(cl);
+        let first = s.forward_greedy(&prompt).unwrap();
+        s.greedy_steps(first, 48).unwrap()
+    };
+    assert_eq!(greedy(true), greedy(false), "greedy tokens after a batched prefill: cluster forms vs default");
+}

@@ -256,6 +256,14 @@ pub struct CudaSession {
     /// Decode MoE routing inside the gate/up GEMV (`gemv_q2_routed`) instead of a separate top-k
     /// kernel, where the expert format allows (default; `LILY_CUDA_ROUTED=0` for comparison).
     pub routed: bool,
+    /// The decode MoE launch where it takes the layer ([`super::ops::moe_form`]: `LILY_CUDA_MOE`).
+    pub moe_form: super::ops::MoeForm,
+    /// A GDN layer's input projection, conv and state step in one launch of clusters where it
+    /// takes the layer ([`super::ops::gdn_cluster`]: `LILY_CUDA_GDN=cl`).
+    pub gdn_cluster: bool,
+    /// Whether the last recorded decode step launched gdn_in_step_cl and moe_fused_qr
+    /// ([`CudaSession::cluster_forms_used`]).
+    cluster_used: std::cell::Cell<(bool, bool)>,
     /// Decode attention kernel and splits below and from `attn_from` cached positions
     /// ([`Gpu::attn_plan`]).
     attn: [(AttnKernel, usize); 2],
@@ -317,6 +325,9 @@ impl CudaSession {
             fused: std::env::var("LILY_CUDA_FUSED").map_or(true, |v| v != "0"),
             routed: std::env::var("LILY_CUDA_ROUTED").map_or(true, |v| v != "0")
                 && super::gemv_default().0 != super::GemvKernel::Old,
+            moe_form: super::ops::moe_form(),
+            gdn_cluster: super::ops::gdn_cluster(),
+            cluster_used: Default::default(),
             kv,
             persistent: pstep::wanted(),
             ps: None,

@@ -4,7 +4,7 @@
 //! it alone for the layer-local error test.
 
 use super::{gdn_step_args, CudaSession, GFfn, GMixer, GState};
-use crate::cuda::ops::{self, gdn_cluster, gdn_out_fused, router_fused};
+use crate::cuda::ops::{self, gdn_out_fused, router_fused};
 use crate::cuda::profile;
 use crate::cuda::Gpu;
 use crate::sampling::SamplingParams;
@@ -167,6 +167,12 @@ impl CudaSession {
         Ok(out.into_iter().map(|t| t as u32).collect())
     }
 
+    /// Whether a decode step recorded since the session began launched (gdn_in_step_cl,
+    /// moe_fused_qr) for some layer (tests: that `gdn_cluster` and `moe_form` took effect).
+    pub fn cluster_forms_used(&self) -> (bool, bool) {
+        self.cluster_used.get()
+    }
+
     /// Whether the step at position `pos` (attending over pos + 1 positions) uses the
     /// long-context attention kernel.
     pub(super) fn long_attn(&self, pos: usize) -> bool {
@@ -234,12 +240,13 @@ impl CudaSession {
                 let cl = proj
                     .fused
                     .as_ref()
-                    .filter(|f| gdn_cluster() && in_norm.0 != 0 && g.gdn_in_step_cl_ok(f, &gs, cd, taps));
+                    .filter(|f| self.gdn_cluster && in_norm.0 != 0 && g.gdn_in_step_cl_ok(f, &gs, cd, taps));
                 match (cl, &proj.fused) {
                     // LILY_CUDA_GDN=cl: the projection, conv and state step in one launch.
                     (Some(f), _) => {
                         op(Some("gdn.state"), 2 * rec.bytes);
-                        g.gdn_in_step_cl(f, xin, in_norm, (cs.ptr, conv.ptr), cd, taps, &gs)?
+                        g.gdn_in_step_cl(f, xin, in_norm, (cs.ptr, conv.ptr), cd, taps, &gs)?;
+                        self.cluster_used.set((true, self.cluster_used.get().1));
                     }
                     // The conv runs in the projection's epilogue (one launch fewer per layer).
                     (None, Some(f)) if Gpu::gemv_conv_ok(f, cd, taps) => {
@@ -290,7 +297,7 @@ impl CudaSession {
                 if self.routed && g.moe_fused_ok(gu, dn, e, k) {
                     // Top-k, gate/up and down + residual in one launch (the router too with
                     // LILY_CUDA_MOE=qr, by clusters, or LILY_CUDA_MOE_ROUTER=fused).
-                    let form = ops::moe_form();
+                    let form = self.moe_form;
                     let qr = router
                         .fused
                         .as_ref()
@@ -306,6 +313,9 @@ impl CudaSession {
                         .moe_trace
                         .as_ref()
                         .map_or(0, |t| t.ptr + (8 * profile::MOE_TRACE_SLOTS * g.sms as usize * li) as u64);
+                    if qr.is_some() {
+                        self.cluster_used.set((self.cluster_used.get().0, true));
+                    }
                     let form = match form {
                         _ if qr.is_some() => ops::MoeForm::Qr,
                         ops::MoeForm::Q => ops::MoeForm::Q,
