@@ -207,13 +207,19 @@ fn gdn_step_out_matches_cpu() {
 
 /// gdn_in_step_cl (LILY_CUDA_GDN=cl): the input projection of rms_norm(x), its conv and the state
 /// step in one launch of clusters, over several tokens (conv state and state carried), against
-/// the CPU's projection and step. Shapes: the real one (16 key heads, 12,352 x 2048 4-bit) and two
-/// key heads over 256 columns of 8-bit codes. Taken wherever the device has clusters (sm_90+).
+/// the CPU's projection and step; then (=clo) with the output projection x += W_o o split over
+/// the clusters. Shapes: the real one (16 key heads, 12,352 x 2048 4-bit, W_o 2048 x 4096) and
+/// two key heads over 256 columns of 8-bit codes. Taken wherever the device has clusters (sm_90+).
 #[test]
 fn gdn_in_step_cl_matches_cpu() {
     let Some(g) = gpu() else { return };
     let mut r = rng(25);
-    for (hk, cols, bits, group) in [(16usize, 2048usize, 4u32, 64usize), (2, 256, 8, 32)] {
+    for (hk, cols, bits, group, with_out) in [
+        (16usize, 2048usize, 4u32, 64usize, false),
+        (2, 256, 8, 32, false),
+        (16, 2048, 4, 64, true),
+        (2, 256, 8, 32, true),
+    ] {
         let (hv, dk, dv) = (2 * hk, 128, 128);
         let d = GdnDims { hk, hv, dk, dv };
         let (kd, vd) = (hk * dk, hv * dv);
@@ -228,7 +234,10 @@ fn gdn_in_step_cl_matches_cpu() {
         let (cw, dtb, nab, nwb, inw) = (gb(&conv_w), gb(&dt_bias), gb(&neg_a), gb(&normw), gb(&nw));
         let (gcs, grec, ob) = (gb(&cstate), gb(&rec), gb(&vec![f32::NAN; vd]));
         let gs = gdn_test_step(d, (dtb.ptr, nab.ptr, nwb.ptr), grec.ptr, ob.ptr, 0);
-        let name = format!("gdn_in_step_cl H_k{hk} K{cols} q{bits}");
+        let name = format!("gdn_in_step_cl H_k{hk} K{cols} q{bits}{}", if with_out { " + out-proj" } else { "" });
+        let wo = quant(&mut r, cols, vd, bits, group);
+        let gwo = GpuLinear::upload(&g, &wo).unwrap();
+        let (gpart, gctr) = (g.zeros(4 * hk * cols).unwrap(), g.zeros(64).unwrap());
         if !g.gdn_in_step_cl_ok(&gl, &gs, c, k) {
             assert!(!g.arch.starts_with("sm_90"), "{name}: refused on {}", g.arch);
             eprintln!("SKIPPED {name}: no clusters on {}", g.arch);
@@ -245,8 +254,19 @@ fn gdn_in_step_cl_matches_cpu() {
             let w = GdnWeights { d, conv_w: &conv_w, taps: k, neg_a: &neg_a, dt_bias: &dt_bias, norm: &normw };
             let (_, o) = cpu_gdn(&w, 1, qkv, z, &ba[..hv], &ba[hv..], &mut cstate, &mut rec);
             let xb = gb(&x);
-            g.gdn_in_step_cl(&gl, xb.ptr, (inw.ptr, 1e-6), (gcs.ptr, cw.ptr), c, k, &gs).unwrap();
+            let go = lily::cuda::GdnOutProj { w: &gwo, x: xb.ptr, part: gpart.ptr, ctr: gctr.ptr };
+            if with_out {
+                assert!(g.gdn_out_cl_ok(&gl, &gs, &gwo), "{name}: the output projection refused");
+            }
+            let out = with_out.then_some(&go);
+            g.gdn_in_step_cl(&gl, xb.ptr, (inw.ptr, 1e-6), (gcs.ptr, cw.ptr), c, k, &gs, out).unwrap();
             let s = format!("{name} step {step}");
+            if with_out {
+                let mut wx = vec![0f32; cols];
+                wo.matvec(&o, &mut wx);
+                wx.iter_mut().zip(&x).for_each(|(a, b)| *a += b);
+                check(&format!("{s} x"), &xb.read_f32(0, cols).unwrap(), &wx, TOL);
+            }
             check(&format!("{s} out"), &ob.read_f32(0, vd).unwrap(), &o, 1e-8);
             check(&format!("{s} state"), &grec.read_f32(0, rec.len()).unwrap(), &rec, 1e-8);
             check(&format!("{s} conv state"), &gcs.read_f32(0, cstate.len()).unwrap(), &cstate, TOL);

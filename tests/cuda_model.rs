@@ -569,12 +569,13 @@ fn cluster_model() -> Arc<lily::model::Model> {
     Arc::new(lily::synthetic::build_config(cfg).unwrap())
 }
 
-/// The decode step's cluster forms (`gdn_cluster`, LILY_CUDA_GDN=cl: a GDN layer's projection,
-/// conv and state step in one launch; `moe_form` Qr, LILY_CUDA_MOE=qr: the router inside the MoE
-/// launch) against the default step and the CPU: token-by-token decode of a prompt (every
-/// step's logits), then greedy steps after a batched prefill. Both forms must be taken where the
-/// device has clusters (sm_90). The two GPU steps differ only in summation orders (the state
-/// step's partial sums, the q/k norms); both track the CPU within the bf16 cache's bound.
+/// The decode step's cluster forms (`gdn_form` Cl, LILY_CUDA_GDN=cl: a GDN layer's projection,
+/// conv and state step in one launch, and ClOut, =clo: its output projection too; `moe_form` Qr,
+/// LILY_CUDA_MOE=qr: the router inside the MoE launch) against the default step and the CPU:
+/// token-by-token decode of a prompt (every step's logits), then greedy steps after a batched
+/// prefill. The forms must be taken where the device has clusters (sm_90). The GPU steps differ
+/// only in summation orders (the state step's partial sums, the q/k norms, the output
+/// projection's split); all track the CPU within the bf16 cache's bound.
 #[test]
 fn cuda_cluster_forms_match_graph_and_cpu() {
     if !have_gpu() {
@@ -588,34 +589,40 @@ fn cuda_cluster_forms_match_graph_and_cpu() {
     }
     let prompt: Vec<u32> = (0..40u32).map(|i| (i * 7919 + 13) % 1024).collect();
     let want = CpuSession::new(model.clone()).forward_all(&prompt).unwrap();
-    let session = |cl: bool| {
+    use lily::cuda::{GdnForm, MoeForm};
+    let session = |gdn: GdnForm| {
         let mut s = CudaSession::new(gm.clone());
-        s.gdn_cluster = cl;
-        s.moe_form = if cl { lily::cuda::MoeForm::Qr } else { lily::cuda::MoeForm::Q2 };
+        s.gdn_form = gdn;
+        s.moe_form = if gdn == GdnForm::Default { MoeForm::Q2 } else { MoeForm::Qr };
         s
     };
-    let run = |cl: bool| {
-        let mut s = session(cl);
+    let run = |gdn: GdnForm| {
+        let mut s = session(gdn);
         s.prefill = None;
         let out = s.forward_all(&prompt).unwrap();
         (out, s.cluster_forms_used())
     };
-    let ((cl, used), (graph, used_graph)) = (run(true), run(false));
-    assert_eq!(used, (true, true), "the cluster forms were not taken (gdn_in_step_cl, moe_fused_qr)");
+    let (graph, used_graph) = run(GdnForm::Default);
     assert_eq!(used_graph, (false, false), "the default step launched a cluster form");
     let v = model.cfg.vocab_size;
-    for (name, got) in [("cluster", &cl), ("graph", &graph)] {
-        let worst = rows_worst(got, &want, v);
-        eprintln!("cluster-form model, {name} decode vs cpu fp32: worst |Δ|/range {worst:.2e}");
-        assert!(worst <= 1e-2, "{name} decode moves the logits by {worst:.2e} of their range");
-    }
-    let worst = rows_worst(&cl, &graph, v);
-    eprintln!("cluster forms vs graph decode: worst |Δ|/range {worst:.2e}");
-    assert!(worst <= 3e-4, "the cluster forms differ from the default step by {worst:.2e}");
-    let greedy = |cl: bool| {
-        let mut s = session(cl);
+    let worst = rows_worst(&graph, &want, v);
+    eprintln!("cluster-form model, default decode vs cpu fp32: worst |Δ|/range {worst:.2e}");
+    assert!(worst <= 1e-2, "default decode moves the logits by {worst:.2e} of their range");
+    let greedy = |gdn: GdnForm| {
+        let mut s = session(gdn);
         let first = s.forward_greedy(&prompt).unwrap();
         s.greedy_steps(first, 48).unwrap()
     };
-    assert_eq!(greedy(true), greedy(false), "greedy tokens after a batched prefill: cluster forms vs default");
+    let greedy_graph = greedy(GdnForm::Default);
+    for form in [GdnForm::Cl, GdnForm::ClOut] {
+        let (cl, used) = run(form);
+        assert_eq!(used, (true, true), "{form:?}: the cluster forms were not taken (gdn_in_step_cl, moe_fused_qr)");
+        let worst = rows_worst(&cl, &want, v);
+        eprintln!("cluster-form model, {form:?} + qr decode vs cpu fp32: worst |Δ|/range {worst:.2e}");
+        assert!(worst <= 1e-2, "{form:?} decode moves the logits by {worst:.2e} of their range");
+        let worst = rows_worst(&cl, &graph, v);
+        eprintln!("{form:?} + qr vs the default decode: worst |Δ|/range {worst:.2e}");
+        assert!(worst <= 3e-4, "{form:?} + qr differ from the default step by {worst:.2e}");
+        assert_eq!(greedy(form), greedy_graph, "greedy tokens after a batched prefill: {form:?} + qr vs default");
+    }
 }

@@ -204,9 +204,11 @@ static void conv_case(int rows, int cols, int C, int K, int G, int T) {
 // gdn_in_step_cl's body (LILY_CUDA_GDN=cl): the fused in-projection [q | k | v | z | b | a] of
 // rms_norm(x) * nw, the causal conv + SiLU of the q, k, v rows, the state step of every value head
 // and its gated norm, against double precision; hk clusters of 8 blocks (D_k = D_v = 128).
-static void gdn_cl_case(int hk, int H, int K) {
+// out_bits (LILY_CUDA_GDN=clo): then x += W_o out, W_o [H, hv dv] of those bits, split over the
+// key heads and added by the last arrival of each row range.
+static void gdn_cl_case(int hk, int H, int K, int out_bits = 0) {
     const int dk = 128, dv = 128, hv = 2 * hk, C = 2 * hk * dk + hv * dv, rows = C + hv * dv + 2 * hv, G = 8 * hk;
-    Q4 W(rows, H, 64);
+    Q4 W(rows, H, 64), WO(out_bits ? H : 1, out_bits ? hv * dv : 64, 64, out_bits ? out_bits : 4);
     std::vector<float> x(H), nw(H), cw((size_t)C * K), cst((size_t)(K - 1) * C), dtb(hv), na(hv), gn(dv), S((size_t)hv * dk * dv), out(hv * dv, NAN);
     for (auto& v : x) v = U();
     for (auto& v : nw) v = 1 + 0.5f * U();
@@ -247,20 +249,27 @@ static void gdn_cl_case(int hk, int H, int K) {
         double rn = 1 / std::sqrt(s2 / dv + 1e-6);
         for (int j = 0; j < dv; j++) { double z = p[C + h * dv + j]; wout[h * dv + j] = o[j] * rn * gn[j] * (z / (1 + std::exp(-z))); }
     }
+    std::vector<double> wx(x.begin(), x.end());
+    if (out_bits) for (int r = 0; r < H; r++) { double a = 0; for (int c = 0; c < hv * dv; c++) a += WO.at(r, c) * wout[c]; wx[r] += a; }
+    std::vector<float> gpart((size_t)hk * H, NAN);
+    std::vector<unsigned long long> octr(8, 0);
+    std::vector<int> last(G);
     // the kernel body: per block the staging, its reduction scratch and an arena [pv 772 | part 512 | ssq 4]
-    std::vector<std::vector<float>> xs(G, std::vector<float>(H + H / 16 + 64, NAN)), red(G, std::vector<float>(33)), arena(G, std::vector<float>(772 + 512 + 4, NAN));
+    std::vector<std::vector<float>> xs(G, std::vector<float>(H + H / 16 + 64, NAN)), red(G, std::vector<float>(33)), arena(G, std::vector<float>(772 + 512 + 4 + 256, NAN));
     emu_cluster = 8;
     for (int b = 0; b < G; b++) emu_cl_base[b] = arena[b].data();
     emu_launch(G, 512, [&] {
         int b = blockIdx.x;
         float* ar = arena[b].data();
-        gcl_body<4, 2>(W.w.data(), W.sc.data(), W.bi.data(), 4, 64, 2, x.data(), H, nw.data(), 1e-6f, cst.data(), cw.data(), C, K, dtb.data(), na.data(), gn.data(), 1e-6f, S.data(), out.data(), hk, hv, xs[b].data(), red[b].data(), ar, ar + 772, ar + 772 + 512);
+        gcl_body<4, 2>(W.w.data(), W.sc.data(), W.bi.data(), 4, 64, 2, x.data(), H, nw.data(), 1e-6f, cst.data(), cw.data(), C, K, dtb.data(), na.data(), gn.data(), 1e-6f, S.data(), out.data(), hk, hv,
+                       out_bits ? WO.w.data() : nullptr, WO.sc.data(), WO.bi.data(), out_bits, 64, H, gpart.data(), octr.data(), xs[b].data(), red[b].data(), ar, ar + 772, ar + 772 + 512, ar + 772 + 516, &last[b]);
     });
     emu_cluster = 1;
     char b[128];
     snprintf(b, sizeof b, "gdn_in_step_cl hk%d H%d K%d: the output", hk, H, K); report(b, nmse(out.data(), wout));
     snprintf(b, sizeof b, "gdn_in_step_cl hk%d H%d K%d: the state", hk, H, K); report(b, nmse(S.data(), wS));
     snprintf(b, sizeof b, "gdn_in_step_cl hk%d H%d K%d: the conv state", hk, H, K); report(b, nmse(cst.data(), wst));
+    if (out_bits) { snprintf(b, sizeof b, "gdn_in_step_cl hk%d H%d K%d + q%d out-proj: x", hk, H, K, out_bits); report(b, nmse(x.data(), wx)); }
 }
 // the top-K forms against each other on edge values: ties, -0 and +0, -inf (NaN aside: route_topk
 // never picks it, the register forms rank it as -inf). Where every logit is -inf, route_topk picks
@@ -320,6 +329,8 @@ int main() {
     conv_case(300, 256, 200, 4, 2, 128);
     conv_case(96, 2048, 64, 4, 1, 512);
     gdn_cl_case(2, 256, 4);
+    gdn_cl_case(2, 256, 4, 4);
+    gdn_cl_case(1, 512, 4, 8);
     route_edges();
     printf("%s: %d failures\n", VARIANT, fails);
     return fails != 0;

@@ -2,12 +2,14 @@
 // blocks of a grid run concurrently; __syncthreads a block barrier, warp shuffles and reductions
 // through a per-warp exchange, grid_wait (the blocks' meeting) a grid barrier.
 #pragma once
+#include <atomic>
 #include <barrier>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <functional>
 #include <thread>
+#include <type_traits>
 #include <vector>
 #define __device__
 #define __host__
@@ -91,8 +93,12 @@ inline void emu_cl_wait() { emu_grid_bar->arrive_and_wait(); }
 template <class T> inline T max(T a, T b) { return a > b ? a : b; }
 template <class T> inline T min(T a, T b) { return a < b ? a : b; }
 inline unsigned long long __cvta_generic_to_shared(const void* p) { return (unsigned long long)p; }
-inline void __threadfence() {}
-template <class T> inline T atomicAdd(T* p, T v) { T o = *p; *p += v; return o; }
+inline void __threadfence() { std::atomic_thread_fence(std::memory_order_seq_cst); }
+/* integers atomically (gdn_in_step_cl's last-arrival counters are raised by concurrent blocks) */
+template <class T> inline T atomicAdd(T* p, T v) {
+    if constexpr (std::is_integral_v<T>) return __atomic_fetch_add(p, v, __ATOMIC_SEQ_CST);
+    T o = *p; *p += v; return o;
+}
 inline void cp_async16(unsigned, const void*, int) {}
 // Runs f() as a grid of G blocks of T threads, all concurrently.
 inline void emu_launch(int G, int T, const std::function<void()>& f) {

@@ -22,8 +22,8 @@ pub mod timeline;
 pub use model::{upload_cached, uploaded, CudaBatch, CudaModel, CudaSession};
 pub use ops::{
     gdn_chunk_floats, gdn_prefill_kernel, gemv_default, sampling_params_bytes, AttnDecode, AttnKernel, AttnPlan,
-    AttnPrep, GdnPrefill, GdnPrefillKernel, GdnRows, GdnStep, GemmKernel, GemvKernel, GpuLinear, KvDtype, MoeForm,
-    Precision, PrefillAttn, SAMPLE_WS_BYTES,
+    AttnPrep, GdnForm, GdnOutProj, GdnPrefill, GdnPrefillKernel, GdnRows, GdnStep, GemmKernel, GemvKernel, GpuLinear,
+    KvDtype, MoeForm, Precision, PrefillAttn, SAMPLE_WS_BYTES,
 };
 pub use paged::PagedBuf;
 

@@ -209,6 +209,8 @@ struct Scratch {
     sync: DevBuf,
     /// The same for gdn_step_out (its own: a counter's launches must all have the same grid).
     sync_gdn: DevBuf,
+    /// gdn_in_step_cl's output-projection parts `[H_k, H]` (`LILY_CUDA_GDN=clo`).
+    gpart: DevBuf,
     /// `LILY_CUDA_MOE_TRACE=1`: moe_fused_q's stamps, `[layers, SMs, MOE_TRACE_SLOTS]` u64.
     moe_trace: Option<DevBuf>,
 }
@@ -258,9 +260,9 @@ pub struct CudaSession {
     pub routed: bool,
     /// The decode MoE launch where it takes the layer ([`super::ops::moe_form`]: `LILY_CUDA_MOE`).
     pub moe_form: super::ops::MoeForm,
-    /// A GDN layer's input projection, conv and state step in one launch of clusters where it
-    /// takes the layer ([`super::ops::gdn_cluster`]: `LILY_CUDA_GDN=cl`).
-    pub gdn_cluster: bool,
+    /// A GDN layer's launches where the cluster forms take the layer ([`super::ops::gdn_form`]:
+    /// `LILY_CUDA_GDN=cl|clo`).
+    pub gdn_form: super::ops::GdnForm,
     /// Whether the last recorded decode step launched gdn_in_step_cl and moe_fused_qr
     /// ([`CudaSession::cluster_forms_used`]).
     cluster_used: std::cell::Cell<(bool, bool)>,
@@ -326,7 +328,7 @@ impl CudaSession {
             routed: std::env::var("LILY_CUDA_ROUTED").map_or(true, |v| v != "0")
                 && super::gemv_default().0 != super::GemvKernel::Old,
             moe_form: super::ops::moe_form(),
-            gdn_cluster: super::ops::gdn_cluster(),
+            gdn_form: super::ops::gdn_form(),
             cluster_used: Default::default(),
             kv,
             persistent: pstep::wanted(),
@@ -397,7 +399,8 @@ impl CudaSession {
             sp: f(6)?,
             pick_ws: g.zeros(super::SAMPLE_WS_BYTES)?,
             sync: g.zeros(24)?,
-            sync_gdn: g.zeros(8)?,
+            sync_gdn: g.zeros(8 + 8 * 8)?,
+            gpart: f(c.linear_num_key_heads * h)?,
             moe_trace: if profile::moe_tracing() {
                 Some(g.zeros(8 * profile::MOE_TRACE_SLOTS * g.sms as usize * self.model.layers.len())?)
             } else {

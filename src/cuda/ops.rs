@@ -19,7 +19,8 @@ mod sampling;
 
 pub use attention::{AttnDecode, AttnKernel, AttnPlan, AttnPrep, AttnRows, KvDtype, PrefillAttn};
 pub use gdn::{
-    gdn_chunk_floats, gdn_cluster, gdn_out_fused, gdn_prefill_kernel, GdnPrefill, GdnPrefillKernel, GdnRows, GdnStep,
+    gdn_chunk_floats, gdn_form, gdn_out_fused, gdn_prefill_kernel, GdnForm, GdnOutProj, GdnPrefill, GdnPrefillKernel,
+    GdnRows, GdnStep,
 };
 pub use gemm::{gdn_norm_perm_on, silu_perm_on, tma_on, wg_tall_avg, GemmKernel, Precision};
 pub use sampling::{sampling_params_bytes, SAMPLE_WS_BYTES};

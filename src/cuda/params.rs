@@ -247,7 +247,7 @@ kernel_params! {
     GemvConvParams spread ["gemv_q2_conv"] { w: In<Void>, sc: In<Void>, bi: In<Void>, bits: i32, group: i32, ty: i32, x: In<f32>, y: Out<f32>, rows: i32, cols: i32, normw: In<f32>, eps: f32, cstate: Out<f32>, cw: In<f32>, cy: Out<f32>, C: i32, K: i32 }
     /// `gdn_in_step_cl`: a GDN layer's input projection + conv and its state step in one launch,
     /// a cluster of 8 blocks per key head (kernels/gdn_fused_cl.cu).
-    GdnInStepParams spread ["gdn_in_step_cl"] { w: In<Void>, sc: In<Void>, bi: In<Void>, bits: i32, group: i32, ty: i32, x: In<f32>, cols: i32, normw: In<f32>, eps: f32, cstate: Out<f32>, cw: In<f32>, C: i32, K: i32, dt_bias: In<f32>, neg_a: In<f32>, gnorm: In<f32>, geps: f32, S: Out<f32>, out: Out<f32>, hk: i32, hv: i32 }
+    GdnInStepParams spread ["gdn_in_step_cl"] { w: In<Void>, sc: In<Void>, bi: In<Void>, bits: i32, group: i32, ty: i32, x: Out<f32>, cols: i32, normw: In<f32>, eps: f32, cstate: Out<f32>, cw: In<f32>, C: i32, K: i32, dt_bias: In<f32>, neg_a: In<f32>, gnorm: In<f32>, geps: f32, S: Out<f32>, out: Out<f32>, hk: i32, hv: i32, wo: In<Void>, so: In<Void>, bo: In<Void>, bits_o: i32, group_o: i32, Hr: i32, gpart: Out<f32>, octr: Out<u64> }
     /// `moe_down_q` (gemv.cu) and `moe_down` (linear.cu): x[r] += Σ_{k<S} wts[k] · (W[ids[k]·rows + r, :] · silu(gu[2k]) ⊙ gu[2k+1]).
     MoeDownParams spread ["moe_down_q", "moe_down"] { w: In<Void>, sc: In<Void>, bi: In<Void>, bits: i32, group: i32, ty: i32, gu: In<f32>, ids: In<i32>, wts: In<f32>, S: i32, x: Out<f32>, rows: i32, cols: i32 }
     /// `gemv_q2_routed`: the top-K of `E` router logits, then the gate/up GEMV of the chosen experts (slot z = grid.y); block (0, 0) writes `ids_out`/`wts_out`.

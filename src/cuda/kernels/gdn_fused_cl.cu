@@ -28,7 +28,12 @@
  *   summed over the 16 warps through shared memory; the gated norm's sum of squares over the
  *   head's 4 blocks through a second cluster exchange and barrier (ranks added in order: the same
  *   value in each).
- *   Shared: the GEMV's staging (cols + cols/EPV floats, dynamic), pv[772], part[16][32], ssq[4].
+ *   Shared: the GEMV's staging (cols + cols/EPV floats, dynamic), pv[772], part[16][32], ssq[4],
+ *   ov[256].
+ *
+ * With wo (LILY_CUDA_GDN=clo) also the output projection x += W_o out (W_o [Hr, H_v D_v], 4- or
+ *   8-bit, the projection's scale type, groups dividing 256), split-K over the clusters: see
+ *   gcl_out_part and the tail of gcl_body; gpart [H_k, Hr] parts, octr 8 u64 counters.
  */
 #define GCL_ROWS 772
 
@@ -43,9 +48,72 @@ __device__ __forceinline__ int gcl_row(int l, int kh, int hk, int hv) {
     return C + hv * dv + hv + 2 * kh + (l - 770);              /* a */
 }
 
+/* The output projection's split-K part (wo set: LILY_CUDA_GDN=clo): block `rank` of cluster kh
+   computes rows [rank * RB, + RB) (RB = Hr / 8) of W_o[:, 256 kh .. + 256] . ov (ov: the
+   cluster's two heads' 256 outputs, in shared memory) into gpart[kh][row]: a row's 256 / EPV
+   chunks over as many lanes (one 128-bit load each), RPS rows a warp at a time, every pass's loads
+   issued before any is used (the block's slice was requested into the L2 at the start). */
+template <int BO, int TY>
+__device__ __forceinline__ void gcl_out_part(const u32* wo, const u16* so, const u16* bo, int group_o, int ocols,
+                                             int Hr, const float* ov, float* gpart, int kh, int rank) {
+    constexpr int EPV = 128 / BO, NCH = 256 / EPV, RPS = 32 / NCH, NP = 4;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    const int RB = Hr / 8, n4f = ocols / EPV, ng = ocols / group_o, sr = lane / NCH, ci = lane % NCH;
+    const int gi = (kh * 256 + ci * EPV) / group_o; /* this lane's scale group within a row */
+    for (int r0 = warp * RPS; r0 < RB; r0 += NP * nw * RPS) {
+        uint4 q[NP];
+        u32 s[NP], b[NP];
+#pragma unroll
+        for (int p = 0; p < NP; p++) {
+            int r = r0 + p * nw * RPS + sr;
+            if (r < RB) {
+                long long R = (long long)rank * RB + r;
+                q[p] = ldg_stream((const uint4*)wo + R * n4f + kh * NCH + ci);
+                s[p] = ldg_u16_stream(so + R * ng + gi);
+                b[p] = ldg_u16_stream(bo + R * ng + gi);
+            }
+        }
+#pragma unroll
+        for (int p = 0; p < NP; p++) {
+            int r = r0 + p * nw * RPS + sr;
+            u32 words[4] = {q[p].x, q[p].y, q[p].z, q[p].w};
+            float d = 0.f, sx = 0.f;
+#pragma unroll
+            for (int w = 0; w < 4; w++)
+#pragma unroll
+                for (int k = 0; k < 32 / BO; k++) {
+                    float xv = ov[ci * EPV + w * (32 / BO) + k];
+                    d += (float)((words[w] >> (BO * k)) & ((1u << BO) - 1)) * xv;
+                    sx += xv;
+                }
+            float a = r < RB ? half_bits(s[p], TY) * d + half_bits(b[p], TY) * sx : 0.f;
+            for (int o = NCH / 2; o > 0; o >>= 1) a += __shfl_xor_sync(0xffffffffu, a, o);
+            if (ci == 0 && r < RB) gpart[(long long)kh * Hr + (long long)rank * RB + r] = a;
+        }
+    }
+}
+
+/* The block's slice of W_o into the L2 (before the wait: weights), as gcl_out_part reads it. */
+template <int BO>
+__device__ __forceinline__ void gcl_out_prefetch(const u32* wo, const u16* so, const u16* bo, int group_o, int ocols,
+                                                 int Hr, int kh, int rank) {
+    constexpr int EPV = 128 / BO, NCH = 256 / EPV, RPS = 32 / NCH;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    const int RB = Hr / 8, n4f = ocols / EPV, ng = ocols / group_o, sr = lane / NCH, ci = lane % NCH;
+    const int gi = (kh * 256 + ci * EPV) / group_o;
+    for (int r = warp * RPS + sr; r < RB; r += nw * RPS) {
+        long long R = (long long)rank * RB + r;
+        pf_l2((const uint4*)wo + R * n4f + kh * NCH + ci);
+        if (ci * EPV % group_o == 0) {
+            pf_l2(so + R * ng + gi);
+            pf_l2(bo + R * ng + gi);
+        }
+    }
+}
+
 template <int BITS, int TY>
 __device__ __forceinline__ void gcl_body(GdnInStepParams_fields, float* xs, float* red, float* pv, float* part,
-                                         float* ssq) {
+                                         float* ssq, float* ov, int* last) {
     constexpr int EPV = 128 / BITS, NR = 2, U = 2, CS = 8, dk = 128, dv = 128;
     const int rank = (int)cl_rank(), kh = blockIdx.x / CS;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
@@ -56,8 +124,11 @@ __device__ __forceinline__ void gcl_body(GdnInStepParams_fields, float* xs, floa
     const int h = 2 * kh + rank / 4, j = 32 * (rank % 4) + lane; /* the state step's head, column */
     float* Sh = S + (long long)h * dk * dv;
     cl_arrive_relaxed(); /* this block runs */
-    /* the state slice into the L2 (this kernel's alone: before the wait) */
+    /* the state slice into the L2 (this kernel's alone: before the wait), and the output
+       projection's slice (weights) */
     if (threadIdx.x < dk) pf_l2(Sh + (long long)threadIdx.x * dv + 32 * (rank % 4));
+    if (wo && bits_o == 4) gcl_out_prefetch<4>((const u32*)wo, (const u16*)so, (const u16*)bo, group_o, hv * dv, Hr, kh, rank);
+    if (wo && bits_o == 8) gcl_out_prefetch<8>((const u32*)wo, (const u16*)so, (const u16*)bo, group_o, hv * dv, Hr, kh, rank);
     int g = warp * CS + rank, t = 0;
     auto load = [&](GqTrip<NR, U>& tr, int gg, int tt) {
         long long R = gcl_row(2 * gg, kh, hk, hv);
@@ -207,19 +278,51 @@ __device__ __forceinline__ void gcl_body(GdnInStepParams_fields, float* xs, floa
     cl_arrive();
     cl_wait();
     ss = ((ssq[0] + ssq[1]) + ssq[2]) + ssq[3];
-    if (warp == 0) {
-        float r = 1.f / sqrtf(ss / (float)dv + geps);
-        out[h * dv + j] = o * r * gnorm[j] * silu_f(zj);
+    const float outj = o * (1.f / sqrtf(ss / (float)dv + geps)) * gnorm[j] * silu_f(zj);
+    if (warp == 0) out[h * dv + j] = outj;
+    if (!wo) return;
+    /* LILY_CUDA_GDN=clo: the output projection x += W_o out, split over the key heads: the
+       cluster's 256 outputs into every block's ov, this block's rows of its split into gpart,
+       and the last of the H_k blocks of each row range (a u64 counter per range, raised by H_k
+       every launch) adds the H_k parts into x in key-head order (the same sums whichever block
+       is last). Every block of the launch has staged x before any range is added: the last
+       arrival of range r implies one block of every cluster past its first cluster barrier. */
+    if (warp == 0)
+        for (int p = 0; p < CS; p++) cl_store(ov + 128 * hl + j, p, outj);
+    cl_arrive();
+    cl_wait();
+    if (bits_o == 4)
+        gcl_out_part<4, TY>((const u32*)wo, (const u16*)so, (const u16*)bo, group_o, hv * dv, Hr, ov, gpart, kh, rank);
+    else
+        gcl_out_part<8, TY>((const u32*)wo, (const u16*)so, (const u16*)bo, group_o, hv * dv, Hr, ov, gpart, kh, rank);
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        __threadfence();
+        unsigned long long old = atomicAdd(octr + rank, 1ull);
+        *last = old % (unsigned long long)hk == (unsigned long long)(hk - 1);
+    }
+    __syncthreads();
+    if (*last) {
+        __threadfence();
+        const int RB = Hr / 8;
+        for (int r = threadIdx.x; r < RB; r += blockDim.x) {
+            long long R = (long long)rank * RB + r;
+            float a = __ldcg(x + R);
+            for (int k = 0; k < hk; k++) a += __ldcg(gpart + (long long)k * Hr + R);
+            x[R] = a;
+        }
     }
 }
 
 extern "C" __global__ void QR_CL_DIMS __launch_bounds__(512, 1) gdn_in_step_cl(GdnInStepParams_fields) {
     extern __shared__ __align__(16) float xs[];
-    __shared__ float red[33], pv[GCL_ROWS], part[16 * 32], ssq[4];
+    __shared__ float red[33], pv[GCL_ROWS], part[16 * 32], ssq[4], ov[256];
+    __shared__ int last;
     TL_SCOPE("gdn_in_step_cl");
     pdl_trigger();
-#define GCL(B, T) gcl_body<B, T>(w, sc, bi, bits, group, ty, x, cols, normw, eps, cstate, cw, C, K, dt_bias, neg_a, gnorm, \
-                                 geps, S, out, hk, hv, xs, red, pv, part, ssq)
+#define GCL(B, T)                                                                                                     \
+    gcl_body<B, T>(w, sc, bi, bits, group, ty, x, cols, normw, eps, cstate, cw, C, K, dt_bias, neg_a, gnorm, geps, S, \
+                   out, hk, hv, wo, so, bo, bits_o, group_o, Hr, gpart, octr, xs, red, pv, part, ssq, ov, &last)
     if (bits == 4 && ty == TY_BF16) GCL(4, TY_BF16);
     else if (bits == 4) GCL(4, TY_F16);
     else if (ty == TY_BF16) GCL(8, TY_BF16);

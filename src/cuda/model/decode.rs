@@ -4,7 +4,7 @@
 //! it alone for the layer-local error test.
 
 use super::{gdn_step_args, CudaSession, GFfn, GMixer, GState};
-use crate::cuda::ops::{self, gdn_out_fused, router_fused};
+use crate::cuda::ops::{self, gdn_out_fused, router_fused, GdnForm, GdnOutProj};
 use crate::cuda::profile;
 use crate::cuda::Gpu;
 use crate::sampling::SamplingParams;
@@ -168,7 +168,7 @@ impl CudaSession {
     }
 
     /// Whether a decode step recorded since the session began launched (gdn_in_step_cl,
-    /// moe_fused_qr) for some layer (tests: that `gdn_cluster` and `moe_form` took effect).
+    /// moe_fused_qr) for some layer (tests: that `gdn_form` and `moe_form` took effect).
     pub fn cluster_forms_used(&self) -> (bool, bool) {
         self.cluster_used.get()
     }
@@ -237,15 +237,18 @@ impl CudaSession {
                 let gs = gdn_step_args(c, s.proj.ptr, s.conv.ptr, [dt_bias, neg_a, norm], rec, s.o.ptr);
                 // weights, the conv taps and the conv state (read and written)
                 op(Some("gdn.in_proj+conv"), proj.nbytes() + conv.bytes + 2 * cs.bytes);
-                let cl = proj
-                    .fused
-                    .as_ref()
-                    .filter(|f| self.gdn_cluster && in_norm.0 != 0 && g.gdn_in_step_cl_ok(f, &gs, cd, taps));
+                let cl = proj.fused.as_ref().filter(|f| {
+                    self.gdn_form != GdnForm::Default && in_norm.0 != 0 && g.gdn_in_step_cl_ok(f, &gs, cd, taps)
+                });
+                // LILY_CUDA_GDN=clo: the output projection in the same launch (x is the input)
+                let op_cl =
+                    cl.filter(|f| self.gdn_form == GdnForm::ClOut && xin == s.x.ptr && g.gdn_out_cl_ok(f, &gs, out));
+                let go = op_cl.map(|_| GdnOutProj { w: out, x: s.x.ptr, part: s.gpart.ptr, ctr: s.sync_gdn.ptr + 8 });
                 match (cl, &proj.fused) {
                     // LILY_CUDA_GDN=cl: the projection, conv and state step in one launch.
                     (Some(f), _) => {
                         op(Some("gdn.state"), 2 * rec.bytes);
-                        g.gdn_in_step_cl(f, xin, in_norm, (cs.ptr, conv.ptr), cd, taps, &gs)?;
+                        g.gdn_in_step_cl(f, xin, in_norm, (cs.ptr, conv.ptr), cd, taps, &gs, go.as_ref())?;
                         self.cluster_used.set((true, self.cluster_used.get().1));
                     }
                     // The conv runs in the projection's epilogue (one launch fewer per layer).
@@ -257,7 +260,9 @@ impl CudaSession {
                         g.conv_step(s.proj.ptr, cs.ptr, conv.ptr, s.conv.ptr, cd, taps)?;
                     }
                 }
-                if cl.is_some() {
+                if go.is_some() {
+                    // added into x by gdn_in_step_cl
+                } else if cl.is_some() {
                     op(Some("gdn.out_proj"), out.nbytes());
                     g.gemv(out, s.o.ptr, 0, s.x.ptr, 1, 0, true)?;
                 } else if gdn_out_fused() && g.gdn_step_out_ok(&gs, out) {

@@ -19,11 +19,35 @@ pub fn gdn_out_fused() -> bool {
     *V.get_or_init(|| std::env::var("LILY_CUDA_GDN_OUT").is_ok_and(|v| v == "fused"))
 }
 
-/// Whether the decode step runs a GDN layer's input projection + conv and its state step as one
-/// launch of clusters (`LILY_CUDA_GDN=cl`, gdn_in_step_cl; off until measured).
-pub fn gdn_cluster() -> bool {
-    static V: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *V.get_or_init(|| std::env::var("LILY_CUDA_GDN").is_ok_and(|v| v == "cl"))
+/// How the decode step runs a GDN layer's launches: the default (input projection + conv, state
+/// step, output projection), `Cl` (`LILY_CUDA_GDN=cl`: gdn_in_step_cl, the projection, conv and
+/// state step in one launch of clusters) or `ClOut` (`LILY_CUDA_GDN=clo`: the output projection
+/// too, split over the clusters). The cluster forms are off until measured.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum GdnForm {
+    Default,
+    Cl,
+    ClOut,
+}
+
+/// The decode step's [`GdnForm`] from `LILY_CUDA_GDN`.
+pub fn gdn_form() -> GdnForm {
+    static V: std::sync::OnceLock<GdnForm> = std::sync::OnceLock::new();
+    *V.get_or_init(|| match std::env::var("LILY_CUDA_GDN").as_deref() {
+        Ok("cl") => GdnForm::Cl,
+        Ok("clo") => GdnForm::ClOut,
+        _ => GdnForm::Default,
+    })
+}
+
+/// gdn_in_step_cl's output projection (`LILY_CUDA_GDN=clo`): the weights, the residual row `x`
+/// it adds into, the `[H_k, rows]` f32 scratch of the key heads' parts and 8 zeroed u64
+/// counters (one per row range; only this kernel's launches use them).
+pub struct GdnOutProj<'a> {
+    pub w: &'a GpuLinear,
+    pub x: u64,
+    pub part: u64,
+    pub ctr: u64,
 }
 
 impl Gpu {
@@ -32,6 +56,26 @@ impl Gpu {
     /// in gemv_q2_conv's order over `c` conv channels of `k` taps (k a power of two, at most 16),
     /// a streaming format, a norm on the input.
     pub fn gdn_in_step_cl_ok(&self, proj: &GpuLinear, p: &GdnStep, c: usize, k: usize) -> bool {
+        self.gdn_in_step_cl_takes(proj, p, c, k)
+    }
+
+    /// Whether gdn_in_step_cl can also run this output projection (`out.rows` a multiple of 8,
+    /// 4- or 8-bit codes of the projection's scale type, groups that divide a key head's 256
+    /// columns and hold whole 128-bit loads).
+    pub fn gdn_out_cl_ok(&self, proj: &GpuLinear, p: &GdnStep, out: &GpuLinear) -> bool {
+        let epv = 128 / out.bits.max(1);
+        out.streams()
+            && out.count == 1
+            && matches!(out.bits, 4 | 8)
+            && out.ty == proj.ty
+            && out.cols == p.hv * p.dv
+            && out.rows.is_multiple_of(8)
+            && out.group > 0
+            && 256 % out.group == 0
+            && out.group % epv == 0
+    }
+
+    fn gdn_in_step_cl_takes(&self, proj: &GpuLinear, p: &GdnStep, c: usize, k: usize) -> bool {
         let sm90 = self.arch.trim_start_matches("sm_").trim_end_matches('a').parse::<u32>().is_ok_and(|v| v >= 90);
         sm90 && p.dk == 128
             && p.dv == 128
@@ -50,7 +94,8 @@ impl Gpu {
     /// conv (`state`, taps `cw`: `c` channels, `k` taps) and its state step `p` (`p.y`, `p.z`,
     /// `p.b`, `p.a` unused: the projection's outputs stay in the clusters' shared memory) in one
     /// launch: gdn_in_step_cl (kernels/gdn_fused_cl.cu), one cluster of 8 blocks per key head.
-    /// The same math as [`Gpu::gemv_conv`] then [`Gpu::gdn_step`].
+    /// The same math as [`Gpu::gemv_conv`] then [`Gpu::gdn_step`]; with `out` also the output
+    /// projection `out.x += out.w · p.out` (x must be the projection's input row `x`).
     #[allow(clippy::too_many_arguments)]
     pub fn gdn_in_step_cl(
         &self,
@@ -61,7 +106,11 @@ impl Gpu {
         c: usize,
         k: usize,
         p: &GdnStep,
+        out: Option<&GdnOutProj>,
     ) -> Result<()> {
+        if out.is_some_and(|o| !self.gdn_out_cl_ok(proj, p, o.w) || o.x != x) {
+            bail!("gdn_in_step_cl: this output projection is not taken");
+        }
         if normw == 0 || !self.gdn_in_step_cl_ok(proj, p, c, k) {
             bail!(
                 "gdn_in_step_cl: heads {}:{} of {}x{}, a {}x{} projection over {c} conv channels of {k} taps, not taken",
@@ -74,6 +123,8 @@ impl Gpu {
             );
         }
         let (w, sc, bi, bits, group, ty) = proj.weight_fields();
+        let (wo, so, bo, bits_o, group_o, _) =
+            out.map_or((In::new(0), In::new(0), In::new(0), 0, 0, 0), |o| o.w.weight_fields());
         let a = GdnInStepParams {
             w,
             sc,
@@ -81,7 +132,7 @@ impl Gpu {
             bits,
             group,
             ty,
-            x: In::new(x),
+            x: Out::new(x),
             cols: proj.cols as i32,
             normw: In::new(normw),
             eps,
@@ -97,6 +148,14 @@ impl Gpu {
             out: Out::new(p.out),
             hk: p.hk as i32,
             hv: p.hv as i32,
+            wo,
+            so,
+            bo,
+            bits_o,
+            group_o,
+            Hr: out.map_or(0, |o| o.w.rows) as i32,
+            gpart: Out::new(out.map_or(0, |o| o.part)),
+            octr: Out::new(out.map_or(0, |o| o.ctr)),
         };
         self.launch_params("gdn_in_step_cl", (8 * p.hk as u32, 1, 1), 512, proj.stream_smem(), &a)
     }
