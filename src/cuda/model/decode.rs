@@ -235,8 +235,6 @@ impl CudaSession {
             (GMixer::Gdn { proj, conv, dt_bias, neg_a, norm, out }, GState::Gdn { conv: cs, rec }) => {
                 let (cd, taps) = (c.gdn_conv_dim(), c.linear_conv_kernel_dim);
                 let gs = gdn_step_args(c, s.proj.ptr, s.conv.ptr, [dt_bias, neg_a, norm], rec, s.o.ptr);
-                // weights, the conv taps and the conv state (read and written)
-                op(Some("gdn.in_proj+conv"), proj.nbytes() + conv.bytes + 2 * cs.bytes);
                 let cl = proj.fused.as_ref().filter(|f| {
                     self.gdn_form != GdnForm::Default && in_norm.0 != 0 && g.gdn_in_step_cl_ok(f, &gs, cd, taps)
                 });
@@ -244,10 +242,17 @@ impl CudaSession {
                 let op_cl =
                     cl.filter(|f| self.gdn_form == GdnForm::ClOut && xin == s.x.ptr && g.gdn_out_cl_ok(f, &gs, out));
                 let go = op_cl.map(|_| GdnOutProj { w: out, x: s.x.ptr, part: s.gpart.ptr, ctr: s.sync_gdn.ptr + 8 });
+                // weights, the conv taps and the conv state (read and written); the cluster
+                // forms' launch also the recurrent state (and the output projection)
+                let in_bytes = proj.nbytes() + conv.bytes + 2 * cs.bytes;
+                match (cl.is_some(), go.is_some()) {
+                    (true, true) => op(Some("gdn.fused_cl (+out_proj)"), in_bytes + 2 * rec.bytes + out.nbytes()),
+                    (true, false) => op(Some("gdn.fused_cl"), in_bytes + 2 * rec.bytes),
+                    _ => op(Some("gdn.in_proj+conv"), in_bytes),
+                }
                 match (cl, &proj.fused) {
                     // LILY_CUDA_GDN=cl: the projection, conv and state step in one launch.
                     (Some(f), _) => {
-                        op(Some("gdn.state"), 2 * rec.bytes);
                         g.gdn_in_step_cl(f, xin, in_norm, (cs.ptr, conv.ptr), cd, taps, &gs, go.as_ref())?;
                         self.cluster_used.set((true, self.cluster_used.get().1));
                     }
