@@ -503,7 +503,8 @@ impl Gpu {
             blockDimY: 1,
             blockDimZ: 1,
             sharedMemBytes: shared as u32,
-            hStream: self.stream,
+            // no stream: the query may run while the step graph is being captured on ours
+            hStream: std::ptr::null_mut(),
             attrs: std::ptr::null_mut(),
             numAttrs: 0,
         };

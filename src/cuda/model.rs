@@ -410,6 +410,9 @@ impl CudaSession {
         self.states = self.fresh_states()?;
         self.graphs = Default::default();
         self.ps = None;
+        if self.moe_form == super::ops::MoeForm::Qr {
+            g.moe_qr_clusters(); // the driver's answer cached before any graph capture
+        }
         Ok(())
     }
 

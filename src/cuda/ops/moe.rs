@@ -190,11 +190,17 @@ impl Gpu {
             && self.moe_qr_grid(gate_up, down, k).is_some()
     }
 
+    /// How many of moe_fused_qr's clusters the device keeps resident at once (asked once; the
+    /// decode session asks before it captures its step graph).
+    pub fn moe_qr_clusters(&self) -> u32 {
+        *self.qr_clusters.get_or_init(|| self.max_clusters("moe_fused_qr", 512, MOE_QR_SMEM).unwrap_or(0))
+    }
+
     /// moe_fused_qr's grid: q2's, rounded to whole clusters of 8 blocks, within the clusters the
     /// device can keep resident at once (every block must be, for the blocks' meeting; the
     /// driver is asked once). None where that is no cluster (no clusters before sm_90).
     pub fn moe_qr_grid(&self, gate_up: &GpuLinear, down: &GpuLinear, k: usize) -> Option<usize> {
-        let fits = *self.qr_clusters.get_or_init(|| self.max_clusters("moe_fused_qr", 512, MOE_QR_SMEM).unwrap_or(0));
+        let fits = self.moe_qr_clusters();
         let want = ((k + 1) * gate_up.rows).div_ceil(16).max(down.rows.div_ceil(16)).min(self.sms as usize);
         let clusters = want.div_ceil(QR_CS).min(fits as usize);
         (clusters > 0).then_some(clusters * QR_CS)
