@@ -139,6 +139,9 @@ __device__ __forceinline__ void pdl_wait() {
 __device__ __forceinline__ void trace_stamp(u64* ts, int i) {
     if (ts && threadIdx.x == 0) ts[i] = global_ns();
 }
+/* Requests the 128-byte line holding p into the L2 (no register, no wait): a later load of it
+   finds it there instead of in HBM (moe_fused_q3, moe_fused_qr, gdn_in_step_cl). */
+__device__ __forceinline__ void pf_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];" ::"l"(p)); }
 __device__ __forceinline__ void pdl_begin() {
     pdl_trigger();
     pdl_wait();

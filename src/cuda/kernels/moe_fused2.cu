@@ -136,7 +136,6 @@ __device__ __forceinline__ void mf2_pairs(const u32* w, const u16* sc, const u16
      x 512 pairs over 132 x 16 warps, one trip a pair) the warps with three pairs no longer wait a
      second HBM round trip for the third. (A third register buffer instead spills: moe_fused_q2
      is at its 128 registers.) */
-__device__ __forceinline__ void pf_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];" ::"l"(p)); }
 template <int BITS, int TY>
 __device__ __forceinline__ void mf3_pairs(const u32* w, const u16* sc, const u16* bi, int group, int inter, int cols,
                                           const int* ids, const float* wk, int S, const float* xs,

@@ -33,7 +33,8 @@ fn route_rank() -> i32 {
 /// the top-k in one warp beside the input staging, gate/up rows in pairs that write
 /// SiLU(gate)·up themselves; +6.3% decode alone on the H200, session 32), `moe_fused_q3`
 /// (`LILY_CUDA_MOE=q3`, not yet measured: q2 with the pairs dealt warp-major over the grid and
-/// three trips of loads in flight per warp, the same result), `moe_fused_qr` (moe_fused_qr.cu,
+/// each warp's third and fourth trips requested into the L2 with its first two, the same
+/// result), `moe_fused_qr` (moe_fused_qr.cu,
 /// `LILY_CUDA_MOE=qr`, not yet measured: q2 with the router computed in the same launch by
 /// clusters of 8 blocks, one launch fewer per MoE layer), or `moe_fused_q` (gemv.cu;
 /// `LILY_CUDA_MOE=q`, and where q2 does not take the shape or the router is fused).
