@@ -263,8 +263,8 @@ pub struct CudaSession {
     /// A GDN layer's launches where the cluster forms take the layer ([`super::ops::gdn_form`]:
     /// `LILY_CUDA_GDN=cl|clo`).
     pub gdn_form: super::ops::GdnForm,
-    /// Whether the last recorded decode step launched gdn_in_step_cl and moe_fused_qr
-    /// ([`CudaSession::cluster_forms_used`]).
+    /// Whether a decode step recorded since the session began launched gdn_in_step_cl and
+    /// moe_fused_qr ([`CudaSession::cluster_forms_used`]).
     cluster_used: std::cell::Cell<(bool, bool)>,
     /// Decode attention kernel and splits below and from `attn_from` cached positions
     /// ([`Gpu::attn_plan`]).
