@@ -163,20 +163,7 @@ __device__ __forceinline__ void gcl_body(GdnInStepParams_fields, float* xs, floa
     for (int m = 2; m < 4; m++) { /* trips 2 and 3 into the L2 */
         int n = m / tpr, tt = m - n * tpr, gg = g + n * gstride;
         if (gg >= ngroups) break;
-        long long R = gcl_row(2 * gg, kh, hk, hv);
-        int gstep = (32 * EPV) >> gsh;
-#pragma unroll
-        for (int r = 0; r < NR; r++)
-#pragma unroll
-            for (int u = 0; u < U; u++) {
-                int i = tt * 32 * U + lane + 32 * u;
-                if (i < n4) {
-                    pf_l2((const uint4*)W + (R + r) * n4 + i);
-                    long long o = (R + r) * ng + (((tt * 32 * U + lane) * EPV) >> gsh) + u * gstep;
-                    pf_l2(Sc + o);
-                    pf_l2(Bi + o);
-                }
-            }
+        gq_prefetch<BITS, NR, U>(W, Sc, Bi, gcl_row(2 * gg, kh, hk, hv), NR, n4, ng, gsh, tt * 32 * U + lane);
     }
     pdl_wait();
     float* xsum = xs + cols;

@@ -93,6 +93,27 @@ __device__ __forceinline__ void gq_load(GqTrip<NR, U>& t, const u32* w, const u1
     }
 }
 
+/* gq_load's addresses of one trip requested into the L2 instead (pf_l2: no registers, no wait;
+   moe_fused_q3, moe_fused_qr, gdn_in_step_cl): rows R0 + r * rs (r < nvalid), chunks i0 + 32u
+   below n4, with their scales and biases. */
+template <int BITS, int NR, int U>
+__device__ __forceinline__ void gq_prefetch(const u32* w, const u16* sc, const u16* bi, long long R0, int nvalid, int n4,
+                                            int ng, int gsh, int i0, long long rs = 1) {
+    constexpr int EPV = 128 / BITS;
+    int gstep = (32 * EPV) >> gsh;
+#pragma unroll
+    for (int r = 0; r < NR; r++)
+#pragma unroll
+        for (int u = 0; u < U; u++)
+            if (r < nvalid && i0 + 32 * u < n4) {
+                long long R = R0 + r * rs;
+                pf_l2((const uint4*)w + R * n4 + i0 + 32 * u);
+                long long o = R * ng + ((i0 * EPV) >> gsh) + u * gstep;
+                pf_l2(sc + o);
+                pf_l2(bi + o);
+            }
+}
+
 /* moe_down's loads: virtual chunk c = k * n4 + i is chunk i of row R0 + r of expert ids[k]. */
 template <int BITS, int NR, int U>
 __device__ __forceinline__ void gq_load_moe(GqTrip<NR, U>& t, const u32* w, const u16* sc, const u16* bi, int R0,

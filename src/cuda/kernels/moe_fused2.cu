@@ -80,8 +80,18 @@ __device__ __forceinline__ void mf2_stage(const float* xg, int cols, const float
 
 /* The gate/up pairs: group g = s * inter + i is rows (2 e_s) * inter + i and that + inter, read
    in trips of U = 2 chunks per lane like gq_body's walk (the next trip's loads in flight while
-   one is computed); the finished pair writes h[g] = wk[s] * silu(gate) * up. */
-template <int BITS, int TY>
+   one is computed); the finished pair writes h[g] = wk[s] * silu(gate) * up.
+   DEEP (moe_fused_q3, LILY_CUDA_MOE=q3): two changes, the same sums in the same order (a pair's
+   result does not depend on which warp computes it):
+   - the pairs are dealt warp-major, pair g to grid warp (g mod W) with grid warp w = warp * G +
+     block (W = 16 G), so where W does not divide the pairs the warps with one pair more are a
+     few in every block, not all of the first blocks (whose SMs had half as many bytes again to
+     read, while the meeting waits for the last block);
+   - the loop's first load is issued before it, and the warp's third and fourth trips are then
+     requested into the L2 (gq_prefetch): at Qwen3.6's shape (9 slots x 512 pairs over 132 x 16
+     warps, one trip a pair) the warps with three pairs no longer wait a second HBM round trip
+     for the third. (A third register buffer instead spills: the kernel is at 128 registers.) */
+template <int BITS, int TY, bool DEEP = false>
 __device__ __forceinline__ void mf2_pairs(const u32* w, const u16* sc, const u16* bi, int group, int inter, int cols,
                                           const int* ids, const float* wk, int S, const float* xs,
                                           const float* xsum, float rr, float* h) {
@@ -89,62 +99,7 @@ __device__ __forceinline__ void mf2_pairs(const u32* w, const u16* sc, const u16
     int lane = threadIdx.x & 31, nwarps = blockDim.x >> 5;
     int n4 = cols / EPV, ng = cols / group, gsh = __ffs(group) - 1;
     int tpr = (n4 + 32 * U - 1) / (32 * U), ngroups = S * inter, gstride = gridDim.x * nwarps;
-    int g = blockIdx.x * nwarps + (threadIdx.x >> 5), t = 0;
-    GqTrip<NR, U> cur, nxt;
-    auto load = [&](GqTrip<NR, U>& tr, int gg, int tt) {
-        int s = gg / inter;
-        long long R = (long long)(2 * ids[s]) * inter + (gg - s * inter);
-        int i0 = tt * 32 * U + lane;
-        if ((tt + 1) * 32 * U <= n4)
-            gq_load<BITS, NR, U, true, true>(tr, w, sc, bi, R, NR, n4, ng, gsh, i0, inter);
-        else
-            gq_load<BITS, NR, U, false, true>(tr, w, sc, bi, R, NR, n4, ng, gsh, i0, inter);
-    };
-    if (g < ngroups) load(cur, g, 0);
-    float acc[NR] = {0.f, 0.f};
-    while (g < ngroups) {
-        int g2 = g, t2 = t + 1;
-        if (t2 == tpr) {
-            g2 = g + gstride;
-            t2 = 0;
-        }
-        if (g2 < ngroups) load(nxt, g2, t2);
-        int i0 = t * 32 * U + lane;
-        if ((t + 1) * 32 * U <= n4)
-            gq_compute<BITS, TY, NR, U, false, true>(cur, NR, n4, i0, xs, xsum, acc);
-        else
-            gq_compute<BITS, TY, NR, U, false, false>(cur, NR, n4, i0, xs, xsum, acc);
-        if (t + 1 == tpr) {
-            float gv = warp_sum(acc[0]) * rr, uv = warp_sum(acc[1]) * rr;
-            acc[0] = acc[1] = 0.f;
-            if (lane == 0) h[g] = wk[g / inter] * (silu_f(gv) * uv);
-        }
-        cur = nxt;
-        g = g2;
-        t = t2;
-    }
-}
-
-/* moe_fused_q3's pairs (LILY_CUDA_MOE=q3): mf2_pairs with two changes, the same sums in the same
-   order (a pair's result does not depend on which warp computes it):
-   - the pairs are dealt warp-major, pair g to grid warp (g mod W) with grid warp w = warp * G +
-     block (W = 16 G), so where W does not divide the pairs the warps with one pair more are a
-     few in every block, not all of the first blocks (whose SMs had half as many bytes again to
-     read, while the meeting waits for the last block);
-   - a warp's third and fourth trips are requested into the L2 (prefetch.global.L2, the same
-     addresses as their loads) right after its first two are loaded: at Qwen3.6's shape (9 slots
-     x 512 pairs over 132 x 16 warps, one trip a pair) the warps with three pairs no longer wait a
-     second HBM round trip for the third. (A third register buffer instead spills: moe_fused_q2
-     is at its 128 registers.) */
-template <int BITS, int TY>
-__device__ __forceinline__ void mf3_pairs(const u32* w, const u16* sc, const u16* bi, int group, int inter, int cols,
-                                          const int* ids, const float* wk, int S, const float* xs,
-                                          const float* xsum, float rr, float* h) {
-    constexpr int EPV = 128 / BITS, NR = 2, U = 2;
-    int lane = threadIdx.x & 31, nwarps = blockDim.x >> 5;
-    int n4 = cols / EPV, ng = cols / group, gsh = __ffs(group) - 1;
-    int tpr = (n4 + 32 * U - 1) / (32 * U), ngroups = S * inter, gstride = gridDim.x * nwarps;
-    int g = (threadIdx.x >> 5) * gridDim.x + blockIdx.x, t = 0;
+    int g = DEEP ? (threadIdx.x >> 5) * gridDim.x + blockIdx.x : blockIdx.x * nwarps + (threadIdx.x >> 5), t = 0;
     /* the row of pair gg's gate (its up row is `inter` rows on) */
     auto row = [&](int gg) {
         int s = gg / inter;
@@ -158,32 +113,19 @@ __device__ __forceinline__ void mf3_pairs(const u32* w, const u16* sc, const u16
         else
             gq_load<BITS, NR, U, false, true>(tr, w, sc, bi, row(gg), NR, n4, ng, gsh, i0, inter);
     };
-    /* the first two trips (the loop's first load issued here, before the prefetches) */
-    int g1 = tpr == 1 ? g + gstride : g, t1 = tpr == 1 ? 0 : 1;
     if (g < ngroups) load(cur, g, 0);
-    if (g < ngroups && g1 < ngroups) load(nxt, g1, t1);
-    /* trips 2 and 3 (m = n tpr + tt: pair g + n gstride, its trip tt) into the L2 */
-    for (int m = 2; m < 4; m++) {
-        int n = m / tpr, tt = m - n * tpr, gg = g + n * gstride;
-        if (gg >= ngroups) break;
-        long long R = row(gg);
-        int gstep = (32 * EPV) >> gsh;
-#pragma unroll
-        for (int r = 0; r < NR; r++)
-#pragma unroll
-            for (int u = 0; u < U; u++) {
-                int i = tt * 32 * U + lane + 32 * u;
-                if (i < n4) {
-                    long long Rr = R + r * (long long)inter;
-                    pf_l2((const uint4*)w + Rr * n4 + i);
-                    long long o = Rr * ng + (((tt * 32 * U + lane) * EPV) >> gsh) + u * gstep;
-                    pf_l2(sc + o);
-                    pf_l2(bi + o);
-                }
-            }
+    if (DEEP) {
+        int g1 = tpr == 1 ? g + gstride : g, t1 = tpr == 1 ? 0 : 1;
+        if (g < ngroups && g1 < ngroups) load(nxt, g1, t1);
+        /* trips 2 and 3 (m = n tpr + tt: pair g + n gstride, its trip tt) into the L2 */
+        for (int m = 2; m < 4; m++) {
+            int n = m / tpr, tt = m - n * tpr, gg = g + n * gstride;
+            if (gg >= ngroups) break;
+            gq_prefetch<BITS, NR, U>(w, sc, bi, row(gg), NR, n4, ng, gsh, tt * 32 * U + lane, inter);
+        }
     }
     float acc[NR] = {0.f, 0.f};
-    bool first = true; /* nxt already holds the next trip */
+    bool first = DEEP; /* nxt already holds the next trip */
     while (g < ngroups) {
         int g2 = g, t2 = t + 1;
         if (t2 == tpr) {
@@ -224,7 +166,7 @@ __device__ __forceinline__ void grid_arrive_rel(u64* ctr) {
     if (threadIdx.x == 0) asm volatile("red.release.gpu.global.add.u64 [%0], 1;" ::"l"(ctr) : "memory");
 }
 
-/* DEEP: mf3_pairs (moe_fused_q3). LS: the logits are in shared memory (moe_fused_qr's router
+/* DEEP: mf2_pairs<DEEP> (moe_fused_q3). LS: the logits are in shared memory (moe_fused_qr's router
    wrote them there; the top-K by route_warp_smem). */
 template <int BITS, int TY, bool DEEP = false, bool LS = false>
 __device__ __forceinline__ void mf2_body(MoeFusedParams_fields, float* xs, float* red, float* wsel, int* chosen,
@@ -247,12 +189,8 @@ __device__ __forceinline__ void mf2_body(MoeFusedParams_fields, float* xs, float
     float ss = (threadIdx.x & 31) < 15 ? red[threadIdx.x & 31] : 0.f;
     float rr = 1.f / sqrtf(warp_sum(ss) / (float)H + eps);
     moe_publish_route(fixed, E, K, chosen, wsel, ids_out, wts_out, ts);
-    if (DEEP)
-        mf3_pairs<BITS, TY>((const u32*)wg, (const u16*)sg, (const u16*)bg, group_g, inter, H, chosen, wsel, K + 1, xs,
-                            xsum, rr, gu);
-    else
-        mf2_pairs<BITS, TY>((const u32*)wg, (const u16*)sg, (const u16*)bg, group_g, inter, H, chosen, wsel, K + 1, xs,
-                            xsum, rr, gu);
+    mf2_pairs<BITS, TY, DEEP>((const u32*)wg, (const u16*)sg, (const u16*)bg, group_g, inter, H, chosen, wsel, K + 1,
+                              xs, xsum, rr, gu);
     trace_stamp(ts, 3);
     grid_arrive_rel(ctr);
     const u64 G = gridDim.x, target = (base / G + 1) * G; /* used by thread 0 alone (grid_wait) */
@@ -262,7 +200,7 @@ __device__ __forceinline__ void mf2_body(MoeFusedParams_fields, float* xs, float
                                                 gridDim.x, ctr, target, ts ? ts + 4 : nullptr);
 }
 
-/* The entry points: moe_fused_q2, and moe_fused_q3 = moe_fused_q2 with mf3_pairs (LILY_CUDA_MOE=q3;
+/* The entry points: moe_fused_q2, and moe_fused_q3 = moe_fused_q2 with mf2_pairs<DEEP> (LILY_CUDA_MOE=q3;
    the same grid, counter and result). */
 #define MF2_KERNEL(NAME, DEEP)                                                                                       \
     extern "C" __global__ void __launch_bounds__(512, 1) NAME(MoeFusedParams_fields) {                               \

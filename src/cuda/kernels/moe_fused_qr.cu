@@ -107,18 +107,7 @@ __device__ __forceinline__ void qr_router(const u32* w, const u16* sc, const u16
     for (int m = 1; m < 5; m++) {
         int n = m / tpr, tt = m - n * tpr, qq = q + n * gstride;
         if (qq >= ngroups) break;
-        int r0 = qq * NR, nv = min(NR, R - r0), gstep = (32 * EPV) >> gsh;
-        for (int r = 0; r < nv; r++)
-#pragma unroll
-            for (int u = 0; u < U; u++) {
-                int i = tt * 32 * U + lane + 32 * u;
-                if (i < n4) {
-                    pf_l2((const uint4*)w + (long long)(r0 + r) * n4 + i);
-                    long long o = (long long)(r0 + r) * ng + (((tt * 32 * U + lane) * EPV) >> gsh) + u * gstep;
-                    pf_l2(sc + o);
-                    pf_l2(bi + o);
-                }
-            }
+        gq_prefetch<RB, NR, U>(w, sc, bi, qq * NR, min(NR, R - qq * NR), n4, ng, gsh, tt * 32 * U + lane);
     }
     pdl_wait();
     float* xsum = xs + H;
