@@ -79,6 +79,7 @@ fn decode(lens: &[usize]) -> Result<()> {
                 part: part.ptr,
                 splits,
                 kv: KvDtype::Bf16,
+                early: false,
             };
             let run = || (0..20).try_for_each(|_| g.attn_decode(&a, k));
             run()?;

@@ -251,6 +251,7 @@ fn attention_decode_matches_cpu() {
                     part: part.ptr,
                     splits,
                     kv: KvDtype::F32,
+                    early: false,
                 };
                 g.attn_decode(&a, kernel).unwrap();
                 if pos < 3 || pos + 1 == steps || pos % 67 == 0 {
@@ -535,7 +536,7 @@ fn attention_decode_long_context_matches_cpu() {
         let part = gb(&vec![f32::NAN; nh * splits * (hd + 2)]);
         let posb = g.upload_bytes(&((len - 1) as i32).to_le_bytes()).unwrap();
         // One decode over the caches at (kc, vc) of element type kv; returns the output.
-        let decode = |kc: u64, vc: u64, kv: KvDtype, kernel: AttnKernel| {
+        let decode = |kc: u64, vc: u64, kv: KvDtype, kernel: AttnKernel, early: bool| {
             out.write_f32(0, &vec![f32::NAN; nh * hd]).unwrap();
             let a = AttnDecode {
                 q: qb.ptr,
@@ -551,6 +552,7 @@ fn attention_decode_long_context_matches_cpu() {
                 part: part.ptr,
                 splits,
                 kv,
+                early,
             };
             g.attn_decode(&a, kernel).unwrap();
             out.read_f32(0, nh * hd).unwrap()
@@ -558,7 +560,7 @@ fn attention_decode_long_context_matches_cpu() {
         let shape = format!("H{nh} H_kv{hkv} D{hd}, {len} cached positions, {splits} splits");
         // The packed kernel twice: the second call sees the first call's partials in the scratch.
         for kernel in [AttnKernel::PerHead, AttnKernel::Packed, AttnKernel::Packed] {
-            let got = decode(kb.ptr, vb.ptr, KvDtype::F32, kernel);
+            let got = decode(kb.ptr, vb.ptr, KvDtype::F32, kernel, false);
             check(&format!("attention decode {kernel:?}, {shape}"), &got, &want, TOL);
         }
         // A bf16 cache: the kernels widen each element exactly, so against the CPU attention over
@@ -570,11 +572,17 @@ fn attention_decode_long_context_matches_cpu() {
         let bytes = |v: &[f32]| -> Vec<u8> { v.iter().flat_map(|&x| f32_to_bf16(x).to_le_bytes()).collect() };
         let (kb16, vb16) = (g.upload_bytes(&bytes(&kc)).unwrap(), g.upload_bytes(&bytes(&vc)).unwrap());
         for kernel in [AttnKernel::PerHead, AttnKernel::Packed, AttnKernel::Tc, AttnKernel::Tc] {
-            let got = decode(kb16.ptr, vb16.ptr, KvDtype::Bf16, kernel);
+            let got = decode(kb16.ptr, vb16.ptr, KvDtype::Bf16, kernel, false);
             let name = format!("attention decode {kernel:?}, {shape}, bf16 cache");
             check(&format!("{name} vs cpu on the rounded K/V"), &got, &want_r, TOL);
             check(&format!("{name} vs the fp32 cache"), &got, &want, 1e-5);
         }
+        // The early form (the first tiles requested before the kernel's wait, the newest row
+        // read after it) reads the same values into the same places: the same bits.
+        let plain = decode(kb16.ptr, vb16.ptr, KvDtype::Bf16, AttnKernel::Tc, false);
+        let early = decode(kb16.ptr, vb16.ptr, KvDtype::Bf16, AttnKernel::Tc, true);
+        let differ = plain.iter().zip(&early).filter(|(a, b)| a.to_bits() != b.to_bits()).count();
+        assert_eq!(differ, 0, "attention decode Tc early, {shape}: {differ} outputs differ from the plain form's");
         // An fp8 cache (the tensor-core kernel, G = 8, every shape here): the kernel widens each
         // row exactly (e4m3 value times its power-of-two scale), so against the CPU attention over
         // the same decoded K/V it keeps the fp32 bound; against the fp32 cache the distance is
@@ -588,7 +596,7 @@ fn attention_decode_long_context_matches_cpu() {
             let want8 = cpu(&kv_fp8::decode_rows(&k8, hkv, hd), &kv_fp8::decode_rows(&v8, hkv, hd));
             let (kb8, vb8) = (g.upload_bytes(&k8).unwrap(), g.upload_bytes(&v8).unwrap());
             for _ in 0..2 {
-                let got = decode(kb8.ptr, vb8.ptr, KvDtype::Fp8, AttnKernel::Tc);
+                let got = decode(kb8.ptr, vb8.ptr, KvDtype::Fp8, AttnKernel::Tc, false);
                 let name = format!("attention decode Tc, {shape}, fp8 cache");
                 check(&format!("{name} vs cpu on the decoded K/V"), &got, &want8, TOL);
                 check(&format!("{name} vs the fp32 cache"), &got, &want, 5e-3);

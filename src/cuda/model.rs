@@ -277,6 +277,9 @@ pub struct CudaSession {
     /// Decode through the persistent kernel (`kernels/pstep.cu`) where the model allows
     /// (`LILY_CUDA_DECODE=persistent`; off by default while it is slower than the graph).
     pub persistent: bool,
+    /// Decode attention's tensor-core kernel requests its first tiles before waiting for
+    /// attn_prep (`LILY_CUDA_ATTN_EARLY=1`; [`crate::cuda::AttnDecode::early`]).
+    pub attn_early: bool,
     /// Its plan for the current buffers (None: not built yet; Err: why the model keeps the graph).
     ps: Option<std::result::Result<pstep::PsPlan, String>>,
 }
@@ -332,6 +335,7 @@ impl CudaSession {
             cluster_used: Default::default(),
             kv,
             persistent: pstep::wanted(),
+            attn_early: std::env::var("LILY_CUDA_ATTN_EARLY").is_ok_and(|v| v == "1"),
             ps: None,
         }
     }

@@ -317,14 +317,17 @@ kernel_params! {
         kvt: In<u64>
     }
     /// The GQA-packed decode attention (one block per KV head and split): `attn_decode_gqa{1,2,4,8}`
-    /// (f32 and bf16 caches) and the tensor-core `attn_decode_tc{64,128,256}`.
+    /// (f32 and bf16 caches) and the tensor-core `attn_decode_tc{64,128,256}`; `early` (tc over a
+    /// bf16 cache, one sequence): the first tiles requested before the wait for attn_prep
+    /// ([`super::ops::attn_early`]).
     AttnGqaParams spread [
         "attn_decode_gqa1", "attn_decode_gqa2", "attn_decode_gqa4", "attn_decode_gqa8",
         "attn_decode_gqa1_bf16", "attn_decode_gqa2_bf16", "attn_decode_gqa4_bf16", "attn_decode_gqa8_bf16",
         "attn_decode_tc64", "attn_decode_tc128", "attn_decode_tc256", "attn_decode_tc64_fp8", "attn_decode_tc128_fp8",
         "attn_decode_tc256_fp8"
     ] {
-        q: In<f32>, kc: In<Void>, vc: In<Void>, part: Out<f32>, hkv: i32, hd: i32, pos_p: In<i32>, scale: f32, kvt: In<u64>
+        q: In<f32>, kc: In<Void>, vc: In<Void>, part: Out<f32>, hkv: i32, hd: i32, pos_p: In<i32>, scale: f32, kvt: In<u64>,
+        early: i32
     }
     /// `attn_combine`: the decode splits' partials merged per head, times the output gate `qg` (rows of stride `ldqg`) when `gated`.
     AttnCombineParams spread ["attn_combine"] { part: In<f32>, qg: In<f32>, out: Out<f32>, nh: i32, hd: i32, S: i32, gated: i32, ldqg: i64 }

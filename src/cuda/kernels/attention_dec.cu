@@ -20,6 +20,12 @@
  *   chunk c stored at c ^ (row & 7), so the ldmatrix reads of 8 rows hit 8 different bank
  *   groups). Dynamic shared memory: attn_dec_smem(D, false) bytes. The 4 warps merge through shared
  *   memory in a fixed order (bit-identical replays).
+ * Early form (early != 0, one sequence over a bf16 cache; LILY_CUDA_ATTN_EARLY=1): the first
+ *   DT_NST - 1 tiles of each warp are requested before pdl_wait, so the cache streams in while
+ *   attn_prep (and what runs before it) finishes. Positions < pos were written by earlier steps
+ *   and pos by the previous step's sampler, but row pos is attn_prep's: it is left out of those
+ *   copies (zero-filled) and its warp stores it into the stage from the L2 after the wait, before
+ *   the stage is read. Nothing is written before the wait. The same values as the plain form.
  * fp8 cache (attn_decode_tc{D}_fp8; layout in attention.cu): the ring (2 stages) holds the raw
  *   tiles (16 x D bytes each, unswizzled) and their rows' 16 scales (4-byte cp.async). Before the
  *   scores the warp widens the K tile's e4m3 values to fp16 (one cvt per pair, exact) into one
@@ -96,13 +102,33 @@ __device__ __forceinline__ void cp_async4(u32 dst, const void* src, int bytes) {
 
 template <int D, bool F8>
 __device__ __forceinline__ void attn_dec_tc(const float* q, const void* kc_, const void* vc_, float* part, int hkv,
-                                            const int* pos_p, float scale, const unsigned long long* kvt) {
+                                            const int* pos_p, float scale, const unsigned long long* kvt,
+                                            int early_) {
     constexpr int G = 8, KT = 16, CH = D / 8, TILE = KT * D, NK = D / 16, F8ST = dt_f8_stage<D>();
     extern __shared__ __align__(16) unsigned char dsm[];
-    pdl_begin();
-    int lo, hi;
+    /* early (one sequence, bf16 cache): the first NST - 1 tiles are requested before pdl_wait:
+       positions < pos were written by earlier steps (pos itself by the previous step's sampler),
+       so only row pos (attn_prep's, this step) is left out and read after the wait; nothing is
+       written before it */
+    const bool early = early_ && !F8 && !kvt;
+    pdl_trigger();
+    if (!early) pdl_wait();
+    int lo, hi, newest = -1; /* early: row pos, read after the wait */
     const unsigned char *kc = (const unsigned char*)kc_, *vc = (const unsigned char*)vc_; /* bytes */
-    if (!gqa_split<unsigned char>(q, kc, vc, part, pos_p, kvt, hkv, G, D, lo, hi)) return; /* attention.cu */
+    if (early) {
+        const int L = pos_p[0] + 1, chunk = max(64, (L + gridDim.y - 1) / gridDim.y);
+        lo = blockIdx.y * chunk;
+        hi = min(L, lo + chunk);
+        newest = L - 1;
+        if (lo >= L) { /* empty split: its partials marked after the wait, as gqa_split does */
+            pdl_wait();
+            if (threadIdx.x < G)
+                part[((long long)(blockIdx.x * G + threadIdx.x) * gridDim.y + blockIdx.y) * (D + 2)] = -INFINITY;
+            return;
+        }
+    } else if (!gqa_split<unsigned char>(q, kc, vc, part, pos_p, kvt, hkv, G, D, lo, hi)) {
+        return; /* attention.cu */
+    }
     const int kvh = blockIdx.x, split = blockIdx.y, S = gridDim.y;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     /* per warp: bf16 ring of DT_NST (K, V) tile pairs, or for fp8 one fp16 tile (K, then V) and a
@@ -144,7 +170,7 @@ __device__ __forceinline__ void attn_dec_tc(const float* q, const void* kc_, con
 #pragma unroll 4
             for (int i = lane; i < KT * CH; i += 32) {
                 const int row = i / CH, c = i - row * CH, key = key0 + row;
-                const bool ok = key < hi;
+                const bool ok = key < hi && key != newest;
                 const long long off = ok ? (long long)key * rs + c * 16 : 0;
                 const int so = row * D + ((c ^ (row & 7)) << 3);
                 cp_async16_stream(smem_u32(kt + so), kb + off, ok ? 16 : 0);
@@ -155,6 +181,7 @@ __device__ __forceinline__ void attn_dec_tc(const float* q, const void* kc_, con
     };
 #pragma unroll
     for (int j = 0; j < NST - 1; j++) load(j);
+    if (early) pdl_wait();
 
     /* Q^T as B fragments (k = dim, n = head = lane / 4), prescaled, split into hi and lo. */
     u32 qh[NK][2], ql[NK][2];
@@ -202,6 +229,20 @@ __device__ __forceinline__ void attn_dec_tc(const float* q, const void* kc_, con
         if constexpr (F8) widen(0);
         const u16* kt = ring + (F8 ? 0 : (j % NST) * 2 * TILE);
         const u16* vt = F8 ? ring : kt + TILE;
+        if (!F8 && early) {
+            /* early: row pos (left out of the copies, so zeros in the stage by now) from the cache
+               that attn_prep wrote before the wait, through the L2 */
+            const int row = newest - (lo + (warp + 4 * j) * KT);
+            if (row >= 0 && row < KT) {
+                const int so = row * D + ((lane ^ (row & 7)) << 3);
+                if (lane < CH) {
+                    const long long off = (long long)newest * rs + lane * 16;
+                    *(uint4*)(ring + (j % NST) * 2 * TILE + so) = __ldcg((const uint4*)(kb + off));
+                    *(uint4*)(ring + (j % NST) * 2 * TILE + TILE + so) = __ldcg((const uint4*)(vb + off));
+                }
+                __syncwarp();
+            }
+        }
         /* S^T = K . Q^T */
         float s[4] = {0.f, 0.f, 0.f, 0.f};
         {
@@ -331,12 +372,12 @@ __device__ __forceinline__ void attn_dec_tc(const float* q, const void* kc_, con
     extern "C" __global__ void __launch_bounds__(128, 1)                                                        \
         attn_decode_tc##D(AttnGqaParams_fields) {                                                               \
         TL_SCOPE("attn_decode_tc" #D);                                                                          \
-        attn_dec_tc<D, false>(q, kc, vc, part, hkv, pos_p, scale, kvt);                                         \
+        attn_dec_tc<D, false>(q, kc, vc, part, hkv, pos_p, scale, kvt, early);                                         \
     }                                                                                                           \
     extern "C" __global__ void __launch_bounds__(128, 1)                                                        \
         attn_decode_tc##D##_fp8(AttnGqaParams_fields) {                                                         \
         TL_SCOPE("attn_decode_tc" #D "_fp8");                                                                   \
-        attn_dec_tc<D, true>(q, kc, vc, part, hkv, pos_p, scale, kvt);                                          \
+        attn_dec_tc<D, true>(q, kc, vc, part, hkv, pos_p, scale, kvt, early);                                          \
     }
 ATTN_DEC_TC(64)
 ATTN_DEC_TC(128)

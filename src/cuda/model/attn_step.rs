@@ -34,6 +34,7 @@ impl CudaSession {
             part: s.part.ptr,
             splits: self.attn[long as usize].1,
             kv: self.kv,
+            early: self.attn_early,
         };
         g.attn_decode(&a, self.attn[long as usize].0)
     }

@@ -280,6 +280,7 @@ impl CudaBatch {
                         part: part.ptr,
                         splits,
                         kv,
+                        early: false,
                     };
                     if one_plan {
                         let GState::Attn { k: kc, v: vc, .. } = &first.states[li] else {

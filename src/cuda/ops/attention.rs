@@ -187,7 +187,8 @@ impl Gpu {
         let rows = r.rows.max(1) as u32;
         let (q, kc, vc, part) = (In::new(a.q), In::new(a.kc), In::new(a.vc), Out::new(a.part));
         let (pos_p, kvt) = (In::new(a.pos), In::new(r.kvt));
-        let gqa = AttnGqaParams { q, kc, vc, part, hkv: hkv as i32, hd: hd as i32, pos_p, scale, kvt };
+        let early = a.early as i32;
+        let gqa = AttnGqaParams { q, kc, vc, part, hkv: hkv as i32, hd: hd as i32, pos_p, scale, kvt, early };
         match packed {
             Some(_) if tc => {
                 let grid = (hkv as u32, a.splits as u32, rows);
@@ -440,6 +441,10 @@ pub struct AttnDecode {
     pub splits: usize,
     /// Element type of `kc`/`vc`.
     pub kv: KvDtype,
+    /// The tensor-core kernel over a bf16 cache, one sequence: its first tiles requested before
+    /// it waits for the previous kernel (attn_prep), the newest row read after the wait
+    /// (`LILY_CUDA_ATTN_EARLY=1` in a session; off by default until measured).
+    pub early: bool,
 }
 
 /// Element type of the KV cache: bf16 (the default: half the bytes per decode step, scores and
