@@ -261,7 +261,10 @@ impl Gpu {
             return ((AttnKernel::Tc, splits), long, var("LILY_CUDA_FP8_LONG_FROM", 65536));
         }
         let packed = (AttnKernel::Packed, splits);
-        let tc = (AttnKernel::Tc, splits);
+        // `LILY_CUDA_ATTN_TC_SPLITS`: the tensor-core kernel's splits per KV head (a measurement
+        // knob: fewer, longer splits leave attn_combine fewer partials at short contexts).
+        let tc_splits = std::env::var("LILY_CUDA_ATTN_TC_SPLITS").ok().and_then(|v| v.parse().ok()).unwrap_or(splits);
+        let tc = (AttnKernel::Tc, tc_splits.clamp(1, 1024));
         let on = std::env::var("LILY_CUDA_ATTN_TC").map_or(true, |v| v != "0") && self.attn_tc_applies(nh, hkv, hd, kv);
         let (long, from) = if on { (tc, 2048) } else { (packed, 8192) };
         let from = std::env::var("LILY_CUDA_ATTN_PACKED_FROM").ok().and_then(|v| v.parse().ok()).unwrap_or(from);
