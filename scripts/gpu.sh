@@ -27,7 +27,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-TESTS="cuda_compile cuda_kernels cuda_gdn cuda_prefill cuda_attention_prefill cuda_model cuda_batch cuda_paged"
+TESTS="cuda_compile cuda_kernels cuda_attention_decode cuda_gdn cuda_prefill cuda_attention_prefill cuda_model cuda_batch cuda_paged"
 
 if [ "${1:-build}" = build ]; then
   cargo build --release

@@ -159,7 +159,7 @@ fn skinny_occ2() -> bool {
 /// Kernels that call `pdl_wait()` before touching activations (kernels/common.cuh) and so may be
 /// launched as programmatic dependents: their launch and weight reads overlap the previous
 /// kernel's tail. The gemm_skinny entry points are such kernels too (see [`is_pdl`]).
-pub const PDL_KERNELS: [&str; 68] = [
+pub const PDL_KERNELS: [&str; 71] = [
     "gemm_wsp128",
     "gemm_wsp256",
     "gemm_wsp128_q8",
@@ -209,6 +209,9 @@ pub const PDL_KERNELS: [&str; 68] = [
     "attn_decode_tc64_fp8",
     "attn_decode_tc128_fp8",
     "attn_decode_tc256_fp8",
+    "attn_decode_tc64_prep",
+    "attn_decode_tc128_prep",
+    "attn_decode_tc256_prep",
     "conv_step",
     "gdn_step",
     "gdn_step_par",
@@ -384,6 +387,21 @@ pub fn attn_dec_kernel(d: usize, fp8: bool) -> &'static str {
         (128, true) => "attn_decode_tc128_fp8",
         (_, true) => "attn_decode_tc256_fp8",
     }
+}
+
+/// The prep-fused form of the bf16 tensor-core decode kernel at head dim `d`.
+pub fn attn_dec_prep_kernel(d: usize) -> &'static str {
+    match d {
+        64 => "attn_decode_tc64_prep",
+        128 => "attn_decode_tc128_prep",
+        _ => "attn_decode_tc256_prep",
+    }
+}
+
+/// Dynamic shared memory of [`attn_dec_prep_kernel`]`(d)`: the bf16 kernel's, then its 8 query
+/// rows and a K row in fp32 and the newest K and V rows in bf16.
+pub fn attn_dec_prep_smem(d: usize) -> usize {
+    attn_dec_smem(d, false) + 9 * d * 4 + 2 * d * 2
 }
 
 /// Dynamic shared memory of [`attn_dec_kernel`]`(d, fp8)`, then each warp's P buffers

@@ -280,6 +280,9 @@ pub struct CudaSession {
     /// Decode attention's tensor-core kernel requests its first tiles before waiting for
     /// attn_prep (`LILY_CUDA_ATTN_EARLY=1`; [`crate::cuda::AttnDecode::early`]).
     pub attn_early: bool,
+    /// ... and does attn_prep's work itself, one launch fewer (`LILY_CUDA_ATTN_EARLY=prep`;
+    /// [`Gpu::attn_decode_prep`](crate::cuda::Gpu::attn_decode_prep)), where that kernel runs.
+    pub attn_prep_fused: bool,
     /// Its plan for the current buffers (None: not built yet; Err: why the model keeps the graph).
     ps: Option<std::result::Result<pstep::PsPlan, String>>,
 }
@@ -335,7 +338,8 @@ impl CudaSession {
             cluster_used: Default::default(),
             kv,
             persistent: pstep::wanted(),
-            attn_early: std::env::var("LILY_CUDA_ATTN_EARLY").is_ok_and(|v| v == "1"),
+            attn_early: std::env::var("LILY_CUDA_ATTN_EARLY").is_ok_and(|v| v == "1" || v == "prep"),
+            attn_prep_fused: std::env::var("LILY_CUDA_ATTN_EARLY").is_ok_and(|v| v == "prep"),
             ps: None,
         }
     }

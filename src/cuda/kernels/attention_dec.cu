@@ -100,17 +100,69 @@ __device__ __forceinline__ void cp_async4(u32 dst, const void* src, int bytes) {
     asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src), "r"(bytes) : "memory");
 }
 
-template <int D, bool F8>
+/* attn_decode_tc{D}_prep's attn_prep inputs (see attention.cu's attn_prep; one sequence, bf16
+   cache): the projection's q (per head [q | gate] when gated), k and v rows, the norms' weights,
+   RoPE's dims and base, the norm's epsilon. */
+struct DecPrep {
+    const float *qg, *kin, *vin, *qn, *kn;
+    int gated, rot;
+    double theta;
+    float eps;
+};
+/* One head's row as attn_prep computes it, by one warp: RMSNorm (the sum of squares added in
+   block_sum's order over D threads: per 32-lane chunk a warp_sum, then the chunks' sums as warp
+   0 adds them) with weights nw, then RoPE on dims [0, rot) at position pos; out[D] in shared
+   memory (the same bits as attn_prep). */
+template <int D>
+__device__ __forceinline__ void dec_prep_row(const float* src, const float* nw, const DecPrep& pr, int pos,
+                                             float* out) {
+    constexpr int NC = D / 32;
+    const int lane = threadIdx.x & 31;
+    float x[NC], p[NC];
+#pragma unroll
+    for (int c = 0; c < NC; c++) {
+        x[c] = src[32 * c + lane];
+        p[c] = warp_sum(x[c] * x[c]);
+    }
+    float t = 0.f;
+#pragma unroll
+    for (int c = 0; c < NC; c++)
+        if (lane == c) t = p[c];
+    const float ss = warp_sum(t);
+    const float r = 1.f / sqrtf(ss / (float)D + pr.eps);
+#pragma unroll
+    for (int c = 0; c < NC; c++) out[32 * c + lane] = x[c] * (r * nw[32 * c + lane]);
+    __syncwarp();
+    const int half = pr.rot / 2;
+    float o[NC];
+#pragma unroll
+    for (int c = 0; c < NC; c++) {
+        const int j = 32 * c + lane;
+        o[c] = out[j];
+        if (j < pr.rot) {
+            const int i = j < half ? j : j - half;
+            const double ang = (double)pos * pow(pr.theta, -(2.0 * i) / (double)pr.rot);
+            const float cs = (float)cos(ang), sn = (float)sin(ang);
+            o[c] = j < half ? out[j] * cs - out[j + half] * sn : out[j] * cs + out[j - half] * sn;
+        }
+    }
+    __syncwarp();
+#pragma unroll
+    for (int c = 0; c < NC; c++) out[32 * c + lane] = o[c];
+    __syncwarp();
+}
+
+template <int D, bool F8, bool PREP = false>
 __device__ __forceinline__ void attn_dec_tc(const float* q, const void* kc_, const void* vc_, float* part, int hkv,
                                             const int* pos_p, float scale, const unsigned long long* kvt,
-                                            int early_) {
+                                            int early_, const DecPrep& pr = DecPrep{}) {
     constexpr int G = 8, KT = 16, CH = D / 8, TILE = KT * D, NK = D / 16, F8ST = dt_f8_stage<D>();
     extern __shared__ __align__(16) unsigned char dsm[];
     /* early (one sequence, bf16 cache): the first NST - 1 tiles are requested before pdl_wait:
        positions < pos were written by earlier steps (pos itself by the previous step's sampler),
        so only row pos (attn_prep's, this step) is left out and read after the wait; nothing is
        written before it */
-    const bool early = early_ && !F8 && !kvt;
+    const bool early = PREP || (early_ && !F8 && !kvt);
     pdl_trigger();
     if (!early) pdl_wait();
     int lo, hi, newest = -1; /* early: row pos, read after the wait */
@@ -182,11 +234,34 @@ __device__ __forceinline__ void attn_dec_tc(const float* q, const void* kc_, con
 #pragma unroll
     for (int j = 0; j < NST - 1; j++) load(j);
     if (early) pdl_wait();
+    /* PREP: attn_prep's work for this block: its G query heads (warp w heads 2w, 2w + 1) into qs;
+       the block holding row pos (hi = L) also its K and V rows (bf16, warps 0 and 1) into nrow
+       and the cache */
+    float* qs = (float*)(dsm + 4 * WARP_BYTES + 4 * 2 * G * DT_PS * 2); /* PREP: [G][D] queries */
+    float* kf = qs + G * D;                                             /* PREP: [D] K row, fp32 */
+    u16* nrow = (u16*)(kf + D);                                         /* PREP: [2][D] K, V bf16 */
+    if constexpr (PREP) {
+        const int pos = newest, qstride = D * (pr.gated ? 2 : 1);
+        for (int g = 2 * warp; g < 2 * warp + 2; g++)
+            dec_prep_row<D>(pr.qg + (long long)(kvh * G + g) * qstride, pr.qn, pr, pos, qs + g * D);
+        if (hi == newest + 1 && warp < 2) {
+            const long long row = ((long long)pos * hkv + kvh) * D;
+            if (warp == 0) dec_prep_row<D>(pr.kin + (long long)kvh * D, pr.kn, pr, pos, kf);
+#pragma unroll
+            for (int c = 0; c < D / 32; c++) {
+                const int j = 32 * c + lane;
+                const u16 b = (u16)bf16_bits(warp == 0 ? kf[j] : pr.vin[(long long)kvh * D + j]);
+                nrow[warp * D + j] = b;
+                ((u16*)(warp == 0 ? kc_ : vc_))[row + j] = b;
+            }
+        }
+        __syncthreads();
+    }
 
     /* Q^T as B fragments (k = dim, n = head = lane / 4), prescaled, split into hi and lo. */
     u32 qh[NK][2], ql[NK][2];
     {
-        const float* qr = q + (long long)(kvh * G + (lane >> 2)) * D;
+        const float* qr = PREP ? qs + (lane >> 2) * D : q + (long long)(kvh * G + (lane >> 2)) * D;
         const float qs = scale * 1.4426950408889634f;
 #pragma unroll
         for (int ks = 0; ks < NK; ks++)
@@ -237,8 +312,10 @@ __device__ __forceinline__ void attn_dec_tc(const float* q, const void* kc_, con
                 const int so = row * D + ((lane ^ (row & 7)) << 3);
                 if (lane < CH) {
                     const long long off = (long long)newest * rs + lane * 16;
-                    *(uint4*)(ring + (j % NST) * 2 * TILE + so) = __ldcg((const uint4*)(kb + off));
-                    *(uint4*)(ring + (j % NST) * 2 * TILE + TILE + so) = __ldcg((const uint4*)(vb + off));
+                    *(uint4*)(ring + (j % NST) * 2 * TILE + so) =
+                        PREP ? *(const uint4*)(nrow + 8 * lane) : __ldcg((const uint4*)(kb + off));
+                    *(uint4*)(ring + (j % NST) * 2 * TILE + TILE + so) =
+                        PREP ? *(const uint4*)(nrow + D + 8 * lane) : __ldcg((const uint4*)(vb + off));
                 }
                 __syncwarp();
             }
@@ -382,3 +459,13 @@ __device__ __forceinline__ void attn_dec_tc(const float* q, const void* kc_, con
 ATTN_DEC_TC(64)
 ATTN_DEC_TC(128)
 ATTN_DEC_TC(256)
+
+#define ATTN_DEC_TC_PREP(D)                                                                                     \
+    extern "C" __global__ void __launch_bounds__(128, 1) attn_decode_tc##D##_prep(AttnDecPrepParams_fields) {  \
+        TL_SCOPE("attn_decode_tc" #D "_prep");                                                                 \
+        const DecPrep pr{qg, kin, vin, qn, kn, gated, rot, theta, eps};                                         \
+        attn_dec_tc<D, false, true>(nullptr, kc, vc, part, hkv, pos_p, scale, nullptr, 1, pr);                 \
+    }
+ATTN_DEC_TC_PREP(64)
+ATTN_DEC_TC_PREP(128)
+ATTN_DEC_TC_PREP(256)

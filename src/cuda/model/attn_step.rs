@@ -2,7 +2,7 @@
 //! shared by the graph of per-op kernels and the persistent step.
 
 use super::{attn_prep_args, CudaSession, GMixer, GState};
-use crate::cuda::ops::AttnDecode;
+use crate::cuda::ops::{AttnDecode, AttnKernel, KvDtype};
 use anyhow::{bail, Context, Result};
 
 impl CudaSession {
@@ -19,7 +19,14 @@ impl CudaSession {
         };
         let pos_p = s.io.at(4);
         let prep = attn_prep_args(c, s.proj.ptr, [q_norm, k_norm], s.q.ptr, [kc, vc], pos_p, self.kv);
-        g.attn_prep(&prep, 1, 0)?;
+        let (kernel, splits) = self.attn[long as usize];
+        let fused = self.attn_prep_fused
+            && kernel == AttnKernel::Tc
+            && self.kv == KvDtype::Bf16
+            && g.attn_tc_applies(c.num_attention_heads, c.num_key_value_heads, c.head_dim, self.kv);
+        if !fused {
+            g.attn_prep(&prep, 1, 0)?;
+        }
         let a = AttnDecode {
             q: s.q.ptr,
             kc: kc.ptr,
@@ -32,10 +39,13 @@ impl CudaSession {
             pos: pos_p,
             gated: c.attn_output_gate,
             part: s.part.ptr,
-            splits: self.attn[long as usize].1,
+            splits,
             kv: self.kv,
             early: self.attn_early,
         };
-        g.attn_decode(&a, self.attn[long as usize].0)
+        if fused {
+            return g.attn_decode_prep(&prep, &a);
+        }
+        g.attn_decode(&a, kernel)
     }
 }

@@ -3,7 +3,7 @@
 //! cache element type every one of them is launched for (kernels/attention*.cu).
 
 use super::super::params::{
-    AttnCombineParams, AttnDecodeParams, AttnGqaParams, AttnPrefillParams, AttnPrepParams, In, Out, TmaMap,
+    AttnCombineParams, AttnDecPrepParams, AttnDecodeParams, AttnGqaParams, AttnPrefillParams, AttnPrepParams, In, Out, TmaMap,
 };
 use super::super::Gpu;
 use super::{blocks, Precision};
@@ -222,17 +222,59 @@ impl Gpu {
                 self.launch_params(name, (nh as u32, a.splits as u32, rows), 256, 0, &p)?;
             }
         }
+        self.attn_combine(a, r)
+    }
+
+    /// attn_combine over the decode kernels' partials in `a.part`.
+    fn attn_combine(&self, a: &AttnDecode, r: &AttnRows) -> Result<()> {
+        let rows = r.rows.max(1) as u32;
         let c = AttnCombineParams {
             part: In::new(a.part),
             qg: In::new(a.qg),
             out: Out::new(a.out),
-            nh: nh as i32,
-            hd: hd as i32,
+            nh: a.nh as i32,
+            hd: a.hd as i32,
             S: a.splits as i32,
             gated: a.gated as i32,
             ldqg: r.ldqg as i64,
         };
-        self.launch_params("attn_combine", (nh as u32, 1, rows), 1024, 0, &c)
+        self.launch_params("attn_combine", (a.nh as u32, 1, rows), 1024, 0, &c)
+    }
+
+    /// attn_prep and the tensor-core decode attention of one token in one launch
+    /// (`attn_decode_tc{D}_prep`: each block normalizes and rotates its own 8 query heads, the
+    /// block holding position `pos` writes that position's K and V rows), then attn_combine:
+    /// one launch fewer than [`Gpu::attn_prep`] + [`Gpu::attn_decode`] with
+    /// [`AttnKernel::Tc`], the same bits. A bf16 cache where the tensor-core kernel applies.
+    pub fn attn_decode_prep(&self, p: &AttnPrep, a: &AttnDecode) -> Result<()> {
+        let (nh, hkv, hd) = (a.nh, a.hkv, a.hd);
+        if a.kv != KvDtype::Bf16 || p.kv != KvDtype::Bf16 || !self.attn_tc_applies(nh, hkv, hd, KvDtype::Bf16) {
+            bail!("attention decode with prep: needs a bf16 cache and 8 query heads per KV head of dim 64, 128 or 256 ({nh}:{hkv}, dim {hd}, {:?})", a.kv);
+        }
+        if (p.nh, p.hkv, p.hd) != (nh, hkv, hd) || p.rot > hd || p.rot % 2 != 0 || !(1..=1024).contains(&a.splits) {
+            bail!("attention decode with prep: prep {}:{} dim {} rot {} against decode {nh}:{hkv} dim {hd}, {} splits", p.nh, p.hkv, p.hd, p.rot, a.splits);
+        }
+        let args = AttnDecPrepParams {
+            qg: In::new(p.qg),
+            kin: In::new(p.k),
+            vin: In::new(p.v),
+            qn: In::new(p.q_norm),
+            kn: In::new(p.k_norm),
+            kc: Out::new(a.kc),
+            vc: Out::new(a.vc),
+            part: Out::new(a.part),
+            hkv: hkv as i32,
+            gated: p.gated as i32,
+            rot: p.rot as i32,
+            pos_p: In::new(a.pos),
+            theta: p.theta,
+            eps: p.eps,
+            scale: 1.0 / (hd as f32).sqrt(),
+        };
+        let name = super::super::attn_dec_prep_kernel(hd);
+        let smem = super::super::attn_dec_prep_smem(hd) as u32;
+        self.launch_params(name, (hkv as u32, a.splits as u32, 1), 128, smem, &args)?;
+        self.attn_combine(a, &AttnRows { rows: 1, kvt: 0, ldqg: 0 })
     }
 
     /// The decode attention kernels this device uses for these heads and cache: (kernel,
