@@ -303,6 +303,48 @@ static void route_edges() {
     }
     printf("%-6s route_topk_reg / _redux / _redux2 against route_topk on 40 edge sets (ties, -0, -inf), renormalized and not\n", VARIANT);
 }
+// attn_decode_tc*_prep's rows (dec_prep_row, one warp) against attn_prep's (a block of D
+// threads): two gated query heads and a K head at position pos, the same bits; and the double
+// RMSNorm + RoPE
+static void prep_case(int rot, int pos) {
+    constexpr int D = 256, nh = 2;
+    std::vector<float> proj(nh * 2 * D + 2 * D), qn(D), kn(D), qo(nh * D, NAN), rows(3 * D, NAN);
+    for (auto& v : proj) v = 2 * U();
+    for (auto* w : {&qn, &kn}) for (auto& v : *w) v = 1 + 0.5f * U();
+    std::vector<u16> kc((size_t)(pos + 1) * D, 0), vc((size_t)(pos + 1) * D, 0);
+    const float* kin = proj.data() + nh * 2 * D;
+    // one block at a time (attn_prep's __shared__ arrays are one static copy here)
+    for (int b = 0; b <= nh; b++)
+        emu_launch(nh + 1, D, [&] { if (blockIdx.x == (unsigned)b) attn_prep_t<u16>(proj.data(), kin, kin + D, qn.data(), kn.data(), qo.data(), kc.data(), vc.data(), nh, 1, D, 1, rot, &pos, 1e7, 1e-6f, 0, nullptr); });
+    DecPrep pr{proj.data(), kin, kin + D, qn.data(), kn.data(), 1, rot, 1e7, 1e-6f};
+    for (int h = 0; h < 3; h++) {
+        const float* src = h < nh ? proj.data() + h * 2 * D : kin;
+        emu_launch(1, 32, [&] { dec_prep_row<D>(src, h < nh ? qn.data() : kn.data(), pr, pos, rows.data() + h * D); });
+    }
+    bool same = !memcmp(rows.data(), qo.data(), nh * D * 4);
+    for (int j = 0; j < D; j++) same &= (u16)bf16_bits(rows[nh * D + j]) == kc[(size_t)pos * D + j] && (u16)bf16_bits(kin[D + j]) == vc[(size_t)pos * D + j];
+    std::vector<double> want(nh * D);
+    for (int h = 0; h < nh; h++) {
+        const float* x = proj.data() + h * 2 * D;
+        double ss = 0;
+        for (int j = 0; j < D; j++) ss += (double)x[j] * x[j];
+        double r = 1 / std::sqrt(ss / D + 1e-6);
+        std::vector<double> xn(D);
+        for (int j = 0; j < D; j++) xn[j] = x[j] * r * qn[j];
+        for (int j = 0; j < D; j++) {
+            double o = xn[j];
+            if (j < rot) {
+                int half = rot / 2, i = j < half ? j : j - half;
+                double a = pos * std::pow(1e7, -2.0 * i / rot);
+                o = j < half ? xn[j] * std::cos(a) - xn[j + half] * std::sin(a) : xn[j] * std::cos(a) + xn[j - half] * std::sin(a);
+            }
+            want[h * D + j] = o;
+        }
+    }
+    char b[128]; snprintf(b, sizeof b, "dec_prep_row D%d rot %d pos %d: attn_prep's %s", D, rot, pos, same ? "bits" : "bits DIFFER");
+    fails += !same;
+    report(b, nmse(rows.data(), want));
+}
 int main() {
     gemv_case(37, 2048, 3, 128, 1);
     gemv_case(37, 2048, 3, 128, 300);
@@ -331,6 +373,8 @@ int main() {
     gdn_cl_case(2, 256, 4);
     gdn_cl_case(2, 256, 4, 4);
     gdn_cl_case(1, 512, 4, 8);
+    prep_case(64, 5);
+    prep_case(64, 3000);
     route_edges();
     printf("%s: %d failures\n", VARIANT, fails);
     return fails != 0;

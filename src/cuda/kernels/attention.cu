@@ -171,6 +171,12 @@ __device__ __forceinline__ unsigned char f8_encode(float x) {
 template <typename KV> __device__ __forceinline__ constexpr bool bf16_cache() { return false; }
 template <> __device__ __forceinline__ constexpr bool bf16_cache<u16>() { return true; }
 
+/* One rotated RoPE element: x c - y s (first half) or x c + y s, each product rounded (no FMA
+   contraction), so that attn_prep and attn_decode_tc*_prep give the same bits. */
+__device__ __forceinline__ float rope_rot(float x, float y, float c, float s, bool first) {
+    return first ? __fsub_rn(__fmul_rn(x, c), __fmul_rn(y, s)) : __fadd_rn(__fmul_rn(x, c), __fmul_rn(y, s));
+}
+
 template <typename KV>
 __device__ __forceinline__ void attn_prep_t(const float* qg, const float* kin, const float* vin, const float* qn,
                                             const float* kn, float* q_out, KV* kc, KV* vc, int nh, int hkv, int hd,
@@ -203,8 +209,7 @@ __device__ __forceinline__ void attn_prep_t(const float* qg, const float* kin, c
         int i = j < half ? j : j - half;
         double ang = (double)pos * pow(theta, -(2.0 * i) / (double)rot);
         float c = (float)cos(ang), s = (float)sin(ang);
-        if (j < half) outv = xs[j] * c - xs[j + half] * s;
-        else outv = xs[j] * c + xs[j - half] * s;
+        outv = j < half ? rope_rot(xs[j], xs[j + half], c, s, true) : rope_rot(xs[j], xs[j - half], c, s, false);
     }
     if constexpr (sizeof(KV) == 1) {
         /* fp8: each row (this position's head h, K and V apart) with its own power-of-two scale;

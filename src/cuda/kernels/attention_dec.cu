@@ -143,7 +143,7 @@ __device__ __forceinline__ void dec_prep_row(const float* src, const float* nw, 
             const int i = j < half ? j : j - half;
             const double ang = (double)pos * pow(pr.theta, -(2.0 * i) / (double)pr.rot);
             const float cs = (float)cos(ang), sn = (float)sin(ang);
-            o[c] = j < half ? out[j] * cs - out[j + half] * sn : out[j] * cs + out[j - half] * sn;
+            o[c] = j < half ? rope_rot(out[j], out[j + half], cs, sn, true) : rope_rot(out[j], out[j - half], cs, sn, false);
         }
     }
     __syncwarp();
@@ -155,7 +155,7 @@ __device__ __forceinline__ void dec_prep_row(const float* src, const float* nw, 
 template <int D, bool F8, bool PREP = false>
 __device__ __forceinline__ void attn_dec_tc(const float* q, const void* kc_, const void* vc_, float* part, int hkv,
                                             const int* pos_p, float scale, const unsigned long long* kvt,
-                                            int early_, const DecPrep& pr = DecPrep{}) {
+                                            int early_, const DecPrep* pr = nullptr) {
     constexpr int G = 8, KT = 16, CH = D / 8, TILE = KT * D, NK = D / 16, F8ST = dt_f8_stage<D>();
     extern __shared__ __align__(16) unsigned char dsm[];
     /* early (one sequence, bf16 cache): the first NST - 1 tiles are requested before pdl_wait:
@@ -241,16 +241,17 @@ __device__ __forceinline__ void attn_dec_tc(const float* q, const void* kc_, con
     float* kf = qs + G * D;                                             /* PREP: [D] K row, fp32 */
     u16* nrow = (u16*)(kf + D);                                         /* PREP: [2][D] K, V bf16 */
     if constexpr (PREP) {
-        const int pos = newest, qstride = D * (pr.gated ? 2 : 1);
+        const DecPrep& pp = *pr;
+        const int pos = newest, qstride = D * (pp.gated ? 2 : 1);
         for (int g = 2 * warp; g < 2 * warp + 2; g++)
-            dec_prep_row<D>(pr.qg + (long long)(kvh * G + g) * qstride, pr.qn, pr, pos, qs + g * D);
+            dec_prep_row<D>(pp.qg + (long long)(kvh * G + g) * qstride, pp.qn, pp, pos, qs + g * D);
         if (hi == newest + 1 && warp < 2) {
             const long long row = ((long long)pos * hkv + kvh) * D;
-            if (warp == 0) dec_prep_row<D>(pr.kin + (long long)kvh * D, pr.kn, pr, pos, kf);
+            if (warp == 0) dec_prep_row<D>(pp.kin + (long long)kvh * D, pp.kn, pp, pos, kf);
 #pragma unroll
             for (int c = 0; c < D / 32; c++) {
                 const int j = 32 * c + lane;
-                const u16 b = (u16)bf16_bits(warp == 0 ? kf[j] : pr.vin[(long long)kvh * D + j]);
+                const u16 b = (u16)bf16_bits(warp == 0 ? kf[j] : pp.vin[(long long)kvh * D + j]);
                 nrow[warp * D + j] = b;
                 ((u16*)(warp == 0 ? kc_ : vc_))[row + j] = b;
             }
@@ -464,7 +465,7 @@ ATTN_DEC_TC(256)
     extern "C" __global__ void __launch_bounds__(128, 1) attn_decode_tc##D##_prep(AttnDecPrepParams_fields) {  \
         TL_SCOPE("attn_decode_tc" #D "_prep");                                                                 \
         const DecPrep pr{qg, kin, vin, qn, kn, gated, rot, theta, eps};                                         \
-        attn_dec_tc<D, false, true>(nullptr, kc, vc, part, hkv, pos_p, scale, nullptr, 1, pr);                 \
+        attn_dec_tc<D, false, true>(nullptr, kc, vc, part, hkv, pos_p, scale, nullptr, 1, &pr);                 \
     }
 ATTN_DEC_TC_PREP(64)
 ATTN_DEC_TC_PREP(128)
