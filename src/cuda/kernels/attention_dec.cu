@@ -23,7 +23,10 @@
  * Early form (early != 0, one sequence over a bf16 cache; LILY_CUDA_ATTN_EARLY=1): the first
  *   DT_NST - 1 tiles of each warp are requested before pdl_wait, so the cache streams in while
  *   attn_prep (and what runs before it) finishes. Positions < pos were written by earlier steps
- *   and pos by the previous step's sampler, but row pos is attn_prep's: it is left out of those
+ *   and pos by the previous step's sampler (or the host), complete before this step's graph
+ *   starts (without graphs: before the first MoE launch between them, whose blocks fill every
+ *   SM until their own wait returns), as gdn_step_par's early state loads assume; but row pos
+ *   is attn_prep's: it is left out of those
  *   copies (zero-filled) and its warp stores it into the stage from the L2 after the wait, before
  *   the stage is read. Nothing is written before the wait. The same values as the plain form.
  * fp8 cache (attn_decode_tc{D}_fp8; layout in attention.cu): the ring (2 stages) holds the raw
