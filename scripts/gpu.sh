@@ -15,6 +15,7 @@
 #                             BATCH_VARIANTS (';'-separated env settings: the batched bench per
 #                             setting), ENV_AB (env settings, ';'-separated: batch-1 A/B at
 #                             AB_CONTEXTS), ATTN_DEC_BENCH (decode attention kernels alone),
+#                             TEST_TIMEOUT (seconds a test executable, default 600),
 #                             TEST_ENV (env settings for the test executables, e.g.
 #                             LILY_CUDA_SHARED_GROUPED=1), SERVE_CLIENTS (e.g. "1 16 64":
 #                             scripts/serve_load.sh, AB_OLD's binary too), PROFILE_LAYERS /
@@ -122,7 +123,7 @@ for spec in $TESTS; do
   esac
   log="$OUTDIR/$t${filt:+.$(echo "${filt#!}" | tr ',' '_')}.log"
   echo "== $t${filt:+ ($filt)}"
-  if ! env ${TEST_ENV:-} timeout 600 .gpu/x/bin/$t ${fargs[@]+"${fargs[@]}"} --test-threads=1 --nocapture >"$log" 2>&1; then status=1; fi
+  if ! env ${TEST_ENV:-} timeout "${TEST_TIMEOUT:-600}" .gpu/x/bin/$t ${fargs[@]+"${fargs[@]}"} --test-threads=1 --nocapture >"$log" 2>&1; then status=1; fi
   grep -E "^test |test result|SKIPPED|worst|panicked|nmse .*e-0[0-8]" "$log" | head -60 || true
   if [ "$t" = cuda_kernels ]; then
     # the routed MoE kernels again with the block-wide top-k (route_rank; pstep always uses it)
