@@ -29,6 +29,13 @@
  *   is attn_prep's: it is left out of those
  *   copies (zero-filled) and its warp stores it into the stage from the L2 after the wait, before
  *   the stage is read. Nothing is written before the wait. The same values as the plain form.
+ * Prep form (attn_decode_tc{D}_prep, AttnDecPrepParams; LILY_CUDA_ATTN_EARLY=prep): the early
+ *   form doing attn_prep's work itself after the wait: warp w normalizes and rotates query heads
+ *   2w, 2w + 1 of its KV head into shared memory (dec_prep_row: attn_prep's arithmetic in its
+ *   order, so the same bits); in the block holding row pos, warp 0 the K row and warp 1 the V
+ *   row, as bf16 into the cache and into shared memory, from where the row's warp stores them
+ *   into its stage. Shared memory: attn_dec_prep_smem(D) = the plain form's + [8][D] + [D] fp32
+ *   + [2][D] bf16 after the P buffers.
  * fp8 cache (attn_decode_tc{D}_fp8; layout in attention.cu): the ring (2 stages) holds the raw
  *   tiles (16 x D bytes each, unswizzled) and their rows' 16 scales (4-byte cp.async). Before the
  *   scores the warp widens the K tile's e4m3 values to fp16 (one cvt per pair, exact) into one
@@ -237,17 +244,17 @@ __device__ __forceinline__ void attn_dec_tc(const float* q, const void* kc_, con
 #pragma unroll
     for (int j = 0; j < NST - 1; j++) load(j);
     if (early) pdl_wait();
-    /* PREP: attn_prep's work for this block: its G query heads (warp w heads 2w, 2w + 1) into qs;
+    /* PREP: attn_prep's work for this block: its G query heads (warp w heads 2w, 2w + 1) into qsm;
        the block holding row pos (hi = L) also its K and V rows (bf16, warps 0 and 1) into nrow
-       and the cache */
-    float* qs = (float*)(dsm + 4 * WARP_BYTES + 4 * 2 * G * DT_PS * 2); /* PREP: [G][D] queries */
-    float* kf = qs + G * D;                                             /* PREP: [D] K row, fp32 */
+       and the cache. Shared memory after the rings and P buffers. */
+    float* qsm = (float*)(dsm + 4 * WARP_BYTES + 4 * 2 * G * DT_PS * 2); /* PREP: [G][D] queries */
+    float* kf = qsm + G * D;                                            /* PREP: [D] K row, fp32 */
     u16* nrow = (u16*)(kf + D);                                         /* PREP: [2][D] K, V bf16 */
     if constexpr (PREP) {
         const DecPrep& pp = *pr;
         const int pos = newest, qstride = D * (pp.gated ? 2 : 1);
         for (int g = 2 * warp; g < 2 * warp + 2; g++)
-            dec_prep_row<D>(pp.qg + (long long)(kvh * G + g) * qstride, pp.qn, pp, pos, qs + g * D);
+            dec_prep_row<D>(pp.qg + (long long)(kvh * G + g) * qstride, pp.qn, pp, pos, qsm + g * D);
         if (hi == newest + 1 && warp < 2) {
             const long long row = ((long long)pos * hkv + kvh) * D;
             if (warp == 0) dec_prep_row<D>(pp.kin + (long long)kvh * D, pp.kn, pp, pos, kf);
@@ -265,7 +272,7 @@ __device__ __forceinline__ void attn_dec_tc(const float* q, const void* kc_, con
     /* Q^T as B fragments (k = dim, n = head = lane / 4), prescaled, split into hi and lo. */
     u32 qh[NK][2], ql[NK][2];
     {
-        const float* qr = PREP ? qs + (lane >> 2) * D : q + (long long)(kvh * G + (lane >> 2)) * D;
+        const float* qr = PREP ? qsm + (lane >> 2) * D : q + (long long)(kvh * G + (lane >> 2)) * D;
         const float qs = scale * 1.4426950408889634f;
 #pragma unroll
         for (int ks = 0; ks < NK; ks++)
