@@ -262,7 +262,8 @@ fn attention_decode_with_prep_equals_prep_then_decode() {
         let old: Vec<u8> =
             uniform(&mut r, cap * kvd * 2, 1.0).iter().flat_map(|&x| f32_to_bf16(x).to_le_bytes()).collect();
         // Caches A (prep, then decode) and B (fused), K then V each, the same rows below p0.
-        let caches: Vec<_> = (0..4).map(|i| g.upload_bytes(&old[(i % 2) * cap * kvd * 2..][..cap * kvd * 2]).unwrap()).collect();
+        let caches: Vec<_> =
+            (0..4).map(|i| g.upload_bytes(&old[(i % 2) * cap * kvd * 2..][..cap * kvd * 2]).unwrap()).collect();
         let (qo, out) = (gb(&vec![f32::NAN; nh * hd]), gb(&vec![f32::NAN; nh * hd]));
         let part = gb(&vec![f32::NAN; nh * splits * (hd + 2)]);
         for pos in p0..p0 + steps {
@@ -319,6 +320,9 @@ fn attention_decode_with_prep_equals_prep_then_decode() {
             let differ = x.iter().zip(&y).filter(|(a, b)| a != b).count();
             assert_eq!(differ, 0, "H{nh} H_kv{hkv} D{hd}: {differ} words of the {what} cache differ");
         }
-        eprintln!("attention decode with prep, H{nh} H_kv{hkv} D{hd} rot {rot}, positions {p0}..{}: same bits", p0 + steps);
+        eprintln!(
+            "attention decode with prep, H{nh} H_kv{hkv} D{hd} rot {rot}, positions {p0}..{}: same bits",
+            p0 + steps
+        );
     }
 }

@@ -3,7 +3,8 @@
 //! cache element type every one of them is launched for (kernels/attention*.cu).
 
 use super::super::params::{
-    AttnCombineParams, AttnDecPrepParams, AttnDecodeParams, AttnGqaParams, AttnPrefillParams, AttnPrepParams, In, Out, TmaMap,
+    AttnCombineParams, AttnDecPrepParams, AttnDecodeParams, AttnGqaParams, AttnPrefillParams, AttnPrepParams, In, Out,
+    TmaMap,
 };
 use super::super::Gpu;
 use super::{blocks, Precision};
@@ -252,7 +253,14 @@ impl Gpu {
             bail!("attention decode with prep: needs a bf16 cache and 8 query heads per KV head of dim 64, 128 or 256 ({nh}:{hkv}, dim {hd}, {:?})", a.kv);
         }
         if (p.nh, p.hkv, p.hd) != (nh, hkv, hd) || p.rot > hd || p.rot % 2 != 0 || !(1..=1024).contains(&a.splits) {
-            bail!("attention decode with prep: prep {}:{} dim {} rot {} against decode {nh}:{hkv} dim {hd}, {} splits", p.nh, p.hkv, p.hd, p.rot, a.splits);
+            bail!(
+                "attention decode with prep: prep {}:{} dim {} rot {} against decode {nh}:{hkv} dim {hd}, {} splits",
+                p.nh,
+                p.hkv,
+                p.hd,
+                p.rot,
+                a.splits
+            );
         }
         let args = AttnDecPrepParams {
             qg: In::new(p.qg),
