@@ -252,7 +252,11 @@ impl Gpu {
         if a.kv != KvDtype::Bf16 || p.kv != KvDtype::Bf16 || !self.attn_tc_applies(nh, hkv, hd, KvDtype::Bf16) {
             bail!("attention decode with prep: needs a bf16 cache and 8 query heads per KV head of dim 64, 128 or 256 ({nh}:{hkv}, dim {hd}, {:?})", a.kv);
         }
-        if (p.nh, p.hkv, p.hd) != (nh, hkv, hd) || p.rot > hd || p.rot % 2 != 0 || !(1..=1024).contains(&a.splits) {
+        if (p.nh, p.hkv, p.hd) != (nh, hkv, hd)
+            || p.rot > hd
+            || !p.rot.is_multiple_of(2)
+            || !(1..=1024).contains(&a.splits)
+        {
             bail!(
                 "attention decode with prep: prep {}:{} dim {} rot {} against decode {nh}:{hkv} dim {hd}, {} splits",
                 p.nh,
