@@ -472,6 +472,17 @@ __device__ __forceinline__ void gqa_round(int p0, int hi, const float (&qv)[1 <<
    blockIdx.z's cache, position, queries and partials when batched (kvt), and gives the split's
    positions [lo, hi) (chunk = max(64, ceil(L/S))); false for an empty split, whose G heads'
    partials it marks M = -inf (merging as nothing). */
+/* Split blockIdx.y's positions [lo, hi) of L (chunk = max(64, ceil(L/S))); false when empty. */
+__device__ __forceinline__ bool split_range(int L, int& lo, int& hi) {
+    const int chunk = max(64, (L + (int)gridDim.y - 1) / (int)gridDim.y);
+    lo = blockIdx.y * chunk;
+    hi = min(L, lo + chunk);
+    return lo < L;
+}
+/* An empty split's G partials (of KV head blockIdx.x) marked M = -inf: they merge as nothing. */
+__device__ __forceinline__ void mark_empty_split(float* part, int G, int hd) {
+    if (threadIdx.x < G) part[((long long)(blockIdx.x * G + threadIdx.x) * gridDim.y + blockIdx.y) * (hd + 2)] = -INFINITY;
+}
 template <typename KV>
 __device__ __forceinline__ bool gqa_split(const float*& q, const KV*& kc, const KV*& vc, float*& part,
                                           const int*& pos_p, const unsigned long long* kvt, int hkv, int G, int hd,
@@ -484,12 +495,8 @@ __device__ __forceinline__ bool gqa_split(const float*& q, const KV*& kc, const 
         q += (long long)r * hkv * G * hd;
         part += (long long)r * hkv * G * gridDim.y * (hd + 2);
     }
-    const int L = pos_p[0] + 1, S = gridDim.y, split = blockIdx.y;
-    const int chunk = max(64, (L + S - 1) / S);
-    lo = split * chunk;
-    hi = min(L, lo + chunk);
-    if (lo >= L) {
-        if (threadIdx.x < G) part[((long long)(blockIdx.x * G + threadIdx.x) * S + split) * (hd + 2)] = -INFINITY;
+    if (!split_range(pos_p[0] + 1, lo, hi)) {
+        mark_empty_split(part, G, hd);
         return false;
     }
     return true;

@@ -178,14 +178,10 @@ __device__ __forceinline__ void attn_dec_tc(const float* q, const void* kc_, con
     int lo, hi, newest = -1; /* early: row pos, read after the wait */
     const unsigned char *kc = (const unsigned char*)kc_, *vc = (const unsigned char*)vc_; /* bytes */
     if (early) {
-        const int L = pos_p[0] + 1, chunk = max(64, (L + gridDim.y - 1) / gridDim.y);
-        lo = blockIdx.y * chunk;
-        hi = min(L, lo + chunk);
-        newest = L - 1;
-        if (lo >= L) { /* empty split: its partials marked after the wait, as gqa_split does */
+        newest = pos_p[0];
+        if (!split_range(newest + 1, lo, hi)) { /* empty: its partials marked after the wait */
             pdl_wait();
-            if (threadIdx.x < G)
-                part[((long long)(blockIdx.x * G + threadIdx.x) * gridDim.y + blockIdx.y) * (D + 2)] = -INFINITY;
+            mark_empty_split(part, G, D);
             return;
         }
     } else if (!gqa_split<unsigned char>(q, kc, vc, part, pos_p, kvt, hkv, G, D, lo, hi)) {
