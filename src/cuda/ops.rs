@@ -13,7 +13,7 @@ use std::sync::Arc;
 mod attention;
 mod gdn;
 mod gemm;
-mod moe;
+pub(super) mod moe;
 pub use moe::{moe_form, router_fused, MoeForm};
 mod sampling;
 

@@ -61,8 +61,10 @@ pub fn moe_form() -> MoeForm {
 /// moe_fused_qr's cluster size (its `__cluster_dims__`, kernels/moe_fused_qr.cu).
 const QR_CS: usize = 8;
 /// The dynamic shared memory moe_fused_qr's resident clusters are counted with (bytes; a launch
-/// that needs more is refused): the default limit, 8x Qwen3.6's 8.4 KB.
-const MOE_QR_SMEM: usize = 48 << 10;
+/// that needs more is refused): 8x Qwen3.6's 8.4 KB. With the kernel's static 2.7 KB that is
+/// over the default 48 KB a block, so the kernel is opted in to it at load (without, the
+/// occupancy query failed and the form was never taken).
+pub(crate) const MOE_QR_SMEM: usize = 48 << 10;
 
 /// `LILY_CUDA_MOE_FIXED` (a measurement switch: the model's output is garbage): moe_fused_q
 /// computes experts 0..K (`1`) or every (E/K)-th expert (`2`) whatever the router chose, so a
