@@ -116,6 +116,14 @@ fn ptxas_report(ptxas: &str, ptx: &str, dir: &std::path::Path) -> std::path::Pat
             eprintln!("{kernel}: {}", line.trim().trim_start_matches("ptxas info    : "));
         }
     }
-    assert!(spills.is_empty(), "kernels spill registers:\n{}", spills.join("\n"));
+    // The timeline build (LILY_CUDA_TIMELINE=1, a measurement build whose per-block records
+    // take registers) may spill a few bytes; the product's build may not.
+    if std::env::var("LILY_CUDA_TIMELINE").is_ok_and(|v| v == "1") {
+        for s in &spills {
+            eprintln!("timeline build spills (allowed there): {s}");
+        }
+    } else {
+        assert!(spills.is_empty(), "kernels spill registers:\n{}", spills.join("\n"));
+    }
     std::path::PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/target/lily-sm_90a.cubin"))
 }
