@@ -213,8 +213,11 @@ __device__ __forceinline__ void attn_dec_tc(const float* q, const void* kc_, con
                 const int row = i / (D / 16), c = i - row * (D / 16), key = key0 + row;
                 const bool ok = key < hi;
                 const long long off = ok ? (long long)key * rs + c * 16 : 0;
-                cp_async16_stream(smem_u32(st + row * D + c * 16), kb + off, ok ? 16 : 0);
-                cp_async16_stream(smem_u32(st + TILE + row * D + c * 16), vb + off, ok ? 16 : 0);
+                /* no L2 hint here: with the evict-first policy (cp_async16_stream) ptxas 13.0.88
+                   addressed these copies through a uniform register it never set (desc[UR1] in
+                   attn_decode_tc64_fp8): an illegal instruction on the H200 */
+                cp_async16(smem_u32(st + row * D + c * 16), kb + off, ok ? 16 : 0);
+                cp_async16(smem_u32(st + TILE + row * D + c * 16), vb + off, ok ? 16 : 0);
             }
             if (lane < 2 * KT) {
                 const int row = lane & 15, key = key0 + row;
