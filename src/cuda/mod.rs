@@ -344,7 +344,8 @@ impl Gpu {
             .map(|(d, f8)| (attn_dec_kernel(d, f8), attn_dec_smem(d, f8).min(optin)));
         let dec_prep = [64, 128, 256].map(|d| (attn_dec_prep_kernel(d), attn_dec_prep_smem(d).min(optin)));
         let skinny = SKINNY_KERNELS.map(|k| (k, smem_optin));
-        let pstep = [("pstep", optin), ("moe_fused_qr", ops::moe::MOE_QR_SMEM.min(optin))];
+        let pstep = [("pstep", optin)];
+        let moe_qr = [("moe_fused_qr", ops::moe::MOE_QR_SMEM.min(optin))];
         let gdn = [("gdn_chunk_scan_tc", GDN_TC_SMEM.min(optin)), ("gdn_chunk_prep_tc", GDN_PREP_TC_SMEM.min(optin))];
         for (k, bytes) in skinny
             .into_iter()
@@ -357,6 +358,7 @@ impl Gpu {
             .chain(dec)
             .chain(dec_prep)
             .chain(pstep)
+            .chain(moe_qr)
             .chain(gdn)
         {
             // SAFETY: a valid function handle and attribute; the value is within the device limit.
