@@ -345,7 +345,7 @@ impl Gpu {
         let dec_prep = [64, 128, 256].map(|d| (attn_dec_prep_kernel(d), attn_dec_prep_smem(d).min(optin)));
         let skinny = SKINNY_KERNELS.map(|k| (k, smem_optin));
         let pstep = [("pstep", optin)];
-        let moe_qr = [("moe_fused_qr", ops::moe::MOE_QR_SMEM.min(optin))];
+        let moe_qr = [("moe_fused_qr", ops::MOE_QR_SMEM.min(optin))];
         let gdn = [("gdn_chunk_scan_tc", GDN_TC_SMEM.min(optin)), ("gdn_chunk_prep_tc", GDN_PREP_TC_SMEM.min(optin))];
         for (k, bytes) in skinny
             .into_iter()

@@ -13,7 +13,8 @@ use std::sync::Arc;
 mod attention;
 mod gdn;
 mod gemm;
-pub(super) mod moe;
+mod moe;
+pub(super) use moe::MOE_QR_SMEM;
 pub use moe::{moe_form, router_fused, MoeForm};
 mod sampling;
 
