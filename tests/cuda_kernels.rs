@@ -277,13 +277,15 @@ fn fused_decode_moe_matches_cpu() {
                 q_out = (xb.read_f32(0, h).unwrap(), wts_f.read_f32(0, k + 1).unwrap());
             }
         }
-        // moe_fused_q2 (the decode default; LILY_CUDA_MOE=q: moe_fused_q) and moe_fused_q3
-        // (LILY_CUDA_MOE=q3) on their own counter (the second u64), three times each, the last
+        // moe_fused_q2 (the decode default; LILY_CUDA_MOE=q: moe_fused_q), moe_fused_q3
+        // (LILY_CUDA_MOE=q3) and moe_fused_q2s (=q2s) on their own counter (the second u64), three times each, the last
         // traced: moe_fused_q's picks and weights bit for bit (all use the top-k form
         // LILY_CUDA_ROUTE selects), the output within TOL of the CPU and within 1e-6 of
         // moe_fused_q's.
         assert!(g.moe_fused_q2_ok(&gu, &dn, e, k), "moe_fused_q2 refuses q{bits} E{e} K{k}");
-        for (form, rep) in [MoeForm::Q2, MoeForm::Q3].into_iter().flat_map(|f| (0..3).map(move |r| (f, r))) {
+        for (form, rep) in
+            [MoeForm::Q2, MoeForm::Q3, MoeForm::Q2s].into_iter().flat_map(|f| (0..3).map(move |r| (f, r)))
+        {
             xb.write_f32(0, &x).unwrap();
             egu_r.write_f32(0, &vec![f32::NAN; 2 * (k + 1) * inter]).unwrap();
             let (ids_f, wts_f) = (g.zeros(4 * (k + 1)).unwrap(), g.zeros(4 * (k + 1)).unwrap());

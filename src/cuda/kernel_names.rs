@@ -159,7 +159,7 @@ fn skinny_occ2() -> bool {
 /// Kernels that call `pdl_wait()` before touching activations (kernels/common.cuh) and so may be
 /// launched as programmatic dependents: their launch and weight reads overlap the previous
 /// kernel's tail. The gemm_skinny entry points are such kernels too (see [`is_pdl`]).
-pub const PDL_KERNELS: [&str; 71] = [
+pub const PDL_KERNELS: [&str; 72] = [
     "gemm_wsp128",
     "gemm_wsp256",
     "gemm_wsp128_q8",
@@ -182,6 +182,7 @@ pub const PDL_KERNELS: [&str; 71] = [
     "moe_fused_q",
     "moe_fused_q2",
     "moe_fused_q3",
+    "moe_fused_q2s",
     "moe_fused_qr",
     "gdn_in_step_cl",
     "gemv_q2_conv",

@@ -27,6 +27,15 @@
  *   Picks, weights and the products are computed in moe_fused_q's order, so the results are its
  *   own (tests/cuda_kernels.rs holds the ids and weights to its bits).
  *
+ * SHF (moe_fused_q2s, LILY_CUDA_MOE=q2s): the shared expert's pairs first. A warp's pairs are
+ *   the same grid-strided sequence q = w, w + W, ... (W = 16 G warps), each mapped to pair
+ *   (q + K inter) mod S inter, so the first `inter` warps of the grid start on the shared
+ *   expert's pairs (slot K, expert E of the stack: known before the top-k), and those warps load
+ *   that pair's first trip into registers before the PDL wait, while the router still runs. The
+ *   warps with one pair more than the others (the first S inter mod W) are among them, so the
+ *   longest chain after the top-k loses one HBM trip. Each pair's sum is the same wherever it is
+ *   computed: q2's bits.
+ *
  * Geometry: grid G <= SMs blocks of 512 threads (one per SM, all resident, G >= H / 16), the
  *   pairs grid-strided over the G * 16 warps; dynamic shared memory: max(H + H/EPV,
  *   S*inter + S*inter/EPV) floats. Requires E <= 512, K <= 16 and H / EPV <= 480 (the host
@@ -91,21 +100,43 @@ __device__ __forceinline__ void mf2_stage(const float* xg, int cols, const float
      requested into the L2 (gq_prefetch): at Qwen3.6's shape (9 slots x 512 pairs over 132 x 16
      warps, one trip a pair) the warps with three pairs no longer wait a second HBM round trip
      for the third. (A third register buffer instead spills: the kernel is at 128 registers.) */
-template <int BITS, int TY, bool DEEP = false>
+/* The trip mf2_pairs<SHF> loads before the PDL wait: the first trip of the warp's first pair when
+   that pair is the shared expert's (q < inter: row 2E inter + q of the gate/up stack); returns
+   whether it loaded. */
+template <int BITS>
+__device__ __forceinline__ bool mf2_shared_first(GqTrip<2, 2>& cur, const u32* w, const u16* sc, const u16* bi,
+                                                 int group, int inter, int cols, int E) {
+    constexpr int EPV = 128 / BITS, NR = 2, U = 2;
+    int lane = threadIdx.x & 31, q = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    if (q >= inter) return false;
+    int n4 = cols / EPV, ng = cols / group, gsh = __ffs(group) - 1;
+    long long r0 = (long long)(2 * E) * inter + q;
+    if (32 * U <= n4)
+        gq_load<BITS, NR, U, true, true>(cur, w, sc, bi, r0, NR, n4, ng, gsh, lane, inter);
+    else
+        gq_load<BITS, NR, U, false, true>(cur, w, sc, bi, r0, NR, n4, ng, gsh, lane, inter);
+    return true;
+}
+
+template <int BITS, int TY, bool DEEP = false, bool SHF = false>
 __device__ __forceinline__ void mf2_pairs(const u32* w, const u16* sc, const u16* bi, int group, int inter, int cols,
                                           const int* ids, const float* wk, int S, const float* xs,
-                                          const float* xsum, float rr, float* h) {
+                                          const float* xsum, float rr, float* h, GqTrip<2, 2>& cur, bool pre) {
+    static_assert(!(DEEP && SHF), "one pair order at a time");
     constexpr int EPV = 128 / BITS, NR = 2, U = 2;
     int lane = threadIdx.x & 31, nwarps = blockDim.x >> 5;
     int n4 = cols / EPV, ng = cols / group, gsh = __ffs(group) - 1;
     int tpr = (n4 + 32 * U - 1) / (32 * U), ngroups = S * inter, gstride = gridDim.x * nwarps;
     int g = DEEP ? (threadIdx.x >> 5) * gridDim.x + blockIdx.x : blockIdx.x * nwarps + (threadIdx.x >> 5), t = 0;
-    /* the row of pair gg's gate (its up row is `inter` rows on) */
+    /* the pair at place gg of the warps' sequences (SHF: rotated by the routed slots' pairs) */
+    const int rot = SHF ? (S - 1) * inter : 0;
+    auto pair = [&](int gg) { return SHF ? (gg + rot < ngroups ? gg + rot : gg + rot - ngroups) : gg; };
+    /* the row of the gate of the pair at place gg (its up row is `inter` rows on) */
     auto row = [&](int gg) {
-        int s = gg / inter;
-        return (long long)(2 * ids[s]) * inter + (gg - s * inter);
+        int pg = pair(gg), s = pg / inter;
+        return (long long)(2 * ids[s]) * inter + (pg - s * inter);
     };
-    GqTrip<NR, U> cur, nxt;
+    GqTrip<NR, U> nxt;
     auto load = [&](GqTrip<NR, U>& tr, int gg, int tt) {
         int i0 = tt * 32 * U + lane;
         if ((tt + 1) * 32 * U <= n4)
@@ -113,7 +144,7 @@ __device__ __forceinline__ void mf2_pairs(const u32* w, const u16* sc, const u16
         else
             gq_load<BITS, NR, U, false, true>(tr, w, sc, bi, row(gg), NR, n4, ng, gsh, i0, inter);
     };
-    if (g < ngroups) load(cur, g, 0);
+    if (g < ngroups && !pre) load(cur, g, 0);
     if (DEEP) {
         int g1 = tpr == 1 ? g + gstride : g, t1 = tpr == 1 ? 0 : 1;
         if (g < ngroups && g1 < ngroups) load(nxt, g1, t1);
@@ -142,7 +173,8 @@ __device__ __forceinline__ void mf2_pairs(const u32* w, const u16* sc, const u16
         if (t + 1 == tpr) {
             float gv = warp_sum(acc[0]) * rr, uv = warp_sum(acc[1]) * rr;
             acc[0] = acc[1] = 0.f;
-            if (lane == 0) h[g] = wk[g / inter] * (silu_f(gv) * uv);
+            int pg = pair(g);
+            if (lane == 0) h[pg] = wk[pg / inter] * (silu_f(gv) * uv);
         }
         cur = nxt;
         g = g2;
@@ -168,11 +200,18 @@ __device__ __forceinline__ void grid_arrive_rel(u64* ctr) {
 
 /* DEEP: mf2_pairs<DEEP> (moe_fused_q3). LS: the logits are in shared memory (moe_fused_qr's router
    wrote them there; the top-K by route_warp_smem). */
-template <int BITS, int TY, bool DEEP = false, bool LS = false>
+template <int BITS, int TY, bool DEEP = false, bool LS = false, bool SHF = false>
 __device__ __forceinline__ void mf2_body(MoeFusedParams_fields, float* xs, float* red, float* wsel, int* chosen,
                                          float* ls, u64* ts) {
     constexpr int EPV = 128 / BITS;
     float* xsum = xs + H;
+    GqTrip<2, 2> cur;
+    bool pre = false;
+    if (SHF) { /* the shared expert's first trip, then the wait the other forms' entry made */
+        pre = mf2_shared_first<BITS>(cur, (const u32*)wg, (const u16*)sg, (const u16*)bg, group_g, inter, H, E);
+        pdl_begin();
+        trace_stamp(ts, 1);
+    }
     u64 base = 0; /* thread 0's: the counter before this launch */
     if (threadIdx.x == 0) base = ld_relaxed_u64(ctr);
     if (threadIdx.x < 32) {
@@ -189,8 +228,8 @@ __device__ __forceinline__ void mf2_body(MoeFusedParams_fields, float* xs, float
     float ss = (threadIdx.x & 31) < 15 ? red[threadIdx.x & 31] : 0.f;
     float rr = 1.f / sqrtf(warp_sum(ss) / (float)H + eps);
     moe_publish_route(fixed, E, K, chosen, wsel, ids_out, wts_out, ts);
-    mf2_pairs<BITS, TY, DEEP>((const u32*)wg, (const u16*)sg, (const u16*)bg, group_g, inter, H, chosen, wsel, K + 1,
-                              xs, xsum, rr, gu);
+    mf2_pairs<BITS, TY, DEEP, SHF>((const u32*)wg, (const u16*)sg, (const u16*)bg, group_g, inter, H, chosen, wsel,
+                                   K + 1, xs, xsum, rr, gu, cur, pre);
     trace_stamp(ts, 3);
     grid_arrive_rel(ctr);
     const u64 G = gridDim.x, target = (base / G + 1) * G; /* used by thread 0 alone (grid_wait) */
@@ -200,9 +239,10 @@ __device__ __forceinline__ void mf2_body(MoeFusedParams_fields, float* xs, float
                                                 gridDim.x, ctr, target, ts ? ts + 4 : nullptr);
 }
 
-/* The entry points: moe_fused_q2, and moe_fused_q3 = moe_fused_q2 with mf2_pairs<DEEP> (LILY_CUDA_MOE=q3;
-   the same grid, counter and result). */
-#define MF2_KERNEL(NAME, DEEP)                                                                                       \
+/* The entry points: moe_fused_q2, moe_fused_q3 = moe_fused_q2 with mf2_pairs<DEEP> (LILY_CUDA_MOE=q3)
+   and moe_fused_q2s = moe_fused_q2 with the shared expert's pairs first (SHF, LILY_CUDA_MOE=q2s;
+   its body makes the PDL wait, after its first loads): the same grid, counter and result. */
+#define MF2_KERNEL(NAME, DEEP, SHF)                                                                                  \
     extern "C" __global__ void __launch_bounds__(512, 1) NAME(MoeFusedParams_fields) {                               \
         extern __shared__ __align__(16) float xs[];                                                                 \
         __shared__ float red[33], wsel[65], ls[512]; /* ls: route_topk's copy of the logits (E <= 512) */           \
@@ -210,19 +250,22 @@ __device__ __forceinline__ void mf2_body(MoeFusedParams_fields, float* xs, float
         TL_SCOPE(#NAME);                                                                                            \
         u64* ts = trace ? trace + 16 * blockIdx.x : nullptr; /* stamps as moe_fused_q's (no 8, 9) */                \
         trace_stamp(ts, 0);                                                                                         \
-        pdl_begin();                                                                                                \
-        trace_stamp(ts, 1);                                                                                         \
-        if (bits == 4 && ty == TY_BF16) MF2(4, TY_BF16, DEEP);                                                      \
-        else if (bits == 4) MF2(4, TY_F16, DEEP);                                                                   \
-        else if (ty == TY_BF16) MF2(8, TY_BF16, DEEP);                                                              \
-        else MF2(8, TY_F16, DEEP);                                                                                  \
+        if (!SHF) {                                                                                                 \
+            pdl_begin();                                                                                            \
+            trace_stamp(ts, 1);                                                                                     \
+        }                                                                                                           \
+        if (bits == 4 && ty == TY_BF16) MF2(4, TY_BF16, DEEP, SHF);                                                 \
+        else if (bits == 4) MF2(4, TY_F16, DEEP, SHF);                                                              \
+        else if (ty == TY_BF16) MF2(8, TY_BF16, DEEP, SHF);                                                         \
+        else MF2(8, TY_F16, DEEP, SHF);                                                                             \
         trace_stamp(ts, 6);                                                                                         \
     }
-#define MF2(B, T, D)                                                                                                 \
-    mf2_body<B, T, D>(wg, sg, bg, wd, sd, bd, bits, group_g, group_d, ty, x, gu, inter, H, normw, eps, logits, E, K,  \
-                      renorm, ids_out, wts_out, ctr, bps, rank, wr, sr, br, bits_r, group_r, ty_r, R, trace, fixed,   \
-                      acc, xs, red, wsel, chosen, ls, ts)
-MF2_KERNEL(moe_fused_q2, false)
-MF2_KERNEL(moe_fused_q3, true)
+#define MF2(B, T, D, SH)                                                                                             \
+    mf2_body<B, T, D, false, SH>(wg, sg, bg, wd, sd, bd, bits, group_g, group_d, ty, x, gu, inter, H, normw, eps,     \
+                                 logits, E, K, renorm, ids_out, wts_out, ctr, bps, rank, wr, sr, br, bits_r, group_r, \
+                                 ty_r, R, trace, fixed, acc, xs, red, wsel, chosen, ls, ts)
+MF2_KERNEL(moe_fused_q2, false, false)
+MF2_KERNEL(moe_fused_q3, true, false)
+MF2_KERNEL(moe_fused_q2s, false, true)
 #undef MF2
 #undef MF2_KERNEL

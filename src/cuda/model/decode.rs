@@ -330,8 +330,8 @@ impl CudaSession {
                         _ if qr.is_some() => ops::MoeForm::Qr,
                         ops::MoeForm::Q => ops::MoeForm::Q,
                         f if fr.is_none() && post_norm.0 != 0 && g.moe_fused_q2_ok(gu, dn, e, k) => {
-                            if f == ops::MoeForm::Q3 {
-                                ops::MoeForm::Q3
+                            if matches!(f, ops::MoeForm::Q3 | ops::MoeForm::Q2s) {
+                                f
                             } else {
                                 ops::MoeForm::Q2
                             }

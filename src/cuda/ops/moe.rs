@@ -34,7 +34,9 @@ fn route_rank() -> i32 {
 /// SiLU(gate)·up themselves; +6.3% decode alone on the H200, session 32), `moe_fused_q3`
 /// (`LILY_CUDA_MOE=q3`, not yet measured: q2 with the pairs dealt warp-major over the grid and
 /// each warp's third and fourth trips requested into the L2 with its first two, the same
-/// result), `moe_fused_qr` (moe_fused_qr.cu,
+/// result), `moe_fused_q2s` (`LILY_CUDA_MOE=q2s`: q2 with the shared expert's gate/up pairs
+/// first, their first loads issued before the wait for the router; the same result),
+/// `moe_fused_qr` (moe_fused_qr.cu,
 /// `LILY_CUDA_MOE=qr`, not yet measured: q2 with the router computed in the same launch by
 /// clusters of 8 blocks, one launch fewer per MoE layer), or `moe_fused_q` (gemv.cu;
 /// `LILY_CUDA_MOE=q`, and where q2 does not take the shape or the router is fused).
@@ -43,16 +45,18 @@ pub enum MoeForm {
     Q,
     Q2,
     Q3,
+    Q2s,
     Qr,
 }
 
-/// The decode step's [`MoeForm`] (default `Q2`; `LILY_CUDA_MOE=q`: `Q`, `=q3`: `Q3`, `=qr`:
-/// `Qr`).
+/// The decode step's [`MoeForm`] (default `Q2`; `LILY_CUDA_MOE=q`: `Q`, `=q3`: `Q3`, `=q2s`:
+/// `Q2s`, `=qr`: `Qr`).
 pub fn moe_form() -> MoeForm {
     static V: std::sync::OnceLock<MoeForm> = std::sync::OnceLock::new();
     *V.get_or_init(|| match std::env::var("LILY_CUDA_MOE").as_deref() {
         Ok("q") => MoeForm::Q,
         Ok("q3") => MoeForm::Q3,
+        Ok("q2s") => MoeForm::Q2s,
         Ok("qr") => MoeForm::Qr,
         _ => MoeForm::Q2,
     })
@@ -216,7 +220,7 @@ impl Gpu {
     /// With `router`, its logits are computed first in the same launch (into `logits`). `trace`
     /// (0: none) gets 16 global-timer stamps per block ([`crate::cuda::profile::MOE_TRACE_SLOTS`]).
     /// `ctr` holds three zeroed u64: the first for [`MoeForm::Q`]'s launches, the second for
-    /// [`MoeForm::Q2`]'s and [`MoeForm::Q3`]'s, the third for [`MoeForm::Qr`]'s (the grids
+    /// [`MoeForm::Q2`]'s, [`MoeForm::Q3`]'s and [`MoeForm::Q2s`]'s, the third for [`MoeForm::Qr`]'s (the grids
     /// differ; a counter's launches must share one).
     #[allow(clippy::too_many_arguments)]
     pub fn moe_fused(
@@ -236,10 +240,10 @@ impl Gpu {
         if !self.moe_fused_ok(gate_up, down, e, k) {
             bail!("moe_fused: experts of this shape or format are not fused");
         }
-        if matches!(form, MoeForm::Q2 | MoeForm::Q3)
+        if matches!(form, MoeForm::Q2 | MoeForm::Q3 | MoeForm::Q2s)
             && (router.is_some() || normw == 0 || !self.moe_fused_q2_ok(gate_up, down, e, k))
         {
-            bail!("moe_fused_q2/q3: this router, input or expert shape is not taken");
+            bail!("moe_fused_q2/q3/q2s: this router, input or expert shape is not taken");
         }
         if form == MoeForm::Qr && (normw == 0 || !router.is_some_and(|r| self.moe_fused_qr_ok(gate_up, down, r, e, k)))
         {
@@ -307,11 +311,15 @@ impl Gpu {
             return self.launch_params("moe_fused_qr", (grid as u32, 1, 1), 512, shared, &a);
         }
         if form != MoeForm::Q {
-            // Every SM: the (K + 1) * inter gate/up pairs over its 16 warps each (q2 and q3: the
+            // Every SM: the (K + 1) * inter gate/up pairs over its 16 warps each (q2, q3 and q2s: the
             // same grid, so they may share the counter).
             let grid = ((k + 1) * gate_up.rows).div_ceil(16).max(down.rows.div_ceil(16)).min(self.sms as usize);
             let a = MoeFusedParams { ctr: Out::new(ctr + 8), ..a };
-            let name = if form == MoeForm::Q3 { "moe_fused_q3" } else { "moe_fused_q2" };
+            let name = match form {
+                MoeForm::Q3 => "moe_fused_q3",
+                MoeForm::Q2s => "moe_fused_q2s",
+                _ => "moe_fused_q2",
+            };
             return self.launch_params(name, (grid as u32, 1, 1), 512, shared, &a);
         }
         // At least one block per 16 down rows (one row per warp, as moe_down_q), within the SMs.
