@@ -127,8 +127,8 @@ for spec in $TESTS; do
   grep -E "^test |test result|SKIPPED|worst|panicked|nmse .*e-0[0-8]" "$log" | head -60 || true
   if [ "$t" = cuda_kernels ]; then
     # the routed MoE kernels again with the block-wide top-k (route_rank; pstep always uses it)
-    # and with redux2 (the weights by the lanes)
-    for form in rank redux2; do
+    # and with redux (the weights by one lane; the default is redux2, the weights by the lanes)
+    for form in rank redux; do
       echo "== cuda_kernels moe, LILY_CUDA_ROUTE=$form"
       if ! LILY_CUDA_ROUTE=$form .gpu/x/bin/$t moe --test-threads=1 >"$OUTDIR/$t.$form.log" 2>&1; then status=1; fi
       grep -E "^test |test result|panicked" "$OUTDIR/$t.$form.log" || true

@@ -277,8 +277,8 @@ fn fused_decode_moe_matches_cpu() {
                 q_out = (xb.read_f32(0, h).unwrap(), wts_f.read_f32(0, k + 1).unwrap());
             }
         }
-        // moe_fused_q2 (the decode default; LILY_CUDA_MOE=q: moe_fused_q), moe_fused_q3
-        // (LILY_CUDA_MOE=q3) and moe_fused_q2s (=q2s) on their own counter (the second u64), three times each, the last
+        // moe_fused_q2s (the decode default; LILY_CUDA_MOE=q: moe_fused_q), moe_fused_q2 (=q2)
+        // and moe_fused_q3 (=q3) on their own counter (the second u64), three times each, the last
         // traced: moe_fused_q's picks and weights bit for bit (all use the top-k form
         // LILY_CUDA_ROUTE selects), the output within TOL of the CPU and within 1e-6 of
         // moe_fused_q's.

@@ -604,7 +604,7 @@ fn cuda_cluster_forms_match_graph_and_cpu() {
     let session = |gdn: GdnForm| {
         let mut s = CudaSession::new(gm.clone());
         s.gdn_form = gdn;
-        s.moe_form = if gdn == GdnForm::Default { MoeForm::Q2 } else { MoeForm::Qr };
+        s.moe_form = if gdn == GdnForm::Default { MoeForm::Q2s } else { MoeForm::Qr };
         s
     };
     let run = |gdn: GdnForm| {

@@ -10,36 +10,37 @@ use super::super::Gpu;
 use super::{blocks, gemv_default, GemvKernel, GpuLinear, GEMV_XMAX};
 use anyhow::{bail, Context, Result};
 
-/// How the decode MoE kernels pick the top-k: 3 one warp with the logits in registers and two
-/// warp reductions per pick (`route_topk_redux` in moe.cu, the default: +3.7% decode alone on
-/// the H200, session 32), 0 one warp over a shared copy (`LILY_CUDA_ROUTE=warp`: `route_topk`),
-/// 1 the whole block (`LILY_CUDA_ROUTE=rank`: `route_rank`), 2 one warp in registers with
-/// sorted lists (`LILY_CUDA_ROUTE=reg`: `route_topk_reg`, measured 1.2% slower), 4 redux with
-/// the weights computed by the lanes, one exp and one division deep, and no softmax sum over all
-/// experts when the weights are renormalized (`LILY_CUDA_ROUTE=redux2`, not yet measured). All
-/// five give the same picks and weight bits.
+/// How the decode MoE kernels pick the top-k: 4 one warp with the logits in registers, two warp
+/// reductions per pick and the weights computed by the lanes, one exp and one division deep, with
+/// no softmax sum over all experts when the weights are renormalized (`route_topk_redux<.., true>`
+/// in moe.cu, "redux2", the default since session 36: +1.3% decode at 4K on the H200), 3 the
+/// same picks with the weights by one lane (`LILY_CUDA_ROUTE=redux`: the default of sessions
+/// 32-35, +3.7% over `warp`), 0 one warp over a shared copy (`LILY_CUDA_ROUTE=warp`:
+/// `route_topk`), 1 the whole block (`LILY_CUDA_ROUTE=rank`: `route_rank`), 2 one warp in
+/// registers with sorted lists (`LILY_CUDA_ROUTE=reg`: `route_topk_reg`, measured 1.2% slower).
+/// All five give the same picks and weight bits.
 fn route_rank() -> i32 {
     static ON: std::sync::OnceLock<i32> = std::sync::OnceLock::new();
     *ON.get_or_init(|| match std::env::var("LILY_CUDA_ROUTE").as_deref() {
         Ok("warp") => 0,
         Ok("rank") => 1,
         Ok("reg") => 2,
-        Ok("redux2") => 4,
-        _ => 3,
+        Ok("redux") => 3,
+        _ => 4,
     })
 }
 
-/// The decode MoE launch: `moe_fused_q2` (moe_fused2.cu, the default where it takes the shape:
+/// The decode MoE launch: `moe_fused_q2s` (moe_fused2.cu, the default where it takes the shape,
+/// since session 36: +1.3% decode at 4K on the H200 over q2) is `moe_fused_q2` (`LILY_CUDA_MOE=q2`:
 /// the top-k in one warp beside the input staging, gate/up rows in pairs that write
-/// SiLU(gate)·up themselves; +6.3% decode alone on the H200, session 32), `moe_fused_q3`
-/// (`LILY_CUDA_MOE=q3`, not yet measured: q2 with the pairs dealt warp-major over the grid and
-/// each warp's third and fourth trips requested into the L2 with its first two, the same
-/// result), `moe_fused_q2s` (`LILY_CUDA_MOE=q2s`: q2 with the shared expert's gate/up pairs
-/// first, their first loads issued before the wait for the router; the same result),
-/// `moe_fused_qr` (moe_fused_qr.cu,
-/// `LILY_CUDA_MOE=qr`, not yet measured: q2 with the router computed in the same launch by
-/// clusters of 8 blocks, one launch fewer per MoE layer), or `moe_fused_q` (gemv.cu;
-/// `LILY_CUDA_MOE=q`, and where q2 does not take the shape or the router is fused).
+/// SiLU(gate)·up themselves; +6.3% decode alone on the H200, session 32) with the shared
+/// expert's gate/up pairs first, their first loads issued before the wait for the router (the
+/// same result); `moe_fused_q3` (`LILY_CUDA_MOE=q3`, −1.5%: q2 with the pairs dealt warp-major
+/// over the grid and each warp's third and fourth trips requested into the L2 with its first
+/// two, the same result), `moe_fused_qr` (moe_fused_qr.cu, `LILY_CUDA_MOE=qr`, −8.8%: q2 with
+/// the router computed in the same launch by clusters of 8 blocks, one launch fewer per MoE
+/// layer), or `moe_fused_q` (gemv.cu; `LILY_CUDA_MOE=q`, and where q2 does not take the shape
+/// or the router is fused).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum MoeForm {
     Q,
@@ -49,16 +50,16 @@ pub enum MoeForm {
     Qr,
 }
 
-/// The decode step's [`MoeForm`] (default `Q2`; `LILY_CUDA_MOE=q`: `Q`, `=q3`: `Q3`, `=q2s`:
-/// `Q2s`, `=qr`: `Qr`).
+/// The decode step's [`MoeForm`] (default `Q2s`; `LILY_CUDA_MOE=q`: `Q`, `=q2`: `Q2`, `=q3`:
+/// `Q3`, `=qr`: `Qr`).
 pub fn moe_form() -> MoeForm {
     static V: std::sync::OnceLock<MoeForm> = std::sync::OnceLock::new();
     *V.get_or_init(|| match std::env::var("LILY_CUDA_MOE").as_deref() {
         Ok("q") => MoeForm::Q,
+        Ok("q2") => MoeForm::Q2,
         Ok("q3") => MoeForm::Q3,
-        Ok("q2s") => MoeForm::Q2s,
         Ok("qr") => MoeForm::Qr,
-        _ => MoeForm::Q2,
+        _ => MoeForm::Q2s,
     })
 }
 
