@@ -1,7 +1,8 @@
 /*
  * moe_fused2.cu: moe_fused_q2, the decode MoE (batch 1) in one launch with a shorter chain than
  * moe_fused_q (gemv.cu). The decode default since session 32 (+6.3% decode on the H200;
- * `LILY_CUDA_MOE=q` for moe_fused_q).
+ * `LILY_CUDA_MOE=q` for moe_fused_q), in its SHF form moe_fused_q2s since session 36 (+1.3%;
+ * `LILY_CUDA_MOE=q2` for the plain order).
  *
  * Math (as moe_fused_q): slots s < S = K + 1 are the top-K routed experts of `logits` and the
  *   shared expert (stacked as expert E, weight sigmoid(logits[E])); xw = rms_norm(x) * normw;
@@ -31,9 +32,10 @@
  *   the same grid-strided sequence q = w, w + W, ... (W = 16 G warps), each mapped to pair
  *   (q + K inter) mod S inter, so the first `inter` warps of the grid start on the shared
  *   expert's pairs (slot K, expert E of the stack: known before the top-k), and those warps load
- *   that pair's first trip into registers before the PDL wait, while the router still runs. The
- *   warps with one pair more than the others (the first S inter mod W) are among them, so the
- *   longest chain after the top-k loses one HBM trip. Each pair's sum is the same wherever it is
+ *   that pair's first trip into registers before the PDL wait, while the router still runs. Where
+ *   S inter mod W <= inter, the warps with one pair more than the others (the first S inter mod W)
+ *   are among them, so the longest chain after the top-k loses one HBM trip (Qwen3.6: 9 x 512
+ *   pairs over 132 x 16 warps, the 384 with a third pair). Each pair's sum is the same wherever it is
  *   computed: q2's bits.
  *
  * Geometry: grid G <= SMs blocks of 512 threads (one per SM, all resident, G >= H / 16), the
