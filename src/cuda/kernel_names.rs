@@ -159,7 +159,7 @@ fn skinny_occ2() -> bool {
 /// Kernels that call `pdl_wait()` before touching activations (kernels/common.cuh) and so may be
 /// launched as programmatic dependents: their launch and weight reads overlap the previous
 /// kernel's tail. The gemm_skinny entry points are such kernels too (see [`is_pdl`]).
-pub const PDL_KERNELS: [&str; 72] = [
+pub const PDL_KERNELS: [&str; 73] = [
     "gemm_wsp128",
     "gemm_wsp256",
     "gemm_wsp128_q8",
@@ -193,6 +193,7 @@ pub const PDL_KERNELS: [&str; 72] = [
     "attn_prep",
     "attn_decode",
     "attn_combine",
+    "attn_combine_plain",
     "attn_decode_gqa1",
     "attn_decode_gqa2",
     "attn_decode_gqa4",

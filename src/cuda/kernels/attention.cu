@@ -352,19 +352,40 @@ __device__ __forceinline__ void attn_decode_t(const float* q, const KV* kc, cons
 ATTN_DECODE(attn_decode, float)
 ATTN_DECODE(attn_decode_bf16, u16)
 
-extern "C" __global__ void __launch_bounds__(1024) attn_combine(AttnCombineParams_fields) {
+/* attn_combine's body. EARLY (attn_combine, the default since session 36): every load of the
+   merge is issued right after the wait, in one round: thread t's split M_t and l_t, the first
+   COMBINE_REGS of its group's o_s values into registers, the gate; then the same arithmetic in
+   the same order as the plain body (attn_combine_plain, LILY_CUDA_COMBINE=plain), which waits on
+   an L2 round for the maxima, then ~S / (4 groups) / 4 rounds for o. The same bits. */
+#define COMBINE_REGS 20
+template <bool EARLY>
+__device__ __forceinline__ void attn_combine_body(AttnCombineParams_fields) {
     __shared__ float w[1024], red[33], accs[1024];
-    TL_SCOPE("attn_combine");
-    pdl_begin();
     int h = blockIdx.x;
     part += (long long)blockIdx.z * nh * S * (hd + 2);
     qg += blockIdx.z * ldqg;
     out += (long long)blockIdx.z * nh * hd;
     const float* ph = part + (long long)h * S * (hd + 2);
+    int ng = blockDim.x / hd, grp = threadIdx.x / hd, d = threadIdx.x - grp * hd; /* hd <= 256 */
+    float ov[COMBINE_REGS], mt = -INFINITY, lt = 0.f, gt = 0.f;
+    if (EARLY) {
+        if ((int)threadIdx.x < S) {
+            mt = ph[(long long)threadIdx.x * (hd + 2)];
+            lt = ph[(long long)threadIdx.x * (hd + 2) + 1];
+        }
+#pragma unroll
+        for (int j = 0; j < COMBINE_REGS; j++) {
+            int s = grp + j * ng;
+            ov[j] = grp < ng && s < S ? ph[(long long)s * (hd + 2) + 2 + d] : 0.f;
+        }
+        if (gated && (int)threadIdx.x < hd) gt = qg[(long long)h * 2 * hd + hd + threadIdx.x];
+    }
     /* M = max_s M_s (NaN-free: M_s is finite or -inf), then the weights e^{M_s - M} in shared
        memory, each split's loads issued by its own thread */
     float mloc = -INFINITY;
-    for (int s = threadIdx.x; s < S; s += blockDim.x) mloc = fmaxf(mloc, ph[(long long)s * (hd + 2)]);
+    if (EARLY) mloc = mt; /* S <= 1024 = the block: one split a thread */
+    else
+        for (int s = threadIdx.x; s < S; s += blockDim.x) mloc = fmaxf(mloc, ph[(long long)s * (hd + 2)]);
     mloc = warp_max(mloc);
     if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = mloc;
     __syncthreads();
@@ -372,17 +393,26 @@ extern "C" __global__ void __launch_bounds__(1024) attn_combine(AttnCombineParam
     for (int i = 0; i < (int)(blockDim.x >> 5); i++) M = fmaxf(M, red[i]);
     float dl = 0.f;
     for (int s = threadIdx.x; s < S; s += blockDim.x) {
-        float ms = ph[(long long)s * (hd + 2)];
+        float ms = EARLY ? mt : ph[(long long)s * (hd + 2)];
         float e = ms == -INFINITY ? 0.f : expf(ms - M);
         w[s] = e;
-        dl += e * ph[(long long)s * (hd + 2) + 1];
+        dl += e * (EARLY ? lt : ph[(long long)s * (hd + 2) + 1]);
     }
     float den = block_sum(dl, red); /* its barriers also publish w[] */
-    int ng = blockDim.x / hd, grp = threadIdx.x / hd, d = threadIdx.x - grp * hd; /* hd <= 256 */
     float acc = 0.f;
     if (grp < ng) {
+        int s = grp;
+        if (EARLY) {
+#pragma unroll
+            for (int j = 0; j < COMBINE_REGS; j++, s += ng) {
+                if (s < S) {
+                    float v = ov[j], ws = w[s];
+                    acc += ws != 0.f ? v * ws : 0.f;
+                }
+            }
+        }
 #pragma unroll 4
-        for (int s = grp; s < S; s += ng) {
+        for (; s < S; s += ng) {
             float v = ph[(long long)s * (hd + 2) + 2 + d], ws = w[s];
             acc += ws != 0.f ? v * ws : 0.f;
         }
@@ -393,9 +423,21 @@ extern "C" __global__ void __launch_bounds__(1024) attn_combine(AttnCombineParam
         float a = 0.f;
         for (int g = 0; g < ng; g++) a += accs[g * hd + d];
         float r = a / den;
-        if (gated) r *= sigmoid_f(qg[(long long)h * 2 * hd + hd + d]);
+        if (gated) r *= sigmoid_f(EARLY ? gt : qg[(long long)h * 2 * hd + hd + d]);
         out[(long long)h * hd + d] = r;
     }
+}
+
+extern "C" __global__ void __launch_bounds__(1024) attn_combine(AttnCombineParams_fields) {
+    TL_SCOPE("attn_combine");
+    pdl_begin();
+    attn_combine_body<true>(part, qg, out, nh, hd, S, gated, ldqg);
+}
+
+extern "C" __global__ void __launch_bounds__(1024) attn_combine_plain(AttnCombineParams_fields) {
+    TL_SCOPE("attn_combine_plain");
+    pdl_begin();
+    attn_combine_body<false>(part, qg, out, nh, hd, S, gated, ldqg);
 }
 
 /* Sum G per-lane values over the warp, leaving in each lane the total of value lane >> (5 - LG). */

@@ -239,7 +239,12 @@ impl Gpu {
             gated: a.gated as i32,
             ldqg: r.ldqg as i64,
         };
-        self.launch_params("attn_combine", (a.nh as u32, 1, rows), 1024, 0, &c)
+        // `LILY_CUDA_COMBINE=plain`: the merge's loads in dependent rounds (the kernel before
+        // session 36; attn_combine issues them all after the wait, the same bits).
+        static PLAIN: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        let plain = *PLAIN.get_or_init(|| std::env::var("LILY_CUDA_COMBINE").is_ok_and(|v| v == "plain"));
+        let name = if plain { "attn_combine_plain" } else { "attn_combine" };
+        self.launch_params(name, (a.nh as u32, 1, rows), 1024, 0, &c)
     }
 
     /// attn_prep and the tensor-core decode attention of one token in one launch
