@@ -45,7 +45,9 @@
  *   sigmoid(gate[h]) when gated. The sum over splits is spread over floor(1024/D) thread groups
  *   (group g takes splits g, g + groups, ..., four loads in flight per thread, an empty split's
  *   unwritten o_s selected away), then the groups' sums are added in shared memory: at 66 splits
- *   a thread waits on ~5 rounds of L2 loads instead of 66.
+ *   a thread waits on ~5 rounds of L2 loads instead of 66. Since session 36 every load (M_s and
+ *   l_s by split, a group's first 20 o_s, the gate) is issued right after the wait, in one round
+ *   (attn_combine_plain keeps the rounds above; the same arithmetic).
  *
  * attn_decode_gqa{1,2,4,8} (GQA-packed flash-decoding; G = H_q/H_kv query heads per KV head, the
  *   suffix): grid (H_kv, S), block 256 = 8 warps, one block per (KV head, split), so each K/V row
