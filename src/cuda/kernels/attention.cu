@@ -358,7 +358,8 @@ ATTN_DECODE(attn_decode_bf16, u16)
    merge is issued right after the wait, in one round: thread t's split M_t and l_t, the first
    COMBINE_REGS of its group's o_s values into registers, the gate; then the same arithmetic in
    the same order as the plain body (attn_combine_plain, LILY_CUDA_COMBINE=plain), which waits on
-   an L2 round for the maxima, then ~S / (4 groups) / 4 rounds for o. The same bits. */
+   an L2 round for the maxima, then ~S / (4 groups) / 4 rounds for o (not yet compared bit for
+   bit on a GPU; the tests hold both to the CPU). */
 #define COMBINE_REGS 20
 template <bool EARLY>
 __device__ __forceinline__ void attn_combine_body(AttnCombineParams_fields) {
