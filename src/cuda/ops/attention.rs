@@ -240,7 +240,7 @@ impl Gpu {
             ldqg: r.ldqg as i64,
         };
         // `LILY_CUDA_COMBINE=plain`: the merge's loads in dependent rounds (the kernel before
-        // session 36; attn_combine issues them all after the wait, the same bits).
+        // session 36; attn_combine issues them all after the wait, the same arithmetic).
         static PLAIN: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
         let plain = *PLAIN.get_or_init(|| std::env::var("LILY_CUDA_COMBINE").is_ok_and(|v| v == "plain"));
         let name = if plain { "attn_combine_plain" } else { "attn_combine" };
