@@ -301,8 +301,9 @@ kernel_params! {
     SampRadixParams spread ["samp_radix"] { x: In<f32>, n: i32, sp: In<f32>, ws: Out<SampWs>, sel: i32, pass: i32 }
     /// `samp_draw`: the draw, into `io` and `ring` as `argmax_io`.
     SampDrawParams spread ["samp_draw"] { x: In<f32>, n: i32, io: Out<i32>, ring: Out<i32>, sp: In<f32>, ws: Out<SampWs> }
-    /// `pstep`: the persistent decode step over `nphase` phases of the table at `phases`.
-    PstepParams spread ["pstep"] { phases: In<PsPhase>, nphase: i32, ctr: Out<u64>, slot_bytes: i32, ns: i32, xmax: i32, trace: Out<u32>, dbg: i32 }
+    /// `pstep`: the persistent decode step over `nphase` phases of the table at `phases`; `ctr`
+    /// [phase counter, exit ticket, launches so far], `flags` [phase][block] done flags.
+    PstepParams spread ["pstep"] { phases: In<PsPhase>, nphase: i32, ctr: Out<u64>, flags: Out<u32>, slot_bytes: i32, ns: i32, xmax: i32, trace: Out<u32>, dbg: i32 }
     /// `attn_prep`, `attn_prep_bf16`: q/k RMSNorm + partial RoPE (`rot` dims, `theta`) of rows at
     /// positions `pos_p`; queries to `q_out`, K/V to the cache `kc`/`vc` (f32 or bf16 by kernel), or
     /// each row's own cache from `kvt` when set.

@@ -219,21 +219,7 @@ __device__ __forceinline__ void gq_compute(const GqTrip<NR, U>& t, int nvalid, i
                 for (int r = 0; r < NR; r++) {
                     if (FULL || r < nvalid) {
                         float s = half_bits(t.s[u][r], TY), b = half_bits(t.b[u][r], TY);
-                        u32 words[4] = {t.q[u][r].x, t.q[u][r].y, t.q[u][r].z, t.q[u][r].w};
-                        int ah = 0, am = 0, al = 0;
-#pragma unroll
-                        for (int w = 0; w < 4; w++) {
-                            int lo = (int)(words[w] & 0x0F0F0F0Fu), hi = (int)((words[w] >> 4) & 0x0F0F0F0Fu);
-                            const uint4 &H = X[w >> 1], Mq = X[2 + (w >> 1)], L = X[4 + (w >> 1)];
-                            bool o = w & 1;
-                            ah = __dp4a(lo, (int)(o ? H.z : H.x), ah);
-                            ah = __dp4a(hi, (int)(o ? H.w : H.y), ah);
-                            am = __dp4a(lo, (int)(o ? Mq.z : Mq.x), am);
-                            am = __dp4a(hi, (int)(o ? Mq.w : Mq.y), am);
-                            al = __dp4a(lo, (int)(o ? L.z : L.x), al);
-                            al = __dp4a(hi, (int)(o ? L.w : L.y), al);
-                        }
-                        float f = (float)(ah * 254 + am) + (float)al * (1.f / 254.f);
+                        float f = i8_dot(t.q[u][r], X);
                         acc[r] += (s * sx) * f + b * sm;
                     }
                 }

@@ -68,23 +68,52 @@ __device__ __forceinline__ void i8_stage_item(const float (&v)[8], bool act, int
     }
 }
 
-/* The i8 form of gq_stage's loop (and moe_stage's, mf2_stage's): item it = 4 c + w of the
-   nch * 4, over `nt` threads from `t0` (a multiple of 32: whole warps); get(c, w, v) fills the
-   item's 8 weighted values and returns the sum of the raw values' squares (the norm's). */
-template <class Get>
+/* Two code words (16 codes) of a staged chunk against their halves of the chunk's parts H, M, L
+   (words 2j and 2j + 1 of a load meet parts X[j], X[2 + j], X[4 + j]): exact int32 sums. */
+__device__ __forceinline__ void i8_words2(u32 w0, u32 w1, uint4 H, uint4 M, uint4 L, int& ah, int& am, int& al) {
+    u32 words[2] = {w0, w1};
+#pragma unroll
+    for (int w = 0; w < 2; w++) {
+        int lo = (int)(words[w] & 0x0F0F0F0Fu), hi = (int)((words[w] >> 4) & 0x0F0F0F0Fu);
+        bool o = w & 1;
+        ah = __dp4a(lo, (int)(o ? H.z : H.x), ah);
+        ah = __dp4a(hi, (int)(o ? H.w : H.y), ah);
+        am = __dp4a(lo, (int)(o ? M.z : M.x), am);
+        am = __dp4a(hi, (int)(o ? M.w : M.y), am);
+        al = __dp4a(lo, (int)(o ? L.z : L.x), al);
+        al = __dp4a(hi, (int)(o ? L.w : L.y), al);
+    }
+}
+/* 254 sum(q h) + sum(q m) + sum(q l) / 254 of the parts' sums, which times sx / 254 is sum(q x). */
+__device__ __forceinline__ float i8_join(int ah, int am, int al) {
+    return (float)(ah * 254 + am) + (float)al * (1.f / 254.f);
+}
+/* One 128-bit load of 4-bit codes (the 32 codes of staged chunk i) against that chunk's parts,
+   X[k] = xs4[k * nch + i] (k < 6) (gq_compute). */
+__device__ __forceinline__ float i8_dot(uint4 q, const uint4 (&X)[6]) {
+    int ah = 0, am = 0, al = 0;
+    i8_words2(q.x, q.y, X[0], X[2], X[4], ah, am, al);
+    i8_words2(q.z, q.w, X[1], X[3], X[5], ah, am, al);
+    return i8_join(ah, am, al);
+}
+
+/* The i8 form of gq_stage's loop (and moe_stage's, mf2_stage's, pstep's): item it = 4 c + w of
+   the nch * 4, over `nt` threads from `t0` (a multiple of 32: whole warps); get(c, w, v) fills the
+   item's 8 weighted values and returns the sum of the raw values' squares (the norm's). TWO: two
+   items a trip, both items' loads issued before either is quantized (the staging is on every
+   product's path: one L2 latency, not one per item); pstep takes one (its registers are few and
+   its inputs fit one trip). */
+template <bool TWO = true, class Get>
 __device__ __forceinline__ float i8_stage(int nch, float* xs, int t0, int nt, Get get) {
     float ss = 0.f;
-    /* two items a trip, both items' loads issued before either is quantized (the staging is on
-       every product's path: one L2 latency, not one per item) */
-    for (int b = 0; b < 4 * nch; b += 2 * nt) {
+    for (int b = 0; b < 4 * nch; b += (TWO ? 2 : 1) * nt) {
         int i0 = b + t0, i1 = i0 + nt;
-        bool a0 = i0 < 4 * nch, a1 = i1 < 4 * nch;
+        bool a0 = i0 < 4 * nch, a1 = TWO && i1 < 4 * nch;
         float v0[8], v1[8];
         if (a0) ss += get(i0 >> 2, i0 & 3, v0);
         if (a1) ss += get(i1 >> 2, i1 & 3, v1);
         i8_stage_item(v0, a0, i0 >> 2, i0 & 3, nch, xs);
-        if (b + nt < 4 * nch) i8_stage_item(v1, a1, i1 >> 2, i1 & 3, nch, xs); /* block-uniform */
+        if (TWO && b + nt < 4 * nch) i8_stage_item(v1, a1, i1 >> 2, i1 & 3, nch, xs); /* block-uniform */
     }
     return ss;
 }
-

@@ -10,7 +10,8 @@
  *                normw[c % dv] * silu(z[c]) over heads of dv. Rows r < conv_c also run the GDN
  *                conv epilogue: cy[r] = silu(sum_j cw[r, j] X_j), X = [state[0..K-1, r]; y[r]],
  *                then state <- X[1..K] (the row's owner is the only reader of that state column).
- *   PS_GDN       the Gated DeltaNet state step, task (h, part) = 32 value columns of head h:
+ *   PS_GDN       the Gated DeltaNet state step, task (h, part) = 32 value columns of head h
+ *                (rows, conv_c: the input projection's row count and conv channels):
  *                q, k of key head h / (hv / hk) from cy, l2-normalized (q also / sqrt(dk));
  *                beta = sigmoid(b[h]), alpha = exp(neg_a[h] softplus(a[h] + dt_bias[h]));
  *                per column j: uk = S[:, j].k, uq = S[:, j].q, delta = beta (v_j - alpha uk),
@@ -27,20 +28,28 @@
  *   shared-memory slots and issues each chunk's codes, scales and biases as cp.async.bulk copies
  *   completing on the slot's "full" mbarrier, running ahead over later phases as slots free up
  *   (a phase's weights do not depend on its inputs; only the expert phases wait for the router:
- *   the consumers rank the router logits right after the router's counter (ps_route, route_rank
- *   in moe.cu) and complete the "route" mbarrier the producer waits on).
- *   Consumers take slots in order; before a phase's first chunk they wait until every block has
- *   finished the previous phase: one u64 counter, each block adds 1 per phase (release), phase
- *   i waits for counter >= i * nblocks (acquire), which implies every block finished phase i - 1
- *   because no block signals a phase before waiting for it. The last block to finish resets the
- *   counter for the next launch. Activations are read through L2 (ld.cg): other SMs wrote them.
+ *   consumer warp 0 ranks the router logits right after the router's counter (ps_route, the
+ *   graph's redux2 top-k from moe.cu) and completes the "route" mbarrier the producer waits on,
+ *   while warps 1-15 stage the gate/up's input).
+ *   Consumers take slots in order. A block finishing its share of phase i adds 1 to one u64
+ *   counter (release) and sets its done flag flags[i][block] = this launch's number ep (ctr[2] +
+ *   1). A phase that reads a whole vector (every GEMV: its input, its norm) waits, before its
+ *   first chunk, for counter >= i * nblocks (acquire). A GDN state task waits instead only for
+ *   the flags of the blocks whose input-projection shares hold its rows (ps_gdn_wait: q and k of
+ *   its key head, its value columns, its b and a): a per-tile dependency, not a phase barrier.
+ *   The counter test stays exact: a block signals its phases in order and phase i (a counter
+ *   phase) only after passing its wait, so until some block passes it every block has signalled
+ *   at most phases 0 .. i - 1, and the counter reaching i * nblocks means each one has signalled
+ *   them all (a GDN phase skipping the wait does not change that). The last block out
+ *   resets the counter and the ticket and counts the launch in ctr[2]. Activations are read
+ *   through L2 (ld.cg): other SMs wrote them.
  *   Inside a phase the warps do not meet: each takes its rows of a chunk and arrives on the
  *   slot's "empty" mbarrier (count = the 16 warps); a block barrier only opens a phase (its
  *   descriptor is copied to shared memory, its input staged) and closes it (the counter add).
  *   trace (nullable, LILY_PSTEP_TRACE=1): per (phase, block) PS_TW u32 of global-timer readings (ns):
  *   [0] the block starts the phase (after its wait), [1] signals it done, [2] the producer issued
  *   the phase's first copies, [3] the consumers saw its first slot full, [4] / [5] the producer
- *   passed the router wait / its top-k (expert phases), [6] the consumers' total wait for full
+ *   passed the router wait / warp 0's top-k (expert phases), [6] the consumers' total wait for full
  *   slots in the phase, [7] the producer's total wait for empty slots in the phase, [8] the
  *   consumers staged the phase's input.
  *   dbg: measurement switches (LILY_PSTEP_DEBUG): bit 0 routes every token to experts 0..K-1
@@ -91,6 +100,8 @@ struct PsShared {
     PsHdr hdr[8];
     u64 full[8], empty[8];
     u64 route;   /* the consumers' top-K is in chosen / wsel (one completion per expert phase) */
+    u32 ep;      /* this launch's done-flag value: ctr[2] + 1 */
+    u32 cwait;   /* trace: thread 0's wait for full slots in the current phase */
     PsPhase cur; /* the consumers' current phase (read from here, not from global memory) */
     int chosen[64];
     float wsel[64];
@@ -135,11 +146,45 @@ __device__ __forceinline__ void ps_share(int total, int b, int nb, int& lo, int&
 
 /* ---- consumers: staging of the phase input into xs (swizzled, with per-32 chunk sums) ---- */
 
-/* PX_PLAIN / PX_RMS (n = cols). Returns rr. */
+/* rsqrt(mean(x^2) + eps) from every consumer thread's part ss of sum(x^2); all of them call it. */
+__device__ __forceinline__ float ps_rms(float ss, int n, float eps, float* red) {
+    ss = warp_sum(ss);
+    if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = ss;
+    ps_cbar();
+    float t = 0.f;
+    for (int w = 0; w < PS_WARPS; w++) t += red[w];
+    ps_cbar(); /* red is reused */
+    return 1.f / sqrtf(t / (float)n + eps);
+}
+
+/* The int8 staging (gemv_i8.cu's layout over n / 32 chunks, for 4-bit phases in the LILY_GEMV_I8
+   build) of xw = x * normw (or x) by the consumer threads t0 .. t0 + nt - 1 (whole warps); returns
+   this thread's part of sum(x^2). */
+__device__ __forceinline__ float ps_stage_x_i8(const float* x, const float* normw, int n, float* xs, int t0, int nt) {
+    return i8_stage<false>(n / 32, xs, t0, nt, [&](int c, int w, float (&v)[8]) {
+        const float4* x4 = (const float4*)(x + 32 * c + 8 * w);
+        float4 a = __ldcg(x4), b = __ldcg(x4 + 1);
+        float r[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w}, q = 0.f;
+#pragma unroll
+        for (int j = 0; j < 8; j++) q += r[j] * r[j];
+        if (normw) {
+            const float4* n4 = (const float4*)(normw + 32 * c + 8 * w);
+            float4 na = __ldg(n4), nb = __ldg(n4 + 1);
+            float nw[8] = {na.x, na.y, na.z, na.w, nb.x, nb.y, nb.z, nb.w};
+#pragma unroll
+            for (int j = 0; j < 8; j++) r[j] *= nw[j];
+        }
+#pragma unroll
+        for (int j = 0; j < 8; j++) v[j] = r[j];
+        return q;
+    });
+}
+
+/* PX_PLAIN / PX_RMS (n = cols), as floats or (i8) as int8 parts. Returns rr. */
 __device__ float ps_stage_x(const float* x, const float* normw, int n, float eps, float* xs, float* xsum,
-                            float* red) {
-    int tid = threadIdx.x, nch = n / 32;
-    float ss = 0.f;
+                            float* red, bool i8) {
+    int tid = threadIdx.x, nch = i8 ? 0 : n / 32;
+    float ss = i8 ? ps_stage_x_i8(x, normw, n, xs, tid, PS_THREADS) : 0.f;
     for (int ch = tid; ch < nch; ch += PS_THREADS) {
         const float4* x4 = (const float4*)(x + ch * 32);
         float4 v[8];
@@ -164,19 +209,42 @@ __device__ float ps_stage_x(const float* x, const float* normw, int n, float eps
         ps_cbar();
         return 1.f;
     }
-    ss = warp_sum(ss);
-    if ((tid & 31) == 0) red[tid >> 5] = ss;
-    ps_cbar();
-    float t = 0.f;
-    for (int w = 0; w < PS_WARPS; w++) t += red[w];
-    ps_cbar(); /* red is reused */
-    return 1.f / sqrtf(t / (float)n + eps);
+    return ps_rms(ss, n, eps, red);
 }
 
-/* PX_GATED: o [hv*dv] normalized per head, times normw[c % dv] and silu(z[c]). */
+/* PX_GATED: o [hv*dv] normalized per head, times normw[c % dv] and silu(z[c]). i8 (the int8
+   build; dv / 8 divides 32, which the host checks): one L2 round, not two: staging item (chunk c,
+   word w) = 8 values is lane it % 32's, so a head's dv / 8 items sit in adjacent lanes of one
+   warp, which add their o^2 by shuffles before quantizing; no block barrier in between. */
 __device__ void ps_stage_gated(const float* o, const float* z, const float* normw, int hv, int dv, float eps,
-                               float* xs, float* xsum, float* hs) {
+                               float* xs, float* xsum, float* hs, bool i8) {
     int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    if (i8) {
+        int items = hv * dv / 8, lph = dv / 8;
+        for (int it = tid; it - lane < items; it += PS_THREADS) { /* warp-uniform trips */
+            bool act = it < items;
+            int c = it >> 2, w = it & 3, c0 = 32 * c + 8 * w;
+            float p[8], ss = 0.f; /* o * normw * silu(z), the head's norm applied after the sum */
+            if (act) {
+                const float4 *o4 = (const float4*)(o + c0), *z4 = (const float4*)(z + c0);
+                const float4* n4 = (const float4*)(normw + c0 % dv);
+                float4 a0 = __ldcg(o4), a1 = __ldcg(o4 + 1), g0 = __ldcg(z4), g1 = __ldcg(z4 + 1);
+                float4 n0 = __ldg(n4), n1 = __ldg(n4 + 1);
+                float a[8] = {a0.x, a0.y, a0.z, a0.w, a1.x, a1.y, a1.z, a1.w};
+                float g[8] = {g0.x, g0.y, g0.z, g0.w, g1.x, g1.y, g1.z, g1.w};
+                float nw[8] = {n0.x, n0.y, n0.z, n0.w, n1.x, n1.y, n1.z, n1.w};
+#pragma unroll
+                for (int j = 0; j < 8; j++) p[j] = a[j] * nw[j] * silu_f(g[j]), ss += a[j] * a[j];
+            }
+            for (int m = 1; m < lph; m <<= 1) ss += __shfl_xor_sync(0xffffffffu, ss, m);
+            float r = 1.f / sqrtf(ss / (float)dv + eps), v[8];
+#pragma unroll
+            for (int j = 0; j < 8; j++) v[j] = act ? p[j] * r : 0.f;
+            i8_stage_item(v, act, c, w, hv * dv / 32, xs);
+        }
+        ps_cbar();
+        return;
+    }
     for (int h = warp; h < hv; h += PS_WARPS) {
         float ss = 0.f;
         for (int c = lane; c < dv; c += 32) {
@@ -206,9 +274,25 @@ __device__ void ps_stage_gated(const float* o, const float* z, const float* norm
     ps_cbar();
 }
 
-/* MoE down input: slot k's w_k silu(g_k) u_k back to back (gu [S][2][inter]). */
-__device__ void ps_stage_moe(const float* gu, const float* wsel, int S, int inter, float* xs, float* xsum) {
+/* MoE down input: slot k's w_k silu(g_k) u_k back to back (gu [S][2][inter]; i8: as int8 parts). */
+__device__ void ps_stage_moe(const float* gu, const float* wsel, int S, int inter, float* xs, float* xsum, bool i8) {
     int per = inter / 32, nch = S * per;
+    if (i8) {
+        i8_stage<false>(nch, xs, threadIdx.x, PS_THREADS, [&](int c, int w, float (&v)[8]) {
+            int k = c / per, c0 = (c - k * per) * 32 + 8 * w;
+            const float4* g4 = (const float4*)(gu + (long long)(2 * k) * inter + c0);
+            const float4* u4 = (const float4*)(gu + (long long)(2 * k + 1) * inter + c0);
+            float4 ga = __ldcg(g4), gb = __ldcg(g4 + 1), ua = __ldcg(u4), ub = __ldcg(u4 + 1);
+            float g[8] = {ga.x, ga.y, ga.z, ga.w, gb.x, gb.y, gb.z, gb.w};
+            float u[8] = {ua.x, ua.y, ua.z, ua.w, ub.x, ub.y, ub.z, ub.w};
+            float wt = wsel[k];
+#pragma unroll
+            for (int j = 0; j < 8; j++) v[j] = wt * (silu_f(g[j]) * u[j]);
+            return 0.f;
+        });
+        ps_cbar();
+        return;
+    }
     for (int ch = threadIdx.x; ch < nch; ch += PS_THREADS) {
         int k = ch / per, c0 = (ch - k * per) * 32;
         const float4* g4 = (const float4*)(gu + (long long)(2 * k) * inter + c0);
@@ -232,7 +316,8 @@ __device__ void ps_stage_moe(const float* gu, const float* wsel, int S, int inte
    the slot (n rows each; n4 16-byte chunks of EPV = 128 / BITS codes per matrix row; chunk i of the
    virtual row is matrix i / n4's chunk i % n4). Each lane's x values are read from shared memory
    once for both rows (shared-memory bandwidth, not HBM, bounds one row per pass). xsum holds the
-   staged input's sums per 16 columns. */
+   staged input's sums per 16 columns. 4-bit codes in the LILY_GEMV_I8 build: xs holds the input
+   as int8 parts over the nv chunks (gemv_i8.cu), each chunk's 6 words read once for both rows. */
 template <int BITS, int TY>
 __device__ __forceinline__ void ps_rows_dot(const unsigned char* slot, int n, int nm, int ra, bool two, int n4, int ng,
                                             int gsh, const float* xs, const float* xsum, float& oa, float& ob) {
@@ -243,6 +328,31 @@ __device__ __forceinline__ void ps_rows_dot(const unsigned char* slot, int n, in
     const float4* s4 = (const float4*)xs;
     int lane = threadIdx.x & 31, nv = nm * n4, rb = two ? ra + 16 : ra;
     float acca = 0.f, accb = 0.f;
+    if constexpr (GQ_I8 && BITS == 4) {
+        const uint4* xs4 = (const uint4*)xs;
+        const float *sxv = xs + 24 * nv, *xsm = sxv + nv;
+        for (int i = lane; i < nv; i += 32) {
+            int k = nm == 1 ? 0 : i / n4, ii = i - k * n4;
+            int ma = k * n + ra, mb = k * n + rb, gsub = (ii * EPV) >> gsh;
+            uint4 qa = codes[(long long)ma * n4 + ii], qb = codes[(long long)mb * n4 + ii];
+            float sa = half_bits(sc[ma * ng + gsub], TY), ba = half_bits(bi[ma * ng + gsub], TY);
+            float sb = half_bits(sc[mb * ng + gsub], TY), bb = half_bits(bi[mb * ng + gsub], TY);
+            int ah = 0, am = 0, al = 0, bh = 0, bm = 0, bl = 0;
+            /* the parts in two halves (words 0-1, then 2-3): 12 registers of x, not 24 */
+            uint4 H = xs4[i], M = xs4[2 * nv + i], L = xs4[4 * nv + i];
+            i8_words2(qa.x, qa.y, H, M, L, ah, am, al);
+            i8_words2(qb.x, qb.y, H, M, L, bh, bm, bl);
+            H = xs4[nv + i], M = xs4[3 * nv + i], L = xs4[5 * nv + i];
+            i8_words2(qa.z, qa.w, H, M, L, ah, am, al);
+            i8_words2(qb.z, qb.w, H, M, L, bh, bm, bl);
+            float sx = sxv[i] * (1.f / 254.f), sm = xsm[i];
+            acca += (sa * sx) * i8_join(ah, am, al) + ba * sm;
+            accb += (sb * sx) * i8_join(bh, bm, bl) + bb * sm;
+        }
+        oa = warp_sum(acca);
+        ob = two ? warp_sum(accb) : 0.f;
+        return;
+    }
     for (int i = lane; i < nv; i += 32) {
         int k = nm == 1 ? 0 : i / n4, ii = i - k * n4;
         int ma = k * n + ra, mb = k * n + rb, gsub = (ii * EPV) >> gsh;
@@ -277,8 +387,39 @@ __device__ __forceinline__ void ps_rows_dot(const unsigned char* slot, int n, in
     ob = two ? warp_sum(accb) : 0.f;
 }
 
-/* The GDN state step for this block's tasks. */
-__device__ void ps_gdn(const PsPhase& P, float* red, float* qs, float* ks, const u64* ctr, u64 target, u32* tstart) {
+/* The block whose share of a phase of `total` rows holds row r (ps_share's inverse). */
+__device__ __forceinline__ int ps_owner(int r, int total, int nb) {
+    return (int)(((long long)(r + 1) * nb + total - 1) / total) - 1;
+}
+
+/* Task (h, columns c0..) of the GDN state step waits for the blocks whose shares of the input
+   projection (P.rows rows, the previous phase; done flags fprev[block] == ep) hold what it reads:
+   the q and k rows of key head kh, its value columns, its b and a rows. Lane j of warp 0 polls
+   range j's owners (relaxed loads, then an acquire fence); the block barrier passes it on. */
+__device__ void ps_gdn_wait(const PsPhase& P, const u32* fprev, u32 ep, int h, int kh, int c0) {
+    if (threadIdx.x < 5) {
+        int j = threadIdx.x, vd = P.hv * P.dv, r0, n;
+        if (j == 0) r0 = kh * P.dk, n = P.dk;
+        else if (j == 1) r0 = (P.hk + kh) * P.dk, n = P.dk;
+        else if (j == 2) r0 = 2 * P.hk * P.dk + h * P.dv + c0, n = min(32, P.dv - c0);
+        else r0 = P.conv_c + vd + (j == 3 ? 0 : P.hv) + h, n = 1;
+        int b1 = ps_owner(r0 + n - 1, P.rows, gridDim.x);
+        for (int b = ps_owner(r0, P.rows, gridDim.x); b <= b1; b++) {
+            u32 v;
+            for (;;) {
+                asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(fprev + b) : "memory");
+                if (v == ep) break;
+                __nanosleep(32);
+            }
+        }
+        asm volatile("fence.acq_rel.gpu;" ::: "memory");
+    }
+    ps_cbar();
+}
+
+/* The GDN state step for this block's tasks; each waits only for its own inputs (ps_gdn_wait),
+   not for the whole input projection. */
+__device__ void ps_gdn(const PsPhase& P, float* red, float* qs, float* ks, const u32* fprev, u32 ep, u32* tstart) {
     int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     int hk = P.hk, hv = P.hv, dk = P.dk, dv = P.dv;
     int parts = (dv + 31) / 32, ntask = hv * parts, rpw = dk / PS_WARPS;
@@ -296,11 +437,7 @@ __device__ void ps_gdn(const PsPhase& P, float* red, float* qs, float* ks, const
 #pragma unroll
         for (int j = 0; j < PS_GDN_RPW; j++)
             if (j < rpw && valid) sreg[j] = __ldcg(Sp + j * dv);
-        if (target) { /* first task: the state (this head's own) is read before the phase wait */
-            ps_wait_ctr(ctr, target);
-            ps_cbar();
-            target = 0;
-        }
+        ps_gdn_wait(P, fprev, ep, h, kh, part * 32); /* the state (this head's own) is read before */
         if (tstart && tid == 0) *tstart = ps_now(), tstart = 0;
         float sq = 0.f, sk = 0.f, sqk = 0.f;
         for (int i = tid; i < dk; i += PS_THREADS) {
@@ -523,23 +660,29 @@ __device__ void ps_chunk(const PsPhase& P, const PsHdr& h, const unsigned char* 
     }
 }
 
-/* The router's top-K for the expert phase G, by all consumer threads once every block finished the
-   router (route_rank in moe.cu); then sm.route completes and the producer issues the experts. */
-struct PsBar {
-    __device__ static void sync() { ps_cbar(); }
-};
-__device__ void ps_route(const PsPhase& G, const u64* ctr, u64 target, PsShared& sm, u32* tr, int dbg) {
+/* The router's top-K for the expert phase G once every block finished the router: warp 0 ranks
+   the logits (route_warp's redux2 form, moe.cu: the graph's picks and weights) and completes
+   sm.route, on which the producer issues the experts' copies; meanwhile, when `stage` (a 4-bit
+   gate/up in the int8 build, whose input differs from the 8-bit router's staging), warps 1-15
+   stage the gate/up's input. Returns its rr (1 without staging). Every consumer thread calls it. */
+__device__ float ps_route(const PsPhase& G, const u64* ctr, u64 target, PsShared& sm, u32* tr, int dbg, float* xs,
+                          bool stage) {
     ps_wait_ctr(ctr, target);
     ps_cbar();
     if (tr && threadIdx.x == 0) tr[4] = ps_now();
-    route_rank<PsBar>((const float*)G.aux[0], G.nexp, G.topk, G.renorm, 1, PS_THREADS, sm.ls, sm.red, sm.chosen,
-                      sm.wsel);
-    if (threadIdx.x == 0) {
-        if (dbg & 1) /* measurement only: the same experts every token */
-            for (int k = 0; k < G.topk; k++) sm.chosen[k] = k;
-        if (tr) tr[5] = ps_now();
-        mb_arrive(&sm.route);
+    float ss = 0.f;
+    if (threadIdx.x < 32) {
+        route_warp(4, (const float*)G.aux[0], G.nexp, G.topk, G.renorm, 1, sm.ls, sm.chosen, sm.wsel);
+        if (threadIdx.x == 0) {
+            if (dbg & 1) /* measurement only: the same experts every token */
+                for (int k = 0; k < G.topk; k++) sm.chosen[k] = k;
+            if (tr) tr[5] = ps_now();
+            mb_arrive(&sm.route);
+        }
+    } else if (stage) {
+        ss = ps_stage_x_i8((const float*)G.x, (const float*)G.normw, G.cols, xs, threadIdx.x - 32, PS_THREADS - 32);
     }
+    return stage ? ps_rms(ss, G.cols, G.eps, sm.red) : 1.f;
 }
 
 extern "C" __global__ void __launch_bounds__(PS_THREADS + 32, 1)
@@ -557,6 +700,8 @@ extern "C" __global__ void __launch_bounds__(PS_THREADS + 32, 1)
             mb_init(&sm.empty[i], PS_WARPS);
         }
         mb_init(&sm.route, 1);
+        sm.ep = (u32)__ldcg(ctr + 2) + 1; /* ctr[2]: launches so far */
+        sm.cwait = 0;
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     }
     __syncthreads();
@@ -567,14 +712,13 @@ extern "C" __global__ void __launch_bounds__(PS_THREADS + 32, 1)
     int slot = 0;
     u32 par = 0; /* bit s: parity of slot s's next use */
     float rr = 1.f;
-    u32 cwait = 0; /* trace: this phase's time waiting for full slots */
     int staged = -1; /* the phase whose input xs holds */
     const PsPhase& P = sm.cur;
     const int pwords = (int)(sizeof(PsPhase) / 4);
     for (;;) {
         u32 t0 = trace ? ps_now() : 0;
         mb_wait(&sm.full[slot], (par >> slot) & 1);
-        if (trace) cwait += ps_now() - t0;
+        if (trace && tid == 0) sm.cwait += ps_now() - t0;
         PsHdr h = sm.hdr[slot];
         /* A phase starts with every warp done with the previous one (its last chunk ends with a
            block barrier), so sm.cur and the staging are free. */
@@ -586,22 +730,25 @@ extern "C" __global__ void __launch_bounds__(PS_THREADS + 32, 1)
             if (kind != PS_GDN && h.rel > 0) ps_wait_ctr(ctr, (u64)h.rel * nb);
             ps_cbar();
             if (kind == PS_GDN) {
-                ps_gdn(P, sm.red, sm.qs, sm.ks, ctr, (u64)h.rel * nb, tr);
+                ps_gdn(P, sm.red, sm.qs, sm.ks, flags + (h.rel - 1) * nb, sm.ep, tr);
             } else {
+                bool i8 = GQ_I8 && P.bits == 4;
                 if (tr && tid == 0) tr[0] = ps_now();
-                if (h.n > 0 && P.same_x && staged == h.rel - 1) {
+                if (staged == h.rel) {
+                    /* staged while the router's logits were ranked (ps_route) */
+                } else if (h.n > 0 && P.same_x && staged == h.rel - 1) {
                     staged = h.rel; /* xs, xsum and rr hold this input already */
                 } else if (h.n > 0) {
                     staged = h.rel;
                     if (P.kind == PS_MOE_DOWN)
-                        ps_stage_moe((const float*)P.x, sm.wsel, P.topk + 1, P.cols, xs, xsum), rr = 1.f;
+                        ps_stage_moe((const float*)P.x, sm.wsel, P.topk + 1, P.cols, xs, xsum, i8), rr = 1.f;
                     else if (P.xf == PX_GATED)
                         ps_stage_gated((const float*)P.x, (const float*)P.aux[3], (const float*)P.normw, P.hv, P.dv,
-                                       P.eps, xs, xsum, sm.hs),
+                                       P.eps, xs, xsum, sm.hs, i8),
                             rr = 1.f;
                     else
                         rr = ps_stage_x((const float*)P.x, P.xf == PX_RMS ? (const float*)P.normw : 0, P.cols, P.eps,
-                                        xs, xsum, sm.red);
+                                        xs, xsum, sm.red, i8);
                 }
                 if (tr && tid == 0) tr[8] = ps_now();
             }
@@ -615,14 +762,19 @@ extern "C" __global__ void __launch_bounds__(PS_THREADS + 32, 1)
             ps_cbar(); /* every warp finished the phase */
             if (tid == 0) {
                 if (trace) trace[PS_TW * (h.rel * nb + blockIdx.x) + 1] = ps_now(),
-                    trace[PS_TW * (h.rel * nb + blockIdx.x) + 6] = cwait;
+                    trace[PS_TW * (h.rel * nb + blockIdx.x) + 6] = sm.cwait, sm.cwait = 0;
                 __threadfence();
                 asm volatile("red.release.gpu.global.add.u64 [%0], 1;" ::"l"(ctr) : "memory");
+                asm volatile("st.release.gpu.global.u32 [%0], %1;" ::"l"(flags + h.rel * nb + blockIdx.x), "r"(sm.ep)
+                             : "memory");
             }
-            cwait = 0;
-            if (h.rel + 1 < nphase && phases[h.rel + 1].kind == PS_MOE_GU)
-                ps_route(phases[h.rel + 1], ctr, (u64)(h.rel + 1) * nb, sm,
-                         trace ? trace + PS_TW * ((h.rel + 1) * nb + blockIdx.x) : 0, dbg);
+            if (h.rel + 1 < nphase && phases[h.rel + 1].kind == PS_MOE_GU) {
+                const PsPhase& G = phases[h.rel + 1];
+                bool st = GQ_I8 && G.bits == 4;
+                float r = ps_route(G, ctr, (u64)(h.rel + 1) * nb, sm,
+                                   trace ? trace + PS_TW * ((h.rel + 1) * nb + blockIdx.x) : 0, dbg, xs, st);
+                if (st) staged = h.rel + 1, rr = r;
+            }
         }
         par ^= 1u << slot;
         slot = slot + 1 == ns ? 0 : slot + 1;
@@ -635,6 +787,7 @@ extern "C" __global__ void __launch_bounds__(PS_THREADS + 32, 1)
         if (t == (u64)nb - 1) {
             ctr[0] = 0;
             ctr[1] = 0;
+            ctr[2] += 1;
             __threadfence();
         }
     }

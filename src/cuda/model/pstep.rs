@@ -75,8 +75,10 @@ struct Seg {
 pub(super) struct PsPlan {
     table: DevBuf,
     segs: Vec<Seg>,
-    /// [phase counter, exit ticket] (zeroed; each launch leaves them zeroed).
+    /// [phase counter, exit ticket, launches so far] (u64; each launch leaves the first two zeroed).
     ctr: DevBuf,
+    /// u32 per (phase, block): the launch number (+ 1) that finished the block's share of it.
+    flags: DevBuf,
     slot: usize,
     slots: usize,
     xmax: usize,
@@ -123,7 +125,8 @@ fn gemv(w: &GpuLinear, xf: i32, x: u64, normw: u64, eps: f32, y: u64, accumulate
 }
 
 /// Whether the persistent step is asked for (`LILY_CUDA_DECODE=persistent`; off by default
-/// until it beats the graph: 311 against 395 tok/s at 256 on the H200, docs/perf-log.md).
+/// until it beats the graph: 302 against 507 tok/s at 256 on an H100 in session 36,
+/// docs/perf-log.md).
 pub(super) fn wanted() -> bool {
     std::env::var("LILY_CUDA_DECODE").is_ok_and(|v| v == "persistent")
 }
@@ -145,7 +148,13 @@ impl PsPlan {
         if e > 1024 || k + 1 > 64 {
             bail!("{e} experts, top-{k}: over the limits (1024, 63)");
         }
-        if hv > 256 || dk > 128 || !dk.is_multiple_of(16) || !dv.is_multiple_of(32) || hk == 0 || !hv.is_multiple_of(hk)
+        // dv: the gated norm's one-round staging takes a head in dv / 8 lanes of a warp (pstep.cu)
+        if hv > 256
+            || dk > 128
+            || !dk.is_multiple_of(16)
+            || !matches!(dv, 32 | 64 | 128 | 256)
+            || hk == 0
+            || !hv.is_multiple_of(hk)
         {
             bail!("GDN heads {hk}/{hv} of {dk}/{dv}: outside the step's shapes");
         }
@@ -170,9 +179,13 @@ impl PsPlan {
                     let mut p = gemv(f, PX_RMS, s.x.ptr, inorm, eps, s.proj.ptr, false);
                     (p.conv_c, p.conv_k) = (cd as i32, taps as i32);
                     p.aux[..3].copy_from_slice(&[cs.ptr, conv.ptr, s.conv.ptr]);
+                    let in_rows = p.rows;
                     phases.push(p);
+                    // rows / conv_c: the input projection's, whose blocks' shares a task waits for
                     phases.push(PsPhase {
                         kind: PS_GDN,
+                        rows: in_rows,
+                        conv_c: cd as i32,
                         hk: hk as i32,
                         hv: hv as i32,
                         dk: dk as i32,
@@ -213,6 +226,9 @@ impl PsPlan {
                     (p.kind, p.rows, p.nexp, p.topk, p.renorm, p.same_x) =
                         (PS_MOE_GU, gu.rows as i32, e as i32, k as i32, c.norm_topk_prob as i32, 1);
                     p.aux[0] = s.router.ptr;
+                    // the router's staging serves the gate/up where both stage alike: the same
+                    // format, or the float build (the int8 build stages 4-bit inputs as int8 parts)
+                    p.same_x = (r.bits == gu.bits || !crate::cuda::gemv_i8()) as i32;
                     phases.push(p);
                     let mut p = gemv(dn, PX_PLAIN, s.egu.ptr, 0, eps, s.x.ptr, true);
                     (p.kind, p.rows, p.topk) = (PS_MOE_DOWN, dn.rows as i32, k as i32);
@@ -265,14 +281,15 @@ impl PsPlan {
             .flat_map(|p| unsafe { std::slice::from_raw_parts(p as *const PsPhase as *const u8, PHASE_BYTES) }.to_vec())
             .collect();
         let table = g.upload_bytes(&bytes)?;
-        let ctr = g.zeros(16)?;
+        let ctr = g.zeros(24)?;
+        let flags = g.zeros(4 * phases.len() * g.sms as usize)?;
         let trace = match std::env::var("LILY_PSTEP_TRACE").as_deref() {
             Ok("1") => Some(g.zeros(4 * TW * phases.len() * g.sms as usize)?),
             _ => None,
         };
         let kinds = phases.iter().map(|p| (p.kind, p.rows)).collect();
         let debug = std::env::var("LILY_PSTEP_DEBUG").ok().and_then(|v| v.parse().ok()).unwrap_or(0);
-        Ok(PsPlan { table, segs, ctr, slot, slots, xmax, smem, lm_head, trace, kinds, debug })
+        Ok(PsPlan { table, segs, ctr, flags, slot, slots, xmax, smem, lm_head, trace, kinds, debug })
     }
 
     fn launch(&self, g: &Gpu, first: usize, count: usize) -> Result<()> {
@@ -280,6 +297,7 @@ impl PsPlan {
             phases: In::new(self.table.at(first * PHASE_BYTES)),
             nphase: count as i32,
             ctr: Out::new(self.ctr.ptr),
+            flags: Out::new(self.flags.at(4 * first * g.sms as usize)),
             slot_bytes: self.slot as i32,
             ns: self.slots as i32,
             xmax: self.xmax as i32,
