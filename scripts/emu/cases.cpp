@@ -3,7 +3,8 @@
 // (NMSE 1e-9). gq_body is the streaming GEMV (gemv_q2 with the fused RMSNorm); mf2_body is
 // moe_fused_q2 whole: the top-K of each form, the input staging, the gate/up pairs, the blocks'
 // meeting (here a grid barrier: the counter protocol itself is not what this checks) and the down
-// projection added into x; moe_down_q's body; the GDN state step in both forms (the same bits).
+// projection added into x; moe_down_q's body; the GDN state step in both forms (the same bits);
+// the persistent step's consumer chunks (pstep.cu: staging, int8 dot, conv epilogue, residual).
 #include <algorithm>
 #include <array>
 #include <cstdio>
@@ -356,6 +357,113 @@ static void prep_case(int rot, int pos) {
     fails += !same;
     report(b, nmse(rows.data(), want));
 }
+// pstep's consumer side (kernels/pstep.cu; its producer, counters and mbarriers are not emulated):
+// one block of its 16 consumer warps stages a phase's input (the RMS-normed x, the GDN gated
+// norm, the MoE down's w silu(g) u products; int8 parts in the i8 build) and runs one slot of n
+// rows (from row r0 of the phase) through ps_chunk: two rows a warp pass, the GDN conv epilogue
+// on rows below conv_c, the residual add. The slot holds the rows' codes, scales and biases in
+// the producer's layout, copied here from the matrices.
+static std::vector<unsigned char> ps_slot(const std::vector<const Q4*>& mats, int r0, int n) {
+    int cols = mats[0]->cols, ng = cols / mats[0]->group, cb = cols / 2;
+    std::vector<unsigned char> s(mats.size() * n * (cb + 4 * ng));
+    unsigned char* p = s.data();
+    for (auto* M : mats) for (int r = 0; r < n; r++, p += cb) memcpy(p, (const unsigned char*)M->w.data() + (size_t)(r0 + r) * cb, cb);
+    for (auto* M : mats) for (int r = 0; r < n; r++, p += 2 * ng) memcpy(p, M->sc.data() + (size_t)(r0 + r) * ng, 2 * ng);
+    for (auto* M : mats) for (int r = 0; r < n; r++, p += 2 * ng) memcpy(p, M->bi.data() + (size_t)(r0 + r) * ng, 2 * ng);
+    return s;
+}
+static double silu_d(double v) { return v / (1 + std::exp(-v)); }
+// pstep.cu's #defines (the preprocessed kernels keep none): phase kinds, input forms, chunk flags,
+// the consumer block, TY_BF16 (common.cuh)
+enum { PS_GEMV_ = 0, PS_MOE_DOWN_ = 3, PX_PLAIN_ = 0, PX_RMS_ = 1, PX_GATED_ = 2, PS_FIRST_ = 1, PS_LAST_ = 2, PS_WARPS_ = 16, TY_BF16_ = 2 };
+// kind 0: PX_RMS GEMV with the conv epilogue on rows below conv_c; 1: PX_GATED (hv heads of dv)
+// into a residual; 2: the MoE down of S slots (cols = inter) into a residual.
+static void pstep_case(int kind, int r0, int n, int cols, int hv = 0, int S = 0) {
+    const int K = 4;
+    int dv = kind == 1 ? cols / hv : 0, inter = kind == 2 ? cols : 0, xw = kind == 2 ? S * cols : cols;
+    std::vector<Q4> mats;
+    for (int k = 0; k < (kind == 2 ? S : 1); k++) mats.emplace_back(r0 + n, cols, 64);
+    std::vector<const Q4*> mp; for (auto& m : mats) mp.push_back(&m);
+    auto slot = ps_slot(mp, r0, n);
+    int rows = r0 + n, conv_c = kind == 0 ? r0 + n / 2 : 0;
+    std::vector<float> x(kind == 2 ? 2 * S * cols : cols), z(cols), nw(kind == 1 ? dv : cols), wsel(S + 1), y(rows), cw(conv_c * K), st((K - 1) * conv_c), cy(conv_c, NAN);
+    for (auto& v : x) v = U();
+    for (auto& v : z) v = 2 * U();
+    for (auto& v : nw) v = 1.f + 0.5f * U();
+    for (auto& v : wsel) v = 0.5f + 0.5f * U();
+    for (auto& v : y) v = kind == 0 ? NAN : U();
+    for (auto& v : cw) v = U();
+    for (auto& v : st) v = U();
+    // the phase's input as the reference sees it
+    const double eps = 1e-6;
+    std::vector<double> in(xw);
+    double rr = 1;
+    if (kind == 0) {
+        double ss = 0; for (float v : x) ss += (double)v * v;
+        rr = 1 / std::sqrt(ss / cols + eps);
+        for (int c = 0; c < cols; c++) in[c] = (double)x[c] * nw[c];
+    } else if (kind == 1) {
+        for (int h = 0; h < hv; h++) {
+            double ss = 0; for (int c = 0; c < dv; c++) ss += (double)x[h * dv + c] * x[h * dv + c];
+            double r = 1 / std::sqrt(ss / dv + eps);
+            for (int c = 0; c < dv; c++) in[h * dv + c] = x[h * dv + c] * r * nw[c] * silu_d(z[h * dv + c]);
+        }
+    } else {
+        for (int k = 0; k < S; k++) for (int c = 0; c < inter; c++) in[k * inter + c] = wsel[k] * silu_d(x[(2 * k) * inter + c]) * x[(2 * k + 1) * inter + c];
+    }
+    std::vector<double> want;
+    for (int r = r0; r < rows; r++) {
+        double a = 0;
+        for (int k = 0; k < (int)mats.size(); k++) for (int c = 0; c < cols; c++) a += mats[k].at(r, c) * in[k * cols + c];
+        want.push_back(kind == 0 ? a * rr : y[r] + a);
+    }
+    std::vector<double> want_conv;
+    for (int r = r0; r < conv_c; r++) { // silu(conv) of [state; y], then the state shifted
+        double a = cw[r * K + K - 1] * want[r - r0];
+        for (int t = 0; t < K - 1; t++) a += cw[r * K + t] * (double)st[t * conv_c + r];
+        want_conv.push_back(silu_d(a));
+        for (int t = 0; t < K - 1; t++) want_conv.push_back(t < K - 2 ? st[(t + 1) * conv_c + r] : want[r - r0]);
+    }
+    PsPhase P{};
+    P.kind = kind == 2 ? PS_MOE_DOWN_ : PS_GEMV_;
+    P.xf = kind == 0 ? PX_RMS_ : kind == 1 ? PX_GATED_ : PX_PLAIN_;
+    P.rows = rows; P.cols = cols; P.group = 64; P.ty = TY_BF16_; P.accumulate = kind != 0; P.bits = 4; P.eps = (float)eps;
+    P.conv_c = conv_c; P.conv_k = K; P.hv = hv; P.dv = dv; P.topk = S - 1;
+    P.x = (u64)x.data(); P.y = (u64)y.data(); P.normw = (u64)nw.data();
+    P.aux[0] = (u64)st.data(); P.aux[1] = (u64)cw.data(); P.aux[2] = (u64)cy.data(); P.aux[3] = (u64)z.data();
+    PsHdr h{0, PS_FIRST_ | PS_LAST_, r0, n};
+    std::vector<float> xs(xw + xw / 16 + 64, NAN), red(2 * PS_WARPS_ * 32), hs(256);
+    emu_launch(1, 32 * PS_WARPS_, [&] {
+        float* xsum = xs.data() + xw;
+        float r = 1.f;
+        if (kind == 0) r = ps_stage_x(x.data(), nw.data(), cols, (float)eps, xs.data(), xsum, red.data(), GQ_I8);
+        else if (kind == 1) ps_stage_gated(x.data(), z.data(), nw.data(), hv, dv, (float)eps, xs.data(), xsum, hs.data(), GQ_I8);
+        else ps_stage_moe(x.data(), wsel.data(), S, inter, xs.data(), xsum, GQ_I8);
+        ps_chunk(P, h, slot.data(), r, xs.data(), xsum);
+    });
+    std::vector<float> got(y.begin() + r0, y.end());
+    for (int r = r0; r < conv_c; r++) { got.push_back(cy[r]); for (int t = 0; t < K - 1; t++) got.push_back(st[t * conv_c + r]); }
+    want.insert(want.end(), want_conv.begin(), want_conv.end());
+    const char* names[] = {"PX_RMS + conv", "PX_GATED", "MoE down"};
+    char b[128]; snprintf(b, sizeof b, "pstep chunk %s: rows %d..%d of %d cols", names[kind], r0, rows, cols); report(b, nmse(got.data(), want));
+}
+// pstep's GDN tasks wait for the blocks whose shares hold their rows: ps_owner must invert
+// ps_share (row r's owner b has lo(b) <= r < hi(b)) for every row, blocks with empty shares too.
+static void ps_owner_case() {
+    int bad = 0;
+    for (int total : {1, 7, 131, 132, 133, 12352, 8448})
+        for (int nb : {1, 3, 132, 264}) {
+            emu_launch(1, 1, [&] {
+                for (int r = 0; r < total; r++) {
+                    int b = ps_owner(r, total, nb), lo, hi;
+                    ps_share(total, b, nb, lo, hi);
+                    bad += b < 0 || b >= nb || r < lo || r >= hi;
+                }
+            });
+        }
+    printf("%-6s %-58s %s\n", VARIANT, "ps_owner inverts ps_share (7 row counts x 4 grids)", bad ? "FAIL" : "ok");
+    fails += bad != 0;
+}
 int main() {
     gemv_case(37, 2048, 3, 128, 1);
     gemv_case(37, 2048, 3, 128, 300);
@@ -391,6 +499,11 @@ int main() {
     prep_case(64, 5);
     prep_case(64, 3000);
     route_edges();
+    pstep_case(0, 7, 45, 2048);
+    pstep_case(0, 0, 64, 512);
+    pstep_case(1, 3, 37, 1024, 8);
+    pstep_case(2, 5, 37, 128, 0, 9);
+    ps_owner_case();
     printf("%s: %d failures\n", VARIANT, fails);
     return fails != 0;
 }

@@ -140,3 +140,5 @@ inline unsigned __reduce_add_sync(unsigned, unsigned v) {
     int lane = threadIdx.x & 31; EmuWarp& W = emu_warp();
     W.v[lane] = v; W.bar->arrive_and_wait(); unsigned r = 0; for (int i = 0; i < 32; i++) r += W.v[i]; W.bar->arrive_and_wait(); return r;
 }
+/* pstep.cu: the consumer warps' named barrier (the emulated block is the consumers) */
+inline void ps_cbar() { __syncthreads(); }
