@@ -102,21 +102,29 @@ __device__ __forceinline__ void mf2_stage(const float* xg, int cols, const float
      requested into the L2 (gq_prefetch): at Qwen3.6's shape (9 slots x 512 pairs over 132 x 16
      warps, one trip a pair) the warps with three pairs no longer wait a second HBM round trip
      for the third. (A third register buffer instead spills: the kernel is at 128 registers.) */
+/* Trip tt of the pair whose gate row is r0 (its up row `inter` rows on) into tr: the guard-free
+   load where the trip's chunks all exist. */
+template <int BITS>
+__device__ __forceinline__ void mf2_load(GqTrip<2, 2>& tr, const u32* w, const u16* sc, const u16* bi, long long r0,
+                                         int n4, int ng, int gsh, int tt, int inter) {
+    constexpr int NR = 2, U = 2;
+    int i0 = tt * 32 * U + (threadIdx.x & 31);
+    if ((tt + 1) * 32 * U <= n4)
+        gq_load<BITS, NR, U, true, true>(tr, w, sc, bi, r0, NR, n4, ng, gsh, i0, inter);
+    else
+        gq_load<BITS, NR, U, false, true>(tr, w, sc, bi, r0, NR, n4, ng, gsh, i0, inter);
+}
+
 /* The trip mf2_pairs<SHF> loads before the PDL wait: the first trip of the warp's first pair when
    that pair is the shared expert's (q < inter: row 2E inter + q of the gate/up stack); returns
    whether it loaded. */
 template <int BITS>
 __device__ __forceinline__ bool mf2_shared_first(GqTrip<2, 2>& cur, const u32* w, const u16* sc, const u16* bi,
                                                  int group, int inter, int cols, int E) {
-    constexpr int EPV = 128 / BITS, NR = 2, U = 2;
-    int lane = threadIdx.x & 31, q = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    constexpr int EPV = 128 / BITS;
+    int q = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     if (q >= inter) return false;
-    int n4 = cols / EPV, ng = cols / group, gsh = __ffs(group) - 1;
-    long long r0 = (long long)(2 * E) * inter + q;
-    if (32 * U <= n4)
-        gq_load<BITS, NR, U, true, true>(cur, w, sc, bi, r0, NR, n4, ng, gsh, lane, inter);
-    else
-        gq_load<BITS, NR, U, false, true>(cur, w, sc, bi, r0, NR, n4, ng, gsh, lane, inter);
+    mf2_load<BITS>(cur, w, sc, bi, (long long)(2 * E) * inter + q, cols / EPV, cols / group, __ffs(group) - 1, 0, inter);
     return true;
 }
 
@@ -139,13 +147,7 @@ __device__ __forceinline__ void mf2_pairs(const u32* w, const u16* sc, const u16
         return (long long)(2 * ids[s]) * inter + (pg - s * inter);
     };
     GqTrip<NR, U> nxt;
-    auto load = [&](GqTrip<NR, U>& tr, int gg, int tt) {
-        int i0 = tt * 32 * U + lane;
-        if ((tt + 1) * 32 * U <= n4)
-            gq_load<BITS, NR, U, true, true>(tr, w, sc, bi, row(gg), NR, n4, ng, gsh, i0, inter);
-        else
-            gq_load<BITS, NR, U, false, true>(tr, w, sc, bi, row(gg), NR, n4, ng, gsh, i0, inter);
-    };
+    auto load = [&](GqTrip<NR, U>& tr, int gg, int tt) { mf2_load<BITS>(tr, w, sc, bi, row(gg), n4, ng, gsh, tt, inter); };
     if (g < ngroups && !pre) load(cur, g, 0);
     if (DEEP) {
         int g1 = tpr == 1 ? g + gstride : g, t1 = tpr == 1 ? 0 : 1;
