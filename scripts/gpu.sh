@@ -24,7 +24,8 @@
 #                             (contexts: the decode step's kernel timeline, src/cuda/timeline.rs;
 #                             build the bundle with TIMELINE_BUILD=1 to carry its kernels;
 #                             KERNEL_ENVS at build time: other env settings that change the
-#                             kernel source, e.g. LILY_CUDA_GEMV_I8=0), ...
+#                             kernel source, e.g. LILY_CUDA_GEMV_I8=0), PSTEP_TRACE (contexts:
+#                             the persistent step's per-phase trace and summary), ...
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -175,6 +176,16 @@ if [ -n "${TIMELINE:-}" ]; then
     LILY_CUDA_TIMELINE=1 LILY_CUDA_MOE_TRACE=1 timeout 400 .gpu/x/bin/lily bench --device cuda \
       --model synthetic:qwen3.6-35b-a3b --contexts "$c" --warmup 0 --decode-steps 16 >"$OUTDIR/timeline_$c.txt" 2>&1 || status=1
     sed -n '/^per kernel/,$p' "$OUTDIR/timeline_$c.txt" | head -60 || true
+  done
+fi
+if [ -n "${PSTEP_TRACE:-}" ]; then
+  # PSTEP_TRACE=ctx[,ctx...]: the persistent step phase by phase (LILY_PSTEP_TRACE=1, the last
+  # step of the bench's decode), then its summary per phase kind (src/cuda/model/pstep.rs).
+  for c in ${PSTEP_TRACE//,/ }; do
+    echo "== persistent step trace, context $c"
+    LILY_CUDA_DECODE=persistent LILY_PSTEP_TRACE=1 timeout 300 .gpu/x/bin/lily bench --device cuda \
+      --model synthetic:qwen3.6-35b-a3b --contexts "$c" --warmup 0 --decode-steps 16 >"$OUTDIR/pstep_trace_$c.txt" 2>&1 || status=1
+    sed -n '/^| phase kind/,/^| launches/p' "$OUTDIR/pstep_trace_$c.txt" | tail -20 || true
   done
 fi
 BENCH_CONTEXTS=${BENCH_CONTEXTS:-256,4096}

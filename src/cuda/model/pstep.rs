@@ -364,7 +364,9 @@ impl PsPlan {
     /// previous end, of when the producer issued the phase's first copies, when the consumers
     /// found its first slot full (and for expert phases when the producer passed the router wait
     /// and its top-k); mean total waits of the consumers for full slots and of the producer for
-    /// empty ones.
+    /// empty ones. Then a summary per phase kind and row count (a launch's first phase has the
+    /// attention kernels and the relaunch before it in its gap, so the total is the whole step
+    /// after the first phase's start).
     pub(super) fn print_trace(&self, nb: usize) -> Result<()> {
         let Some(t) = &self.trace else { return Ok(()) };
         let v = t.read_i32(TW * self.kinds.len() * nb)?;
@@ -372,6 +374,8 @@ impl PsPlan {
         eprintln!("| phase | kind | rows | span | busy | gap | issued | full | ctr | topk | staged | wait full | wait empty |");
         let base = v[0] as u32;
         let mut prev_end: Option<f64> = None;
+        // per (kind, rows): phases, span + gap before, time staging the input (the summary below)
+        let mut sum: Vec<((i32, i32), usize, f64, f64)> = Vec::new();
         for (i, (k, rows)) in self.kinds.iter().enumerate() {
             let raw = |b: usize, j: usize| v[TW * (i * nb + b) + j] as u32;
             let at = |b: usize, j: usize| raw(b, j).wrapping_sub(base) as i32 as f64 / 1e3;
@@ -396,7 +400,22 @@ impl PsPlan {
                 mean(&|b| raw(b, 7) as f64 / 1e3),
             );
             prev_end = Some(end);
+            let staged = if *k == PS_GDN { 0.0 } else { mean(&|b| at(b, 8) - at(b, 0)) };
+            match sum.iter_mut().find(|e| e.0 == (*k, *rows)) {
+                Some(e) => (e.1, e.2, e.3) = (e.1 + 1, e.2 + end - p, e.3 + staged),
+                None => sum.push(((*k, *rows), 1, end - p, staged)),
+            }
         }
+        eprintln!("| phase kind (rows) | phases | µs (span + gap before) | µs per phase | staged per phase |");
+        for ((k, rows), n, t, st) in &sum {
+            eprintln!(
+                "| {} ({rows}) | {n} | {t:.1} | {:.2} | {:.2} |",
+                names[*k as usize],
+                t / *n as f64,
+                st / *n as f64
+            );
+        }
+        eprintln!("| launches' phases | {} | {:.1} | | |", self.kinds.len(), sum.iter().map(|e| e.2).sum::<f64>());
         Ok(())
     }
 }
