@@ -305,6 +305,18 @@ __device__ __forceinline__ float gq_stage(const float* xg, int cols, const float
     return 1.f / sqrtf(ss / (float)cols + eps);
 }
 
+/* One int8 staging item of the experts' down input: v = wt * silu(g) * u for the 8 values from
+   column c0 of slot k's gate and up rows (gu [S][2][cols], read through L2; moe_stage, pstep). */
+__device__ __forceinline__ void swiglu_item8(const float* gu, int k, int cols, int c0, float wt, float (&v)[8]) {
+    const float4* g4 = (const float4*)(gu + (long long)(2 * k) * cols + c0);
+    const float4* u4 = (const float4*)(gu + (long long)(2 * k + 1) * cols + c0);
+    float4 ga = __ldcg(g4), gb = __ldcg(g4 + 1), ua = __ldcg(u4), ub = __ldcg(u4 + 1);
+    float g[8] = {ga.x, ga.y, ga.z, ga.w, gb.x, gb.y, gb.z, gb.w};
+    float u[8] = {ua.x, ua.y, ua.z, ua.w, ub.x, ub.y, ub.z, ub.w};
+#pragma unroll
+    for (int j = 0; j < 8; j++) v[j] = wt * (silu_f(g[j]) * u[j]);
+}
+
 /* moe_down's staging: xs = wts[k] * silu(gu[2k]) * gu[2k+1] for the S slots back to back (xg = gu,
    wk = wts), swizzled, with the per-chunk sums. wk null: gu already holds those products, [S, cols]
    (moe_fused_q2's pairs wrote them), staged as they are. */
@@ -322,14 +334,7 @@ __device__ __forceinline__ float moe_stage(const float* gu, const float* wk, int
                 for (int j = 0; j < 8; j++) v[j] = r[j];
                 return 0.f;
             }
-            const float4* g4 = (const float4*)(gu + (long long)(2 * k) * cols + c0);
-            const float4* u4 = (const float4*)(gu + (long long)(2 * k + 1) * cols + c0);
-            float4 ga = __ldcg(g4), gb = __ldcg(g4 + 1), ua = __ldcg(u4), ub = __ldcg(u4 + 1);
-            float g[8] = {ga.x, ga.y, ga.z, ga.w, gb.x, gb.y, gb.z, gb.w};
-            float uu[8] = {ua.x, ua.y, ua.z, ua.w, ub.x, ub.y, ub.z, ub.w};
-            float wt = wk[k];
-#pragma unroll
-            for (int j = 0; j < 8; j++) v[j] = wt * (silu_f(g[j]) * uu[j]);
+            swiglu_item8(gu, k, cols, c0, wk[k], v);
             return 0.f;
         });
         __syncthreads();

@@ -279,15 +279,8 @@ __device__ void ps_stage_moe(const float* gu, const float* wsel, int S, int inte
     int per = inter / 32, nch = S * per;
     if (i8) {
         i8_stage<false>(nch, xs, threadIdx.x, PS_THREADS, [&](int c, int w, float (&v)[8]) {
-            int k = c / per, c0 = (c - k * per) * 32 + 8 * w;
-            const float4* g4 = (const float4*)(gu + (long long)(2 * k) * inter + c0);
-            const float4* u4 = (const float4*)(gu + (long long)(2 * k + 1) * inter + c0);
-            float4 ga = __ldcg(g4), gb = __ldcg(g4 + 1), ua = __ldcg(u4), ub = __ldcg(u4 + 1);
-            float g[8] = {ga.x, ga.y, ga.z, ga.w, gb.x, gb.y, gb.z, gb.w};
-            float u[8] = {ua.x, ua.y, ua.z, ua.w, ub.x, ub.y, ub.z, ub.w};
-            float wt = wsel[k];
-#pragma unroll
-            for (int j = 0; j < 8; j++) v[j] = wt * (silu_f(g[j]) * u[j]);
+            int k = c / per;
+            swiglu_item8(gu, k, inter, (c - k * per) * 32 + 8 * w, wsel[k], v);
             return 0.f;
         });
         ps_cbar();
@@ -328,15 +321,15 @@ __device__ __forceinline__ void ps_rows_dot(const unsigned char* slot, int n, in
     const float4* s4 = (const float4*)xs;
     int lane = threadIdx.x & 31, nv = nm * n4, rb = two ? ra + 16 : ra;
     float acca = 0.f, accb = 0.f;
-    if constexpr (GQ_I8 && BITS == 4) {
-        const uint4* xs4 = (const uint4*)xs;
-        const float *sxv = xs + 24 * nv, *xsm = sxv + nv;
-        for (int i = lane; i < nv; i += 32) {
-            int k = nm == 1 ? 0 : i / n4, ii = i - k * n4;
-            int ma = k * n + ra, mb = k * n + rb, gsub = (ii * EPV) >> gsh;
-            uint4 qa = codes[(long long)ma * n4 + ii], qb = codes[(long long)mb * n4 + ii];
-            float sa = half_bits(sc[ma * ng + gsub], TY), ba = half_bits(bi[ma * ng + gsub], TY);
-            float sb = half_bits(sc[mb * ng + gsub], TY), bb = half_bits(bi[mb * ng + gsub], TY);
+    for (int i = lane; i < nv; i += 32) {
+        int k = nm == 1 ? 0 : i / n4, ii = i - k * n4;
+        int ma = k * n + ra, mb = k * n + rb, gsub = (ii * EPV) >> gsh;
+        uint4 qa = codes[(long long)ma * n4 + ii], qb = codes[(long long)mb * n4 + ii];
+        float sa = half_bits(sc[ma * ng + gsub], TY), ba = half_bits(bi[ma * ng + gsub], TY);
+        float sb = half_bits(sc[mb * ng + gsub], TY), bb = half_bits(bi[mb * ng + gsub], TY);
+        if constexpr (GQ_I8 && BITS == 4) {
+            const uint4* xs4 = (const uint4*)xs;
+            const float *sxv = xs + 24 * nv, *xsm = sxv + nv;
             int ah = 0, am = 0, al = 0, bh = 0, bm = 0, bl = 0;
             /* the parts in two halves (words 0-1, then 2-3): 12 registers of x, not 24 */
             uint4 H = xs4[i], M = xs4[2 * nv + i], L = xs4[4 * nv + i];
@@ -348,39 +341,30 @@ __device__ __forceinline__ void ps_rows_dot(const unsigned char* slot, int n, in
             float sx = sxv[i] * (1.f / 254.f), sm = xsm[i];
             acca += (sa * sx) * i8_join(ah, am, al) + ba * sm;
             accb += (sb * sx) * i8_join(bh, bm, bl) + bb * sm;
-        }
-        oa = warp_sum(acca);
-        ob = two ? warp_sum(accb) : 0.f;
-        return;
-    }
-    for (int i = lane; i < nv; i += 32) {
-        int k = nm == 1 ? 0 : i / n4, ii = i - k * n4;
-        int ma = k * n + ra, mb = k * n + rb, gsub = (ii * EPV) >> gsh;
-        uint4 qa = codes[(long long)ma * n4 + ii], qb = codes[(long long)mb * n4 + ii];
-        float sa = half_bits(sc[ma * ng + gsub], TY), ba = half_bits(bi[ma * ng + gsub], TY);
-        float sb = half_bits(sc[mb * ng + gsub], TY), bb = half_bits(bi[mb * ng + gsub], TY);
-        float sx = BITS == 4 ? xsum[2 * i] + xsum[2 * i + 1] : xsum[i];
-        u32 wa[4] = {qa.x, qa.y, qa.z, qa.w}, wb[4] = {qb.x, qb.y, qb.z, qb.w};
-        float da = 0.f, db = 0.f, ea = 0.f, eb = 0.f;
-        if (BITS == 4) { /* as gq_dot, x read per word and shared by the two rows */
-#pragma unroll
-            for (int w = 0; w < 4; w++) {
-                float4 xa = s4[xswz(i * 8 + 2 * w)], xb = s4[xswz(i * 8 + 2 * w + 1)];
-                gq_word4(wa[w], xa, xb, da, ea);
-                gq_word4(wb[w], xa, xb, db, eb);
-            }
-            /* s q.x + b sx with q.x = 32 d - 16 sx */
-            acca += (32.f * sa) * (da + ea) + (ba - 16.f * sa) * sx;
-            accb += (32.f * sb) * (db + eb) + (bb - 16.f * sb) * sx;
         } else {
+            float sx = BITS == 4 ? xsum[2 * i] + xsum[2 * i + 1] : xsum[i];
+            u32 wa[4] = {qa.x, qa.y, qa.z, qa.w}, wb[4] = {qb.x, qb.y, qb.z, qb.w};
+            float da = 0.f, db = 0.f, ea = 0.f, eb = 0.f;
+            if (BITS == 4) { /* as gq_dot, x read per word and shared by the two rows */
 #pragma unroll
-            for (int w = 0; w < 4; w++) {
-                float4 x = s4[xswz(i * 4 + w)];
-                gq_word8(wa[w], x, da, ea);
-                gq_word8(wb[w], x, db, eb);
+                for (int w = 0; w < 4; w++) {
+                    float4 xa = s4[xswz(i * 8 + 2 * w)], xb = s4[xswz(i * 8 + 2 * w + 1)];
+                    gq_word4(wa[w], xa, xb, da, ea);
+                    gq_word4(wb[w], xa, xb, db, eb);
+                }
+                /* s q.x + b sx with q.x = 32 d - 16 sx */
+                acca += (32.f * sa) * (da + ea) + (ba - 16.f * sa) * sx;
+                accb += (32.f * sb) * (db + eb) + (bb - 16.f * sb) * sx;
+            } else {
+#pragma unroll
+                for (int w = 0; w < 4; w++) {
+                    float4 x = s4[xswz(i * 4 + w)];
+                    gq_word8(wa[w], x, da, ea);
+                    gq_word8(wb[w], x, db, eb);
+                }
+                acca += sa * (da + ea) + ba * sx;
+                accb += sb * (db + eb) + bb * sx;
             }
-            acca += sa * (da + ea) + ba * sx;
-            accb += sb * (db + eb) + bb * sx;
         }
     }
     oa = warp_sum(acca);
