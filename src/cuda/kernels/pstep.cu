@@ -32,9 +32,9 @@
  *   graph's redux2 top-k from moe.cu) and completes the "route" mbarrier the producer waits on,
  *   while warps 1-15 stage the gate/up's input).
  *   Consumers take slots in order. A block finishing its share of phase i adds 1 to one u64
- *   counter (release) and sets its done flag flags[i][block] = this launch's number ep (ctr[2] +
- *   1). A phase that reads a whole vector (every GEMV: its input, its norm) waits, before its
- *   first chunk, for counter >= i * nblocks (acquire). A GDN state task waits instead only for
+ *   counter and sets its done flag flags[i][block] = this launch's number ep (ctr[2] + 1), both
+ *   behind one release fence. A phase that reads a whole vector (every GEMV: its input, its norm)
+ *   waits, before its first chunk, for counter >= i * nblocks (acquire). A GDN state task waits instead only for
  *   the flags of the blocks whose input-projection shares hold its rows (ps_gdn_wait: q and k of
  *   its key head, its value columns, its b and a): a per-tile dependency, not a phase barrier.
  *   The counter test stays exact: a block signals its phases in order and phase i (a counter
@@ -52,8 +52,8 @@
  *   passed the router wait / warp 0's top-k (expert phases), [6] the consumers' total wait for full
  *   slots in the phase, [7] the producer's total wait for empty slots in the phase, [8] the
  *   consumers staged the phase's input.
- *   dbg: measurement switches (LILY_PSTEP_DEBUG): bit 0 routes every token to experts 0..K-1
- *   (wrong outputs; shows what reading scattered experts costs).
+ *   dbg: measurement switches (LILY_PSTEP_DEBUG, the PS_DBG_* bits below): fixed experts (wrong
+ *   outputs; shows what reading scattered experts costs) and the synchronization's forms.
  *
  * Slot layout of a chunk of n rows from m matrices (m = 1, or K + 1 experts for the down
  *   projection): codes [m][n][cols*bits/8 B], scales [m][n][cols/group] u16, biases likewise; the
@@ -128,13 +128,31 @@ __device__ __forceinline__ u32 ps_now() {
     asm volatile("mov.u64 %0, %globaltimer;" : "=l"(t));
     return (u32)t;
 }
+/* Measurement switches (dbg, LILY_PSTEP_DEBUG) of the synchronization, for A/Bs on the GPU. */
+#define PS_DBG_FIXED 1   /* every token routed to experts 0..K-1 (wrong outputs) */
+#define PS_DBG_FENCES 2  /* a phase's end as before session 38: threadfence, red.release, st.release */
+#define PS_DBG_LDACQ 4   /* a wait ends with an ld.acquire of what it polled, not an acquire fence */
+#define PS_DBG_SPIN 8    /* polls without __nanosleep */
+
+/* After relaxed polls saw what a wait needs: an acquire fence, or (PS_DBG_LDACQ) one acquire load
+   of the polled word (the blocks' adds form a release sequence, so it synchronizes with them all,
+   and it costs no wait for this thread's own outstanding stores). */
+__device__ __forceinline__ void ps_acquire(const void* p, int dbg) {
+    if (dbg & PS_DBG_LDACQ) {
+        u32 v;
+        asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    } else {
+        asm volatile("fence.acq_rel.gpu;" ::: "memory");
+    }
+}
 /* Thread 0 spins (relaxed loads) until *ctr >= target, then one acquire fence: the blocks'
    release adds happen-before what follows; the caller's block barrier passes that on. (Acquire
    loads in the loop would invalidate the SM's L1 on every poll.) */
-__device__ __forceinline__ void ps_wait_ctr(const u64* ctr, u64 target) {
+__device__ __forceinline__ void ps_wait_ctr(const u64* ctr, u64 target, int dbg) {
     if (threadIdx.x == 0) {
-        while (ps_load_relaxed(ctr) < target) __nanosleep(32);
-        asm volatile("fence.acq_rel.gpu;" ::: "memory");
+        while (ps_load_relaxed(ctr) < target)
+            if (!(dbg & PS_DBG_SPIN)) __nanosleep(32);
+        ps_acquire(ctr, dbg);
     }
 }
 
@@ -380,7 +398,7 @@ __device__ __forceinline__ int ps_owner(int r, int total, int nb) {
    projection (P.rows rows, the previous phase; done flags fprev[block] == ep) hold what it reads:
    the q and k rows of key head kh, its value columns, its b and a rows. Lane j of warp 0 polls
    range j's owners (relaxed loads, then an acquire fence); the block barrier passes it on. */
-__device__ void ps_gdn_wait(const PsPhase& P, const u32* fprev, u32 ep, int h, int kh, int c0) {
+__device__ void ps_gdn_wait(const PsPhase& P, const u32* fprev, u32 ep, int h, int kh, int c0, int dbg) {
     if (threadIdx.x < 5) {
         int j = threadIdx.x, vd = P.hv * P.dv, r0, n;
         if (j == 0) r0 = kh * P.dk, n = P.dk;
@@ -393,17 +411,19 @@ __device__ void ps_gdn_wait(const PsPhase& P, const u32* fprev, u32 ep, int h, i
             for (;;) {
                 asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(fprev + b) : "memory");
                 if (v == ep) break;
-                __nanosleep(32);
+                if (!(dbg & PS_DBG_SPIN)) __nanosleep(32);
             }
+            if (dbg & PS_DBG_LDACQ) ps_acquire(fprev + b, dbg); /* each owner's own release */
         }
-        asm volatile("fence.acq_rel.gpu;" ::: "memory");
+        if (!(dbg & PS_DBG_LDACQ)) ps_acquire(fprev, dbg);
     }
     ps_cbar();
 }
 
 /* The GDN state step for this block's tasks; each waits only for its own inputs (ps_gdn_wait),
    not for the whole input projection. */
-__device__ void ps_gdn(const PsPhase& P, float* red, float* qs, float* ks, const u32* fprev, u32 ep, u32* tstart) {
+__device__ void ps_gdn(const PsPhase& P, float* red, float* qs, float* ks, const u32* fprev, u32 ep, u32* tstart,
+                       int dbg) {
     int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     int hk = P.hk, hv = P.hv, dk = P.dk, dv = P.dv;
     int parts = (dv + 31) / 32, ntask = hv * parts, rpw = dk / PS_WARPS;
@@ -421,7 +441,7 @@ __device__ void ps_gdn(const PsPhase& P, float* red, float* qs, float* ks, const
 #pragma unroll
         for (int j = 0; j < PS_GDN_RPW; j++)
             if (j < rpw && valid) sreg[j] = __ldcg(Sp + j * dv);
-        ps_gdn_wait(P, fprev, ep, h, kh, part * 32); /* the state (this head's own) is read before */
+        ps_gdn_wait(P, fprev, ep, h, kh, part * 32, dbg); /* the state (this head's own) is read before */
         if (tstart && tid == 0) *tstart = ps_now(), tstart = 0;
         float sq = 0.f, sk = 0.f, sqk = 0.f;
         for (int i = tid; i < dk; i += PS_THREADS) {
@@ -651,14 +671,14 @@ __device__ void ps_chunk(const PsPhase& P, const PsHdr& h, const unsigned char* 
    stage the gate/up's input. Returns its rr (1 without staging). Every consumer thread calls it. */
 __device__ float ps_route(const PsPhase& G, const u64* ctr, u64 target, PsShared& sm, u32* tr, int dbg, float* xs,
                           bool stage) {
-    ps_wait_ctr(ctr, target);
+    ps_wait_ctr(ctr, target, dbg);
     ps_cbar();
     if (tr && threadIdx.x == 0) tr[4] = ps_now();
     float ss = 0.f;
     if (threadIdx.x < 32) {
         route_warp(4, (const float*)G.aux[0], G.nexp, G.topk, G.renorm, 1, sm.ls, sm.chosen, sm.wsel);
         if (threadIdx.x == 0) {
-            if (dbg & 1) /* measurement only: the same experts every token */
+            if (dbg & PS_DBG_FIXED) /* measurement only: the same experts every token */
                 for (int k = 0; k < G.topk; k++) sm.chosen[k] = k;
             if (tr) tr[5] = ps_now();
             mb_arrive(&sm.route);
@@ -711,10 +731,10 @@ extern "C" __global__ void __launch_bounds__(PS_THREADS + 32, 1)
             if (tr && tid == 0) tr[3] = ps_now();
             if (tid < pwords) ((u32*)&sm.cur)[tid] = __ldg((const u32*)(phases + h.rel) + tid);
             int kind = phases[h.rel].kind;
-            if (kind != PS_GDN && h.rel > 0) ps_wait_ctr(ctr, (u64)h.rel * nb);
+            if (kind != PS_GDN && h.rel > 0) ps_wait_ctr(ctr, (u64)h.rel * nb, dbg);
             ps_cbar();
             if (kind == PS_GDN) {
-                ps_gdn(P, sm.red, sm.qs, sm.ks, flags + (h.rel - 1) * nb, sm.ep, tr);
+                ps_gdn(P, sm.red, sm.qs, sm.ks, flags + (h.rel - 1) * nb, sm.ep, tr, dbg);
             } else {
                 bool i8 = GQ_I8 && P.bits == 4;
                 if (tr && tid == 0) tr[0] = ps_now();
@@ -747,10 +767,18 @@ extern "C" __global__ void __launch_bounds__(PS_THREADS + 32, 1)
             if (tid == 0) {
                 if (trace) trace[PS_TW * (h.rel * nb + blockIdx.x) + 1] = ps_now(),
                     trace[PS_TW * (h.rel * nb + blockIdx.x) + 6] = sm.cwait, sm.cwait = 0;
-                __threadfence();
-                asm volatile("red.release.gpu.global.add.u64 [%0], 1;" ::"l"(ctr) : "memory");
-                asm volatile("st.release.gpu.global.u32 [%0], %1;" ::"l"(flags + h.rel * nb + blockIdx.x), "r"(sm.ep)
-                             : "memory");
+                u32* flag = flags + h.rel * nb + blockIdx.x;
+                if (dbg & PS_DBG_FENCES) {
+                    __threadfence();
+                    asm volatile("red.release.gpu.global.add.u64 [%0], 1;" ::"l"(ctr) : "memory");
+                    asm volatile("st.release.gpu.global.u32 [%0], %1;" ::"l"(flag), "r"(sm.ep) : "memory");
+                } else {
+                    /* one release fence, then two strong relaxed writes: each is a release
+                       pattern (one MEMBAR.GPU instead of three) */
+                    asm volatile("fence.acq_rel.gpu;" ::: "memory");
+                    asm volatile("red.relaxed.gpu.global.add.u64 [%0], 1;" ::"l"(ctr) : "memory");
+                    asm volatile("st.relaxed.gpu.global.u32 [%0], %1;" ::"l"(flag), "r"(sm.ep) : "memory");
+                }
             }
             if (h.rel + 1 < nphase && phases[h.rel + 1].kind == PS_MOE_GU) {
                 const PsPhase& G = phases[h.rel + 1];

@@ -89,7 +89,8 @@ pub(super) struct PsPlan {
     /// ns; pstep.cu lists them).
     trace: Option<DevBuf>,
     kinds: Vec<(i32, i32)>,
-    /// `LILY_PSTEP_DEBUG` (measurement only, see pstep.cu): 1 = fixed experts.
+    /// `LILY_PSTEP_DEBUG` (measurement only, the `PS_DBG_*` bits of pstep.cu): 1 fixed experts, 2 the
+    /// old three-fence phase end, 4 waits end with an acquire load, 8 polls without sleeping.
     debug: i32,
 }
 
