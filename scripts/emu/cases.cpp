@@ -377,8 +377,9 @@ static double silu_d(double v) { return v / (1 + std::exp(-v)); }
 // the consumer block, TY_BF16 (common.cuh)
 enum { PS_GEMV_ = 0, PS_MOE_DOWN_ = 3, PX_PLAIN_ = 0, PX_RMS_ = 1, PX_GATED_ = 2, PS_FIRST_ = 1, PS_LAST_ = 2, PS_WARPS_ = 16, TY_BF16_ = 2 };
 // kind 0: PX_RMS GEMV with the conv epilogue on rows below conv_c; 1: PX_GATED (hv heads of dv)
-// into a residual; 2: the MoE down of S slots (cols = inter) into a residual.
-static void pstep_case(int kind, int r0, int n, int cols, int hv = 0, int S = 0) {
+// into a residual; 2: the MoE down of S slots (cols = inter) into a residual. ll: kind 0 writes
+// its rows as LL words (PS_LL_OUT), kind 2 reads its gate/up as LL words (PS_LL_IN).
+static void pstep_case(int kind, int r0, int n, int cols, int hv = 0, int S = 0, bool ll = false) {
     const int K = 4;
     int dv = kind == 1 ? cols / hv : 0, inter = kind == 2 ? cols : 0, xw = kind == 2 ? S * cols : cols;
     std::vector<Q4> mats;
@@ -431,6 +432,12 @@ static void pstep_case(int kind, int r0, int n, int cols, int hv = 0, int S = 0)
     P.conv_c = conv_c; P.conv_k = K; P.hv = hv; P.dv = dv; P.topk = S - 1;
     P.x = (u64)x.data(); P.y = (u64)y.data(); P.normw = (u64)nw.data();
     P.aux[0] = (u64)st.data(); P.aux[1] = (u64)cw.data(); P.aux[2] = (u64)cy.data(); P.aux[3] = (u64)z.data();
+    const unsigned tag = 0x5a5a1u;
+    std::vector<unsigned long long> yl(ll ? rows : 0, 0), xl;
+    if (ll && kind == 0) P.y = (u64)yl.data(), P.otag = tag;
+    if (ll && kind == 2)
+        for (float v : x) xl.push_back((unsigned long long)tag << 32 | __float_as_uint(v));
+    const float* xin = ll && kind == 2 ? (const float*)xl.data() : x.data();
     PsHdr h{0, PS_FIRST_ | PS_LAST_, r0, n};
     std::vector<float> xs(xw + xw / 16 + 64, NAN), red(2 * PS_WARPS_ * 32), hs(256);
     emu_launch(1, 32 * PS_WARPS_, [&] {
@@ -438,14 +445,17 @@ static void pstep_case(int kind, int r0, int n, int cols, int hv = 0, int S = 0)
         float r = 1.f;
         if (kind == 0) r = ps_stage_x(x.data(), nw.data(), cols, (float)eps, xs.data(), xsum, red.data(), GQ_I8);
         else if (kind == 1) ps_stage_gated(x.data(), z.data(), nw.data(), hv, dv, (float)eps, xs.data(), xsum, hs.data(), GQ_I8);
-        else ps_stage_moe(x.data(), wsel.data(), S, inter, xs.data(), xsum, GQ_I8);
+        else ps_stage_moe(xin, ll ? tag : 0u, wsel.data(), S, inter, xs.data(), xsum, GQ_I8);
         ps_chunk(P, h, slot.data(), r, xs.data(), xsum);
     });
     std::vector<float> got(y.begin() + r0, y.end());
+    if (ll && kind == 0)
+        for (int r = r0; r < rows; r++) // a word without the phase's tag fails as NaN
+            got[r - r0] = (unsigned)(yl[r] >> 32) == tag ? __uint_as_float((unsigned)yl[r]) : NAN;
     for (int r = r0; r < conv_c; r++) { got.push_back(cy[r]); for (int t = 0; t < K - 1; t++) got.push_back(st[t * conv_c + r]); }
     want.insert(want.end(), want_conv.begin(), want_conv.end());
     const char* names[] = {"PX_RMS + conv", "PX_GATED", "MoE down"};
-    char b[128]; snprintf(b, sizeof b, "pstep chunk %s: rows %d..%d of %d cols", names[kind], r0, rows, cols); report(b, nmse(got.data(), want));
+    char b[128]; snprintf(b, sizeof b, "pstep chunk %s%s: rows %d..%d of %d cols", names[kind], ll ? " (LL)" : "", r0, rows, cols); report(b, nmse(got.data(), want));
 }
 // pstep's GDN tasks wait for the blocks whose shares hold their rows: ps_owner must invert
 // ps_share (row r's owner b has lo(b) <= r < hi(b)) for every row, blocks with empty shares too.
@@ -504,6 +514,8 @@ int main() {
     pstep_case(1, 3, 37, 1024, 8);
     pstep_case(2, 5, 37, 128, 0, 9);
     ps_owner_case();
+    pstep_case(0, 7, 45, 2048, 0, 0, true);
+    pstep_case(2, 5, 37, 128, 0, 9, true);
     printf("%s: %d failures\n", VARIANT, fails);
     return fails != 0;
 }

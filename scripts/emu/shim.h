@@ -142,3 +142,10 @@ inline unsigned __reduce_add_sync(unsigned, unsigned v) {
 }
 /* pstep.cu: the consumer warps' named barrier (the emulated block is the consumers) */
 inline void ps_cbar() { __syncthreads(); }
+/* pstep.cu's LL words (float | tag << 32): plain accesses here (the cases write before they read) */
+inline void ps_ll_store(float* y, int i, float v, unsigned tag) {
+    ((unsigned long long*)y)[i] = (unsigned long long)tag << 32 | __float_as_uint(v);
+}
+inline void ps_ll_load8(const unsigned long long* p, unsigned, float (&v)[8]) {
+    for (int j = 0; j < 8; j++) v[j] = __uint_as_float((unsigned)p[j]);
+}

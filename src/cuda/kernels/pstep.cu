@@ -68,6 +68,11 @@
 #define PX_RMS 1
 #define PX_GATED 2
 
+#define PS_LL_OUT 1 /* y is written as LL words */
+#define PS_LL_IN 2  /* the input is the previous phase's LL words: polled, no counter wait */
+
+#define PS_OTAG_WORD 20 /* PsPhase's otag in u32 words (pstep.rs asserts the offset) */
+
 #define PS_FIRST 1
 #define PS_LAST 2
 #define PS_END 4
@@ -85,6 +90,8 @@ struct PsPhase {
     float eps;
     int bits;   /* 4 or 8 */
     int same_x; /* the input is the previous phase's, unchanged: a block that staged it keeps it */
+    int ll;     /* PS_LL_OUT | PS_LL_IN */
+    u32 otag;   /* 0 in the table; in sm.cur, the tag of this phase's LL outputs (word PS_OTAG_WORD) */
     u64 w, s, b; /* codes, scales, biases */
     u64 x, y;
     u64 normw;
@@ -145,6 +152,47 @@ __device__ __forceinline__ void ps_acquire(const void* p, int dbg) {
         asm volatile("fence.acq_rel.gpu;" ::: "memory");
     }
 }
+/* LL words (NCCL's "low latency" protocol): a float and its writer's tag in one 8-byte word,
+   written and read whole (single-copy atomic), so a reader polls the data itself: no fence behind
+   the writes, no counter between. Tag of phase rel of launch ep: ep << 10 | rel (never 0; the
+   host keeps a launch under 1024 phases; a word is only ever compared against the tag of its
+   next write, so the wrap after 2^22 launches is harmless). */
+__device__ __forceinline__ u32 ps_tag(u32 ep, int rel) { return ep << 10 | (u32)rel; }
+__device__ __forceinline__ void ps_ll_store(float* y, int i, float v, u32 tag) {
+    asm volatile("st.relaxed.gpu.global.u64 [%0], %1;" ::"l"((u64*)y + i), "l"((u64)tag << 32 | __float_as_uint(v)) : "memory");
+}
+__device__ __forceinline__ void ps_ll_ld2(const u64* p, u64& a, u64& b) {
+    asm volatile("ld.relaxed.gpu.global.v2.u64 {%0, %1}, [%2];" : "=l"(a), "=l"(b) : "l"(p) : "memory");
+}
+/* 8 floats from the LL words p[0..8) (16-byte aligned) once each carries `tag`. */
+__device__ __forceinline__ void ps_ll_load8(const u64* p, u32 tag, float (&v)[8]) {
+    u64 w[8];
+    for (;;) {
+        bool ok = true;
+#pragma unroll
+        for (int j = 0; j < 4; j++) ps_ll_ld2(p + 2 * j, w[2 * j], w[2 * j + 1]);
+#pragma unroll
+        for (int j = 0; j < 8; j++) ok &= (u32)(w[j] >> 32) == tag;
+        if (ok) break;
+        __nanosleep(32);
+    }
+#pragma unroll
+    for (int j = 0; j < 8; j++) v[j] = __uint_as_float((u32)w[j]);
+}
+/* The n floats of the LL words p[0..n) into ls once each carries `tag`, one word per consumer
+   thread at a time; visible to the consumers after their next barrier. */
+__device__ void ps_ll_block(const u64* p, int n, u32 tag, float* ls) {
+    for (int i = threadIdx.x; i < n; i += PS_THREADS) {
+        u64 w;
+        for (;;) {
+            asm volatile("ld.relaxed.gpu.global.u64 %0, [%1];" : "=l"(w) : "l"(p + i) : "memory");
+            if ((u32)(w >> 32) == tag) break;
+            __nanosleep(32);
+        }
+        ls[i] = __uint_as_float((u32)w);
+    }
+}
+
 /* Thread 0 spins (relaxed loads) until *ctr >= target, then one acquire fence: the blocks'
    release adds happen-before what follows; the caller's block barrier passes that on. (Acquire
    loads in the loop would invalidate the SM's L1 on every poll.) */
@@ -292,13 +340,30 @@ __device__ void ps_stage_gated(const float* o, const float* z, const float* norm
     ps_cbar();
 }
 
-/* MoE down input: slot k's w_k silu(g_k) u_k back to back (gu [S][2][inter]; i8: as int8 parts). */
-__device__ void ps_stage_moe(const float* gu, const float* wsel, int S, int inter, float* xs, float* xsum, bool i8) {
+/* 8 values of slot k's w_k silu(g_k) u_k from column c0: from floats, or (tag != 0) from LL words
+   once the gate/up phase wrote them. */
+__device__ __forceinline__ void ps_swiglu8(const float* gu, u32 tag, int k, int inter, int c0, float wt,
+                                          float (&v)[8]) {
+    if (!tag) {
+        swiglu_item8(gu, k, inter, c0, wt, v);
+        return;
+    }
+    float g[8], u[8];
+    ps_ll_load8((const u64*)gu + (long long)(2 * k) * inter + c0, tag, g);
+    ps_ll_load8((const u64*)gu + (long long)(2 * k + 1) * inter + c0, tag, u);
+#pragma unroll
+    for (int j = 0; j < 8; j++) v[j] = wt * (silu_f(g[j]) * u[j]);
+}
+
+/* MoE down input: slot k's w_k silu(g_k) u_k back to back (gu [S][2][inter], floats or, tag != 0,
+   LL words; i8: as int8 parts). */
+__device__ void ps_stage_moe(const float* gu, u32 tag, const float* wsel, int S, int inter, float* xs, float* xsum,
+                             bool i8) {
     int per = inter / 32, nch = S * per;
     if (i8) {
         i8_stage<false>(nch, xs, threadIdx.x, PS_THREADS, [&](int c, int w, float (&v)[8]) {
             int k = c / per;
-            swiglu_item8(gu, k, inter, (c - k * per) * 32 + 8 * w, wsel[k], v);
+            ps_swiglu8(gu, tag, k, inter, (c - k * per) * 32 + 8 * w, wsel[k], v);
             return 0.f;
         });
         ps_cbar();
@@ -306,16 +371,16 @@ __device__ void ps_stage_moe(const float* gu, const float* wsel, int S, int inte
     }
     for (int ch = threadIdx.x; ch < nch; ch += PS_THREADS) {
         int k = ch / per, c0 = (ch - k * per) * 32;
-        const float4* g4 = (const float4*)(gu + (long long)(2 * k) * inter + c0);
-        const float4* u4 = (const float4*)(gu + (long long)(2 * k + 1) * inter + c0);
-        float w = wsel[k], sum[2] = {0.f, 0.f};
+        float sum[2] = {0.f, 0.f};
 #pragma unroll
-        for (int j = 0; j < 8; j++) {
-            float4 g = __ldcg(g4 + j), u = __ldcg(u4 + j);
-            float4 h = make_float4(w * (silu_f(g.x) * u.x), w * (silu_f(g.y) * u.y), w * (silu_f(g.z) * u.z),
-                                   w * (silu_f(g.w) * u.w));
-            ((float4*)xs)[xswz(ch * 8 + j)] = h;
-            sum[j >> 2] += (h.x + h.y) + (h.z + h.w);
+        for (int j = 0; j < 4; j++) {
+            float v[8];
+            ps_swiglu8(gu, tag, k, inter, c0 + 8 * j, wsel[k], v);
+            float4 h0 = make_float4(v[0], v[1], v[2], v[3]), h1 = make_float4(v[4], v[5], v[6], v[7]);
+            ((float4*)xs)[xswz(ch * 8 + 2 * j)] = h0;
+            ((float4*)xs)[xswz(ch * 8 + 2 * j + 1)] = h1;
+            sum[j >> 1] += (h0.x + h0.y) + (h0.z + h0.w); /* per 16 columns, as before */
+            sum[j >> 1] += (h1.x + h1.y) + (h1.z + h1.w);
         }
         xsum[2 * ch] = sum[0];
         xsum[2 * ch + 1] = sum[1];
@@ -607,7 +672,11 @@ __device__ __forceinline__ void ps_row_out(const PsPhase& P, int row, float acc,
     int lane = threadIdx.x & 31;
     float* y = (float*)P.y;
     float pv = __shfl_sync(0xffffffffu, prev, jj << 2);
-    if (lane == 0) y[row] = P.accumulate && P.kind != PS_MOE_GU ? pv + acc : acc;
+    if (lane == 0) {
+        float v = P.accumulate && P.kind != PS_MOE_GU ? pv + acc : acc;
+        if (P.otag) ps_ll_store(y, row, v, P.otag);
+        else y[row] = v;
+    }
     if (P.conv_c > row) {
         int K = P.conv_k;
         float w = __shfl_sync(0xffffffffu, cw, (jj << 2) + (lane & 3));
@@ -668,15 +737,21 @@ __device__ void ps_chunk(const PsPhase& P, const PsHdr& h, const unsigned char* 
    the logits (route_warp's redux2 form, moe.cu: the graph's picks and weights) and completes
    sm.route, on which the producer issues the experts' copies; meanwhile, when `stage` (a 4-bit
    gate/up in the int8 build, whose input differs from the 8-bit router's staging), warps 1-15
-   stage the gate/up's input. Returns its rr (1 without staging). Every consumer thread calls it. */
-__device__ float ps_route(const PsPhase& G, const u64* ctr, u64 target, PsShared& sm, u32* tr, int dbg, float* xs,
-                          bool stage) {
-    ps_wait_ctr(ctr, target, dbg);
+   stage the gate/up's input. Returns its rr (1 without staging). Every consumer thread calls it.
+   tag != 0 (PS_LL_IN): the logits are LL words, which the consumers poll instead of the counter. */
+__device__ float ps_route(const PsPhase& G, const u64* ctr, u64 target, u32 tag, PsShared& sm, u32* tr, int dbg,
+                          float* xs, bool stage) {
+    if (tag) ps_ll_block((const u64*)G.aux[0], G.nexp + 1, tag, sm.ls);
+    else ps_wait_ctr(ctr, target, dbg);
     ps_cbar();
     if (tr && threadIdx.x == 0) tr[4] = ps_now();
     float ss = 0.f;
     if (threadIdx.x < 32) {
-        route_warp(4, (const float*)G.aux[0], G.nexp, G.topk, G.renorm, 1, sm.ls, sm.chosen, sm.wsel);
+        if (tag) { /* the host allows it for E <= 512 (route_warp_smem's limit) */
+            route_warp_smem(4, sm.ls, G.nexp, G.topk, G.renorm, sm.chosen, sm.wsel);
+        } else {
+            route_warp(4, (const float*)G.aux[0], G.nexp, G.topk, G.renorm, 1, sm.ls, sm.chosen, sm.wsel);
+        }
         if (threadIdx.x == 0) {
             if (dbg & PS_DBG_FIXED) /* measurement only: the same experts every token */
                 for (int k = 0; k < G.topk; k++) sm.chosen[k] = k;
@@ -729,9 +804,13 @@ extern "C" __global__ void __launch_bounds__(PS_THREADS + 32, 1)
         if (h.flags & PS_FIRST) {
             u32* tr = trace ? trace + PS_TW * (h.rel * nb + blockIdx.x) : 0;
             if (tr && tid == 0) tr[3] = ps_now();
-            if (tid < pwords) ((u32*)&sm.cur)[tid] = __ldg((const u32*)(phases + h.rel) + tid);
+            if (tid < pwords) {
+                u32 v = __ldg((const u32*)(phases + h.rel) + tid);
+                if (tid == PS_OTAG_WORD) v = phases[h.rel].ll & PS_LL_OUT ? ps_tag(sm.ep, h.rel) : 0u;
+                ((u32*)&sm.cur)[tid] = v;
+            }
             int kind = phases[h.rel].kind;
-            if (kind != PS_GDN && h.rel > 0) ps_wait_ctr(ctr, (u64)h.rel * nb, dbg);
+            if (kind != PS_GDN && h.rel > 0 && !(phases[h.rel].ll & PS_LL_IN)) ps_wait_ctr(ctr, (u64)h.rel * nb, dbg);
             ps_cbar();
             if (kind == PS_GDN) {
                 ps_gdn(P, sm.red, sm.qs, sm.ks, flags + (h.rel - 1) * nb, sm.ep, tr, dbg);
@@ -745,7 +824,9 @@ extern "C" __global__ void __launch_bounds__(PS_THREADS + 32, 1)
                 } else if (h.n > 0) {
                     staged = h.rel;
                     if (P.kind == PS_MOE_DOWN)
-                        ps_stage_moe((const float*)P.x, sm.wsel, P.topk + 1, P.cols, xs, xsum, i8), rr = 1.f;
+                        ps_stage_moe((const float*)P.x, P.ll & PS_LL_IN ? ps_tag(sm.ep, h.rel - 1) : 0u, sm.wsel,
+                                     P.topk + 1, P.cols, xs, xsum, i8),
+                            rr = 1.f;
                     else if (P.xf == PX_GATED)
                         ps_stage_gated((const float*)P.x, (const float*)P.aux[3], (const float*)P.normw, P.hv, P.dv,
                                        P.eps, xs, xsum, sm.hs, i8),
@@ -774,8 +855,10 @@ extern "C" __global__ void __launch_bounds__(PS_THREADS + 32, 1)
                     asm volatile("st.release.gpu.global.u32 [%0], %1;" ::"l"(flag), "r"(sm.ep) : "memory");
                 } else {
                     /* one release fence, then two strong relaxed writes: each is a release
-                       pattern (one MEMBAR.GPU instead of three) */
-                    asm volatile("fence.acq_rel.gpu;" ::: "memory");
+                       pattern (one MEMBAR.GPU instead of three). A phase of LL outputs needs
+                       none: its readers poll the words, and the next fenced phase end of this
+                       block releases them to the counter's later waiters. */
+                    if (!(P.ll & PS_LL_OUT)) asm volatile("fence.acq_rel.gpu;" ::: "memory");
                     asm volatile("red.relaxed.gpu.global.add.u64 [%0], 1;" ::"l"(ctr) : "memory");
                     asm volatile("st.relaxed.gpu.global.u32 [%0], %1;" ::"l"(flag), "r"(sm.ep) : "memory");
                 }
@@ -783,7 +866,7 @@ extern "C" __global__ void __launch_bounds__(PS_THREADS + 32, 1)
             if (h.rel + 1 < nphase && phases[h.rel + 1].kind == PS_MOE_GU) {
                 const PsPhase& G = phases[h.rel + 1];
                 bool st = GQ_I8 && G.bits == 4;
-                float r = ps_route(G, ctr, (u64)(h.rel + 1) * nb, sm,
+                float r = ps_route(G, ctr, (u64)(h.rel + 1) * nb, G.ll & PS_LL_IN ? ps_tag(sm.ep, h.rel) : 0u, sm,
                                    trace ? trace + PS_TW * ((h.rel + 1) * nb + blockIdx.x) : 0, dbg, xs, st);
                 if (st) staged = h.rel + 1, rr = r;
             }

@@ -22,6 +22,8 @@ const PS_MOE_DOWN: i32 = 3;
 const PX_PLAIN: i32 = 0;
 const PX_RMS: i32 = 1;
 const PX_GATED: i32 = 2;
+const PS_LL_OUT: i32 = 1;
+const PS_LL_IN: i32 = 2;
 /// Consumer warps + the producer warp.
 const THREADS: u32 = 16 * 32 + 32;
 /// `sizeof(PsShared)` in pstep.cu, rounded up to 128.
@@ -54,6 +56,11 @@ struct PsPhase {
     /// 1: the input is the previous phase's (same x, norm, and x unchanged since): a block that
     /// staged it for the previous phase keeps that staging.
     same_x: i32,
+    /// `PS_LL_OUT`: y is written as LL words (float | tag << 32); `PS_LL_IN`: the input is the
+    /// previous phase's LL words, polled instead of the phase counter.
+    ll: i32,
+    /// 0 here; the kernel's copy of the phase holds its LL tag.
+    otag: u32,
     w: u64,
     s: u64,
     b: u64,
@@ -64,6 +71,7 @@ struct PsPhase {
 }
 
 const PHASE_BYTES: usize = std::mem::size_of::<PsPhase>();
+const _: () = assert!(std::mem::offset_of!(PsPhase, otag) == 4 * 20, "PS_OTAG_WORD in pstep.cu");
 
 /// One launch: phases `first..first + count`, then the attention of layer `attn` (if any).
 struct Seg {
@@ -89,6 +97,9 @@ pub(super) struct PsPlan {
     /// ns; pstep.cu lists them).
     trace: Option<DevBuf>,
     kinds: Vec<(i32, i32)>,
+    /// LL words of the router's logits and of the experts' gate/up (`LILY_PSTEP_LL=1`), kept
+    /// alive for the table's pointers.
+    _ll: Option<(DevBuf, DevBuf, usize)>,
     /// `LILY_PSTEP_DEBUG` (measurement only, the `PS_DBG_*` bits of pstep.cu): 1 fixed experts, 2 the
     /// old three-fence phase end, 4 waits end with an acquire load, 8 polls without sleeping.
     debug: i32,
@@ -163,6 +174,19 @@ impl PsPlan {
             bail!("conv kernel of {taps} taps (the step takes 1 to 4)");
         }
         let f32p = |b: &DevBuf, off: usize| b.ptr + 4 * off as u64;
+        // LL words for the MoE's chain (router → gate/up → down): each phase polls its input's
+        // words instead of the phase counter (route_warp_smem takes up to 512 experts)
+        let ll = match std::env::var("LILY_PSTEP_LL").as_deref() {
+            Ok("1") if e <= 512 => {
+                let inter = m.layers.iter().find_map(|l| match &l.ffn {
+                    GFfn::Moe { experts, .. } => Some(experts.gate_up.rows),
+                    _ => None,
+                });
+                let inter = inter.unwrap_or(0);
+                Some((g.zeros(8 * (e + 1))?, g.zeros(8 * (k + 1) * 2 * inter)?, inter))
+            }
+            _ => None,
+        };
         let mut phases: Vec<PsPhase> = Vec::new();
         let mut segs = Vec::new();
         let mut first = 0;
@@ -222,17 +246,25 @@ impl PsPlan {
                     if r.rows * r.count != e + 1 || gu.cols != h || dn.rows != h || dn.cols != gu.rows {
                         bail!("layer {li}: MoE shapes do not match the config");
                     }
-                    phases.push(gemv(r, PX_RMS, s.x.ptr, pnorm, eps, s.router.ptr, false));
-                    let mut p = gemv(gu, PX_RMS, s.x.ptr, pnorm, eps, s.egu.ptr, false);
+                    if ll.as_ref().is_some_and(|l| l.2 != gu.rows) {
+                        bail!("layer {li}: expert widths differ across layers");
+                    }
+                    let (logits, egu) = ll.as_ref().map_or((s.router.ptr, s.egu.ptr), |(a, b, _)| (a.ptr, b.ptr));
+                    let mut p = gemv(r, PX_RMS, s.x.ptr, pnorm, eps, logits, false);
+                    p.ll = if ll.is_some() { PS_LL_OUT } else { 0 };
+                    phases.push(p);
+                    let mut p = gemv(gu, PX_RMS, s.x.ptr, pnorm, eps, egu, false);
+                    p.ll = if ll.is_some() { PS_LL_OUT | PS_LL_IN } else { 0 };
                     (p.kind, p.rows, p.nexp, p.topk, p.renorm, p.same_x) =
                         (PS_MOE_GU, gu.rows as i32, e as i32, k as i32, c.norm_topk_prob as i32, 1);
-                    p.aux[0] = s.router.ptr;
+                    p.aux[0] = logits;
                     // the router's staging serves the gate/up where both stage alike: the same
                     // format, or the float build (the int8 build stages 4-bit inputs as int8 parts)
                     p.same_x = (r.bits == gu.bits || !crate::cuda::gemv_i8()) as i32;
                     phases.push(p);
-                    let mut p = gemv(dn, PX_PLAIN, s.egu.ptr, 0, eps, s.x.ptr, true);
+                    let mut p = gemv(dn, PX_PLAIN, egu, 0, eps, s.x.ptr, true);
                     (p.kind, p.rows, p.topk) = (PS_MOE_DOWN, dn.rows as i32, k as i32);
+                    p.ll = if ll.is_some() { PS_LL_IN } else { 0 };
                     phases.push(p);
                     mats.extend([r, gu]);
                     if !takes(dn) {
@@ -254,6 +286,10 @@ impl PsPlan {
         // (pstep.cu, ps_route): an expert phase cannot open a launch.
         if segs.iter().any(|sg| sg.count > 0 && phases[sg.first].kind == PS_MOE_GU) {
             bail!("an expert phase opens a launch");
+        }
+        // an LL tag holds a phase's index in its launch in 10 bits (pstep.cu, ps_tag)
+        if segs.iter().any(|sg| sg.count >= 1024) {
+            bail!("a launch of over 1,023 phases");
         }
         for w in &mats {
             if !takes(w) {
@@ -292,7 +328,7 @@ impl PsPlan {
         };
         let kinds = phases.iter().map(|p| (p.kind, p.rows)).collect();
         let debug = std::env::var("LILY_PSTEP_DEBUG").ok().and_then(|v| v.parse().ok()).unwrap_or(0);
-        Ok(PsPlan { table, segs, ctr, flags, slot, slots, xmax, smem, lm_head, trace, kinds, debug })
+        Ok(PsPlan { table, segs, ctr, flags, slot, slots, xmax, smem, lm_head, trace, kinds, _ll: ll, debug })
     }
 
     fn launch(&self, g: &Gpu, first: usize, count: usize) -> Result<()> {
