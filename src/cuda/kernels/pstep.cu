@@ -34,9 +34,12 @@
  *   Consumers take slots in order. A block finishing its share of phase i adds 1 to one u64
  *   counter and sets its done flag flags[i][block] = this launch's number ep (ctr[2] + 1), both
  *   behind one release fence. A phase that reads a whole vector (every GEMV: its input, its norm)
- *   waits, before its first chunk, for counter >= i * nblocks (acquire). A GDN state task waits instead only for
- *   the flags of the blocks whose input-projection shares hold its rows (ps_gdn_wait: q and k of
- *   its key head, its value columns, its b and a): a per-tile dependency, not a phase barrier.
+ *   waits, before its first chunk, for counter >= i * nblocks (acquire). A GDN state task waits
+ *   instead only for the flags of the blocks whose input-projection shares hold its rows
+ *   (ps_gdn_wait: q and k of its key head, its value columns, its b and a): a per-tile
+ *   dependency, not a phase barrier. With LILY_PSTEP_LL=1 the MoE's router logits and gate/up
+ *   are LL words (PS_LL_OUT, ps_ll_store) that the next phase polls word by word (PS_LL_IN): no
+ *   counter wait, and no fence at the end of the writing phase.
  *   The counter test stays exact: a block signals its phases in order and phase i (a counter
  *   phase) only after passing its wait, so until some block passes it every block has signalled
  *   at most phases 0 .. i - 1, and the counter reaching i * nblocks means each one has signalled
@@ -159,7 +162,8 @@ __device__ __forceinline__ void ps_acquire(const void* p, int dbg) {
    next write, so the wrap after 2^22 launches is harmless). */
 __device__ __forceinline__ u32 ps_tag(u32 ep, int rel) { return ep << 10 | (u32)rel; }
 __device__ __forceinline__ void ps_ll_store(float* y, int i, float v, u32 tag) {
-    asm volatile("st.relaxed.gpu.global.u64 [%0], %1;" ::"l"((u64*)y + i), "l"((u64)tag << 32 | __float_as_uint(v)) : "memory");
+    u64 w = (u64)tag << 32 | __float_as_uint(v);
+    asm volatile("st.relaxed.gpu.global.u64 [%0], %1;" ::"l"((u64*)y + i), "l"(w) : "memory");
 }
 __device__ __forceinline__ void ps_ll_ld2(const u64* p, u64& a, u64& b) {
     asm volatile("ld.relaxed.gpu.global.v2.u64 {%0, %1}, [%2];" : "=l"(a), "=l"(b) : "l"(p) : "memory");
