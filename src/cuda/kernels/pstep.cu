@@ -37,7 +37,7 @@
  *   waits, before its first chunk, for counter >= i * nblocks (acquire). A GDN state task waits
  *   instead only for the flags of the blocks whose input-projection shares hold its rows
  *   (ps_gdn_wait: q and k of its key head, its value columns, its b and a): a per-tile
- *   dependency, not a phase barrier. With LILY_PSTEP_LL=1 the MoE's router logits and gate/up
+ *   dependency, not a phase barrier. The MoE's router logits and gate/up (unless LILY_PSTEP_LL=0)
  *   are LL words (PS_LL_OUT, ps_ll_store) that the next phase polls word by word (PS_LL_IN): no
  *   counter wait, and no fence at the end of the writing phase.
  *   The counter test stays exact: a block signals its phases in order and phase i (a counter
