@@ -3,7 +3,7 @@
 //! (gemm_skinny, flash-attention prefill, tensor-core decode attention) with its shared memory.
 
 /// Every kernel source, in compile order (the prelude first). One NVRTC program, one module.
-pub const SOURCES: [(&str, &str); 26] = [
+pub const SOURCES: [(&str, &str); 27] = [
     ("common.cuh", include_str!("kernels/common.cuh")),
     ("norm.cu", include_str!("kernels/norm.cu")),
     ("linear.cu", include_str!("kernels/linear.cu")),
@@ -30,6 +30,7 @@ pub const SOURCES: [(&str, &str); 26] = [
     ("gdn_fused_cl.cu", include_str!("kernels/gdn_fused_cl.cu")),
     ("sampling.cu", include_str!("kernels/sampling.cu")),
     ("pstep.cu", include_str!("kernels/pstep.cu")),
+    ("pstep_run.cu", include_str!("kernels/pstep_run.cu")),
 ];
 
 /// Kernel entry points loaded from the module that are launched plainly; with [`PDL_KERNELS`] and

@@ -2,6 +2,8 @@
  * pstep.cu: the persistent decode step (batch 1, MLX 4/8-bit weights): one resident block per SM
  * walks a table of phases built once per session (src/cuda/pstep.rs writes the same PsPhase
  * layout), so the step's weights stream into shared memory ahead of the activations they meet.
+ * This file: the table's layout, the synchronization helpers, the input staging and the GDN
+ * state task; pstep_run.cu: the producer, the consumers' chunks, the router and the kernel.
  *
  * Phases (every dimension from the table):
  *   PS_GEMV      y[r] (+)= rr * sum_c W[r, c] xw[c] for the block's rows; the input transform xf:
@@ -37,9 +39,12 @@
  *   waits, before its first chunk, for counter >= i * nblocks (acquire). A GDN state task waits
  *   instead only for the flags of the blocks whose input-projection shares hold its rows
  *   (ps_gdn_wait: q and k of its key head, its value columns, its b and a): a per-tile
- *   dependency, not a phase barrier. The MoE's router logits and gate/up (unless LILY_PSTEP_LL=0)
- *   are LL words (PS_LL_OUT, ps_ll_store) that the next phase polls word by word (PS_LL_IN): no
- *   counter wait, and no fence at the end of the writing phase.
+ *   dependency, not a phase barrier. The MoE's router logits and gate/up, the GDN state's o and
+ *   the input projection's z (PS_LL_Z; LILY_PSTEP_LL) are LL words (PS_LL_OUT, ps_ll_store) that
+ *   the gate/up, the down and the out-projection poll word by word (PS_LL_IN): no counter wait,
+ *   and no fence at the end of a phase whose outputs are all LL words. A buffer of LL words is
+ *   rewritten only by a later layer's phase, which passed a counter wait after every block
+ *   finished reading it.
  *   The counter test stays exact: a block signals its phases in order and phase i (a counter
  *   phase) only after passing its wait, so until some block passes it every block has signalled
  *   at most phases 0 .. i - 1, and the counter reaching i * nblocks means each one has signalled
@@ -72,7 +77,10 @@
 #define PX_GATED 2
 
 #define PS_LL_OUT 1 /* y is written as LL words */
-#define PS_LL_IN 2  /* the input is the previous phase's LL words: polled, no counter wait */
+#define PS_LL_IN 2  /* the input is the previous phase's LL words: polled, no counter wait (PX_GATED:
+                       o of the previous phase and z of the one before) */
+#define PS_LL_Z 4   /* (a GDN input projection) rows conv_c .. conv_c + hv*dv, the gate z, also go
+                       to aux[5] as LL words */
 
 #define PS_OTAG_WORD 20 /* PsPhase's otag in u32 words (pstep.rs asserts the offset) */
 
@@ -93,7 +101,7 @@ struct PsPhase {
     float eps;
     int bits;   /* 4 or 8 */
     int same_x; /* the input is the previous phase's, unchanged: a block that staged it keeps it */
-    int ll;     /* PS_LL_OUT | PS_LL_IN */
+    int ll;     /* PS_LL_OUT | PS_LL_IN | PS_LL_Z */
     u32 otag;   /* 0 in the table; in sm.cur, the tag of this phase's LL outputs (word PS_OTAG_WORD) */
     u64 w, s, b; /* codes, scales, biases */
     u64 x, y;
@@ -165,16 +173,17 @@ __device__ __forceinline__ void ps_ll_store(float* y, int i, float v, u32 tag) {
     u64 w = (u64)tag << 32 | __float_as_uint(v);
     asm volatile("st.relaxed.gpu.global.u64 [%0], %1;" ::"l"((u64*)y + i), "l"(w) : "memory");
 }
-__device__ __forceinline__ void ps_ll_ld2(const u64* p, u64& a, u64& b) {
-    asm volatile("ld.relaxed.gpu.global.v2.u64 {%0, %1}, [%2];" : "=l"(a), "=l"(b) : "l"(p) : "memory");
-}
 /* 8 floats from the LL words p[0..8) (16-byte aligned) once each carries `tag`. */
 __device__ __forceinline__ void ps_ll_load8(const u64* p, u32 tag, float (&v)[8]) {
     u64 w[8];
     for (;;) {
         bool ok = true;
 #pragma unroll
-        for (int j = 0; j < 4; j++) ps_ll_ld2(p + 2 * j, w[2 * j], w[2 * j + 1]);
+        for (int j = 0; j < 4; j++)
+            asm volatile("ld.relaxed.gpu.global.v2.u64 {%0, %1}, [%2];"
+                         : "=l"(w[2 * j]), "=l"(w[2 * j + 1])
+                         : "l"(p + 2 * j)
+                         : "memory");
 #pragma unroll
         for (int j = 0; j < 8; j++) ok &= (u32)(w[j] >> 32) == tag;
         if (ok) break;
@@ -183,18 +192,33 @@ __device__ __forceinline__ void ps_ll_load8(const u64* p, u32 tag, float (&v)[8]
 #pragma unroll
     for (int j = 0; j < 8; j++) v[j] = __uint_as_float((u32)w[j]);
 }
+/* The float of the LL word *p once it carries `tag`. */
+__device__ __forceinline__ float ps_ll_load1(const u64* p, u32 tag) {
+    u64 w;
+    for (;;) {
+        asm volatile("ld.relaxed.gpu.global.u64 %0, [%1];" : "=l"(w) : "l"(p) : "memory");
+        if ((u32)(w >> 32) == tag) break;
+        __nanosleep(32);
+    }
+    return __uint_as_float((u32)w);
+}
+/* Element i of an input vector: floats read through L2, or (tag != 0) LL words. */
+__device__ __forceinline__ float ps_in1(const float* p, long long i, u32 tag) {
+    return tag ? ps_ll_load1((const u64*)p + i, tag) : __ldcg(p + i);
+}
+/* Elements i .. i + 7 (i a multiple of 8) likewise. */
+__device__ __forceinline__ void ps_in8(const float* p, long long i, u32 tag, float (&v)[8]) {
+    if (tag) {
+        ps_ll_load8((const u64*)p + i, tag, v);
+        return;
+    }
+    float4 a = __ldcg((const float4*)(p + i)), b = __ldcg((const float4*)(p + i) + 1);
+    v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
+}
 /* The n floats of the LL words p[0..n) into ls once each carries `tag`, one word per consumer
    thread at a time; visible to the consumers after their next barrier. */
 __device__ void ps_ll_block(const u64* p, int n, u32 tag, float* ls) {
-    for (int i = threadIdx.x; i < n; i += PS_THREADS) {
-        u64 w;
-        for (;;) {
-            asm volatile("ld.relaxed.gpu.global.u64 %0, [%1];" : "=l"(w) : "l"(p + i) : "memory");
-            if ((u32)(w >> 32) == tag) break;
-            __nanosleep(32);
-        }
-        ls[i] = __uint_as_float((u32)w);
-    }
+    for (int i = threadIdx.x; i < n; i += PS_THREADS) ls[i] = ps_ll_load1(p + i, tag);
 }
 
 /* Thread 0 spins (relaxed loads) until *ctr >= target, then one acquire fence: the blocks'
@@ -282,12 +306,13 @@ __device__ float ps_stage_x(const float* x, const float* normw, int n, float eps
     return ps_rms(ss, n, eps, red);
 }
 
-/* PX_GATED: o [hv*dv] normalized per head, times normw[c % dv] and silu(z[c]). i8 (the int8
-   build; dv / 8 divides 32, which the host checks): one L2 round, not two: staging item (chunk c,
-   word w) = 8 values is lane it % 32's, so a head's dv / 8 items sit in adjacent lanes of one
-   warp, which add their o^2 by shuffles before quantizing; no block barrier in between. */
-__device__ void ps_stage_gated(const float* o, const float* z, const float* normw, int hv, int dv, float eps,
-                               float* xs, float* xsum, float* hs, bool i8) {
+/* PX_GATED: o [hv*dv] normalized per head, times normw[c % dv] and silu(z[c]); o and z floats,
+   or LL words of tags to / tz (PS_LL_IN). i8 (the int8 build; dv / 8 divides 32, which the host
+   checks): one L2 round, not two: staging item (chunk c, word w) = 8 values is lane it % 32's,
+   so a head's dv / 8 items sit in adjacent lanes of one warp, which add their o^2 by shuffles
+   before quantizing; no block barrier in between. */
+__device__ void ps_stage_gated(const float* o, const float* z, u32 to, u32 tz, const float* normw, int hv, int dv,
+                               float eps, float* xs, float* xsum, float* hs, bool i8) {
     int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     if (i8) {
         int items = hv * dv / 8, lph = dv / 8;
@@ -296,12 +321,11 @@ __device__ void ps_stage_gated(const float* o, const float* z, const float* norm
             int c = it >> 2, w = it & 3, c0 = 32 * c + 8 * w;
             float p[8], ss = 0.f; /* o * normw * silu(z), the head's norm applied after the sum */
             if (act) {
-                const float4 *o4 = (const float4*)(o + c0), *z4 = (const float4*)(z + c0);
                 const float4* n4 = (const float4*)(normw + c0 % dv);
-                float4 a0 = __ldcg(o4), a1 = __ldcg(o4 + 1), g0 = __ldcg(z4), g1 = __ldcg(z4 + 1);
+                float a[8], g[8];
+                ps_in8(o, c0, to, a);
+                ps_in8(z, c0, tz, g);
                 float4 n0 = __ldg(n4), n1 = __ldg(n4 + 1);
-                float a[8] = {a0.x, a0.y, a0.z, a0.w, a1.x, a1.y, a1.z, a1.w};
-                float g[8] = {g0.x, g0.y, g0.z, g0.w, g1.x, g1.y, g1.z, g1.w};
                 float nw[8] = {n0.x, n0.y, n0.z, n0.w, n1.x, n1.y, n1.z, n1.w};
 #pragma unroll
                 for (int j = 0; j < 8; j++) p[j] = a[j] * nw[j] * silu_f(g[j]), ss += a[j] * a[j];
@@ -318,7 +342,7 @@ __device__ void ps_stage_gated(const float* o, const float* z, const float* norm
     for (int h = warp; h < hv; h += PS_WARPS) {
         float ss = 0.f;
         for (int c = lane; c < dv; c += 32) {
-            float v = __ldcg(o + h * dv + c);
+            float v = ps_in1(o, h * dv + c, to);
             ss += v * v;
         }
         ss = warp_sum(ss);
@@ -330,13 +354,16 @@ __device__ void ps_stage_gated(const float* o, const float* z, const float* norm
         int c0 = ch * 32, h = c0 / dv;
         float r = hs[h], sum[2] = {0.f, 0.f};
 #pragma unroll
-        for (int j = 0; j < 8; j++) {
-            float4 a = __ldcg((const float4*)(o + c0) + j), g = __ldcg((const float4*)(z + c0) + j);
-            float4 nw = __ldg((const float4*)(normw + (c0 % dv)) + j);
-            a = make_float4(a.x * r * nw.x * silu_f(g.x), a.y * r * nw.y * silu_f(g.y), a.z * r * nw.z * silu_f(g.z),
-                            a.w * r * nw.w * silu_f(g.w));
-            ((float4*)xs)[xswz(ch * 8 + j)] = a;
-            sum[j >> 2] += (a.x + a.y) + (a.z + a.w);
+        for (int j = 0; j < 4; j++) {
+            float a[8], g[8];
+            ps_in8(o, c0 + 8 * j, to, a);
+            ps_in8(z, c0 + 8 * j, tz, g);
+            const float* nw = normw + (c0 + 8 * j) % dv;
+#pragma unroll
+            for (int i = 0; i < 8; i++) a[i] *= r * __ldg(nw + i) * silu_f(g[i]);
+            ((float4*)xs)[xswz(ch * 8 + 2 * j)] = make_float4(a[0], a[1], a[2], a[3]);
+            ((float4*)xs)[xswz(ch * 8 + 2 * j + 1)] = make_float4(a[4], a[5], a[6], a[7]);
+            sum[j >> 1] += ((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7]));
         }
         xsum[2 * ch] = sum[0];
         xsum[2 * ch + 1] = sum[1];
@@ -557,7 +584,11 @@ __device__ void ps_gdn(const PsPhase& P, float* red, float* qs, float* ks, const
             UQ += red[PS_WARPS * 32 + w * 32 + lane];
         }
         float delta = beta * (v - alpha * UK);
-        if (warp == 0 && valid) out[h * dv + c] = alpha * UQ + delta * (tqk * rq * rk);
+        if (warp == 0 && valid) {
+            float y = alpha * UQ + delta * (tqk * rq * rk);
+            if (P.otag) ps_ll_store(out, h * dv + c, y, P.otag);
+            else out[h * dv + c] = y;
+        }
         if (valid) {
             float kd = rk * delta;
 #pragma unroll
@@ -568,329 +599,3 @@ __device__ void ps_gdn(const PsPhase& P, float* red, float* qs, float* ks, const
     }
 }
 
-/* ---- producer: the chunks of one phase for this block ---- */
-#if __CUDA_ARCH__ >= 900
-struct PsRing {
-    int slot;
-    u32 par; /* bit s: parity of slot s's next use */
-};
-
-/* Waits for a free slot and writes its header; returns the slot's data pointer. */
-__device__ __forceinline__ unsigned char* ps_take(PsShared& sm, unsigned char* ring, int slot_bytes, PsRing& rg,
-                                                  PsHdr h, u32* twait) {
-    int s = rg.slot;
-    u32 t0 = twait ? ps_now() : 0;
-    mb_wait(&sm.empty[s], ((rg.par >> s) & 1) ^ 1);
-    if (twait) *twait += ps_now() - t0;
-    sm.hdr[s] = h;
-    return ring + (long long)s * slot_bytes;
-}
-__device__ __forceinline__ void ps_next(PsRing& rg, int ns) {
-    rg.par ^= 1u << rg.slot;
-    rg.slot = rg.slot + 1 == ns ? 0 : rg.slot + 1;
-}
-
-__device__ __noinline__ void ps_produce(const PsPhase* phases, int nphase, const u64* ctr, PsShared& sm, unsigned char* ring,
-                           int slot_bytes, int ns, u32* trace) {
-    int lane = threadIdx.x & 31, b = blockIdx.x, nb = gridDim.x;
-    PsRing rg;
-    rg.slot = 0;
-    rg.par = 0;
-    u32 rpar = 0; /* parity of sm.route's next completion */
-    for (int rel = 0; rel < nphase; rel++) {
-        const PsPhase& P = phases[rel];
-        int endf = rel == nphase - 1 ? PS_END : 0;
-        u32* tr = trace ? trace + PS_TW * (rel * nb + b) : 0;
-        u32 twait = 0, *tw = tr ? &twait : 0;
-        if (P.kind == PS_GDN) {
-            if (lane == 0) {
-                ps_take(sm, ring, slot_bytes, rg, PsHdr{rel, PS_FIRST | PS_LAST | endf, 0, 0}, tw);
-                if (tr) tr[2] = ps_now(), tr[7] = twait;
-                mb_arrive(&sm.full[rg.slot]);
-            }
-            ps_next(rg, ns);
-            continue;
-        }
-        int cb = P.cols * P.bits / 8, sb = 2 * (P.cols / P.group);
-        int nm = 1, total = P.rows, mrows = P.rows;
-        if (P.kind == PS_MOE_GU) {
-            /* the consumers ranked the router logits once every block finished them */
-            mb_wait(&sm.route, rpar);
-            rpar ^= 1;
-            total = (P.topk + 1) * 2 * P.rows;
-        } else if (P.kind == PS_MOE_DOWN) {
-            nm = P.topk + 1;
-        }
-        int lo, hi;
-        ps_share(total, b, nb, lo, hi);
-        int per = slot_bytes / (nm * (cb + 2 * sb)); /* rows per chunk: whole rounds of the warps */
-        if (per > PS_WARPS) per -= per % PS_WARPS;
-        int r = lo;
-        bool first = true;
-        do {
-            int n = min(per, hi - r);
-            if (P.kind == PS_MOE_GU) n = min(n, mrows - r % mrows); /* one matrix per chunk */
-            int flags = (first ? PS_FIRST : 0) | (r + n >= hi ? PS_LAST | endf : 0);
-            if (lane == 0) {
-                unsigned char* d = ps_take(sm, ring, slot_bytes, rg, PsHdr{rel, flags, r, n}, tw);
-                if (tr && first) tr[2] = ps_now();
-                if (tr && (flags & PS_LAST)) tr[7] = twait;
-                u64* full = &sm.full[rg.slot];
-                if (n <= 0) {
-                    mb_arrive(full);
-                } else {
-                    mb_expect(full, (u32)(nm * n * (cb + 2 * sb)));
-                    for (int k = 0; k < nm; k++) {
-                        long long row; /* first global row of the copy */
-                        if (P.kind == PS_MOE_GU) {
-                            int v = r / mrows, kk = v >> 1, m = v & 1;
-                            row = (long long)(2 * sm.chosen[kk] + m) * mrows + r % mrows;
-                        } else if (P.kind == PS_MOE_DOWN) {
-                            row = (long long)sm.chosen[k] * P.rows + r;
-                        } else {
-                            row = r;
-                        }
-                        bulk_g2s(d + (long long)(k * n) * cb, (const unsigned char*)P.w + row * cb, (u32)(n * cb), full);
-                        unsigned char* ds = d + (long long)nm * n * cb;
-                        bulk_g2s(ds + (long long)(k * n) * sb, (const unsigned char*)P.s + row * sb, (u32)(n * sb), full);
-                        bulk_g2s(ds + (long long)nm * n * sb + (long long)(k * n) * sb,
-                                 (const unsigned char*)P.b + row * sb, (u32)(n * sb), full);
-                    }
-                }
-            }
-            ps_next(rg, ns);
-            r += max(n, 0);
-            first = false;
-        } while (r < hi);
-    }
-}
-#endif
-
-/* ---- consumers: one chunk ---- */
-
-/* The end of one output row: store (or add to the residual prev), and for rows < conv_c the GDN
-   conv epilogue. cw / cx / prev hold the side loads of 8 rows (lane 4j + t: tap t of row j), jj
-   is this row's j. Warp-uniform (row is). */
-__device__ __forceinline__ void ps_row_out(const PsPhase& P, int row, float acc, int jj, float cw, float cx,
-                                           float prev) {
-    int lane = threadIdx.x & 31;
-    float* y = (float*)P.y;
-    float pv = __shfl_sync(0xffffffffu, prev, jj << 2);
-    if (lane == 0) {
-        float v = P.accumulate && P.kind != PS_MOE_GU ? pv + acc : acc;
-        if (P.otag) ps_ll_store(y, row, v, P.otag);
-        else y[row] = v;
-    }
-    if (P.conv_c > row) {
-        int K = P.conv_k;
-        float w = __shfl_sync(0xffffffffu, cw, (jj << 2) + (lane & 3));
-        float c = __shfl_sync(0xffffffffu, cx, (jj << 2) + (lane & 3));
-        if (lane == K - 1) c = acc;
-        float p = warp_sum(lane < K ? w * c : 0.f);
-        float nx = __shfl_down_sync(0xffffffffu, c, 1);
-        if (lane == 0) ((float*)P.aux[2])[row] = silu_f(p);
-        if (lane < K - 1) ((float*)P.aux[0])[(long long)lane * P.conv_c + row] = nx;
-    }
-}
-
-/* Warp w takes rows w, w + 16, w + 32, ... of the chunk, two per pass (x read once for both).
-   The rows' side data (conv taps and state, the residual) are loaded 8 rows at a time by the
-   whole warp before their dot products, so a chunk pays one global latency, not one per row. */
-template <int BITS, int TY>
-__device__ void ps_chunk_t(const PsPhase& P, const PsHdr& h, const unsigned char* d, float rr, const float* xs,
-                           const float* xsum) {
-    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    int n4 = P.cols * BITS / 128, ng = P.cols / P.group, gsh = __ffs(P.group) - 1;
-    int nm = P.kind == PS_MOE_DOWN ? P.topk + 1 : 1;
-    bool resid = P.accumulate && P.kind != PS_MOE_GU;
-    for (int j0 = 0; warp + 16 * j0 < h.n; j0 += 8) {
-        int jr = warp + 16 * (j0 + (lane >> 2)), t = lane & 3;
-        int row = h.row0 + jr;
-        float cw = 0.f, cx = 0.f, prev = 0.f;
-        if (jr < h.n) {
-            if (P.conv_c > row) {
-                if (t < P.conv_k) cw = __ldg((const float*)P.aux[1] + (long long)row * P.conv_k + t);
-                if (t < P.conv_k - 1) cx = __ldcg((const float*)P.aux[0] + (long long)t * P.conv_c + row);
-            }
-            if (resid && t == 0) prev = __ldcg((const float*)P.y + row);
-        }
-        for (int jj = 0; jj < 8; jj += 2) {
-            int ra = warp + 16 * (j0 + jj);
-            if (ra >= h.n) break;
-            bool two = ra + 16 < h.n;
-            float a, b;
-            ps_rows_dot<BITS, TY>(d, h.n, nm, ra, two, n4, ng, gsh, xs, xsum, a, b);
-            ps_row_out(P, h.row0 + ra, a * rr, jj, cw, cx, prev);
-            if (two) ps_row_out(P, h.row0 + ra + 16, b * rr, jj + 1, cw, cx, prev);
-        }
-    }
-}
-
-__device__ void ps_chunk(const PsPhase& P, const PsHdr& h, const unsigned char* d, float rr, const float* xs,
-                         const float* xsum) {
-    if (P.bits == 8) {
-        if (P.ty == TY_BF16) ps_chunk_t<8, TY_BF16>(P, h, d, rr, xs, xsum);
-        else ps_chunk_t<8, TY_F16>(P, h, d, rr, xs, xsum);
-    } else {
-        if (P.ty == TY_BF16) ps_chunk_t<4, TY_BF16>(P, h, d, rr, xs, xsum);
-        else ps_chunk_t<4, TY_F16>(P, h, d, rr, xs, xsum);
-    }
-}
-
-/* The router's top-K for the expert phase G once every block finished the router: warp 0 ranks
-   the logits (route_warp's redux2 form, moe.cu: the graph's picks and weights) and completes
-   sm.route, on which the producer issues the experts' copies; meanwhile, when `stage` (a 4-bit
-   gate/up in the int8 build, whose input differs from the 8-bit router's staging), warps 1-15
-   stage the gate/up's input. Returns its rr (1 without staging). Every consumer thread calls it.
-   tag != 0 (PS_LL_IN): the logits are LL words, which the consumers poll instead of the counter. */
-__device__ float ps_route(const PsPhase& G, const u64* ctr, u64 target, u32 tag, PsShared& sm, u32* tr, int dbg,
-                          float* xs, bool stage) {
-    if (tag) ps_ll_block((const u64*)G.aux[0], G.nexp + 1, tag, sm.ls);
-    else ps_wait_ctr(ctr, target, dbg);
-    ps_cbar();
-    if (tr && threadIdx.x == 0) tr[4] = ps_now();
-    float ss = 0.f;
-    if (threadIdx.x < 32) {
-        if (tag) { /* the host allows it for E <= 512 (route_warp_smem's limit) */
-            route_warp_smem(4, sm.ls, G.nexp, G.topk, G.renorm, sm.chosen, sm.wsel);
-        } else {
-            route_warp(4, (const float*)G.aux[0], G.nexp, G.topk, G.renorm, 1, sm.ls, sm.chosen, sm.wsel);
-        }
-        if (threadIdx.x == 0) {
-            if (dbg & PS_DBG_FIXED) /* measurement only: the same experts every token */
-                for (int k = 0; k < G.topk; k++) sm.chosen[k] = k;
-            if (tr) tr[5] = ps_now();
-            mb_arrive(&sm.route);
-        }
-    } else if (stage) {
-        ss = ps_stage_x_i8((const float*)G.x, (const float*)G.normw, G.cols, xs, threadIdx.x - 32, PS_THREADS - 32);
-    }
-    return stage ? ps_rms(ss, G.cols, G.eps, sm.red) : 1.f;
-}
-
-extern "C" __global__ void __launch_bounds__(PS_THREADS + 32, 1)
-    pstep(PstepParams_fields) {
-#if __CUDA_ARCH__ >= 900
-    extern __shared__ __align__(128) unsigned char ps_smem[];
-    PsShared& sm = *(PsShared*)ps_smem;
-    float* xs = (float*)(ps_smem + ((sizeof(PsShared) + 127) / 128) * 128);
-    float* xsum = xs + xmax;
-    unsigned char* ring = (unsigned char*)xs + (((xmax + xmax / 16) * 4 + 127) / 128) * 128;
-    int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, nb = gridDim.x;
-    if (tid == 0) {
-        for (int i = 0; i < ns; i++) {
-            mb_init(&sm.full[i], 1);
-            mb_init(&sm.empty[i], PS_WARPS);
-        }
-        mb_init(&sm.route, 1);
-        sm.ep = (u32)__ldcg(ctr + 2) + 1; /* ctr[2]: launches so far */
-        sm.cwait = 0;
-        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-    }
-    __syncthreads();
-    if (warp == PS_WARPS) {
-        ps_produce(phases, nphase, ctr, sm, ring, slot_bytes, ns, trace);
-        return;
-    }
-    int slot = 0;
-    u32 par = 0; /* bit s: parity of slot s's next use */
-    float rr = 1.f;
-    int staged = -1; /* the phase whose input xs holds */
-    const PsPhase& P = sm.cur;
-    const int pwords = (int)(sizeof(PsPhase) / 4);
-    for (;;) {
-        u32 t0 = trace ? ps_now() : 0;
-        mb_wait(&sm.full[slot], (par >> slot) & 1);
-        if (trace && tid == 0) sm.cwait += ps_now() - t0;
-        PsHdr h = sm.hdr[slot];
-        /* A phase starts with every warp done with the previous one (its last chunk ends with a
-           block barrier), so sm.cur and the staging are free. */
-        if (h.flags & PS_FIRST) {
-            u32* tr = trace ? trace + PS_TW * (h.rel * nb + blockIdx.x) : 0;
-            if (tr && tid == 0) tr[3] = ps_now();
-            if (tid < pwords) {
-                u32 v = __ldg((const u32*)(phases + h.rel) + tid);
-                if (tid == PS_OTAG_WORD) v = phases[h.rel].ll & PS_LL_OUT ? ps_tag(sm.ep, h.rel) : 0u;
-                ((u32*)&sm.cur)[tid] = v;
-            }
-            int kind = phases[h.rel].kind;
-            if (kind != PS_GDN && h.rel > 0 && !(phases[h.rel].ll & PS_LL_IN)) ps_wait_ctr(ctr, (u64)h.rel * nb, dbg);
-            ps_cbar();
-            if (kind == PS_GDN) {
-                ps_gdn(P, sm.red, sm.qs, sm.ks, flags + (h.rel - 1) * nb, sm.ep, tr, dbg);
-            } else {
-                bool i8 = GQ_I8 && P.bits == 4;
-                if (tr && tid == 0) tr[0] = ps_now();
-                if (staged == h.rel) {
-                    /* staged while the router's logits were ranked (ps_route) */
-                } else if (h.n > 0 && P.same_x && staged == h.rel - 1) {
-                    staged = h.rel; /* xs, xsum and rr hold this input already */
-                } else if (h.n > 0) {
-                    staged = h.rel;
-                    if (P.kind == PS_MOE_DOWN)
-                        ps_stage_moe((const float*)P.x, P.ll & PS_LL_IN ? ps_tag(sm.ep, h.rel - 1) : 0u, sm.wsel,
-                                     P.topk + 1, P.cols, xs, xsum, i8),
-                            rr = 1.f;
-                    else if (P.xf == PX_GATED)
-                        ps_stage_gated((const float*)P.x, (const float*)P.aux[3], (const float*)P.normw, P.hv, P.dv,
-                                       P.eps, xs, xsum, sm.hs, i8),
-                            rr = 1.f;
-                    else
-                        rr = ps_stage_x((const float*)P.x, P.xf == PX_RMS ? (const float*)P.normw : 0, P.cols, P.eps,
-                                        xs, xsum, sm.red, i8);
-                }
-                if (tr && tid == 0) tr[8] = ps_now();
-            }
-        }
-        /* Each warp takes its rows of the chunk and frees the slot for itself (the empty barrier
-           counts the warps): no block barrier between the chunks of a phase. */
-        if (P.kind != PS_GDN && h.n > 0) ps_chunk(P, h, ring + (long long)slot * slot_bytes, rr, xs, xsum);
-        __syncwarp();
-        if (lane == 0) mb_arrive(&sm.empty[slot]);
-        if (h.flags & PS_LAST) {
-            ps_cbar(); /* every warp finished the phase */
-            if (tid == 0) {
-                if (trace) trace[PS_TW * (h.rel * nb + blockIdx.x) + 1] = ps_now(),
-                    trace[PS_TW * (h.rel * nb + blockIdx.x) + 6] = sm.cwait, sm.cwait = 0;
-                u32* flag = flags + h.rel * nb + blockIdx.x;
-                if (dbg & PS_DBG_FENCES) {
-                    __threadfence();
-                    asm volatile("red.release.gpu.global.add.u64 [%0], 1;" ::"l"(ctr) : "memory");
-                    asm volatile("st.release.gpu.global.u32 [%0], %1;" ::"l"(flag), "r"(sm.ep) : "memory");
-                } else {
-                    /* one release fence, then two strong relaxed writes: each is a release
-                       pattern (one MEMBAR.GPU instead of three). A phase of LL outputs needs
-                       none: its readers poll the words, and the next fenced phase end of this
-                       block releases them to the counter's later waiters. */
-                    if (!(P.ll & PS_LL_OUT)) asm volatile("fence.acq_rel.gpu;" ::: "memory");
-                    asm volatile("red.relaxed.gpu.global.add.u64 [%0], 1;" ::"l"(ctr) : "memory");
-                    asm volatile("st.relaxed.gpu.global.u32 [%0], %1;" ::"l"(flag), "r"(sm.ep) : "memory");
-                }
-            }
-            if (h.rel + 1 < nphase && phases[h.rel + 1].kind == PS_MOE_GU) {
-                const PsPhase& G = phases[h.rel + 1];
-                bool st = GQ_I8 && G.bits == 4;
-                float r = ps_route(G, ctr, (u64)(h.rel + 1) * nb, G.ll & PS_LL_IN ? ps_tag(sm.ep, h.rel) : 0u, sm,
-                                   trace ? trace + PS_TW * ((h.rel + 1) * nb + blockIdx.x) : 0, dbg, xs, st);
-                if (st) staged = h.rel + 1, rr = r;
-            }
-        }
-        par ^= 1u << slot;
-        slot = slot + 1 == ns ? 0 : slot + 1;
-        if (h.flags & PS_END) break;
-    }
-    /* the last block out resets the counters for the next launch */
-    if (tid == 0) {
-        __threadfence();
-        u64 t = atomicAdd(ctr + 1, 1ull);
-        if (t == (u64)nb - 1) {
-            ctr[0] = 0;
-            ctr[1] = 0;
-            ctr[2] += 1;
-            __threadfence();
-        }
-    }
-#else
-    __trap();
-#endif
-}

@@ -24,6 +24,7 @@ const PX_RMS: i32 = 1;
 const PX_GATED: i32 = 2;
 const PS_LL_OUT: i32 = 1;
 const PS_LL_IN: i32 = 2;
+const PS_LL_Z: i32 = 4;
 /// Consumer warps + the producer warp.
 const THREADS: u32 = 16 * 32 + 32;
 /// `sizeof(PsShared)` in pstep.cu, rounded up to 128.
@@ -57,7 +58,9 @@ struct PsPhase {
     /// staged it for the previous phase keeps that staging.
     same_x: i32,
     /// `PS_LL_OUT`: y is written as LL words (float | tag << 32); `PS_LL_IN`: the input is the
-    /// previous phase's LL words, polled instead of the phase counter.
+    /// previous phase's LL words (a gated out-projection's z: the one before's), polled instead
+    /// of the phase counter; `PS_LL_Z` (a GDN input projection): rows `conv_c ..
+    /// conv_c + hv * dv` (the gate z) also go to `aux[5]` as LL words.
     ll: i32,
     /// 0 here; the kernel's copy of the phase holds its LL tag.
     otag: u32,
@@ -97,9 +100,10 @@ pub(super) struct PsPlan {
     /// ns; pstep.cu lists them).
     trace: Option<DevBuf>,
     kinds: Vec<(i32, i32)>,
-    /// LL words of the router's logits and of the experts' gate/up (unless `LILY_PSTEP_LL=0`), kept
-    /// alive for the table's pointers.
+    /// LL words of the router's logits and of the experts' gate/up, and of the GDN output o and
+    /// gate z (`LILY_PSTEP_LL`), kept alive for the table's pointers.
     _ll: Option<(DevBuf, DevBuf, usize)>,
+    _ll_gdn: Option<(DevBuf, DevBuf)>,
     /// `LILY_PSTEP_DEBUG` (measurement only, the `PS_DBG_*` bits of pstep.cu): 1 fixed experts, 2 the
     /// old three-fence phase end, 4 waits end with an acquire load, 8 polls without sleeping.
     debug: i32,
@@ -137,7 +141,7 @@ fn gemv(w: &GpuLinear, xf: i32, x: u64, normw: u64, eps: f32, y: u64, accumulate
 }
 
 /// Whether the persistent step is asked for (`LILY_CUDA_DECODE=persistent`; off by default
-/// until it beats the graph: 351 against 517 tok/s at 4K on an H100 in session 37,
+/// until it beats the graph: 352 against 513 tok/s at 4K on an H100 in session 38,
 /// docs/perf-log.md).
 pub(super) fn wanted() -> bool {
     std::env::var("LILY_CUDA_DECODE").is_ok_and(|v| v == "persistent")
@@ -177,8 +181,15 @@ impl PsPlan {
         // LL words for the MoE's chain (router → gate/up → down): each phase polls its input's
         // words instead of the phase counter (route_warp_smem takes up to 512 experts). On by
         // default (`LILY_PSTEP_LL=0` off): session 38, H100, 351.6 against 344.1 tok/s at 4K.
-        let ll = match std::env::var("LILY_PSTEP_LL").as_deref() {
-            Ok("0") => None,
+        // And for the GDN chain (the state step's o and the input projection's z → the gated
+        // out-projection), unless `LILY_PSTEP_LL=moe` (the MoE chain only) or `0`.
+        let ll_env = std::env::var("LILY_PSTEP_LL").ok();
+        let ll_gdn = match ll_env.as_deref() {
+            Some("0" | "moe") => None,
+            _ => Some((g.zeros(8 * vd)?, g.zeros(8 * vd)?)),
+        };
+        let ll = match ll_env.as_deref() {
+            Some("0") => None,
             _ if e <= 512 => {
                 let inter = m.layers.iter().find_map(|l| match &l.ffn {
                     GFfn::Moe { experts, .. } => Some(experts.gate_up.rows),
@@ -206,6 +217,9 @@ impl PsPlan {
                     let mut p = gemv(f, PX_RMS, s.x.ptr, inorm, eps, s.proj.ptr, false);
                     (p.conv_c, p.conv_k) = (cd as i32, taps as i32);
                     p.aux[..3].copy_from_slice(&[cs.ptr, conv.ptr, s.conv.ptr]);
+                    if let Some((_, z)) = &ll_gdn {
+                        (p.ll, p.hv, p.dv, p.aux[5]) = (PS_LL_Z, hv as i32, dv as i32, z.ptr);
+                    }
                     let in_rows = p.rows;
                     phases.push(p);
                     // rows / conv_c: the input projection's, whose blocks' shares a task waits for
@@ -218,13 +232,17 @@ impl PsPlan {
                         dk: dk as i32,
                         dv: dv as i32,
                         x: s.conv.ptr,
-                        y: s.o.ptr,
+                        y: ll_gdn.as_ref().map_or(s.o.ptr, |(o, _)| o.ptr),
+                        ll: if ll_gdn.is_some() { PS_LL_OUT } else { 0 },
                         aux: [f32p(&s.proj, cd + vd), f32p(&s.proj, cd + vd + hv), dt_bias.ptr, neg_a.ptr, rec.ptr, 0],
                         ..Default::default()
                     });
                     let mut p = gemv(out, PX_GATED, s.o.ptr, norm.ptr, eps, s.x.ptr, true);
                     (p.hv, p.dv) = (hv as i32, dv as i32);
                     p.aux[3] = f32p(&s.proj, cd);
+                    if let Some((o, z)) = &ll_gdn {
+                        (p.ll, p.x, p.aux[3]) = (PS_LL_IN, o.ptr, z.ptr);
+                    }
                     if out.cols != vd {
                         bail!("layer {li}: GDN out-projection width {} != {vd}", out.cols);
                     }
@@ -330,7 +348,22 @@ impl PsPlan {
         };
         let kinds = phases.iter().map(|p| (p.kind, p.rows)).collect();
         let debug = std::env::var("LILY_PSTEP_DEBUG").ok().and_then(|v| v.parse().ok()).unwrap_or(0);
-        Ok(PsPlan { table, segs, ctr, flags, slot, slots, xmax, smem, lm_head, trace, kinds, _ll: ll, debug })
+        Ok(PsPlan {
+            table,
+            segs,
+            ctr,
+            flags,
+            slot,
+            slots,
+            xmax,
+            smem,
+            lm_head,
+            trace,
+            kinds,
+            _ll: ll,
+            _ll_gdn: ll_gdn,
+            debug,
+        })
     }
 
     fn launch(&self, g: &Gpu, first: usize, count: usize) -> Result<()> {
