@@ -39,12 +39,15 @@
  *   waits, before its first chunk, for counter >= i * nblocks (acquire). A GDN state task waits
  *   instead only for the flags of the blocks whose input-projection shares hold its rows
  *   (ps_gdn_wait: q and k of its key head, its value columns, its b and a): a per-tile
- *   dependency, not a phase barrier. The MoE's router logits and gate/up, the GDN state's o and
- *   the input projection's z (PS_LL_Z; LILY_PSTEP_LL) are LL words (PS_LL_OUT, ps_ll_store) that
- *   the gate/up, the down and the out-projection poll word by word (PS_LL_IN): no counter wait,
- *   and no fence at the end of a phase whose outputs are all LL words. A buffer of LL words is
- *   rewritten only by a later layer's phase, which passed a counter wait after every block
- *   finished reading it.
+ *   dependency, not a phase barrier. LL words (LILY_PSTEP_LL; PS_LL_OUT, ps_ll_store): a phase's
+ *   outputs carry its tag and the readers poll them word by word (PS_LL_IN): no counter wait,
+ *   and no fence at the end of a phase whose outputs are all LL words. `moe` (the default): the
+ *   router logits and the gate/up; `gdn`: also the GDN state's o and the input projection's z
+ *   (PS_LL_Z) into the out-projection; `all`: also the residual x (PS_LL_X, read through xsrc)
+ *   into every norm, so no phase waits on the counter (PS_CTR: but the first writer of x in a
+ *   launch whose earlier phase read the embedding's floats). A buffer of LL words is rewritten
+ *   only by a later layer's phase, which passed a counter wait after every block finished
+ *   reading it; under `all` every intermediate buffer is per layer (written once a step).
  *   The counter test stays exact: a block signals its phases in order and phase i (a counter
  *   phase) only after passing its wait, so until some block passes it every block has signalled
  *   at most phases 0 .. i - 1, and the counter reaching i * nblocks means each one has signalled
@@ -81,6 +84,9 @@
                        o of the previous phase and z of the one before) */
 #define PS_LL_Z 4   /* (a GDN input projection) rows conv_c .. conv_c + hv*dv, the gate z, also go
                        to aux[5] as LL words */
+#define PS_LL_X 8   /* (a residual writer) the rows of x also go to aux[4] as LL words */
+#define PS_CTR 16   /* waits for the counter whatever its inputs: it rewrites the floats of x
+                       that an earlier phase of the launch read (LILY_PSTEP_LL=all) */
 
 #define PS_OTAG_WORD 20 /* PsPhase's otag in u32 words (pstep.rs asserts the offset) */
 
@@ -101,8 +107,9 @@ struct PsPhase {
     float eps;
     int bits;   /* 4 or 8 */
     int same_x; /* the input is the previous phase's, unchanged: a block that staged it keeps it */
-    int ll;     /* PS_LL_OUT | PS_LL_IN | PS_LL_Z */
+    int ll;     /* PS_LL_OUT | PS_LL_IN | PS_LL_Z | PS_LL_X */
     u32 otag;   /* 0 in the table; in sm.cur, the tag of this phase's LL outputs (word PS_OTAG_WORD) */
+    int xsrc;   /* 1 + the launch index of the phase whose PS_LL_X words x points to; 0: floats */
     u64 w, s, b; /* codes, scales, biases */
     u64 x, y;
     u64 normw;
@@ -254,47 +261,44 @@ __device__ __forceinline__ float ps_rms(float ss, int n, float eps, float* red) 
 /* The int8 staging (gemv_i8.cu's layout over n / 32 chunks, for 4-bit phases in the LILY_GEMV_I8
    build) of xw = x * normw (or x) by the consumer threads t0 .. t0 + nt - 1 (whole warps); returns
    this thread's part of sum(x^2). */
-__device__ __forceinline__ float ps_stage_x_i8(const float* x, const float* normw, int n, float* xs, int t0, int nt) {
+__device__ __forceinline__ float ps_stage_x_i8(const float* x, u32 tag, const float* normw, int n, float* xs, int t0,
+                                              int nt) {
     return i8_stage<false>(n / 32, xs, t0, nt, [&](int c, int w, float (&v)[8]) {
-        const float4* x4 = (const float4*)(x + 32 * c + 8 * w);
-        float4 a = __ldcg(x4), b = __ldcg(x4 + 1);
-        float r[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w}, q = 0.f;
+        float q = 0.f;
+        ps_in8(x, 32 * c + 8 * w, tag, v);
 #pragma unroll
-        for (int j = 0; j < 8; j++) q += r[j] * r[j];
+        for (int j = 0; j < 8; j++) q += v[j] * v[j];
         if (normw) {
             const float4* n4 = (const float4*)(normw + 32 * c + 8 * w);
             float4 na = __ldg(n4), nb = __ldg(n4 + 1);
             float nw[8] = {na.x, na.y, na.z, na.w, nb.x, nb.y, nb.z, nb.w};
 #pragma unroll
-            for (int j = 0; j < 8; j++) r[j] *= nw[j];
+            for (int j = 0; j < 8; j++) v[j] *= nw[j];
         }
-#pragma unroll
-        for (int j = 0; j < 8; j++) v[j] = r[j];
         return q;
     });
 }
 
-/* PX_PLAIN / PX_RMS (n = cols), as floats or (i8) as int8 parts. Returns rr. */
-__device__ float ps_stage_x(const float* x, const float* normw, int n, float eps, float* xs, float* xsum,
+/* PX_PLAIN / PX_RMS (n = cols) of floats or (tag != 0) LL words, as floats or (i8) as int8 parts.
+   Returns rr. */
+__device__ float ps_stage_x(const float* x, u32 tag, const float* normw, int n, float eps, float* xs, float* xsum,
                             float* red, bool i8) {
     int tid = threadIdx.x, nch = i8 ? 0 : n / 32;
-    float ss = i8 ? ps_stage_x_i8(x, normw, n, xs, tid, PS_THREADS) : 0.f;
+    float ss = i8 ? ps_stage_x_i8(x, tag, normw, n, xs, tid, PS_THREADS) : 0.f;
     for (int ch = tid; ch < nch; ch += PS_THREADS) {
-        const float4* x4 = (const float4*)(x + ch * 32);
-        float4 v[8];
-#pragma unroll
-        for (int j = 0; j < 8; j++) v[j] = __ldcg(x4 + j);
         float sum[2] = {0.f, 0.f};
 #pragma unroll
-        for (int j = 0; j < 8; j++) {
-            float4 a = v[j];
-            ss += a.x * a.x + a.y * a.y + a.z * a.z + a.w * a.w;
-            if (normw) {
-                float4 nw = __ldg((const float4*)(normw + ch * 32) + j);
-                a = make_float4(a.x * nw.x, a.y * nw.y, a.z * nw.z, a.w * nw.w);
-            }
-            ((float4*)xs)[xswz(ch * 8 + j)] = a;
-            sum[j >> 2] += (a.x + a.y) + (a.z + a.w);
+        for (int j = 0; j < 4; j++) { /* 8 values at a time: few registers (pstep runs at the cap) */
+            float t[8];
+            ps_in8(x, ch * 32 + 8 * j, tag, t);
+#pragma unroll
+            for (int i = 0; i < 8; i++) ss += t[i] * t[i];
+            if (normw)
+#pragma unroll
+                for (int i = 0; i < 8; i++) t[i] *= __ldg(normw + ch * 32 + 8 * j + i);
+            ((float4*)xs)[xswz(ch * 8 + 2 * j)] = make_float4(t[0], t[1], t[2], t[3]);
+            ((float4*)xs)[xswz(ch * 8 + 2 * j + 1)] = make_float4(t[4], t[5], t[6], t[7]);
+            sum[j >> 1] += ((t[0] + t[1]) + (t[2] + t[3])) + ((t[4] + t[5]) + (t[6] + t[7]));
         }
         xsum[2 * ch] = sum[0];
         xsum[2 * ch + 1] = sum[1];
