@@ -177,7 +177,7 @@ fn gemv(w: &GpuLinear, xf: i32, x: u64, normw: u64, eps: f32, y: u64, accumulate
 }
 
 /// Whether the persistent step is asked for (`LILY_CUDA_DECODE=persistent`; off by default
-/// until it beats the graph: 352 against 513 tok/s at 4K on an H100 in session 38,
+/// until it beats the graph: 338 against 515 tok/s at 4K on an H100 in session 39,
 /// docs/perf-log.md).
 pub(super) fn wanted() -> bool {
     std::env::var("LILY_CUDA_DECODE").is_ok_and(|v| v == "persistent")
