@@ -149,4 +149,3 @@ inline void ps_ll_store(float* y, int i, float v, unsigned tag) {
 inline void ps_ll_load8(const unsigned long long* p, unsigned, float (&v)[8]) {
     for (int j = 0; j < 8; j++) v[j] = __uint_as_float((unsigned)p[j]);
 }
-inline float ps_ll_load1(const unsigned long long* p, unsigned) { return __uint_as_float((unsigned)*p); }

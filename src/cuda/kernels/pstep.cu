@@ -39,15 +39,9 @@
  *   waits, before its first chunk, for counter >= i * nblocks (acquire). A GDN state task waits
  *   instead only for the flags of the blocks whose input-projection shares hold its rows
  *   (ps_gdn_wait: q and k of its key head, its value columns, its b and a): a per-tile
- *   dependency, not a phase barrier. LL words (LILY_PSTEP_LL; PS_LL_OUT, ps_ll_store): a phase's
- *   outputs carry its tag and the readers poll them word by word (PS_LL_IN): no counter wait,
- *   and no fence at the end of a phase whose outputs are all LL words. `moe` (the default): the
- *   router logits and the gate/up; `gdn`: also the GDN state's o and the input projection's z
- *   (PS_LL_Z) into the out-projection; `all`: also the residual x (PS_LL_X, read through xsrc)
- *   into every norm, so no phase waits on the counter (PS_CTR: but the first writer of x in a
- *   launch whose earlier phase read the embedding's floats). A buffer of LL words is rewritten
- *   only by a later layer's phase, which passed a counter wait after every block finished
- *   reading it; under `all` every intermediate buffer is per layer (written once a step).
+ *   dependency, not a phase barrier. The MoE's router logits and gate/up (unless LILY_PSTEP_LL=0)
+ *   are LL words (PS_LL_OUT, ps_ll_store) that the next phase polls word by word (PS_LL_IN): no
+ *   counter wait, and no fence at the end of the writing phase.
  *   The counter test stays exact: a block signals its phases in order and phase i (a counter
  *   phase) only after passing its wait, so until some block passes it every block has signalled
  *   at most phases 0 .. i - 1, and the counter reaching i * nblocks means each one has signalled
@@ -80,13 +74,7 @@
 #define PX_GATED 2
 
 #define PS_LL_OUT 1 /* y is written as LL words */
-#define PS_LL_IN 2  /* the input is the previous phase's LL words: polled, no counter wait (PX_GATED:
-                       o of the previous phase and z of the one before) */
-#define PS_LL_Z 4   /* (a GDN input projection) rows conv_c .. conv_c + hv*dv, the gate z, also go
-                       to aux[5] as LL words */
-#define PS_LL_X 8   /* (a residual writer) the rows of x also go to aux[4] as LL words */
-#define PS_CTR 16   /* waits for the counter whatever its inputs: it rewrites the floats of x
-                       that an earlier phase of the launch read (LILY_PSTEP_LL=all) */
+#define PS_LL_IN 2  /* the input is the previous phase's LL words: polled, no counter wait */
 
 #define PS_OTAG_WORD 20 /* PsPhase's otag in u32 words (pstep.rs asserts the offset) */
 
@@ -107,9 +95,8 @@ struct PsPhase {
     float eps;
     int bits;   /* 4 or 8 */
     int same_x; /* the input is the previous phase's, unchanged: a block that staged it keeps it */
-    int ll;     /* PS_LL_OUT | PS_LL_IN | PS_LL_Z | PS_LL_X */
+    int ll;     /* PS_LL_OUT | PS_LL_IN */
     u32 otag;   /* 0 in the table; in sm.cur, the tag of this phase's LL outputs (word PS_OTAG_WORD) */
-    int xsrc;   /* 1 + the launch index of the phase whose PS_LL_X words x points to; 0: floats */
     u64 w, s, b; /* codes, scales, biases */
     u64 x, y;
     u64 normw;
@@ -180,17 +167,16 @@ __device__ __forceinline__ void ps_ll_store(float* y, int i, float v, u32 tag) {
     u64 w = (u64)tag << 32 | __float_as_uint(v);
     asm volatile("st.relaxed.gpu.global.u64 [%0], %1;" ::"l"((u64*)y + i), "l"(w) : "memory");
 }
+__device__ __forceinline__ void ps_ll_ld2(const u64* p, u64& a, u64& b) {
+    asm volatile("ld.relaxed.gpu.global.v2.u64 {%0, %1}, [%2];" : "=l"(a), "=l"(b) : "l"(p) : "memory");
+}
 /* 8 floats from the LL words p[0..8) (16-byte aligned) once each carries `tag`. */
 __device__ __forceinline__ void ps_ll_load8(const u64* p, u32 tag, float (&v)[8]) {
     u64 w[8];
     for (;;) {
         bool ok = true;
 #pragma unroll
-        for (int j = 0; j < 4; j++)
-            asm volatile("ld.relaxed.gpu.global.v2.u64 {%0, %1}, [%2];"
-                         : "=l"(w[2 * j]), "=l"(w[2 * j + 1])
-                         : "l"(p + 2 * j)
-                         : "memory");
+        for (int j = 0; j < 4; j++) ps_ll_ld2(p + 2 * j, w[2 * j], w[2 * j + 1]);
 #pragma unroll
         for (int j = 0; j < 8; j++) ok &= (u32)(w[j] >> 32) == tag;
         if (ok) break;
@@ -199,33 +185,18 @@ __device__ __forceinline__ void ps_ll_load8(const u64* p, u32 tag, float (&v)[8]
 #pragma unroll
     for (int j = 0; j < 8; j++) v[j] = __uint_as_float((u32)w[j]);
 }
-/* The float of the LL word *p once it carries `tag`. */
-__device__ __forceinline__ float ps_ll_load1(const u64* p, u32 tag) {
-    u64 w;
-    for (;;) {
-        asm volatile("ld.relaxed.gpu.global.u64 %0, [%1];" : "=l"(w) : "l"(p) : "memory");
-        if ((u32)(w >> 32) == tag) break;
-        __nanosleep(32);
-    }
-    return __uint_as_float((u32)w);
-}
-/* Element i of an input vector: floats read through L2, or (tag != 0) LL words. */
-__device__ __forceinline__ float ps_in1(const float* p, long long i, u32 tag) {
-    return tag ? ps_ll_load1((const u64*)p + i, tag) : __ldcg(p + i);
-}
-/* Elements i .. i + 7 (i a multiple of 8) likewise. */
-__device__ __forceinline__ void ps_in8(const float* p, long long i, u32 tag, float (&v)[8]) {
-    if (tag) {
-        ps_ll_load8((const u64*)p + i, tag, v);
-        return;
-    }
-    float4 a = __ldcg((const float4*)(p + i)), b = __ldcg((const float4*)(p + i) + 1);
-    v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
-}
 /* The n floats of the LL words p[0..n) into ls once each carries `tag`, one word per consumer
    thread at a time; visible to the consumers after their next barrier. */
 __device__ void ps_ll_block(const u64* p, int n, u32 tag, float* ls) {
-    for (int i = threadIdx.x; i < n; i += PS_THREADS) ls[i] = ps_ll_load1(p + i, tag);
+    for (int i = threadIdx.x; i < n; i += PS_THREADS) {
+        u64 w;
+        for (;;) {
+            asm volatile("ld.relaxed.gpu.global.u64 %0, [%1];" : "=l"(w) : "l"(p + i) : "memory");
+            if ((u32)(w >> 32) == tag) break;
+            __nanosleep(32);
+        }
+        ls[i] = __uint_as_float((u32)w);
+    }
 }
 
 /* Thread 0 spins (relaxed loads) until *ctr >= target, then one acquire fence: the blocks'
@@ -261,44 +232,47 @@ __device__ __forceinline__ float ps_rms(float ss, int n, float eps, float* red) 
 /* The int8 staging (gemv_i8.cu's layout over n / 32 chunks, for 4-bit phases in the LILY_GEMV_I8
    build) of xw = x * normw (or x) by the consumer threads t0 .. t0 + nt - 1 (whole warps); returns
    this thread's part of sum(x^2). */
-__device__ __forceinline__ float ps_stage_x_i8(const float* x, u32 tag, const float* normw, int n, float* xs, int t0,
-                                              int nt) {
+__device__ __forceinline__ float ps_stage_x_i8(const float* x, const float* normw, int n, float* xs, int t0, int nt) {
     return i8_stage<false>(n / 32, xs, t0, nt, [&](int c, int w, float (&v)[8]) {
-        float q = 0.f;
-        ps_in8(x, 32 * c + 8 * w, tag, v);
+        const float4* x4 = (const float4*)(x + 32 * c + 8 * w);
+        float4 a = __ldcg(x4), b = __ldcg(x4 + 1);
+        float r[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w}, q = 0.f;
 #pragma unroll
-        for (int j = 0; j < 8; j++) q += v[j] * v[j];
+        for (int j = 0; j < 8; j++) q += r[j] * r[j];
         if (normw) {
             const float4* n4 = (const float4*)(normw + 32 * c + 8 * w);
             float4 na = __ldg(n4), nb = __ldg(n4 + 1);
             float nw[8] = {na.x, na.y, na.z, na.w, nb.x, nb.y, nb.z, nb.w};
 #pragma unroll
-            for (int j = 0; j < 8; j++) v[j] *= nw[j];
+            for (int j = 0; j < 8; j++) r[j] *= nw[j];
         }
+#pragma unroll
+        for (int j = 0; j < 8; j++) v[j] = r[j];
         return q;
     });
 }
 
-/* PX_PLAIN / PX_RMS (n = cols) of floats or (tag != 0) LL words, as floats or (i8) as int8 parts.
-   Returns rr. */
-__device__ float ps_stage_x(const float* x, u32 tag, const float* normw, int n, float eps, float* xs, float* xsum,
+/* PX_PLAIN / PX_RMS (n = cols), as floats or (i8) as int8 parts. Returns rr. */
+__device__ float ps_stage_x(const float* x, const float* normw, int n, float eps, float* xs, float* xsum,
                             float* red, bool i8) {
     int tid = threadIdx.x, nch = i8 ? 0 : n / 32;
-    float ss = i8 ? ps_stage_x_i8(x, tag, normw, n, xs, tid, PS_THREADS) : 0.f;
+    float ss = i8 ? ps_stage_x_i8(x, normw, n, xs, tid, PS_THREADS) : 0.f;
     for (int ch = tid; ch < nch; ch += PS_THREADS) {
+        const float4* x4 = (const float4*)(x + ch * 32);
+        float4 v[8];
+#pragma unroll
+        for (int j = 0; j < 8; j++) v[j] = __ldcg(x4 + j);
         float sum[2] = {0.f, 0.f};
 #pragma unroll
-        for (int j = 0; j < 4; j++) { /* 8 values at a time: few registers (pstep runs at the cap) */
-            float t[8];
-            ps_in8(x, ch * 32 + 8 * j, tag, t);
-#pragma unroll
-            for (int i = 0; i < 8; i++) ss += t[i] * t[i];
-            if (normw)
-#pragma unroll
-                for (int i = 0; i < 8; i++) t[i] *= __ldg(normw + ch * 32 + 8 * j + i);
-            ((float4*)xs)[xswz(ch * 8 + 2 * j)] = make_float4(t[0], t[1], t[2], t[3]);
-            ((float4*)xs)[xswz(ch * 8 + 2 * j + 1)] = make_float4(t[4], t[5], t[6], t[7]);
-            sum[j >> 1] += ((t[0] + t[1]) + (t[2] + t[3])) + ((t[4] + t[5]) + (t[6] + t[7]));
+        for (int j = 0; j < 8; j++) {
+            float4 a = v[j];
+            ss += a.x * a.x + a.y * a.y + a.z * a.z + a.w * a.w;
+            if (normw) {
+                float4 nw = __ldg((const float4*)(normw + ch * 32) + j);
+                a = make_float4(a.x * nw.x, a.y * nw.y, a.z * nw.z, a.w * nw.w);
+            }
+            ((float4*)xs)[xswz(ch * 8 + j)] = a;
+            sum[j >> 2] += (a.x + a.y) + (a.z + a.w);
         }
         xsum[2 * ch] = sum[0];
         xsum[2 * ch + 1] = sum[1];
@@ -310,13 +284,12 @@ __device__ float ps_stage_x(const float* x, u32 tag, const float* normw, int n, 
     return ps_rms(ss, n, eps, red);
 }
 
-/* PX_GATED: o [hv*dv] normalized per head, times normw[c % dv] and silu(z[c]); o and z floats,
-   or LL words of tags to / tz (PS_LL_IN). i8 (the int8 build; dv / 8 divides 32, which the host
-   checks): one L2 round, not two: staging item (chunk c, word w) = 8 values is lane it % 32's,
-   so a head's dv / 8 items sit in adjacent lanes of one warp, which add their o^2 by shuffles
-   before quantizing; no block barrier in between. */
-__device__ void ps_stage_gated(const float* o, const float* z, u32 to, u32 tz, const float* normw, int hv, int dv,
-                               float eps, float* xs, float* xsum, float* hs, bool i8) {
+/* PX_GATED: o [hv*dv] normalized per head, times normw[c % dv] and silu(z[c]). i8 (the int8
+   build; dv / 8 divides 32, which the host checks): one L2 round, not two: staging item (chunk c,
+   word w) = 8 values is lane it % 32's, so a head's dv / 8 items sit in adjacent lanes of one
+   warp, which add their o^2 by shuffles before quantizing; no block barrier in between. */
+__device__ void ps_stage_gated(const float* o, const float* z, const float* normw, int hv, int dv, float eps,
+                               float* xs, float* xsum, float* hs, bool i8) {
     int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     if (i8) {
         int items = hv * dv / 8, lph = dv / 8;
@@ -325,11 +298,12 @@ __device__ void ps_stage_gated(const float* o, const float* z, u32 to, u32 tz, c
             int c = it >> 2, w = it & 3, c0 = 32 * c + 8 * w;
             float p[8], ss = 0.f; /* o * normw * silu(z), the head's norm applied after the sum */
             if (act) {
+                const float4 *o4 = (const float4*)(o + c0), *z4 = (const float4*)(z + c0);
                 const float4* n4 = (const float4*)(normw + c0 % dv);
-                float a[8], g[8];
-                ps_in8(o, c0, to, a);
-                ps_in8(z, c0, tz, g);
+                float4 a0 = __ldcg(o4), a1 = __ldcg(o4 + 1), g0 = __ldcg(z4), g1 = __ldcg(z4 + 1);
                 float4 n0 = __ldg(n4), n1 = __ldg(n4 + 1);
+                float a[8] = {a0.x, a0.y, a0.z, a0.w, a1.x, a1.y, a1.z, a1.w};
+                float g[8] = {g0.x, g0.y, g0.z, g0.w, g1.x, g1.y, g1.z, g1.w};
                 float nw[8] = {n0.x, n0.y, n0.z, n0.w, n1.x, n1.y, n1.z, n1.w};
 #pragma unroll
                 for (int j = 0; j < 8; j++) p[j] = a[j] * nw[j] * silu_f(g[j]), ss += a[j] * a[j];
@@ -346,7 +320,7 @@ __device__ void ps_stage_gated(const float* o, const float* z, u32 to, u32 tz, c
     for (int h = warp; h < hv; h += PS_WARPS) {
         float ss = 0.f;
         for (int c = lane; c < dv; c += 32) {
-            float v = ps_in1(o, h * dv + c, to);
+            float v = __ldcg(o + h * dv + c);
             ss += v * v;
         }
         ss = warp_sum(ss);
@@ -358,16 +332,13 @@ __device__ void ps_stage_gated(const float* o, const float* z, u32 to, u32 tz, c
         int c0 = ch * 32, h = c0 / dv;
         float r = hs[h], sum[2] = {0.f, 0.f};
 #pragma unroll
-        for (int j = 0; j < 4; j++) {
-            float a[8], g[8];
-            ps_in8(o, c0 + 8 * j, to, a);
-            ps_in8(z, c0 + 8 * j, tz, g);
-            const float* nw = normw + (c0 + 8 * j) % dv;
-#pragma unroll
-            for (int i = 0; i < 8; i++) a[i] *= r * __ldg(nw + i) * silu_f(g[i]);
-            ((float4*)xs)[xswz(ch * 8 + 2 * j)] = make_float4(a[0], a[1], a[2], a[3]);
-            ((float4*)xs)[xswz(ch * 8 + 2 * j + 1)] = make_float4(a[4], a[5], a[6], a[7]);
-            sum[j >> 1] += ((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7]));
+        for (int j = 0; j < 8; j++) {
+            float4 a = __ldcg((const float4*)(o + c0) + j), g = __ldcg((const float4*)(z + c0) + j);
+            float4 nw = __ldg((const float4*)(normw + (c0 % dv)) + j);
+            a = make_float4(a.x * r * nw.x * silu_f(g.x), a.y * r * nw.y * silu_f(g.y), a.z * r * nw.z * silu_f(g.z),
+                            a.w * r * nw.w * silu_f(g.w));
+            ((float4*)xs)[xswz(ch * 8 + j)] = a;
+            sum[j >> 2] += (a.x + a.y) + (a.z + a.w);
         }
         xsum[2 * ch] = sum[0];
         xsum[2 * ch + 1] = sum[1];
@@ -588,11 +559,7 @@ __device__ void ps_gdn(const PsPhase& P, float* red, float* qs, float* ks, const
             UQ += red[PS_WARPS * 32 + w * 32 + lane];
         }
         float delta = beta * (v - alpha * UK);
-        if (warp == 0 && valid) {
-            float y = alpha * UQ + delta * (tqk * rq * rk);
-            if (P.otag) ps_ll_store(out, h * dv + c, y, P.otag);
-            else out[h * dv + c] = y;
-        }
+        if (warp == 0 && valid) out[h * dv + c] = alpha * UQ + delta * (tqk * rq * rk);
         if (valid) {
             float kd = rk * delta;
 #pragma unroll
@@ -602,4 +569,3 @@ __device__ void ps_gdn(const PsPhase& P, float* red, float* qs, float* ks, const
         ps_cbar(); /* qs, ks, red are reused by the next task */
     }
 }
-

@@ -116,11 +116,8 @@ __device__ __forceinline__ void ps_row_out(const PsPhase& P, int row, float acc,
     float pv = __shfl_sync(0xffffffffu, prev, jj << 2);
     if (lane == 0) {
         float v = P.accumulate && P.kind != PS_MOE_GU ? pv + acc : acc;
-        if (P.ll & PS_LL_OUT) ps_ll_store(y, row, v, P.otag);
+        if (P.otag) ps_ll_store(y, row, v, P.otag);
         else y[row] = v;
-        if ((P.ll & PS_LL_Z) && row >= P.conv_c && row < P.conv_c + P.hv * P.dv)
-            ps_ll_store((float*)P.aux[5], row - P.conv_c, v, P.otag);
-        if (P.ll & PS_LL_X) ps_ll_store((float*)P.aux[4], row, v, P.otag);
     }
     if (P.conv_c > row) {
         int K = P.conv_k;
@@ -204,8 +201,7 @@ __device__ float ps_route(const PsPhase& G, const u64* ctr, u64 target, u32 tag,
             mb_arrive(&sm.route);
         }
     } else if (stage) {
-        ss = ps_stage_x_i8((const float*)G.x, G.xsrc ? ps_tag(sm.ep, G.xsrc - 1) : 0u, (const float*)G.normw, G.cols,
-                           xs, threadIdx.x - 32, PS_THREADS - 32);
+        ss = ps_stage_x_i8((const float*)G.x, (const float*)G.normw, G.cols, xs, threadIdx.x - 32, PS_THREADS - 32);
     }
     return stage ? ps_rms(ss, G.cols, G.eps, sm.red) : 1.f;
 }
@@ -252,13 +248,11 @@ extern "C" __global__ void __launch_bounds__(PS_THREADS + 32, 1)
             if (tr && tid == 0) tr[3] = ps_now();
             if (tid < pwords) {
                 u32 v = __ldg((const u32*)(phases + h.rel) + tid);
-                if (tid == PS_OTAG_WORD) v = phases[h.rel].ll & (PS_LL_OUT | PS_LL_Z | PS_LL_X) ? ps_tag(sm.ep, h.rel) : 0u;
+                if (tid == PS_OTAG_WORD) v = phases[h.rel].ll & PS_LL_OUT ? ps_tag(sm.ep, h.rel) : 0u;
                 ((u32*)&sm.cur)[tid] = v;
             }
             int kind = phases[h.rel].kind;
-            int pll = phases[h.rel].ll;
-            if (kind != PS_GDN && h.rel > 0 && ((!(pll & PS_LL_IN) && !phases[h.rel].xsrc) || (pll & PS_CTR)))
-                ps_wait_ctr(ctr, (u64)h.rel * nb, dbg);
+            if (kind != PS_GDN && h.rel > 0 && !(phases[h.rel].ll & PS_LL_IN)) ps_wait_ctr(ctr, (u64)h.rel * nb, dbg);
             ps_cbar();
             if (kind == PS_GDN) {
                 ps_gdn(P, sm.red, sm.qs, sm.ks, flags + (h.rel - 1) * nb, sm.ep, tr, dbg);
@@ -271,17 +265,17 @@ extern "C" __global__ void __launch_bounds__(PS_THREADS + 32, 1)
                     staged = h.rel; /* xs, xsum and rr hold this input already */
                 } else if (h.n > 0) {
                     staged = h.rel;
-                    bool ll = P.ll & PS_LL_IN; /* tags of the previous phase and the one before */
-                    u32 t1 = ll ? ps_tag(sm.ep, h.rel - 1) : 0u, t2 = ll ? ps_tag(sm.ep, h.rel - 2) : 0u;
-                    rr = 1.f;
                     if (P.kind == PS_MOE_DOWN)
-                        ps_stage_moe((const float*)P.x, t1, sm.wsel, P.topk + 1, P.cols, xs, xsum, i8);
+                        ps_stage_moe((const float*)P.x, P.ll & PS_LL_IN ? ps_tag(sm.ep, h.rel - 1) : 0u, sm.wsel,
+                                     P.topk + 1, P.cols, xs, xsum, i8),
+                            rr = 1.f;
                     else if (P.xf == PX_GATED)
-                        ps_stage_gated((const float*)P.x, (const float*)P.aux[3], t1, t2, (const float*)P.normw, P.hv,
-                                       P.dv, P.eps, xs, xsum, sm.hs, i8);
+                        ps_stage_gated((const float*)P.x, (const float*)P.aux[3], (const float*)P.normw, P.hv, P.dv,
+                                       P.eps, xs, xsum, sm.hs, i8),
+                            rr = 1.f;
                     else
-                        rr = ps_stage_x((const float*)P.x, P.xsrc ? ps_tag(sm.ep, P.xsrc - 1) : 0u,
-                                        P.xf == PX_RMS ? (const float*)P.normw : 0, P.cols, P.eps, xs, xsum, sm.red, i8);
+                        rr = ps_stage_x((const float*)P.x, P.xf == PX_RMS ? (const float*)P.normw : 0, P.cols, P.eps,
+                                        xs, xsum, sm.red, i8);
                 }
                 if (tr && tid == 0) tr[8] = ps_now();
             }
@@ -305,9 +299,8 @@ extern "C" __global__ void __launch_bounds__(PS_THREADS + 32, 1)
                     /* one release fence, then two strong relaxed writes: each is a release
                        pattern (one MEMBAR.GPU instead of three). A phase of LL outputs needs
                        none: its readers poll the words, and the next fenced phase end of this
-                       block releases them to the counter's later waiters; nor does a residual
-                       writer of LL words (PS_LL_X), whose floats only this block reads back. */
-                    if (!(P.ll & (PS_LL_OUT | PS_LL_X))) asm volatile("fence.acq_rel.gpu;" ::: "memory");
+                       block releases them to the counter's later waiters. */
+                    if (!(P.ll & PS_LL_OUT)) asm volatile("fence.acq_rel.gpu;" ::: "memory");
                     asm volatile("red.relaxed.gpu.global.add.u64 [%0], 1;" ::"l"(ctr) : "memory");
                     asm volatile("st.relaxed.gpu.global.u32 [%0], %1;" ::"l"(flag), "r"(sm.ep) : "memory");
                 }

@@ -24,9 +24,6 @@ const PX_RMS: i32 = 1;
 const PX_GATED: i32 = 2;
 const PS_LL_OUT: i32 = 1;
 const PS_LL_IN: i32 = 2;
-const PS_LL_Z: i32 = 4;
-const PS_LL_X: i32 = 8;
-const PS_CTR: i32 = 16;
 /// Consumer warps + the producer warp.
 const THREADS: u32 = 16 * 32 + 32;
 /// `sizeof(PsShared)` in pstep.cu, rounded up to 128.
@@ -60,17 +57,10 @@ struct PsPhase {
     /// staged it for the previous phase keeps that staging.
     same_x: i32,
     /// `PS_LL_OUT`: y is written as LL words (float | tag << 32); `PS_LL_IN`: the input is the
-    /// previous phase's LL words (a gated out-projection's z: the one before's), polled instead
-    /// of the phase counter; `PS_LL_Z` (a GDN input projection): rows `conv_c ..
-    /// conv_c + hv * dv` (the gate z) also go to `aux[5]` as LL words; `PS_LL_X` (a residual
-    /// writer): the rows also go to `aux[4]` as LL words; `PS_CTR`: waits for the phase counter
-    /// whatever its inputs.
+    /// previous phase's LL words, polled instead of the phase counter.
     ll: i32,
     /// 0 here; the kernel's copy of the phase holds its LL tag.
     otag: u32,
-    /// 1 + the index in its launch of the phase whose `PS_LL_X` words `x` points to (the input is
-    /// polled, no counter wait); 0: `x` is floats.
-    xsrc: i32,
     w: u64,
     s: u64,
     b: u64,
@@ -82,36 +72,6 @@ struct PsPhase {
 
 const PHASE_BYTES: usize = std::mem::size_of::<PsPhase>();
 const _: () = assert!(std::mem::offset_of!(PsPhase, otag) == 4 * 20, "PS_OTAG_WORD in pstep.cu");
-const _: () = assert!(std::mem::offset_of!(PsPhase, w) == 88 && PHASE_BYTES == 184, "struct PsPhase in pstep.cu");
-
-/// Which phase inputs pass as LL words (`LILY_PSTEP_LL`; pstep.cu's header): none (`0`), the
-/// MoE chain (`moe`: router → gate/up → down, the default; session 38, H100, 351.6 against 344.1
-/// tok/s at 4K), with the GDN chain (`gdn`: o and z → the gated out-projection), or all (`all`:
-/// also the residual x into every norm, so no phase waits on the counter; every intermediate
-/// buffer is then per layer, since no barrier orders a rewrite after the last read; refused
-/// unless `LILY_PSTEP_DEBUG` has bit 16: it faults in `lily bench`, session 39).
-#[derive(Clone, Copy, PartialEq, PartialOrd)]
-enum Ll {
-    Off,
-    Moe,
-    Gdn,
-    All,
-}
-
-/// Device buffers of the plan (LL words, per-layer intermediates), kept alive for the table.
-struct Keep<'a> {
-    g: &'a std::sync::Arc<Gpu>,
-    bufs: Vec<DevBuf>,
-}
-
-impl Keep<'_> {
-    fn zeros(&mut self, bytes: usize) -> Result<u64> {
-        let b = self.g.zeros(bytes)?;
-        let p = b.ptr;
-        self.bufs.push(b);
-        Ok(p)
-    }
-}
 
 /// One launch: phases `first..first + count`, then the attention of layer `attn` (if any).
 struct Seg {
@@ -137,11 +97,11 @@ pub(super) struct PsPlan {
     /// ns; pstep.cu lists them).
     trace: Option<DevBuf>,
     kinds: Vec<(i32, i32)>,
-    /// LL words and per-layer intermediates (`Ll`), kept alive for the table's pointers.
-    _bufs: Vec<DevBuf>,
+    /// LL words of the router's logits and of the experts' gate/up (unless `LILY_PSTEP_LL=0`), kept
+    /// alive for the table's pointers.
+    _ll: Option<(DevBuf, DevBuf, usize)>,
     /// `LILY_PSTEP_DEBUG` (measurement only, the `PS_DBG_*` bits of pstep.cu): 1 fixed experts, 2 the
-    /// old three-fence phase end, 4 waits end with an acquire load, 8 polls without sleeping; 16
-    /// lets `LILY_PSTEP_LL=all` run (host only).
+    /// old three-fence phase end, 4 waits end with an acquire load, 8 polls without sleeping.
     debug: i32,
 }
 
@@ -177,7 +137,7 @@ fn gemv(w: &GpuLinear, xf: i32, x: u64, normw: u64, eps: f32, y: u64, accumulate
 }
 
 /// Whether the persistent step is asked for (`LILY_CUDA_DECODE=persistent`; off by default
-/// until it beats the graph: 338 against 515 tok/s at 4K on an H100 in session 39,
+/// until it beats the graph: 353 against 515 tok/s at 4K on an H100 in session 40,
 /// docs/perf-log.md).
 pub(super) fn wanted() -> bool {
     std::env::var("LILY_CUDA_DECODE").is_ok_and(|v| v == "persistent")
@@ -213,67 +173,28 @@ impl PsPlan {
         if taps == 0 || taps > 4 {
             bail!("conv kernel of {taps} taps (the step takes 1 to 4)");
         }
-        let debug: i32 = std::env::var("LILY_PSTEP_DEBUG").ok().and_then(|v| v.parse().ok()).unwrap_or(0);
-        let mut ll = match std::env::var("LILY_PSTEP_LL").as_deref() {
-            Ok("0") => Ll::Off,
-            Ok("gdn") => Ll::Gdn,
-            Ok("all") => Ll::All,
-            Ok("moe") | Err(_) => Ll::Moe,
-            Ok(v) => bail!("LILY_PSTEP_LL={v}: expected 0, moe, gdn or all"),
-        };
-        if e > 512 {
-            ll = Ll::Off; // route_warp_smem ranks up to 512 LL logits
-        }
-        // Session 39: `all` passes the model test and a 16-step trace, but `lily bench` at 4K (a
-        // warm-up run, a reset, 64 steps) faults with an illegal address; debugging only.
-        if ll == Ll::All && debug & 16 == 0 {
-            bail!("LILY_PSTEP_LL=all faults in `lily bench` (illegal address, not yet understood); LILY_PSTEP_DEBUG bit 16 runs it anyway, for debugging");
-        }
-        let inter = m.layers.iter().find_map(|l| match &l.ffn {
-            GFfn::Moe { experts, .. } => Some(experts.gate_up.rows),
+        let f32p = |b: &DevBuf, off: usize| b.ptr + 4 * off as u64;
+        // LL words for the MoE's chain (router → gate/up → down): each phase polls its input's
+        // words instead of the phase counter (route_warp_smem takes up to 512 experts). On by
+        // default (`LILY_PSTEP_LL=0` off): session 38, H100, 351.6 against 344.1 tok/s at 4K.
+        let ll = match std::env::var("LILY_PSTEP_LL").as_deref() {
+            Ok("0") => None,
+            _ if e <= 512 => {
+                let inter = m.layers.iter().find_map(|l| match &l.ffn {
+                    GFfn::Moe { experts, .. } => Some(experts.gate_up.rows),
+                    _ => None,
+                });
+                let inter = inter.unwrap_or(0);
+                Some((g.zeros(8 * (e + 1))?, g.zeros(8 * (k + 1) * 2 * inter)?, inter))
+            }
             _ => None,
-        });
-        let inter = inter.unwrap_or(0);
-        let mut keep = Keep { g, bufs: Vec::new() };
-        // buffers shared by the layers unless Ll::All (the counter waits order their reuse)
-        let (logits_ll, egu_ll) = match ll {
-            Ll::Moe | Ll::Gdn => (keep.zeros(8 * (e + 1))?, keep.zeros(8 * (k + 1) * 2 * inter)?),
-            _ => (0, 0),
         };
-        let (o_ll, z_ll) = if ll == Ll::Gdn { (keep.zeros(8 * vd)?, keep.zeros(8 * vd)?) } else { (0, 0) };
-        // Ll::All: the phase (index, LL words) that last wrote the residual x
-        let mut xw: Option<(usize, u64)> = None;
         let mut phases: Vec<PsPhase> = Vec::new();
         let mut segs = Vec::new();
         let mut first = 0;
         let mut mats: Vec<&GpuLinear> = Vec::new();
         let mut xmax = 0usize;
         let mut unit = 0usize; // the largest indivisible chunk (one row of every matrix it spans)
-        let all = ll == Ll::All;
-        // A phase reading the residual x: the last writer's LL words where Ll::All and that
-        // writer is in the same launch (from `first`), else the floats (the embedding, or across
-        // a launch boundary).
-        // `floats`: a phase of this launch read the floats (the embedding), so the next writer
-        // waits for the counter (every block past that read) before it rewrites them.
-        let floats = std::cell::Cell::new(false);
-        let read_x =
-            |p: &mut PsPhase, xw: Option<(usize, u64)>, first: usize| match xw.filter(|&(i, _)| all && i >= first) {
-                Some((i, words)) => (p.x, p.xsrc) = (words, (i - first + 1) as i32),
-                None => floats.set(true),
-            };
-        // A phase adding into x (rows owned by the same block in every such phase, which reads
-        // its own floats back): under Ll::All it also writes LL words for the next readers.
-        let write_x = |p: &mut PsPhase, keep: &mut Keep, at: usize| -> Result<Option<(usize, u64)>> {
-            if !all {
-                return Ok(None);
-            }
-            if floats.replace(false) {
-                p.ll |= PS_CTR;
-            }
-            p.ll |= PS_LL_X;
-            p.aux[4] = keep.zeros(8 * h)?;
-            Ok(Some((at, p.aux[4])))
-        };
         for (li, (layer, st)) in m.layers.iter().zip(states).enumerate() {
             let (inorm, pnorm) = (layer.input_norm.ptr, layer.post_norm.ptr);
             match (&layer.mixer, st) {
@@ -282,25 +203,12 @@ impl PsPlan {
                     if f.rows < cd + vd + 2 * hv {
                         bail!("layer {li}: GDN projection of {} rows", f.rows);
                     }
-                    if out.cols != vd {
-                        bail!("layer {li}: GDN out-projection width {} != {vd}", out.cols);
-                    }
-                    // the projection's rows and the conv outputs: per layer under Ll::All
-                    let (yp, cy) =
-                        if all { (keep.zeros(4 * f.rows)?, keep.zeros(4 * cd)?) } else { (s.proj.ptr, s.conv.ptr) };
-                    let (o, z) = if all { (keep.zeros(8 * vd)?, keep.zeros(8 * vd)?) } else { (o_ll, z_ll) };
-                    let gll = ll >= Ll::Gdn;
-                    let mut p = gemv(f, PX_RMS, s.x.ptr, inorm, eps, yp, false);
-                    read_x(&mut p, xw, first);
+                    let mut p = gemv(f, PX_RMS, s.x.ptr, inorm, eps, s.proj.ptr, false);
                     (p.conv_c, p.conv_k) = (cd as i32, taps as i32);
-                    p.aux[..3].copy_from_slice(&[cs.ptr, conv.ptr, cy]);
-                    if gll {
-                        (p.ll, p.hv, p.dv, p.aux[5]) = (PS_LL_Z, hv as i32, dv as i32, z);
-                    }
+                    p.aux[..3].copy_from_slice(&[cs.ptr, conv.ptr, s.conv.ptr]);
                     let in_rows = p.rows;
                     phases.push(p);
                     // rows / conv_c: the input projection's, whose blocks' shares a task waits for
-                    let yf = |off: usize| yp + 4 * off as u64;
                     phases.push(PsPhase {
                         kind: PS_GDN,
                         rows: in_rows,
@@ -309,32 +217,26 @@ impl PsPlan {
                         hv: hv as i32,
                         dk: dk as i32,
                         dv: dv as i32,
-                        x: cy,
-                        y: if gll { o } else { s.o.ptr },
-                        ll: if gll { PS_LL_OUT } else { 0 },
-                        aux: [yf(cd + vd), yf(cd + vd + hv), dt_bias.ptr, neg_a.ptr, rec.ptr, 0],
+                        x: s.conv.ptr,
+                        y: s.o.ptr,
+                        aux: [f32p(&s.proj, cd + vd), f32p(&s.proj, cd + vd + hv), dt_bias.ptr, neg_a.ptr, rec.ptr, 0],
                         ..Default::default()
                     });
                     let mut p = gemv(out, PX_GATED, s.o.ptr, norm.ptr, eps, s.x.ptr, true);
                     (p.hv, p.dv) = (hv as i32, dv as i32);
-                    p.aux[3] = yf(cd);
-                    if gll {
-                        (p.ll, p.x, p.aux[3]) = (PS_LL_IN, o, z);
+                    p.aux[3] = f32p(&s.proj, cd);
+                    if out.cols != vd {
+                        bail!("layer {li}: GDN out-projection width {} != {vd}", out.cols);
                     }
-                    xw = write_x(&mut p, &mut keep, phases.len())?.or(xw);
                     phases.push(p);
                     mats.extend([f, out]);
                 }
                 (GMixer::Attn { proj, o, .. }, GState::Attn { .. }) => {
                     let Some(f) = &proj.fused else { bail!("layer {li}: the attention projections differ in format") };
-                    let mut p = gemv(f, PX_RMS, s.x.ptr, inorm, eps, s.proj.ptr, false);
-                    read_x(&mut p, xw, first);
-                    phases.push(p);
+                    phases.push(gemv(f, PX_RMS, s.x.ptr, inorm, eps, s.proj.ptr, false));
                     segs.push(Seg { first, count: phases.len() - first, attn: Some(li) });
                     first = phases.len();
-                    let mut p = gemv(o, PX_PLAIN, s.o.ptr, 0, eps, s.x.ptr, true);
-                    xw = write_x(&mut p, &mut keep, phases.len())?.or(xw);
-                    phases.push(p);
+                    phases.push(gemv(o, PX_PLAIN, s.o.ptr, 0, eps, s.x.ptr, true));
                     mats.extend([f, o]);
                 }
                 _ => bail!("layer {li}: state does not match the layer kind"),
@@ -346,22 +248,15 @@ impl PsPlan {
                     if r.rows * r.count != e + 1 || gu.cols != h || dn.rows != h || dn.cols != gu.rows {
                         bail!("layer {li}: MoE shapes do not match the config");
                     }
-                    let mll = ll >= Ll::Moe;
-                    if mll && inter != gu.rows {
+                    if ll.as_ref().is_some_and(|l| l.2 != gu.rows) {
                         bail!("layer {li}: expert widths differ across layers");
                     }
-                    let (logits, egu) = match ll {
-                        Ll::Off => (s.router.ptr, s.egu.ptr),
-                        Ll::All => (keep.zeros(8 * (e + 1))?, keep.zeros(8 * (k + 1) * 2 * inter)?),
-                        _ => (logits_ll, egu_ll),
-                    };
+                    let (logits, egu) = ll.as_ref().map_or((s.router.ptr, s.egu.ptr), |(a, b, _)| (a.ptr, b.ptr));
                     let mut p = gemv(r, PX_RMS, s.x.ptr, pnorm, eps, logits, false);
-                    read_x(&mut p, xw, first);
-                    p.ll = if mll { PS_LL_OUT } else { 0 };
+                    p.ll = if ll.is_some() { PS_LL_OUT } else { 0 };
                     phases.push(p);
                     let mut p = gemv(gu, PX_RMS, s.x.ptr, pnorm, eps, egu, false);
-                    read_x(&mut p, xw, first);
-                    p.ll = if mll { PS_LL_OUT | PS_LL_IN } else { 0 };
+                    p.ll = if ll.is_some() { PS_LL_OUT | PS_LL_IN } else { 0 };
                     (p.kind, p.rows, p.nexp, p.topk, p.renorm, p.same_x) =
                         (PS_MOE_GU, gu.rows as i32, e as i32, k as i32, c.norm_topk_prob as i32, 1);
                     p.aux[0] = logits;
@@ -371,8 +266,7 @@ impl PsPlan {
                     phases.push(p);
                     let mut p = gemv(dn, PX_PLAIN, egu, 0, eps, s.x.ptr, true);
                     (p.kind, p.rows, p.topk) = (PS_MOE_DOWN, dn.rows as i32, k as i32);
-                    p.ll = if mll { PS_LL_IN } else { 0 };
-                    xw = write_x(&mut p, &mut keep, phases.len())?.or(xw);
+                    p.ll = if ll.is_some() { PS_LL_IN } else { 0 };
                     phases.push(p);
                     mats.extend([r, gu]);
                     if !takes(dn) {
@@ -386,9 +280,7 @@ impl PsPlan {
         }
         let lm_head = takes(&m.lm_head) && m.lm_head.count == 1;
         if lm_head {
-            let mut p = gemv(&m.lm_head, PX_RMS, s.x.ptr, m.norm.ptr, eps, s.logits.ptr, false);
-            read_x(&mut p, xw, first);
-            phases.push(p);
+            phases.push(gemv(&m.lm_head, PX_RMS, s.x.ptr, m.norm.ptr, eps, s.logits.ptr, false));
             mats.push(&m.lm_head);
         }
         segs.push(Seg { first, count: phases.len() - first, attn: None });
@@ -437,7 +329,8 @@ impl PsPlan {
             _ => None,
         };
         let kinds = phases.iter().map(|p| (p.kind, p.rows)).collect();
-        Ok(PsPlan { table, segs, ctr, flags, slot, slots, xmax, smem, lm_head, trace, kinds, _bufs: keep.bufs, debug })
+        let debug = std::env::var("LILY_PSTEP_DEBUG").ok().and_then(|v| v.parse().ok()).unwrap_or(0);
+        Ok(PsPlan { table, segs, ctr, flags, slot, slots, xmax, smem, lm_head, trace, kinds, _ll: ll, debug })
     }
 
     fn launch(&self, g: &Gpu, first: usize, count: usize) -> Result<()> {
