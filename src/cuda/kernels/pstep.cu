@@ -123,6 +123,8 @@ struct PsShared {
     float qs[256], ks[256];
 };
 
+/* src/cuda/model/pstep.rs writes the table in this layout (it asserts the same size). */
+static_assert(sizeof(PsPhase) == 184, "PsPhase changed: update struct PsPhase in pstep.rs");
 /* src/cuda/model/pstep.rs sizes the dynamic shared memory with this (SHARED_FIXED). */
 static_assert((sizeof(PsShared) + 127) / 128 * 128 == 12288, "PsShared changed: update SHARED_FIXED in pstep.rs");
 

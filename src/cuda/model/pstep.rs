@@ -71,6 +71,7 @@ struct PsPhase {
 }
 
 const PHASE_BYTES: usize = std::mem::size_of::<PsPhase>();
+const _: () = assert!(PHASE_BYTES == 184, "struct PsPhase in pstep.cu (its static_assert)");
 const _: () = assert!(std::mem::offset_of!(PsPhase, otag) == 4 * 20, "PS_OTAG_WORD in pstep.cu");
 
 /// One launch: phases `first..first + count`, then the attention of layer `attn` (if any).
