@@ -71,6 +71,7 @@ for line in sys.stdin:
         LILY_REQUIRE_NVRTC=1 LILY_PTX_EXPORT="$PWD/.gpu/stage/kcache" cargo test --release --test cuda_compile -q 2>&1 | tail -1
     done
   fi
+  bash scripts/topk_time.sh >/dev/null # .gpu/topk_time.cu, which the device half builds with nvcc
   cp target/release/lily .gpu/stage/bin/lily
   cp target/release/examples/gemv_bench .gpu/stage/bin/gemv_bench
   cp target/release/examples/attn_bench .gpu/stage/bin/attn_bench
@@ -127,13 +128,20 @@ for spec in $TESTS; do
   if ! env ${TEST_ENV:-} timeout "${TEST_TIMEOUT:-600}" .gpu/x/bin/$t ${fargs[@]+"${fargs[@]}"} --test-threads=1 --nocapture >"$log" 2>&1; then status=1; fi
   grep -E "^test |test result|SKIPPED|worst|panicked|nmse .*e-0[0-8]" "$log" | head -60 || true
   if [ "$t" = cuda_kernels ]; then
-    # the routed MoE kernels again with the block-wide top-k (route_rank; pstep always uses it)
-    # and with redux (the weights by one lane; the default is redux2, the weights by the lanes)
-    for form in rank redux; do
+    # the routed MoE kernels again with the block-wide top-k (route_rank), with redux (the
+    # weights by one lane) and redux2 (by the lanes; the persistent step's); the default is thresh
+    for form in rank redux redux2; do
       echo "== cuda_kernels moe, LILY_CUDA_ROUTE=$form"
       if ! LILY_CUDA_ROUTE=$form .gpu/x/bin/$t moe --test-threads=1 >"$OUTDIR/$t.$form.log" 2>&1; then status=1; fi
       grep -E "^test |test result|panicked" "$OUTDIR/$t.$form.log" || true
     done
+    # the register top-k forms' picks and weight bits against route_topk, on random, tied, NaN,
+    # signed-zero and -inf logits, then their latency (scripts/topk_time.sh; nvcc)
+    if [ -f .gpu/topk_time.cu ] && command -v nvcc >/dev/null; then
+      echo "== top-k forms against route_topk (scripts/topk_time.sh)"
+      if ! bash scripts/topk_time.sh device >"$OUTDIR/topk_time.log" 2>&1; then status=1; fi
+      grep -E "^check|mismatch|^\|" "$OUTDIR/topk_time.log" || true
+    fi
   fi
 done
 if [ -n "${GEMV_BENCH:-}" ]; then

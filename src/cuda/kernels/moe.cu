@@ -102,13 +102,18 @@ __device__ __forceinline__ float route_key_value(u64 k) {
    route_topk's order. SMEM: the logits are in shared memory (moe_fused_qr), else global (read
    through L2). */
 template <int VPL, bool SMEM = false>
-__device__ __forceinline__ void route_regs_softmax(const float* logits, int E, int shared, float (&v)[VPL], float& gate,
-                                                   float& mx, float& tot, bool need_tot = true) {
+__device__ __forceinline__ void route_regs_load(const float* logits, int E, int shared, float (&v)[VPL], float& gate) {
     int lane = threadIdx.x & 31;
     auto ld = [&](int i) { return SMEM ? logits[i] : __ldcg(logits + i); };
     gate = shared && lane == 0 ? ld(E) : 0.f;
 #pragma unroll
     for (int j = 0; j < VPL; j++) v[j] = lane + 32 * j < E ? ld(lane + 32 * j) : 0.f;
+}
+template <int VPL, bool SMEM = false>
+__device__ __forceinline__ void route_regs_softmax(const float* logits, int E, int shared, float (&v)[VPL], float& gate,
+                                                   float& mx, float& tot, bool need_tot = true) {
+    int lane = threadIdx.x & 31;
+    route_regs_load<VPL, SMEM>(logits, E, shared, v, gate);
     mx = -INFINITY;
 #pragma unroll
     for (int j = 0; j < VPL; j++)
@@ -254,17 +259,143 @@ __device__ __forceinline__ void route_topk_redux(const float* logits, int E, int
     __syncwarp();
 }
 
-/* The top-K of one warp by LILY_CUDA_ROUTE's form (`mode`: 3 redux, the default; 4 redux2, redux
-   with the weights by the lanes; 2 reg; where they take E and K), else route_topk. */
+/* route_topk_redux<PW> out of line: route_topk_thresh's fallback, kept out of its callers' code. */
+template <int VPL, bool SMEM>
+__device__ __noinline__ void route_topk_redux_call(const float* logits, int E, int K, int renorm, int shared, int* chosen,
+                                                   float* wsel) {
+    route_topk_redux<VPL, true, SMEM>(logits, E, K, renorm, shared, chosen, wsel);
+}
+
+/* route_topk_redux's picks and weights without its K dependent rounds (LILY_CUDA_ROUTE=thresh,
+   K <= 32, E <= 32 VPL), in fewer instructions: one warp issues this alone, so its time is about
+   its instruction count times the dependent-issue latency (scripts/topk_time.sh).
+   Order keys as route_key (NaN as -inf by fmaxf, -0 as +0 by adding +0; 0 = past E), lane l's
+   largest lm_l. The K-th largest of the 32 lm is a lower bound L of the K-th largest key (the K
+   lanes at or above it hold K distinct keys >= L), so every pick is among the c keys >= L (c ~ K
+   to 2K on real logits). One pass over a shared copy of the lm counts each lane's lanes above
+   (L = the least lm with fewer than K above); ballots over the per-lane counts give each lane its
+   offset; the c candidates are written compactly as route_key's 64-bit (key, index) words, which
+   are distinct and order as route_topk picks, and lane i ranks candidate i by counting the larger
+   words (slots past c hold 0). Lane r < K holds pick r; its exp is summed over the picks in pick
+   order through shared memory and each lane divides its own, as route_topk_redux<PW>, with the
+   max = the first pick's key: the same bits. c > 32 (many equal logits): route_topk_redux<PW>.
+   Scratch: 96 words of static shared memory, so one warp of a block at a time. */
+template <int VPL, bool SMEM = false>
+__device__ __forceinline__ void route_topk_thresh(const float* logits, int E, int K, int renorm, int shared,
+                                                  int* chosen, float* wsel) {
+    __shared__ __align__(16) u64 s_pk[32];
+    __shared__ __align__(16) u32 s_lm[32];
+    const int lane = threadIdx.x & 31;
+    float gate, v[VPL];
+    route_regs_load<VPL, SMEM>(logits, E, shared, v, gate);
+    u32 key[VPL], lm = 0;
+#pragma unroll
+    for (int j = 0; j < VPL; j++) {
+        u32 u = __float_as_uint(fmaxf(v[j], -INFINITY) + 0.f);
+        u ^= (u32)((int)u >> 31) | 0x80000000u;
+        key[j] = lane + 32 * j < E ? u : 0u;
+        lm = max(lm, key[j]);
+    }
+    const u32 h = lm >> 1; /* L from 31-bit keys: a lower bound still, and (h - q) >> 31 = (q > h) */
+    s_lm[lane] = h;
+    __syncwarp();
+    u32 above[4] = {0, 0, 0, 0};
+#pragma unroll
+    for (int m = 0; m < 32; m += 4) {
+        uint4 q = *(const uint4*)(s_lm + m);
+        above[0] += (h - q.x) >> 31;
+        above[1] += (h - q.y) >> 31;
+        above[2] += (h - q.z) >> 31;
+        above[3] += (h - q.w) >> 31;
+    }
+    const u32 L = __reduce_min_sync(0xffffffffu, above[0] + above[1] + above[2] + above[3] < (u32)K ? h : 0xffffffffu) << 1;
+    const u32 top = __reduce_max_sync(0xffffffffu, lm);
+    u32 cm = 0; /* this lane's candidates, bit j */
+#pragma unroll
+    for (int j = 0; j < VPL; j++) cm |= (u32)(key[j] >= L) << j;
+    const int cnt = __popc(cm);
+    const u32 lt = (1u << lane) - 1u;
+    int c = 0, off = 0;
+#pragma unroll
+    for (int b = 0; b < (VPL > 8 ? 5 : 4); b++) {
+        u32 bb = __ballot_sync(0xffffffffu, (cnt >> b) & 1);
+        c += __popc(bb) << b;
+        off += __popc(bb & lt) << b;
+    }
+    if (c > 32) { /* warp-uniform */
+        route_topk_redux_call<VPL, SMEM>(logits, E, K, renorm, shared, chosen, wsel);
+        return;
+    }
+    float mx, tot = 0.f;
+    if (renorm) {
+        mx = route_key_value((u64)top << 32);
+    } else { /* the sum over all E in route_regs_softmax's order, and its max */
+        mx = -INFINITY;
+#pragma unroll
+        for (int j = 0; j < VPL; j++)
+            if (lane + 32 * j < E) mx = fmaxf(mx, v[j]);
+        mx = warp_max(mx);
+#pragma unroll
+        for (int j = 0; j < VPL; j++)
+            if (lane + 32 * j < E) tot += expf(v[j] - mx);
+        tot = warp_sum(tot);
+    }
+    if (lane >= c) s_pk[lane] = 0ull; /* below every candidate */
+#pragma unroll
+    for (int j = 0; j < VPL; j++)
+        if ((cm >> j) & 1)
+            s_pk[off + __popc(cm & ((1u << j) - 1u))] = ((u64)key[j] << 32) | (u64)(0xffffffffu - (u32)(lane + 32 * j));
+    __syncwarp();
+    const u64 mine = s_pk[lane];
+    int r = 0;
+#pragma unroll 1
+    for (int m = 0; m < c; m += 4) { /* slots m..m+3 < 32: those past c hold 0 */
+        ulonglong2 a = *(const ulonglong2*)(s_pk + m), b = *(const ulonglong2*)(s_pk + m + 2);
+        r += (a.x > mine) + (a.y > mine) + (b.x > mine) + (b.y > mine);
+    }
+    const bool pick = r < K; /* lanes >= c hold 0, below all c >= K candidates */
+    const float ek = pick ? expf(route_key_value(mine) - mx) : 0.f;
+    float* s_e = (float*)s_lm; /* s_lm's reads are behind the reductions above */
+    if (pick) s_e[r] = ek;
+    __syncwarp();
+    float den = tot;
+    if (renorm) {
+        den = 0.f;
+#pragma unroll 1
+        for (int k = 0; k < K; k += 4) { /* route_topk's order; s_e[K..] may be stale: not added */
+            float4 q = *(const float4*)(s_e + k);
+            den += q.x;
+            if (k + 1 < K) den += q.y;
+            if (k + 2 < K) den += q.z;
+            if (k + 3 < K) den += q.w;
+        }
+    }
+    if (pick) {
+        chosen[r] = (int)(0xffffffffu - (u32)mine);
+        wsel[r] = ek / den;
+    }
+    if (shared && lane == 0) {
+        chosen[K] = E;
+        wsel[K] = sigmoid_f(gate);
+    }
+    __syncwarp();
+}
+
+/* The top-K of one warp by LILY_CUDA_ROUTE's form (`mode`: 5 thresh, 4 redux2 (redux with the
+   weights by the lanes), 3 redux, 2 reg; where they take E and K), else route_topk. */
 __device__ __forceinline__ void route_warp(int mode, const float* logits, int E, int K, int renorm, int shared,
                                           float* ls, int* chosen, float* wsel) {
-    if (mode == 4 && E <= 256 && K <= 32)
+    if (mode == 5 && E <= 256 && K <= 32)
+        route_topk_thresh<8>(logits, E, K, renorm, shared, chosen, wsel);
+    else if (mode == 5 && E <= 512 && K <= 32)
+        route_topk_thresh<16>(logits, E, K, renorm, shared, chosen, wsel);
+    else if ((mode == 4 || mode == 5) && E <= 256 && K <= 32)
         route_topk_redux<8, true>(logits, E, K, renorm, shared, chosen, wsel);
-    else if (mode == 4 && E <= 512 && K <= 32)
+    else if ((mode == 4 || mode == 5) && E <= 512 && K <= 32)
         route_topk_redux<16, true>(logits, E, K, renorm, shared, chosen, wsel);
-    else if ((mode == 3 || mode == 4) && E <= 256)
+    else if (mode >= 3 && E <= 256)
         route_topk_redux<8>(logits, E, K, renorm, shared, chosen, wsel);
-    else if ((mode == 3 || mode == 4) && E <= 512)
+    else if (mode >= 3 && E <= 512)
         route_topk_redux<16>(logits, E, K, renorm, shared, chosen, wsel);
     else if (mode == 2 && E <= 256 && K <= 8)
         route_topk_reg<8, 8>(logits, E, K, renorm, shared, chosen, wsel);
@@ -274,13 +405,18 @@ __device__ __forceinline__ void route_warp(int mode, const float* logits, int E,
         route_topk(logits, E, K, renorm, shared, ls, chosen, wsel);
 }
 
-/* The top-K of one warp from logits in shared memory (moe_fused_qr; E <= 512, the shared expert
-   as slot K): route_topk_redux, with the weights by the lanes in mode 4 (redux2). */
+/* The top-K of one warp from logits in shared memory (moe_fused_qr, the persistent step; E <=
+   512, the shared expert as slot K): route_topk_thresh in mode 5, else route_topk_redux, with the
+   weights by the lanes in mode 4 (redux2). */
 __device__ __forceinline__ void route_warp_smem(int mode, const float* ls, int E, int K, int renorm, int* chosen,
                                                float* wsel) {
-    if (mode == 4 && K <= 32 && E <= 256)
+    if (mode == 5 && K <= 32 && E <= 256)
+        route_topk_thresh<8, true>(ls, E, K, renorm, 1, chosen, wsel);
+    else if (mode == 5 && K <= 32)
+        route_topk_thresh<16, true>(ls, E, K, renorm, 1, chosen, wsel);
+    else if (mode >= 4 && K <= 32 && E <= 256)
         route_topk_redux<8, true, true>(ls, E, K, renorm, 1, chosen, wsel);
-    else if (mode == 4 && K <= 32)
+    else if (mode >= 4 && K <= 32)
         route_topk_redux<16, true, true>(ls, E, K, renorm, 1, chosen, wsel);
     else if (E <= 256)
         route_topk_redux<8, false, true>(ls, E, K, renorm, 1, chosen, wsel);

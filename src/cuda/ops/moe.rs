@@ -10,15 +10,17 @@ use super::super::Gpu;
 use super::{blocks, gemv_default, GemvKernel, GpuLinear, GEMV_XMAX};
 use anyhow::{bail, Context, Result};
 
-/// How the decode MoE kernels pick the top-k: 4 one warp with the logits in registers, two warp
-/// reductions per pick and the weights computed by the lanes, one exp and one division deep, with
-/// no softmax sum over all experts when the weights are renormalized (`route_topk_redux<.., true>`
-/// in moe.cu, "redux2", the default since session 36: +1.3% decode at 4K on the H200), 3 the
-/// same picks with the weights by one lane (`LILY_CUDA_ROUTE=redux`: the default of sessions
-/// 32-35, +3.7% over `warp`), 0 one warp over a shared copy (`LILY_CUDA_ROUTE=warp`:
-/// `route_topk`), 1 the whole block (`LILY_CUDA_ROUTE=rank`: `route_rank`), 2 one warp in
-/// registers with sorted lists (`LILY_CUDA_ROUTE=reg`: `route_topk_reg`, measured 1.2% slower).
-/// All five give the same picks and weight bits.
+/// How the decode MoE kernels pick the top-k: 5 one warp with the logits in registers, the picks
+/// among the keys above a bound from each lane's largest, ranked by counting (`route_topk_thresh`
+/// in moe.cu, "thresh", the default since session 41: 1,943 against 3,166 cycles per top-8 of 256
+/// on an H100, scripts/topk_time.sh), 4 two warp reductions per pick and the weights computed by
+/// the lanes (`LILY_CUDA_ROUTE=redux2`: `route_topk_redux<.., true>`, the default of sessions
+/// 36-40), 3 the same picks with the weights by one lane (`LILY_CUDA_ROUTE=redux`), 0 one warp
+/// over a shared copy (`LILY_CUDA_ROUTE=warp`: `route_topk`), 1 the whole block
+/// (`LILY_CUDA_ROUTE=rank`: `route_rank`), 2 one warp in registers with sorted lists
+/// (`LILY_CUDA_ROUTE=reg`: `route_topk_reg`). All six give the same picks and weight bits. The
+/// persistent step keeps redux2: thresh inlined there raises its spills from 108 to 376 bytes
+/// (out of line, to 140).
 fn route_rank() -> i32 {
     static ON: std::sync::OnceLock<i32> = std::sync::OnceLock::new();
     *ON.get_or_init(|| match std::env::var("LILY_CUDA_ROUTE").as_deref() {
@@ -26,7 +28,8 @@ fn route_rank() -> i32 {
         Ok("rank") => 1,
         Ok("reg") => 2,
         Ok("redux") => 3,
-        _ => 4,
+        Ok("redux2") => 4,
+        _ => 5,
     })
 }
 
