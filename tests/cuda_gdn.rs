@@ -92,7 +92,8 @@ fn gdn_test_step(
 
 /// conv_step + gdn_step for several tokens (state carried) against the CPU ops of model.rs; the
 /// row-split kernel with a ragged last part (D_k 40) at D_v 256 and 64, and the serial one
-/// (D_v x D_k too large for one block: the last shape).
+/// (D_v x D_k too large for one block: the last shape); gdn_step_c4 where it takes the shape
+/// (D_v 128: Qwen3.6's 128 x 128 and a ragged D_k 40).
 #[test]
 fn gdn_decode_steps_match_cpu() {
     let Some(g) = gpu() else { return };
@@ -100,6 +101,7 @@ fn gdn_decode_steps_match_cpu() {
     for (hk, hv, dk, dv) in [
         (2usize, 4usize, 32usize, 32usize),
         (16, 32, 128, 128),
+        (1, 3, 40, 128),
         (2, 4, 40, 256),
         (3, 3, 64, 96),
         (2, 4, 40, 64),
@@ -121,6 +123,10 @@ fn gdn_decode_steps_match_cpu() {
         let par = dv % 32 == 0 && dv * dk.div_ceil(32) <= 1024 && dk <= 256;
         let (grec_e, ob_e) = (gb(&rec), gb(&vec![f32::NAN; vd]));
         let (grec_p, ob_p) = (gb(&rec), gb(&vec![f32::NAN; vd]));
+        // gdn_step_c4 (LILY_CUDA_GDN_STEP=c4: a cluster of 4 blocks per value head) on its own
+        // state, where it takes the shape, against the CPU
+        let (grec_c, ob_c) = (gb(&rec), gb(&vec![f32::NAN; vd]));
+        let c4 = g.gdn_step_c4_ok(&base);
         for step in 0..5 {
             let qkv = uniform(&mut r, c, 2.0);
             let z = uniform(&mut r, vd, 2.0);
@@ -148,6 +154,13 @@ fn gdn_decode_steps_match_cpu() {
                 assert_eq!(bits(&ob_e, vd), bits(&ob_p, vd), "{name}: gdn_step_par_e output");
                 assert_eq!(bits(&grec_e, rec.len()), bits(&grec_p, rec.len()), "{name}: gdn_step_par_e state");
                 check(&format!("{name} early out"), &ob_e.read_f32(0, vd).unwrap(), &o, 1e-8);
+            }
+            if c4 {
+                let st =
+                    lily::cuda::GdnStep { b: bb.ptr, a: ab.ptr, z: zb.ptr, state: grec_c.ptr, out: ob_c.ptr, ..base };
+                g.gdn_step_c4(&st).unwrap();
+                check(&format!("{name} c4 out"), &ob_c.read_f32(0, vd).unwrap(), &o, 1e-8);
+                check(&format!("{name} c4 state"), &grec_c.read_f32(0, rec.len()).unwrap(), &rec, 1e-8);
             }
         }
     }

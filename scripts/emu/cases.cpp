@@ -185,6 +185,53 @@ static void gdn_case(int hk, int hv, int dk, int dv) {
     fails += !same;
     report(buf, nmse(o1.data(), want));
 }
+// gdn_step_c4's body (LILY_CUDA_GDN_STEP=c4): each value head on a cluster of 4 blocks (run
+// concurrently, with the cluster exchange of the norm's partial sums), against the CPU math
+static void gdn_c4_case(int hk, int hv, int dk) {
+    const int dv = 128, kd = hk * dk;
+    std::vector<float> y(2 * kd + hv * dv), b(hv), a(hv), z(hv * dv), dtb(hv), na(hv), nw(dv), S((size_t)hv * dk * dv);
+    for (auto& v : y) v = U();
+    for (auto* vec : {&b, &a, &dtb}) for (auto& v : *vec) v = U();
+    for (auto& v : na) v = -std::fabs(U());
+    for (auto& v : z) v = U();
+    for (auto& v : nw) v = 1 + 0.3f * U();
+    for (auto& v : S) v = 0.3f * U();
+    const std::vector<float> S0 = S;
+    std::vector<float> o(hv * dv, NAN);
+    const int G = 4 * hv;
+    std::vector<std::vector<float>> arena(G, std::vector<float>(GSC_SMEM));
+    emu_cluster = 4;
+    for (int blk = 0; blk < G; blk++) emu_cl_base[blk] = arena[blk].data();
+    emu_launch(G, 512, [&] { gdn_step_c4_body(y.data(), b.data(), a.data(), z.data(), dtb.data(), na.data(), nw.data(), S.data(), o.data(), hk, hv, dk, dv, 1e-6f, arena[blockIdx.x].data()); });
+    emu_cluster = 1;
+    std::vector<double> want(hv * dv), wS(S.size());
+    for (int h = 0; h < hv; h++) {
+        int kh = h / (hv / hk);
+        double nq = 0, nk = 0;
+        for (int i = 0; i < dk; i++) { nq += (double)y[kh * dk + i] * y[kh * dk + i]; nk += (double)y[kd + kh * dk + i] * y[kd + kh * dk + i]; }
+        double rq = 1 / std::sqrt(nq + 1e-6) / std::sqrt((double)dk), rk = 1 / std::sqrt(nk + 1e-6);
+        double beta = 1 / (1 + std::exp(-(double)b[h])), sp = a[h] + dtb[h];
+        double alpha = std::exp(na[h] * (sp > 20 ? sp : std::log1p(std::exp(sp))));
+        std::vector<double> oh(dv);
+        double ss = 0;
+        for (int j = 0; j < dv; j++) {
+            double u = 0;
+            for (int i = 0; i < dk; i++) u += alpha * S0[((size_t)h * dk + i) * dv + j] * y[kd + kh * dk + i] * rk;
+            double delta = beta * (y[2 * kd + h * dv + j] - u), oj = 0;
+            for (int i = 0; i < dk; i++) {
+                double s = alpha * S0[((size_t)h * dk + i) * dv + j] + y[kd + kh * dk + i] * rk * delta;
+                wS[((size_t)h * dk + i) * dv + j] = s;
+                oj += s * y[kh * dk + i] * rq;
+            }
+            oh[j] = oj; ss += oj * oj;
+        }
+        double r = 1 / std::sqrt(ss / dv + 1e-6);
+        for (int j = 0; j < dv; j++) { double zz = z[h * dv + j]; want[h * dv + j] = oh[j] * r * nw[j] * zz / (1 + std::exp(-zz)); }
+    }
+    char buf[128];
+    snprintf(buf, sizeof buf, "gdn_step_c4 hk%d hv%d dk%d: the output", hk, hv, dk); report(buf, nmse(o.data(), want));
+    snprintf(buf, sizeof buf, "gdn_step_c4 hk%d hv%d dk%d: the state", hk, hv, dk); report(buf, nmse(S.data(), wS));
+}
 // gemv_q2_conv's body: y = rr W (x nw), then rows c < C through the causal conv (K taps) + SiLU
 // into cy with the state [K-1, C] shifted
 static void conv_case(int rows, int cols, int C, int K, int G, int T) {
@@ -296,13 +343,13 @@ static void route_edges() {
         for (int e = 0; e <= E; e++) lg[e] = (t & 1) ? edge[(e * 7 + t) % 10] : (float)((int)(rng() % 5) - 2);
         if (t % 4 == 2) for (int e = 0; e < E; e++) lg[e] = -INFINITY; // every logit -inf
         if (t % 4 == 3) for (int e = 0; e < E; e++) lg[e] = 0.f;
-        std::vector<std::vector<int>> ids(5, std::vector<int>(K + 1, -1));
-        std::vector<std::vector<float>> w(5, std::vector<float>(K + 1, NAN));
-        for (int mode : {0, 2, 3, 4}) {
+        std::vector<std::vector<int>> ids(6, std::vector<int>(K + 1, -1));
+        std::vector<std::vector<float>> w(6, std::vector<float>(K + 1, NAN));
+        for (int mode : {0, 2, 3, 4, 5}) {
             std::vector<float> ls(512);
             emu_launch(1, 32, [&] { route_warp(mode, lg.data(), E, K, renorm, 1, ls.data(), ids[mode].data(), w[mode].data()); });
         }
-        for (int mode : {2, 3, 4}) {
+        for (int mode : {2, 3, 4, 5}) {
             if (t % 4 == 2) {
                 for (int k = 0; k < K; k++)
                     if (ids[mode][k] != k) { printf("%-6s route form %d: all -inf, pick %d is %d\n", VARIANT, mode, k, ids[mode][k]); fails++; }
@@ -313,7 +360,7 @@ static void route_edges() {
             if (!same) { printf("%-6s route form %d differs from route_topk on edge set %d\n", VARIANT, mode, t); fails++; }
         }
     }
-    printf("%-6s route_topk_reg / _redux / _redux2 against route_topk on 40 edge sets (ties, -0, -inf), renormalized and not\n", VARIANT);
+    printf("%-6s route_topk_reg / _redux / _redux2 / _thresh against route_topk on 40 edge sets (ties, -0, -inf), renormalized and not\n", VARIANT);
 }
 // attn_decode_tc*_prep's rows (dec_prep_row, one warp) against attn_prep's (a block of D
 // threads): two gated query heads and a K head at position pos, the same bits; and the double
@@ -501,6 +548,8 @@ int main() {
     down_case(16, 3, 64, 512, 1);
     gdn_case(2, 4, 64, 64);
     gdn_case(1, 2, 128, 128);
+    gdn_c4_case(1, 2, 128);
+    gdn_c4_case(2, 6, 40);
     conv_case(300, 256, 200, 4, 2, 128);
     conv_case(96, 2048, 64, 4, 1, 512);
     gdn_cl_case(2, 256, 4);

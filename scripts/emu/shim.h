@@ -14,12 +14,16 @@
 #define __device__
 #define __host__
 #define __forceinline__ inline
+#define __noinline__
+#define __align__(n) __attribute__((aligned(n)))
 #define __shared__ static
 #define __restrict__
 struct float4 { float x, y, z, w; };
 struct uint4 { unsigned x, y, z, w; };
 struct uint2 { unsigned x, y; };
 struct int2 { int x, y; };
+struct ulonglong2 { unsigned long long x, y; };
+inline int __popc(unsigned x) { return __builtin_popcount(x); }
 inline int2 make_int2(int a, int b) { return {a, b}; }
 inline float4 make_float4(float a, float b, float c, float d) { return {a, b, c, d}; }
 inline uint2 make_uint2(unsigned a, unsigned b) { return {a, b}; }

@@ -3,7 +3,7 @@
 //! (gemm_skinny, flash-attention prefill, tensor-core decode attention) with its shared memory.
 
 /// Every kernel source, in compile order (the prelude first). One NVRTC program, one module.
-pub const SOURCES: [(&str, &str); 27] = [
+pub const SOURCES: [(&str, &str); 28] = [
     ("common.cuh", include_str!("kernels/common.cuh")),
     ("norm.cu", include_str!("kernels/norm.cu")),
     ("linear.cu", include_str!("kernels/linear.cu")),
@@ -28,6 +28,7 @@ pub const SOURCES: [(&str, &str); 27] = [
     ("moe_fused2.cu", include_str!("kernels/moe_fused2.cu")),
     ("moe_fused_qr.cu", include_str!("kernels/moe_fused_qr.cu")),
     ("gdn_fused_cl.cu", include_str!("kernels/gdn_fused_cl.cu")),
+    ("gdn_step_cl.cu", include_str!("kernels/gdn_step_cl.cu")),
     ("sampling.cu", include_str!("kernels/sampling.cu")),
     ("pstep.cu", include_str!("kernels/pstep.cu")),
     ("pstep_run.cu", include_str!("kernels/pstep_run.cu")),
@@ -160,7 +161,7 @@ fn skinny_occ2() -> bool {
 /// Kernels that call `pdl_wait()` before touching activations (kernels/common.cuh) and so may be
 /// launched as programmatic dependents: their launch and weight reads overlap the previous
 /// kernel's tail. The gemm_skinny entry points are such kernels too (see [`is_pdl`]).
-pub const PDL_KERNELS: [&str; 73] = [
+pub const PDL_KERNELS: [&str; 74] = [
     "gemm_wsp128",
     "gemm_wsp256",
     "gemm_wsp128_q8",
@@ -219,6 +220,7 @@ pub const PDL_KERNELS: [&str; 73] = [
     "gdn_step",
     "gdn_step_par",
     "gdn_step_par_e",
+    "gdn_step_c4",
     "gdn_step_par_rows",
     "moe_down",
     "moe_down_q",

@@ -268,7 +268,7 @@ kernel_params! {
     /// `gdn_step`: one gated-delta-rule step per value head (one thread per value column), rows on state tables as `conv_step`.
     GdnStepParams spread ["gdn_step"] { y: In<f32>, bproj: In<f32>, aproj: In<f32>, z: In<f32>, dt_bias: In<f32>, neg_a: In<f32>, normw: In<f32>, S: Out<f32>, out: Out<f32>, hk: i32, hv: i32, dk: i32, dv: i32, eps: f32, states: In<u64>, ldy: i64, ldp: i64, ldo: i64 }
     /// `gdn_step_par`: `gdn_step` for one sequence with the rows of a head's state split over the block.
-    GdnStepParParams spread ["gdn_step_par", "gdn_step_par_e"] { y: In<f32>, bproj: In<f32>, aproj: In<f32>, z: In<f32>, dt_bias: In<f32>, neg_a: In<f32>, normw: In<f32>, S: Out<f32>, out: Out<f32>, hk: i32, hv: i32, dk: i32, dv: i32, eps: f32 }
+    GdnStepParParams spread ["gdn_step_par", "gdn_step_par_e", "gdn_step_c4"] { y: In<f32>, bproj: In<f32>, aproj: In<f32>, z: In<f32>, dt_bias: In<f32>, neg_a: In<f32>, normw: In<f32>, S: Out<f32>, out: Out<f32>, hk: i32, hv: i32, dk: i32, dv: i32, eps: f32 }
     /// `gdn_step_out`: `gdn_step_par` (into `o`) and the output projection `x += W o` (`rows` of
     /// `hv·dv`) in one launch; `ctr` is the launch's zeroed u64 meeting counter.
     GdnStepOutParams spread ["gdn_step_out"] { y: In<f32>, bproj: In<f32>, aproj: In<f32>, z: In<f32>, dt_bias: In<f32>, neg_a: In<f32>, normw: In<f32>, S: Out<f32>, o: Out<f32>, hk: i32, hv: i32, dk: i32, dv: i32, eps: f32, w: In<Void>, sc: In<Void>, bi: In<Void>, bits: i32, group: i32, ty: i32, rows: i32, x: Out<f32>, ctr: Out<u64> }

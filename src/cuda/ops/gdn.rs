@@ -473,6 +473,38 @@ impl Gpu {
         self.launch_params(name, (p.hv as u32, 1, 1), threads as u32, 0, &a)
     }
 
+    /// Whether [`Gpu::gdn_step_c4`] takes these heads: D_v = 128, D_k <= 128, on sm_90.
+    pub fn gdn_step_c4_ok(&self, p: &GdnStep) -> bool {
+        let sm90 = self.arch.trim_start_matches("sm_").trim_end_matches('a').parse::<u32>().is_ok_and(|v| v >= 90);
+        sm90 && p.dv == 128 && (1..=128).contains(&p.dk) && p.hk > 0 && p.hv.is_multiple_of(p.hk)
+    }
+
+    /// [`Gpu::gdn_step`] through `gdn_step_c4` (kernels/gdn_step_cl.cu, the decode default where
+    /// [`Gpu::gdn_step_c4_ok`]): each value head on a cluster of 4 blocks of 512 threads, a
+    /// quarter of its columns each.
+    pub fn gdn_step_c4(&self, p: &GdnStep) -> Result<()> {
+        if !self.gdn_step_c4_ok(p) {
+            bail!("gdn_step_c4: needs D_v 128 and D_k <= 128 on sm_90 (D_v {} D_k {})", p.dv, p.dk);
+        }
+        let a = GdnStepParParams {
+            y: In::new(p.y),
+            bproj: In::new(p.b),
+            aproj: In::new(p.a),
+            z: In::new(p.z),
+            dt_bias: In::new(p.dt_bias),
+            neg_a: In::new(p.neg_a),
+            normw: In::new(p.norm),
+            S: Out::new(p.state),
+            out: Out::new(p.out),
+            hk: p.hk as i32,
+            hv: p.hv as i32,
+            dk: p.dk as i32,
+            dv: p.dv as i32,
+            eps: p.eps,
+        };
+        self.launch_params("gdn_step_c4", (4 * p.hv as u32, 1, 1), 512, 0, &a)
+    }
+
     /// Whether [`Gpu::gdn_step_out`] takes this step and output projection: the row-split step
     /// in one block of at most 512 threads, a streaming GEMV format over the step's output width,
     /// and at least one block per value head on the GPU.
@@ -538,6 +570,12 @@ impl Gpu {
         let batched = r.rows > 1 || r.states != 0;
         let form = std::env::var("LILY_CUDA_GDN_STEP");
         let par = threads <= if batched { 512 } else { 1024 } && form.as_deref() != Ok("serial");
+        // One sequence: gdn_step_c4 where it takes the heads (the default since session 41: +2.3%
+        // decode at 4K on an H100), else (or `LILY_CUDA_GDN_STEP=e`) gdn_step_par_e, or
+        // gdn_step_par (`=par`), or the serial kernel (`=serial`).
+        if !batched && !matches!(form.as_deref(), Ok("e" | "par" | "serial")) && self.gdn_step_c4_ok(p) {
+            return self.gdn_step_c4(p);
+        }
         if par && !batched {
             return self.gdn_step_par_form(p, form.as_deref() != Ok("par"));
         }
