@@ -161,7 +161,7 @@ fn skinny_occ2() -> bool {
 /// Kernels that call `pdl_wait()` before touching activations (kernels/common.cuh) and so may be
 /// launched as programmatic dependents: their launch and weight reads overlap the previous
 /// kernel's tail. The gemm_skinny entry points are such kernels too (see [`is_pdl`]).
-pub const PDL_KERNELS: [&str; 74] = [
+pub const PDL_KERNELS: [&str; 75] = [
     "gemm_wsp128",
     "gemm_wsp256",
     "gemm_wsp128_q8",
@@ -195,6 +195,7 @@ pub const PDL_KERNELS: [&str; 74] = [
     "attn_prep",
     "attn_decode",
     "attn_combine",
+    "attn_combine_ds",
     "attn_combine_plain",
     "attn_decode_gqa1",
     "attn_decode_gqa2",

@@ -338,7 +338,7 @@ kernel_params! {
         hkv: i32, gated: i32, rot: i32, pos_p: In<i32>, theta: f64, eps: f32, scale: f32
     }
     /// `attn_combine`: the decode splits' partials merged per head, times the output gate `qg` (rows of stride `ldqg`) when `gated`.
-    AttnCombineParams spread ["attn_combine", "attn_combine_plain"] { part: In<f32>, qg: In<f32>, out: Out<f32>, nh: i32, hd: i32, S: i32, gated: i32, ldqg: i64 }
+    AttnCombineParams spread ["attn_combine", "attn_combine_ds", "attn_combine_plain"] { part: In<f32>, qg: In<f32>, out: Out<f32>, nh: i32, hd: i32, S: i32, gated: i32, ldqg: i64 }
     /// Causal prefill attention of `T` tokens (SIMT, tensor-core and flash kernels, f32 or bf16
     /// caches by kernel), output gate from `qg` rows of stride `ldg` when `gated`; `km` / `vm` the
     /// caches' TMA maps (attn_prefill_wg* only).

@@ -47,7 +47,9 @@
  *   unwritten o_s selected away), then the groups' sums are added in shared memory: at 66 splits
  *   a thread waits on ~5 rounds of L2 loads instead of 66. Since session 36 every load (M_s and
  *   l_s by split, a group's first 20 o_s, the gate) is issued right after the wait, in one round
- *   (attn_combine_plain keeps the rounds above; the same arithmetic).
+ *   (attn_combine_plain keeps the rounds above; the same arithmetic). attn_combine_ds (the
+ *   default since session 41): grid (H_q, D/32, rows), block 256: each head's dims over D/32
+ *   blocks (see its comment below).
  *
  * attn_decode_gqa{1,2,4,8} (GQA-packed flash-decoding; G = H_q/H_kv query heads per KV head, the
  *   suffix): grid (H_kv, S), block 256 = 8 warps, one block per (KV head, split), so each K/V row
@@ -435,6 +437,76 @@ extern "C" __global__ void __launch_bounds__(1024) attn_combine(AttnCombineParam
     TL_SCOPE("attn_combine");
     pdl_begin();
     attn_combine_body<true>(part, qg, out, nh, hd, S, gated, ldqg);
+}
+
+/* attn_combine_ds (the default since session 41; LILY_CUDA_COMBINE=block: attn_combine): the same
+   merge with each head's D dims split over D / 32 blocks of 256 threads (grid (H_q, D / 32, rows);
+   D a multiple of 32, S <= 1024), so a head's merge runs on D / 32 SMs, not one (16 heads of 256:
+   128 blocks instead of 16). Every block computes M and the weights e^{M_s - M} of all S splits
+   (thread t: splits t, t + 256, ...) and den = sum_s l_s e^{M_s - M}; warp g sums its lanes' dims
+   over the splits g, g + 8, ... (the first 16 of them loaded right after the wait, with the
+   maxima and the gate), the 8 warps' sums are added in shared memory in warp order. The same
+   arithmetic as attn_combine in another order of the sums. */
+#define COMBINE_DS_REGS 16
+extern "C" __global__ void __launch_bounds__(256) attn_combine_ds(AttnCombineParams_fields) {
+    __shared__ float w[1024], red[33], accs[8 * 32];
+    TL_SCOPE("attn_combine_ds");
+    pdl_begin();
+    const int h = blockIdx.x, lane = threadIdx.x & 31, grp = threadIdx.x >> 5, d = blockIdx.y * 32 + lane;
+    part += (long long)blockIdx.z * nh * S * (hd + 2);
+    qg += blockIdx.z * ldqg;
+    out += (long long)blockIdx.z * nh * hd;
+    const float* ph = part + (long long)h * S * (hd + 2);
+    float mt[4], lt[4], ov[COMBINE_DS_REGS], gt = 0.f;
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        int s = threadIdx.x + 256 * i;
+        mt[i] = s < S ? ph[(long long)s * (hd + 2)] : -INFINITY;
+        lt[i] = s < S ? ph[(long long)s * (hd + 2) + 1] : 0.f;
+    }
+#pragma unroll
+    for (int j = 0; j < COMBINE_DS_REGS; j++) {
+        int s = grp + 8 * j;
+        ov[j] = s < S ? ph[(long long)s * (hd + 2) + 2 + d] : 0.f;
+    }
+    if (gated && grp == 0) gt = qg[(long long)h * 2 * hd + hd + d];
+    /* M = max_s M_s (finite or -inf), the weights into shared memory, den */
+    const float M = block_max(fmaxf(fmaxf(mt[0], mt[1]), fmaxf(mt[2], mt[3])), red);
+    float dl = 0.f;
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        int s = threadIdx.x + 256 * i;
+        if (s < S) {
+            float e = mt[i] == -INFINITY ? 0.f : expf(mt[i] - M);
+            w[s] = e;
+            dl += e * lt[i];
+        }
+    }
+    const float den = block_sum(dl, red); /* its barriers also publish w[] */
+    float acc = 0.f;
+    int s = grp;
+#pragma unroll
+    for (int j = 0; j < COMBINE_DS_REGS; j++, s += 8) {
+        if (s < S) {
+            float ws = w[s];
+            acc += ws != 0.f ? ov[j] * ws : 0.f;
+        }
+    }
+#pragma unroll 4
+    for (; s < S; s += 8) {
+        float v = ph[(long long)s * (hd + 2) + 2 + d], ws = w[s];
+        acc += ws != 0.f ? v * ws : 0.f;
+    }
+    accs[grp * 32 + lane] = acc;
+    __syncthreads();
+    if (grp == 0) {
+        float a = 0.f;
+#pragma unroll
+        for (int g = 0; g < 8; g++) a += accs[g * 32 + lane];
+        float r = a / den;
+        if (gated) r *= sigmoid_f(gt);
+        out[(long long)h * hd + d] = r;
+    }
 }
 
 extern "C" __global__ void __launch_bounds__(1024) attn_combine_plain(AttnCombineParams_fields) {

@@ -239,12 +239,20 @@ impl Gpu {
             gated: a.gated as i32,
             ldqg: r.ldqg as i64,
         };
-        // `LILY_CUDA_COMBINE=plain`: the merge's loads in dependent rounds (the kernel before
-        // session 36; attn_combine issues them all after the wait, the same arithmetic).
-        static PLAIN: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-        let plain = *PLAIN.get_or_init(|| std::env::var("LILY_CUDA_COMBINE").is_ok_and(|v| v == "plain"));
-        let name = if plain { "attn_combine_plain" } else { "attn_combine" };
-        self.launch_params(name, (a.nh as u32, 1, rows), 1024, 0, &c)
+        // attn_combine_ds: each head's dims over hd / 32 blocks of 256 threads (the default since
+        // session 41, where hd is a multiple of 32); `LILY_CUDA_COMBINE=block`: attn_combine, a
+        // head per block of 1024 threads; `=plain`: its loads in dependent rounds (the kernel
+        // before session 36). The same arithmetic in other orders of the sums.
+        static FORM: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+        let form = FORM.get_or_init(|| std::env::var("LILY_CUDA_COMBINE").unwrap_or_default());
+        match form.as_str() {
+            "plain" => self.launch_params("attn_combine_plain", (a.nh as u32, 1, rows), 1024, 0, &c),
+            "block" => self.launch_params("attn_combine", (a.nh as u32, 1, rows), 1024, 0, &c),
+            _ if a.hd.is_multiple_of(32) => {
+                self.launch_params("attn_combine_ds", (a.nh as u32, (a.hd / 32) as u32, rows), 256, 0, &c)
+            }
+            _ => self.launch_params("attn_combine", (a.nh as u32, 1, rows), 1024, 0, &c),
+        }
     }
 
     /// attn_prep and the tensor-core decode attention of one token in one launch
