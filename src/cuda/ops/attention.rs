@@ -513,7 +513,7 @@ pub struct AttnDecode {
     pub kv: KvDtype,
     /// The tensor-core kernel over a bf16 cache, one sequence: its first tiles requested before
     /// it waits for the previous kernel (attn_prep), the newest row read after the wait
-    /// (`LILY_CUDA_ATTN_EARLY=1` in a session; off by default until measured).
+    /// (the decode default since session 41; `LILY_CUDA_ATTN_EARLY=0` turns it off).
     pub early: bool,
 }
 
