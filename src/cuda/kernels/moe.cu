@@ -97,10 +97,9 @@ __device__ __forceinline__ float route_key_value(u64 k) {
     u = (u & 0x80000000u) ? (u & 0x7fffffffu) : ~u;
     return __uint_as_float(u);
 }
-/* The register top-k forms' prologue: lane l's logits l + 32j (j < VPL) and the shared
-   expert's gate logit (lane 0) in one load round, then the max and the softmax sum in
-   route_topk's order. SMEM: the logits are in shared memory (moe_fused_qr), else global (read
-   through L2). */
+/* The register top-k forms' loads: lane l's logits l + 32j (j < VPL) and the shared expert's
+   gate logit (lane 0) in one round. SMEM: the logits are in shared memory (moe_fused_qr, the
+   persistent step), else global (read through L2). */
 template <int VPL, bool SMEM = false>
 __device__ __forceinline__ void route_regs_load(const float* logits, int E, int shared, float (&v)[VPL], float& gate) {
     int lane = threadIdx.x & 31;
@@ -109,11 +108,11 @@ __device__ __forceinline__ void route_regs_load(const float* logits, int E, int 
 #pragma unroll
     for (int j = 0; j < VPL; j++) v[j] = lane + 32 * j < E ? ld(lane + 32 * j) : 0.f;
 }
-template <int VPL, bool SMEM = false>
-__device__ __forceinline__ void route_regs_softmax(const float* logits, int E, int shared, float (&v)[VPL], float& gate,
-                                                   float& mx, float& tot, bool need_tot = true) {
+/* The max over lane l's logits l + 32j < E and the warp, and (need_tot) the softmax sum in
+   route_topk's order. */
+template <int VPL>
+__device__ __forceinline__ void route_regs_mxtot(const float (&v)[VPL], int E, float& mx, float& tot, bool need_tot) {
     int lane = threadIdx.x & 31;
-    route_regs_load<VPL, SMEM>(logits, E, shared, v, gate);
     mx = -INFINITY;
 #pragma unroll
     for (int j = 0; j < VPL; j++)
@@ -125,6 +124,13 @@ __device__ __forceinline__ void route_regs_softmax(const float* logits, int E, i
     for (int j = 0; j < VPL; j++)
         if (lane + 32 * j < E) tot += expf(v[j] - mx);
     tot = warp_sum(tot);
+}
+/* The register top-k forms' prologue: route_regs_load, then route_regs_mxtot. */
+template <int VPL, bool SMEM = false>
+__device__ __forceinline__ void route_regs_softmax(const float* logits, int E, int shared, float (&v)[VPL], float& gate,
+                                                   float& mx, float& tot, bool need_tot = true) {
+    route_regs_load<VPL, SMEM>(logits, E, shared, v, gate);
+    route_regs_mxtot<VPL>(v, E, mx, tot, need_tot);
 }
 template <int VPL, int L>
 __device__ __forceinline__ void route_topk_reg(const float* logits, int E, int K, int renorm, int shared, int* chosen,
@@ -329,16 +335,8 @@ __device__ __forceinline__ void route_topk_thresh(const float* logits, int E, in
     float mx, tot = 0.f;
     if (renorm) {
         mx = route_key_value((u64)top << 32);
-    } else { /* the sum over all E in route_regs_softmax's order, and its max */
-        mx = -INFINITY;
-#pragma unroll
-        for (int j = 0; j < VPL; j++)
-            if (lane + 32 * j < E) mx = fmaxf(mx, v[j]);
-        mx = warp_max(mx);
-#pragma unroll
-        for (int j = 0; j < VPL; j++)
-            if (lane + 32 * j < E) tot += expf(v[j] - mx);
-        tot = warp_sum(tot);
+    } else { /* the sum over all E and its max, route_regs_softmax's */
+        route_regs_mxtot<VPL>(v, E, mx, tot, true);
     }
     if (lane >= c) s_pk[lane] = 0ull; /* below every candidate */
 #pragma unroll
