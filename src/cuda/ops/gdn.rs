@@ -76,8 +76,8 @@ impl Gpu {
     }
 
     fn gdn_in_step_cl_takes(&self, proj: &GpuLinear, p: &GdnStep, c: usize, k: usize) -> bool {
-        let sm90 = self.arch.trim_start_matches("sm_").trim_end_matches('a').parse::<u32>().is_ok_and(|v| v >= 90);
-        sm90 && p.dk == 128
+        self.sm90()
+            && p.dk == 128
             && p.dv == 128
             && p.hv == 2 * p.hk
             && c == 2 * p.hk * p.dk + p.hv * p.dv
@@ -473,10 +473,14 @@ impl Gpu {
         self.launch_params(name, (p.hv as u32, 1, 1), threads as u32, 0, &a)
     }
 
+    /// Whether the device has thread-block clusters (sm_90 and later), which the cluster forms need.
+    fn sm90(&self) -> bool {
+        self.arch.trim_start_matches("sm_").trim_end_matches('a').parse::<u32>().is_ok_and(|v| v >= 90)
+    }
+
     /// Whether [`Gpu::gdn_step_c4`] takes these heads: D_v = 128, D_k <= 128, on sm_90.
     pub fn gdn_step_c4_ok(&self, p: &GdnStep) -> bool {
-        let sm90 = self.arch.trim_start_matches("sm_").trim_end_matches('a').parse::<u32>().is_ok_and(|v| v >= 90);
-        sm90 && p.dv == 128 && (1..=128).contains(&p.dk) && p.hk > 0 && p.hv.is_multiple_of(p.hk)
+        self.sm90() && p.dv == 128 && (1..=128).contains(&p.dk) && p.hk > 0 && p.hv.is_multiple_of(p.hk)
     }
 
     /// [`Gpu::gdn_step`] through `gdn_step_c4` (kernels/gdn_step_cl.cu, the decode default where
