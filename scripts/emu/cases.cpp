@@ -145,89 +145,78 @@ static void down_case(int E, int S, int H, int inter, int G) {
     emu_launch(G, 512, [&] { gq_body<4, 2, 1, 5, false, true>(DN.w.data(), DN.sc.data(), DN.bi.data(), 64, gu.data(), x.data(), H, inter, 0, 1, wts.data(), 0.f, sm[blockIdx.x].data(), nullptr, ids.data(), S); });
     char b[128]; snprintf(b, sizeof b, "moe_down_q E%d S%d H%d I%d grid %d", E, S, H, inter, G); report(b, nmse(x.data(), want));
 }
+// A decode GDN step's random inputs (y = [q | k | v], b, a, z, weights, the state S0) and its
+// double-precision reference: the output and the new state.
+struct GdnIn {
+    int hk, hv, dk, dv, kd;
+    std::vector<float> y, b, a, z, dtb, na, nw, S0;
+    GdnIn(int hk_, int hv_, int dk_, int dv_)
+        : hk(hk_), hv(hv_), dk(dk_), dv(dv_), kd(hk_ * dk_), y(2 * kd + hv * dv), b(hv), a(hv), z(hv * dv), dtb(hv),
+          na(hv), nw(dv), S0((size_t)hv * dk * dv) {
+        for (auto& v : y) v = U();
+        for (auto* vec : {&b, &a, &dtb}) for (auto& v : *vec) v = U();
+        for (auto& v : na) v = -std::fabs(U());
+        for (auto& v : z) v = U();
+        for (auto& v : nw) v = 1 + 0.3f * U();
+        for (auto& v : S0) v = 0.3f * U();
+    }
+    void reference(std::vector<double>& want, std::vector<double>& wS) const {
+        want.assign(hv * dv, 0); wS.assign(S0.size(), 0);
+        for (int h = 0; h < hv; h++) {
+            int kh = h / (hv / hk);
+            double nq = 0, nk = 0;
+            for (int i = 0; i < dk; i++) { nq += (double)y[kh * dk + i] * y[kh * dk + i]; nk += (double)y[kd + kh * dk + i] * y[kd + kh * dk + i]; }
+            double rq = 1 / std::sqrt(nq + 1e-6) / std::sqrt((double)dk), rk = 1 / std::sqrt(nk + 1e-6);
+            double beta = 1 / (1 + std::exp(-(double)b[h])), sp = a[h] + dtb[h];
+            double alpha = std::exp(na[h] * (sp > 20 ? sp : std::log1p(std::exp(sp))));
+            std::vector<double> o(dv);
+            double ss = 0;
+            for (int j = 0; j < dv; j++) {
+                double u = 0;
+                for (int i = 0; i < dk; i++) u += alpha * S0[((size_t)h * dk + i) * dv + j] * y[kd + kh * dk + i] * rk;
+                double delta = beta * (y[2 * kd + h * dv + j] - u), oj = 0;
+                for (int i = 0; i < dk; i++) {
+                    double st = alpha * S0[((size_t)h * dk + i) * dv + j] + y[kd + kh * dk + i] * rk * delta;
+                    wS[((size_t)h * dk + i) * dv + j] = st;
+                    oj += st * y[kh * dk + i] * rq;
+                }
+                o[j] = oj; ss += oj * oj;
+            }
+            double r = 1 / std::sqrt(ss / dv + 1e-6);
+            for (int j = 0; j < dv; j++) { double zz = z[h * dv + j]; want[h * dv + j] = o[j] * r * nw[j] * zz / (1 + std::exp(-zz)); }
+        }
+    }
+};
 // gdn_step_par (one block per value head) and gdn_step_par_e: the same bits, and the CPU math
 static void gdn_case(int hk, int hv, int dk, int dv) {
-    int kd = hk * dk, T = dv * ((dk + 31) / 32);
-    std::vector<float> y(2 * kd + hv * dv), b(hv), a(hv), z(hv * dv), dtb(hv), na(hv), nw(dv), S0((size_t)hv * dk * dv);
-    for (auto& v : y) v = U();
-    for (auto* vec : {&b, &a, &dtb}) for (auto& v : *vec) v = U();
-    for (auto& v : na) v = -std::fabs(U());
-    for (auto& v : z) v = U();
-    for (auto& v : nw) v = 1 + 0.3f * U();
-    for (auto& v : S0) v = 0.3f * U();
-    std::vector<float> S1 = S0, S2 = S0, o1(hv * dv, NAN), o2(hv * dv, NAN);
+    const GdnIn g(hk, hv, dk, dv);
+    int T = dv * ((dk + 31) / 32);
+    std::vector<float> S1 = g.S0, S2 = g.S0, o1(hv * dv, NAN), o2(hv * dv, NAN);
     for (int h = 0; h < hv; h++) {
-        emu_launch(1, T, [&] { gdn_step_par_body<false, false>(y.data(), b.data(), a.data(), z.data(), dtb.data(), na.data(), nw.data(), S1.data(), o1.data(), hk, hv, dk, dv, 1e-6f, nullptr, 0, 0, 0, h); });
-        emu_launch(1, T, [&] { gdn_step_par_body<false, true>(y.data(), b.data(), a.data(), z.data(), dtb.data(), na.data(), nw.data(), S2.data(), o2.data(), hk, hv, dk, dv, 1e-6f, nullptr, 0, 0, 0, h); });
+        emu_launch(1, T, [&] { gdn_step_par_body<false, false>(g.y.data(), g.b.data(), g.a.data(), g.z.data(), g.dtb.data(), g.na.data(), g.nw.data(), S1.data(), o1.data(), hk, hv, dk, dv, 1e-6f, nullptr, 0, 0, 0, h); });
+        emu_launch(1, T, [&] { gdn_step_par_body<false, true>(g.y.data(), g.b.data(), g.a.data(), g.z.data(), g.dtb.data(), g.na.data(), g.nw.data(), S2.data(), o2.data(), hk, hv, dk, dv, 1e-6f, nullptr, 0, 0, 0, h); });
     }
     bool same = !memcmp(S1.data(), S2.data(), S1.size() * 4) && !memcmp(o1.data(), o2.data(), o1.size() * 4);
-    std::vector<double> want(hv * dv);
-    for (int h = 0; h < hv; h++) {
-        int kh = h / (hv / hk);
-        double nq = 0, nk = 0;
-        for (int i = 0; i < dk; i++) { nq += (double)y[kh * dk + i] * y[kh * dk + i]; nk += (double)y[kd + kh * dk + i] * y[kd + kh * dk + i]; }
-        double rq = 1 / std::sqrt(nq + 1e-6) / std::sqrt((double)dk), rk = 1 / std::sqrt(nk + 1e-6);
-        double beta = 1 / (1 + std::exp(-(double)b[h])), sp = a[h] + dtb[h];
-        double alpha = std::exp(na[h] * (sp > 20 ? sp : std::log1p(std::exp(sp))));
-        std::vector<double> o(dv);
-        double ss = 0;
-        for (int j = 0; j < dv; j++) {
-            double u = 0;
-            for (int i = 0; i < dk; i++) u += alpha * S0[((size_t)h * dk + i) * dv + j] * y[kd + kh * dk + i] * rk;
-            double delta = beta * (y[2 * kd + h * dv + j] - u), oj = 0;
-            for (int i = 0; i < dk; i++) oj += (alpha * S0[((size_t)h * dk + i) * dv + j] + y[kd + kh * dk + i] * rk * delta) * y[kh * dk + i] * rq;
-            o[j] = oj; ss += oj * oj;
-        }
-        double r = 1 / std::sqrt(ss / dv + 1e-6);
-        for (int j = 0; j < dv; j++) { double zz = z[h * dv + j]; want[h * dv + j] = o[j] * r * nw[j] * zz / (1 + std::exp(-zz)); }
-    }
+    std::vector<double> want, wS;
+    g.reference(want, wS);
     char buf[128]; snprintf(buf, sizeof buf, "gdn_step_par hk%d hv%d dk%d dv%d: early %s", hk, hv, dk, dv, same ? "same bits" : "DIFFERS");
     fails += !same;
     report(buf, nmse(o1.data(), want));
 }
-// gdn_step_c4's body (LILY_CUDA_GDN_STEP=c4): each value head on a cluster of 4 blocks (run
+// gdn_step_c4's body (the decode default): each value head on a cluster of 4 blocks (run
 // concurrently, with the cluster exchange of the norm's partial sums), against the CPU math
 static void gdn_c4_case(int hk, int hv, int dk) {
-    const int dv = 128, kd = hk * dk;
-    std::vector<float> y(2 * kd + hv * dv), b(hv), a(hv), z(hv * dv), dtb(hv), na(hv), nw(dv), S((size_t)hv * dk * dv);
-    for (auto& v : y) v = U();
-    for (auto* vec : {&b, &a, &dtb}) for (auto& v : *vec) v = U();
-    for (auto& v : na) v = -std::fabs(U());
-    for (auto& v : z) v = U();
-    for (auto& v : nw) v = 1 + 0.3f * U();
-    for (auto& v : S) v = 0.3f * U();
-    const std::vector<float> S0 = S;
-    std::vector<float> o(hv * dv, NAN);
+    const int dv = 128;
+    const GdnIn g(hk, hv, dk, dv);
+    std::vector<float> S = g.S0, o(hv * dv, NAN);
     const int G = 4 * hv;
     std::vector<std::vector<float>> arena(G, std::vector<float>(GSC_SMEM));
     emu_cluster = 4;
     for (int blk = 0; blk < G; blk++) emu_cl_base[blk] = arena[blk].data();
-    emu_launch(G, 512, [&] { gdn_step_c4_body(y.data(), b.data(), a.data(), z.data(), dtb.data(), na.data(), nw.data(), S.data(), o.data(), hk, hv, dk, dv, 1e-6f, arena[blockIdx.x].data()); });
+    emu_launch(G, 512, [&] { gdn_step_c4_body(g.y.data(), g.b.data(), g.a.data(), g.z.data(), g.dtb.data(), g.na.data(), g.nw.data(), S.data(), o.data(), hk, hv, dk, dv, 1e-6f, arena[blockIdx.x].data()); });
     emu_cluster = 1;
-    std::vector<double> want(hv * dv), wS(S.size());
-    for (int h = 0; h < hv; h++) {
-        int kh = h / (hv / hk);
-        double nq = 0, nk = 0;
-        for (int i = 0; i < dk; i++) { nq += (double)y[kh * dk + i] * y[kh * dk + i]; nk += (double)y[kd + kh * dk + i] * y[kd + kh * dk + i]; }
-        double rq = 1 / std::sqrt(nq + 1e-6) / std::sqrt((double)dk), rk = 1 / std::sqrt(nk + 1e-6);
-        double beta = 1 / (1 + std::exp(-(double)b[h])), sp = a[h] + dtb[h];
-        double alpha = std::exp(na[h] * (sp > 20 ? sp : std::log1p(std::exp(sp))));
-        std::vector<double> oh(dv);
-        double ss = 0;
-        for (int j = 0; j < dv; j++) {
-            double u = 0;
-            for (int i = 0; i < dk; i++) u += alpha * S0[((size_t)h * dk + i) * dv + j] * y[kd + kh * dk + i] * rk;
-            double delta = beta * (y[2 * kd + h * dv + j] - u), oj = 0;
-            for (int i = 0; i < dk; i++) {
-                double s = alpha * S0[((size_t)h * dk + i) * dv + j] + y[kd + kh * dk + i] * rk * delta;
-                wS[((size_t)h * dk + i) * dv + j] = s;
-                oj += s * y[kh * dk + i] * rq;
-            }
-            oh[j] = oj; ss += oj * oj;
-        }
-        double r = 1 / std::sqrt(ss / dv + 1e-6);
-        for (int j = 0; j < dv; j++) { double zz = z[h * dv + j]; want[h * dv + j] = oh[j] * r * nw[j] * zz / (1 + std::exp(-zz)); }
-    }
+    std::vector<double> want, wS;
+    g.reference(want, wS);
     char buf[128];
     snprintf(buf, sizeof buf, "gdn_step_c4 hk%d hv%d dk%d: the output", hk, hv, dk); report(buf, nmse(o.data(), want));
     snprintf(buf, sizeof buf, "gdn_step_c4 hk%d hv%d dk%d: the state", hk, hv, dk); report(buf, nmse(S.data(), wS));

@@ -453,22 +453,7 @@ impl Gpu {
         if !p.dv.is_multiple_of(32) || threads > 1024 || p.dk > 256 || !p.hv.is_multiple_of(p.hk) {
             bail!("gdn_step_par: unsupported head dims (D_v {} D_k {})", p.dv, p.dk);
         }
-        let a = GdnStepParParams {
-            y: In::new(p.y),
-            bproj: In::new(p.b),
-            aproj: In::new(p.a),
-            z: In::new(p.z),
-            dt_bias: In::new(p.dt_bias),
-            neg_a: In::new(p.neg_a),
-            normw: In::new(p.norm),
-            S: Out::new(p.state),
-            out: Out::new(p.out),
-            hk: p.hk as i32,
-            hv: p.hv as i32,
-            dk: p.dk as i32,
-            dv: p.dv as i32,
-            eps: p.eps,
-        };
+        let a = GdnStepParParams::of(p);
         let name = if early { "gdn_step_par_e" } else { "gdn_step_par" };
         self.launch_params(name, (p.hv as u32, 1, 1), threads as u32, 0, &a)
     }
@@ -490,22 +475,7 @@ impl Gpu {
         if !self.gdn_step_c4_ok(p) {
             bail!("gdn_step_c4: needs D_v 128 and D_k <= 128 on sm_90 (D_v {} D_k {})", p.dv, p.dk);
         }
-        let a = GdnStepParParams {
-            y: In::new(p.y),
-            bproj: In::new(p.b),
-            aproj: In::new(p.a),
-            z: In::new(p.z),
-            dt_bias: In::new(p.dt_bias),
-            neg_a: In::new(p.neg_a),
-            normw: In::new(p.norm),
-            S: Out::new(p.state),
-            out: Out::new(p.out),
-            hk: p.hk as i32,
-            hv: p.hv as i32,
-            dk: p.dk as i32,
-            dv: p.dv as i32,
-            eps: p.eps,
-        };
+        let a = GdnStepParParams::of(p);
         self.launch_params("gdn_step_c4", (4 * p.hv as u32, 1, 1), 512, 0, &a)
     }
 
@@ -742,4 +712,26 @@ fn gdn_chunk_parts(base: u64, t: usize, hv: usize, dk: usize, dv: usize) -> [u64
     let mt = u + 4 * tp * dv as u64;
     let g = mt + 4 * tp * GDN_CHUNK as u64;
     [base, qt, u, mt, g]
+}
+
+impl GdnStepParParams {
+    /// One sequence's step arguments, shared by gdn_step_par, gdn_step_par_e and gdn_step_c4.
+    fn of(p: &GdnStep) -> Self {
+        GdnStepParParams {
+            y: In::new(p.y),
+            bproj: In::new(p.b),
+            aproj: In::new(p.a),
+            z: In::new(p.z),
+            dt_bias: In::new(p.dt_bias),
+            neg_a: In::new(p.neg_a),
+            normw: In::new(p.norm),
+            S: Out::new(p.state),
+            out: Out::new(p.out),
+            hk: p.hk as i32,
+            hv: p.hv as i32,
+            dk: p.dk as i32,
+            dv: p.dv as i32,
+            eps: p.eps,
+        }
+    }
 }
