@@ -88,13 +88,6 @@ pub fn gemv_i8() -> bool {
     *P.get_or_init(|| std::env::var("LILY_CUDA_GEMV_I8").map_or(true, |v| v != "0"))
 }
 
-/// `LILY_CUDA_GEMV_PRE=2` builds gemv.cu's GQ_PRE2 form (the first two trips of a warp's walk
-/// issued before the PDL wait; a separate entry of the kernel cache).
-pub fn gemv_pre2() -> bool {
-    static P: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *P.get_or_init(|| std::env::var("LILY_CUDA_GEMV_PRE").is_ok_and(|v| v == "2"))
-}
-
 /// The concatenated program text.
 pub fn kernel_source() -> String {
     let mut s = if super::timeline::enabled() { "#define LILY_TIMELINE 1\n".to_string() } else { String::new() };
@@ -103,9 +96,6 @@ pub fn kernel_source() -> String {
     }
     if gemv_i8() {
         s.push_str("#define LILY_GEMV_I8 1\n");
-    }
-    if gemv_pre2() {
-        s.push_str("#define LILY_GEMV_PRE2 1\n");
     }
     s.push_str(&super::params::c_decls());
     for (name, src) in SOURCES {

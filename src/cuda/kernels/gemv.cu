@@ -29,16 +29,6 @@
  *   reduction per row.
  */
 
-/* LILY_GEMV_PRE2 (LILY_CUDA_GEMV_PRE=2, an experiment until measured): a warp issues its walk's
-   first two trips before the PDL wait, not one, so a warp whose walk is two trips long (the
-   2,048 x 4,096 out-projections, the 8-bit router) has no HBM round trip left after the wait.
-   The same loads and sums in the same order: the same bits. */
-#ifdef LILY_GEMV_PRE2
-constexpr bool GQ_PRE2 = true;
-#else
-constexpr bool GQ_PRE2 = false;
-#endif
-
 template <int NR, int U>
 struct GqTrip {
     uint4 q[U][NR];
@@ -450,37 +440,15 @@ __device__ __forceinline__ void gq_body(const u32* w, const u16* sc, const u16* 
             csv = cj < cv.K - 1 ? cv.state[(long long)cj * cv.C + row] : 0.f;
         }
     };
-    /* trip tt of row group gg into tr (and the group's conv tap with its first trip) */
-    auto load_trip = [&](GqTrip<NR, U>& tr, float& cwv, float& csv, int gg, int tt) {
-        int r = gg * NR, i0 = tt * 32 * U + lane;
-        if (tt == 0) conv_load(r, cwv, csv);
-        if (MOE)
-            gq_load_moe<BITS, NR, U>(tr, w, sc, bi, r, min(NR, rows - r), n4, nv, ng, gsh, i0, ids, rows);
-        else if (rows - r >= NR && (tt + 1) * 32 * U <= nv)
-            gq_load<BITS, NR, U, true>(tr, w, sc, bi, E0 + r, NR, n4, ng, gsh, i0);
-        else
-            gq_load<BITS, NR, U, false>(tr, w, sc, bi, E0 + r, min(NR, rows - r), n4, ng, gsh, i0);
-    };
-    /* the trip after (gg, tt) in this warp's walk */
-    auto next_trip = [&](int gg, int tt, int& g2, int& t2) {
-        g2 = gg;
-        t2 = tt + 1;
-        if (t2 == tpr) {
-            g2 = gg + gstride;
-            t2 = 0;
-        }
-    };
-    bool pre = false; /* GQ_PRE2: nxt already holds the loop's first next trip */
     if (g < ngroups) {
-        load_trip(cur, cw_cur, cs_cur, g, 0);
-        if constexpr (GQ_PRE2 && !MOE) {
-            int g2, t2;
-            next_trip(g, 0, g2, t2);
-            if (g2 < ngroups) {
-                load_trip(nxt, cw_nxt, cs_nxt, g2, t2);
-                pre = true;
-            }
-        }
+        int r0 = g * NR;
+        conv_load(r0, cw_cur, cs_cur);
+        if (MOE)
+            gq_load_moe<BITS, NR, U>(cur, w, sc, bi, r0, min(NR, rows - r0), n4, nv, ng, gsh, lane, ids, rows);
+        else if (rows - r0 >= NR && 32 * U <= nv)
+            gq_load<BITS, NR, U, true>(cur, w, sc, bi, E0 + r0, NR, n4, ng, gsh, lane);
+        else
+            gq_load<BITS, NR, U, false>(cur, w, sc, bi, E0 + r0, min(NR, rows - r0), n4, ng, gsh, lane);
     }
     if (spin) { /* moe_fused_q, gdn_step_out: every block of the launch has done its first part */
         grid_wait(spin, spin_target);
@@ -496,10 +464,22 @@ __device__ __forceinline__ void gq_body(const u32* w, const u16* sc, const u16* 
     for (int r = 0; r < NR; r++) acc[r] = 0.f;
     while (g < ngroups) {
         int r0 = g * NR, nvalid = min(NR, rows - r0);
-        int g2, t2;
-        next_trip(g, t, g2, t2);
-        if (g2 < ngroups && !pre) load_trip(nxt, cw_nxt, cs_nxt, g2, t2);
-        pre = false;
+        int g2 = g, t2 = t + 1;
+        if (t2 == tpr) {
+            g2 = g + gstride;
+            t2 = 0;
+        }
+        if (g2 < ngroups) {
+            int r2 = g2 * NR;
+            if (t2 == 0) conv_load(r2, cw_nxt, cs_nxt);
+            if (MOE)
+                gq_load_moe<BITS, NR, U>(nxt, w, sc, bi, r2, min(NR, rows - r2), n4, nv, ng, gsh, t2 * 32 * U + lane, ids,
+                                      rows);
+            else if (rows - r2 >= NR && (t2 + 1) * 32 * U <= nv)
+                gq_load<BITS, NR, U, true>(nxt, w, sc, bi, E0 + r2, NR, n4, ng, gsh, t2 * 32 * U + lane);
+            else
+                gq_load<BITS, NR, U, false>(nxt, w, sc, bi, E0 + r2, min(NR, rows - r2), n4, ng, gsh, t2 * 32 * U + lane);
+        }
         if (nvalid == NR && (t + 1) * 32 * U <= nv)
             gq_compute<BITS, TY, NR, U, LOADONLY, true>(cur, NR, nv, t * 32 * U + lane, xs, xsum, acc);
         else
