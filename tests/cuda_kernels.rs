@@ -57,7 +57,14 @@ fn gemv_quantized_and_dense_match_cpu() {
         let (xb, yb) = (g.upload_f32(&x).unwrap(), g.upload_f32(&vec![f32::NAN; l.rows]).unwrap());
         // Every kernel variant (the model runs one; the others stay selectable), and a grid of
         // one block per SM so that warps walk several row groups.
-        for (k, bpsm) in [(GemvKernel::Old, 0), (GemvKernel::Wide, 1), (GemvKernel::Q2, 4), (GemvKernel::Q2, 1)] {
+        for (k, bpsm) in [
+            (GemvKernel::Old, 0),
+            (GemvKernel::Wide, 1),
+            (GemvKernel::Q2, 4),
+            (GemvKernel::Q2, 1),
+            (GemvKernel::Pre2, 4),
+            (GemvKernel::Pre2, 1),
+        ] {
             yb.write_f32(0, &vec![f32::NAN; l.rows]).unwrap();
             g.gemv_variant(k, bpsm, &gl, xb.ptr, 0, yb.ptr, 1, 0, false, (0, 0.0)).unwrap();
             check(&format!("gemv {k:?}/{bpsm} {name}"), &yb.read_f32(0, l.rows).unwrap(), &want, TOL);
@@ -91,7 +98,7 @@ fn gemv_quantized_and_dense_match_cpu() {
         if l.cols.is_multiple_of(4) {
             fused.unwrap();
             check(&format!("gemv + rms_norm {name}"), &yb.read_f32(0, l.rows).unwrap(), &want_n, TOL);
-            for (k, bpsm) in [(GemvKernel::Old, 0), (GemvKernel::Wide, 1), (GemvKernel::Q2, 1)] {
+            for (k, bpsm) in [(GemvKernel::Old, 0), (GemvKernel::Wide, 1), (GemvKernel::Q2, 1), (GemvKernel::Pre2, 1)] {
                 yb.write_f32(0, &vec![f32::NAN; l.rows]).unwrap();
                 g.gemv_variant(k, bpsm, &gl, xb.ptr, 0, yb.ptr, 1, 0, false, (nwb.ptr, 1e-6)).unwrap();
                 check(&format!("gemv + rms_norm {k:?}/{bpsm} {name}"), &yb.read_f32(0, l.rows).unwrap(), &want_n, TOL);

@@ -25,6 +25,8 @@ static int fails = 0;
 static void report(const char* what, double e) { printf("%-6s %-58s nmse %.3e%s\n", VARIANT, what, e, e <= 1e-9 ? "" : "  FAIL"); fails += e > 1e-9; }
 
 // the plain GEMV with the fused norm: y = rr W (x nw)
+// pre: the trips a warp loads before the wait (gq_body's PRE: gemv_q2 1, gemv_q2p 2, gemv_q2_conv 0 or 1)
+template <int PRE = 1>
 static void gemv_case(int rows, int cols, int G, int T, double outlier) {
     Q4 W(rows, cols, 64);
     std::vector<float> x(cols), nw(cols), y(rows, NAN), smem(cols + cols / 32 + 64, NAN);
@@ -36,8 +38,8 @@ static void gemv_case(int rows, int cols, int G, int T, double outlier) {
     std::vector<double> want(rows);
     for (int r = 0; r < rows; r++) { double a = 0; for (int c = 0; c < cols; c++) a += W.at(r, c) * x[c] * nw[c]; want[r] = a * rr; }
     std::vector<std::vector<float>> sm(G, smem); std::vector<std::array<float, 33>> red(G);
-    emu_launch(G, T, [&] { gq_body<4, 2, 2, 2, false, false>(W.w.data(), W.sc.data(), W.bi.data(), 64, x.data(), y.data(), rows, cols, 0, 0, nw.data(), 1e-6f, sm[blockIdx.x].data(), red[blockIdx.x].data()); });
-    char b[128]; snprintf(b, sizeof b, "gemv %dx%d grid %dx%d outlier %g", rows, cols, G, T, outlier); report(b, nmse(y.data(), want));
+    emu_launch(G, T, [&] { gq_body<4, 2, 2, 2, false, false, false, false, PRE>(W.w.data(), W.sc.data(), W.bi.data(), 64, x.data(), y.data(), rows, cols, 0, 0, nw.data(), 1e-6f, sm[blockIdx.x].data(), red[blockIdx.x].data()); });
+    char b[128]; snprintf(b, sizeof b, "gemv pre %d %dx%d grid %dx%d outlier %g", PRE, rows, cols, G, T, outlier); report(b, nmse(y.data(), want));
 }
 // moe_fused_q2 (deep: q3's pairs; shf: q2s's, the shared expert's pairs first): top-K of E logits +
 // shared slot, gate/up pairs, meeting, down into x. router_bits (moe_fused_qr): the logits come from
@@ -517,6 +519,9 @@ int main() {
     gemv_case(37, 192, 2, 128, 1);
     gemv_case(301, 256, 2, 128, 1);
     gemv_case(5, 8192, 1, 128, 1);
+    gemv_case<2>(37, 2048, 3, 128, 1);
+    gemv_case<2>(19, 4096, 2, 512, 1);
+    gemv_case<0>(37, 2048, 3, 128, 1);
     for (int rank : {0, 2, 3, 4}) q2_case(64, 4, 256, 64, 3, rank);
     q2_case(64, 4, 256, 64, 3, 4, false, 0);
     q2_case(256, 8, 512, 64, 2, 3);

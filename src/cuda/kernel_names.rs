@@ -88,6 +88,13 @@ pub fn gemv_i8() -> bool {
     *P.get_or_init(|| std::env::var("LILY_CUDA_GEMV_I8").map_or(true, |v| v != "0"))
 }
 
+/// `LILY_CUDA_CONV_PRE=0` (an experiment) builds gemv_q2_conv with its first loads after the PDL
+/// wait (gemv.cu's GQ_CONV_PRE; a separate entry of the kernel cache).
+pub fn conv_pre0() -> bool {
+    static P: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *P.get_or_init(|| std::env::var("LILY_CUDA_CONV_PRE").is_ok_and(|v| v == "0"))
+}
+
 /// The concatenated program text.
 pub fn kernel_source() -> String {
     let mut s = if super::timeline::enabled() { "#define LILY_TIMELINE 1\n".to_string() } else { String::new() };
@@ -96,6 +103,9 @@ pub fn kernel_source() -> String {
     }
     if gemv_i8() {
         s.push_str("#define LILY_GEMV_I8 1\n");
+    }
+    if conv_pre0() {
+        s.push_str("#define LILY_GEMV_CONV_PRE0 1\n");
     }
     s.push_str(&super::params::c_decls());
     for (name, src) in SOURCES {
@@ -161,7 +171,7 @@ fn skinny_occ2() -> bool {
 /// Kernels that call `pdl_wait()` before touching activations (kernels/common.cuh) and so may be
 /// launched as programmatic dependents: their launch and weight reads overlap the previous
 /// kernel's tail. The gemm_skinny entry points are such kernels too (see [`is_pdl`]).
-pub const PDL_KERNELS: [&str; 75] = [
+pub const PDL_KERNELS: [&str; 76] = [
     "gemm_wsp128",
     "gemm_wsp256",
     "gemm_wsp128_q8",
@@ -231,6 +241,7 @@ pub const PDL_KERNELS: [&str; 75] = [
     "argmax_io",
     "linear_gemv",
     "gemv_q2",
+    "gemv_q2p",
     "gemv_q2_routed",
     "rms_norm",
     "silu_mul",

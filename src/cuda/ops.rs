@@ -214,6 +214,9 @@ pub enum GemvKernel {
     Wide,
     /// Timing experiment: `gemv_q2`'s loads without its arithmetic (wrong results).
     LoadOnly,
+    /// `gemv_q2p`: `Q2` with a warp's first two trips issued before the PDL wait (the decode
+    /// router under [`router_pre2`]; the same bits).
+    Pre2,
 }
 
 impl GemvKernel {
@@ -259,6 +262,15 @@ pub fn gemv_default() -> (GemvKernel, u32) {
         let b = std::env::var("LILY_CUDA_GEMV_BPSM").ok().and_then(|v| v.parse().ok()).unwrap_or(4);
         (k, b)
     })
+}
+
+/// `LILY_CUDA_ROUTER_PRE=2` (an experiment until measured): the decode router's GEMV runs as
+/// [`GemvKernel::Pre2`]. Its warps' whole walk (two trips of 8-bit rows at Qwen3.6's shape) is
+/// then in flight before the out-projection ends (the session-42 timeline: its blocks are
+/// resident ~7 µs before their wait), not one trip.
+pub fn router_pre2() -> bool {
+    static V: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *V.get_or_init(|| std::env::var("LILY_CUDA_ROUTER_PRE").is_ok_and(|v| v == "2"))
 }
 
 /// Widest input the GEMV stages in shared memory (and so can normalize on the fly).
@@ -317,7 +329,7 @@ impl Gpu {
         ids: u64,
         accumulate: bool,
     ) -> Result<()> {
-        self.gemv_raw(w, x, xstride, y, slots, ids, accumulate, (0, 0.0))
+        self.gemv_raw(gemv_default().0, w, x, xstride, y, slots, ids, accumulate, (0, 0.0))
     }
 
     /// `slots` products with the same matrix, input row z at `x + z·xstride` (each row RMS-
@@ -334,7 +346,7 @@ impl Gpu {
         accumulate: bool,
         norm: (u64, f32),
     ) -> Result<()> {
-        self.gemv_raw(w, x, xstride, y, slots, 0, accumulate, norm)
+        self.gemv_raw(gemv_default().0, w, x, xstride, y, slots, 0, accumulate, norm)
     }
 
     /// [`Gpu::gemv`] of the RMS-normalized input `x · rsqrt(mean(x²) + eps) · normw` (the norm
@@ -350,12 +362,13 @@ impl Gpu {
         ids: u64,
         accumulate: bool,
     ) -> Result<()> {
-        self.gemv_raw(w, x, 0, y, slots, ids, accumulate, (normw, eps))
+        self.gemv_raw(gemv_default().0, w, x, 0, y, slots, ids, accumulate, (normw, eps))
     }
 
     #[allow(clippy::too_many_arguments)]
     fn gemv_raw(
         &self,
+        kernel: GemvKernel,
         w: &GpuLinear,
         x: u64,
         xstride: usize,
@@ -368,8 +381,7 @@ impl Gpu {
         if norm.0 != 0 && (w.cols > GEMV_XMAX || !w.cols.is_multiple_of(4)) {
             bail!("gemv with a fused norm: {} columns (at most {GEMV_XMAX}, a multiple of 4)", w.cols);
         }
-        let (k, bpsm) = gemv_default();
-        self.gemv_variant(k, bpsm, w, x, xstride, y, slots, ids, accumulate, norm)
+        self.gemv_variant(kernel, gemv_default().1, w, x, xstride, y, slots, ids, accumulate, norm)
     }
 
     /// [`Gpu::gemv`] / [`Gpu::gemv_norm`] (`normw` 0 = no norm) through a chosen kernel, with
@@ -447,6 +459,7 @@ impl Gpu {
         let name = match kernel {
             GemvKernel::Q2 | GemvKernel::Wide if streaming => "gemv_q2",
             GemvKernel::LoadOnly if streaming => "gemv_q_loadonly",
+            GemvKernel::Pre2 if streaming => "gemv_q2p",
             _ => {
                 let shared = if normw != 0 { 4 * w.cols as u32 } else { 0 };
                 return self.launch_params("linear_gemv", (blocks(w.rows, 32), slots as u32, 1), 256, shared, &a);
@@ -456,6 +469,12 @@ impl Gpu {
         let (threads, per_sm) = kernel.geometry(bpsm);
         let gx = self.stream_grid(w.rows, threads, per_sm, slots);
         self.launch_params(name, (gx, slots as u32, 1), threads, shared, &a)
+    }
+
+    /// [`Gpu::gemv_norm`] for one slot through `gemv_q2p` ([`GemvKernel::Pre2`]), where the
+    /// streaming kernels take `w` (else as [`Gpu::gemv_norm`]).
+    pub fn gemv_norm_pre2(&self, w: &GpuLinear, x: u64, norm: (u64, f32), y: u64) -> Result<()> {
+        self.gemv_raw(GemvKernel::Pre2, w, x, 0, y, 1, 0, false, norm)
     }
 
     /// `y += W x` by the streaming GEMV with its atomic accumulate ([`acc_red`]) whatever the

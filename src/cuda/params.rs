@@ -238,7 +238,7 @@ kernel_params! {
     /// slot z = grid.y: `y[z·rows + r] (+)= Σ_c W[e·rows + r, c] · xn[c]`, xn = x row `z / xdiv`
     /// (stride `xstride`), RMS-normalized by `normw` when set, expert e = `ids[z]` (or 0).
     /// Spread (`NAME(GemvParams_fields)`).
-    GemvParams spread ["gemv_q2", "gemv_q_loadonly", "linear_gemv"] {
+    GemvParams spread ["gemv_q2", "gemv_q2p", "gemv_q_loadonly", "linear_gemv"] {
         w: In<Void>, sc: In<Void>, bi: In<Void>, bits: i32, group: i32, ty: i32,
         x: In<f32>, xstride: i64, y: Out<f32>, rows: i32, cols: i32, ids: In<i32>, accumulate: i32,
         normw: In<f32>, eps: f32, xdiv: i32

@@ -408,7 +408,16 @@ __device__ __forceinline__ void grid_wait(const u64* ctr, u64 target) {
     __syncthreads();
 }
 
-template <int BITS, int TY, int NR, int U, bool LOADONLY, bool MOE, bool CONV = false, bool L2X = false>
+/* PRE: the trips a warp issues before the PDL wait (or the meeting): 1 (the default), 2 (gemv_q2p,
+   the decode router: a warp's whole 2-trip walk of its 8-bit rows) or 0 (gemv_q2_conv under
+   LILY_CUDA_CONV_PRE=0: its first loads right after the wait, so they do not compete with the
+   previous kernel's last reads). The same loads and sums in the same order: the same bits. */
+#ifdef LILY_GEMV_CONV_PRE0
+constexpr int GQ_CONV_PRE = 0;
+#else
+constexpr int GQ_CONV_PRE = 1;
+#endif
+template <int BITS, int TY, int NR, int U, bool LOADONLY, bool MOE, bool CONV = false, bool L2X = false, int PRE = 1>
 __device__ __forceinline__ void gq_body(const u32* w, const u16* sc, const u16* bi, int group,
                                         const float* xg, float* y, int rows, int cols, long long E0, int accumulate,
                                         const float* normw, float eps, float* xs, float* red, const int* ids = 0,
@@ -440,21 +449,46 @@ __device__ __forceinline__ void gq_body(const u32* w, const u16* sc, const u16* 
             csv = cj < cv.K - 1 ? cv.state[(long long)cj * cv.C + row] : 0.f;
         }
     };
-    if (g < ngroups) {
-        int r0 = g * NR;
-        conv_load(r0, cw_cur, cs_cur);
+    /* trip tt of row group gg into tr (and the group's conv tap with its first trip) */
+    auto load_trip = [&](GqTrip<NR, U>& tr, float& cwv, float& csv, int gg, int tt) {
+        int r = gg * NR, i0 = tt * 32 * U + lane;
+        if (tt == 0) conv_load(r, cwv, csv);
         if (MOE)
-            gq_load_moe<BITS, NR, U>(cur, w, sc, bi, r0, min(NR, rows - r0), n4, nv, ng, gsh, lane, ids, rows);
-        else if (rows - r0 >= NR && 32 * U <= nv)
-            gq_load<BITS, NR, U, true>(cur, w, sc, bi, E0 + r0, NR, n4, ng, gsh, lane);
+            gq_load_moe<BITS, NR, U>(tr, w, sc, bi, r, min(NR, rows - r), n4, nv, ng, gsh, i0, ids, rows);
+        else if (rows - r >= NR && (tt + 1) * 32 * U <= nv)
+            gq_load<BITS, NR, U, true>(tr, w, sc, bi, E0 + r, NR, n4, ng, gsh, i0);
         else
-            gq_load<BITS, NR, U, false>(cur, w, sc, bi, E0 + r0, min(NR, rows - r0), n4, ng, gsh, lane);
-    }
+            gq_load<BITS, NR, U, false>(tr, w, sc, bi, E0 + r, min(NR, rows - r), n4, ng, gsh, i0);
+    };
+    /* the trip after (gg, tt) in this warp's walk */
+    auto next_trip = [&](int gg, int tt, int& g2, int& t2) {
+        g2 = gg;
+        t2 = tt + 1;
+        if (t2 == tpr) {
+            g2 = gg + gstride;
+            t2 = 0;
+        }
+    };
+    bool pre = false; /* PRE 2: nxt already holds the loop's first next trip */
+    auto first_loads = [&]() {
+        if (g >= ngroups) return;
+        load_trip(cur, cw_cur, cs_cur, g, 0);
+        if constexpr (PRE == 2) {
+            int g2, t2;
+            next_trip(g, 0, g2, t2);
+            if (g2 < ngroups) {
+                load_trip(nxt, cw_nxt, cs_nxt, g2, t2);
+                pre = true;
+            }
+        }
+    };
+    if constexpr (PRE > 0) first_loads();
     if (spin) { /* moe_fused_q, gdn_step_out: every block of the launch has done its first part */
         grid_wait(spin, spin_target);
     } else {
         pdl_wait(); /* weights are read above, activations only from here on */
     }
+    if constexpr (PRE == 0) first_loads();
     trace_stamp(ts, 0);
     float* xsum = xs + nv * EPV;
     float rr = MOE ? moe_stage<EPV>(xg, normw, S, cols, xs, xsum) : gq_stage<EPV, L2X>(xg, cols, normw, eps, xs, xsum, red);
@@ -464,22 +498,10 @@ __device__ __forceinline__ void gq_body(const u32* w, const u16* sc, const u16* 
     for (int r = 0; r < NR; r++) acc[r] = 0.f;
     while (g < ngroups) {
         int r0 = g * NR, nvalid = min(NR, rows - r0);
-        int g2 = g, t2 = t + 1;
-        if (t2 == tpr) {
-            g2 = g + gstride;
-            t2 = 0;
-        }
-        if (g2 < ngroups) {
-            int r2 = g2 * NR;
-            if (t2 == 0) conv_load(r2, cw_nxt, cs_nxt);
-            if (MOE)
-                gq_load_moe<BITS, NR, U>(nxt, w, sc, bi, r2, min(NR, rows - r2), n4, nv, ng, gsh, t2 * 32 * U + lane, ids,
-                                      rows);
-            else if (rows - r2 >= NR && (t2 + 1) * 32 * U <= nv)
-                gq_load<BITS, NR, U, true>(nxt, w, sc, bi, E0 + r2, NR, n4, ng, gsh, t2 * 32 * U + lane);
-            else
-                gq_load<BITS, NR, U, false>(nxt, w, sc, bi, E0 + r2, min(NR, rows - r2), n4, ng, gsh, t2 * 32 * U + lane);
-        }
+        int g2, t2;
+        next_trip(g, t, g2, t2);
+        if (g2 < ngroups && !pre) load_trip(nxt, cw_nxt, cs_nxt, g2, t2);
+        pre = false;
         if (nvalid == NR && (t + 1) * 32 * U <= nv)
             gq_compute<BITS, TY, NR, U, LOADONLY, true>(cur, NR, nv, t * 32 * U + lane, xs, xsum, acc);
         else
@@ -519,7 +541,7 @@ __device__ __forceinline__ void gq_body(const u32* w, const u16* sc, const u16* 
     }
 }
 
-#define GQ_KERNEL(NAME, NR, LOADONLY)                                                                                       \
+#define GQ_KERNEL(NAME, NR, LOADONLY, PRE)                                                                                       \
     extern "C" __global__ void __launch_bounds__(512) NAME(GemvParams_fields) {                                  \
         extern __shared__ __align__(16) float xs[]; /* cols + cols/EPV floats */                                  \
         __shared__ float red[33];                                                                                  \
@@ -533,17 +555,18 @@ __device__ __forceinline__ void gq_body(const u32* w, const u16* sc, const u16* 
         const u32* W = (const u32*)w;                                                                              \
         const u16 *S = (const u16*)sc, *B = (const u16*)bi;                                                        \
         if (bits == 4 && ty == TY_BF16)                                                                            \
-            gq_body<4, TY_BF16, NR, 2, LOADONLY, false>(W, S, B, group, xg, yz, rows, cols, E0, accumulate, normw, eps, xs, red); \
+            gq_body<4, TY_BF16, NR, 2, LOADONLY, false, false, false, PRE>(W, S, B, group, xg, yz, rows, cols, E0, accumulate, normw, eps, xs, red); \
         else if (bits == 4)                                                                                        \
-            gq_body<4, TY_F16, NR, 2, LOADONLY, false>(W, S, B, group, xg, yz, rows, cols, E0, accumulate, normw, eps, xs, red); \
+            gq_body<4, TY_F16, NR, 2, LOADONLY, false, false, false, PRE>(W, S, B, group, xg, yz, rows, cols, E0, accumulate, normw, eps, xs, red); \
         else if (ty == TY_BF16)                                                                                    \
-            gq_body<8, TY_BF16, NR, 2, LOADONLY, false>(W, S, B, group, xg, yz, rows, cols, E0, accumulate, normw, eps, xs, red); \
+            gq_body<8, TY_BF16, NR, 2, LOADONLY, false, false, false, PRE>(W, S, B, group, xg, yz, rows, cols, E0, accumulate, normw, eps, xs, red); \
         else                                                                                                       \
-            gq_body<8, TY_F16, NR, 2, LOADONLY, false>(W, S, B, group, xg, yz, rows, cols, E0, accumulate, normw, eps, xs, red); \
+            gq_body<8, TY_F16, NR, 2, LOADONLY, false, false, false, PRE>(W, S, B, group, xg, yz, rows, cols, E0, accumulate, normw, eps, xs, red); \
     }
 
-GQ_KERNEL(gemv_q2, 2, false)
-GQ_KERNEL(gemv_q_loadonly, 2, true)
+GQ_KERNEL(gemv_q2, 2, false, 1)
+GQ_KERNEL(gemv_q_loadonly, 2, true, 1)
+GQ_KERNEL(gemv_q2p, 2, false, 2) /* the decode router under LILY_CUDA_ROUTER_PRE=2 */
 
 /* gemv_q2_conv: gemv_q2 for one slot (the batch-1 GDN input projection, x RMS-normalized when
    normw is set) whose rows c < C then go through conv_step's causal conv + SiLU into cy, updating
@@ -557,13 +580,13 @@ extern "C" __global__ void __launch_bounds__(512) gemv_q2_conv(GemvConvParams_fi
     const u16 *S = (const u16*)sc, *B = (const u16*)bi;
     ConvEpi cv{cstate, cw, cy, C, K};
     if (bits == 4 && ty == TY_BF16)
-        gq_body<4, TY_BF16, 2, 2, false, false, true>(W, S, B, group, x, y, rows, cols, 0, 0, normw, eps, xs, red, 0, 1, cv);
+        gq_body<4, TY_BF16, 2, 2, false, false, true, false, GQ_CONV_PRE>(W, S, B, group, x, y, rows, cols, 0, 0, normw, eps, xs, red, 0, 1, cv);
     else if (bits == 4)
-        gq_body<4, TY_F16, 2, 2, false, false, true>(W, S, B, group, x, y, rows, cols, 0, 0, normw, eps, xs, red, 0, 1, cv);
+        gq_body<4, TY_F16, 2, 2, false, false, true, false, GQ_CONV_PRE>(W, S, B, group, x, y, rows, cols, 0, 0, normw, eps, xs, red, 0, 1, cv);
     else if (ty == TY_BF16)
-        gq_body<8, TY_BF16, 2, 2, false, false, true>(W, S, B, group, x, y, rows, cols, 0, 0, normw, eps, xs, red, 0, 1, cv);
+        gq_body<8, TY_BF16, 2, 2, false, false, true, false, GQ_CONV_PRE>(W, S, B, group, x, y, rows, cols, 0, 0, normw, eps, xs, red, 0, 1, cv);
     else
-        gq_body<8, TY_F16, 2, 2, false, false, true>(W, S, B, group, x, y, rows, cols, 0, 0, normw, eps, xs, red, 0, 1, cv);
+        gq_body<8, TY_F16, 2, 2, false, false, true, false, GQ_CONV_PRE>(W, S, B, group, x, y, rows, cols, 0, 0, normw, eps, xs, red, 0, 1, cv);
 }
 
 /* moe_down_q (decode): x[r] += sum_{k < S} wts[k] * (W[ids[k]*rows + r, :] . h_k),
