@@ -564,6 +564,7 @@ impl Gpu {
             })?;
             best = best.max(2.0 * n as f64 / (ms / 1e3) / 1e9);
         }
+        profile::note_bandwidth(best);
         Ok(best)
     }
 

@@ -6,7 +6,7 @@
 //!
 //! The decode step labels its ops ([`op`]: "moe.experts", "gdn.state", ...) with the bytes each
 //! must move (weights read, recurrent state read and written, KV cache read); launches under a
-//! label are reported per op against the time those bytes need at [`HBM_READ_GBS`], the rest
+//! label are reported per op against the time those bytes need at [`hbm_gbs`] (the measured bandwidth), the rest
 //! (prefill, batched steps) per kernel.
 
 use anyhow::{anyhow, Result};
@@ -17,6 +17,19 @@ use std::sync::{Mutex, OnceLock};
 /// Read-only HBM bandwidth measured on the project's H200 (GB/s; ../shared/docs/performance.md,
 /// "Ceilings"): what an op's bytes are priced at.
 pub const HBM_READ_GBS: f64 = 4183.0;
+
+static MEASURED_GBS: OnceLock<f64> = OnceLock::new();
+
+/// The bandwidth the per-op tables price bytes at: this device's, as [`super::Gpu::measure_bandwidth`]
+/// measured it (`lily bench` does, before any table), else [`HBM_READ_GBS`].
+pub fn hbm_gbs() -> f64 {
+    MEASURED_GBS.get().copied().unwrap_or(HBM_READ_GBS)
+}
+
+/// Records the measured bandwidth for [`hbm_gbs`] (the first measurement stays).
+pub(super) fn note_bandwidth(gbs: f64) {
+    let _ = MEASURED_GBS.set(gbs);
+}
 
 pub fn profiling() -> bool {
     static P: OnceLock<bool> = OnceLock::new();
@@ -99,7 +112,7 @@ fn flush(pending: &mut Pending) -> Result<()> {
 }
 
 /// Prints and clears the totals: the labelled decode ops first (per step: µs, MB, the µs those
-/// bytes need at [`HBM_READ_GBS`], the bandwidth reached), then the unlabelled kernels.
+/// bytes need at [`hbm_gbs`], the bandwidth reached), then the unlabelled kernels.
 pub fn report() {
     if let Err(e) = flush(&mut PENDING.lock().unwrap()) {
         eprintln!("LILY_CUDA_PROFILE: {e:#}");
@@ -127,9 +140,10 @@ pub fn report() {
 fn op_table(p: &Totals, ob: &[(&'static str, (u64, f64))]) -> String {
     let steps = ob[0].1 .0.max(1) as f64;
     let mut s = format!(
-        "decode step by op ({steps} steps; each kernel timed alone; bytes priced at {HBM_READ_GBS} GB/s)\n\
+        "decode step by op ({steps} steps; each kernel timed alone; bytes priced at {:.0} GB/s)\n\
          | op | kernels (µs/step) | launches/step | µs/step | MB/step | µs at HBM rate | GB/s reached | share of time |\n\
-         |---|---|---:|---:|---:|---:|---:|---:|\n"
+         |---|---|---:|---:|---:|---:|---:|---:|\n",
+        hbm_gbs()
     );
     let rows: Vec<(&str, String, f64, f64, f64)> = ob
         .iter()
@@ -152,7 +166,7 @@ fn op_table(p: &Totals, ob: &[(&'static str, (u64, f64))]) -> String {
     let total_b: f64 = rows.iter().map(|r| r.4).sum();
     let total_l: f64 = rows.iter().map(|r| r.2).sum();
     let line = |l: &str, k: &str, n: f64, us: f64, b: f64| {
-        let need = b / (HBM_READ_GBS * 1e3);
+        let need = b / (hbm_gbs() * 1e3);
         let gbs = if us > 0.0 { b / (us * 1e3) } else { 0.0 };
         format!(
             "| {l} | {k} | {n:.0} | {us:.1} | {:.2} | {need:.1} | {gbs:.0} | {:.1}% |\n",

@@ -227,7 +227,7 @@ fn costs(ls: &[Launch]) -> Vec<f64> {
 }
 
 /// Per op label: launches, summed cost in the step, the ops' bytes and the time they need at
-/// [`super::profile::HBM_READ_GBS`]; then the step's total against its bytes.
+/// [`super::profile::hbm_gbs`]; then the step's total against its bytes.
 fn print_ops(ls: &[Launch], op: &[Option<usize>], ops: &[(&'static str, usize)]) {
     let mut rows: Vec<(&str, usize, f64, f64)> = Vec::new(); // label, launches, cost µs, bytes
     let mut seen = vec![false; ops.len()];
@@ -246,7 +246,7 @@ fn print_ops(ls: &[Launch], op: &[Option<usize>], ops: &[(&'static str, usize)])
             None => rows.push((label, 1, cost, bytes)),
         }
     }
-    let gbs = super::profile::HBM_READ_GBS;
+    let gbs = super::profile::hbm_gbs();
     eprintln!("per op (cost in the replayed step; bytes at {gbs:.0} GB/s)");
     eprintln!("| op | launches | µs | MB | µs at HBM rate | GB/s reached |");
     eprintln!("|---|---:|---:|---:|---:|---:|");
