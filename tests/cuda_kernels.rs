@@ -57,14 +57,7 @@ fn gemv_quantized_and_dense_match_cpu() {
         let (xb, yb) = (g.upload_f32(&x).unwrap(), g.upload_f32(&vec![f32::NAN; l.rows]).unwrap());
         // Every kernel variant (the model runs one; the others stay selectable), and a grid of
         // one block per SM so that warps walk several row groups.
-        for (k, bpsm) in [
-            (GemvKernel::Old, 0),
-            (GemvKernel::Wide, 1),
-            (GemvKernel::Q2, 4),
-            (GemvKernel::Q2, 1),
-            (GemvKernel::Pre2, 4),
-            (GemvKernel::Pre2, 1),
-        ] {
+        for (k, bpsm) in [(GemvKernel::Old, 0), (GemvKernel::Wide, 1), (GemvKernel::Q2, 4), (GemvKernel::Q2, 1)] {
             yb.write_f32(0, &vec![f32::NAN; l.rows]).unwrap();
             g.gemv_variant(k, bpsm, &gl, xb.ptr, 0, yb.ptr, 1, 0, false, (0, 0.0)).unwrap();
             check(&format!("gemv {k:?}/{bpsm} {name}"), &yb.read_f32(0, l.rows).unwrap(), &want, TOL);
@@ -98,7 +91,7 @@ fn gemv_quantized_and_dense_match_cpu() {
         if l.cols.is_multiple_of(4) {
             fused.unwrap();
             check(&format!("gemv + rms_norm {name}"), &yb.read_f32(0, l.rows).unwrap(), &want_n, TOL);
-            for (k, bpsm) in [(GemvKernel::Old, 0), (GemvKernel::Wide, 1), (GemvKernel::Q2, 1), (GemvKernel::Pre2, 1)] {
+            for (k, bpsm) in [(GemvKernel::Old, 0), (GemvKernel::Wide, 1), (GemvKernel::Q2, 1)] {
                 yb.write_f32(0, &vec![f32::NAN; l.rows]).unwrap();
                 g.gemv_variant(k, bpsm, &gl, xb.ptr, 0, yb.ptr, 1, 0, false, (nwb.ptr, 1e-6)).unwrap();
                 check(&format!("gemv + rms_norm {k:?}/{bpsm} {name}"), &yb.read_f32(0, l.rows).unwrap(), &want_n, TOL);
@@ -289,9 +282,12 @@ fn fused_decode_moe_matches_cpu() {
         // traced: moe_fused_q's picks and weights bit for bit (all use the top-k form
         // LILY_CUDA_ROUTE selects), the output within TOL of the CPU and within 1e-6 of
         // moe_fused_q's.
+        // moe_fused_q2sl (=q2sl: q2s without the meeting, h as LL words) must give q2s's bits.
         assert!(g.moe_fused_q2_ok(&gu, &dn, e, k), "moe_fused_q2 refuses q{bits} E{e} K{k}");
-        for (form, rep) in
-            [MoeForm::Q2, MoeForm::Q3, MoeForm::Q2s].into_iter().flat_map(|f| (0..3).map(move |r| (f, r)))
+        let mut q2s_x = Vec::new();
+        for (form, rep) in [MoeForm::Q2, MoeForm::Q3, MoeForm::Q2s, MoeForm::Q2sl]
+            .into_iter()
+            .flat_map(|f| (0..3).map(move |r| (f, r)))
         {
             xb.write_f32(0, &x).unwrap();
             egu_r.write_f32(0, &vec![f32::NAN; 2 * (k + 1) * inter]).unwrap();
@@ -313,6 +309,14 @@ fn fused_decode_moe_matches_cpu() {
             let d = got.iter().zip(&q_out.0).fold(0f32, |m, (a, b)| m.max((a - b).abs())) / scale;
             eprintln!("{name}: max |Δ| against moe_fused_q {d:.3e} of max |x|");
             assert!(d <= 1e-6, "{name}: {d:e} from moe_fused_q");
+            match form {
+                MoeForm::Q2s => q2s_x = got,
+                MoeForm::Q2sl => {
+                    let same = got.iter().zip(&q2s_x).all(|(a, b)| a.to_bits() == b.to_bits());
+                    assert!(same && !q2s_x.is_empty(), "{name}: not moe_fused_q2s's bits");
+                }
+                _ => {}
+            }
         }
         // The router in the same launch (LILY_CUDA_MOE_ROUTER=fused), on the same counter: a
         // random 8-bit router (as the checkpoints'); the launch writes its logits on

@@ -126,7 +126,8 @@ struct float2 { float x, y; };
 inline float2 make_float2(float a, float b) { return {a, b}; }
 inline uint4 make_uint4(unsigned a, unsigned b, unsigned c, unsigned d) { return {a, b, c, d}; }
 template <class T> inline T atomicExch(T* p, T v) { T o = *p; *p = v; return o; }
-inline unsigned long long ld_relaxed_u64(const unsigned long long* p) { return *p; }
+inline unsigned long long ld_relaxed_u64(const unsigned long long* p) { return __atomic_load_n(p, __ATOMIC_RELAXED); }
+inline void ctr_add_relaxed(unsigned long long* p) { __atomic_fetch_add(p, 1, __ATOMIC_RELAXED); }
 inline unsigned long long __shfl_up_sync(unsigned m, unsigned long long v, int o) {
     int l = threadIdx.x & 31, s = l - o >= 0 ? l - o : l;
     unsigned lo = emu_xchg((unsigned)v, s), hi = emu_xchg((unsigned)(v >> 32), s);
@@ -146,10 +147,16 @@ inline unsigned __reduce_add_sync(unsigned, unsigned v) {
 }
 /* pstep.cu: the consumer warps' named barrier (the emulated block is the consumers) */
 inline void ps_cbar() { __syncthreads(); }
-/* pstep.cu's LL words (float | tag << 32): plain accesses here (the cases write before they read) */
-inline void ps_ll_store(float* y, int i, float v, unsigned tag) {
-    ((unsigned long long*)y)[i] = (unsigned long long)tag << 32 | __float_as_uint(v);
+/* common.cuh's LL words (float | tag << 32): atomic accesses, the reader polls for the tag (the
+   emulated blocks run at once, as on the device) */
+inline void ll_store(float* y, int i, float v, unsigned tag) {
+    __atomic_store_n((unsigned long long*)y + i, (unsigned long long)tag << 32 | __float_as_uint(v), __ATOMIC_RELEASE);
 }
-inline void ps_ll_load8(const unsigned long long* p, unsigned, float (&v)[8]) {
-    for (int j = 0; j < 8; j++) v[j] = __uint_as_float((unsigned)p[j]);
+template <int N>
+inline void ll_load(const unsigned long long* p, unsigned tag, float (&v)[N]) {
+    for (int j = 0; j < N; j++) {
+        unsigned long long w;
+        while ((unsigned)((w = __atomic_load_n(p + j, __ATOMIC_ACQUIRE)) >> 32) != tag) std::this_thread::yield();
+        v[j] = __uint_as_float((unsigned)w);
+    }
 }

@@ -88,11 +88,12 @@ pub fn gemv_i8() -> bool {
     *P.get_or_init(|| std::env::var("LILY_CUDA_GEMV_I8").map_or(true, |v| v != "0"))
 }
 
-/// `LILY_CUDA_CONV_PRE=0` (an experiment) builds gemv_q2_conv with its first loads after the PDL
-/// wait (gemv.cu's GQ_CONV_PRE; a separate entry of the kernel cache).
-pub fn conv_pre0() -> bool {
+/// `LILY_CUDA_GEMV_EARLY=1` (an experiment) builds the streaming GEMVs with their second trip
+/// requested right after the PDL wait and the two after it into the L2 (gemv.cu's GQ_EARLY; a
+/// separate entry of the kernel cache).
+pub fn gemv_early() -> bool {
     static P: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *P.get_or_init(|| std::env::var("LILY_CUDA_CONV_PRE").is_ok_and(|v| v == "0"))
+    *P.get_or_init(|| std::env::var("LILY_CUDA_GEMV_EARLY").is_ok_and(|v| v == "1"))
 }
 
 /// The concatenated program text.
@@ -104,8 +105,8 @@ pub fn kernel_source() -> String {
     if gemv_i8() {
         s.push_str("#define LILY_GEMV_I8 1\n");
     }
-    if conv_pre0() {
-        s.push_str("#define LILY_GEMV_CONV_PRE0 1\n");
+    if gemv_early() {
+        s.push_str("#define LILY_GEMV_EARLY 1\n");
     }
     s.push_str(&super::params::c_decls());
     for (name, src) in SOURCES {
@@ -195,6 +196,7 @@ pub const PDL_KERNELS: [&str; 76] = [
     "moe_fused_q2",
     "moe_fused_q3",
     "moe_fused_q2s",
+    "moe_fused_q2sl",
     "moe_fused_qr",
     "gdn_in_step_cl",
     "gemv_q2_conv",
@@ -241,7 +243,6 @@ pub const PDL_KERNELS: [&str; 76] = [
     "argmax_io",
     "linear_gemv",
     "gemv_q2",
-    "gemv_q2p",
     "gemv_q2_routed",
     "rms_norm",
     "silu_mul",

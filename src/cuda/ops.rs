@@ -214,9 +214,6 @@ pub enum GemvKernel {
     Wide,
     /// Timing experiment: `gemv_q2`'s loads without its arithmetic (wrong results).
     LoadOnly,
-    /// `gemv_q2p`: `Q2` with a warp's first two trips issued before the PDL wait (the decode
-    /// router under [`router_pre2`]; the same bits).
-    Pre2,
 }
 
 impl GemvKernel {
@@ -264,13 +261,23 @@ pub fn gemv_default() -> (GemvKernel, u32) {
     })
 }
 
-/// `LILY_CUDA_ROUTER_PRE=2` (an experiment until measured): the decode router's GEMV runs as
-/// [`GemvKernel::Pre2`]. Its warps' whole walk (two trips of 8-bit rows at Qwen3.6's shape) is
-/// then in flight before the out-projection ends (the session-42 timeline: its blocks are
-/// resident ~7 µs before their wait), not one trip.
-pub fn router_pre2() -> bool {
+/// `LILY_CUDA_GEMV_SPREAD=N` (an experiment, N 1 to 3): a streaming GEMV launch whose grid fits
+/// N blocks on every SM asks for 1/N of an SM's shared memory, so that at most N of its blocks
+/// share an SM. Under PDL its 128-thread blocks otherwise pile onto the SMs that are free when
+/// it launches (session 42's timeline: the out-projection's 256 blocks on 68-106 SMs).
+pub fn gemv_spread() -> Option<u32> {
+    static V: std::sync::OnceLock<Option<u32>> = std::sync::OnceLock::new();
+    *V.get_or_init(|| {
+        std::env::var("LILY_CUDA_GEMV_SPREAD").ok().and_then(|v| v.parse().ok()).filter(|n| (1..=3).contains(n))
+    })
+}
+
+/// `LILY_CUDA_CARVEOUT=max` (an experiment): every kernel prefers the largest shared-memory
+/// carveout, so an SM never has to drain to change its L1/shared split between kernels
+/// (the padded GEMV blocks of [`gemv_spread`] need the largest).
+pub fn carveout_max() -> bool {
     static V: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *V.get_or_init(|| std::env::var("LILY_CUDA_ROUTER_PRE").is_ok_and(|v| v == "2"))
+    *V.get_or_init(|| std::env::var("LILY_CUDA_CARVEOUT").is_ok_and(|v| v == "max"))
 }
 
 /// Widest input the GEMV stages in shared memory (and so can normalize on the fly).
@@ -459,22 +466,21 @@ impl Gpu {
         let name = match kernel {
             GemvKernel::Q2 | GemvKernel::Wide if streaming => "gemv_q2",
             GemvKernel::LoadOnly if streaming => "gemv_q_loadonly",
-            GemvKernel::Pre2 if streaming => "gemv_q2p",
             _ => {
                 let shared = if normw != 0 { 4 * w.cols as u32 } else { 0 };
                 return self.launch_params("linear_gemv", (blocks(w.rows, 32), slots as u32, 1), 256, shared, &a);
             }
         };
-        let shared = w.stream_smem();
         let (threads, per_sm) = kernel.geometry(bpsm);
         let gx = self.stream_grid(w.rows, threads, per_sm, slots);
+        let shared = match gemv_spread() {
+            // 1 KB of each block's share is the driver's, 512 bytes leave room for the statics
+            Some(n) if threads == 128 && gx * slots as u32 <= self.sms * n && self.smem_per_sm > 0 => w
+                .stream_smem()
+                .max((self.smem_per_sm / n as usize).saturating_sub(1536).min(self.smem_optin_max) as u32),
+            _ => w.stream_smem(),
+        };
         self.launch_params(name, (gx, slots as u32, 1), threads, shared, &a)
-    }
-
-    /// [`Gpu::gemv_norm`] for one slot through `gemv_q2p` ([`GemvKernel::Pre2`]), where the
-    /// streaming kernels take `w` (else as [`Gpu::gemv_norm`]).
-    pub fn gemv_norm_pre2(&self, w: &GpuLinear, x: u64, norm: (u64, f32), y: u64) -> Result<()> {
-        self.gemv_raw(GemvKernel::Pre2, w, x, 0, y, 1, 0, false, norm)
     }
 
     /// `y += W x` by the streaming GEMV with its atomic accumulate ([`acc_red`]) whatever the

@@ -142,6 +142,34 @@ __device__ __forceinline__ void trace_stamp(u64* ts, int i) {
 /* Requests the 128-byte line holding p into the L2 (no register, no wait): a later load of it
    finds it there instead of in HBM (moe_fused_q3, moe_fused_qr, gdn_in_step_cl). */
 __device__ __forceinline__ void pf_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];" ::"l"(p)); }
+/* LL words (NCCL's "low latency" protocol; pstep, moe_fused_q2sl): a float and its writer's
+   tag in one 8-byte word, written and read whole (single-copy atomic), so a reader polls the
+   data itself: no fence behind the writes, no counter between. A tag is never 0, so zeroed
+   words are never taken for written ones. */
+__device__ __forceinline__ void ll_store(float* y, int i, float v, u32 tag) {
+    u64 w = (u64)tag << 32 | __float_as_uint(v);
+    asm volatile("st.relaxed.gpu.global.u64 [%0], %1;" ::"l"((u64*)y + i), "l"(w) : "memory");
+}
+__device__ __forceinline__ void ll_ld2(const u64* p, u64& a, u64& b) {
+    asm volatile("ld.relaxed.gpu.global.v2.u64 {%0, %1}, [%2];" : "=l"(a), "=l"(b) : "l"(p) : "memory");
+}
+/* N (even) floats from the LL words p[0..N) (16-byte aligned) once each carries `tag`. */
+template <int N>
+__device__ __forceinline__ void ll_load(const u64* p, u32 tag, float (&v)[N]) {
+    u64 w[N];
+    for (;;) {
+        bool ok = true;
+#pragma unroll
+        for (int j = 0; j < N / 2; j++) ll_ld2(p + 2 * j, w[2 * j], w[2 * j + 1]);
+#pragma unroll
+        for (int j = 0; j < N; j++) ok &= (u32)(w[j] >> 32) == tag;
+        if (ok) break;
+        __nanosleep(32);
+    }
+#pragma unroll
+    for (int j = 0; j < N; j++) v[j] = __uint_as_float((u32)w[j]);
+}
+__device__ __forceinline__ void ll_load8(const u64* p, u32 tag, float (&v)[8]) { ll_load<8>(p, tag, v); }
 __device__ __forceinline__ void pdl_begin() {
     pdl_trigger();
     pdl_wait();

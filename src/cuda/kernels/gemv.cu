@@ -319,13 +319,19 @@ __device__ __forceinline__ void swiglu_item8(const float* gu, int k, int cols, i
 
 /* moe_down's staging: xs = wts[k] * silu(gu[2k]) * gu[2k+1] for the S slots back to back (xg = gu,
    wk = wts), swizzled, with the per-chunk sums. wk null: gu already holds those products, [S, cols]
-   (moe_fused_q2's pairs wrote them), staged as they are. */
-template <int EPV>
-__device__ __forceinline__ float moe_stage(const float* gu, const float* wk, int S, int cols, float* xs, float* xsum) {
+   (moe_fused_q2's pairs wrote them), staged as they are. LL (moe_fused_q2sl): those products are
+   LL words carrying `tag` (common.cuh), polled until written. */
+template <int EPV, bool LL = false>
+__device__ __forceinline__ float moe_stage(const float* gu, const float* wk, int S, int cols, float* xs, float* xsum,
+                                           u32 tag = 0) {
     int per = cols / EPV, nch = S * per;
     if constexpr (GQ_I8 && EPV == 32) {
         i8_stage(nch, xs, threadIdx.x, blockDim.x, [&](int c, int w, float (&v)[8]) {
             int k = c / per, c0 = (c - k * per) * 32 + 8 * w;
+            if (LL) {
+                ll_load8((const u64*)gu + (long long)k * cols + c0, tag, v);
+                return 0.f;
+            }
             if (!wk) {
                 const float4* h4 = (const float4*)(gu + (long long)k * cols + c0);
                 float4 a = __ldcg(h4), b = __ldcg(h4 + 1);
@@ -347,7 +353,14 @@ __device__ __forceinline__ float moe_stage(const float* gu, const float* wk, int
             const float4* h4 = (const float4*)(gu + (long long)k * cols + c0);
 #pragma unroll
             for (int j = 0; j < EPV / 4; j++) {
-                float4 h = __ldcg(h4 + j); /* through L2: other blocks of the launch wrote them */
+                float4 h;
+                if (LL) {
+                    float q[4];
+                    ll_load<4>((const u64*)gu + (long long)k * cols + c0 + 4 * j, tag, q);
+                    h = make_float4(q[0], q[1], q[2], q[3]);
+                } else {
+                    h = __ldcg(h4 + j); /* through L2: other blocks of the launch wrote them */
+                }
                 ((float4*)xs)[xswz(ch * (EPV / 4) + j)] = h;
                 sum += (h.x + h.y) + (h.z + h.w);
             }
@@ -408,21 +421,26 @@ __device__ __forceinline__ void grid_wait(const u64* ctr, u64 target) {
     __syncthreads();
 }
 
-/* PRE: the trips a warp issues before the PDL wait (or the meeting): 1 (the default), 2 (gemv_q2p,
-   the decode router: a warp's whole 2-trip walk of its 8-bit rows) or 0 (gemv_q2_conv under
-   LILY_CUDA_CONV_PRE=0: its first loads right after the wait, so they do not compete with the
-   previous kernel's last reads). The same loads and sums in the same order: the same bits. */
-#ifdef LILY_GEMV_CONV_PRE0
-constexpr int GQ_CONV_PRE = 0;
+/* A warp requests its first trip before the PDL wait (weights only; session 43: requesting none
+   there is 1.4% slower, two 0.4-1% slower).
+   EARLY (LILY_CUDA_GEMV_EARLY=1, a kernel build switch; an experiment): right after the PDL wait
+   (not before it: nothing of the previous kernel is left to compete with; the first trip is
+   requested before the wait, as always) a warp requests its second trip into registers before it stages the input, so that trip's HBM
+   round trip runs under the staging (the input's L2 round trip and the block's sum) instead of
+   after it, and requests the two trips after that into the L2 (gq_prefetch), so a walk of three
+   or four trips (the GDN in-projection) waits one HBM round trip, not three. The same loads and
+   sums in the same order: the same bits. Not on the meeting path (moe down: one trip a warp). */
+#ifdef LILY_GEMV_EARLY
+constexpr bool GQ_EARLY = true;
 #else
-constexpr int GQ_CONV_PRE = 1;
+constexpr bool GQ_EARLY = false;
 #endif
-template <int BITS, int TY, int NR, int U, bool LOADONLY, bool MOE, bool CONV = false, bool L2X = false, int PRE = 1>
+template <int BITS, int TY, int NR, int U, bool LOADONLY, bool MOE, bool CONV = false, bool L2X = false, bool LL = false>
 __device__ __forceinline__ void gq_body(const u32* w, const u16* sc, const u16* bi, int group,
                                         const float* xg, float* y, int rows, int cols, long long E0, int accumulate,
                                         const float* normw, float eps, float* xs, float* red, const int* ids = 0,
                                         int S = 1, ConvEpi cv = ConvEpi{0, 0, 0, 0, 1}, int vbx = -1, int vgx = 0,
-                                        const u64* spin = 0, u64 spin_target = 0, u64* ts = 0) {
+                                        const u64* spin = 0, u64 spin_target = 0, u64* ts = 0, u32 ltag = 0) {
     constexpr int EPV = 128 / BITS;
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     int n4 = cols / EPV, ng = cols / group, gsh = __ffs(group) - 1;
@@ -469,29 +487,33 @@ __device__ __forceinline__ void gq_body(const u32* w, const u16* sc, const u16* 
             t2 = 0;
         }
     };
-    bool pre = false; /* PRE 2: nxt already holds the loop's first next trip */
-    auto first_loads = [&]() {
-        if (g >= ngroups) return;
-        load_trip(cur, cw_cur, cs_cur, g, 0);
-        if constexpr (PRE == 2) {
+    bool pre = false; /* EARLY: nxt already holds the loop's first next trip */
+    if (g < ngroups) load_trip(cur, cw_cur, cs_cur, g, 0);
+    if (spin) { /* moe_fused_q, gdn_step_out: every block of the launch has done its first part */
+        grid_wait(spin, spin_target);
+    } else {
+        pdl_wait(); /* weights are read above, activations only from here on */
+    }
+    if constexpr (GQ_EARLY && !MOE) {
+        if (!spin && g < ngroups) {
             int g2, t2;
             next_trip(g, 0, g2, t2);
             if (g2 < ngroups) {
                 load_trip(nxt, cw_nxt, cs_nxt, g2, t2);
                 pre = true;
             }
+            for (int m = 0; m < 2; m++) { /* the two trips after it into the L2 */
+                next_trip(g2, t2, g2, t2);
+                if (g2 >= ngroups) break;
+                int r = g2 * NR;
+                gq_prefetch<BITS, NR, U>(w, sc, bi, E0 + r, min(NR, rows - r), n4, ng, gsh, t2 * 32 * U + lane);
+            }
         }
-    };
-    if constexpr (PRE > 0) first_loads();
-    if (spin) { /* moe_fused_q, gdn_step_out: every block of the launch has done its first part */
-        grid_wait(spin, spin_target);
-    } else {
-        pdl_wait(); /* weights are read above, activations only from here on */
     }
-    if constexpr (PRE == 0) first_loads();
     trace_stamp(ts, 0);
     float* xsum = xs + nv * EPV;
-    float rr = MOE ? moe_stage<EPV>(xg, normw, S, cols, xs, xsum) : gq_stage<EPV, L2X>(xg, cols, normw, eps, xs, xsum, red);
+    float rr = MOE ? moe_stage<EPV, LL>(xg, normw, S, cols, xs, xsum, ltag)
+                   : gq_stage<EPV, L2X>(xg, cols, normw, eps, xs, xsum, red);
     trace_stamp(ts, 1);
     float acc[NR];
 #pragma unroll
@@ -541,7 +563,7 @@ __device__ __forceinline__ void gq_body(const u32* w, const u16* sc, const u16* 
     }
 }
 
-#define GQ_KERNEL(NAME, NR, LOADONLY, PRE)                                                                                       \
+#define GQ_KERNEL(NAME, NR, LOADONLY)                                                                                            \
     extern "C" __global__ void __launch_bounds__(512) NAME(GemvParams_fields) {                                  \
         extern __shared__ __align__(16) float xs[]; /* cols + cols/EPV floats */                                  \
         __shared__ float red[33];                                                                                  \
@@ -555,18 +577,17 @@ __device__ __forceinline__ void gq_body(const u32* w, const u16* sc, const u16* 
         const u32* W = (const u32*)w;                                                                              \
         const u16 *S = (const u16*)sc, *B = (const u16*)bi;                                                        \
         if (bits == 4 && ty == TY_BF16)                                                                            \
-            gq_body<4, TY_BF16, NR, 2, LOADONLY, false, false, false, PRE>(W, S, B, group, xg, yz, rows, cols, E0, accumulate, normw, eps, xs, red); \
+            gq_body<4, TY_BF16, NR, 2, LOADONLY, false, false, false>(W, S, B, group, xg, yz, rows, cols, E0, accumulate, normw, eps, xs, red); \
         else if (bits == 4)                                                                                        \
-            gq_body<4, TY_F16, NR, 2, LOADONLY, false, false, false, PRE>(W, S, B, group, xg, yz, rows, cols, E0, accumulate, normw, eps, xs, red); \
+            gq_body<4, TY_F16, NR, 2, LOADONLY, false, false, false>(W, S, B, group, xg, yz, rows, cols, E0, accumulate, normw, eps, xs, red); \
         else if (ty == TY_BF16)                                                                                    \
-            gq_body<8, TY_BF16, NR, 2, LOADONLY, false, false, false, PRE>(W, S, B, group, xg, yz, rows, cols, E0, accumulate, normw, eps, xs, red); \
+            gq_body<8, TY_BF16, NR, 2, LOADONLY, false, false, false>(W, S, B, group, xg, yz, rows, cols, E0, accumulate, normw, eps, xs, red); \
         else                                                                                                       \
-            gq_body<8, TY_F16, NR, 2, LOADONLY, false, false, false, PRE>(W, S, B, group, xg, yz, rows, cols, E0, accumulate, normw, eps, xs, red); \
+            gq_body<8, TY_F16, NR, 2, LOADONLY, false, false, false>(W, S, B, group, xg, yz, rows, cols, E0, accumulate, normw, eps, xs, red); \
     }
 
-GQ_KERNEL(gemv_q2, 2, false, 1)
-GQ_KERNEL(gemv_q_loadonly, 2, true, 1)
-GQ_KERNEL(gemv_q2p, 2, false, 2) /* the decode router under LILY_CUDA_ROUTER_PRE=2 */
+GQ_KERNEL(gemv_q2, 2, false)
+GQ_KERNEL(gemv_q_loadonly, 2, true)
 
 /* gemv_q2_conv: gemv_q2 for one slot (the batch-1 GDN input projection, x RMS-normalized when
    normw is set) whose rows c < C then go through conv_step's causal conv + SiLU into cy, updating
@@ -580,13 +601,13 @@ extern "C" __global__ void __launch_bounds__(512) gemv_q2_conv(GemvConvParams_fi
     const u16 *S = (const u16*)sc, *B = (const u16*)bi;
     ConvEpi cv{cstate, cw, cy, C, K};
     if (bits == 4 && ty == TY_BF16)
-        gq_body<4, TY_BF16, 2, 2, false, false, true, false, GQ_CONV_PRE>(W, S, B, group, x, y, rows, cols, 0, 0, normw, eps, xs, red, 0, 1, cv);
+        gq_body<4, TY_BF16, 2, 2, false, false, true, false>(W, S, B, group, x, y, rows, cols, 0, 0, normw, eps, xs, red, 0, 1, cv);
     else if (bits == 4)
-        gq_body<4, TY_F16, 2, 2, false, false, true, false, GQ_CONV_PRE>(W, S, B, group, x, y, rows, cols, 0, 0, normw, eps, xs, red, 0, 1, cv);
+        gq_body<4, TY_F16, 2, 2, false, false, true, false>(W, S, B, group, x, y, rows, cols, 0, 0, normw, eps, xs, red, 0, 1, cv);
     else if (ty == TY_BF16)
-        gq_body<8, TY_BF16, 2, 2, false, false, true, false, GQ_CONV_PRE>(W, S, B, group, x, y, rows, cols, 0, 0, normw, eps, xs, red, 0, 1, cv);
+        gq_body<8, TY_BF16, 2, 2, false, false, true, false>(W, S, B, group, x, y, rows, cols, 0, 0, normw, eps, xs, red, 0, 1, cv);
     else
-        gq_body<8, TY_F16, 2, 2, false, false, true, false, GQ_CONV_PRE>(W, S, B, group, x, y, rows, cols, 0, 0, normw, eps, xs, red, 0, 1, cv);
+        gq_body<8, TY_F16, 2, 2, false, false, true, false>(W, S, B, group, x, y, rows, cols, 0, 0, normw, eps, xs, red, 0, 1, cv);
 }
 
 /* moe_down_q (decode): x[r] += sum_{k < S} wts[k] * (W[ids[k]*rows + r, :] . h_k),

@@ -40,7 +40,7 @@
  *   instead only for the flags of the blocks whose input-projection shares hold its rows
  *   (ps_gdn_wait: q and k of its key head, its value columns, its b and a): a per-tile
  *   dependency, not a phase barrier. The MoE's router logits and gate/up (unless LILY_PSTEP_LL=0)
- *   are LL words (PS_LL_OUT, ps_ll_store) that the next phase polls word by word (PS_LL_IN): no
+ *   are LL words (PS_LL_OUT, ll_store) that the next phase polls word by word (PS_LL_IN): no
  *   counter wait, and no fence at the end of the writing phase.
  *   The counter test stays exact: a block signals its phases in order and phase i (a counter
  *   phase) only after passing its wait, so until some block passes it every block has signalled
@@ -165,28 +165,7 @@ __device__ __forceinline__ void ps_acquire(const void* p, int dbg) {
    host keeps a launch under 1024 phases; a word is only ever compared against the tag of its
    next write, so the wrap after 2^22 launches is harmless). */
 __device__ __forceinline__ u32 ps_tag(u32 ep, int rel) { return ep << 10 | (u32)rel; }
-__device__ __forceinline__ void ps_ll_store(float* y, int i, float v, u32 tag) {
-    u64 w = (u64)tag << 32 | __float_as_uint(v);
-    asm volatile("st.relaxed.gpu.global.u64 [%0], %1;" ::"l"((u64*)y + i), "l"(w) : "memory");
-}
-__device__ __forceinline__ void ps_ll_ld2(const u64* p, u64& a, u64& b) {
-    asm volatile("ld.relaxed.gpu.global.v2.u64 {%0, %1}, [%2];" : "=l"(a), "=l"(b) : "l"(p) : "memory");
-}
-/* 8 floats from the LL words p[0..8) (16-byte aligned) once each carries `tag`. */
-__device__ __forceinline__ void ps_ll_load8(const u64* p, u32 tag, float (&v)[8]) {
-    u64 w[8];
-    for (;;) {
-        bool ok = true;
-#pragma unroll
-        for (int j = 0; j < 4; j++) ps_ll_ld2(p + 2 * j, w[2 * j], w[2 * j + 1]);
-#pragma unroll
-        for (int j = 0; j < 8; j++) ok &= (u32)(w[j] >> 32) == tag;
-        if (ok) break;
-        __nanosleep(32);
-    }
-#pragma unroll
-    for (int j = 0; j < 8; j++) v[j] = __uint_as_float((u32)w[j]);
-}
+/* ll_store / ll_load8: common.cuh. */
 /* The n floats of the LL words p[0..n) into ls once each carries `tag`, one word per consumer
    thread at a time; visible to the consumers after their next barrier. */
 __device__ void ps_ll_block(const u64* p, int n, u32 tag, float* ls) {
@@ -357,8 +336,8 @@ __device__ __forceinline__ void ps_swiglu8(const float* gu, u32 tag, int k, int 
         return;
     }
     float g[8], u[8];
-    ps_ll_load8((const u64*)gu + (long long)(2 * k) * inter + c0, tag, g);
-    ps_ll_load8((const u64*)gu + (long long)(2 * k + 1) * inter + c0, tag, u);
+    ll_load8((const u64*)gu + (long long)(2 * k) * inter + c0, tag, g);
+    ll_load8((const u64*)gu + (long long)(2 * k + 1) * inter + c0, tag, u);
 #pragma unroll
     for (int j = 0; j < 8; j++) v[j] = wt * (silu_f(g[j]) * u[j]);
 }

@@ -116,7 +116,7 @@ __device__ __forceinline__ void ps_row_out(const PsPhase& P, int row, float acc,
     float pv = __shfl_sync(0xffffffffu, prev, jj << 2);
     if (lane == 0) {
         float v = P.accumulate && P.kind != PS_MOE_GU ? pv + acc : acc;
-        if (P.otag) ps_ll_store(y, row, v, P.otag);
+        if (P.otag) ll_store(y, row, v, P.otag);
         else y[row] = v;
     }
     if (P.conv_c > row) {

@@ -314,10 +314,8 @@ impl CudaSession {
                         .filter(|r| form == ops::MoeForm::Qr && post_norm.0 != 0 && g.moe_fused_qr_ok(gu, dn, r, e, k));
                     let fr =
                         qr.or_else(|| router.fused.as_ref().filter(|r| router_fused() && g.moe_router_ok(r, gu, e)));
-                    match (fr, router.fused.as_ref().filter(|_| ops::router_pre2())) {
-                        (Some(_), _) => {}
-                        (None, Some(r)) => g.gemv_norm_pre2(r, s.x.ptr, post_norm, s.router.ptr)?,
-                        (None, None) => router.run(g, s.x.ptr, post_norm, s.router.ptr)?,
+                    if fr.is_none() {
+                        router.run(g, s.x.ptr, post_norm, s.router.ptr)?;
                     }
                     op(Some("moe.experts"), (k + 1) * per_expert);
                     let ids = (s.ids.ptr, s.wts.ptr);
@@ -332,7 +330,7 @@ impl CudaSession {
                         _ if qr.is_some() => ops::MoeForm::Qr,
                         ops::MoeForm::Q => ops::MoeForm::Q,
                         f if fr.is_none() && post_norm.0 != 0 && g.moe_fused_q2_ok(gu, dn, e, k) => {
-                            if matches!(f, ops::MoeForm::Q2 | ops::MoeForm::Q3) {
+                            if matches!(f, ops::MoeForm::Q2 | ops::MoeForm::Q3 | ops::MoeForm::Q2sl) {
                                 f
                             } else {
                                 ops::MoeForm::Q2s
