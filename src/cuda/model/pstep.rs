@@ -401,7 +401,8 @@ impl CudaSession {
 
 impl PsPlan {
     /// With `LILY_PSTEP_TRACE=1`: the last step's phases on stderr, in µs: span from the first
-    /// block's start to the last block's end, mean time a block spends in the phase, gap from the
+    /// block's start to the last block's end, mean time a block that started the phase spends in
+    /// it, gap from the
     /// previous phase's last end to this one's first start; means over blocks, from that same
     /// previous end, of when the producer issued the phase's first copies, when the consumers
     /// found its first slot full (and for expert phases when the producer passed the router wait
@@ -421,9 +422,14 @@ impl PsPlan {
         for (i, (k, rows)) in self.kinds.iter().enumerate() {
             let raw = |b: usize, j: usize| v[TW * (i * nb + b) + j] as u32;
             let at = |b: usize, j: usize| raw(b, j).wrapping_sub(base) as i32 as f64 / 1e3;
-            let start = (0..nb).map(|b| at(b, 0)).fold(f64::MAX, f64::min);
+            // blocks that started the phase (a GDN phase's start stamp is written by the blocks
+            // that took one of its tasks only; the others' stays 0)
+            let started: Vec<usize> = (0..nb).filter(|&b| raw(b, 0) != 0).collect();
+            let start = started.iter().map(|&b| at(b, 0)).fold(f64::MAX, f64::min);
+            let start = if started.is_empty() { (0..nb).map(|b| at(b, 1)).fold(f64::MAX, f64::min) } else { start };
             let end = (0..nb).map(|b| at(b, 1)).fold(f64::MIN, f64::max);
             let mean = |f: &dyn Fn(usize) -> f64| (0..nb).map(f).sum::<f64>() / nb as f64;
+            let busy = started.iter().map(|&b| at(b, 1) - at(b, 0)).sum::<f64>() / started.len().max(1) as f64;
             let p = prev_end.unwrap_or(start);
             let from =
                 |j: usize| if *k == PS_MOE_GU || j < 4 { format!("{:.2}", mean(&|b| at(b, j) - p)) } else { "".into() };
@@ -431,7 +437,7 @@ impl PsPlan {
                 "| {i} | {} | {rows} | {:.2} | {:.2} | {:.2} | {} | {} | {} | {} | {} | {:.2} | {:.2} |",
                 names[*k as usize],
                 end - start,
-                mean(&|b| at(b, 1) - at(b, 0)),
+                busy,
                 start - p,
                 from(2),
                 from(3),
