@@ -350,7 +350,7 @@ impl Gpu {
         let moe_qr = [("moe_fused_qr", ops::MOE_QR_SMEM.min(optin))];
         let gdn = [("gdn_chunk_scan_tc", GDN_TC_SMEM.min(optin)), ("gdn_chunk_prep_tc", GDN_PREP_TC_SMEM.min(optin))];
         // the streaming GEMVs' padded request under LILY_CUDA_GEMV_SPREAD (ops::gemv_spread)
-        let gemv = [("gemv_q2", optin)];
+        let gemv = ops::gemv_spread().map(|_| ("gemv_q2", optin - ops::GEMV_STATIC_SLACK));
         for (k, bytes) in skinny
             .into_iter()
             .chain(fa)

@@ -272,6 +272,11 @@ pub fn gemv_spread() -> Option<u32> {
     })
 }
 
+/// Bytes under the device's opt-in limit that gemv_q2's dynamic shared memory is opted in to
+/// and padded to at most: the kernel's static shared memory (256 bytes) counts against the same
+/// limit, and asking for the whole of it is refused (session 43: CUDA_ERROR_INVALID_VALUE).
+pub const GEMV_STATIC_SLACK: usize = 4096;
+
 /// `LILY_CUDA_CARVEOUT=max` (an experiment): every kernel prefers the largest shared-memory
 /// carveout, so an SM never has to drain to change its L1/shared split between kernels
 /// (the padded GEMV blocks of [`gemv_spread`] need the largest).
@@ -477,7 +482,8 @@ impl Gpu {
             // 1 KB of each block's share is the driver's, 512 bytes leave room for the statics
             Some(n) if threads == 128 && gx * slots as u32 <= self.sms * n && self.smem_per_sm > 0 => w
                 .stream_smem()
-                .max((self.smem_per_sm / n as usize).saturating_sub(1536).min(self.smem_optin_max) as u32),
+                .max((self.smem_per_sm / n as usize).saturating_sub(1536).min(self.smem_optin_max - GEMV_STATIC_SLACK)
+                    as u32),
             _ => w.stream_smem(),
         };
         self.launch_params(name, (gx, slots as u32, 1), threads, shared, &a)
