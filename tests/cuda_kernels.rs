@@ -282,12 +282,9 @@ fn fused_decode_moe_matches_cpu() {
         // traced: moe_fused_q's picks and weights bit for bit (all use the top-k form
         // LILY_CUDA_ROUTE selects), the output within TOL of the CPU and within 1e-6 of
         // moe_fused_q's.
-        // moe_fused_q2sl (=q2sl: q2s without the meeting, h as LL words) must give q2s's bits.
         assert!(g.moe_fused_q2_ok(&gu, &dn, e, k), "moe_fused_q2 refuses q{bits} E{e} K{k}");
-        let mut q2s_x = Vec::new();
-        for (form, rep) in [MoeForm::Q2, MoeForm::Q3, MoeForm::Q2s, MoeForm::Q2sl]
-            .into_iter()
-            .flat_map(|f| (0..3).map(move |r| (f, r)))
+        for (form, rep) in
+            [MoeForm::Q2, MoeForm::Q3, MoeForm::Q2s].into_iter().flat_map(|f| (0..3).map(move |r| (f, r)))
         {
             xb.write_f32(0, &x).unwrap();
             egu_r.write_f32(0, &vec![f32::NAN; 2 * (k + 1) * inter]).unwrap();
@@ -309,14 +306,6 @@ fn fused_decode_moe_matches_cpu() {
             let d = got.iter().zip(&q_out.0).fold(0f32, |m, (a, b)| m.max((a - b).abs())) / scale;
             eprintln!("{name}: max |Δ| against moe_fused_q {d:.3e} of max |x|");
             assert!(d <= 1e-6, "{name}: {d:e} from moe_fused_q");
-            match form {
-                MoeForm::Q2s => q2s_x = got,
-                MoeForm::Q2sl => {
-                    let same = got.iter().zip(&q2s_x).all(|(a, b)| a.to_bits() == b.to_bits());
-                    assert!(same && !q2s_x.is_empty(), "{name}: not moe_fused_q2s's bits");
-                }
-                _ => {}
-            }
         }
         // The router in the same launch (LILY_CUDA_MOE_ROUTER=fused), on the same counter: a
         // random 8-bit router (as the checkpoints'); the launch writes its logits on

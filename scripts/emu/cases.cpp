@@ -43,12 +43,11 @@ static void gemv_case(int rows, int cols, int G, int T, double outlier) {
 // shared slot, gate/up pairs, meeting, down into x. router_bits (moe_fused_qr): the logits come from
 // a router of those bits in the same launch, run by clusters of 8 of the G blocks.
 static void q2_case(int E, int K, int H, int inter, int G, int rank, bool deep = false, int renorm = 1, int router_bits = 0,
-                    bool shf = false, bool ll = false) {
-    if (ll) shf = true; // q2sl: q2s with h as LL words and no meeting
+                    bool shf = false) {
     const bool alt = deep || shf; // a second pass, which must give q2's bits
     int S = K + 1;
     Q4 GU(2 * (E + 1) * inter, H, 64), DN((E + 1) * H, inter, 64), WR(router_bits ? E + 1 : 1, router_bits ? H : 64, 64, router_bits ? router_bits : 4);
-    std::vector<float> x(H), nw(H), logits(E + 1), gu(2 * S * inter, NAN); // 2: q2sl's LL words
+    std::vector<float> x(H), nw(H), logits(E + 1), gu(S * inter, NAN);
     for (auto& v : x) v = U();
     for (auto& v : nw) v = 1.f + 0.5f * U();
     for (auto& v : logits) v = 2 * U();
@@ -91,7 +90,6 @@ static void q2_case(int E, int K, int H, int inter, int G, int rank, bool deep =
     std::vector<float> lg_out(E + 1, NAN); // qr: the logits cluster 0 writes
     std::vector<std::vector<float>> xs(G, std::vector<float>(smem, NAN)), red(G, std::vector<float>(33)), wsel(G, std::vector<float>(65)), ls(G, std::vector<float>(512));
     std::vector<std::vector<int>> chosen(G, std::vector<int>(65));
-    std::vector<unsigned> ltag(G); // q2sl: each block's shared tag
     std::vector<float> x2; // alt: q2's result on the same input, which q3's / q2s's must equal bit for bit
     for (int pass = 0; pass < 1 + alt; pass++) {
         bool dp = deep && pass == 1, sp = shf && pass == 1;
@@ -104,21 +102,20 @@ static void q2_case(int E, int K, int H, int inter, int G, int rank, bool deep =
             if (router_bits == 4) qr_router<4, 2>(WR.w.data(), WR.sc.data(), WR.bi.data(), 64, E + 1, H, x.data(), nw.data(), 1e-6f, lg_out.data(), xs[b].data(), red[b].data(), ls[b].data());
             if (router_bits) mf2_body<4, 2, false, true>(Q2_ARGS(ls[b].data()));
             else if (dp) mf2_body<4, 2, true>(Q2_ARGS(logits.data()));
-            else if (sp && ll) mf2_body<4, 2, false, false, true, true>(Q2_ARGS(logits.data()), &ltag[b]);
             else if (sp) mf2_body<4, 2, false, false, true>(Q2_ARGS(logits.data()));
             else mf2_body<4, 2>(Q2_ARGS(logits.data()));
 #undef Q2_ARGS
         });
         emu_cluster = 1;
     }
-    if (alt && memcmp(x.data(), x2.data(), 4 * H) != 0) { printf("%-6s moe_fused_%s E%d K%d H%d: not moe_fused_q2's bits\n", VARIANT, deep ? "q3" : ll ? "q2sl" : "q2s", E, K, H); fails++; }
+    if (alt && memcmp(x.data(), x2.data(), 4 * H) != 0) { printf("%-6s moe_fused_%s E%d K%d H%d: not moe_fused_q2's bits\n", VARIANT, deep ? "q3" : "q2s", E, K, H); fails++; }
     // qr: the picks and weights are checked against the routing of the logits the launch computed
     // (those are checked against the double-precision router below; at H 2048 their float sums
     // differ from it by ~1e-5, more than the weights' bound)
     if (router_bits) route(lg_out, idx, wk);
     bool ok = true; for (int s = 0; s < S; s++) ok &= ids[s] == idx[s];
     double werr = 0; for (int s = 0; s < S; s++) werr = std::max(werr, std::fabs(wts[s] - wk[s]));
-    char b[160]; snprintf(b, sizeof b, "moe_fused_%s E%d K%d H%d I%d grid %d route %d%s: ids %s, weights %.1e", router_bits ? (router_bits == 8 ? "qr (q8 router)" : "qr (q4 router)") : deep ? "q3" : ll ? "q2sl" : shf ? "q2s" : "q2", E, K, H, inter, G, rank, renorm ? "" : " (softmax over all)", ok ? "ok" : "WRONG", werr);
+    char b[160]; snprintf(b, sizeof b, "moe_fused_%s E%d K%d H%d I%d grid %d route %d%s: ids %s, weights %.1e", router_bits ? (router_bits == 8 ? "qr (q8 router)" : "qr (q4 router)") : deep ? "q3" : shf ? "q2s" : "q2", E, K, H, inter, G, rank, renorm ? "" : " (softmax over all)", ok ? "ok" : "WRONG", werr);
     fails += !ok || werr > 1e-6;
     if (router_bits) {
         std::vector<float> lg32(lg_out);
@@ -532,9 +529,6 @@ int main() {
     // preloaded; up to 18 a warp), and 5 x 64 at H 4096 (two trips a pair, the first preloaded)
     q2_case(256, 8, 512, 64, 2, 4, false, 1, 0, true);
     q2_case(64, 4, 4096, 64, 3, 4, false, 1, 0, true);
-    // q2sl: q2s without the meeting (the down staging polls the products' LL words)
-    q2_case(256, 8, 512, 64, 2, 4, false, 1, 0, true, true);
-    q2_case(64, 4, 4096, 64, 3, 4, false, 1, 0, true, true);
     // qr: two clusters of 8 blocks with a 4-bit router of 65 rows (33 row groups over the 128
     // cluster warps); one cluster with an 8-bit router at H 2048 (two trips a row)
     q2_case(64, 4, 256, 64, 16, 3, false, 1, 4);

@@ -88,14 +88,6 @@ pub fn gemv_i8() -> bool {
     *P.get_or_init(|| std::env::var("LILY_CUDA_GEMV_I8").map_or(true, |v| v != "0"))
 }
 
-/// `LILY_CUDA_GEMV_EARLY=1` (an experiment) builds the streaming GEMVs with their second trip
-/// requested right after the PDL wait and the two after it into the L2 (gemv.cu's GQ_EARLY; a
-/// separate entry of the kernel cache).
-pub fn gemv_early() -> bool {
-    static P: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *P.get_or_init(|| std::env::var("LILY_CUDA_GEMV_EARLY").is_ok_and(|v| v == "1"))
-}
-
 /// The concatenated program text.
 pub fn kernel_source() -> String {
     let mut s = if super::timeline::enabled() { "#define LILY_TIMELINE 1\n".to_string() } else { String::new() };
@@ -104,9 +96,6 @@ pub fn kernel_source() -> String {
     }
     if gemv_i8() {
         s.push_str("#define LILY_GEMV_I8 1\n");
-    }
-    if gemv_early() {
-        s.push_str("#define LILY_GEMV_EARLY 1\n");
     }
     s.push_str(&super::params::c_decls());
     for (name, src) in SOURCES {
@@ -172,7 +161,7 @@ fn skinny_occ2() -> bool {
 /// Kernels that call `pdl_wait()` before touching activations (kernels/common.cuh) and so may be
 /// launched as programmatic dependents: their launch and weight reads overlap the previous
 /// kernel's tail. The gemm_skinny entry points are such kernels too (see [`is_pdl`]).
-pub const PDL_KERNELS: [&str; 76] = [
+pub const PDL_KERNELS: [&str; 75] = [
     "gemm_wsp128",
     "gemm_wsp256",
     "gemm_wsp128_q8",
@@ -196,7 +185,6 @@ pub const PDL_KERNELS: [&str; 76] = [
     "moe_fused_q2",
     "moe_fused_q3",
     "moe_fused_q2s",
-    "moe_fused_q2sl",
     "moe_fused_qr",
     "gdn_in_step_cl",
     "gemv_q2_conv",

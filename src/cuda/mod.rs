@@ -212,8 +212,6 @@ pub struct Gpu {
     /// The device's own opt-in limit (bytes), set on the flash-attention prefill kernels, whose
     /// tiles need up to 192 KB ([`fa_smem`]).
     pub smem_optin_max: usize,
-    /// Shared memory of one SM (bytes; what [`ops::gemv_spread`] divides among its blocks).
-    pub smem_per_sm: usize,
     /// Programmatic dependent launch for [`PDL_KERNELS`]: on devices that have it (compute
     /// capability 9.0+) unless `LILY_CUDA_PDL=0`.
     pub pdl: bool,
@@ -349,8 +347,6 @@ impl Gpu {
         let pstep = [("pstep", optin)];
         let moe_qr = [("moe_fused_qr", ops::MOE_QR_SMEM.min(optin))];
         let gdn = [("gdn_chunk_scan_tc", GDN_TC_SMEM.min(optin)), ("gdn_chunk_prep_tc", GDN_PREP_TC_SMEM.min(optin))];
-        // the streaming GEMVs' padded request under LILY_CUDA_GEMV_SPREAD (ops::gemv_spread)
-        let gemv = ops::gemv_spread().map(|_| ("gemv_q2", optin - ops::GEMV_STATIC_SLACK));
         for (k, bytes) in skinny
             .into_iter()
             .chain(fa)
@@ -364,7 +360,6 @@ impl Gpu {
             .chain(pstep)
             .chain(moe_qr)
             .chain(gdn)
-            .chain(gemv)
         {
             // SAFETY: a valid function handle and attribute; the value is within the device limit.
             unsafe {
@@ -377,24 +372,6 @@ impl Gpu {
             .result()
             .map_err(|e| anyhow!("shared memory opt-in for {k}: {e:?}"))?;
         }
-        if ops::carveout_max() {
-            for (k, &f) in &funcs {
-                // SAFETY: a valid function handle; 100 is the attribute's documented maximum.
-                unsafe {
-                    sys::cuFuncSetAttribute(
-                        f,
-                        sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT,
-                        100,
-                    )
-                }
-                .result()
-                .map_err(|e| anyhow!("shared memory carveout for {k}: {e:?}"))?;
-            }
-        }
-        let smem_per_sm = ctx
-            .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_MULTIPROCESSOR)
-            .unwrap_or(0)
-            .max(0) as usize;
         let stream = drv::stream::create(drv::stream::StreamKind::Default).map_err(|e| anyhow!("{e:?}"))?;
         let pdl = maj >= 9 && std::env::var("LILY_CUDA_PDL").map_or(true, |v| v != "0");
         // SAFETY: a plain device allocation, zeroed (the tickets start at 0), freed in Drop.
@@ -416,7 +393,6 @@ impl Gpu {
             sms,
             smem_optin,
             smem_optin_max: optin,
-            smem_per_sm,
             pdl,
             timeline,
             funcs,

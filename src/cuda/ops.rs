@@ -261,30 +261,6 @@ pub fn gemv_default() -> (GemvKernel, u32) {
     })
 }
 
-/// `LILY_CUDA_GEMV_SPREAD=N` (an experiment, N 1 to 3): a streaming GEMV launch whose grid fits
-/// N blocks on every SM asks for 1/N of an SM's shared memory, so that at most N of its blocks
-/// share an SM. Under PDL its 128-thread blocks otherwise pile onto the SMs that are free when
-/// it launches (session 42's timeline: the out-projection's 256 blocks on 68-106 SMs).
-pub fn gemv_spread() -> Option<u32> {
-    static V: std::sync::OnceLock<Option<u32>> = std::sync::OnceLock::new();
-    *V.get_or_init(|| {
-        std::env::var("LILY_CUDA_GEMV_SPREAD").ok().and_then(|v| v.parse().ok()).filter(|n| (1..=3).contains(n))
-    })
-}
-
-/// Bytes under the device's opt-in limit that gemv_q2's dynamic shared memory is opted in to
-/// and padded to at most: the kernel's static shared memory (256 bytes) counts against the same
-/// limit, and asking for the whole of it is refused (session 43: CUDA_ERROR_INVALID_VALUE).
-pub const GEMV_STATIC_SLACK: usize = 4096;
-
-/// `LILY_CUDA_CARVEOUT=max` (an experiment): every kernel prefers the largest shared-memory
-/// carveout, so an SM never has to drain to change its L1/shared split between kernels
-/// (the padded GEMV blocks of [`gemv_spread`] need the largest).
-pub fn carveout_max() -> bool {
-    static V: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *V.get_or_init(|| std::env::var("LILY_CUDA_CARVEOUT").is_ok_and(|v| v == "max"))
-}
-
 /// Widest input the GEMV stages in shared memory (and so can normalize on the fly).
 pub const GEMV_XMAX: usize = 8192;
 
@@ -476,16 +452,9 @@ impl Gpu {
                 return self.launch_params("linear_gemv", (blocks(w.rows, 32), slots as u32, 1), 256, shared, &a);
             }
         };
+        let shared = w.stream_smem();
         let (threads, per_sm) = kernel.geometry(bpsm);
         let gx = self.stream_grid(w.rows, threads, per_sm, slots);
-        let shared = match gemv_spread() {
-            // 1 KB of each block's share is the driver's, 512 bytes leave room for the statics
-            Some(n) if threads == 128 && gx * slots as u32 <= self.sms * n && self.smem_per_sm > 0 => w
-                .stream_smem()
-                .max((self.smem_per_sm / n as usize).saturating_sub(1536).min(self.smem_optin_max - GEMV_STATIC_SLACK)
-                    as u32),
-            _ => w.stream_smem(),
-        };
         self.launch_params(name, (gx, slots as u32, 1), threads, shared, &a)
     }
 

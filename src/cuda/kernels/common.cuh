@@ -142,7 +142,7 @@ __device__ __forceinline__ void trace_stamp(u64* ts, int i) {
 /* Requests the 128-byte line holding p into the L2 (no register, no wait): a later load of it
    finds it there instead of in HBM (moe_fused_q3, moe_fused_qr, gdn_in_step_cl). */
 __device__ __forceinline__ void pf_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];" ::"l"(p)); }
-/* LL words (NCCL's "low latency" protocol; pstep, moe_fused_q2sl): a float and its writer's
+/* LL words (NCCL's "low latency" protocol; pstep): a float and its writer's
    tag in one 8-byte word, written and read whole (single-copy atomic), so a reader polls the
    data itself: no fence behind the writes, no counter between. A tag is never 0, so zeroed
    words are never taken for written ones. */

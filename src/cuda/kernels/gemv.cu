@@ -319,19 +319,13 @@ __device__ __forceinline__ void swiglu_item8(const float* gu, int k, int cols, i
 
 /* moe_down's staging: xs = wts[k] * silu(gu[2k]) * gu[2k+1] for the S slots back to back (xg = gu,
    wk = wts), swizzled, with the per-chunk sums. wk null: gu already holds those products, [S, cols]
-   (moe_fused_q2's pairs wrote them), staged as they are. LL (moe_fused_q2sl): those products are
-   LL words carrying `tag` (common.cuh), polled until written. */
-template <int EPV, bool LL = false>
-__device__ __forceinline__ float moe_stage(const float* gu, const float* wk, int S, int cols, float* xs, float* xsum,
-                                           u32 tag = 0) {
+   (moe_fused_q2's pairs wrote them), staged as they are. */
+template <int EPV>
+__device__ __forceinline__ float moe_stage(const float* gu, const float* wk, int S, int cols, float* xs, float* xsum) {
     int per = cols / EPV, nch = S * per;
     if constexpr (GQ_I8 && EPV == 32) {
         i8_stage(nch, xs, threadIdx.x, blockDim.x, [&](int c, int w, float (&v)[8]) {
             int k = c / per, c0 = (c - k * per) * 32 + 8 * w;
-            if (LL) {
-                ll_load8((const u64*)gu + (long long)k * cols + c0, tag, v);
-                return 0.f;
-            }
             if (!wk) {
                 const float4* h4 = (const float4*)(gu + (long long)k * cols + c0);
                 float4 a = __ldcg(h4), b = __ldcg(h4 + 1);
@@ -353,14 +347,7 @@ __device__ __forceinline__ float moe_stage(const float* gu, const float* wk, int
             const float4* h4 = (const float4*)(gu + (long long)k * cols + c0);
 #pragma unroll
             for (int j = 0; j < EPV / 4; j++) {
-                float4 h;
-                if (LL) {
-                    float q[4];
-                    ll_load<4>((const u64*)gu + (long long)k * cols + c0 + 4 * j, tag, q);
-                    h = make_float4(q[0], q[1], q[2], q[3]);
-                } else {
-                    h = __ldcg(h4 + j); /* through L2: other blocks of the launch wrote them */
-                }
+                float4 h = __ldcg(h4 + j); /* through L2: other blocks of the launch wrote them */
                 ((float4*)xs)[xswz(ch * (EPV / 4) + j)] = h;
                 sum += (h.x + h.y) + (h.z + h.w);
             }
@@ -421,26 +408,15 @@ __device__ __forceinline__ void grid_wait(const u64* ctr, u64 target) {
     __syncthreads();
 }
 
-/* A warp requests its first trip before the PDL wait (weights only; session 43: requesting none
-   there is 1.4% slower, two 0.4-1% slower).
-   EARLY (LILY_CUDA_GEMV_EARLY=1, a kernel build switch; an experiment): right after the PDL wait
-   (not before it: nothing of the previous kernel is left to compete with; the first trip is
-   requested before the wait, as always) a warp requests its second trip into registers before it stages the input, so that trip's HBM
-   round trip runs under the staging (the input's L2 round trip and the block's sum) instead of
-   after it, and requests the two trips after that into the L2 (gq_prefetch), so a walk of three
-   or four trips (the GDN in-projection) waits one HBM round trip, not three. The same loads and
-   sums in the same order: the same bits. Not on the meeting path (moe down: one trip a warp). */
-#ifdef LILY_GEMV_EARLY
-constexpr bool GQ_EARLY = true;
-#else
-constexpr bool GQ_EARLY = false;
-#endif
-template <int BITS, int TY, int NR, int U, bool LOADONLY, bool MOE, bool CONV = false, bool L2X = false, bool LL = false>
+/* A warp requests its first trip before the PDL wait (weights only). Measured and dropped (H100,
+   sessions 42-43): none there (−1.4%), two (−0.4% to −1%), the second right after the wait before
+   the staging with two more into the L2 (−3.8%). */
+template <int BITS, int TY, int NR, int U, bool LOADONLY, bool MOE, bool CONV = false, bool L2X = false>
 __device__ __forceinline__ void gq_body(const u32* w, const u16* sc, const u16* bi, int group,
                                         const float* xg, float* y, int rows, int cols, long long E0, int accumulate,
                                         const float* normw, float eps, float* xs, float* red, const int* ids = 0,
                                         int S = 1, ConvEpi cv = ConvEpi{0, 0, 0, 0, 1}, int vbx = -1, int vgx = 0,
-                                        const u64* spin = 0, u64 spin_target = 0, u64* ts = 0, u32 ltag = 0) {
+                                        const u64* spin = 0, u64 spin_target = 0, u64* ts = 0) {
     constexpr int EPV = 128 / BITS;
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     int n4 = cols / EPV, ng = cols / group, gsh = __ffs(group) - 1;
@@ -487,33 +463,15 @@ __device__ __forceinline__ void gq_body(const u32* w, const u16* sc, const u16* 
             t2 = 0;
         }
     };
-    bool pre = false; /* EARLY: nxt already holds the loop's first next trip */
     if (g < ngroups) load_trip(cur, cw_cur, cs_cur, g, 0);
     if (spin) { /* moe_fused_q, gdn_step_out: every block of the launch has done its first part */
         grid_wait(spin, spin_target);
     } else {
         pdl_wait(); /* weights are read above, activations only from here on */
     }
-    if constexpr (GQ_EARLY && !MOE) {
-        if (!spin && g < ngroups) {
-            int g2, t2;
-            next_trip(g, 0, g2, t2);
-            if (g2 < ngroups) {
-                load_trip(nxt, cw_nxt, cs_nxt, g2, t2);
-                pre = true;
-            }
-            for (int m = 0; m < 2; m++) { /* the two trips after it into the L2 */
-                next_trip(g2, t2, g2, t2);
-                if (g2 >= ngroups) break;
-                int r = g2 * NR;
-                gq_prefetch<BITS, NR, U>(w, sc, bi, E0 + r, min(NR, rows - r), n4, ng, gsh, t2 * 32 * U + lane);
-            }
-        }
-    }
     trace_stamp(ts, 0);
     float* xsum = xs + nv * EPV;
-    float rr = MOE ? moe_stage<EPV, LL>(xg, normw, S, cols, xs, xsum, ltag)
-                   : gq_stage<EPV, L2X>(xg, cols, normw, eps, xs, xsum, red);
+    float rr = MOE ? moe_stage<EPV>(xg, normw, S, cols, xs, xsum) : gq_stage<EPV, L2X>(xg, cols, normw, eps, xs, xsum, red);
     trace_stamp(ts, 1);
     float acc[NR];
 #pragma unroll
@@ -522,8 +480,7 @@ __device__ __forceinline__ void gq_body(const u32* w, const u16* sc, const u16* 
         int r0 = g * NR, nvalid = min(NR, rows - r0);
         int g2, t2;
         next_trip(g, t, g2, t2);
-        if (g2 < ngroups && !pre) load_trip(nxt, cw_nxt, cs_nxt, g2, t2);
-        pre = false;
+        if (g2 < ngroups) load_trip(nxt, cw_nxt, cs_nxt, g2, t2);
         if (nvalid == NR && (t + 1) * 32 * U <= nv)
             gq_compute<BITS, TY, NR, U, LOADONLY, true>(cur, NR, nv, t * 32 * U + lane, xs, xsum, acc);
         else

@@ -131,8 +131,7 @@ __device__ __forceinline__ bool mf2_shared_first(GqTrip<2, 2>& cur, const u32* w
 template <int BITS, int TY, bool DEEP = false, bool SHF = false>
 __device__ __forceinline__ void mf2_pairs(const u32* w, const u16* sc, const u16* bi, int group, int inter, int cols,
                                           const int* ids, const float* wk, int S, const float* xs,
-                                          const float* xsum, float rr, float* h, GqTrip<2, 2>& cur, bool pre,
-                                          u32 ltag = 0) {
+                                          const float* xsum, float rr, float* h, GqTrip<2, 2>& cur, bool pre) {
     static_assert(!(DEEP && SHF), "one pair order at a time");
     constexpr int EPV = 128 / BITS, NR = 2, U = 2;
     int lane = threadIdx.x & 31, nwarps = blockDim.x >> 5;
@@ -179,13 +178,7 @@ __device__ __forceinline__ void mf2_pairs(const u32* w, const u16* sc, const u16
             float gv = warp_sum(acc[0]) * rr, uv = warp_sum(acc[1]) * rr;
             acc[0] = acc[1] = 0.f;
             int pg = pair(g);
-            if (lane == 0) {
-                float v = wk[pg / inter] * (silu_f(gv) * uv);
-                if (ltag)
-                    ll_store(h, pg, v, ltag); /* LL: the down phase polls this word */
-                else
-                    h[pg] = v;
-            }
+            if (lane == 0) h[pg] = wk[pg / inter] * (silu_f(gv) * uv);
         }
         cur = nxt;
         g = g2;
@@ -204,10 +197,6 @@ __device__ __forceinline__ u64 ld_relaxed_u64(const u64* p) {
     asm volatile("ld.relaxed.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
     return v;
 }
-/* One arrival that orders nothing (moe_fused_q2sl: the counter only numbers the launches). */
-__device__ __forceinline__ void ctr_add_relaxed(u64* ctr) {
-    asm volatile("red.relaxed.gpu.global.add.u64 [%0], 1;" ::"l"(ctr) : "memory");
-}
 __device__ __forceinline__ void grid_arrive_rel(u64* ctr) {
     __syncthreads();
     if (threadIdx.x == 0) asm volatile("red.release.gpu.global.add.u64 [%0], 1;" ::"l"(ctr) : "memory");
@@ -215,9 +204,9 @@ __device__ __forceinline__ void grid_arrive_rel(u64* ctr) {
 
 /* DEEP: mf2_pairs<DEEP> (moe_fused_q3). LS: the logits are in shared memory (moe_fused_qr's router
    wrote them there; the top-K by route_warp_smem). */
-template <int BITS, int TY, bool DEEP = false, bool LS = false, bool SHF = false, bool LL = false>
+template <int BITS, int TY, bool DEEP = false, bool LS = false, bool SHF = false>
 __device__ __forceinline__ void mf2_body(MoeFusedParams_fields, float* xs, float* red, float* wsel, int* chosen,
-                                         float* ls, u64* ts, u32* ltag_s = nullptr) {
+                                         float* ls, u64* ts) {
     constexpr int EPV = 128 / BITS;
     float* xsum = xs + H;
     GqTrip<2, 2> cur;
@@ -228,13 +217,7 @@ __device__ __forceinline__ void mf2_body(MoeFusedParams_fields, float* xs, float
         trace_stamp(ts, 1);
     }
     u64 base = 0; /* thread 0's: the counter before this launch */
-    if (threadIdx.x == 0) {
-        base = ld_relaxed_u64(ctr);
-        if (LL) { /* this launch's tag (never 0); the arrival now: nobody waits on the counter */
-            *ltag_s = 0x80000000u | (u32)(base / gridDim.x);
-            ctr_add_relaxed(ctr);
-        }
-    }
+    if (threadIdx.x == 0) base = ld_relaxed_u64(ctr);
     if (threadIdx.x < 32) {
         if (LS)
             route_warp_smem(rank, logits, E, K, renorm, chosen, wsel);
@@ -249,21 +232,12 @@ __device__ __forceinline__ void mf2_body(MoeFusedParams_fields, float* xs, float
     float ss = (threadIdx.x & 31) < 15 ? red[threadIdx.x & 31] : 0.f;
     float rr = 1.f / sqrtf(warp_sum(ss) / (float)H + eps);
     moe_publish_route(fixed, E, K, chosen, wsel, ids_out, wts_out, ts);
-    const u32 ltag = LL ? *ltag_s : 0; /* written before the barrier above */
     mf2_pairs<BITS, TY, DEEP, SHF>((const u32*)wg, (const u16*)sg, (const u16*)bg, group_g, inter, H, chosen, wsel,
-                                   K + 1, xs, xsum, rr, gu, cur, pre, ltag);
+                                   K + 1, xs, xsum, rr, gu, cur, pre);
     trace_stamp(ts, 3);
-    const ConvEpi nc{0, 0, 0, 0, 1};
-    if (LL) { /* no meeting: the staging polls the LL words of h (after this block's warps are done
-                 with xs) */
-        __syncthreads();
-        gq_body<BITS, TY, MD_NR, MD_U, false, true, false, false, true>(
-            (const u32*)wd, (const u16*)sd, (const u16*)bd, group_d, gu, x, H, inter, 0, acc, nullptr, 0.f, xs, 0,
-            chosen, K + 1, nc, blockIdx.x, gridDim.x, nullptr, 0, ts ? ts + 4 : nullptr, ltag);
-        return;
-    }
     grid_arrive_rel(ctr);
     const u64 G = gridDim.x, target = (base / G + 1) * G; /* used by thread 0 alone (grid_wait) */
+    const ConvEpi nc{0, 0, 0, 0, 1};
     gq_body<BITS, TY, MD_NR, MD_U, false, true>((const u32*)wd, (const u16*)sd, (const u16*)bd, group_d, gu, x, H,
                                                 inter, 0, acc, nullptr, 0.f, xs, 0, chosen, K + 1, nc, blockIdx.x,
                                                 gridDim.x, ctr, target, ts ? ts + 4 : nullptr);
@@ -272,12 +246,11 @@ __device__ __forceinline__ void mf2_body(MoeFusedParams_fields, float* xs, float
 /* The entry points: moe_fused_q2, moe_fused_q3 = moe_fused_q2 with mf2_pairs<DEEP> (LILY_CUDA_MOE=q3)
    and moe_fused_q2s = moe_fused_q2 with the shared expert's pairs first (SHF, LILY_CUDA_MOE=q2s;
    its body makes the PDL wait, after its first loads): the same grid, counter and result. */
-#define MF2_KERNEL(NAME, DEEP, SHF, LL)                                                                              \
+#define MF2_KERNEL(NAME, DEEP, SHF)                                                                                  \
     extern "C" __global__ void __launch_bounds__(512, 1) NAME(MoeFusedParams_fields) {                               \
         extern __shared__ __align__(16) float xs[];                                                                 \
         __shared__ float red[33], wsel[65], ls[512]; /* ls: route_topk's copy of the logits (E <= 512) */           \
         __shared__ int chosen[65];                                                                                  \
-        __shared__ u32 ltag;                                                                                        \
         TL_SCOPE(#NAME);                                                                                            \
         u64* ts = trace ? trace + 16 * blockIdx.x : nullptr; /* stamps as moe_fused_q's (no 8, 9) */                \
         trace_stamp(ts, 0);                                                                                         \
@@ -285,19 +258,18 @@ __device__ __forceinline__ void mf2_body(MoeFusedParams_fields, float* xs, float
             pdl_begin();                                                                                            \
             trace_stamp(ts, 1);                                                                                     \
         }                                                                                                           \
-        if (bits == 4 && ty == TY_BF16) MF2(4, TY_BF16, DEEP, SHF, LL);                                             \
-        else if (bits == 4) MF2(4, TY_F16, DEEP, SHF, LL);                                                          \
-        else if (ty == TY_BF16) MF2(8, TY_BF16, DEEP, SHF, LL);                                                     \
-        else MF2(8, TY_F16, DEEP, SHF, LL);                                                                         \
+        if (bits == 4 && ty == TY_BF16) MF2(4, TY_BF16, DEEP, SHF);                                                 \
+        else if (bits == 4) MF2(4, TY_F16, DEEP, SHF);                                                              \
+        else if (ty == TY_BF16) MF2(8, TY_BF16, DEEP, SHF);                                                         \
+        else MF2(8, TY_F16, DEEP, SHF);                                                                             \
         trace_stamp(ts, 6);                                                                                         \
     }
-#define MF2(B, T, D, SH, L)                                                                                          \
-    mf2_body<B, T, D, false, SH, L>(wg, sg, bg, wd, sd, bd, bits, group_g, group_d, ty, x, gu, inter, H, normw, eps,     \
+#define MF2(B, T, D, SH)                                                                                             \
+    mf2_body<B, T, D, false, SH>(wg, sg, bg, wd, sd, bd, bits, group_g, group_d, ty, x, gu, inter, H, normw, eps,     \
                                  logits, E, K, renorm, ids_out, wts_out, ctr, bps, rank, wr, sr, br, bits_r, group_r, \
-                                 ty_r, R, trace, fixed, acc, xs, red, wsel, chosen, ls, ts, &ltag)
-MF2_KERNEL(moe_fused_q2, false, false, false)
-MF2_KERNEL(moe_fused_q3, true, false, false)
-MF2_KERNEL(moe_fused_q2s, false, true, false)
-MF2_KERNEL(moe_fused_q2sl, false, true, true)
+                                 ty_r, R, trace, fixed, acc, xs, red, wsel, chosen, ls, ts)
+MF2_KERNEL(moe_fused_q2, false, false)
+MF2_KERNEL(moe_fused_q3, true, false)
+MF2_KERNEL(moe_fused_q2s, false, true)
 #undef MF2
 #undef MF2_KERNEL

@@ -330,7 +330,7 @@ impl CudaSession {
                         _ if qr.is_some() => ops::MoeForm::Qr,
                         ops::MoeForm::Q => ops::MoeForm::Q,
                         f if fr.is_none() && post_norm.0 != 0 && g.moe_fused_q2_ok(gu, dn, e, k) => {
-                            if matches!(f, ops::MoeForm::Q2 | ops::MoeForm::Q3 | ops::MoeForm::Q2sl) {
+                            if matches!(f, ops::MoeForm::Q2 | ops::MoeForm::Q3) {
                                 f
                             } else {
                                 ops::MoeForm::Q2s

@@ -50,14 +50,6 @@ pub enum MoeForm {
     Q2,
     Q3,
     Q2s,
-    /// `moe_fused_q2sl` (`LILY_CUDA_MOE=q2sl`, an experiment): `Q2s` without the blocks' meeting
-    /// between gate/up and down. The pairs write their products as LL words (a float and the
-    /// launch's tag in one 8-byte word, kernels/common.cuh) and the down phase's staging polls
-    /// those words, so a block stages h as soon as the last word lands instead of after the last
-    /// block's release add and its own poll of the counter (1.4 µs a MoE layer in session 43's
-    /// stamps). The same sums: `Q2s`'s bits. Needs `gu` of 8 bytes a product (the unfused
-    /// path's `[2(k+1), inter]` floats are).
-    Q2sl,
     Qr,
 }
 
@@ -70,7 +62,6 @@ pub fn moe_form() -> MoeForm {
         Ok("q2") => MoeForm::Q2,
         Ok("q3") => MoeForm::Q3,
         Ok("qr") => MoeForm::Qr,
-        Ok("q2sl") => MoeForm::Q2sl,
         _ => MoeForm::Q2s,
     })
 }
@@ -253,7 +244,7 @@ impl Gpu {
         if !self.moe_fused_ok(gate_up, down, e, k) {
             bail!("moe_fused: experts of this shape or format are not fused");
         }
-        if matches!(form, MoeForm::Q2 | MoeForm::Q3 | MoeForm::Q2s | MoeForm::Q2sl)
+        if matches!(form, MoeForm::Q2 | MoeForm::Q3 | MoeForm::Q2s)
             && (router.is_some() || normw == 0 || !self.moe_fused_q2_ok(gate_up, down, e, k))
         {
             bail!("moe_fused_q2/q3/q2s: this router, input or expert shape is not taken");
@@ -331,7 +322,6 @@ impl Gpu {
             let name = match form {
                 MoeForm::Q3 => "moe_fused_q3",
                 MoeForm::Q2s => "moe_fused_q2s",
-                MoeForm::Q2sl => "moe_fused_q2sl",
                 _ => "moe_fused_q2",
             };
             return self.launch_params(name, (grid as u32, 1, 1), 512, shared, &a);
