@@ -261,6 +261,41 @@ pub fn gemv_default() -> (GemvKernel, u32) {
     })
 }
 
+/// The decode step's streaming GEMVs by role, for [`gemv_for`]: the output projections (GDN
+/// out-projection, attention o-projection; they add into the residual), the GDN in-projection
+/// with its conv (`gemv_q2_conv`) and the attention q/k/v projection.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum GemvRole {
+    Out,
+    In,
+    Qkv,
+}
+
+/// The kernel and blocks per SM for a role: [`GemvKernel::Wide`] (one 16-warp block an SM) for
+/// the roles listed in `LILY_CUDA_GEMV_WIDE` (comma-separated `out`, `in`, `qkv`; an experiment,
+/// none by default), else [`gemv_default`]. Alone in a chain of launches (examples/gemv_bench.rs,
+/// H100) Wide takes the GDN out-projection from 4.97 to 3.77 µs and the in-projection from 7.01
+/// to 6.39, but the 8-bit router from 2.37 to 3.53: session 28's all-or-nothing switch lost 0.8%.
+pub fn gemv_for(role: GemvRole) -> (GemvKernel, u32) {
+    static W: std::sync::OnceLock<Vec<GemvRole>> = std::sync::OnceLock::new();
+    let wide = W.get_or_init(|| {
+        let v = std::env::var("LILY_CUDA_GEMV_WIDE").unwrap_or_default();
+        v.split(',')
+            .filter_map(|r| match r.trim() {
+                "out" => Some(GemvRole::Out),
+                "in" => Some(GemvRole::In),
+                "qkv" => Some(GemvRole::Qkv),
+                _ => None,
+            })
+            .collect()
+    });
+    if wide.contains(&role) {
+        (GemvKernel::Wide, 1)
+    } else {
+        gemv_default()
+    }
+}
+
 /// Widest input the GEMV stages in shared memory (and so can normalize on the fly).
 pub const GEMV_XMAX: usize = 8192;
 
@@ -318,6 +353,24 @@ impl Gpu {
         accumulate: bool,
     ) -> Result<()> {
         self.gemv_raw(gemv_default().0, w, x, xstride, y, slots, ids, accumulate, (0, 0.0))
+    }
+
+    /// `y += W x` for one slot by the kernel [`gemv_for`] gives `role`, with the fused norm when
+    /// `norm` has weights (the decode step's projections).
+    pub fn gemv_as(
+        &self,
+        role: GemvRole,
+        w: &GpuLinear,
+        x: u64,
+        y: u64,
+        accumulate: bool,
+        norm: (u64, f32),
+    ) -> Result<()> {
+        if norm.0 != 0 && (w.cols > GEMV_XMAX || !w.cols.is_multiple_of(4)) {
+            bail!("gemv with a fused norm: {} columns (at most {GEMV_XMAX}, a multiple of 4)", w.cols);
+        }
+        let (k, bpsm) = gemv_for(role);
+        self.gemv_variant(k, bpsm, w, x, 0, y, 1, 0, accumulate, norm)
     }
 
     /// `slots` products with the same matrix, input row z at `x + z·xstride` (each row RMS-

@@ -4,7 +4,7 @@
 //! it alone for the layer-local error test.
 
 use super::{gdn_step_args, CudaSession, GFfn, GMixer, GState};
-use crate::cuda::ops::{self, gdn_out_fused, router_fused, GdnForm, GdnOutProj};
+use crate::cuda::ops::{self, gdn_out_fused, router_fused, GdnForm, GdnOutProj, GemvRole};
 use crate::cuda::profile;
 use crate::cuda::Gpu;
 use crate::sampling::SamplingParams;
@@ -269,7 +269,7 @@ impl CudaSession {
                     // added into x by gdn_in_step_cl
                 } else if cl.is_some() {
                     op(Some("gdn.out_proj"), out.nbytes());
-                    g.gemv(out, s.o.ptr, 0, s.x.ptr, 1, 0, true)?;
+                    g.gemv_as(GemvRole::Out, out, s.o.ptr, s.x.ptr, true, (0, 0.0))?;
                 } else if gdn_out_fused() && g.gdn_step_out_ok(&gs, out) {
                     // the recurrent state, read and written
                     op(Some("gdn.state"), 2 * rec.bytes);
@@ -279,18 +279,18 @@ impl CudaSession {
                     op(Some("gdn.state"), 2 * rec.bytes);
                     g.gdn_step(&gs)?;
                     op(Some("gdn.out_proj"), out.nbytes());
-                    g.gemv(out, s.o.ptr, 0, s.x.ptr, 1, 0, true)?;
+                    g.gemv_as(GemvRole::Out, out, s.o.ptr, s.x.ptr, true, (0, 0.0))?;
                 }
             }
             (GMixer::Attn { proj, o, .. }, GState::Attn { .. }) => {
                 op(Some("attn.qkv_proj"), proj.nbytes());
-                proj.run(g, xin, in_norm, s.proj.ptr)?;
+                proj.run_as(g, Some(GemvRole::Qkv), xin, in_norm, s.proj.ptr)?;
                 // the cache's pos + 1 rows of K and V read (one written)
                 let row = self.kv.pos_bytes(c.num_key_value_heads, c.head_dim);
                 op(Some("attn.core"), 2 * (self.pos + 1) * row);
                 self.attn_mid(li, long)?;
                 op(Some("attn.o_proj"), o.nbytes());
-                g.gemv(o, s.o.ptr, 0, s.x.ptr, 1, 0, true)?;
+                g.gemv_as(GemvRole::Out, o, s.o.ptr, s.x.ptr, true, (0, 0.0))?;
             }
             _ => bail!("layer state does not match the layer kind"),
         }

@@ -1,7 +1,7 @@
 //! A layer's projections that read the same input (GDN in-projections, q/k/v, the router with
 //! the shared-expert gate, an MLP's gate and up), written side by side into one output buffer.
 
-use crate::cuda::ops::{GpuLinear, Precision};
+use crate::cuda::ops::{GemvRole, GpuLinear, Precision};
 use crate::cuda::Gpu;
 use anyhow::Result;
 use std::sync::Arc;
@@ -34,9 +34,15 @@ impl Proj {
     /// One token: `out = W · rms_norm(x)` (the norm `(weights, eps)` fused into the GEMV).
     /// (norm weights 0: x is used as it is).
     pub(super) fn run(&self, g: &Gpu, x: u64, norm: (u64, f32), out: u64) -> Result<()> {
-        let one = |w: &GpuLinear, out: u64| match norm.0 {
-            0 => g.gemv(w, x, 0, out, 1, 0, false),
-            _ => g.gemv_norm(w, x, norm, out, 1, 0, false),
+        self.run_as(g, None, x, norm, out)
+    }
+
+    /// [`Proj::run`] through the kernel [`crate::cuda::ops::gemv_for`] picks for `role` (None: the default).
+    pub(super) fn run_as(&self, g: &Gpu, role: Option<GemvRole>, x: u64, norm: (u64, f32), out: u64) -> Result<()> {
+        let one = |w: &GpuLinear, out: u64| match (role, norm.0) {
+            (Some(r), _) => g.gemv_as(r, w, x, out, false, norm),
+            (None, 0) => g.gemv(w, x, 0, out, 1, 0, false),
+            (None, _) => g.gemv_norm(w, x, norm, out, 1, 0, false),
         };
         match &self.fused {
             Some(f) => one(f, out),

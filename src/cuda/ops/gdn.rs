@@ -8,7 +8,7 @@ use super::super::params::{
     GdnStepParams, GemvConvParams, In, Out,
 };
 use super::super::Gpu;
-use super::{blocks, gemv_default, GemvKernel, GpuLinear, Precision, GEMV_XMAX};
+use super::{blocks, gemv_default, gemv_for, GemvKernel, GemvRole, GpuLinear, Precision, GEMV_XMAX};
 use crate::cuda::{GDN_PREP_TC_SMEM, GDN_TC_SMEM};
 use anyhow::{bail, Result};
 
@@ -415,7 +415,7 @@ impl Gpu {
             C: c as i32,
             K: k as i32,
         };
-        let (kernel, bpsm) = gemv_default();
+        let (kernel, bpsm) = gemv_for(GemvRole::In);
         let (threads, per_sm) = kernel.geometry(bpsm);
         let gx = self.stream_grid(w.rows, threads, per_sm, 1);
         self.launch_params("gemv_q2_conv", (gx, 1, 1), threads, w.stream_smem(), &a)
