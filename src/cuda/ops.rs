@@ -272,14 +272,23 @@ pub enum GemvRole {
 }
 
 /// The kernel and blocks per SM for a role: [`GemvKernel::Wide`] (one 16-warp block an SM) for
-/// the roles listed in `LILY_CUDA_GEMV_WIDE` (comma-separated `out`, `in`, `qkv`; an experiment,
-/// none by default), else [`gemv_default`]. Alone in a chain of launches (examples/gemv_bench.rs,
-/// H100) Wide takes the GDN out-projection from 4.97 to 3.77 µs and the in-projection from 7.01
-/// to 6.39, but the 8-bit router from 2.37 to 3.53: session 28's all-or-nothing switch lost 0.8%.
+/// the roles listed in `LILY_CUDA_GEMV_WIDE` (comma-separated `out`, `in`, `qkv`; `none`; default
+/// `out`, or none under `LILY_CUDA_GEMV=old`), else [`gemv_default`]. Alone in a chain of launches
+/// (examples/gemv_bench.rs, H100) Wide takes the GDN out-projection from 4.97 to 3.77 µs and the
+/// in-projection from 7.01 to 6.39, but the 8-bit router from 2.37 to 3.53 (session 28's
+/// all-or-nothing `LILY_CUDA_GEMV=wide` lost 0.8%). In the decode step (H100, session 44,
+/// alternating four times): `out` +1.5% at 256 and 4K, `in` +0.55%; the two together and `qkv`
+/// not yet measured.
 pub fn gemv_for(role: GemvRole) -> (GemvKernel, u32) {
     static W: std::sync::OnceLock<Vec<GemvRole>> = std::sync::OnceLock::new();
     let wide = W.get_or_init(|| {
-        let v = std::env::var("LILY_CUDA_GEMV_WIDE").unwrap_or_default();
+        let v = std::env::var("LILY_CUDA_GEMV_WIDE").unwrap_or_else(|_| {
+            if matches!(gemv_default().0, GemvKernel::Old) {
+                String::new()
+            } else {
+                "out".into()
+            }
+        });
         v.split(',')
             .filter_map(|r| match r.trim() {
                 "out" => Some(GemvRole::Out),
