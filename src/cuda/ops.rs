@@ -361,7 +361,7 @@ impl Gpu {
         ids: u64,
         accumulate: bool,
     ) -> Result<()> {
-        self.gemv_raw(gemv_default().0, w, x, xstride, y, slots, ids, accumulate, (0, 0.0))
+        self.gemv_raw(gemv_default(), w, x, xstride, y, slots, ids, accumulate, (0, 0.0))
     }
 
     /// `y += W x` for one slot by the kernel [`gemv_for`] gives `role`, with the fused norm when
@@ -375,11 +375,7 @@ impl Gpu {
         accumulate: bool,
         norm: (u64, f32),
     ) -> Result<()> {
-        if norm.0 != 0 && (w.cols > GEMV_XMAX || !w.cols.is_multiple_of(4)) {
-            bail!("gemv with a fused norm: {} columns (at most {GEMV_XMAX}, a multiple of 4)", w.cols);
-        }
-        let (k, bpsm) = gemv_for(role);
-        self.gemv_variant(k, bpsm, w, x, 0, y, 1, 0, accumulate, norm)
+        self.gemv_raw(gemv_for(role), w, x, 0, y, 1, 0, accumulate, norm)
     }
 
     /// `slots` products with the same matrix, input row z at `x + z·xstride` (each row RMS-
@@ -396,7 +392,7 @@ impl Gpu {
         accumulate: bool,
         norm: (u64, f32),
     ) -> Result<()> {
-        self.gemv_raw(gemv_default().0, w, x, xstride, y, slots, 0, accumulate, norm)
+        self.gemv_raw(gemv_default(), w, x, xstride, y, slots, 0, accumulate, norm)
     }
 
     /// [`Gpu::gemv`] of the RMS-normalized input `x · rsqrt(mean(x²) + eps) · normw` (the norm
@@ -412,13 +408,13 @@ impl Gpu {
         ids: u64,
         accumulate: bool,
     ) -> Result<()> {
-        self.gemv_raw(gemv_default().0, w, x, 0, y, slots, ids, accumulate, (normw, eps))
+        self.gemv_raw(gemv_default(), w, x, 0, y, slots, ids, accumulate, (normw, eps))
     }
 
     #[allow(clippy::too_many_arguments)]
     fn gemv_raw(
         &self,
-        kernel: GemvKernel,
+        (kernel, bpsm): (GemvKernel, u32),
         w: &GpuLinear,
         x: u64,
         xstride: usize,
@@ -431,7 +427,7 @@ impl Gpu {
         if norm.0 != 0 && (w.cols > GEMV_XMAX || !w.cols.is_multiple_of(4)) {
             bail!("gemv with a fused norm: {} columns (at most {GEMV_XMAX}, a multiple of 4)", w.cols);
         }
-        self.gemv_variant(kernel, gemv_default().1, w, x, xstride, y, slots, ids, accumulate, norm)
+        self.gemv_variant(kernel, bpsm, w, x, xstride, y, slots, ids, accumulate, norm)
     }
 
     /// [`Gpu::gemv`] / [`Gpu::gemv_norm`] (`normw` 0 = no norm) through a chosen kernel, with
