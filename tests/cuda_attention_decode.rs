@@ -92,6 +92,8 @@ fn attention_decode_matches_cpu() {
                     theta,
                     eps: 1e-6,
                     kv: KvDtype::F32,
+                    // every other position with the angles computed before the wait
+                    early: pos % 2 == 1,
                 },
                 1,
                 0,
@@ -261,9 +263,10 @@ fn attention_decode_with_prep_equals_prep_then_decode() {
         let (qnb, knb) = (gb(&uniform(&mut r, hd, 1.5)), gb(&uniform(&mut r, hd, 1.5)));
         let old: Vec<u8> =
             uniform(&mut r, cap * kvd * 2, 1.0).iter().flat_map(|&x| f32_to_bf16(x).to_le_bytes()).collect();
-        // Caches A (prep, then decode) and B (fused), K then V each, the same rows below p0.
+        // Caches A (prep, then decode), B (fused) and C (attn_prep's early form), K then V each,
+        // the same rows below p0.
         let caches: Vec<_> =
-            (0..4).map(|i| g.upload_bytes(&old[(i % 2) * cap * kvd * 2..][..cap * kvd * 2]).unwrap()).collect();
+            (0..6).map(|i| g.upload_bytes(&old[(i % 2) * cap * kvd * 2..][..cap * kvd * 2]).unwrap()).collect();
         let (qo, out) = (gb(&vec![f32::NAN; nh * hd]), gb(&vec![f32::NAN; nh * hd]));
         let part = gb(&vec![f32::NAN; nh * splits * (hd + 2)]);
         for pos in p0..p0 + steps {
@@ -287,6 +290,7 @@ fn attention_decode_with_prep_equals_prep_then_decode() {
                 theta: 1e7,
                 eps: 1e-6,
                 kv: KvDtype::Bf16,
+                early: false,
             };
             let decode = |kc: u64, vc: u64| AttnDecode {
                 q: qo.ptr,
@@ -305,7 +309,12 @@ fn attention_decode_with_prep_equals_prep_then_decode() {
                 early: false,
             };
             let (ka, va, kb, vb) = (caches[0].ptr, caches[1].ptr, caches[2].ptr, caches[3].ptr);
+            g.attn_prep(&lily::cuda::AttnPrep { early: true, ..prep(caches[4].ptr, caches[5].ptr) }, 1, 0).unwrap();
+            let q_early = qo.read_f32(0, nh * hd).unwrap();
             g.attn_prep(&prep(ka, va), 1, 0).unwrap();
+            let q_plain = qo.read_f32(0, nh * hd).unwrap();
+            let differ = q_early.iter().zip(&q_plain).filter(|(a, b)| a.to_bits() != b.to_bits()).count();
+            assert_eq!(differ, 0, "H{nh} H_kv{hkv} D{hd} pos {pos}: {differ} queries of attn_prep's early form differ");
             g.attn_decode(&decode(ka, va), AttnKernel::Tc).unwrap();
             let want = out.read_f32(0, nh * hd).unwrap();
             out.write_f32(0, &vec![f32::NAN; nh * hd]).unwrap();
@@ -315,7 +324,7 @@ fn attention_decode_with_prep_equals_prep_then_decode() {
             assert_eq!(differ, 0, "H{nh} H_kv{hkv} D{hd} pos {pos}: {differ} outputs differ from prep + decode");
         }
         let words = cap * kvd / 2;
-        for (a, b, what) in [(0, 2, "K"), (1, 3, "V")] {
+        for (a, b, what) in [(0, 2, "K"), (1, 3, "V"), (0, 4, "K (early attn_prep)"), (1, 5, "V (early attn_prep)")] {
             let (x, y) = (caches[a].read_i32(words).unwrap(), caches[b].read_i32(words).unwrap());
             let differ = x.iter().zip(&y).filter(|(a, b)| a != b).count();
             assert_eq!(differ, 0, "H{nh} H_kv{hkv} D{hd}: {differ} words of the {what} cache differ");

@@ -129,6 +129,7 @@ fn attention_cases(wgmma: bool) {
             theta,
             eps: 1e-6,
             kv: lily::cuda::KvDtype::F32,
+            early: false,
         };
         g.attn_prep(&prep, t, ld).unwrap();
         let name = format!("attention prefill H{nh} H_kv{hkv} D{hd} R{rot} p0 {p0} T {t}");

@@ -39,7 +39,8 @@ static void gemv_case(int rows, int cols, int G, int T, double outlier) {
     emu_launch(G, T, [&] { gq_body<4, 2, 2, 2, false, false, false, false>(W.w.data(), W.sc.data(), W.bi.data(), 64, x.data(), y.data(), rows, cols, 0, 0, nw.data(), 1e-6f, sm[blockIdx.x].data(), red[blockIdx.x].data()); });
     char b[128]; snprintf(b, sizeof b, "gemv %dx%d grid %dx%d outlier %g", rows, cols, G, T, outlier); report(b, nmse(y.data(), want));
 }
-// moe_fused_q2 (deep: q3's pairs; shf: q2s's, the shared expert's pairs first): top-K of E logits +
+// moe_fused_q2 (deep: q3's pairs; shf: q2s's, the shared expert's pairs first; the second pass
+// with mf2_stage's spread staging, stg 1): top-K of E logits +
 // shared slot, gate/up pairs, meeting, down into x. router_bits (moe_fused_qr): the logits come from
 // a router of those bits in the same launch, run by clusters of 8 of the G blocks.
 static void q2_case(int E, int K, int H, int inter, int G, int rank, bool deep = false, int renorm = 1, int router_bits = 0,
@@ -97,7 +98,7 @@ static void q2_case(int E, int K, int H, int inter, int G, int rank, bool deep =
         if (router_bits) { emu_cluster = 8; /* QR_CS */ for (int b = 0; b < G; b++) emu_cl_base[b] = ls[b].data(); }
         emu_launch(G, 512, [&] {
             int b = blockIdx.x;
-#define Q2_ARGS(LG) GU.w.data(), GU.sc.data(), GU.bi.data(), DN.w.data(), DN.sc.data(), DN.bi.data(), 4, 64, 64, 2, x.data(), gu.data(), inter, H, nw.data(), 1e-6f, LG, E, K, renorm, ids.data(), wts.data(), ctr + 1, 1, rank, nullptr, nullptr, nullptr, 0, 0, 0, 0, nullptr, 0, 1, xs[b].data(), red[b].data(), wsel[b].data(), chosen[b].data(), ls[b].data(), nullptr
+#define Q2_ARGS(LG) GU.w.data(), GU.sc.data(), GU.bi.data(), DN.w.data(), DN.sc.data(), DN.bi.data(), 4, 64, 64, 2, x.data(), gu.data(), inter, H, nw.data(), 1e-6f, LG, E, K, renorm, ids.data(), wts.data(), ctr + 1, 1, rank, nullptr, nullptr, nullptr, 0, 0, 0, 0, nullptr, 0, 1, pass, xs[b].data(), red[b].data(), wsel[b].data(), chosen[b].data(), ls[b].data(), nullptr
             if (router_bits == 8) qr_router<8, 2>(WR.w.data(), WR.sc.data(), WR.bi.data(), 64, E + 1, H, x.data(), nw.data(), 1e-6f, lg_out.data(), xs[b].data(), red[b].data(), ls[b].data());
             if (router_bits == 4) qr_router<4, 2>(WR.w.data(), WR.sc.data(), WR.bi.data(), 64, E + 1, H, x.data(), nw.data(), 1e-6f, lg_out.data(), xs[b].data(), red[b].data(), ls[b].data());
             if (router_bits) mf2_body<4, 2, false, true>(Q2_ARGS(ls[b].data()));
@@ -351,8 +352,9 @@ static void route_edges() {
     }
     printf("%-6s route_topk_reg / _redux / _redux2 / _thresh against route_topk on 40 edge sets (ties, -0, -inf), renormalized and not\n", VARIANT);
 }
-// attn_decode_tc*_prep's rows (dec_prep_row, one warp) against attn_prep's (a block of D
-// threads): two gated query heads and a K head at position pos, the same bits; and the double
+// attn_decode_tc*_prep's rows (dec_prep_row, one warp) and attn_prep's early form against
+// attn_prep's (a block of D threads): two gated query heads and a K head at position pos, the
+// same bits; and the double
 // RMSNorm + RoPE
 static void prep_case(int rot, int pos) {
     constexpr int D = 256, nh = 2;
@@ -361,15 +363,24 @@ static void prep_case(int rot, int pos) {
     for (auto* w : {&qn, &kn}) for (auto& v : *w) v = 1 + 0.5f * U();
     std::vector<u16> kc((size_t)(pos + 1) * D, 0), vc((size_t)(pos + 1) * D, 0);
     const float* kin = proj.data() + nh * 2 * D;
-    // one block at a time (attn_prep's __shared__ arrays are one static copy here)
-    for (int b = 0; b <= nh; b++)
-        emu_launch(nh + 1, D, [&] { if (blockIdx.x == (unsigned)b) attn_prep_t<u16>(proj.data(), kin, kin + D, qn.data(), kn.data(), qo.data(), kc.data(), vc.data(), nh, 1, D, 1, rot, &pos, 1e7, 1e-6f, 0, nullptr); });
+    // one block at a time (attn_prep's __shared__ arrays are one static copy here); the early
+    // form (angles before the wait) into a second query buffer and cache: the same bits
+    std::vector<float> qe(nh * D, NAN);
+    std::vector<u16> ke(kc.size(), 0), ve(vc.size(), 0);
+    for (int early : {0, 1})
+        for (int b = 0; b <= nh; b++)
+            emu_launch(nh + 1, D, [&] {
+                if (blockIdx.x == (unsigned)b)
+                    attn_prep_t<u16>(proj.data(), kin, kin + D, qn.data(), kn.data(), (early ? qe : qo).data(), (early ? ke : kc).data(), (early ? ve : vc).data(), nh, 1, D, 1, rot, &pos, 1e7, 1e-6f, 0, nullptr, early);
+            });
     DecPrep pr{proj.data(), kin, kin + D, qn.data(), kn.data(), 1, rot, 1e7, 1e-6f};
+    std::vector<float> rcs(D);
+    for (int i = 0; i < rot / 2; i++) rope_cs(i, rot, pos, 1e7, rcs[i], rcs[D / 2 + i]);
     for (int h = 0; h < 3; h++) {
         const float* src = h < nh ? proj.data() + h * 2 * D : kin;
-        emu_launch(1, 32, [&] { dec_prep_row<D>(src, h < nh ? qn.data() : kn.data(), pr, pos, rows.data() + h * D); });
+        emu_launch(1, 32, [&] { dec_prep_row<D>(src, h < nh ? qn.data() : kn.data(), pr, rcs.data(), rows.data() + h * D); });
     }
-    bool same = !memcmp(rows.data(), qo.data(), nh * D * 4);
+    bool same = !memcmp(rows.data(), qo.data(), nh * D * 4) && !memcmp(qe.data(), qo.data(), nh * D * 4) && ke == kc && ve == vc;
     for (int j = 0; j < D; j++) same &= (u16)bf16_bits(rows[nh * D + j]) == kc[(size_t)pos * D + j] && (u16)bf16_bits(kin[D + j]) == vc[(size_t)pos * D + j];
     std::vector<double> want(nh * D);
     for (int h = 0; h < nh; h++) {

@@ -405,9 +405,10 @@ pub fn attn_dec_prep_kernel(d: usize) -> &'static str {
 }
 
 /// Dynamic shared memory of [`attn_dec_prep_kernel`]`(d)`: the bf16 kernel's, then its 8 query
-/// rows and a K row in fp32 and the newest K and V rows in bf16.
+/// rows and a K row in fp32, the newest K and V rows in bf16 and the RoPE angles' cos and sin
+/// (fp32).
 pub fn attn_dec_prep_smem(d: usize) -> usize {
-    attn_dec_smem(d, false) + 9 * d * 4 + 2 * d * 2
+    attn_dec_smem(d, false) + 10 * d * 4 + 2 * d * 2
 }
 
 /// Dynamic shared memory of [`attn_dec_kernel`]`(d, fp8)`, then each warp's P buffers

@@ -168,6 +168,7 @@ pub(crate) fn attn_prep_args(
         rot: c.rotary_dim,
         pos,
         theta: c.rope_theta,
+        early: false,
         eps: c.rms_norm_eps,
         kv: dtype,
     }
@@ -284,6 +285,9 @@ pub struct CudaSession {
     /// ... and does attn_prep's work itself, one launch fewer (`LILY_CUDA_ATTN_EARLY=prep`;
     /// [`Gpu::attn_decode_prep`](crate::cuda::Gpu::attn_decode_prep)), where that kernel runs.
     pub attn_prep_fused: bool,
+    /// attn_prep computes its RoPE angles before its wait ([`crate::cuda::AttnPrep::early`];
+    /// `LILY_CUDA_PREP_EARLY=0` turns it off).
+    pub prep_early: bool,
     /// Its plan for the current buffers (None: not built yet; Err: why the model keeps the graph).
     ps: Option<std::result::Result<pstep::PsPlan, String>>,
 }
@@ -341,6 +345,7 @@ impl CudaSession {
             persistent: pstep::wanted(),
             attn_early: std::env::var("LILY_CUDA_ATTN_EARLY").map_or(true, |v| v != "0"),
             attn_prep_fused: std::env::var("LILY_CUDA_ATTN_EARLY").is_ok_and(|v| v == "prep"),
+            prep_early: std::env::var("LILY_CUDA_PREP_EARLY").map_or(true, |v| v != "0"),
             ps: None,
         }
     }

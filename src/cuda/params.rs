@@ -254,7 +254,7 @@ kernel_params! {
     GemvRoutedParams spread ["gemv_q2_routed"] { w: In<Void>, sc: In<Void>, bi: In<Void>, bits: i32, group: i32, ty: i32, x: In<f32>, y: Out<f32>, rows: i32, cols: i32, normw: In<f32>, eps: f32, logits: In<f32>, E: i32, K: i32, renorm: i32, ids_out: Out<i32>, wts_out: Out<f32>, rank: i32 }
     /// `moe_fused_q`: the decode MoE in one launch (routing, gate/up into `gu`, down + residual into `x`; blocks meet on `ctr`).
     /// (`wr` not null: the router's `R` rows are computed first, into `logits`.)
-    MoeFusedParams spread ["moe_fused_q", "moe_fused_q2", "moe_fused_q3", "moe_fused_q2s", "moe_fused_qr"] { wg: In<Void>, sg: In<Void>, bg: In<Void>, wd: In<Void>, sd: In<Void>, bd: In<Void>, bits: i32, group_g: i32, group_d: i32, ty: i32, x: Out<f32>, gu: Out<f32>, inter: i32, H: i32, normw: In<f32>, eps: f32, logits: Out<f32>, E: i32, K: i32, renorm: i32, ids_out: Out<i32>, wts_out: Out<f32>, ctr: Out<u64>, bps: i32, rank: i32, wr: In<Void>, sr: In<Void>, br: In<Void>, bits_r: i32, group_r: i32, ty_r: i32, R: i32, trace: Out<u64>, fixed: i32, acc: i32 }
+    MoeFusedParams spread ["moe_fused_q", "moe_fused_q2", "moe_fused_q3", "moe_fused_q2s", "moe_fused_qr"] { wg: In<Void>, sg: In<Void>, bg: In<Void>, wd: In<Void>, sd: In<Void>, bd: In<Void>, bits: i32, group_g: i32, group_d: i32, ty: i32, x: Out<f32>, gu: Out<f32>, inter: i32, H: i32, normw: In<f32>, eps: f32, logits: Out<f32>, E: i32, K: i32, renorm: i32, ids_out: Out<i32>, wts_out: Out<f32>, ctr: Out<u64>, bps: i32, rank: i32, wr: In<Void>, sr: In<Void>, br: In<Void>, bits_r: i32, group_r: i32, ty_r: i32, R: i32, trace: Out<u64>, fixed: i32, acc: i32, stg: i32 }
     /// `moe_topk`: softmax + top-K of `E` logits per row (stride `lstride`) into `ids`/`wout` (and `ids2` gate/up rows); `shared`: slot K is the shared expert.
     MoeTopkParams spread ["moe_topk"] { logits: In<f32>, E: i32, K: i32, renorm: i32, ids: Out<i32>, wout: Out<f32>, ids2: Out<i32>, lstride: i64, shared: i32 }
     /// `moe_combine`: x += Σ_k w_k ye[k] + g·ys, g = sigmoid(sg) (1 without sg).
@@ -306,10 +306,12 @@ kernel_params! {
     PstepParams spread ["pstep"] { phases: In<PsPhase>, nphase: i32, ctr: Out<u64>, flags: Out<u32>, slot_bytes: i32, ns: i32, xmax: i32, trace: Out<u32>, dbg: i32 }
     /// `attn_prep`, `attn_prep_bf16`: q/k RMSNorm + partial RoPE (`rot` dims, `theta`) of rows at
     /// positions `pos_p`; queries to `q_out`, K/V to the cache `kc`/`vc` (f32 or bf16 by kernel), or
-    /// each row's own cache from `kvt` when set.
+    /// each row's own cache from `kvt` when set; `early` (no `kvt`): the RoPE angles computed
+    /// before the wait for the previous kernel ([`super::ops::AttnPrep::early`]).
     AttnPrepParams spread ["attn_prep", "attn_prep_bf16", "attn_prep_fp8"] {
         qg: In<f32>, kin: In<f32>, vin: In<f32>, qn: In<f32>, kn: In<f32>, q_out: Out<f32>, kc: Out<Void>, vc: Out<Void>,
-        nh: i32, hkv: i32, hd: i32, gated: i32, rot: i32, pos_p: In<i32>, theta: f64, eps: f32, ld: i64, kvt: In<u64>
+        nh: i32, hkv: i32, hd: i32, gated: i32, rot: i32, pos_p: In<i32>, theta: f64, eps: f32, ld: i64, kvt: In<u64>,
+        early: i32
     }
     /// `attn_decode`, `attn_decode_bf16`: one query token per head over the cache, split over
     /// grid.y blocks (partials to `part`).

@@ -181,12 +181,29 @@ __device__ __forceinline__ float rope_rot(float x, float y, float c, float s, bo
     return first ? __fsub_rn(__fmul_rn(x, c), __fmul_rn(y, s)) : __fadd_rn(__fmul_rn(x, c), __fmul_rn(y, s));
 }
 
+/* RoPE's cos and sin for dim j < rot at position pos: angle pos * theta^(-2i / rot), i = j mod
+   rot/2, in double precision, rounded to float (attn_prep and attn_decode_tc*_prep alike). */
+__device__ __forceinline__ void rope_cs(int j, int rot, int pos, double theta, float& c, float& s) {
+    const int half = rot / 2, i = j < half ? j : j - half;
+    const double ang = (double)pos * pow(theta, -(2.0 * i) / (double)rot);
+    c = (float)cos(ang);
+    s = (float)sin(ang);
+}
+
 template <typename KV>
 __device__ __forceinline__ void attn_prep_t(const float* qg, const float* kin, const float* vin, const float* qn,
                                             const float* kn, float* q_out, KV* kc, KV* vc, int nh, int hkv, int hd,
                                             int gated, int rot, const int* pos_p, double theta, float eps,
-                                            long long ld, const unsigned long long* kvt) {
-    pdl_begin();
+                                            long long ld, const unsigned long long* kvt, int early) {
+    /* early (one sequence, no kvt): the position was written by the previous step's sampler or
+       the host, complete before this step began (as attn_decode_tc's early form reads it), so the
+       RoPE angle, which needs nothing else, is computed before the wait */
+    const bool pre = early && !kvt;
+    const int j = threadIdx.x;
+    float rc = 1.f, rs = 0.f;
+    pdl_trigger();
+    if (pre && j < rot) rope_cs(j, rot, pos_p[0] + blockIdx.y, theta, rc, rs);
+    pdl_wait();
     int pos = kvt ? pos_p[blockIdx.y] : pos_p[0] + blockIdx.y;
     if (kvt) {
         kc = (KV*)kvt[2 * blockIdx.y];
@@ -197,7 +214,7 @@ __device__ __forceinline__ void attn_prep_t(const float* qg, const float* kin, c
     vin += blockIdx.y * ld;
     q_out += (long long)blockIdx.y * nh * hd;
     __shared__ float xs[256], sh[33];
-    int b = blockIdx.x, j = threadIdx.x;
+    int b = blockIdx.x;
     bool isq = b < nh;
     int h = isq ? b : b - nh;
     const float* src = isq ? qg + (long long)h * hd * (gated ? 2 : 1) : kin + (long long)h * hd;
@@ -210,10 +227,8 @@ __device__ __forceinline__ void attn_prep_t(const float* qg, const float* kin, c
     float outv = j < hd ? xs[j] : 0.f;
     int half = rot / 2;
     if (j < rot) {
-        int i = j < half ? j : j - half;
-        double ang = (double)pos * pow(theta, -(2.0 * i) / (double)rot);
-        float c = (float)cos(ang), s = (float)sin(ang);
-        outv = j < half ? rope_rot(xs[j], xs[j + half], c, s, true) : rope_rot(xs[j], xs[j - half], c, s, false);
+        if (!pre) rope_cs(j, rot, pos, theta, rc, rs);
+        outv = j < half ? rope_rot(xs[j], xs[j + half], rc, rs, true) : rope_rot(xs[j], xs[j - half], rc, rs, false);
     }
     if constexpr (sizeof(KV) == 1) {
         /* fp8: each row (this position's head h, K and V apart) with its own power-of-two scale;
@@ -251,7 +266,7 @@ __device__ __forceinline__ void attn_prep_t(const float* qg, const float* kin, c
     extern "C" __global__ void NAME(AttnPrepParams_fields) {                                                       \
         TL_SCOPE(#NAME);                                                                                           \
         attn_prep_t<KV>(qg, kin, vin, qn, kn, q_out, (KV*)kc, (KV*)vc, nh, hkv, hd, gated, rot, pos_p, theta, eps, \
-                        ld, kvt);                                                                                  \
+                        ld, kvt, early);                                                                           \
     }
 ATTN_PREP(attn_prep, float)
 ATTN_PREP(attn_prep_bf16, u16)

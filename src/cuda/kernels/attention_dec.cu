@@ -34,8 +34,9 @@
  *   2w, 2w + 1 of its KV head into shared memory (dec_prep_row: attn_prep's arithmetic in its
  *   order, so the same bits); in the block holding row pos, warp 0 the K row and warp 1 the V
  *   row, as bf16 into the cache and into shared memory, from where the row's warp stores them
- *   into its stage. Shared memory: attn_dec_prep_smem(D) = the plain form's + [8][D] + [D] fp32
- *   + [2][D] bf16 after the P buffers.
+ *   into its stage. The RoPE angles (rope_cs: they need only the position) are computed before
+ *   the wait into shared memory. Shared memory: attn_dec_prep_smem(D) = the plain form's +
+ *   [8][D] + [D] fp32 + [2][D] bf16 + [D] fp32 (cos, sin) after the P buffers.
  * fp8 cache (attn_decode_tc{D}_fp8; layout in attention.cu): the ring (2 stages) holds the raw
  *   tiles (16 x D bytes each, unswizzled) and their rows' 16 scales (4-byte cp.async). Before the
  *   scores the warp widens the K tile's e4m3 values to fp16 (one cvt per pair, exact) into one
@@ -121,10 +122,11 @@ struct DecPrep {
 };
 /* One head's row as attn_prep computes it, by one warp: RMSNorm (the sum of squares added in
    block_sum's order over D threads: per 32-lane chunk a warp_sum, then the chunks' sums as warp
-   0 adds them) with weights nw, then RoPE on dims [0, rot) at position pos; out[D] in shared
-   memory (the same bits as attn_prep). */
+   0 adds them) with weights nw, then RoPE on dims [0, rot) with the angles' cos and sin in rcs
+   (rcs[i], rcs[D/2 + i] for i < rot/2, rope_cs's); out[D] in shared memory (the same bits as
+   attn_prep). */
 template <int D>
-__device__ __forceinline__ void dec_prep_row(const float* src, const float* nw, const DecPrep& pr, int pos,
+__device__ __forceinline__ void dec_prep_row(const float* src, const float* nw, const DecPrep& pr, const float* rcs,
                                              float* out) {
     constexpr int NC = D / 32;
     const int lane = threadIdx.x & 31;
@@ -151,8 +153,7 @@ __device__ __forceinline__ void dec_prep_row(const float* src, const float* nw, 
         o[c] = out[j];
         if (j < pr.rot) {
             const int i = j < half ? j : j - half;
-            const double ang = (double)pos * pow(pr.theta, -(2.0 * i) / (double)pr.rot);
-            const float cs = (float)cos(ang), sn = (float)sin(ang);
+            const float cs = rcs[i], sn = rcs[D / 2 + i];
             o[c] = j < half ? rope_rot(out[j], out[j + half], cs, sn, true) : rope_rot(out[j], out[j - half], cs, sn, false);
         }
     }
@@ -240,23 +241,30 @@ __device__ __forceinline__ void attn_dec_tc(const float* q, const void* kc_, con
         }
         cp_async_commit();
     };
-#pragma unroll
-    for (int j = 0; j < NST - 1; j++) load(j);
-    if (early) pdl_wait();
     /* PREP: attn_prep's work for this block: its G query heads (warp w heads 2w, 2w + 1) into qsm;
        the block holding row pos (hi = L) also its K and V rows (bf16, warps 0 and 1) into nrow
-       and the cache. Shared memory after the rings and P buffers. */
+       and the cache. Shared memory after the rings and P buffers. The RoPE angles' cos and sin
+       (rcs) need only the position: computed before the wait, one angle a thread. */
     float* qsm = (float*)(dsm + 4 * WARP_BYTES + 4 * 2 * G * DT_PS * 2); /* PREP: [G][D] queries */
     float* kf = qsm + G * D;                                            /* PREP: [D] K row, fp32 */
     u16* nrow = (u16*)(kf + D);                                         /* PREP: [2][D] K, V bf16 */
+    float* rcs = (float*)(nrow + 2 * D);                                /* PREP: [2][D/2] cos, sin */
+#pragma unroll
+    for (int j = 0; j < NST - 1; j++) load(j);
+    if constexpr (PREP) { /* while the first tiles are in flight */
+        for (int i = threadIdx.x; i < pr->rot / 2; i += blockDim.x)
+            rope_cs(i, pr->rot, newest, pr->theta, rcs[i], rcs[D / 2 + i]);
+    }
+    if (early) pdl_wait();
     if constexpr (PREP) {
         const DecPrep& pp = *pr;
         const int pos = newest, qstride = D * (pp.gated ? 2 : 1);
+        __syncthreads(); /* rcs */
         for (int g = 2 * warp; g < 2 * warp + 2; g++)
-            dec_prep_row<D>(pp.qg + (long long)(kvh * G + g) * qstride, pp.qn, pp, pos, qsm + g * D);
+            dec_prep_row<D>(pp.qg + (long long)(kvh * G + g) * qstride, pp.qn, pp, rcs, qsm + g * D);
         if (hi == newest + 1 && warp < 2) {
             const long long row = ((long long)pos * hkv + kvh) * D;
-            if (warp == 0) dec_prep_row<D>(pp.kin + (long long)kvh * D, pp.kn, pp, pos, kf);
+            if (warp == 0) dec_prep_row<D>(pp.kin + (long long)kvh * D, pp.kn, pp, rcs, kf);
 #pragma unroll
             for (int c = 0; c < D / 32; c++) {
                 const int j = 32 * c + lane;

@@ -46,14 +46,20 @@
 
 /* Warps 1..15 stage xw and the chunk sums like gq_stage (chunk ch by thread 32 + ch, one chunk
    each, nch <= 480), and leave each warp's sum of squares in red[warp - 1]: the same per-warp
-   values gq_stage's block_sum would see, one warp later. */
+   values gq_stage's block_sum would see, one warp later.
+   stg (LILY_CUDA_MOE_STAGE=spread): the staging's warp v (1..15, the thread range above) runs
+   on physical warp p(v), the 12 warps with p mod 4 != 0 first (v = p - p/4), then 4, 8, 12 (v
+   = 12 + p/4). Warp p runs on the SM's sub-partition p mod 4 (warp 0's is 0), so where the
+   staging needs at most 12 warps (Qwen3.6: 8) the top-k's warp has its scheduler to itself. The
+   same items and per-warp sums, so the same bits. */
 template <int EPV>
 __device__ __forceinline__ void mf2_stage(const float* xg, int cols, const float* normw, float* xs, float* xsum,
-                                          float* red) {
-    int nch = cols / EPV, ch = threadIdx.x - 32;
+                                          float* red, int stg) {
+    const int p = threadIdx.x >> 5, v = !stg ? p : (p & 3) ? p - (p >> 2) : 12 + (p >> 2);
+    int nch = cols / EPV, ch = 32 * (v - 1) + (threadIdx.x & 31);
     float ss = 0.f;
     if constexpr (GQ_I8 && EPV == 32) { /* gemv.cu's int8 staging over warps 1..15 */
-        ss = i8_stage(nch, xs, threadIdx.x - 32, blockDim.x - 32, [&](int c, int w, float (&v)[8]) {
+        ss = i8_stage(nch, xs, ch, blockDim.x - 32, [&](int c, int w, float (&v)[8]) {
             const float4* x4 = (const float4*)(xg + 32 * c + 8 * w);
             const float4* n4 = (const float4*)(normw + 32 * c + 8 * w);
             float4 a = x4[0], b = x4[1], na = n4[0], nb = n4[1];
@@ -86,7 +92,7 @@ __device__ __forceinline__ void mf2_stage(const float* xg, int cols, const float
         xsum[ch] = sum;
     }
     ss = warp_sum(ss);
-    if ((threadIdx.x & 31) == 0) red[(threadIdx.x >> 5) - 1] = ss;
+    if ((threadIdx.x & 31) == 0) red[v - 1] = ss;
 }
 
 /* The gate/up pairs: group g = s * inter + i is rows (2 e_s) * inter + i and that + inter, read
@@ -224,7 +230,7 @@ __device__ __forceinline__ void mf2_body(MoeFusedParams_fields, float* xs, float
         else
             route_warp(rank, logits, E, K, renorm, 1, ls, chosen, wsel);
     } else {
-        mf2_stage<EPV>(x, H, normw, xs, xsum, red);
+        mf2_stage<EPV>(x, H, normw, xs, xsum, red, stg);
     }
     __syncthreads();
     /* gq_stage's block_sum over the 16 warps' sums (warp w's now in red[w - 1], warp 15's slot
@@ -267,7 +273,7 @@ __device__ __forceinline__ void mf2_body(MoeFusedParams_fields, float* xs, float
 #define MF2(B, T, D, SH)                                                                                             \
     mf2_body<B, T, D, false, SH>(wg, sg, bg, wd, sd, bd, bits, group_g, group_d, ty, x, gu, inter, H, normw, eps,     \
                                  logits, E, K, renorm, ids_out, wts_out, ctr, bps, rank, wr, sr, br, bits_r, group_r, \
-                                 ty_r, R, trace, fixed, acc, xs, red, wsel, chosen, ls, ts)
+                                 ty_r, R, trace, fixed, acc, stg, xs, red, wsel, chosen, ls, ts)
 MF2_KERNEL(moe_fused_q2, false, false)
 MF2_KERNEL(moe_fused_q3, true, false)
 MF2_KERNEL(moe_fused_q2s, false, true)

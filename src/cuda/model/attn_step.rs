@@ -2,7 +2,7 @@
 //! shared by the graph of per-op kernels and the persistent step.
 
 use super::{attn_prep_args, CudaSession, GMixer, GState};
-use crate::cuda::ops::{AttnDecode, AttnKernel, KvDtype};
+use crate::cuda::ops::{AttnDecode, AttnKernel, AttnPrep, KvDtype};
 use anyhow::{bail, Context, Result};
 
 impl CudaSession {
@@ -18,7 +18,10 @@ impl CudaSession {
             bail!("layer {li} is not an attention layer");
         };
         let pos_p = s.io.at(4);
-        let prep = attn_prep_args(c, s.proj.ptr, [q_norm, k_norm], s.q.ptr, [kc, vc], pos_p, self.kv);
+        let prep = AttnPrep {
+            early: self.prep_early,
+            ..attn_prep_args(c, s.proj.ptr, [q_norm, k_norm], s.q.ptr, [kc, vc], pos_p, self.kv)
+        };
         let (kernel, splits) = self.attn[long as usize];
         let fused = self.attn_prep_fused
             && kernel == AttnKernel::Tc

@@ -146,6 +146,7 @@ impl Gpu {
             eps: p.eps,
             ld: ld as i64,
             kvt: In::new(kvt),
+            early: p.early as i32,
         };
         let name = match p.kv {
             KvDtype::F32 => "attn_prep",
@@ -582,6 +583,11 @@ pub struct AttnPrep {
     pub eps: f32,
     /// Element type of `kc`/`vc`.
     pub kv: KvDtype,
+    /// The RoPE angles are computed before the kernel waits for the previous one: only where
+    /// `pos` was written before the current decode step began (by the host or the previous
+    /// step's sampler), as in the one-sequence decode step (`LILY_CUDA_PREP_EARLY=0` turns it
+    /// off there). The same bits either way.
+    pub early: bool,
 }
 
 /// The prefill attention kernels: fp32 SIMT (the exact mode), bf16 tensor cores one 32-key tile
