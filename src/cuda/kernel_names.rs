@@ -88,6 +88,14 @@ pub fn gemv_i8() -> bool {
     *P.get_or_init(|| std::env::var("LILY_CUDA_GEMV_I8").map_or(true, |v| v != "0"))
 }
 
+/// Whether the decode GEMVs with a fused RMSNorm request the norm's weights into the L2 before
+/// their PDL wait (kernels/common.cuh's `LILY_NORM_PF`; the default; `LILY_CUDA_NORM_PF=0`
+/// builds the kernels without it, a separate entry of the kernel cache).
+pub fn norm_pf() -> bool {
+    static P: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *P.get_or_init(|| std::env::var("LILY_CUDA_NORM_PF").map_or(true, |v| v != "0"))
+}
+
 /// The concatenated program text.
 pub fn kernel_source() -> String {
     let mut s = if super::timeline::enabled() { "#define LILY_TIMELINE 1\n".to_string() } else { String::new() };
@@ -96,6 +104,9 @@ pub fn kernel_source() -> String {
     }
     if gemv_i8() {
         s.push_str("#define LILY_GEMV_I8 1\n");
+    }
+    if norm_pf() {
+        s.push_str("#define LILY_NORM_PF 1\n");
     }
     s.push_str(&super::params::c_decls());
     for (name, src) in SOURCES {

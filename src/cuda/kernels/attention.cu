@@ -29,6 +29,9 @@
  *   q_norm, partial NeoX RoPE on dims [0, R): for i < R/2, theta = pos * base^(-2i/R) (double),
  *   x[i] <- x[i] cos - x[i+R/2] sin, x[i+R/2] <- x[i+R/2] cos + x[i] sin. Writes q_out[b].
  *   Block H_q + h: k head h likewise with k_norm, written to kc[pos, h]; v copied to vc[pos, h].
+ *   early != 0 (one sequence, no kvt; the decode step): the RoPE angle and the thread's norm
+ *   weight are computed / loaded before the PDL wait (the position was written before the step
+ *   began). The same bits.
  *   Caches kc, vc: [capacity, H_kv, D] of KV (fp32 or bf16).
  *
  * attn_decode (flash-decoding): grid (H_q, S splits), block 256 = 8 warps. Query head h reads KV
@@ -200,9 +203,12 @@ __device__ __forceinline__ void attn_prep_t(const float* qg, const float* kin, c
        RoPE angle, which needs nothing else, is computed before the wait */
     const bool pre = early && !kvt;
     const int j = threadIdx.x;
-    float rc = 1.f, rs = 0.f;
+    float rc = 1.f, rs = 0.f, nwj = 0.f;
     pdl_trigger();
-    if (pre && j < rot) rope_cs(j, rot, pos_p[0] + blockIdx.y, theta, rc, rs);
+    if (pre) { /* and this thread's norm weight (a weight: from HBM) */
+        if (j < hd) nwj = (blockIdx.x < nh ? qn : kn)[j];
+        if (j < rot) rope_cs(j, rot, pos_p[0] + blockIdx.y, theta, rc, rs);
+    }
     pdl_wait();
     int pos = kvt ? pos_p[blockIdx.y] : pos_p[0] + blockIdx.y;
     if (kvt) {
@@ -222,7 +228,7 @@ __device__ __forceinline__ void attn_prep_t(const float* qg, const float* kin, c
     float v = j < hd ? src[j] : 0.f;
     float ss = block_sum(v * v, sh);
     float r = 1.f / sqrtf(ss / (float)hd + eps);
-    if (j < hd) xs[j] = v * (r * nw[j]);
+    if (j < hd) xs[j] = v * (r * (pre ? nwj : nw[j]));
     __syncthreads();
     float outv = j < hd ? xs[j] : 0.f;
     int half = rot / 2;

@@ -251,9 +251,11 @@ __device__ __forceinline__ void attn_dec_tc(const float* q, const void* kc_, con
     float* rcs = (float*)(nrow + 2 * D);                                /* PREP: [2][D/2] cos, sin */
 #pragma unroll
     for (int j = 0; j < NST - 1; j++) load(j);
-    if constexpr (PREP) { /* while the first tiles are in flight */
+    if constexpr (PREP) { /* while the first tiles are in flight; the norm weights into the L2 */
         for (int i = threadIdx.x; i < pr->rot / 2; i += blockDim.x)
             rope_cs(i, pr->rot, newest, pr->theta, rcs[i], rcs[D / 2 + i]);
+        norm_pf(pr->qn, D);
+        norm_pf(pr->kn, D);
     }
     if (early) pdl_wait();
     if constexpr (PREP) {

@@ -467,6 +467,7 @@ __device__ __forceinline__ void gq_body(const u32* w, const u16* sc, const u16* 
     if (spin) { /* moe_fused_q, gdn_step_out: every block of the launch has done its first part */
         grid_wait(spin, spin_target);
     } else {
+        if (!MOE) norm_pf(normw, cols);
         pdl_wait(); /* weights are read above, activations only from here on */
     }
     trace_stamp(ts, 0);
