@@ -285,8 +285,8 @@ pub struct CudaSession {
     /// ... and does attn_prep's work itself, one launch fewer (`LILY_CUDA_ATTN_EARLY=prep`;
     /// [`Gpu::attn_decode_prep`](crate::cuda::Gpu::attn_decode_prep)), where that kernel runs.
     pub attn_prep_fused: bool,
-    /// attn_prep computes its RoPE angles before its wait ([`crate::cuda::AttnPrep::early`];
-    /// `LILY_CUDA_PREP_EARLY=0` turns it off).
+    /// attn_prep computes its RoPE angles and loads its norm weights before its wait
+    /// ([`crate::cuda::AttnPrep::early`]; `LILY_CUDA_PREP_EARLY=1`, off until measured).
     pub prep_early: bool,
     /// Its plan for the current buffers (None: not built yet; Err: why the model keeps the graph).
     ps: Option<std::result::Result<pstep::PsPlan, String>>,
@@ -345,7 +345,7 @@ impl CudaSession {
             persistent: pstep::wanted(),
             attn_early: std::env::var("LILY_CUDA_ATTN_EARLY").map_or(true, |v| v != "0"),
             attn_prep_fused: std::env::var("LILY_CUDA_ATTN_EARLY").is_ok_and(|v| v == "prep"),
-            prep_early: std::env::var("LILY_CUDA_PREP_EARLY").map_or(true, |v| v != "0"),
+            prep_early: std::env::var("LILY_CUDA_PREP_EARLY").is_ok_and(|v| v == "1"),
             ps: None,
         }
     }
