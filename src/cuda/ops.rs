@@ -273,12 +273,12 @@ pub enum GemvRole {
 
 /// The kernel and blocks per SM for a role: [`GemvKernel::Wide`] (one 16-warp block an SM) for
 /// the roles listed in `LILY_CUDA_GEMV_WIDE` (comma-separated `out`, `in`, `qkv`; `none`; default
-/// `out`, or none under `LILY_CUDA_GEMV=old`), else [`gemv_default`]. Alone in a chain of launches
-/// (examples/gemv_bench.rs, H100) Wide takes the GDN out-projection from 4.97 to 3.77 µs and the
-/// in-projection from 7.01 to 6.39, but the 8-bit router from 2.37 to 3.53 (session 28's
-/// all-or-nothing `LILY_CUDA_GEMV=wide` lost 0.8%). In the decode step (H100, session 44,
-/// alternating four times): `out` +1.5% at 256 and 4K, `in` +0.55%; the two together and `qkv`
-/// not yet measured.
+/// `out,in,qkv`, or none under `LILY_CUDA_GEMV=old`), else [`gemv_default`]. Alone in a chain of
+/// launches (examples/gemv_bench.rs, H100) Wide takes the GDN out-projection from 4.97 to 3.77 µs
+/// and the in-projection from 7.01 to 6.39, but the 8-bit router from 2.37 to 3.53 (session 28's
+/// all-or-nothing `LILY_CUDA_GEMV=wide` lost 0.8%), so the router keeps gemv_q2. In the decode
+/// step (H100): `out` +1.5% at 256 and 4K (session 44); over `out`, `out,in,qkv` +1.3% / +2.0% /
+/// +2.0% at 256 / 4K / 32K (session 45, alternating two to four times).
 pub fn gemv_for(role: GemvRole) -> (GemvKernel, u32) {
     static W: std::sync::OnceLock<Vec<GemvRole>> = std::sync::OnceLock::new();
     let wide = W.get_or_init(|| {
@@ -286,7 +286,7 @@ pub fn gemv_for(role: GemvRole) -> (GemvKernel, u32) {
             if matches!(gemv_default().0, GemvKernel::Old) {
                 String::new()
             } else {
-                "out".into()
+                "out,in,qkv".into()
             }
         });
         v.split(',')

@@ -585,8 +585,8 @@ pub struct AttnPrep {
     pub kv: KvDtype,
     /// The RoPE angles are computed before the kernel waits for the previous one: only where
     /// `pos` was written before the current decode step began (by the host or the previous
-    /// step's sampler), as in the one-sequence decode step (`LILY_CUDA_PREP_EARLY=1` there; off
-    /// until measured). The same bits either way.
+    /// step's sampler), as in the one-sequence decode step (the default there;
+    /// `LILY_CUDA_PREP_EARLY=0` turns it off). The same bits either way.
     pub early: bool,
 }
 
