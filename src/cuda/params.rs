@@ -306,8 +306,8 @@ kernel_params! {
     PstepParams spread ["pstep"] { phases: In<PsPhase>, nphase: i32, ctr: Out<u64>, flags: Out<u32>, slot_bytes: i32, ns: i32, xmax: i32, trace: Out<u32>, dbg: i32 }
     /// `attn_prep`, `attn_prep_bf16`: q/k RMSNorm + partial RoPE (`rot` dims, `theta`) of rows at
     /// positions `pos_p`; queries to `q_out`, K/V to the cache `kc`/`vc` (f32 or bf16 by kernel), or
-    /// each row's own cache from `kvt` when set; `early` (no `kvt`): the RoPE angles computed
-    /// before the wait for the previous kernel ([`super::ops::AttnPrep::early`]).
+    /// each row's own cache from `kvt` when set; `early` (no `kvt`): the RoPE angles and norm
+    /// weights taken before the wait for the previous kernel ([`super::ops::AttnPrep::early`]).
     AttnPrepParams spread ["attn_prep", "attn_prep_bf16", "attn_prep_fp8"] {
         qg: In<f32>, kin: In<f32>, vin: In<f32>, qn: In<f32>, kn: In<f32>, q_out: Out<f32>, kc: Out<Void>, vc: Out<Void>,
         nh: i32, hkv: i32, hd: i32, gated: i32, rot: i32, pos_p: In<i32>, theta: f64, eps: f32, ld: i64, kvt: In<u64>,

@@ -203,10 +203,11 @@ __device__ __forceinline__ void attn_prep_t(const float* qg, const float* kin, c
        RoPE angle, which needs nothing else, is computed before the wait */
     const bool pre = early && !kvt;
     const int j = threadIdx.x;
+    const float* nw = blockIdx.x < nh ? qn : kn; /* the block's norm weights */
     float rc = 1.f, rs = 0.f, nwj = 0.f;
     pdl_trigger();
     if (pre) { /* and this thread's norm weight (a weight: from HBM) */
-        if (j < hd) nwj = (blockIdx.x < nh ? qn : kn)[j];
+        if (j < hd) nwj = nw[j];
         if (j < rot) rope_cs(j, rot, pos_p[0] + blockIdx.y, theta, rc, rs);
     }
     pdl_wait();
@@ -224,7 +225,6 @@ __device__ __forceinline__ void attn_prep_t(const float* qg, const float* kin, c
     bool isq = b < nh;
     int h = isq ? b : b - nh;
     const float* src = isq ? qg + (long long)h * hd * (gated ? 2 : 1) : kin + (long long)h * hd;
-    const float* nw = isq ? qn : kn;
     float v = j < hd ? src[j] : 0.f;
     float ss = block_sum(v * v, sh);
     float r = 1.f / sqrtf(ss / (float)hd + eps);

@@ -583,7 +583,7 @@ pub struct AttnPrep {
     pub eps: f32,
     /// Element type of `kc`/`vc`.
     pub kv: KvDtype,
-    /// The RoPE angles are computed before the kernel waits for the previous one: only where
+    /// The RoPE angles (and norm weights) are taken before the kernel waits for the previous one: only where
     /// `pos` was written before the current decode step began (by the host or the previous
     /// step's sampler), as in the one-sequence decode step (the default there;
     /// `LILY_CUDA_PREP_EARLY=0` turns it off). The same bits either way.
