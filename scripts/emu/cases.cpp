@@ -39,8 +39,7 @@ static void gemv_case(int rows, int cols, int G, int T, double outlier) {
     emu_launch(G, T, [&] { gq_body<4, 2, 2, 2, false, false, false, false>(W.w.data(), W.sc.data(), W.bi.data(), 64, x.data(), y.data(), rows, cols, 0, 0, nw.data(), 1e-6f, sm[blockIdx.x].data(), red[blockIdx.x].data()); });
     char b[128]; snprintf(b, sizeof b, "gemv %dx%d grid %dx%d outlier %g", rows, cols, G, T, outlier); report(b, nmse(y.data(), want));
 }
-// moe_fused_q2 (deep: q3's pairs; shf: q2s's, the shared expert's pairs first; the second pass
-// with mf2_stage's spread staging, stg 1): top-K of E logits +
+// moe_fused_q2 (deep: q3's pairs; shf: q2s's, the shared expert's pairs first): top-K of E logits +
 // shared slot, gate/up pairs, meeting, down into x. router_bits (moe_fused_qr): the logits come from
 // a router of those bits in the same launch, run by clusters of 8 of the G blocks.
 static void q2_case(int E, int K, int H, int inter, int G, int rank, bool deep = false, int renorm = 1, int router_bits = 0,
@@ -98,7 +97,7 @@ static void q2_case(int E, int K, int H, int inter, int G, int rank, bool deep =
         if (router_bits) { emu_cluster = 8; /* QR_CS */ for (int b = 0; b < G; b++) emu_cl_base[b] = ls[b].data(); }
         emu_launch(G, 512, [&] {
             int b = blockIdx.x;
-#define Q2_ARGS(LG) GU.w.data(), GU.sc.data(), GU.bi.data(), DN.w.data(), DN.sc.data(), DN.bi.data(), 4, 64, 64, 2, x.data(), gu.data(), inter, H, nw.data(), 1e-6f, LG, E, K, renorm, ids.data(), wts.data(), ctr + 1, 1, rank, nullptr, nullptr, nullptr, 0, 0, 0, 0, nullptr, 0, 1, pass, xs[b].data(), red[b].data(), wsel[b].data(), chosen[b].data(), ls[b].data(), nullptr
+#define Q2_ARGS(LG) GU.w.data(), GU.sc.data(), GU.bi.data(), DN.w.data(), DN.sc.data(), DN.bi.data(), 4, 64, 64, 2, x.data(), gu.data(), inter, H, nw.data(), 1e-6f, LG, E, K, renorm, ids.data(), wts.data(), ctr + 1, 1, rank, nullptr, nullptr, nullptr, 0, 0, 0, 0, nullptr, 0, 1, xs[b].data(), red[b].data(), wsel[b].data(), chosen[b].data(), ls[b].data(), nullptr
             if (router_bits == 8) qr_router<8, 2>(WR.w.data(), WR.sc.data(), WR.bi.data(), 64, E + 1, H, x.data(), nw.data(), 1e-6f, lg_out.data(), xs[b].data(), red[b].data(), ls[b].data());
             if (router_bits == 4) qr_router<4, 2>(WR.w.data(), WR.sc.data(), WR.bi.data(), 64, E + 1, H, x.data(), nw.data(), 1e-6f, lg_out.data(), xs[b].data(), red[b].data(), ls[b].data());
             if (router_bits) mf2_body<4, 2, false, true>(Q2_ARGS(ls[b].data()));

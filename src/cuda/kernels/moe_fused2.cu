@@ -46,16 +46,11 @@
 
 /* Warps 1..15 stage xw and the chunk sums like gq_stage (chunk ch by thread 32 + ch, one chunk
    each, nch <= 480), and leave each warp's sum of squares in red[warp - 1]: the same per-warp
-   values gq_stage's block_sum would see, one warp later.
-   stg (LILY_CUDA_MOE_STAGE=spread): the staging's warp v (1..15, the thread range above) runs
-   on physical warp p(v), the 12 warps with p mod 4 != 0 first (v = p - p/4), then 4, 8, 12 (v
-   = 12 + p/4). Warp p runs on the SM's sub-partition p mod 4 (warp 0's is 0), so where the
-   staging needs at most 12 warps (Qwen3.6: 8) the top-k's warp has its scheduler to itself. The
-   same items and per-warp sums, so the same bits. */
+   values gq_stage's block_sum would see, one warp later. */
 template <int EPV>
 __device__ __forceinline__ void mf2_stage(const float* xg, int cols, const float* normw, float* xs, float* xsum,
-                                          float* red, int stg) {
-    const int p = threadIdx.x >> 5, v = !stg ? p : (p & 3) ? p - (p >> 2) : 12 + (p >> 2);
+                                          float* red) {
+    const int v = threadIdx.x >> 5;
     int nch = cols / EPV, ch = 32 * (v - 1) + (threadIdx.x & 31);
     float ss = 0.f;
     if constexpr (GQ_I8 && EPV == 32) { /* gemv.cu's int8 staging over warps 1..15 */
@@ -230,7 +225,7 @@ __device__ __forceinline__ void mf2_body(MoeFusedParams_fields, float* xs, float
         else
             route_warp(rank, logits, E, K, renorm, 1, ls, chosen, wsel);
     } else {
-        mf2_stage<EPV>(x, H, normw, xs, xsum, red, stg);
+        mf2_stage<EPV>(x, H, normw, xs, xsum, red);
     }
     __syncthreads();
     /* gq_stage's block_sum over the 16 warps' sums (warp w's now in red[w - 1], warp 15's slot
@@ -273,7 +268,7 @@ __device__ __forceinline__ void mf2_body(MoeFusedParams_fields, float* xs, float
 #define MF2(B, T, D, SH)                                                                                             \
     mf2_body<B, T, D, false, SH>(wg, sg, bg, wd, sd, bd, bits, group_g, group_d, ty, x, gu, inter, H, normw, eps,     \
                                  logits, E, K, renorm, ids_out, wts_out, ctr, bps, rank, wr, sr, br, bits_r, group_r, \
-                                 ty_r, R, trace, fixed, acc, stg, xs, red, wsel, chosen, ls, ts)
+                                 ty_r, R, trace, fixed, acc, xs, red, wsel, chosen, ls, ts)
 MF2_KERNEL(moe_fused_q2, false, false)
 MF2_KERNEL(moe_fused_q3, true, false)
 MF2_KERNEL(moe_fused_q2s, false, true)

@@ -82,13 +82,6 @@ pub fn moe_fixed() -> i32 {
     *V.get_or_init(|| std::env::var("LILY_CUDA_MOE_FIXED").ok().and_then(|v| v.parse().ok()).unwrap_or(0))
 }
 
-/// `LILY_CUDA_MOE_STAGE=spread`: moe_fused_q2* stage the experts' input on the warps outside
-/// the top-k warp's SM sub-partition (the same bits; kernels/moe_fused2.cu's mf2_stage).
-pub fn moe_stage_spread() -> bool {
-    static V: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *V.get_or_init(|| std::env::var("LILY_CUDA_MOE_STAGE").is_ok_and(|v| v == "spread"))
-}
-
 /// Whether the decode step computes the router inside moe_fused_q (`LILY_CUDA_MOE_ROUTER=fused`;
 /// off by default until measured).
 pub fn router_fused() -> bool {
@@ -305,7 +298,6 @@ impl Gpu {
             trace: Out::new(trace),
             fixed: moe_fixed(),
             acc: super::acc_code(true),
-            stg: moe_stage_spread() as i32,
         };
         // the staging holds the input and its chunk sums for the narrowest chunks in use
         let epv = 128 / router.map_or(gate_up.bits, |r| r.bits.max(gate_up.bits)) as usize;
