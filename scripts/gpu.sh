@@ -187,21 +187,26 @@ if [ -n "${TIMELINE:-}" ]; then
   done
 fi
 if [ -n "${NCU:-}" ]; then
-  # NCU="regex" (kernel names): ncu's hardware counters for NCU_COUNT (default 2) decode launches
-  # of each matching kernel at context NCU_CONTEXT (default 4096) of an 8-layer cut, after
-  # NCU_SKIP (default 8) of them. ncu serializes the launches and leaves the clocks alone
-  # (--clock-control none): the kernels alone, without the step's PDL overlap. The details go
-  # to $OUTDIR/ncu.txt; the lines printed here are the duration, issue and stall summaries.
-  echo "== ncu: $NCU at context ${NCU_CONTEXT:-4096}"
-  timeout 400 ncu --clock-control none --kernel-name "regex:$NCU" --launch-skip "${NCU_SKIP:-8}" \
-    --launch-count "${NCU_COUNT:-2}" --section SpeedOfLight --section LaunchStats --section Occupancy \
-    --section WarpStateStats --section SchedulerStats --section InstructionStats --section SourceCounters \
-    --export "$OUTDIR/ncu" .gpu/x/bin/lily bench --device cuda --model synthetic:qwen3.6-35b-a3b --layers 8 \
-    --contexts "${NCU_CONTEXT:-4096}" --warmup 0 --decode-steps 8 >"$OUTDIR/ncu.txt" 2>&1 || status=1
-  grep -E "^  [a-z_0-9]+.*\(|Duration|Executed Ipc A|Issue Slots Busy|No Eligible|Active Warps Per|Warp Cycles Per Issued|Executed Instructions  |Registers Per|Memory Throughput|Stall" \
-    "$OUTDIR/ncu.txt" | head -120 || true
-  # the SASS lines with their stall samples, for reading offline
-  ncu --import "$OUTDIR/ncu.ncu-rep" --page source --print-source sass --csv >"$OUTDIR/ncu_sass.csv" 2>&1 || true
+  # NCU="name|name...": ncu's hardware counters for NCU_COUNT (default 1) decode launches of each
+  # kernel named, at context NCU_CONTEXT (default 4096) of an 8-layer cut, after its first
+  # NCU_SKIP (default 4) launches there (the prefill's and the first decode steps'). ncu
+  # serializes the launches and leaves the clocks alone (--clock-control none): each kernel
+  # alone, without the step's PDL overlap. Details in $OUTDIR/ncu_<name>.txt, the SASS lines with
+  # their stall samples in $OUTDIR/ncu_<name>_sass.csv; printed here: duration, issue and stalls.
+  for k in ${NCU//|/ }; do
+    echo "== ncu: $k at context ${NCU_CONTEXT:-4096}"
+    timeout 240 ncu --clock-control none --kernel-name "$k" --launch-skip "${NCU_SKIP:-4}" \
+      --launch-count "${NCU_COUNT:-1}" --section SpeedOfLight --section LaunchStats --section Occupancy \
+      --section WarpStateStats --section SchedulerStats --section SourceCounters \
+      --export "$OUTDIR/ncu_$k" .gpu/x/bin/lily bench --device cuda --model synthetic:qwen3.6-35b-a3b --layers 8 \
+      --contexts "${NCU_CONTEXT:-4096}" --warmup 0 --decode-steps 8 >"$OUTDIR/ncu_${k}_run.txt" 2>&1 || status=1
+    ncu --import "$OUTDIR/ncu_$k.ncu-rep" --page details >"$OUTDIR/ncu_$k.txt" 2>&1 || status=1
+    grep -E "Duration|Executed Ipc A|Issue Slots Busy|No Eligible|Active Warps Per|Warp Cycles Per Issued|Registers Per|Memory Throughput|Block Size|Grid Size|Stall|stall" \
+      "$OUTDIR/ncu_$k.txt" | head -40 || true
+    ncu --import "$OUTDIR/ncu_$k.ncu-rep" --page source --print-source sass --csv >"$OUTDIR/ncu_${k}_sass.csv" 2>&1 || true
+    gzip -f "$OUTDIR/ncu_${k}_sass.csv" || true
+    rm -f "$OUTDIR/ncu_$k.ncu-rep"
+  done
 fi
 if [ -n "${PSTEP_TRACE:-}" ]; then
   # PSTEP_TRACE=ctx[,ctx...]: the persistent step phase by phase (LILY_PSTEP_TRACE=1, the last
