@@ -418,11 +418,17 @@ __device__ __forceinline__ void attn_dec_tc(const float* q, const void* kc_, con
         l[h] += __shfl_xor_sync(0xffffffffu, l[h], 8);
         l[h] += __shfl_xor_sync(0xffffffffu, l[h], 16);
     }
-    /* Merge the 4 warps (the rings are free once every warp is here). */
+    /* Merge the 4 warps (the rings are free once every warp is here): each warp stores its O^T
+       scaled to the block's maxima into its own [G][D + 4] buffer (the 4 extra floats a row put
+       the lanes' 4 heads on different banks), then every thread adds the 4 warps' values of its
+       outputs in warp order. One barrier for the products instead of one a warp (session 46's
+       ncu samples: the 4 rounds of one busy warp and three at the barrier were 35% of the
+       kernel's warp time). */
     __syncthreads();
-    float* acc = (float*)dsm;      /* [8][D] */
-    float* sm = acc + G * D;       /* [4][8] base-2 maxima */
-    float* sl = sm + 4 * G;        /* [4][8] sums */
+    constexpr int AS = D + 4;        /* row stride of a warp's buffer */
+    float* acc = (float*)dsm;        /* [4][8][AS] */
+    float* sm = acc + 4 * G * AS;    /* [4][8] base-2 maxima */
+    float* sl = sm + 4 * G;          /* [4][8] sums */
     if (lane < 4) {
         sm[warp * G + 2 * lane] = m[0];
         sm[warp * G + 2 * lane + 1] = m[1];
@@ -438,29 +444,35 @@ __device__ __forceinline__ void attn_dec_tc(const float* q, const void* kc_, con
         for (int w = 0; w < 4; w++) M = fmaxf(M, sm[w * G + head]);
         f[h] = m[h] == -INFINITY ? 0.f : exp2f(m[h] - M);
     }
-    for (int w = 0; w < 4; w++) {
-        if (warp == w)
+    {
+        float* mine = acc + warp * G * AS;
 #pragma unroll
-            for (int mt = 0; mt < NK; mt++)
+        for (int mt = 0; mt < NK; mt++)
 #pragma unroll
-                for (int c = 0; c < 4; c++) {
-                    const int dim = 16 * mt + (lane >> 2) + 8 * (c >> 1), head = 2 * (lane & 3) + (c & 1);
-                    float* a = &acc[head * D + dim];
-                    *a = (w == 0 ? 0.f : *a) + oacc[mt][c] * f[c & 1];
-                }
-        __syncthreads();
+            for (int c = 0; c < 4; c++) {
+                const int dim = 16 * mt + (lane >> 2) + 8 * (c >> 1), head = 2 * (lane & 3) + (c & 1);
+                mine[head * AS + dim] = oacc[mt][c] * f[c & 1];
+            }
     }
-    for (int t = threadIdx.x; t < G * D; t += blockDim.x) {
+    __syncthreads();
+    /* two outputs a thread a pass (part's rows are D + 2 floats: 8-byte aligned, as the buffers) */
+    for (int t = 2 * threadIdx.x; t < G * D; t += 2 * blockDim.x) {
         const int g = t / D, dd = t - g * D;
+        float2 v = *(const float2*)&acc[g * AS + dd];
+#pragma unroll
+        for (int w = 1; w < 4; w++) {
+            const float2 u = *(const float2*)&acc[(w * G + g) * AS + dd];
+            v.x += u.x;
+            v.y += u.y;
+        }
         float* pp = part + ((long long)(kvh * G + g) * S + split) * (D + 2);
-        pp[2 + dd] = acc[t];
+        *(float2*)(pp + 2 + dd) = v;
         if (dd == 0) {
             float M = -INFINITY, Ls = 0.f;
             for (int w = 0; w < 4; w++) M = fmaxf(M, sm[w * G + g]);
             for (int w = 0; w < 4; w++)
                 if (sm[w * G + g] != -INFINITY) Ls += sl[w * G + g] * exp2f(sm[w * G + g] - M);
-            pp[0] = M * 0.6931471805599453f;
-            pp[1] = Ls;
+            *(float2*)pp = make_float2(M * 0.6931471805599453f, Ls);
         }
     }
 }
