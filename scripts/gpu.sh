@@ -25,7 +25,8 @@
 #                             build the bundle with TIMELINE_BUILD=1 to carry its kernels;
 #                             KERNEL_ENVS at build time: other env settings that change the
 #                             kernel source, e.g. LILY_CUDA_GEMV_I8=0), PSTEP_TRACE (contexts:
-#                             the persistent step's per-phase trace and summary), ...
+#                             the persistent step's per-phase trace and summary), NCU (kernel
+#                             names, '|'-separated: ncu's counters and SASS stalls per kernel), ...
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
