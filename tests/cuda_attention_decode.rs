@@ -151,11 +151,12 @@ fn attention_decode_long_context_matches_cpu() {
         let kc = uniform(&mut r, len * kvd, 1.0);
         let vc = uniform(&mut r, len * kvd, 1.0);
         // The CPU attention of the query over (k, v), gated.
-        let cpu = |k: &[f32], v: &[f32]| {
+        // (over the first n cached positions)
+        let cpu_at = |k: &[f32], v: &[f32], n: usize| {
             let mut want = vec![0f32; nh * hd];
             let dims = AttnDims { heads: nh, kv_heads: hkv, head_dim: hd };
             let (k, v) = (KvRows::from_rows(kvd, k), KvRows::from_rows(kvd, v));
-            attention(&dims, &q, 1, len - 1, &k, &v, 1.0 / (hd as f32).sqrt(), &mut want);
+            attention(&dims, &q, 1, n - 1, &k, &v, 1.0 / (hd as f32).sqrt(), &mut want);
             for h in 0..nh {
                 for d in 0..hd {
                     want[h * hd + d] *= sigmoid(qg[h * 2 * hd + hd + d]);
@@ -163,6 +164,7 @@ fn attention_decode_long_context_matches_cpu() {
             }
             want
         };
+        let cpu = |k: &[f32], v: &[f32]| cpu_at(k, v, len);
         let want = cpu(&kc, &vc);
         let gb = |v: &[f32]| g.upload_f32(v).unwrap();
         let (qb, qgb, kb, vb) = (gb(&q), gb(&qg), gb(&kc), gb(&vc));
@@ -217,6 +219,61 @@ fn attention_decode_long_context_matches_cpu() {
         let early = decode(kb16.ptr, vb16.ptr, KvDtype::Bf16, AttnKernel::Tc, true);
         let differ = plain.iter().zip(&early).filter(|(a, b)| a.to_bits() != b.to_bits()).count();
         assert_eq!(differ, 0, "attention decode Tc early, {shape}: {differ} outputs differ from the plain form's");
+        // The splits merged inside the decode launch (attn_decode_fold, its last blocks of each
+        // KV head merging): three launches on one set of counters (the kernel moves their epoch
+        // each launch), the early form second, against the CPU and attn_combine's merge of the
+        // same partials (another order of the sums); then at 101 cached positions, where every
+        // split past the first two is empty, and once more at the full length.
+        if hkv * splits <= g.sms as usize {
+            assert!(g.attn_fold_applies(nh, hkv, hd, splits), "the fold form must apply to {shape}");
+            let ctr = g.zeros(8 * hkv).unwrap();
+            let fold = |n: usize, early: bool| {
+                out.write_f32(0, &vec![f32::NAN; nh * hd]).unwrap();
+                let pb = g.upload_bytes(&((n - 1) as i32).to_le_bytes()).unwrap();
+                let a = AttnDecode {
+                    q: qb.ptr,
+                    kc: kb16.ptr,
+                    vc: vb16.ptr,
+                    qg: qgb.ptr,
+                    out: out.ptr,
+                    nh,
+                    hkv,
+                    hd,
+                    pos: pb.ptr,
+                    gated: true,
+                    part: part.ptr,
+                    splits,
+                    kv: KvDtype::Bf16,
+                    early,
+                };
+                g.attn_decode_fold(&a, ctr.ptr).unwrap();
+                out.read_f32(0, nh * hd).unwrap()
+            };
+            let runs = [fold(len, false), fold(len, true), fold(len, false)];
+            for (i, got) in runs.iter().enumerate() {
+                let name = format!("attention decode Tc fold (launch {i}), {shape}");
+                check(&format!("{name} vs cpu on the rounded K/V"), got, &want_r, TOL);
+                check(&format!("{name} vs attn_combine's merge"), got, &plain, 1e-12);
+            }
+            for (i, got) in runs.iter().enumerate().skip(1) {
+                let differ = got.iter().zip(&runs[0]).filter(|(a, b)| a.to_bits() != b.to_bits()).count();
+                assert_eq!(
+                    differ, 0,
+                    "attention decode Tc fold, {shape}: launch {i} differs from launch 0 in {differ} outputs"
+                );
+            }
+            let short = 101.min(len);
+            let want_s = cpu_at(&round(&kc), &round(&vc), short);
+            check(
+                &format!("attention decode Tc fold, {shape} at {short} positions"),
+                &fold(short, false),
+                &want_s,
+                TOL,
+            );
+            check(&format!("attention decode Tc fold after the short one, {shape}"), &fold(len, true), &want_r, TOL);
+        } else {
+            eprintln!("SKIPPED: the fold form needs {} SMs for {shape} ({} here)", hkv * splits, g.sms);
+        }
         // An fp8 cache (the tensor-core kernel, G = 8, every shape here): the kernel widens each
         // row exactly (e4m3 value times its power-of-two scale), so against the CPU attention over
         // the same decoded K/V it keeps the fp32 bound; against the fp32 cache the distance is

@@ -173,7 +173,7 @@ fn skinny_occ2() -> bool {
 /// Kernels that call `pdl_wait()` before touching activations (kernels/common.cuh) and so may be
 /// launched as programmatic dependents: their launch and weight reads overlap the previous
 /// kernel's tail. The gemm_skinny entry points are such kernels too (see [`is_pdl`]).
-pub const PDL_KERNELS: [&str; 75] = [
+pub const PDL_KERNELS: [&str; 78] = [
     "gemm_wsp128",
     "gemm_wsp256",
     "gemm_wsp128_q8",
@@ -229,6 +229,9 @@ pub const PDL_KERNELS: [&str; 75] = [
     "attn_decode_tc64_prep",
     "attn_decode_tc128_prep",
     "attn_decode_tc256_prep",
+    "attn_decode_tc64_fold",
+    "attn_decode_tc128_fold",
+    "attn_decode_tc256_fold",
     "conv_step",
     "gdn_step",
     "gdn_step_par",
@@ -404,6 +407,16 @@ pub fn attn_dec_kernel(d: usize, fp8: bool) -> &'static str {
         (64, true) => "attn_decode_tc64_fp8",
         (128, true) => "attn_decode_tc128_fp8",
         (_, true) => "attn_decode_tc256_fp8",
+    }
+}
+
+/// The fold form of the bf16 tensor-core decode kernel at head dim `d` (attn_combine's merge in
+/// its tail; the same dynamic shared memory as [`attn_dec_kernel`]`(d, false)`).
+pub fn attn_dec_fold_kernel(d: usize) -> &'static str {
+    match d {
+        64 => "attn_decode_tc64_fold",
+        128 => "attn_decode_tc128_fold",
+        _ => "attn_decode_tc256_fold",
     }
 }
 

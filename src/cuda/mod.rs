@@ -343,6 +343,7 @@ impl Gpu {
         let dec = [(64, false), (128, false), (256, false), (64, true), (128, true), (256, true)]
             .map(|(d, f8)| (attn_dec_kernel(d, f8), attn_dec_smem(d, f8).min(optin)));
         let dec_prep = [64, 128, 256].map(|d| (attn_dec_prep_kernel(d), attn_dec_prep_smem(d).min(optin)));
+        let dec_fold = [64, 128, 256].map(|d| (attn_dec_fold_kernel(d), attn_dec_smem(d, false).min(optin)));
         let skinny = SKINNY_KERNELS.map(|k| (k, smem_optin));
         let pstep = [("pstep", optin)];
         let moe_qr = [("moe_fused_qr", ops::MOE_QR_SMEM.min(optin))];
@@ -357,6 +358,7 @@ impl Gpu {
             .chain(wsp)
             .chain(dec)
             .chain(dec_prep)
+            .chain(dec_fold)
             .chain(pstep)
             .chain(moe_qr)
             .chain(gdn)

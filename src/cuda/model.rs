@@ -210,6 +210,8 @@ struct Scratch {
     sync: DevBuf,
     /// The same for gdn_step_out (its own: a counter's launches must all have the same grid).
     sync_gdn: DevBuf,
+    /// attn_decode_tc{D}_fold's arrival counters, one u64 per KV head (zeroed once).
+    sync_attn: DevBuf,
     /// gdn_in_step_cl's output-projection parts `[H_k, H]` (`LILY_CUDA_GDN=clo`).
     gpart: DevBuf,
     /// `LILY_CUDA_MOE_TRACE=1`: moe_fused_q's stamps, `[layers, SMs, MOE_TRACE_SLOTS]` u64.
@@ -415,6 +417,7 @@ impl CudaSession {
             pick_ws: g.zeros(super::SAMPLE_WS_BYTES)?,
             sync: g.zeros(24)?,
             sync_gdn: g.zeros(8 + 8 * 8)?,
+            sync_attn: g.zeros(8 * c.num_key_value_heads.max(1))?,
             gpart: f(c.linear_num_key_heads * h)?,
             moe_trace: if profile::moe_tracing() {
                 Some(g.zeros(8 * profile::MOE_TRACE_SLOTS * g.sms as usize * self.model.layers.len())?)

@@ -18,7 +18,7 @@ pub(super) use moe::MOE_QR_SMEM;
 pub use moe::{moe_form, router_fused, MoeForm};
 mod sampling;
 
-pub use attention::{AttnDecode, AttnKernel, AttnPlan, AttnPrep, AttnRows, KvDtype, PrefillAttn};
+pub use attention::{attn_fold, AttnDecode, AttnKernel, AttnPlan, AttnPrep, AttnRows, KvDtype, PrefillAttn};
 pub use gdn::{
     gdn_chunk_floats, gdn_form, gdn_out_fused, gdn_prefill_kernel, GdnForm, GdnOutProj, GdnPrefill, GdnPrefillKernel,
     GdnRows, GdnStep,

@@ -37,6 +37,20 @@
  *   into its stage. The RoPE angles (rope_cs: they need only the position) are computed before
  *   the wait into shared memory. Shared memory: attn_dec_prep_smem(D) = the plain form's +
  *   [8][D] + [D] fp32 + [2][D] bf16 + [D] fp32 (cos, sin) after the P buffers.
+ * Fold form (attn_decode_tc{D}_fold, AttnDecFoldParams; LILY_CUDA_COMBINE=fold): attn_combine's
+ *   merge in this launch's tail (dec_fold), one dependency fewer a layer. One sequence, a bf16
+ *   cache and a grid resident at once (H_kv * S <= SMs: the host checks), since the mergers wait
+ *   for the other blocks of their KV head. Arrival: after its partial (or its empty mark) a
+ *   block adds 1 to its KV head's u64 counter ctr[kvh], a fence before (its partial is visible
+ *   to whoever sees the add). The counter holds (epoch << 32) + this launch's arrivals: the block
+ *   that read S - 1 arrivals is the last and moves the epoch (adds 2^32 - S), so launches of any
+ *   S share it without a reset (launches on it are ordered by their PDL waits). The last
+ *   NM = min(S, SL) blocks to arrive merge the KV head's G * D outputs in SL = G * D / 32 slices
+ *   of 32 dims of one head (merger m = arrival - (S - NM): slices m, m + NM, ...); each but the
+ *   last waits (thread 0 polling, then acquire) for the epoch to move. A slice is attn_combine's
+ *   arithmetic: M = max_s M_s, w_s = e^{M_s - M} (0 for an empty split), den = sum_s l_s w_s,
+ *   out = sum_s w_s o_s / den * sigmoid(gate); warp w sums splits w, w + 4, ..., then the 4
+ *   warps' sums are added in warp order (bit-identical replays).
  * fp8 cache (attn_decode_tc{D}_fp8; layout in attention.cu): the ring (2 stages) holds the raw
  *   tiles (16 x D bytes each, unswizzled) and their rows' 16 scales (4-byte cp.async). Before the
  *   scores the warp widens the K tile's e4m3 values to fp16 (one cvt per pair, exact) into one
@@ -163,10 +177,109 @@ __device__ __forceinline__ void dec_prep_row(const float* src, const float* nw, 
     __syncwarp();
 }
 
+/* The fold form's outputs (see the header): the gate rows (per head [q | gate], stride 2D), the
+   merged output [H_q, D] and the KV heads' arrival counters. */
+struct DecFold {
+    const float* qg;
+    float* out;
+    int gated;
+    u64* ctr;
+};
+#define FOLD_REGS 20 /* a warp's first splits' o values loaded in one round */
+template <int D>
+__device__ __forceinline__ void dec_fold(const float* part, const DecFold& f) {
+    constexpr int G = 8, SL = G * D / 32;
+    extern __shared__ __align__(16) unsigned char dsm[];
+    const int kvh = blockIdx.x, S = gridDim.y, NM = min(S, SL);
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    float* w = (float*)dsm;  /* [S <= 1024] the splits' weights */
+    float* red = w + 1024;   /* [4] maxima, [4] sums */
+    float* accs = red + 8;   /* [4][32] the warps' sums */
+    u64* tk = (u64*)(accs + 128);
+    __syncthreads(); /* the block's partial is stored and its shared memory free */
+    if (threadIdx.x == 0) {
+        u64* c = f.ctr + kvh;
+        __threadfence();
+        const u64 old = atomicAdd((unsigned long long*)c, 1ull);
+        if ((u32)old == (u32)(S - 1)) { /* the last: every other partial is visible */
+            atomicAdd((unsigned long long*)c, (1ull << 32) - (u64)S);
+            __threadfence();
+        } else if ((int)(u32)old >= S - NM) { /* a merger: wait for the last */
+            u64 v;
+            do {
+                asm volatile("ld.acquire.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(c) : "memory");
+            } while ((v >> 32) == (old >> 32));
+        }
+        *tk = old;
+    }
+    __syncthreads();
+    const int m = (int)(u32)*tk - (S - NM);
+    if (m < 0) return;
+    for (int sl = m; sl < SL; sl += NM) {
+        const int g = sl / (D / 32), d = (sl - g * (D / 32)) * 32 + lane, h = kvh * G + g;
+        const float* ph = part + (long long)h * S * (D + 2);
+        float mt[8], lt[8], ov[FOLD_REGS], gt = 0.f;
+#pragma unroll
+        for (int i = 0; i < 8; i++) {
+            const int s = threadIdx.x + 128 * i;
+            mt[i] = s < S ? __ldcg(ph + (long long)s * (D + 2)) : -INFINITY;
+            lt[i] = s < S ? __ldcg(ph + (long long)s * (D + 2) + 1) : 0.f;
+        }
+#pragma unroll
+        for (int j = 0; j < FOLD_REGS; j++) {
+            const int s = warp + 4 * j;
+            ov[j] = s < S ? __ldcg(ph + (long long)s * (D + 2) + 2 + d) : 0.f;
+        }
+        if (f.gated && warp == 0) gt = f.qg[(long long)h * 2 * D + D + d];
+        float mx = -INFINITY;
+#pragma unroll
+        for (int i = 0; i < 8; i++) mx = fmaxf(mx, mt[i]);
+        mx = warp_max(mx);
+        if (lane == 0) red[warp] = mx;
+        __syncthreads();
+        const float M = fmaxf(fmaxf(red[0], red[1]), fmaxf(red[2], red[3]));
+        float dl = 0.f;
+#pragma unroll
+        for (int i = 0; i < 8; i++) {
+            const int s = threadIdx.x + 128 * i;
+            if (s < S) {
+                const float e = mt[i] == -INFINITY ? 0.f : expf(mt[i] - M);
+                w[s] = e;
+                dl += e != 0.f ? e * lt[i] : 0.f;
+            }
+        }
+        dl = warp_sum(dl);
+        if (lane == 0) red[4 + warp] = dl;
+        __syncthreads(); /* also publishes w[] */
+        const float den = (red[4] + red[5]) + (red[6] + red[7]);
+        float acc = 0.f;
+        int s = warp;
+#pragma unroll
+        for (int j = 0; j < FOLD_REGS; j++, s += 4) {
+            if (s < S) {
+                const float ws = w[s];
+                acc += ws != 0.f ? ov[j] * ws : 0.f;
+            }
+        }
+        for (; s < S; s += 4) {
+            const float v = __ldcg(ph + (long long)s * (D + 2) + 2 + d), ws = w[s];
+            acc += ws != 0.f ? v * ws : 0.f;
+        }
+        accs[warp * 32 + lane] = acc;
+        __syncthreads();
+        if (warp == 0) {
+            float r = ((accs[lane] + accs[32 + lane]) + accs[64 + lane] + accs[96 + lane]) / den;
+            if (f.gated) r *= sigmoid_f(gt);
+            f.out[(long long)h * D + d] = r;
+        }
+        __syncthreads(); /* w, red and accs are the next slice's */
+    }
+}
+
 template <int D, bool F8, bool PREP = false>
 __device__ __forceinline__ void attn_dec_tc(const float* q, const void* kc_, const void* vc_, float* part, int hkv,
                                             const int* pos_p, float scale, const unsigned long long* kvt,
-                                            int early_, const DecPrep* pr = nullptr) {
+                                            int early_, const DecPrep* pr = nullptr, const DecFold* fo = nullptr) {
     constexpr int G = 8, KT = 16, CH = D / 8, TILE = KT * D, NK = D / 16, F8ST = dt_f8_stage<D>();
     extern __shared__ __align__(16) unsigned char dsm[];
     /* early (one sequence, bf16 cache): the first NST - 1 tiles are requested before pdl_wait:
@@ -183,10 +296,12 @@ __device__ __forceinline__ void attn_dec_tc(const float* q, const void* kc_, con
         if (!split_range(newest + 1, lo, hi)) { /* empty: its partials marked after the wait */
             pdl_wait();
             mark_empty_split(part, G, D);
+            if (fo) dec_fold<D>(part, *fo);
             return;
         }
     } else if (!gqa_split<unsigned char>(q, kc, vc, part, pos_p, kvt, hkv, G, D, lo, hi)) {
-        return; /* attention.cu */
+        if (fo) dec_fold<D>(part, *fo); /* one sequence: part is the launch's own */
+        return;                         /* attention.cu */
     }
     const int kvh = blockIdx.x, split = blockIdx.y, S = gridDim.y;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -475,6 +590,7 @@ __device__ __forceinline__ void attn_dec_tc(const float* q, const void* kc_, con
             *(float2*)pp = make_float2(M * 0.6931471805599453f, Ls);
         }
     }
+    if (fo) dec_fold<D>(part, *fo);
 }
 
 #define ATTN_DEC_TC(D)                                                                                          \
@@ -491,6 +607,16 @@ __device__ __forceinline__ void attn_dec_tc(const float* q, const void* kc_, con
 ATTN_DEC_TC(64)
 ATTN_DEC_TC(128)
 ATTN_DEC_TC(256)
+
+#define ATTN_DEC_TC_FOLD(D)                                                                                     \
+    extern "C" __global__ void __launch_bounds__(128, 1) attn_decode_tc##D##_fold(AttnDecFoldParams_fields) {  \
+        TL_SCOPE("attn_decode_tc" #D "_fold");                                                                 \
+        const DecFold fo{qg, out, gated, ctr};                                                                  \
+        attn_dec_tc<D, false>(q, kc, vc, part, hkv, pos_p, scale, nullptr, early, nullptr, &fo);                \
+    }
+ATTN_DEC_TC_FOLD(64)
+ATTN_DEC_TC_FOLD(128)
+ATTN_DEC_TC_FOLD(256)
 
 #define ATTN_DEC_TC_PREP(D)                                                                                     \
     extern "C" __global__ void __launch_bounds__(128, 1) attn_decode_tc##D##_prep(AttnDecPrepParams_fields) {  \

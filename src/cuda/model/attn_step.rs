@@ -2,7 +2,7 @@
 //! shared by the graph of per-op kernels and the persistent step.
 
 use super::{attn_prep_args, CudaSession, GMixer, GState};
-use crate::cuda::ops::{AttnDecode, AttnKernel, AttnPrep, KvDtype};
+use crate::cuda::ops::{self, AttnDecode, AttnKernel, AttnPrep, KvDtype};
 use anyhow::{bail, Context, Result};
 
 impl CudaSession {
@@ -48,6 +48,14 @@ impl CudaSession {
         };
         if fused {
             return g.attn_decode_prep(&prep, &a);
+        }
+        // LILY_CUDA_COMBINE=fold: the splits merged inside the decode launch
+        if kernel == AttnKernel::Tc
+            && self.kv == KvDtype::Bf16
+            && ops::attn_fold()
+            && g.attn_fold_applies(a.nh, a.hkv, a.hd, splits)
+        {
+            return g.attn_decode_fold(&a, s.sync_attn.ptr);
         }
         g.attn_decode(&a, kernel)
     }

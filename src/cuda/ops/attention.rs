@@ -3,8 +3,8 @@
 //! cache element type every one of them is launched for (kernels/attention*.cu).
 
 use super::super::params::{
-    AttnCombineParams, AttnDecPrepParams, AttnDecodeParams, AttnGqaParams, AttnPrefillParams, AttnPrepParams, In, Out,
-    TmaMap,
+    AttnCombineParams, AttnDecFoldParams, AttnDecPrepParams, AttnDecodeParams, AttnGqaParams, AttnPrefillParams,
+    AttnPrepParams, In, Out, TmaMap,
 };
 use super::super::Gpu;
 use super::{blocks, Precision};
@@ -254,6 +254,46 @@ impl Gpu {
             }
             _ => self.launch_params("attn_combine", (a.nh as u32, 1, rows), 1024, 0, &c),
         }
+    }
+
+    /// [`Gpu::attn_decode`] on [`AttnKernel::Tc`] over a bf16 cache with attn_combine's merge in
+    /// the decode launch's tail (`attn_decode_tc{D}_fold`, `LILY_CUDA_COMBINE=fold`): the last
+    /// blocks of each KV head to finish merge its splits into `a.out`, one launch fewer. `ctr`:
+    /// `a.hkv` u64 counters, zeroed once, used by these launches alone (the kernels keep them
+    /// consistent across launches of any split count). Needs [`Gpu::attn_fold_applies`].
+    pub fn attn_decode_fold(&self, a: &AttnDecode, ctr: u64) -> Result<()> {
+        if a.kv != KvDtype::Bf16 || !self.attn_fold_applies(a.nh, a.hkv, a.hd, a.splits) {
+            bail!(
+                "attention decode with the merge inside: needs a bf16 cache, 8 query heads per KV head of dim 64, 128 or 256 and at most one block an SM ({}:{} heads, dim {}, {} splits, {:?} cache)",
+                a.nh, a.hkv, a.hd, a.splits, a.kv
+            );
+        }
+        let p = AttnDecFoldParams {
+            q: In::new(a.q),
+            kc: In::new(a.kc),
+            vc: In::new(a.vc),
+            part: Out::new(a.part),
+            hkv: a.hkv as i32,
+            pos_p: In::new(a.pos),
+            scale: 1.0 / (a.hd as f32).sqrt(),
+            early: a.early as i32,
+            qg: In::new(a.qg),
+            out: Out::new(a.out),
+            gated: a.gated as i32,
+            ctr: Out::new(ctr),
+        };
+        let name = super::super::attn_dec_fold_kernel(a.hd);
+        let smem = super::super::attn_dec_smem(a.hd, false) as u32;
+        self.launch_params(name, (a.hkv as u32, a.splits as u32, 1), 128, smem, &p)
+    }
+
+    /// Whether [`Gpu::attn_decode_fold`] takes these heads and splits: where the tensor-core
+    /// kernel applies to a bf16 cache, with every block resident at once (H_kv x splits at most
+    /// the SMs: its mergers wait for the other blocks of their KV head).
+    pub fn attn_fold_applies(&self, nh: usize, hkv: usize, hd: usize, splits: usize) -> bool {
+        self.attn_tc_applies(nh, hkv, hd, KvDtype::Bf16)
+            && (1..=1024).contains(&splits)
+            && hkv * splits <= self.sms as usize
     }
 
     /// attn_prep and the tensor-core decode attention of one token in one launch
@@ -516,6 +556,14 @@ pub struct AttnDecode {
     /// it waits for the previous kernel (attn_prep), the newest row read after the wait
     /// (the decode default since session 41; `LILY_CUDA_ATTN_EARLY=0` turns it off).
     pub early: bool,
+}
+
+/// Whether the decode step merges the attention splits inside the decode launch
+/// ([`Gpu::attn_decode_fold`]; `LILY_CUDA_COMBINE=fold`) where that applies, else in
+/// attn_combine's own launch.
+pub fn attn_fold() -> bool {
+    static V: OnceLock<bool> = OnceLock::new();
+    *V.get_or_init(|| std::env::var("LILY_CUDA_COMBINE").is_ok_and(|v| v == "fold"))
 }
 
 /// Element type of the KV cache: bf16 (the default: half the bytes per decode step, scores and
