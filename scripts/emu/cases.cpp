@@ -520,6 +520,51 @@ static void ps_owner_case() {
     printf("%-6s %-58s %s\n", VARIANT, "ps_owner inverts ps_share (7 row counts x 4 grids)", bad ? "FAIL" : "ok");
     fails += bad != 0;
 }
+// attn_decode_tc{D}_fold's tail (dec_fold, D = 64): the blocks of H_kv KV heads x S splits
+// arrive on the heads' counters and the last ones merge synthetic partials (every third split
+// empty: M = -inf, its l and o NaN, selected away) into the gated output, against double
+// precision; launches of different S on the same counters, from a nonzero epoch, each of which
+// must leave the counters at the next epoch with no arrivals. Each block its own scratch.
+static void fold_case(const std::vector<int>& launches, int hkv) {
+    constexpr int D = 64, G = 8;
+    std::vector<unsigned long long> ctr(hkv, 5ull << 32);
+    for (int li = 0; li < (int)launches.size(); li++) {
+        const int S = launches[li], nh = hkv * G;
+        std::vector<float> part((size_t)nh * S * (D + 2)), qg(nh * 2 * D), out(nh * D, NAN);
+        for (auto& v : qg) v = 2 * U();
+        for (int h = 0; h < nh; h++)
+            for (int s = 0; s < S; s++) {
+                float* p = part.data() + ((size_t)h * S + s) * (D + 2);
+                const bool empty = s % 3 == 2;
+                p[0] = empty ? -INFINITY : 3 * U();
+                p[1] = empty ? NAN : 1 + U() * 0.9f;
+                for (int d = 0; d < D; d++) p[2 + d] = empty ? NAN : U();
+            }
+        std::vector<double> want(nh * D);
+        for (int h = 0; h < nh; h++) {
+            double M = -INFINITY, den = 0;
+            for (int s = 0; s < S; s++) M = std::max(M, (double)part[((size_t)h * S + s) * (D + 2)]);
+            std::vector<double> o(D, 0.0);
+            for (int s = 0; s < S; s++) {
+                const float* p = part.data() + ((size_t)h * S + s) * (D + 2);
+                if (p[0] == -INFINITY) continue;
+                double e = std::exp(p[0] - M);
+                den += e * p[1];
+                for (int d = 0; d < D; d++) o[d] += e * p[2 + d];
+            }
+            for (int d = 0; d < D; d++) want[h * D + d] = o[d] / den / (1 + std::exp(-(double)qg[h * 2 * D + D + d]));
+        }
+        std::vector<std::vector<float>> scratch(hkv * S, std::vector<float>(1200));
+        DecFold f{qg.data(), out.data(), 1, ctr.data()};
+        emu_launch(hkv * S, 128, [&] { dec_fold<D>(part.data(), f, blockIdx.x / S, S, scratch[blockIdx.x].data()); });
+        bool ok = true;
+        for (auto c : ctr) ok &= c == (6ull + li) << 32;
+        char b[128];
+        snprintf(b, sizeof b, "dec_fold D%d H_kv %d, S %d (launch %d)%s", D, hkv, S, li, ok ? "" : ": counters WRONG");
+        fails += !ok;
+        report(b, nmse(out.data(), want));
+    }
+}
 int main() {
     gemv_case(37, 2048, 3, 128, 1);
     gemv_case(37, 2048, 3, 128, 300);
@@ -556,6 +601,8 @@ int main() {
     gdn_cl_case(1, 512, 4, 8);
     prep_case(64, 5);
     prep_case(64, 3000);
+    // S 7 (each merger 2-3 slices), 20 (16 mergers, 4 blocks only arrive), 16
+    fold_case({7, 20, 16}, 2);
     route_edges();
     pstep_case(0, 7, 45, 2048);
     pstep_case(0, 0, 64, 512);

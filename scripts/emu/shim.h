@@ -127,6 +127,12 @@ inline float2 make_float2(float a, float b) { return {a, b}; }
 inline uint4 make_uint4(unsigned a, unsigned b, unsigned c, unsigned d) { return {a, b, c, d}; }
 template <class T> inline T atomicExch(T* p, T v) { T o = *p; *p = v; return o; }
 inline unsigned long long ld_relaxed_u64(const unsigned long long* p) { return __atomic_load_n(p, __ATOMIC_RELAXED); }
+/* attention_dec.cu's dec_fold: its mergers poll the counter (yielding: the blocks they wait for
+   share the host's cores) */
+inline unsigned long long ld_acquire_u64(const unsigned long long* p) {
+    std::this_thread::yield();
+    return __atomic_load_n(p, __ATOMIC_ACQUIRE);
+}
 inline void ctr_add_relaxed(unsigned long long* p) { __atomic_fetch_add(p, 1, __ATOMIC_RELAXED); }
 inline unsigned long long __shfl_up_sync(unsigned m, unsigned long long v, int o) {
     int l = threadIdx.x & 31, s = l - o >= 0 ? l - o : l;

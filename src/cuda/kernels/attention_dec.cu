@@ -186,13 +186,19 @@ struct DecFold {
     u64* ctr;
 };
 #define FOLD_REGS 20 /* a warp's first splits' o values loaded in one round */
+__device__ __forceinline__ u64 ld_acquire_u64(const u64* p) {
+    u64 v;
+    asm volatile("ld.acquire.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+    return v;
+}
+/* The tail of block (kvh, any split) of S splits: arrive, and merge where it is among the last;
+   sm: 4,640 bytes of the block's shared memory (free by now). */
 template <int D>
-__device__ __forceinline__ void dec_fold(const float* part, const DecFold& f) {
+__device__ __forceinline__ void dec_fold(const float* part, const DecFold& f, int kvh, int S, float* sm) {
     constexpr int G = 8, SL = G * D / 32;
-    extern __shared__ __align__(16) unsigned char dsm[];
-    const int kvh = blockIdx.x, S = gridDim.y, NM = min(S, SL);
+    const int NM = min(S, SL);
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    float* w = (float*)dsm;  /* [S <= 1024] the splits' weights */
+    float* w = sm;           /* [S <= 1024] the splits' weights */
     float* red = w + 1024;   /* [4] maxima, [4] sums */
     float* accs = red + 8;   /* [4][32] the warps' sums */
     u64* tk = (u64*)(accs + 128);
@@ -205,10 +211,8 @@ __device__ __forceinline__ void dec_fold(const float* part, const DecFold& f) {
             atomicAdd((unsigned long long*)c, (1ull << 32) - (u64)S);
             __threadfence();
         } else if ((int)(u32)old >= S - NM) { /* a merger: wait for the last */
-            u64 v;
-            do {
-                asm volatile("ld.acquire.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(c) : "memory");
-            } while ((v >> 32) == (old >> 32));
+            while ((ld_acquire_u64(c) >> 32) == (old >> 32)) {
+            }
         }
         *tk = old;
     }
@@ -296,11 +300,11 @@ __device__ __forceinline__ void attn_dec_tc(const float* q, const void* kc_, con
         if (!split_range(newest + 1, lo, hi)) { /* empty: its partials marked after the wait */
             pdl_wait();
             mark_empty_split(part, G, D);
-            if (fo) dec_fold<D>(part, *fo);
+            if (fo) dec_fold<D>(part, *fo, blockIdx.x, gridDim.y, (float*)dsm);
             return;
         }
     } else if (!gqa_split<unsigned char>(q, kc, vc, part, pos_p, kvt, hkv, G, D, lo, hi)) {
-        if (fo) dec_fold<D>(part, *fo); /* one sequence: part is the launch's own */
+        if (fo) dec_fold<D>(part, *fo, blockIdx.x, gridDim.y, (float*)dsm); /* one sequence: part is the launch's own */
         return;                         /* attention.cu */
     }
     const int kvh = blockIdx.x, split = blockIdx.y, S = gridDim.y;
@@ -590,7 +594,7 @@ __device__ __forceinline__ void attn_dec_tc(const float* q, const void* kc_, con
             *(float2*)pp = make_float2(M * 0.6931471805599453f, Ls);
         }
     }
-    if (fo) dec_fold<D>(part, *fo);
+    if (fo) dec_fold<D>(part, *fo, blockIdx.x, gridDim.y, (float*)dsm);
 }
 
 #define ATTN_DEC_TC(D)                                                                                          \
