@@ -78,7 +78,8 @@ for line in sys.stdin:
   cp target/release/examples/attn_bench .gpu/stage/bin/attn_bench
   cp target/release/examples/gdn_bench .gpu/stage/bin/gdn_bench
   strip .gpu/stage/bin/* 2>/dev/null || true
-  tar -C .gpu/stage -czf .gpu/bundle.tar.gz .
+  # written beside and renamed: a device call carrying the old bundle never reads half a new one
+  tar -C .gpu/stage -czf .gpu/bundle.tar.gz.part . && mv .gpu/bundle.tar.gz.part .gpu/bundle.tar.gz
   rm -rf .gpu/stage
   ls -la .gpu/bundle.tar.gz
   echo

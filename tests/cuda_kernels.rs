@@ -143,6 +143,58 @@ fn gemv_with_device_expert_ids_matches_cpu() {
     }
 }
 
+/// gemv_q2_route (`LILY_CUDA_MOE_ROUTER=tail`): the out-projection into the residual and the
+/// router's logits on the new residual's norm, against `x + W o` and the router's matvec on the
+/// CPU; three launches on one counter (the last block to arrive sums the parts), and the same
+/// inputs twice give the same bits.
+#[test]
+fn gemv_route_matches_cpu() {
+    let Some(g) = gpu() else { return };
+    let mut r = rng(12);
+    // the last: Qwen3.6-35B-A3B's GDN out-projection (2048 x 4096) and its 8-bit router with the
+    // shared expert's gate (257 rows)
+    for (h, cols, rows_r, bits, bits_r) in
+        [(256usize, 512usize, 65usize, 4u32, 8u32), (128, 384, 33, 8, 4), (2048, 4096, 257, 4, 8)]
+    {
+        let w = quant(&mut r, h, cols, bits, 64);
+        let router = quant(&mut r, rows_r, h, bits_r, 64);
+        let (gw, gr) = (GpuLinear::upload(&g, &w).unwrap(), GpuLinear::upload(&g, &router).unwrap());
+        assert!(g.gemv_route_ok(&gw, &gr), "gemv_route refuses {h}x{cols} with a router of {rows_r}");
+        let nw = uniform(&mut r, h, 1.5);
+        let nwb = g.upload_f32(&nw).unwrap();
+        let part = g.upload_f32(&vec![f32::NAN; (h / 32) * (rows_r + 1)]).unwrap();
+        let ctr = g.zeros(8).unwrap();
+        let lb = g.upload_f32(&vec![f32::NAN; rows_r]).unwrap();
+        for run in 0..3 {
+            let (o, x) = (uniform(&mut r, cols, 1.0), uniform(&mut r, h, 2.0));
+            let mut want = vec![0f32; h];
+            w.matvec(&o, &mut want);
+            for (v, xi) in want.iter_mut().zip(&x) {
+                *v += xi;
+            }
+            let mut xn = want.clone();
+            rms_norm(&mut xn, &nw, 1e-6);
+            let mut want_l = vec![0f32; rows_r];
+            router.matvec(&xn, &mut want_l);
+            let (ob, xb) = (g.upload_f32(&o).unwrap(), g.upload_f32(&x).unwrap());
+            lb.write_f32(0, &vec![f32::NAN; rows_r]).unwrap();
+            g.gemv_route(&gw, ob.ptr, xb.ptr, &gr, (nwb.ptr, 1e-6), part.ptr, lb.ptr, ctr.ptr).unwrap();
+            let name = format!("gemv_route {h}x{cols} q{bits}, router {rows_r} q{bits_r}, run {run}");
+            check(&format!("{name}: x"), &xb.read_f32(0, h).unwrap(), &want, TOL);
+            let got = lb.read_f32(0, rows_r).unwrap();
+            check(&format!("{name}: logits"), &got, &want_l, TOL);
+            // the same inputs again (on the counter as it now is): the same bits
+            xb.write_f32(0, &x).unwrap();
+            g.gemv_route(&gw, ob.ptr, xb.ptr, &gr, (nwb.ptr, 1e-6), part.ptr, lb.ptr, ctr.ptr).unwrap();
+            let again = lb.read_f32(0, rows_r).unwrap();
+            assert!(got.iter().zip(&again).all(|(a, b)| a.to_bits() == b.to_bits()), "{name}: a replay differs");
+        }
+        let c = ctr.read_i32(2).unwrap();
+        let n = (c[0] as u32 as u64) | ((c[1] as u32 as u64) << 32);
+        assert_eq!(n, 6 * (h / 32) as u64, "gemv_route {h}: the counter after six launches");
+    }
+}
+
 #[test]
 fn moe_topk_and_argmax_match_cpu() {
     let Some(g) = gpu() else { return };

@@ -565,6 +565,43 @@ static void fold_case(const std::vector<int>& launches, int hkv) {
         report(b, nmse(out.data(), want));
     }
 }
+// gemv_q2_route (gemv_route.cu): x += W o over G = H / 32 blocks of 512 threads (one row group a
+// warp), then the router's logits on rms_norm(x) * nw from the blocks' parts, summed by the last
+// block to arrive; several launches on one counter, fresh inputs each.
+static void route_case(int H, int C, int R, int rbits, int launches) {
+    Q4 W(H, C, 64), WR(R, H, 64, rbits);
+    const int G = H / 32;
+    std::vector<float> o(C), x(H), nw(H), part((size_t)G * (R + 1), NAN), lg(R, NAN);
+    for (auto& v : nw) v = 1.f + 0.5f * U();
+    unsigned long long ctr = 0;
+    for (int l = 0; l < launches; l++) {
+        for (auto& v : o) v = U();
+        for (auto& v : x) v = 2 * U();
+        std::vector<double> wy(H), wl(R);
+        for (int r = 0; r < H; r++) { double a = x[r]; for (int c = 0; c < C; c++) a += W.at(r, c) * o[c]; wy[r] = a; }
+        double ss = 0; for (double v : wy) ss += v * v;
+        double rr = 1.0 / std::sqrt(ss / H + 1e-6);
+        for (int j = 0; j < R; j++) { double a = 0; for (int c = 0; c < H; c++) a += WR.at(j, c) * nw[c] * wy[c]; wl[j] = a * rr; }
+        std::fill(lg.begin(), lg.end(), NAN);
+        std::vector<std::vector<float>> xs(G, std::vector<float>(C + C / 32 + 64, NAN)), red(G, std::vector<float>(33)), ys(G, std::vector<float>(32, NAN)),
+            vs(G, std::vector<float>(32)), tot(G, std::vector<float>(2)), nws(G, std::vector<float>(32));
+        std::vector<std::vector<u32>> rw(G, std::vector<u32>(512 * 8)), rsb(G, std::vector<u32>(1024));
+        std::vector<int> last(G, -1);
+        emu_launch(G, 512, [&] {
+            int b = blockIdx.x;
+            rt_request(WR.w.data(), WR.sc.data(), WR.bi.data(), rbits, 64, H, R, nw.data(), rw[b].data(), rsb[b].data(), nws[b].data());
+            gq_body<4, 2, 2, 2, false, false, false, false, true>(W.w.data(), W.sc.data(), W.bi.data(), 64, o.data(), x.data(), H, C, 0, 1, nullptr, 0.f, xs[b].data(),
+                                                                   red[b].data(), 0, 1, ConvEpi{0, 0, 0, 0, 1}, -1, 0, 0, 0, 0, ys[b].data());
+            rt_tail(rw[b].data(), rsb[b].data(), nws[b].data(), rbits, 64, 2, R, H, 1e-6f, part.data(), lg.data(), &ctr, ys[b].data(), vs[b].data(), tot[b].data(),
+                    (float*)rw[b].data(), &last[b]);
+        });
+        int lasts = 0; for (int v : last) lasts += v == 1;
+        char b[128];
+        snprintf(b, sizeof b, "gemv_q2_route H%d C%d R%d q%d launch %d: x", H, C, R, rbits, l); report(b, nmse(x.data(), wy));
+        snprintf(b, sizeof b, "gemv_q2_route H%d C%d R%d q%d launch %d: logits", H, C, R, rbits, l); report(b, nmse(lg.data(), wl));
+        if (lasts != 1 || ctr != (unsigned long long)G * (l + 1)) { printf("%-6s gemv_q2_route launch %d: %d last blocks, counter %llu\n", VARIANT, l, lasts, ctr); fails++; }
+    }
+}
 int main() {
     gemv_case(37, 2048, 3, 128, 1);
     gemv_case(37, 2048, 3, 128, 300);
@@ -604,6 +641,9 @@ int main() {
     // S 7 (each merger 2-3 slices), 20 (16 mergers, 4 blocks only arrive), 16
     fold_case({7, 20, 16}, 2);
     route_edges();
+    route_case(256, 512, 65, 8, 3);
+    route_case(128, 256, 257, 4, 2);
+    route_case(64, 128, 9, 8, 1); // one group a row: the last scale read alone
     pstep_case(0, 7, 45, 2048);
     pstep_case(0, 0, 64, 512);
     pstep_case(1, 3, 37, 1024, 8);

@@ -3,7 +3,7 @@
 //! (gemm_skinny, flash-attention prefill, tensor-core decode attention) with its shared memory.
 
 /// Every kernel source, in compile order (the prelude first). One NVRTC program, one module.
-pub const SOURCES: [(&str, &str); 28] = [
+pub const SOURCES: [(&str, &str); 29] = [
     ("common.cuh", include_str!("kernels/common.cuh")),
     ("norm.cu", include_str!("kernels/norm.cu")),
     ("linear.cu", include_str!("kernels/linear.cu")),
@@ -25,6 +25,7 @@ pub const SOURCES: [(&str, &str); 28] = [
     ("moe.cu", include_str!("kernels/moe.cu")),
     ("gemv_i8.cu", include_str!("kernels/gemv_i8.cu")),
     ("gemv.cu", include_str!("kernels/gemv.cu")),
+    ("gemv_route.cu", include_str!("kernels/gemv_route.cu")),
     ("moe_fused2.cu", include_str!("kernels/moe_fused2.cu")),
     ("moe_fused_qr.cu", include_str!("kernels/moe_fused_qr.cu")),
     ("gdn_fused_cl.cu", include_str!("kernels/gdn_fused_cl.cu")),
@@ -173,7 +174,7 @@ fn skinny_occ2() -> bool {
 /// Kernels that call `pdl_wait()` before touching activations (kernels/common.cuh) and so may be
 /// launched as programmatic dependents: their launch and weight reads overlap the previous
 /// kernel's tail. The gemm_skinny entry points are such kernels too (see [`is_pdl`]).
-pub const PDL_KERNELS: [&str; 78] = [
+pub const PDL_KERNELS: [&str; 79] = [
     "gemm_wsp128",
     "gemm_wsp256",
     "gemm_wsp128_q8",
@@ -197,6 +198,7 @@ pub const PDL_KERNELS: [&str; 78] = [
     "moe_fused_q2",
     "moe_fused_q3",
     "moe_fused_q2s",
+    "gemv_q2_route",
     "moe_fused_qr",
     "gdn_in_step_cl",
     "gemv_q2_conv",

@@ -212,6 +212,10 @@ struct Scratch {
     sync_gdn: DevBuf,
     /// attn_decode_tc{D}_fold's arrival counters, one u64 per KV head (zeroed once).
     sync_attn: DevBuf,
+    /// gemv_q2_route's per-block router parts `[H / 32, E + 2]` and its arrival counter
+    /// (`LILY_CUDA_MOE_ROUTER=tail`).
+    rpart: DevBuf,
+    sync_route: DevBuf,
     /// gdn_in_step_cl's output-projection parts `[H_k, H]` (`LILY_CUDA_GDN=clo`).
     gpart: DevBuf,
     /// `LILY_CUDA_MOE_TRACE=1`: moe_fused_q's stamps, `[layers, SMs, MOE_TRACE_SLOTS]` u64.
@@ -419,6 +423,8 @@ impl CudaSession {
             sync_gdn: g.zeros(8 + 8 * 8)?,
             sync_attn: g.zeros(8 * c.num_key_value_heads.max(1))?,
             gpart: f(c.linear_num_key_heads * h)?,
+            rpart: f(h.div_ceil(32) * (c.num_experts + 2))?,
+            sync_route: g.zeros(8)?,
             moe_trace: if profile::moe_tracing() {
                 Some(g.zeros(8 * profile::MOE_TRACE_SLOTS * g.sms as usize * self.model.layers.len())?)
             } else {

@@ -16,6 +16,8 @@ mod gemm;
 mod moe;
 pub(super) use moe::MOE_QR_SMEM;
 pub use moe::{moe_form, router_fused, MoeForm};
+mod route;
+pub use route::router_tail;
 mod sampling;
 
 pub use attention::{attn_fold, AttnDecode, AttnKernel, AttnPlan, AttnPrep, AttnRows, KvDtype, PrefillAttn};

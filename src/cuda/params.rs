@@ -243,6 +243,14 @@ kernel_params! {
         x: In<f32>, xstride: i64, y: Out<f32>, rows: i32, cols: i32, ids: In<i32>, accumulate: i32,
         normw: In<f32>, eps: f32, xdiv: i32
     }
+    /// `gemv_q2_route` (kernels/gemv_route.cu): the out-projection `y += W x` (`rows` = H) and
+    /// the router `Wr` (`R` rows) on `rms_norm(y) · nw` into `logits`, through per-block parts
+    /// `part` `[H / 32, R + 1]` and the u64 arrival counter `ctr`.
+    GemvRouteParams spread ["gemv_q2_route"] {
+        w: In<Void>, sc: In<Void>, bi: In<Void>, bits: i32, group: i32, ty: i32, x: In<f32>, y: Out<f32>,
+        rows: i32, cols: i32, wr: In<Void>, sr: In<Void>, br: In<Void>, bits_r: i32, group_r: i32,
+        ty_r: i32, R: i32, nw: In<f32>, eps: f32, part: Out<f32>, logits: Out<f32>, ctr: Out<u64>
+    }
     /// `gemv_q2_conv`: gemv_q2 for one slot, rows c < C then through the causal conv + SiLU (state `cstate`, taps `cw`) into `cy`.
     GemvConvParams spread ["gemv_q2_conv"] { w: In<Void>, sc: In<Void>, bi: In<Void>, bits: i32, group: i32, ty: i32, x: In<f32>, y: Out<f32>, rows: i32, cols: i32, normw: In<f32>, eps: f32, cstate: Out<f32>, cw: In<f32>, cy: Out<f32>, C: i32, K: i32 }
     /// `gdn_in_step_cl`: a GDN layer's input projection + conv and its state step in one launch,

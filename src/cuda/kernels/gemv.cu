@@ -411,12 +411,15 @@ __device__ __forceinline__ void grid_wait(const u64* ctr, u64 target) {
 /* A warp requests its first trip before the PDL wait (weights only). Measured and dropped (H100,
    sessions 42-43): none there (−1.4%), two (−0.4% to −1%), the second right after the wait before
    the staging with two more into the L2 (−3.8%). */
-template <int BITS, int TY, int NR, int U, bool LOADONLY, bool MOE, bool CONV = false, bool L2X = false>
+/* YS (gemv_q2_route, gemv_route.cu): each finished row's new value also into ys[warp NR + r] (the
+   host gives every warp at most one row group, so these are the block's rows in order). */
+template <int BITS, int TY, int NR, int U, bool LOADONLY, bool MOE, bool CONV = false, bool L2X = false,
+          bool YS = false>
 __device__ __forceinline__ void gq_body(const u32* w, const u16* sc, const u16* bi, int group,
                                         const float* xg, float* y, int rows, int cols, long long E0, int accumulate,
                                         const float* normw, float eps, float* xs, float* red, const int* ids = 0,
                                         int S = 1, ConvEpi cv = ConvEpi{0, 0, 0, 0, 1}, int vbx = -1, int vgx = 0,
-                                        const u64* spin = 0, u64 spin_target = 0, u64* ts = 0) {
+                                        const u64* spin = 0, u64 spin_target = 0, u64* ts = 0, float* ys = 0) {
     constexpr int EPV = 128 / BITS;
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     int n4 = cols / EPV, ng = cols / group, gsh = __ffs(group) - 1;
@@ -495,10 +498,13 @@ __device__ __forceinline__ void gq_body(const u32* w, const u16* sc, const u16* 
                 if (r == cr) mine = a;
                 if (lane == 0 && r < nvalid) {
                     float* o = y + r0 + r;
-                    if (accumulate == 2)
+                    if (accumulate == 2) {
                         atomicAdd(o, a); /* LILY_CUDA_ACC_RED: the row's only adder in this launch */
-                    else
-                        *o = accumulate ? *o + a : a;
+                    } else {
+                        float v = accumulate ? *o + a : a;
+                        *o = v;
+                        if constexpr (YS) ys[warp * NR + r] = v;
+                    }
                 }
             }
             if (CONV) {

@@ -3,8 +3,8 @@
 //! replayed; the device-side greedy and sampling loops over it; and `decode_layer`, one layer of
 //! it alone for the layer-local error test.
 
-use super::{gdn_step_args, CudaSession, GFfn, GMixer, GState};
-use crate::cuda::ops::{self, gdn_out_fused, router_fused, GdnForm, GdnOutProj, GemvRole};
+use super::{gdn_step_args, CudaSession, GFfn, GLayer, GMixer, GState};
+use crate::cuda::ops::{self, gdn_out_fused, router_fused, router_tail, GdnForm, GdnOutProj, GemvRole, GpuLinear};
 use crate::cuda::profile;
 use crate::cuda::Gpu;
 use crate::sampling::SamplingParams;
@@ -213,6 +213,32 @@ impl CudaSession {
         Ok(())
     }
 
+    /// The router whose logits the out-projection's launch computes (`LILY_CUDA_MOE_ROUTER=tail`,
+    /// [`Gpu::gemv_route`]): where the layer's MoE is the one-launch form that reads its logits
+    /// from memory (neither `LILY_CUDA_MOE=qr` nor `LILY_CUDA_MOE_ROUTER=fused`).
+    fn route_tail<'a>(&self, layer: &'a GLayer) -> Option<&'a GpuLinear> {
+        let (g, c) = (&self.model.gpu, &self.model.cfg);
+        let GFfn::Moe { router, experts, .. } = &layer.ffn else { return None };
+        let moe = g.moe_fused_ok(&experts.gate_up, &experts.down, c.num_experts, c.num_experts_per_tok);
+        let on = router_tail() && self.fused && self.routed && experts.shared_slot && moe;
+        router.fused.as_ref().filter(|_| on && self.moe_form != ops::MoeForm::Qr && !router_fused())
+    }
+
+    /// The out-projection into the residual stream, `x += W o`; with `tail` (the layer's router,
+    /// [`Self::route_tail`]) also the router's logits on the new x, where the kernel takes the
+    /// shapes. Returns whether it computed them.
+    fn out_proj(&self, w: &GpuLinear, tail: Option<&GpuLinear>, post_norm: (u64, f32)) -> Result<bool> {
+        let (g, s) = (&self.model.gpu, self.scratch.as_ref().context("session scratch")?);
+        match tail.filter(|r| post_norm.0 != 0 && g.gemv_route_ok(w, r)) {
+            Some(r) => {
+                let (part, ctr) = (s.rpart.ptr, s.sync_route.ptr);
+                g.gemv_route(w, s.o.ptr, s.x.ptr, r, post_norm, part, s.router.ptr, ctr)?;
+                Ok(true)
+            }
+            None => g.gemv_as(GemvRole::Out, w, s.o.ptr, s.x.ptr, true, (0, 0.0)).map(|_| false),
+        }
+    }
+
     /// Queues layer `li`'s kernels of the decode step: its input and output are the scratch row
     /// `x` (the residual stream), its position the `io` buffer's.
     fn record_layer(&self, li: usize, long: bool) -> Result<()> {
@@ -231,6 +257,9 @@ impl CudaSession {
             g.rms_norm(s.x.ptr, layer.input_norm.ptr, s.xn.ptr, 1, h, eps)?;
             (s.xn.ptr, (0, 0.0), (0, 0.0))
         };
+        // LILY_CUDA_MOE_ROUTER=tail: the out-projection's launch computes the router's logits
+        let tail = self.route_tail(layer);
+        let mut routed = false;
         match (&layer.mixer, st) {
             (GMixer::Gdn { proj, conv, dt_bias, neg_a, norm, out }, GState::Gdn { conv: cs, rec }) => {
                 let (cd, taps) = (c.gdn_conv_dim(), c.linear_conv_kernel_dim);
@@ -279,7 +308,7 @@ impl CudaSession {
                     op(Some("gdn.state"), 2 * rec.bytes);
                     g.gdn_step(&gs)?;
                     op(Some("gdn.out_proj"), out.nbytes());
-                    g.gemv_as(GemvRole::Out, out, s.o.ptr, s.x.ptr, true, (0, 0.0))?;
+                    routed = self.out_proj(out, tail, post_norm)?;
                 }
             }
             (GMixer::Attn { proj, o, .. }, GState::Attn { .. }) => {
@@ -290,7 +319,7 @@ impl CudaSession {
                 op(Some("attn.core"), 2 * (self.pos + 1) * row);
                 self.attn_mid(li, long)?;
                 op(Some("attn.o_proj"), o.nbytes());
-                g.gemv_as(GemvRole::Out, o, s.o.ptr, s.x.ptr, true, (0, 0.0))?;
+                routed = self.out_proj(o, tail, post_norm)?;
             }
             _ => bail!("layer state does not match the layer kind"),
         }
@@ -314,7 +343,7 @@ impl CudaSession {
                         .filter(|r| form == ops::MoeForm::Qr && post_norm.0 != 0 && g.moe_fused_qr_ok(gu, dn, r, e, k));
                     let fr =
                         qr.or_else(|| router.fused.as_ref().filter(|r| router_fused() && g.moe_router_ok(r, gu, e)));
-                    if fr.is_none() {
+                    if fr.is_none() && !routed {
                         router.run(g, s.x.ptr, post_norm, s.router.ptr)?;
                     }
                     op(Some("moe.experts"), (k + 1) * per_expert);

@@ -1,0 +1,153 @@
+/*
+ * gemv_route.cu: gemv_q2_route, the batch-1 decode out-projection (GDN out_proj, attention
+ * o_proj) that also leaves the MoE router's logits, so the router needs no launch of its own
+ * (LILY_CUDA_MOE_ROUTER=tail).
+ *
+ * Math: y[r] += sum_c W[r, c] o[c] for r < H (gemv_q2 with accumulate 1: y is the residual
+ *   stream), then the router Wr (R rows: the routed experts' logits and the shared expert's gate,
+ *   H columns) on rms_norm(y) * nw, in two stages:
+ *   block b holds rows c0 = 32 b .. c0 + 31 of the new y (one row group of 2 rows a warp) and writes
+ *     part[b P + j] = sum_{i<32} Wr[j, c0 + i] (nw y)[c0 + i]   for j < R,
+ *     part[b P + R] = sum_{i<32} y[c0 + i]^2,                    P = R + 1;
+ *   the last block to arrive adds the parts over b in order b = 0, 1, ...:
+ *     logits[j] = rsqrt(sum_b part[b P + R] / H + eps) * sum_b part[b P + j].
+ *   (The router GEMV's sums in another order.) Per block, with the affine codes q of Wr's row j
+ *   (scale s, bias t of the group holding c0, group >= 32):
+ *     sum_i (s q_i + t) v_i = s sum_i q_i v_i + t sum_i v_i,  v = nw y.
+ *
+ * Layouts: W, o, y as gemv_q2 (gemv.cu); Wr MLX affine 4 or 8 bits, packed u32 [R, H bits / 32],
+ *   scales/biases (bf16 or f16) [R, H / group]; nw f32 [H]; part f32 [G, P]; logits f32 [R].
+ *
+ * Geometry: Wide, 512 threads, grid G = H / 32 <= SMs, so each warp has exactly one row group
+ *   and block b's rows are c0 .. c0 + 31 (the host checks); R <= 512. Before the PDL wait thread
+ *   j < R requests its row's 32 codes (bits words) and the aligned words holding their scale and
+ *   bias (the arrays' last element, at an even index, is loaded alone), and threads 0-7 the block's 32 norm weights, into shared memory (cp.async: no registers held
+ *   across the GEMV); they are waited for after it. Arrival: a u64 counter raised by one a block,
+ *   G a launch (never reset: every launch on one counter has the same G), the block whose add
+ *   makes it a multiple of G is the last; it reads the parts through the L2 after a fence.
+ */
+
+#define RT_MAXR 512
+
+/* cp.async into shared memory: 16 bytes (codes, norm weights) or the 4-byte word holding a
+   scale or bias; waited for by rt_copy_wait. */
+__device__ __forceinline__ void rt_copy16(void* dst, const void* src) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"((u32)__cvta_generic_to_shared(dst)), "l"(src)
+                 : "memory");
+}
+__device__ __forceinline__ void rt_copy4(void* dst, const void* src) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"((u32)__cvta_generic_to_shared(dst)), "l"(src)
+                 : "memory");
+}
+__device__ __forceinline__ void rt_copy_wait() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
+
+/* The requests before the wait: rw[8 j ..] router row j's codes of columns c0 .. c0 + 31,
+   rsb[2 j], rsb[2 j + 1] the words holding its scale and bias, nws the norm weights. */
+__device__ __forceinline__ void rt_request(const u32* wr, const u16* sr, const u16* br, int bits, int group, int H,
+                                           int R, const float* nw, u32* rw, u32* rsb, float* nws) {
+    const int j = threadIdx.x, c0 = 32 * blockIdx.x;
+    if (j < R) {
+        const u32* src = wr + (long long)j * (H * bits / 32) + c0 * bits / 32;
+        for (int q = 0; q < bits / 4; q++) rt_copy16(rw + 8 * j + 4 * q, src + 4 * q);
+        long long gi = (long long)j * (H / group) + c0 / group, n = (long long)R * (H / group);
+        if ((gi & 1) || gi + 1 < n) { /* the aligned word holding it lies inside the array */
+            rt_copy4(rsb + 2 * j, sr + (gi & ~1ll));
+            rt_copy4(rsb + 2 * j + 1, br + (gi & ~1ll));
+        } else { /* the array's last element, at an even index: alone */
+            rsb[2 * j] = sr[gi];
+            rsb[2 * j + 1] = br[gi];
+        }
+    }
+    if (j < 8) rt_copy16(nws + 4 * j, nw + c0 + 4 * j);
+}
+
+/* sum_i q_i v_i over the 32 codes of one row (BITS bits each, code k of a word at bits BITS k) */
+template <int BITS>
+__device__ __forceinline__ float rt_dot(const u32* rw, const float* v) {
+    constexpr int PER = 32 / BITS;
+    float a = 0.f;
+#pragma unroll
+    for (int w = 0; w < BITS; w++) {
+        u32 word = rw[w];
+#pragma unroll
+        for (int k = 0; k < PER; k++) a += (float)((word >> (BITS * k)) & ((1u << BITS) - 1)) * v[w * PER + k];
+    }
+    return a;
+}
+
+/* After the GEMV: the block's parts, its arrival, and in the last block the logits. ys: the
+   block's 32 new y values (gq_body<YS>); sm: RT_MAXR + 1 floats of scratch (the last block's
+   sums; may alias rw, read before the arrival's barrier); tot: 2 floats; last: 1 int. */
+__device__ __forceinline__ void rt_tail(const u32* rw, const u32* rsb, const float* nws, int bits_r, int group_r,
+                                        int ty_r, int R, int H, float eps, float* part, float* logits, u64* ctr,
+                                        const float* ys, float* vs, float* tot, float* sm, int* last) {
+    rt_copy_wait();
+    __syncthreads(); /* every warp's rows in ys, every thread's copies landed */
+    const int t = threadIdx.x, c0 = 32 * blockIdx.x, P = R + 1;
+    if (t < 32) {
+        float yv = ys[t], v = yv * nws[t];
+        vs[t] = v;
+        float sv = warp_sum(v), sq = warp_sum(yv * yv);
+        if (t == 0) {
+            tot[0] = sv;
+            tot[1] = sq;
+        }
+    }
+    __syncthreads();
+    float* pb = part + (long long)blockIdx.x * P;
+    if (t < R) {
+        float d = bits_r == 4 ? rt_dot<4>(rw + 8 * t, vs) : rt_dot<8>(rw + 8 * t, vs);
+        int half = (int)(((long long)t * (H / group_r) + c0 / group_r) & 1);
+        float s = half_bits((rsb[2 * t] >> (16 * half)) & 0xFFFFu, ty_r);
+        float b = half_bits((rsb[2 * t + 1] >> (16 * half)) & 0xFFFFu, ty_r);
+        pb[t] = s * d + b * tot[0];
+    }
+    if (t == 0) pb[R] = tot[1];
+    __syncthreads();
+    if (t == 0) {
+        __threadfence();
+        u64 old = atomicAdd(ctr, 1ull);
+        *last = (old + 1) % gridDim.x == 0;
+    }
+    __syncthreads();
+    if (!*last) return;
+    __threadfence();
+    const int G = gridDim.x;
+    if (t < P) {
+        float a = 0.f;
+        int b = 0;
+        for (; b + 16 <= G; b += 16) {
+            float v[16];
+#pragma unroll
+            for (int u = 0; u < 16; u++) v[u] = __ldcg(part + (long long)(b + u) * P + t);
+#pragma unroll
+            for (int u = 0; u < 16; u++) a += v[u];
+        }
+        for (; b < G; b++) a += __ldcg(part + (long long)b * P + t);
+        sm[t] = a;
+    }
+    __syncthreads();
+    if (t < R) logits[t] = sm[t] * (1.f / sqrtf(sm[R] / (float)H + eps));
+}
+
+#define RT_GEMV(B, T)                                                                                               \
+    gq_body<B, T, 2, 2, false, false, false, false, true>((const u32*)w, (const u16*)sc, (const u16*)bi, group, x, y, \
+                                                          rows, cols, 0, 1, nullptr, 0.f, xs, red, 0, 1,             \
+                                                          ConvEpi{0, 0, 0, 0, 1}, -1, 0, 0, 0, 0, ys)
+extern "C" __global__ void __launch_bounds__(512) gemv_q2_route(GemvRouteParams_fields) {
+    extern __shared__ __align__(16) float xs[]; /* gq_body's staging: cols + cols/EPV floats */
+    __shared__ float red[33], ys[32], vs[32], tot[2];
+    __shared__ __align__(16) float nws[32];
+    __shared__ __align__(16) u32 rw[RT_MAXR * 8]; /* 16 KB: the codes; then the last block's sums */
+    __shared__ u32 rsb[RT_MAXR * 2];
+    __shared__ int last;
+    TL_SCOPE("gemv_q2_route");
+    pdl_trigger();
+    rt_request((const u32*)wr, (const u16*)sr, (const u16*)br, bits_r, group_r, rows, R, nw, rw, rsb, nws);
+    if (bits == 4 && ty == TY_BF16) RT_GEMV(4, TY_BF16);
+    else if (bits == 4) RT_GEMV(4, TY_F16);
+    else if (ty == TY_BF16) RT_GEMV(8, TY_BF16);
+    else RT_GEMV(8, TY_F16);
+    rt_tail(rw, rsb, nws, bits_r, group_r, ty_r, R, rows, eps, part, logits, ctr, ys, vs, tot, (float*)rw, &last);
+}
+#undef RT_GEMV

@@ -1,0 +1,97 @@
+//! The MoE router in the out-projection's launch (`gemv_q2_route`, kernels/gemv_route.cu): the
+//! batch-1 decode step's `x += W o` also leaves the router's logits on `rms_norm(x) · nw`, one
+//! launch (and one dependency) fewer per MoE layer (`LILY_CUDA_MOE_ROUTER=tail`).
+
+use super::super::params::{GemvRouteParams, In, Out};
+use super::super::Gpu;
+use super::{acc_red, GpuLinear, GEMV_XMAX};
+use anyhow::{bail, Result};
+
+/// The kernel's static shared memory (bytes): the router's codes, scale and bias words, the
+/// block's rows and norm weights.
+const ROUTE_STATIC_SMEM: usize = 4 * (512 * 8 + 512 * 2 + 33 + 3 * 32 + 2 + 1);
+
+/// Whether the decode step computes the router in the out-projection's tail
+/// (`LILY_CUDA_MOE_ROUTER=tail`; off by default until measured).
+pub fn router_tail() -> bool {
+    static V: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *V.get_or_init(|| std::env::var("LILY_CUDA_MOE_ROUTER").is_ok_and(|v| v == "tail"))
+}
+
+impl Gpu {
+    /// Whether [`Gpu::gemv_route`] takes this out-projection `w` (H rows) and router (`R` rows,
+    /// H columns): both streaming formats, H a multiple of 32 with one block per 32 rows within
+    /// the SMs, R < 512, the router's 32-column slices 16-byte aligned, the shared memory within
+    /// the default 48 KB, and the residual added by load-add-store (not `LILY_CUDA_ACC_RED`).
+    pub fn gemv_route_ok(&self, w: &GpuLinear, router: &GpuLinear) -> bool {
+        let h = w.rows;
+        w.streams()
+            && w.count == 1
+            && w.cols <= GEMV_XMAX
+            && w.cols.is_multiple_of(4)
+            && router.streams()
+            && router.count == 1
+            && router.cols == h
+            && router.rows < 512
+            && h.is_multiple_of(32)
+            && h / 32 <= self.sms as usize
+            && (h * router.bits as usize).is_multiple_of(128)
+            && w.stream_smem() as usize + ROUTE_STATIC_SMEM <= 48 * 1024
+            && !acc_red()
+    }
+
+    /// `y += W x` (the out-projection into the residual stream `y`, H = `w.rows`) and the
+    /// router's `logits = router · (rms_norm(y) · nw)` with the new `y`, in one launch. `part` holds
+    /// `[H / 32, router.rows + 1]` floats; `ctr` is a zeroed u64 that only launches of this H use.
+    #[allow(clippy::too_many_arguments)]
+    pub fn gemv_route(
+        &self,
+        w: &GpuLinear,
+        x: u64,
+        y: u64,
+        router: &GpuLinear,
+        (nw, eps): (u64, f32),
+        part: u64,
+        logits: u64,
+        ctr: u64,
+    ) -> Result<()> {
+        if !self.gemv_route_ok(w, router) || nw == 0 {
+            bail!(
+                "gemv_route: an out-projection of {}x{} (q{}) with a router of {}x{} (q{}) is not taken",
+                w.rows,
+                w.cols,
+                w.bits,
+                router.rows,
+                router.cols,
+                router.bits
+            );
+        }
+        let (wp, sp, bp, bits, group, ty) = w.weight_fields();
+        let (wr, sr, br, bits_r, group_r, ty_r) = router.weight_fields();
+        let a = GemvRouteParams {
+            w: wp,
+            sc: sp,
+            bi: bp,
+            bits,
+            group,
+            ty,
+            x: In::new(x),
+            y: Out::new(y),
+            rows: w.rows as i32,
+            cols: w.cols as i32,
+            wr,
+            sr,
+            br,
+            bits_r,
+            group_r,
+            ty_r,
+            R: router.rows as i32,
+            nw: In::new(nw),
+            eps,
+            part: Out::new(part),
+            logits: Out::new(logits),
+            ctr: Out::new(ctr),
+        };
+        self.launch_params("gemv_q2_route", ((w.rows / 32) as u32, 1, 1), 512, w.stream_smem(), &a)
+    }
+}
