@@ -146,7 +146,7 @@ fn gemv_with_device_expert_ids_matches_cpu() {
 /// gemv_q2_route (`LILY_CUDA_MOE_ROUTER=tail`): the out-projection into the residual and the
 /// router's logits on the new residual's norm, against `x + W o` and the router's matvec on the
 /// CPU; three launches on one counter (the last block to arrive sums the parts), and the same
-/// inputs twice give the same bits.
+/// inputs twice give the same bits; with the MoE's top-k in the last block (`tailk`) too.
 #[test]
 fn gemv_route_matches_cpu() {
     let Some(g) = gpu() else { return };
@@ -178,20 +178,33 @@ fn gemv_route_matches_cpu() {
             router.matvec(&xn, &mut want_l);
             let (ob, xb) = (g.upload_f32(&o).unwrap(), g.upload_f32(&x).unwrap());
             lb.write_f32(0, &vec![f32::NAN; rows_r]).unwrap();
-            g.gemv_route(&gw, ob.ptr, xb.ptr, &gr, (nwb.ptr, 1e-6), part.ptr, lb.ptr, ctr.ptr).unwrap();
+            g.gemv_route(&gw, ob.ptr, xb.ptr, &gr, (nwb.ptr, 1e-6), part.ptr, lb.ptr, ctr.ptr, None).unwrap();
             let name = format!("gemv_route {h}x{cols} q{bits}, router {rows_r} q{bits_r}, run {run}");
             check(&format!("{name}: x"), &xb.read_f32(0, h).unwrap(), &want, TOL);
             let got = lb.read_f32(0, rows_r).unwrap();
             check(&format!("{name}: logits"), &got, &want_l, TOL);
             // the same inputs again (on the counter as it now is): the same bits
             xb.write_f32(0, &x).unwrap();
-            g.gemv_route(&gw, ob.ptr, xb.ptr, &gr, (nwb.ptr, 1e-6), part.ptr, lb.ptr, ctr.ptr).unwrap();
+            g.gemv_route(&gw, ob.ptr, xb.ptr, &gr, (nwb.ptr, 1e-6), part.ptr, lb.ptr, ctr.ptr, None).unwrap();
             let again = lb.read_f32(0, rows_r).unwrap();
             assert!(got.iter().zip(&again).all(|(a, b)| a.to_bits() == b.to_bits()), "{name}: a replay differs");
+            // LILY_CUDA_MOE_ROUTER=tailk: the last block's top-k on those logits, the same picks
+            // as moe_topk_shared's on them (tested against the CPU below), the weights within 1e-6
+            let k = (rows_r - 1).min(8);
+            let (ids, wts, ids2) =
+                (g.zeros(4 * (k + 1)).unwrap(), g.zeros(4 * (k + 1)).unwrap(), g.zeros(8 * (k + 1)).unwrap());
+            let (ids_t, wts_t) = (g.zeros(4 * (k + 1)).unwrap(), g.zeros(4 * (k + 1)).unwrap());
+            xb.write_f32(0, &x).unwrap();
+            let topk = lily::cuda::TailTopk { ids: ids_t.ptr, wts: wts_t.ptr, k, renorm: true };
+            g.gemv_route(&gw, ob.ptr, xb.ptr, &gr, (nwb.ptr, 1e-6), part.ptr, lb.ptr, ctr.ptr, Some(topk)).unwrap();
+            g.moe_topk_shared(lb.ptr, rows_r - 1, k, true, ids.ptr, wts.ptr, ids2.ptr).unwrap();
+            assert_eq!(ids_t.read_i32(k + 1).unwrap(), ids.read_i32(k + 1).unwrap(), "{name}: top-{k} ids");
+            let (wt, w0) = (wts_t.read_f32(0, k + 1).unwrap(), wts.read_f32(0, k + 1).unwrap());
+            assert!(wt.iter().zip(&w0).all(|(a, b)| (a - b).abs() <= 1e-6), "{name}: top-{k} weights {wt:?} {w0:?}");
         }
         let c = ctr.read_i32(2).unwrap();
         let n = (c[0] as u32 as u64) | ((c[1] as u32 as u64) << 32);
-        assert_eq!(n, 6 * (h / 32) as u64, "gemv_route {h}: the counter after six launches");
+        assert_eq!(n, 9 * (h / 32) as u64, "gemv_route {h}: the counter after nine launches");
     }
 }
 
@@ -358,6 +371,17 @@ fn fused_decode_moe_matches_cpu() {
             let d = got.iter().zip(&q_out.0).fold(0f32, |m, (a, b)| m.max((a - b).abs())) / scale;
             eprintln!("{name}: max |Δ| against moe_fused_q {d:.3e} of max |x|");
             assert!(d <= 1e-6, "{name}: {d:e} from moe_fused_q");
+            if form == MoeForm::Q2s {
+                // moe_fused_given (LILY_CUDA_MOE_ROUTER=tailk): the same launch with the routing
+                // read from ids/wts (as gemv_route's last block leaves it): the same bits
+                xb.write_f32(0, &x).unwrap();
+                wts_f.write_f32(0, &w2).unwrap();
+                g.moe_fused_given(&gu, &dn, xb.ptr, (nwb.ptr, 1e-6), egu_r.ptr, route, idw, ctr.ptr, 0).unwrap();
+                let given = xb.read_f32(0, h).unwrap();
+                let same = given.iter().zip(&got).all(|(a, b)| a.to_bits() == b.to_bits());
+                assert!(same, "{name}: moe_fused_given differs from moe_fused_q2s");
+                assert_eq!(ids_f.read_i32(k + 1).unwrap(), want_ids, "{name}: moe_fused_given changed the ids");
+            }
         }
         // The router in the same launch (LILY_CUDA_MOE_ROUTER=fused), on the same counter: a
         // random 8-bit router (as the checkpoints'); the launch writes its logits on

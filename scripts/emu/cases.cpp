@@ -97,7 +97,7 @@ static void q2_case(int E, int K, int H, int inter, int G, int rank, bool deep =
         if (router_bits) { emu_cluster = 8; /* QR_CS */ for (int b = 0; b < G; b++) emu_cl_base[b] = ls[b].data(); }
         emu_launch(G, 512, [&] {
             int b = blockIdx.x;
-#define Q2_ARGS(LG) GU.w.data(), GU.sc.data(), GU.bi.data(), DN.w.data(), DN.sc.data(), DN.bi.data(), 4, 64, 64, 2, x.data(), gu.data(), inter, H, nw.data(), 1e-6f, LG, E, K, renorm, ids.data(), wts.data(), ctr + 1, 1, rank, nullptr, nullptr, nullptr, 0, 0, 0, 0, nullptr, 0, 1, xs[b].data(), red[b].data(), wsel[b].data(), chosen[b].data(), ls[b].data(), nullptr
+#define Q2_ARGS(LG) GU.w.data(), GU.sc.data(), GU.bi.data(), DN.w.data(), DN.sc.data(), DN.bi.data(), 4, 64, 64, 2, x.data(), gu.data(), inter, H, nw.data(), 1e-6f, LG, E, K, renorm, ids.data(), wts.data(), ctr + 1, 1, rank, nullptr, nullptr, nullptr, 0, 0, 0, 0, nullptr, 0, 1, 0, xs[b].data(), red[b].data(), wsel[b].data(), chosen[b].data(), ls[b].data(), nullptr
             if (router_bits == 8) qr_router<8, 2>(WR.w.data(), WR.sc.data(), WR.bi.data(), 64, E + 1, H, x.data(), nw.data(), 1e-6f, lg_out.data(), xs[b].data(), red[b].data(), ls[b].data());
             if (router_bits == 4) qr_router<4, 2>(WR.w.data(), WR.sc.data(), WR.bi.data(), 64, E + 1, H, x.data(), nw.data(), 1e-6f, lg_out.data(), xs[b].data(), red[b].data(), ls[b].data());
             if (router_bits) mf2_body<4, 2, false, true>(Q2_ARGS(ls[b].data()));
@@ -568,7 +568,7 @@ static void fold_case(const std::vector<int>& launches, int hkv) {
 // gemv_q2_route (gemv_route.cu): x += W o over G = H / 32 blocks of 512 threads (one row group a
 // warp), then the router's logits on rms_norm(x) * nw from the blocks' parts, summed by the last
 // block to arrive; several launches on one counter, fresh inputs each.
-static void route_case(int H, int C, int R, int rbits, int launches) {
+static void route_case(int H, int C, int R, int rbits, int launches, int K = 0) {
     Q4 W(H, C, 64), WR(R, H, 64, rbits);
     const int G = H / 32;
     std::vector<float> o(C), x(H), nw(H), part((size_t)G * (R + 1), NAN), lg(R, NAN);
@@ -586,19 +586,33 @@ static void route_case(int H, int C, int R, int rbits, int launches) {
         std::vector<std::vector<float>> xs(G, std::vector<float>(C + C / 32 + 64, NAN)), red(G, std::vector<float>(33)), ys(G, std::vector<float>(32, NAN)),
             vs(G, std::vector<float>(32)), tot(G, std::vector<float>(2)), nws(G, std::vector<float>(32));
         std::vector<std::vector<u32>> rw(G, std::vector<u32>(512 * 8)), rsb(G, std::vector<u32>(1024));
-        std::vector<int> last(G, -1);
+        std::vector<int> last(G, -1), ids(K + 1, -1);
+        std::vector<float> wts(K + 1, NAN);
+        std::vector<std::vector<int>> chosen(G, std::vector<int>(65));
+        std::vector<std::vector<float>> wsel(G, std::vector<float>(65));
+        RtRoute rt; // K > 0: the MoE's top-K too (thresh, renormalized)
+        if (K) rt = RtRoute{ids.data(), wts.data(), K, 1, 5};
         emu_launch(G, 512, [&] {
             int b = blockIdx.x;
             rt_request(WR.w.data(), WR.sc.data(), WR.bi.data(), rbits, 64, H, R, nw.data(), rw[b].data(), rsb[b].data(), nws[b].data());
             gq_body<4, 2, 2, 2, false, false, false, false, true>(W.w.data(), W.sc.data(), W.bi.data(), 64, o.data(), x.data(), H, C, 0, 1, nullptr, 0.f, xs[b].data(),
                                                                    red[b].data(), 0, 1, ConvEpi{0, 0, 0, 0, 1}, -1, 0, 0, 0, 0, ys[b].data());
             rt_tail(rw[b].data(), rsb[b].data(), nws[b].data(), rbits, 64, 2, R, H, 1e-6f, part.data(), lg.data(), &ctr, ys[b].data(), vs[b].data(), tot[b].data(),
-                    (float*)rw[b].data(), &last[b]);
+                    (float*)rw[b].data(), &last[b], rt, chosen[b].data(), wsel[b].data());
         });
         int lasts = 0; for (int v : last) lasts += v == 1;
         char b[128];
         snprintf(b, sizeof b, "gemv_q2_route H%d C%d R%d q%d launch %d: x", H, C, R, rbits, l); report(b, nmse(x.data(), wy));
         snprintf(b, sizeof b, "gemv_q2_route H%d C%d R%d q%d launch %d: logits", H, C, R, rbits, l); report(b, nmse(lg.data(), wl));
+        if (K) { // the picks by (-logit, index) among the R - 1 routed, softmax over them; the shared gate's sigmoid
+            std::vector<int> idx(R - 1); for (int e = 0; e < R - 1; e++) idx[e] = e;
+            std::stable_sort(idx.begin(), idx.end(), [&](int a, int c) { return lg[a] > lg[c]; });
+            double mx = lg[idx[0]], sel = 0; for (int k = 0; k < K; k++) sel += std::exp((double)lg[idx[k]] - mx);
+            bool ok = ids[K] == R - 1; double werr = std::fabs(wts[K] - 1 / (1 + std::exp(-(double)lg[R - 1])));
+            for (int k = 0; k < K; k++) { ok &= ids[k] == idx[k]; werr = std::max(werr, std::fabs(wts[k] - std::exp((double)lg[idx[k]] - mx) / sel)); }
+            printf("%-6s gemv_q2_route H%d R%d K%d launch %d: top-K ids %s, weights %.1e\n", VARIANT, H, R, K, l, ok ? "ok" : "WRONG", werr);
+            fails += !ok || werr > 1e-6;
+        }
         if (lasts != 1 || ctr != (unsigned long long)G * (l + 1)) { printf("%-6s gemv_q2_route launch %d: %d last blocks, counter %llu\n", VARIANT, l, lasts, ctr); fails++; }
     }
 }
@@ -642,7 +656,7 @@ int main() {
     fold_case({7, 20, 16}, 2);
     route_edges();
     route_case(256, 512, 65, 8, 3);
-    route_case(128, 256, 257, 4, 2);
+    route_case(128, 256, 257, 4, 2, 8);
     route_case(64, 128, 9, 8, 1); // one group a row: the last scale read alone
     pstep_case(0, 7, 45, 2048);
     pstep_case(0, 0, 64, 512);

@@ -25,6 +25,7 @@
  *   across the GEMV); they are waited for after it. Arrival: a u64 counter raised by one a block,
  *   G a launch (never reset: every launch on one counter has the same G), the block whose add
  *   makes it a multiple of G is the last; it reads the parts through the L2 after a fence.
+ *   With ids (tailk) the last block's warp 0 then runs the MoE's top-K on those logits.
  */
 
 #define RT_MAXR 512
@@ -75,12 +76,22 @@ __device__ __forceinline__ float rt_dot(const u32* rw, const float* v) {
     return a;
 }
 
+/* With ids set (LILY_CUDA_MOE_ROUTER=tailk): the last block also runs the MoE's top-K of the
+   logits (route_warp_smem of `mode`, K routed experts, the shared expert as slot K) into ids and
+   wts [K + 1], which moe_fused_q2s then reads (its `given`) instead of routing itself. */
+struct RtRoute {
+    int* ids = 0;
+    float* wts = 0;
+    int K = 0, renorm = 0, mode = 0;
+};
+
 /* After the GEMV: the block's parts, its arrival, and in the last block the logits. ys: the
    block's 32 new y values (gq_body<YS>); sm: RT_MAXR + 1 floats of scratch (the last block's
    sums; may alias rw, read before the arrival's barrier); tot: 2 floats; last: 1 int. */
 __device__ __forceinline__ void rt_tail(const u32* rw, const u32* rsb, const float* nws, int bits_r, int group_r,
                                         int ty_r, int R, int H, float eps, float* part, float* logits, u64* ctr,
-                                        const float* ys, float* vs, float* tot, float* sm, int* last) {
+                                        const float* ys, float* vs, float* tot, float* sm, int* last,
+                                        RtRoute rt = RtRoute{}, int* chosen = 0, float* wsel = 0) {
     rt_copy_wait();
     __syncthreads(); /* every warp's rows in ys, every thread's copies landed */
     const int t = threadIdx.x, c0 = 32 * blockIdx.x, P = R + 1;
@@ -127,7 +138,20 @@ __device__ __forceinline__ void rt_tail(const u32* rw, const u32* rsb, const flo
         sm[t] = a;
     }
     __syncthreads();
-    if (t < R) logits[t] = sm[t] * (1.f / sqrtf(sm[R] / (float)H + eps));
+    if (t < R) {
+        float v = sm[t] * (1.f / sqrtf(sm[R] / (float)H + eps));
+        logits[t] = v;
+        sm[t] = v; /* sm[R] stays: every thread has read it */
+    }
+    if (!rt.ids) return;
+    __syncthreads();
+    if (t < 32) { /* the MoE's top-K (moe.cu), its slot K the shared expert (logit E = R - 1) */
+        route_warp_smem(rt.mode, sm, R - 1, rt.K, rt.renorm, chosen, wsel);
+        if (t <= rt.K) {
+            rt.ids[t] = chosen[t];
+            rt.wts[t] = wsel[t];
+        }
+    }
 }
 
 #define RT_GEMV(B, T)                                                                                               \
@@ -148,6 +172,7 @@ extern "C" __global__ void __launch_bounds__(512) gemv_q2_route(GemvRouteParams_
     else if (bits == 4) RT_GEMV(4, TY_F16);
     else if (ty == TY_BF16) RT_GEMV(8, TY_BF16);
     else RT_GEMV(8, TY_F16);
-    rt_tail(rw, rsb, nws, bits_r, group_r, ty_r, R, rows, eps, part, logits, ctr, ys, vs, tot, (float*)rw, &last);
+    rt_tail(rw, rsb, nws, bits_r, group_r, ty_r, R, rows, eps, part, logits, ctr, ys, vs, tot, (float*)rw, &last,
+            RtRoute{ids, wts, K, renorm, mode}, (int*)rsb, (float*)rsb + 128);
 }
 #undef RT_GEMV

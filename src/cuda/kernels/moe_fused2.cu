@@ -22,6 +22,8 @@
  *     arrival: the target comes from the counter as read after the PDL wait (the next multiple of
  *     G above it), the arrival is a
  *     release add (grid_arrive_rel).
+ *   - given (LILY_CUDA_MOE_ROUTER=tailk): the top-K already ran in gemv_q2_route's last block
+ *     (gemv_route.cu), which left it in ids_out/wts_out; warp 0 reads it from there instead.
  *   Then, as moe_fused_q: the down rows' first loads are issued before the wait, and gq_body's
  *   moe_down body adds into x
  *   (accumulate = acc: 1 load-add-store, 2 an atomic add, LILY_CUDA_ACC_RED).
@@ -220,10 +222,16 @@ __device__ __forceinline__ void mf2_body(MoeFusedParams_fields, float* xs, float
     u64 base = 0; /* thread 0's: the counter before this launch */
     if (threadIdx.x == 0) base = ld_relaxed_u64(ctr);
     if (threadIdx.x < 32) {
-        if (LS)
+        if (given) { /* gemv_q2_route's last block routed (LILY_CUDA_MOE_ROUTER=tailk) */
+            if (threadIdx.x <= K) {
+                chosen[threadIdx.x] = ids_out[threadIdx.x];
+                wsel[threadIdx.x] = wts_out[threadIdx.x];
+            }
+        } else if (LS) {
             route_warp_smem(rank, logits, E, K, renorm, chosen, wsel);
-        else
+        } else {
             route_warp(rank, logits, E, K, renorm, 1, ls, chosen, wsel);
+        }
     } else {
         mf2_stage<EPV>(x, H, normw, xs, xsum, red);
     }
@@ -232,7 +240,10 @@ __device__ __forceinline__ void mf2_body(MoeFusedParams_fields, float* xs, float
        zero as in a 16-warp block whose last warp staged nothing) */
     float ss = (threadIdx.x & 31) < 15 ? red[threadIdx.x & 31] : 0.f;
     float rr = 1.f / sqrtf(warp_sum(ss) / (float)H + eps);
-    moe_publish_route(fixed, E, K, chosen, wsel, ids_out, wts_out, ts);
+    if (given)
+        trace_stamp(ts, 2);
+    else
+        moe_publish_route(fixed, E, K, chosen, wsel, ids_out, wts_out, ts);
     mf2_pairs<BITS, TY, DEEP, SHF>((const u32*)wg, (const u16*)sg, (const u16*)bg, group_g, inter, H, chosen, wsel,
                                    K + 1, xs, xsum, rr, gu, cur, pre);
     trace_stamp(ts, 3);
@@ -268,7 +279,7 @@ __device__ __forceinline__ void mf2_body(MoeFusedParams_fields, float* xs, float
 #define MF2(B, T, D, SH)                                                                                             \
     mf2_body<B, T, D, false, SH>(wg, sg, bg, wd, sd, bd, bits, group_g, group_d, ty, x, gu, inter, H, normw, eps,     \
                                  logits, E, K, renorm, ids_out, wts_out, ctr, bps, rank, wr, sr, br, bits_r, group_r, \
-                                 ty_r, R, trace, fixed, acc, xs, red, wsel, chosen, ls, ts)
+                                 ty_r, R, trace, fixed, acc, given, xs, red, wsel, chosen, ls, ts)
 MF2_KERNEL(moe_fused_q2, false, false)
 MF2_KERNEL(moe_fused_q3, true, false)
 MF2_KERNEL(moe_fused_q2s, false, true)

@@ -4,7 +4,9 @@
 //! it alone for the layer-local error test.
 
 use super::{gdn_step_args, CudaSession, GFfn, GLayer, GMixer, GState};
-use crate::cuda::ops::{self, gdn_out_fused, router_fused, router_tail, GdnForm, GdnOutProj, GemvRole, GpuLinear};
+use crate::cuda::ops::{
+    self, gdn_out_fused, router_fused, router_tail, GdnForm, GdnOutProj, GemvRole, GpuLinear, TailTopk,
+};
 use crate::cuda::profile;
 use crate::cuda::Gpu;
 use crate::sampling::SamplingParams;
@@ -220,22 +222,26 @@ impl CudaSession {
         let (g, c) = (&self.model.gpu, &self.model.cfg);
         let GFfn::Moe { router, experts, .. } = &layer.ffn else { return None };
         let moe = g.moe_fused_ok(&experts.gate_up, &experts.down, c.num_experts, c.num_experts_per_tok);
-        let on = router_tail() && self.fused && self.routed && experts.shared_slot && moe;
+        let on = router_tail().is_some() && self.fused && self.routed && experts.shared_slot && moe;
         router.fused.as_ref().filter(|_| on && self.moe_form != ops::MoeForm::Qr && !router_fused())
     }
 
     /// The out-projection into the residual stream, `x += W o`; with `tail` (the layer's router,
     /// [`Self::route_tail`]) also the router's logits on the new x, where the kernel takes the
-    /// shapes. Returns whether it computed them.
-    fn out_proj(&self, w: &GpuLinear, tail: Option<&GpuLinear>, post_norm: (u64, f32)) -> Result<bool> {
-        let (g, s) = (&self.model.gpu, self.scratch.as_ref().context("session scratch")?);
+    /// shapes, and with `LILY_CUDA_MOE_ROUTER=tailk` the MoE's top-k into `ids`/`wts`. Returns
+    /// None when it computed no logits, else whether it ran the top-k.
+    fn out_proj(&self, w: &GpuLinear, tail: Option<&GpuLinear>, post_norm: (u64, f32)) -> Result<Option<bool>> {
+        let (g, s, c) = (&self.model.gpu, self.scratch.as_ref().context("session scratch")?, &self.model.cfg);
         match tail.filter(|r| post_norm.0 != 0 && g.gemv_route_ok(w, r)) {
             Some(r) => {
                 let (part, ctr) = (s.rpart.ptr, s.sync_route.ptr);
-                g.gemv_route(w, s.o.ptr, s.x.ptr, r, post_norm, part, s.router.ptr, ctr)?;
-                Ok(true)
+                let (k, renorm) = (c.num_experts_per_tok, c.norm_topk_prob);
+                let topk =
+                    (router_tail() == Some(true)).then_some(TailTopk { ids: s.ids.ptr, wts: s.wts.ptr, k, renorm });
+                g.gemv_route(w, s.o.ptr, s.x.ptr, r, post_norm, part, s.router.ptr, ctr, topk)?;
+                Ok(Some(topk.is_some()))
             }
-            None => g.gemv_as(GemvRole::Out, w, s.o.ptr, s.x.ptr, true, (0, 0.0)).map(|_| false),
+            None => g.gemv_as(GemvRole::Out, w, s.o.ptr, s.x.ptr, true, (0, 0.0)).map(|_| None),
         }
     }
 
@@ -259,7 +265,7 @@ impl CudaSession {
         };
         // LILY_CUDA_MOE_ROUTER=tail: the out-projection's launch computes the router's logits
         let tail = self.route_tail(layer);
-        let mut routed = false;
+        let mut routed = None;
         match (&layer.mixer, st) {
             (GMixer::Gdn { proj, conv, dt_bias, neg_a, norm, out }, GState::Gdn { conv: cs, rec }) => {
                 let (cd, taps) = (c.gdn_conv_dim(), c.linear_conv_kernel_dim);
@@ -343,7 +349,7 @@ impl CudaSession {
                         .filter(|r| form == ops::MoeForm::Qr && post_norm.0 != 0 && g.moe_fused_qr_ok(gu, dn, r, e, k));
                     let fr =
                         qr.or_else(|| router.fused.as_ref().filter(|r| router_fused() && g.moe_router_ok(r, gu, e)));
-                    if fr.is_none() && !routed {
+                    if fr.is_none() && routed.is_none() {
                         router.run(g, s.x.ptr, post_norm, s.router.ptr)?;
                     }
                     op(Some("moe.experts"), (k + 1) * per_expert);
@@ -367,7 +373,12 @@ impl CudaSession {
                         }
                         _ => ops::MoeForm::Q,
                     };
-                    g.moe_fused(gu, dn, fr, s.x.ptr, post_norm, s.egu.ptr, route, ids, s.sync.ptr, trace, form)?;
+                    if form == ops::MoeForm::Q2s && routed == Some(true) {
+                        // the out-projection's last block ran the top-k (LILY_CUDA_MOE_ROUTER=tailk)
+                        g.moe_fused_given(gu, dn, s.x.ptr, post_norm, s.egu.ptr, route, ids, s.sync.ptr, trace)?;
+                    } else {
+                        g.moe_fused(gu, dn, fr, s.x.ptr, post_norm, s.egu.ptr, route, ids, s.sync.ptr, trace, form)?;
+                    }
                 } else {
                     router.run(g, s.x.ptr, post_norm, s.router.ptr)?;
                     op(Some("moe.experts"), (k + 1) * per_expert);

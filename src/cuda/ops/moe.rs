@@ -21,7 +21,7 @@ use anyhow::{bail, Context, Result};
 /// (`LILY_CUDA_ROUTE=reg`: `route_topk_reg`). All six give the same picks and weight bits. The
 /// persistent step keeps redux2: thresh inlined there raises its spills from 108 to 376 bytes
 /// (out of line, to 140).
-fn route_rank() -> i32 {
+pub(super) fn route_rank() -> i32 {
     static ON: std::sync::OnceLock<i32> = std::sync::OnceLock::new();
     *ON.get_or_init(|| match std::env::var("LILY_CUDA_ROUTE").as_deref() {
         Ok("warp") => 0,
@@ -233,6 +233,43 @@ impl Gpu {
         down: &GpuLinear,
         router: Option<&GpuLinear>,
         x: u64,
+        norm: (u64, f32),
+        gu: u64,
+        route: (u64, usize, usize, bool),
+        ids: (u64, u64),
+        ctr: u64,
+        trace: u64,
+        form: MoeForm,
+    ) -> Result<()> {
+        self.moe_fused_from(gate_up, down, router, x, norm, gu, route, ids, ctr, trace, form, false)
+    }
+
+    /// [`Gpu::moe_fused`] in [`MoeForm::Q2s`] with the routing already in `ids`/`wts` (the
+    /// top-k that [`Gpu::gemv_route`]'s last block ran, `LILY_CUDA_MOE_ROUTER=tailk`) instead of
+    /// computing it from the logits.
+    #[allow(clippy::too_many_arguments)]
+    pub fn moe_fused_given(
+        &self,
+        gate_up: &GpuLinear,
+        down: &GpuLinear,
+        x: u64,
+        norm: (u64, f32),
+        gu: u64,
+        route: (u64, usize, usize, bool),
+        ids: (u64, u64),
+        ctr: u64,
+        trace: u64,
+    ) -> Result<()> {
+        self.moe_fused_from(gate_up, down, None, x, norm, gu, route, ids, ctr, trace, MoeForm::Q2s, true)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn moe_fused_from(
+        &self,
+        gate_up: &GpuLinear,
+        down: &GpuLinear,
+        router: Option<&GpuLinear>,
+        x: u64,
         (normw, eps): (u64, f32),
         gu: u64,
         (logits, e, k, renorm): (u64, usize, usize, bool),
@@ -240,6 +277,7 @@ impl Gpu {
         ctr: u64,
         trace: u64,
         form: MoeForm,
+        given: bool,
     ) -> Result<()> {
         if !self.moe_fused_ok(gate_up, down, e, k) {
             bail!("moe_fused: experts of this shape or format are not fused");
@@ -298,6 +336,7 @@ impl Gpu {
             trace: Out::new(trace),
             fixed: moe_fixed(),
             acc: super::acc_code(true),
+            given: given as i32,
         };
         // the staging holds the input and its chunk sums for the narrowest chunks in use
         let epv = 128 / router.map_or(gate_up.bits, |r| r.bits.max(gate_up.bits)) as usize;

@@ -11,11 +11,26 @@ use anyhow::{bail, Result};
 /// block's rows and norm weights.
 const ROUTE_STATIC_SMEM: usize = 4 * (512 * 8 + 512 * 2 + 33 + 3 * 32 + 2 + 1);
 
-/// Whether the decode step computes the router in the out-projection's tail
-/// (`LILY_CUDA_MOE_ROUTER=tail`; off by default until measured).
-pub fn router_tail() -> bool {
-    static V: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *V.get_or_init(|| std::env::var("LILY_CUDA_MOE_ROUTER").is_ok_and(|v| v == "tail"))
+/// Whether the decode step computes the router in the out-projection's tail: `Some(false)` for
+/// the logits (`LILY_CUDA_MOE_ROUTER=tail`), `Some(true)` for the MoE's top-k too (`=tailk`);
+/// off by default until measured.
+pub fn router_tail() -> Option<bool> {
+    static V: std::sync::OnceLock<Option<bool>> = std::sync::OnceLock::new();
+    *V.get_or_init(|| match std::env::var("LILY_CUDA_MOE_ROUTER").as_deref() {
+        Ok("tail") => Some(false),
+        Ok("tailk") => Some(true),
+        _ => None,
+    })
+}
+
+/// The MoE's top-k for [`Gpu::gemv_route`]'s last block: `k` routed experts of the router's
+/// first rows, the last row the shared expert's gate, `renorm` the softmax over the picks alone.
+#[derive(Clone, Copy)]
+pub struct TailTopk {
+    pub ids: u64,
+    pub wts: u64,
+    pub k: usize,
+    pub renorm: bool,
 }
 
 impl Gpu {
@@ -43,6 +58,8 @@ impl Gpu {
     /// `y += W x` (the out-projection into the residual stream `y`, H = `w.rows`) and the
     /// router's `logits = router · (rms_norm(y) · nw)` with the new `y`, in one launch. `part` holds
     /// `[H / 32, router.rows + 1]` floats; `ctr` is a zeroed u64 that only launches of this H use.
+    /// With `topk` the last block also runs the MoE's top-k into its `ids`/`wts` `[k + 1]` (for
+    /// [`Gpu::moe_fused_given`]).
     #[allow(clippy::too_many_arguments)]
     pub fn gemv_route(
         &self,
@@ -54,7 +71,11 @@ impl Gpu {
         part: u64,
         logits: u64,
         ctr: u64,
+        topk: Option<TailTopk>,
     ) -> Result<()> {
+        if topk.is_some_and(|t| t.k == 0 || t.k + 1 > router.rows || t.k > 32) {
+            bail!("gemv_route: a top-k of {:?} of {} router rows", topk.map(|t| t.k), router.rows);
+        }
         if !self.gemv_route_ok(w, router) || nw == 0 {
             bail!(
                 "gemv_route: an out-projection of {}x{} (q{}) with a router of {}x{} (q{}) is not taken",
@@ -91,6 +112,11 @@ impl Gpu {
             part: Out::new(part),
             logits: Out::new(logits),
             ctr: Out::new(ctr),
+            ids: Out::new(topk.map_or(0, |t| t.ids)),
+            wts: Out::new(topk.map_or(0, |t| t.wts)),
+            K: topk.map_or(0, |t| t.k) as i32,
+            renorm: topk.is_some_and(|t| t.renorm) as i32,
+            mode: super::moe::route_rank(),
         };
         self.launch_params("gemv_q2_route", ((w.rows / 32) as u32, 1, 1), 512, w.stream_smem(), &a)
     }
