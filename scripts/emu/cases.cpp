@@ -97,7 +97,7 @@ static void q2_case(int E, int K, int H, int inter, int G, int rank, bool deep =
         if (router_bits) { emu_cluster = 8; /* QR_CS */ for (int b = 0; b < G; b++) emu_cl_base[b] = ls[b].data(); }
         emu_launch(G, 512, [&] {
             int b = blockIdx.x;
-#define Q2_ARGS(LG) GU.w.data(), GU.sc.data(), GU.bi.data(), DN.w.data(), DN.sc.data(), DN.bi.data(), 4, 64, 64, 2, x.data(), gu.data(), inter, H, nw.data(), 1e-6f, LG, E, K, renorm, ids.data(), wts.data(), ctr + 1, 1, rank, nullptr, nullptr, nullptr, 0, 0, 0, 0, nullptr, 0, 1, 0, xs[b].data(), red[b].data(), wsel[b].data(), chosen[b].data(), ls[b].data(), nullptr
+#define Q2_ARGS(LG) GU.w.data(), GU.sc.data(), GU.bi.data(), DN.w.data(), DN.sc.data(), DN.bi.data(), 4, 64, 64, 2, x.data(), gu.data(), inter, H, nw.data(), 1e-6f, LG, E, K, renorm, ids.data(), wts.data(), ctr + 1, 1, rank, nullptr, nullptr, nullptr, 0, 0, 0, 0, nullptr, 0, 1, xs[b].data(), red[b].data(), wsel[b].data(), chosen[b].data(), ls[b].data(), nullptr
             if (router_bits == 8) qr_router<8, 2>(WR.w.data(), WR.sc.data(), WR.bi.data(), 64, E + 1, H, x.data(), nw.data(), 1e-6f, lg_out.data(), xs[b].data(), red[b].data(), ls[b].data());
             if (router_bits == 4) qr_router<4, 2>(WR.w.data(), WR.sc.data(), WR.bi.data(), 64, E + 1, H, x.data(), nw.data(), 1e-6f, lg_out.data(), xs[b].data(), red[b].data(), ls[b].data());
             if (router_bits) mf2_body<4, 2, false, true>(Q2_ARGS(ls[b].data()));
@@ -107,6 +107,17 @@ static void q2_case(int E, int K, int H, int inter, int G, int rank, bool deep =
 #undef Q2_ARGS
         });
         emu_cluster = 1;
+    }
+    if (shf) { // moe_fused_q2s_given: the routing read from ids/wts as the q2s pass left them: its bits
+        const std::vector<float> xq = x;
+        x = x0; std::fill(gu.begin(), gu.end(), NAN);
+        emu_launch(G, 512, [&] {
+            int b = blockIdx.x;
+            mf2_body<4, 2, false, false, true, true>(GU.w.data(), GU.sc.data(), GU.bi.data(), DN.w.data(), DN.sc.data(), DN.bi.data(), 4, 64, 64, 2, x.data(), gu.data(), inter, H, nw.data(), 1e-6f,
+                nullptr, E, K, renorm, ids.data(), wts.data(), ctr + 1, 1, rank, nullptr, nullptr, nullptr, 0, 0, 0, 0, nullptr, 0, 1, xs[b].data(), red[b].data(), wsel[b].data(), chosen[b].data(), ls[b].data(), nullptr);
+        });
+        if (memcmp(x.data(), xq.data(), 4 * H) != 0) { printf("%-6s moe_fused_q2s_given E%d K%d H%d: not moe_fused_q2s's bits\n", VARIANT, E, K, H); fails++; }
+        else printf("%-6s moe_fused_q2s_given E%d K%d H%d: moe_fused_q2s's bits\n", VARIANT, E, K, H);
     }
     if (alt && memcmp(x.data(), x2.data(), 4 * H) != 0) { printf("%-6s moe_fused_%s E%d K%d H%d: not moe_fused_q2's bits\n", VARIANT, deep ? "q3" : "q2s", E, K, H); fails++; }
     // qr: the picks and weights are checked against the routing of the logits the launch computed

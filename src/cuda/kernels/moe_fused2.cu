@@ -22,8 +22,9 @@
  *     arrival: the target comes from the counter as read after the PDL wait (the next multiple of
  *     G above it), the arrival is a
  *     release add (grid_arrive_rel).
- *   - given (LILY_CUDA_MOE_ROUTER=tailk): the top-K already ran in gemv_q2_route's last block
- *     (gemv_route.cu), which left it in ids_out/wts_out; warp 0 reads it from there instead.
+ *   - moe_fused_q2s_given (GIVEN; LILY_CUDA_MOE_ROUTER=tailk): the top-K already ran in
+ *     gemv_q2_route's last block (gemv_route.cu), which left it in ids_out/wts_out; warp 0 reads it
+ *     from there instead (its own entry point: the branch in moe_fused_q2s costs it 32 bytes of spills).
  *   Then, as moe_fused_q: the down rows' first loads are issued before the wait, and gq_body's
  *   moe_down body adds into x
  *   (accumulate = acc: 1 load-add-store, 2 an atomic add, LILY_CUDA_ACC_RED).
@@ -207,7 +208,7 @@ __device__ __forceinline__ void grid_arrive_rel(u64* ctr) {
 
 /* DEEP: mf2_pairs<DEEP> (moe_fused_q3). LS: the logits are in shared memory (moe_fused_qr's router
    wrote them there; the top-K by route_warp_smem). */
-template <int BITS, int TY, bool DEEP = false, bool LS = false, bool SHF = false>
+template <int BITS, int TY, bool DEEP = false, bool LS = false, bool SHF = false, bool GIVEN = false>
 __device__ __forceinline__ void mf2_body(MoeFusedParams_fields, float* xs, float* red, float* wsel, int* chosen,
                                          float* ls, u64* ts) {
     constexpr int EPV = 128 / BITS;
@@ -222,7 +223,7 @@ __device__ __forceinline__ void mf2_body(MoeFusedParams_fields, float* xs, float
     u64 base = 0; /* thread 0's: the counter before this launch */
     if (threadIdx.x == 0) base = ld_relaxed_u64(ctr);
     if (threadIdx.x < 32) {
-        if (given) { /* gemv_q2_route's last block routed (LILY_CUDA_MOE_ROUTER=tailk) */
+        if (GIVEN) { /* gemv_q2_route's last block routed (LILY_CUDA_MOE_ROUTER=tailk) */
             if (threadIdx.x <= K) {
                 chosen[threadIdx.x] = ids_out[threadIdx.x];
                 wsel[threadIdx.x] = wts_out[threadIdx.x];
@@ -240,7 +241,7 @@ __device__ __forceinline__ void mf2_body(MoeFusedParams_fields, float* xs, float
        zero as in a 16-warp block whose last warp staged nothing) */
     float ss = (threadIdx.x & 31) < 15 ? red[threadIdx.x & 31] : 0.f;
     float rr = 1.f / sqrtf(warp_sum(ss) / (float)H + eps);
-    if (given)
+    if (GIVEN)
         trace_stamp(ts, 2);
     else
         moe_publish_route(fixed, E, K, chosen, wsel, ids_out, wts_out, ts);
@@ -258,7 +259,7 @@ __device__ __forceinline__ void mf2_body(MoeFusedParams_fields, float* xs, float
 /* The entry points: moe_fused_q2, moe_fused_q3 = moe_fused_q2 with mf2_pairs<DEEP> (LILY_CUDA_MOE=q3)
    and moe_fused_q2s = moe_fused_q2 with the shared expert's pairs first (SHF, LILY_CUDA_MOE=q2s;
    its body makes the PDL wait, after its first loads): the same grid, counter and result. */
-#define MF2_KERNEL(NAME, DEEP, SHF)                                                                                  \
+#define MF2_KERNEL(NAME, DEEP, SHF, GIVEN)                                                                                \
     extern "C" __global__ void __launch_bounds__(512, 1) NAME(MoeFusedParams_fields) {                               \
         extern __shared__ __align__(16) float xs[];                                                                 \
         __shared__ float red[33], wsel[65], ls[512]; /* ls: route_topk's copy of the logits (E <= 512) */           \
@@ -270,18 +271,19 @@ __device__ __forceinline__ void mf2_body(MoeFusedParams_fields, float* xs, float
             pdl_begin();                                                                                            \
             trace_stamp(ts, 1);                                                                                     \
         }                                                                                                           \
-        if (bits == 4 && ty == TY_BF16) MF2(4, TY_BF16, DEEP, SHF);                                                 \
-        else if (bits == 4) MF2(4, TY_F16, DEEP, SHF);                                                              \
-        else if (ty == TY_BF16) MF2(8, TY_BF16, DEEP, SHF);                                                         \
-        else MF2(8, TY_F16, DEEP, SHF);                                                                             \
+        if (bits == 4 && ty == TY_BF16) MF2(4, TY_BF16, DEEP, SHF, GIVEN);                                          \
+        else if (bits == 4) MF2(4, TY_F16, DEEP, SHF, GIVEN);                                                       \
+        else if (ty == TY_BF16) MF2(8, TY_BF16, DEEP, SHF, GIVEN);                                                  \
+        else MF2(8, TY_F16, DEEP, SHF, GIVEN);                                                                             \
         trace_stamp(ts, 6);                                                                                         \
     }
-#define MF2(B, T, D, SH)                                                                                             \
-    mf2_body<B, T, D, false, SH>(wg, sg, bg, wd, sd, bd, bits, group_g, group_d, ty, x, gu, inter, H, normw, eps,     \
+#define MF2(B, T, D, SH, GV)                                                                                         \
+    mf2_body<B, T, D, false, SH, GV>(wg, sg, bg, wd, sd, bd, bits, group_g, group_d, ty, x, gu, inter, H, normw, eps,     \
                                  logits, E, K, renorm, ids_out, wts_out, ctr, bps, rank, wr, sr, br, bits_r, group_r, \
-                                 ty_r, R, trace, fixed, acc, given, xs, red, wsel, chosen, ls, ts)
-MF2_KERNEL(moe_fused_q2, false, false)
-MF2_KERNEL(moe_fused_q3, true, false)
-MF2_KERNEL(moe_fused_q2s, false, true)
+                                 ty_r, R, trace, fixed, acc, xs, red, wsel, chosen, ls, ts)
+MF2_KERNEL(moe_fused_q2, false, false, false)
+MF2_KERNEL(moe_fused_q3, true, false, false)
+MF2_KERNEL(moe_fused_q2s, false, true, false)
+MF2_KERNEL(moe_fused_q2s_given, false, true, true)
 #undef MF2
 #undef MF2_KERNEL

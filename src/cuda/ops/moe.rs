@@ -336,7 +336,6 @@ impl Gpu {
             trace: Out::new(trace),
             fixed: moe_fixed(),
             acc: super::acc_code(true),
-            given: given as i32,
         };
         // the staging holds the input and its chunk sums for the narrowest chunks in use
         let epv = 128 / router.map_or(gate_up.bits, |r| r.bits.max(gate_up.bits)) as usize;
@@ -360,6 +359,7 @@ impl Gpu {
             let a = MoeFusedParams { ctr: Out::new(ctr + 8), ..a };
             let name = match form {
                 MoeForm::Q3 => "moe_fused_q3",
+                MoeForm::Q2s if given => "moe_fused_q2s_given",
                 MoeForm::Q2s => "moe_fused_q2s",
                 _ => "moe_fused_q2",
             };
