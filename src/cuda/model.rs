@@ -213,7 +213,7 @@ struct Scratch {
     /// attn_decode_tc{D}_fold's arrival counters, one u64 per KV head (zeroed once).
     sync_attn: DevBuf,
     /// gemv_q2_route's per-block router parts `[H / 32, E + 2]` and its arrival counter
-    /// (`LILY_CUDA_MOE_ROUTER=tail`).
+    /// (the decode default; `LILY_CUDA_MOE_ROUTER=launch` not).
     rpart: DevBuf,
     sync_route: DevBuf,
     /// gdn_in_step_cl's output-projection parts `[H_k, H]` (`LILY_CUDA_GDN=clo`).

@@ -1,7 +1,8 @@
 /*
  * gemv_route.cu: gemv_q2_route, the batch-1 decode out-projection (GDN out_proj, attention
  * o_proj) that also leaves the MoE router's logits, so the router needs no launch of its own
- * (LILY_CUDA_MOE_ROUTER=tail).
+ * (the decode default since session 48, with the top-K: LILY_CUDA_MOE_ROUTER=tailk; =tail the
+ * logits alone, =launch the router's own launch).
  *
  * Math: y[r] += sum_c W[r, c] o[c] for r < H (gemv_q2 with accumulate 1: y is the residual
  *   stream), then the router Wr (R rows: the routed experts' logits and the shared expert's gate,

@@ -49,7 +49,7 @@ impl CudaSession {
         if fused {
             return g.attn_decode_prep(&prep, &a);
         }
-        // LILY_CUDA_COMBINE=fold: the splits merged inside the decode launch
+        // the splits merged inside the decode launch (the default; LILY_CUDA_COMBINE=ds: not)
         if kernel == AttnKernel::Tc
             && self.kv == KvDtype::Bf16
             && ops::attn_fold()

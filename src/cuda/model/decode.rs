@@ -215,9 +215,9 @@ impl CudaSession {
         Ok(())
     }
 
-    /// The router whose logits the out-projection's launch computes (`LILY_CUDA_MOE_ROUTER=tail`,
-    /// [`Gpu::gemv_route`]): where the layer's MoE is the one-launch form that reads its logits
-    /// from memory (neither `LILY_CUDA_MOE=qr` nor `LILY_CUDA_MOE_ROUTER=fused`).
+    /// The router whose logits the out-projection's launch computes ([`Gpu::gemv_route`]; the
+    /// default, `LILY_CUDA_MOE_ROUTER=launch` not): where the layer's MoE is the one-launch form
+    /// that reads its logits from memory (neither `LILY_CUDA_MOE=qr` nor `=fused`).
     fn route_tail<'a>(&self, layer: &'a GLayer) -> Option<&'a GpuLinear> {
         let (g, c) = (&self.model.gpu, &self.model.cfg);
         let GFfn::Moe { router, experts, .. } = &layer.ffn else { return None };
@@ -228,7 +228,7 @@ impl CudaSession {
 
     /// The out-projection into the residual stream, `x += W o`; with `tail` (the layer's router,
     /// [`Self::route_tail`]) also the router's logits on the new x, where the kernel takes the
-    /// shapes, and with `LILY_CUDA_MOE_ROUTER=tailk` the MoE's top-k into `ids`/`wts`. Returns
+    /// shapes, and (tailk, the default) the MoE's top-k into `ids`/`wts`. Returns
     /// None when it computed no logits, else whether it ran the top-k.
     fn out_proj(&self, w: &GpuLinear, tail: Option<&GpuLinear>, post_norm: (u64, f32)) -> Result<Option<bool>> {
         let (g, s, c) = (&self.model.gpu, self.scratch.as_ref().context("session scratch")?, &self.model.cfg);
@@ -263,7 +263,7 @@ impl CudaSession {
             g.rms_norm(s.x.ptr, layer.input_norm.ptr, s.xn.ptr, 1, h, eps)?;
             (s.xn.ptr, (0, 0.0), (0, 0.0))
         };
-        // LILY_CUDA_MOE_ROUTER=tail: the out-projection's launch computes the router's logits
+        // the out-projection's launch computes the router's logits (LILY_CUDA_MOE_ROUTER=launch: not)
         let tail = self.route_tail(layer);
         let mut routed = None;
         match (&layer.mixer, st) {

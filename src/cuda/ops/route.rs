@@ -1,6 +1,7 @@
 //! The MoE router in the out-projection's launch (`gemv_q2_route`, kernels/gemv_route.cu): the
 //! batch-1 decode step's `x += W o` also leaves the router's logits on `rms_norm(x) · nw`, one
-//! launch (and one dependency) fewer per MoE layer (`LILY_CUDA_MOE_ROUTER=tail`).
+//! launch (and one dependency) fewer per MoE layer (the default; `LILY_CUDA_MOE_ROUTER=launch`
+//! keeps the router's own launch).
 
 use super::super::params::{GemvRouteParams, In, Out};
 use super::super::Gpu;
@@ -11,14 +12,15 @@ use anyhow::{bail, Result};
 /// block's rows and norm weights.
 const ROUTE_STATIC_SMEM: usize = 4 * (512 * 8 + 512 * 2 + 33 + 3 * 32 + 2 + 1);
 
-/// Whether the decode step computes the router in the out-projection's tail: `Some(false)` for
-/// the logits (`LILY_CUDA_MOE_ROUTER=tail`), `Some(true)` for the MoE's top-k too (`=tailk`);
-/// off by default until measured.
+/// Whether the decode step computes the router in the out-projection's tail: `Some(true)` with
+/// the MoE's top-k too (the default since session 48, `LILY_CUDA_MOE_ROUTER=tailk`: +0.9% at 4K
+/// on an H100), `Some(false)` the logits alone (`=tail`, +0.7%), None the router's own launch
+/// (`=launch`, or `=fused`: [`super::router_fused`]).
 pub fn router_tail() -> Option<bool> {
     static V: std::sync::OnceLock<Option<bool>> = std::sync::OnceLock::new();
     *V.get_or_init(|| match std::env::var("LILY_CUDA_MOE_ROUTER").as_deref() {
+        Err(_) | Ok("tailk") => Some(true),
         Ok("tail") => Some(false),
-        Ok("tailk") => Some(true),
         _ => None,
     })
 }
