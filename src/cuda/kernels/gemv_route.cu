@@ -22,8 +22,9 @@
  * Geometry: Wide, 512 threads, grid G = H / 32 <= SMs, so each warp has exactly one row group
  *   and block b's rows are c0 .. c0 + 31 (the host checks); R <= 512. Before the PDL wait thread
  *   j < R requests its row's 32 codes (bits words) and the aligned words holding their scale and
- *   bias (the arrays' last element, at an even index, is loaded alone), and threads 0-7 the block's 32 norm weights, into shared memory (cp.async: no registers held
- *   across the GEMV); they are waited for after it. Arrival: a u64 counter raised by one a block,
+ *   bias (the arrays' last element, at an even index, is loaded alone), and threads 0-7 the
+ *   block's 32 norm weights, into shared memory (cp.async: no registers held across the GEMV);
+ *   they are waited for after it. Arrival: a u64 counter raised by one a block,
  *   G a launch (never reset: every launch on one counter has the same G), the block whose add
  *   makes it a multiple of G is the last; it reads the parts through the L2 after a fence.
  *   With ids (tailk) the last block's warp 0 then runs the MoE's top-K on those logits.
@@ -79,7 +80,7 @@ __device__ __forceinline__ float rt_dot(const u32* rw, const float* v) {
 
 /* With ids set (LILY_CUDA_MOE_ROUTER=tailk): the last block also runs the MoE's top-K of the
    logits (route_warp_smem of `mode`, K routed experts, the shared expert as slot K) into ids and
-   wts [K + 1], which moe_fused_q2s then reads (its `given`) instead of routing itself. */
+   wts [K + 1], which moe_fused_q2s_given (moe_fused2.cu) then reads instead of routing. */
 struct RtRoute {
     int* ids = 0;
     float* wts = 0;

@@ -22,9 +22,10 @@
  *     arrival: the target comes from the counter as read after the PDL wait (the next multiple of
  *     G above it), the arrival is a
  *     release add (grid_arrive_rel).
- *   - moe_fused_q2s_given (GIVEN; LILY_CUDA_MOE_ROUTER=tailk): the top-K already ran in
- *     gemv_q2_route's last block (gemv_route.cu), which left it in ids_out/wts_out; warp 0 reads it
- *     from there instead (its own entry point: the branch in moe_fused_q2s costs it 32 bytes of spills).
+ *   - moe_fused_q2s_given (GIVEN; the decode default since session 48, LILY_CUDA_MOE_ROUTER=tailk):
+ *     the top-K already ran in gemv_q2_route's last block (gemv_route.cu), which left it in
+ *     ids_out/wts_out; warp 0 reads it from there instead (its own entry point: as a runtime
+ *     branch in moe_fused_q2s it spilled 32 bytes).
  *   Then, as moe_fused_q: the down rows' first loads are issued before the wait, and gq_body's
  *   moe_down body adds into x
  *   (accumulate = acc: 1 load-add-store, 2 an atomic add, LILY_CUDA_ACC_RED).
@@ -259,7 +260,7 @@ __device__ __forceinline__ void mf2_body(MoeFusedParams_fields, float* xs, float
 /* The entry points: moe_fused_q2, moe_fused_q3 = moe_fused_q2 with mf2_pairs<DEEP> (LILY_CUDA_MOE=q3)
    and moe_fused_q2s = moe_fused_q2 with the shared expert's pairs first (SHF, LILY_CUDA_MOE=q2s;
    its body makes the PDL wait, after its first loads): the same grid, counter and result. */
-#define MF2_KERNEL(NAME, DEEP, SHF, GIVEN)                                                                                \
+#define MF2_KERNEL(NAME, DEEP, SHF, GIVEN)                                                                              \
     extern "C" __global__ void __launch_bounds__(512, 1) NAME(MoeFusedParams_fields) {                               \
         extern __shared__ __align__(16) float xs[];                                                                 \
         __shared__ float red[33], wsel[65], ls[512]; /* ls: route_topk's copy of the logits (E <= 512) */           \
@@ -271,14 +272,14 @@ __device__ __forceinline__ void mf2_body(MoeFusedParams_fields, float* xs, float
             pdl_begin();                                                                                            \
             trace_stamp(ts, 1);                                                                                     \
         }                                                                                                           \
-        if (bits == 4 && ty == TY_BF16) MF2(4, TY_BF16, DEEP, SHF, GIVEN);                                          \
-        else if (bits == 4) MF2(4, TY_F16, DEEP, SHF, GIVEN);                                                       \
-        else if (ty == TY_BF16) MF2(8, TY_BF16, DEEP, SHF, GIVEN);                                                  \
-        else MF2(8, TY_F16, DEEP, SHF, GIVEN);                                                                             \
+        if (bits == 4 && ty == TY_BF16) MF2(4, TY_BF16, DEEP, SHF, GIVEN);                                              \
+        else if (bits == 4) MF2(4, TY_F16, DEEP, SHF, GIVEN);                                                           \
+        else if (ty == TY_BF16) MF2(8, TY_BF16, DEEP, SHF, GIVEN);                                                      \
+        else MF2(8, TY_F16, DEEP, SHF, GIVEN);                                                                          \
         trace_stamp(ts, 6);                                                                                         \
     }
-#define MF2(B, T, D, SH, GV)                                                                                         \
-    mf2_body<B, T, D, false, SH, GV>(wg, sg, bg, wd, sd, bd, bits, group_g, group_d, ty, x, gu, inter, H, normw, eps,     \
+#define MF2(B, T, D, SH, GV)                                                                                            \
+    mf2_body<B, T, D, false, SH, GV>(wg, sg, bg, wd, sd, bd, bits, group_g, group_d, ty, x, gu, inter, H, normw, eps,   \
                                  logits, E, K, renorm, ids_out, wts_out, ctr, bps, rank, wr, sr, br, bits_r, group_r, \
                                  ty_r, R, trace, fixed, acc, xs, red, wsel, chosen, ls, ts)
 MF2_KERNEL(moe_fused_q2, false, false, false)
