@@ -372,15 +372,16 @@ fn fused_decode_moe_matches_cpu() {
             eprintln!("{name}: max |Δ| against moe_fused_q {d:.3e} of max |x|");
             assert!(d <= 1e-6, "{name}: {d:e} from moe_fused_q");
             if form == MoeForm::Q2s {
-                // moe_fused_given (LILY_CUDA_MOE_ROUTER=tailk): the same launch with the routing
+                // MoeForm::Q2sGiven (LILY_CUDA_MOE_ROUTER=tailk): the same launch with the routing
                 // read from ids/wts (as gemv_route's last block leaves it): the same bits
                 xb.write_f32(0, &x).unwrap();
                 wts_f.write_f32(0, &w2).unwrap();
-                g.moe_fused_given(&gu, &dn, xb.ptr, (nwb.ptr, 1e-6), egu_r.ptr, route, idw, ctr.ptr, 0).unwrap();
+                let fg = MoeForm::Q2sGiven;
+                g.moe_fused(&gu, &dn, None, xb.ptr, (nwb.ptr, 1e-6), egu_r.ptr, route, idw, ctr.ptr, 0, fg).unwrap();
                 let given = xb.read_f32(0, h).unwrap();
                 let same = given.iter().zip(&got).all(|(a, b)| a.to_bits() == b.to_bits());
-                assert!(same, "{name}: moe_fused_given differs from moe_fused_q2s");
-                assert_eq!(ids_f.read_i32(k + 1).unwrap(), want_ids, "{name}: moe_fused_given changed the ids");
+                assert!(same, "{name}: moe_fused_q2s_given differs from moe_fused_q2s");
+                assert_eq!(ids_f.read_i32(k + 1).unwrap(), want_ids, "{name}: moe_fused_q2s_given changed the ids");
             }
         }
         // The router in the same launch (LILY_CUDA_MOE_ROUTER=fused), on the same counter: a

@@ -373,12 +373,12 @@ impl CudaSession {
                         }
                         _ => ops::MoeForm::Q,
                     };
-                    if form == ops::MoeForm::Q2s && routed == Some(true) {
-                        // the out-projection's last block ran the top-k (LILY_CUDA_MOE_ROUTER=tailk)
-                        g.moe_fused_given(gu, dn, s.x.ptr, post_norm, s.egu.ptr, route, ids, s.sync.ptr, trace)?;
-                    } else {
-                        g.moe_fused(gu, dn, fr, s.x.ptr, post_norm, s.egu.ptr, route, ids, s.sync.ptr, trace, form)?;
-                    }
+                    // the out-projection's last block ran the top-k (LILY_CUDA_MOE_ROUTER=tailk)
+                    let form = match form {
+                        ops::MoeForm::Q2s if routed == Some(true) => ops::MoeForm::Q2sGiven,
+                        f => f,
+                    };
+                    g.moe_fused(gu, dn, fr, s.x.ptr, post_norm, s.egu.ptr, route, ids, s.sync.ptr, trace, form)?;
                 } else {
                     router.run(g, s.x.ptr, post_norm, s.router.ptr)?;
                     op(Some("moe.experts"), (k + 1) * per_expert);

@@ -43,13 +43,16 @@ pub(super) fn route_rank() -> i32 {
 /// two, the same result), `moe_fused_qr` (moe_fused_qr.cu, `LILY_CUDA_MOE=qr`, −8.8%: q2 with
 /// the router computed in the same launch by clusters of 8 blocks, one launch fewer per MoE
 /// layer), or `moe_fused_q` (gemv.cu; `LILY_CUDA_MOE=q`, and where q2 does not take the shape
-/// or the router is fused).
+/// or the router is fused). `Q2sGiven` (`moe_fused_q2s_given`, not an `LILY_CUDA_MOE` setting)
+/// is q2s with the routing already in `ids`/`wts` (the top-k that [`Gpu::gemv_route`]'s last block
+/// ran, `LILY_CUDA_MOE_ROUTER=tailk`) instead of computing it from the logits.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum MoeForm {
     Q,
     Q2,
     Q3,
     Q2s,
+    Q2sGiven,
     Qr,
 }
 
@@ -233,43 +236,6 @@ impl Gpu {
         down: &GpuLinear,
         router: Option<&GpuLinear>,
         x: u64,
-        norm: (u64, f32),
-        gu: u64,
-        route: (u64, usize, usize, bool),
-        ids: (u64, u64),
-        ctr: u64,
-        trace: u64,
-        form: MoeForm,
-    ) -> Result<()> {
-        self.moe_fused_from(gate_up, down, router, x, norm, gu, route, ids, ctr, trace, form, false)
-    }
-
-    /// [`Gpu::moe_fused`] in [`MoeForm::Q2s`] with the routing already in `ids`/`wts` (the
-    /// top-k that [`Gpu::gemv_route`]'s last block ran, `LILY_CUDA_MOE_ROUTER=tailk`) instead of
-    /// computing it from the logits.
-    #[allow(clippy::too_many_arguments)]
-    pub fn moe_fused_given(
-        &self,
-        gate_up: &GpuLinear,
-        down: &GpuLinear,
-        x: u64,
-        norm: (u64, f32),
-        gu: u64,
-        route: (u64, usize, usize, bool),
-        ids: (u64, u64),
-        ctr: u64,
-        trace: u64,
-    ) -> Result<()> {
-        self.moe_fused_from(gate_up, down, None, x, norm, gu, route, ids, ctr, trace, MoeForm::Q2s, true)
-    }
-
-    #[allow(clippy::too_many_arguments)]
-    fn moe_fused_from(
-        &self,
-        gate_up: &GpuLinear,
-        down: &GpuLinear,
-        router: Option<&GpuLinear>,
-        x: u64,
         (normw, eps): (u64, f32),
         gu: u64,
         (logits, e, k, renorm): (u64, usize, usize, bool),
@@ -277,12 +243,11 @@ impl Gpu {
         ctr: u64,
         trace: u64,
         form: MoeForm,
-        given: bool,
     ) -> Result<()> {
         if !self.moe_fused_ok(gate_up, down, e, k) {
             bail!("moe_fused: experts of this shape or format are not fused");
         }
-        if matches!(form, MoeForm::Q2 | MoeForm::Q3 | MoeForm::Q2s)
+        if matches!(form, MoeForm::Q2 | MoeForm::Q3 | MoeForm::Q2s | MoeForm::Q2sGiven)
             && (router.is_some() || normw == 0 || !self.moe_fused_q2_ok(gate_up, down, e, k))
         {
             bail!("moe_fused_q2/q3/q2s: this router, input or expert shape is not taken");
@@ -359,7 +324,7 @@ impl Gpu {
             let a = MoeFusedParams { ctr: Out::new(ctr + 8), ..a };
             let name = match form {
                 MoeForm::Q3 => "moe_fused_q3",
-                MoeForm::Q2s if given => "moe_fused_q2s_given",
+                MoeForm::Q2sGiven => "moe_fused_q2s_given",
                 MoeForm::Q2s => "moe_fused_q2s",
                 _ => "moe_fused_q2",
             };

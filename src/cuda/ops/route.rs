@@ -61,7 +61,7 @@ impl Gpu {
     /// router's `logits = router · (rms_norm(y) · nw)` with the new `y`, in one launch. `part` holds
     /// `[H / 32, router.rows + 1]` floats; `ctr` is a zeroed u64 that only launches of this H use.
     /// With `topk` the last block also runs the MoE's top-k into its `ids`/`wts` `[k + 1]` (for
-    /// [`Gpu::moe_fused_given`]).
+    /// [`Gpu::moe_fused`] in [`crate::cuda::MoeForm::Q2sGiven`]).
     #[allow(clippy::too_many_arguments)]
     pub fn gemv_route(
         &self,
