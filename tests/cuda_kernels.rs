@@ -146,15 +146,19 @@ fn gemv_with_device_expert_ids_matches_cpu() {
 /// gemv_q2_route (`LILY_CUDA_MOE_ROUTER=tail`): the out-projection into the residual and the
 /// router's logits on the new residual's norm, against `x + W o` and the router's matvec on the
 /// CPU; three launches on one counter (the last block to arrive sums the parts), and the same
-/// inputs twice give the same bits; with the MoE's top-k in the last block (`tailk`) too.
+/// inputs twice give the same bits; with the MoE's top-k in the last block (`tailk`) too. Both
+/// forms of the last block's sums: the parts in block order, and fixed-point accumulators
+/// (`LILY_CUDA_ROUTE_SUM=fx`, left zero after each launch).
 #[test]
 fn gemv_route_matches_cpu() {
     let Some(g) = gpu() else { return };
     let mut r = rng(12);
     // the last: Qwen3.6-35B-A3B's GDN out-projection (2048 x 4096) and its 8-bit router with the
     // shared expert's gate (257 rows)
-    for (h, cols, rows_r, bits, bits_r) in
+    for ((h, cols, rows_r, bits, bits_r), fx) in
         [(256usize, 512usize, 65usize, 4u32, 8u32), (128, 384, 33, 8, 4), (2048, 4096, 257, 4, 8)]
+            .into_iter()
+            .flat_map(|c| [(c, false), (c, true)])
     {
         let w = quant(&mut r, h, cols, bits, 64);
         let router = quant(&mut r, rows_r, h, bits_r, 64);
@@ -162,7 +166,9 @@ fn gemv_route_matches_cpu() {
         assert!(g.gemv_route_ok(&gw, &gr), "gemv_route refuses {h}x{cols} with a router of {rows_r}");
         let nw = uniform(&mut r, h, 1.5);
         let nwb = g.upload_f32(&nw).unwrap();
-        let part = g.upload_f32(&vec![f32::NAN; (h / 32) * (rows_r + 1)]).unwrap();
+        // zero, as the fixed-point form needs before its first launch (the parts form writes
+        // every part it reads)
+        let part = g.zeros(4 * (h / 32) * (rows_r + 1)).unwrap();
         let ctr = g.zeros(8).unwrap();
         let lb = g.upload_f32(&vec![f32::NAN; rows_r]).unwrap();
         for run in 0..3 {
@@ -178,14 +184,17 @@ fn gemv_route_matches_cpu() {
             router.matvec(&xn, &mut want_l);
             let (ob, xb) = (g.upload_f32(&o).unwrap(), g.upload_f32(&x).unwrap());
             lb.write_f32(0, &vec![f32::NAN; rows_r]).unwrap();
-            g.gemv_route(&gw, ob.ptr, xb.ptr, &gr, (nwb.ptr, 1e-6), part.ptr, lb.ptr, ctr.ptr, None).unwrap();
-            let name = format!("gemv_route {h}x{cols} q{bits}, router {rows_r} q{bits_r}, run {run}");
+            g.gemv_route_form(&gw, ob.ptr, xb.ptr, &gr, (nwb.ptr, 1e-6), (part.ptr, fx), lb.ptr, ctr.ptr, None)
+                .unwrap();
+            let sums = if fx { "fixed-point" } else { "parts" };
+            let name = format!("gemv_route {h}x{cols} q{bits}, router {rows_r} q{bits_r}, {sums} sums, run {run}");
             check(&format!("{name}: x"), &xb.read_f32(0, h).unwrap(), &want, TOL);
             let got = lb.read_f32(0, rows_r).unwrap();
             check(&format!("{name}: logits"), &got, &want_l, TOL);
             // the same inputs again (on the counter as it now is): the same bits
             xb.write_f32(0, &x).unwrap();
-            g.gemv_route(&gw, ob.ptr, xb.ptr, &gr, (nwb.ptr, 1e-6), part.ptr, lb.ptr, ctr.ptr, None).unwrap();
+            g.gemv_route_form(&gw, ob.ptr, xb.ptr, &gr, (nwb.ptr, 1e-6), (part.ptr, fx), lb.ptr, ctr.ptr, None)
+                .unwrap();
             let again = lb.read_f32(0, rows_r).unwrap();
             assert!(got.iter().zip(&again).all(|(a, b)| a.to_bits() == b.to_bits()), "{name}: a replay differs");
             // LILY_CUDA_MOE_ROUTER=tailk: the last block's top-k on those logits, the same picks
@@ -196,7 +205,8 @@ fn gemv_route_matches_cpu() {
             let (ids_t, wts_t) = (g.zeros(4 * (k + 1)).unwrap(), g.zeros(4 * (k + 1)).unwrap());
             xb.write_f32(0, &x).unwrap();
             let topk = lily::cuda::TailTopk { ids: ids_t.ptr, wts: wts_t.ptr, k, renorm: true };
-            g.gemv_route(&gw, ob.ptr, xb.ptr, &gr, (nwb.ptr, 1e-6), part.ptr, lb.ptr, ctr.ptr, Some(topk)).unwrap();
+            g.gemv_route_form(&gw, ob.ptr, xb.ptr, &gr, (nwb.ptr, 1e-6), (part.ptr, fx), lb.ptr, ctr.ptr, Some(topk))
+                .unwrap();
             g.moe_topk_shared(lb.ptr, rows_r - 1, k, true, ids.ptr, wts.ptr, ids2.ptr).unwrap();
             assert_eq!(ids_t.read_i32(k + 1).unwrap(), ids.read_i32(k + 1).unwrap(), "{name}: top-{k} ids");
             let (wt, w0) = (wts_t.read_f32(0, k + 1).unwrap(), wts.read_f32(0, k + 1).unwrap());
@@ -205,6 +215,10 @@ fn gemv_route_matches_cpu() {
         let c = ctr.read_i32(2).unwrap();
         let n = (c[0] as u32 as u64) | ((c[1] as u32 as u64) << 32);
         assert_eq!(n, 9 * (h / 32) as u64, "gemv_route {h}: the counter after nine launches");
+        if fx {
+            let acc = part.read_f32(0, 2 * rows_r).unwrap();
+            assert!(acc.iter().all(|v| v.to_bits() == 0), "gemv_route {h}: accumulators left nonzero");
+        }
     }
 }
 

@@ -579,10 +579,11 @@ static void fold_case(const std::vector<int>& launches, int hkv) {
 // gemv_q2_route (gemv_route.cu): x += W o over G = H / 32 blocks of 512 threads (one row group a
 // warp), then the router's logits on rms_norm(x) * nw from the blocks' parts, summed by the last
 // block to arrive; several launches on one counter, fresh inputs each.
-static void route_case(int H, int C, int R, int rbits, int launches, int K = 0) {
+// fx: gemv_q2_route_fx's fixed-point sums (the accumulators zero before and after each launch)
+static void route_case(int H, int C, int R, int rbits, int launches, int K = 0, bool fx = false) {
     Q4 W(H, C, 64), WR(R, H, 64, rbits);
     const int G = H / 32;
-    std::vector<float> o(C), x(H), nw(H), part((size_t)G * (R + 1), NAN), lg(R, NAN);
+    std::vector<float> o(C), x(H), nw(H), part((size_t)G * (R + 1), fx ? 0.f : NAN), lg(R, NAN);
     for (auto& v : nw) v = 1.f + 0.5f * U();
     unsigned long long ctr = 0;
     for (int l = 0; l < launches; l++) {
@@ -608,13 +609,18 @@ static void route_case(int H, int C, int R, int rbits, int launches, int K = 0) 
             rt_request(WR.w.data(), WR.sc.data(), WR.bi.data(), rbits, 64, H, R, nw.data(), rw[b].data(), rsb[b].data(), nws[b].data());
             gq_body<4, 2, 2, 2, false, false, false, false, true>(W.w.data(), W.sc.data(), W.bi.data(), 64, o.data(), x.data(), H, C, 0, 1, nullptr, 0.f, xs[b].data(),
                                                                    red[b].data(), 0, 1, ConvEpi{0, 0, 0, 0, 1}, -1, 0, 0, 0, 0, ys[b].data());
-            rt_tail(rw[b].data(), rsb[b].data(), nws[b].data(), rbits, 64, 2, R, H, 1e-6f, part.data(), lg.data(), &ctr, ys[b].data(), vs[b].data(), tot[b].data(),
+            (fx ? rt_tail<true> : rt_tail<false>)(rw[b].data(), rsb[b].data(), nws[b].data(), rbits, 64, 2, R, H, 1e-6f, part.data(), lg.data(), &ctr, ys[b].data(), vs[b].data(), tot[b].data(),
                     (float*)rw[b].data(), &last[b], rt, chosen[b].data(), wsel[b].data());
         });
         int lasts = 0; for (int v : last) lasts += v == 1;
         char b[128];
-        snprintf(b, sizeof b, "gemv_q2_route H%d C%d R%d q%d launch %d: x", H, C, R, rbits, l); report(b, nmse(x.data(), wy));
-        snprintf(b, sizeof b, "gemv_q2_route H%d C%d R%d q%d launch %d: logits", H, C, R, rbits, l); report(b, nmse(lg.data(), wl));
+        const char* form = fx ? "gemv_q2_route_fx" : "gemv_q2_route";
+        snprintf(b, sizeof b, "%s H%d C%d R%d q%d launch %d: x", form, H, C, R, rbits, l); report(b, nmse(x.data(), wy));
+        snprintf(b, sizeof b, "%s H%d C%d R%d q%d launch %d: logits", form, H, C, R, rbits, l); report(b, nmse(lg.data(), wl));
+        if (fx) {
+            int nz = 0; for (int j = 0; j < 2 * R; j++) nz += part[j] != 0.f;
+            if (nz) { printf("%-6s %s launch %d: %d accumulator words left nonzero\n", VARIANT, form, l, nz); fails++; }
+        }
         if (K) { // the picks by (-logit, index) among the R - 1 routed, softmax over them; the shared gate's sigmoid
             std::vector<int> idx(R - 1); for (int e = 0; e < R - 1; e++) idx[e] = e;
             std::stable_sort(idx.begin(), idx.end(), [&](int a, int c) { return lg[a] > lg[c]; });
@@ -669,6 +675,9 @@ int main() {
     route_case(256, 512, 65, 8, 3);
     route_case(128, 256, 257, 4, 2, 8);
     route_case(64, 128, 9, 8, 1); // one group a row: the last scale read alone
+    route_case(256, 512, 65, 8, 3, 0, true);
+    route_case(128, 256, 257, 4, 2, 8, true);
+    route_case(64, 128, 9, 8, 2, 0, true); // two blocks: the fewest the fixed-point form takes
     pstep_case(0, 7, 45, 2048);
     pstep_case(0, 0, 64, 512);
     pstep_case(1, 3, 37, 1024, 8);

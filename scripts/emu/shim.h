@@ -77,6 +77,8 @@ inline float __fsub_rn(float a, float b) { return a - b; }
 inline int __ffs(int x) { return __builtin_ffs(x); }
 template <class T> inline T __ldg(const T* p) { return *p; }
 template <class T> inline T __ldcg(const T* p) { return *p; }
+template <class T> inline void __stcg(T* p, T v) { *p = v; }
+inline long long __float2ll_rn(float v) { return std::llrint(v); } /* round to nearest even: the default mode */
 inline float f16_to_f32(unsigned short) { return NAN; }
 inline unsigned long long global_ns() { return 0; }
 inline uint4 ldg_stream(const uint4* p) { return *p; }

@@ -1,5 +1,5 @@
 # scripts/emu.sh's filter: from the preprocessed kernel source (argv), keeps what the host can
-# compile with shim.h: drops the __global__ kernels, every top-level definition with inline asm
+# compile with shim.h: drops the __global__ kernels (and kernel bodies: extern shared memory), every top-level definition with inline asm
 # (PTX) unless shim.h provides that name, and, to a fixed point, what calls a dropped function.
 import re, sys
 src = "".join(open(f).read() + "\n" for f in sys.argv[1:])
@@ -46,7 +46,7 @@ def defined_name(body):
     m = re.search(r"(\w+)\s*\([^;{]*\)\s*(?:const\s*)?\{", body)
     return m.group(1) if m else None
 bodies = [re.sub(r"/\*.*?\*/", "", ch, flags=re.S) for ch in chunks]
-drop = [("__global__" in b or re.search(r"\basm\b", b) is not None or "Params_fields" in b) for b in bodies]
+drop = [("__global__" in b or "extern __shared__" in b or re.search(r"\basm\b", b) is not None or "Params_fields" in b) for b in bodies]
 # drop what calls a dropped function the shim does not provide, to a fixed point
 while True:
     gone = {defined_name(b) for b, d in zip(bodies, drop) if d} - shim - {None}

@@ -166,7 +166,7 @@ macro_rules! kernel_params {
             }
         )*
         /// The C declarations of every params struct (and its field list as a parameter list,
-        /// `XParams_fields`), for the kernel source.
+        /// `XParams_fields`, and its names as an argument list, `XParams_names`), for the kernel source.
         pub fn c_decls() -> String {
             let mut s = String::from("// ---- kernel params (src/cuda/params.rs) ----\n");
             s.push_str("struct alignas(64) TmaMap { unsigned long long v[16]; };\n");
@@ -179,6 +179,8 @@ macro_rules! kernel_params {
                 s.push_str(" };\n");
                 let fields: Vec<String> = vec![$( format!("{} {}", <$t as CField>::c_param_type(), stringify!($f)) ),*];
                 s.push_str(&format!(concat!("#define ", stringify!($name), "_fields {}\n"), fields.join(", ")));
+                let names: Vec<&str> = vec![$( stringify!($f) ),*];
+                s.push_str(&format!(concat!("#define ", stringify!($name), "_names {}\n"), names.join(", ")));
             )*
             s
         }
@@ -247,7 +249,7 @@ kernel_params! {
     /// the router `Wr` (`R` rows) on `rms_norm(y) · nw` into `logits`, through per-block parts
     /// `part` `[H / 32, R + 1]` and the u64 arrival counter `ctr`; with `ids` set also the MoE's
     /// top-`K` (top-k form `mode`, the shared expert as slot K) into `ids`/`wts` `[K + 1]`.
-    GemvRouteParams spread ["gemv_q2_route"] {
+    GemvRouteParams spread ["gemv_q2_route", "gemv_q2_route_fx"] {
         w: In<Void>, sc: In<Void>, bi: In<Void>, bits: i32, group: i32, ty: i32, x: In<f32>, y: Out<f32>,
         rows: i32, cols: i32, wr: In<Void>, sr: In<Void>, br: In<Void>, bits_r: i32, group_r: i32,
         ty_r: i32, R: i32, nw: In<f32>, eps: f32, part: Out<f32>, logits: Out<f32>, ctr: Out<u64>,

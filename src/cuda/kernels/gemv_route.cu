@@ -28,6 +28,15 @@
  *   G a launch (never reset: every launch on one counter has the same G), the block whose add
  *   makes it a multiple of G is the last; it reads the parts through the L2 after a fence.
  *   With ids (tailk) the last block's warp 0 then runs the MoE's top-K on those logits.
+ *
+ * Fixed-point sums (gemv_q2_route_fx, LILY_CUDA_ROUTE_SUM=fx): instead of writing its R logit
+ *   parts, block b adds them to R int64 accumulators, acc[j] += round(part * 2^32) (two's
+ *   complement in u64: integer adds, so the sum's bits do not depend on the blocks' order, and
+ *   replays are bit-identical), and writes only its sum of squares to sq[b]. The last block then
+ *   reads R accumulators (one L2 round trip instead of G / 16), zeroes them for the next launch,
+ *   and adds sq in a fixed order. Layout in part (as u64 [R] then f32 [G] at float offset 2 R;
+ *   zeroed before the first launch, zero again after every launch). A part's magnitude is clamped
+ *   to 2^23 (so G <= 256 sums cannot overflow); resolution 2^-32 (~2.3e-10) absolute.
  */
 
 #define RT_MAXR 512
@@ -90,6 +99,13 @@ struct RtRoute {
 /* After the GEMV: the block's parts, its arrival, and in the last block the logits. ys: the
    block's 32 new y values (gq_body<YS>); sm: RT_MAXR + 1 floats of scratch (the last block's
    sums; may alias rw, read before the arrival's barrier); tot: 2 floats; last: 1 int. */
+/* round(v 2^32) as a two's-complement u64, |v| clamped to 2^23 */
+__device__ __forceinline__ u64 rt_fx(float v) {
+    v = fminf(fmaxf(v, -8388608.f), 8388608.f);
+    return (u64)__float2ll_rn(v * 4294967296.f);
+}
+
+template <bool FX>
 __device__ __forceinline__ void rt_tail(const u32* rw, const u32* rsb, const float* nws, int bits_r, int group_r,
                                         int ty_r, int R, int H, float eps, float* part, float* logits, u64* ctr,
                                         const float* ys, float* vs, float* tot, float* sm, int* last,
@@ -113,9 +129,13 @@ __device__ __forceinline__ void rt_tail(const u32* rw, const u32* rsb, const flo
         int half = (int)(((long long)t * (H / group_r) + c0 / group_r) & 1);
         float s = half_bits((rsb[2 * t] >> (16 * half)) & 0xFFFFu, ty_r);
         float b = half_bits((rsb[2 * t + 1] >> (16 * half)) & 0xFFFFu, ty_r);
-        pb[t] = s * d + b * tot[0];
+        if (FX) atomicAdd((u64*)part + t, rt_fx(s * d + b * tot[0]));
+        else pb[t] = s * d + b * tot[0];
     }
-    if (t == 0) pb[R] = tot[1];
+    if (t == 0) {
+        if (FX) part[2 * R + blockIdx.x] = tot[1];
+        else pb[R] = tot[1];
+    }
     __syncthreads();
     if (t == 0) {
         __threadfence();
@@ -126,7 +146,20 @@ __device__ __forceinline__ void rt_tail(const u32* rw, const u32* rsb, const flo
     if (!*last) return;
     __threadfence();
     const int G = gridDim.x;
-    if (t < P) {
+    if (FX) {
+        if (t < R) {
+            u64* acc = (u64*)part + t;
+            long long v = (long long)__ldcg(acc);
+            __stcg(acc, 0ull);
+            sm[t] = (float)((double)v * (1.0 / 4294967296.0));
+        }
+        if (t < 32) {
+            float q = 0.f;
+            for (int b = t; b < G; b += 32) q += __ldcg(part + 2 * R + b);
+            q = warp_sum(q);
+            if (t == 0) sm[R] = q;
+        }
+    } else if (t < P) {
         float a = 0.f;
         int b = 0;
         for (; b + 16 <= G; b += 16) {
@@ -160,21 +193,29 @@ __device__ __forceinline__ void rt_tail(const u32* rw, const u32* rsb, const flo
     gq_body<B, T, 2, 2, false, false, false, false, true>((const u32*)w, (const u16*)sc, (const u16*)bi, group, x, y, \
                                                           rows, cols, 0, 1, nullptr, 0.f, xs, red, 0, 1,             \
                                                           ConvEpi{0, 0, 0, 0, 1}, -1, 0, 0, 0, 0, ys)
-extern "C" __global__ void __launch_bounds__(512) gemv_q2_route(GemvRouteParams_fields) {
+template <bool FX>
+__device__ __forceinline__ void gemv_q2_route_body(GemvRouteParams_fields) {
     extern __shared__ __align__(16) float xs[]; /* gq_body's staging: cols + cols/EPV floats */
     __shared__ float red[33], ys[32], vs[32], tot[2];
     __shared__ __align__(16) float nws[32];
     __shared__ __align__(16) u32 rw[RT_MAXR * 8]; /* 16 KB: the codes; then the last block's sums */
     __shared__ u32 rsb[RT_MAXR * 2];
     __shared__ int last;
-    TL_SCOPE("gemv_q2_route");
     pdl_trigger();
     rt_request((const u32*)wr, (const u16*)sr, (const u16*)br, bits_r, group_r, rows, R, nw, rw, rsb, nws);
     if (bits == 4 && ty == TY_BF16) RT_GEMV(4, TY_BF16);
     else if (bits == 4) RT_GEMV(4, TY_F16);
     else if (ty == TY_BF16) RT_GEMV(8, TY_BF16);
     else RT_GEMV(8, TY_F16);
-    rt_tail(rw, rsb, nws, bits_r, group_r, ty_r, R, rows, eps, part, logits, ctr, ys, vs, tot, (float*)rw, &last,
-            RtRoute{ids, wts, K, renorm, mode}, (int*)rsb, (float*)rsb + 128);
+    rt_tail<FX>(rw, rsb, nws, bits_r, group_r, ty_r, R, rows, eps, part, logits, ctr, ys, vs, tot, (float*)rw, &last,
+                RtRoute{ids, wts, K, renorm, mode}, (int*)rsb, (float*)rsb + 128);
+}
+extern "C" __global__ void __launch_bounds__(512) gemv_q2_route(GemvRouteParams_fields) {
+    TL_SCOPE("gemv_q2_route");
+    gemv_q2_route_body<false>(GemvRouteParams_names);
+}
+extern "C" __global__ void __launch_bounds__(512) gemv_q2_route_fx(GemvRouteParams_fields) {
+    TL_SCOPE("gemv_q2_route_fx");
+    gemv_q2_route_body<true>(GemvRouteParams_names);
 }
 #undef RT_GEMV

@@ -25,6 +25,14 @@ pub fn router_tail() -> Option<bool> {
     })
 }
 
+/// Whether gemv_q2_route's blocks add their logit parts into fixed-point accumulators
+/// (`gemv_q2_route_fx`, `LILY_CUDA_ROUTE_SUM=fx`) instead of writing them for the last block to
+/// add (`=parts`, the default).
+pub fn route_sum_fx() -> bool {
+    static V: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *V.get_or_init(|| std::env::var("LILY_CUDA_ROUTE_SUM").is_ok_and(|v| v == "fx"))
+}
+
 /// The MoE's top-k for [`Gpu::gemv_route`]'s last block: `k` routed experts of the router's
 /// first rows, the last row the shared expert's gate, `renorm` the softmax over the picks alone.
 #[derive(Clone, Copy)]
@@ -61,7 +69,9 @@ impl Gpu {
     /// router's `logits = router · (rms_norm(y) · nw)` with the new `y`, in one launch. `part` holds
     /// `[H / 32, router.rows + 1]` floats; `ctr` is a zeroed u64 that only launches of this H use.
     /// With `topk` the last block also runs the MoE's top-k into its `ids`/`wts` `[k + 1]` (for
-    /// [`Gpu::moe_fused`] in [`crate::cuda::MoeForm::Q2sGiven`]).
+    /// [`Gpu::moe_fused`] in [`crate::cuda::MoeForm::Q2sGiven`]). The form of the sums is
+    /// [`route_sum_fx`]'s; `part` must be zero before the first fixed-point launch (it is left
+    /// zero again after each).
     #[allow(clippy::too_many_arguments)]
     pub fn gemv_route(
         &self,
@@ -69,12 +79,32 @@ impl Gpu {
         x: u64,
         y: u64,
         router: &GpuLinear,
-        (nw, eps): (u64, f32),
+        norm: (u64, f32),
         part: u64,
         logits: u64,
         ctr: u64,
         topk: Option<TailTopk>,
     ) -> Result<()> {
+        self.gemv_route_form(w, x, y, router, norm, (part, route_sum_fx()), logits, ctr, topk)
+    }
+
+    /// [`Gpu::gemv_route`] with the sums' form given: `(part, fx)`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn gemv_route_form(
+        &self,
+        w: &GpuLinear,
+        x: u64,
+        y: u64,
+        router: &GpuLinear,
+        (nw, eps): (u64, f32),
+        (part, fx): (u64, bool),
+        logits: u64,
+        ctr: u64,
+        topk: Option<TailTopk>,
+    ) -> Result<()> {
+        if fx && w.rows / 32 < 2 {
+            bail!("gemv_route: fixed-point sums need two blocks or more (H {} < 64)", w.rows);
+        }
         if topk.is_some_and(|t| t.k == 0 || t.k + 1 > router.rows || t.k > 32) {
             bail!("gemv_route: a top-k of {:?} of {} router rows", topk.map(|t| t.k), router.rows);
         }
@@ -120,6 +150,7 @@ impl Gpu {
             renorm: topk.is_some_and(|t| t.renorm) as i32,
             mode: super::moe::route_rank(),
         };
-        self.launch_params("gemv_q2_route", ((w.rows / 32) as u32, 1, 1), 512, w.stream_smem(), &a)
+        let name = if fx { "gemv_q2_route_fx" } else { "gemv_q2_route" };
+        self.launch_params(name, ((w.rows / 32) as u32, 1, 1), 512, w.stream_smem(), &a)
     }
 }
