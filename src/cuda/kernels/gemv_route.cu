@@ -29,7 +29,8 @@
  *   makes it a multiple of G is the last; it reads the parts through the L2 after a fence.
  *   With ids (tailk) the last block's warp 0 then runs the MoE's top-K on those logits.
  *
- * Fixed-point sums (gemv_q2_route_fx, LILY_CUDA_ROUTE_SUM=fx): instead of writing its R logit
+ * Fixed-point sums (gemv_q2_route_fx, the default since session 50; LILY_CUDA_ROUTE_SUM=parts
+ *   the form above): instead of writing its R logit
  *   parts, block b adds them to R int64 accumulators, acc[j] += round(part * 2^32) (two's
  *   complement in u64: integer adds, so the sum's bits do not depend on the blocks' order, and
  *   replays are bit-identical), and writes only its sum of squares to sq[b]. The last block then

@@ -26,11 +26,11 @@ pub fn router_tail() -> Option<bool> {
 }
 
 /// Whether gemv_q2_route's blocks add their logit parts into fixed-point accumulators
-/// (`gemv_q2_route_fx`, `LILY_CUDA_ROUTE_SUM=fx`) instead of writing them for the last block to
-/// add (`=parts`, the default).
+/// (`gemv_q2_route_fx`, the default since session 50: +2.0% / +2.2% / +1.7% decode at 256 / 4K /
+/// 32K on an H200) instead of writing them for the last block to add (`LILY_CUDA_ROUTE_SUM=parts`).
 pub fn route_sum_fx() -> bool {
     static V: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *V.get_or_init(|| std::env::var("LILY_CUDA_ROUTE_SUM").is_ok_and(|v| v == "fx"))
+    *V.get_or_init(|| std::env::var("LILY_CUDA_ROUTE_SUM").map_or(true, |v| v != "parts"))
 }
 
 /// The MoE's top-k for [`Gpu::gemv_route`]'s last block: `k` routed experts of the router's
