@@ -1,6 +1,7 @@
 # scripts/emu.sh's filter: from the preprocessed kernel source (argv), keeps what the host can
-# compile with shim.h: drops the __global__ kernels (and kernel bodies: extern shared memory), every top-level definition with inline asm
-# (PTX) unless shim.h provides that name, and, to a fixed point, what calls a dropped function.
+# compile with shim.h: drops the __global__ kernels and kernel bodies (extern shared memory),
+# every top-level definition with inline asm (PTX) unless shim.h provides that name, and, to a
+# fixed point, what calls a dropped function.
 import re, sys
 src = "".join(open(f).read() + "\n" for f in sys.argv[1:])
 out = []; i = 0; n = len(src)

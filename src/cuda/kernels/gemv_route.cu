@@ -30,10 +30,10 @@
  *   With ids (tailk) the last block's warp 0 then runs the MoE's top-K on those logits.
  *
  * Fixed-point sums (gemv_q2_route_fx, the default since session 50; LILY_CUDA_ROUTE_SUM=parts
- *   the form above): instead of writing its R logit
- *   parts, block b adds them to R int64 accumulators, acc[j] += round(part * 2^32) (two's
- *   complement in u64: integer adds, so the sum's bits do not depend on the blocks' order, and
- *   replays are bit-identical), and writes only its sum of squares to sq[b]. The last block then
+ *   the form above): instead of writing its R logit parts, block b adds them to R int64
+ *   accumulators, acc[j] += round(part * 2^32) (two's complement in u64: integer adds, so the
+ *   sum's bits do not depend on the blocks' order, and replays are bit-identical), and writes
+ *   only its sum of squares to sq[b]. The last block then
  *   reads R accumulators (one L2 round trip instead of G / 16), zeroes them for the next launch,
  *   and adds sq in a fixed order. Layout in part (as u64 [R] then f32 [G] at float offset 2 R;
  *   zeroed before the first launch, zero again after every launch). A part's magnitude is clamped
@@ -97,15 +97,16 @@ struct RtRoute {
     int K = 0, renorm = 0, mode = 0;
 };
 
-/* After the GEMV: the block's parts, its arrival, and in the last block the logits. ys: the
-   block's 32 new y values (gq_body<YS>); sm: RT_MAXR + 1 floats of scratch (the last block's
-   sums; may alias rw, read before the arrival's barrier); tot: 2 floats; last: 1 int. */
-/* round(v 2^32) as a two's-complement u64, |v| clamped to 2^23 */
+/* round(v 2^32) as a two's-complement u64, |v| clamped to 2^23 (a NaN part becomes -2^23, but
+   the NaN in y that made it also makes the sum of squares, and so every logit, NaN) */
 __device__ __forceinline__ u64 rt_fx(float v) {
     v = fminf(fmaxf(v, -8388608.f), 8388608.f);
     return (u64)__float2ll_rn(v * 4294967296.f);
 }
 
+/* After the GEMV: the block's parts, its arrival, and in the last block the logits. ys: the
+   block's 32 new y values (gq_body<YS>); sm: RT_MAXR + 1 floats of scratch (the last block's
+   sums; may alias rw, read before the arrival's barrier); tot: 2 floats; last: 1 int. */
 template <bool FX>
 __device__ __forceinline__ void rt_tail(const u32* rw, const u32* rsb, const float* nws, int bits_r, int group_r,
                                         int ty_r, int R, int H, float eps, float* part, float* logits, u64* ctr,
