@@ -28,14 +28,7 @@
 #include <string>
 #include <vector>
 
-#define CK(x)                                                                               \
-    do {                                                                                    \
-        cudaError_t e_ = (x);                                                               \
-        if (e_ != cudaSuccess) {                                                            \
-            fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
-            exit(1);                                                                        \
-        }                                                                                   \
-    } while (0)
+#include "ck.cuh"
 
 constexpr int H = 2048, T = 256, STEPS = 223, MAXNV = 12;
 typedef unsigned long long u64;

@@ -23,14 +23,7 @@
 #include <cstdlib>
 #include <vector>
 
-#define CK(x)                                                                               \
-    do {                                                                                    \
-        cudaError_t e_ = (x);                                                               \
-        if (e_ != cudaSuccess) {                                                            \
-            fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
-            exit(1);                                                                        \
-        }                                                                                   \
-    } while (0)
+#include "ck.cuh"
 
 constexpr int H = 2048, T = 512, STEPS = 200, REPS = 5;
 typedef unsigned long long u64;
