@@ -10,7 +10,7 @@ mod common;
 use common::gpu::*;
 use common::*;
 use lily::cpu::norm::{rms_norm, sigmoid};
-use lily::cuda::{GemvKernel, GpuLinear, MoeForm};
+use lily::cuda::{GemvKernel, GpuLinear, MoeForm, RouteSums};
 use lily::linear::{FloatType, Linear};
 
 const TOL: f64 = 1e-9;
@@ -155,11 +155,12 @@ fn gemv_route_matches_cpu() {
     let mut r = rng(12);
     // the last: Qwen3.6-35B-A3B's GDN out-projection (2048 x 4096) and its 8-bit router with the
     // shared expert's gate (257 rows)
-    for ((h, cols, rows_r, bits, bits_r), fx) in
+    for ((h, cols, rows_r, bits, bits_r), sums) in
         [(256usize, 512usize, 65usize, 4u32, 8u32), (128, 384, 33, 8, 4), (2048, 4096, 257, 4, 8)]
             .into_iter()
-            .flat_map(|c| [(c, false), (c, true)])
+            .flat_map(|c| [(c, RouteSums::Parts), (c, RouteSums::Fx)])
     {
+        let fx = sums == RouteSums::Fx;
         let w = quant(&mut r, h, cols, bits, 64);
         let router = quant(&mut r, rows_r, h, bits_r, 64);
         let (gw, gr) = (GpuLinear::upload(&g, &w).unwrap(), GpuLinear::upload(&g, &router).unwrap());
@@ -184,16 +185,16 @@ fn gemv_route_matches_cpu() {
             router.matvec(&xn, &mut want_l);
             let (ob, xb) = (g.upload_f32(&o).unwrap(), g.upload_f32(&x).unwrap());
             lb.write_f32(0, &vec![f32::NAN; rows_r]).unwrap();
-            g.gemv_route_form(&gw, ob.ptr, xb.ptr, &gr, (nwb.ptr, 1e-6), (part.ptr, fx), lb.ptr, ctr.ptr, None)
+            g.gemv_route_form(&gw, ob.ptr, xb.ptr, &gr, (nwb.ptr, 1e-6), (part.ptr, sums), lb.ptr, ctr.ptr, None)
                 .unwrap();
-            let sums = if fx { "fixed-point" } else { "parts" };
-            let name = format!("gemv_route {h}x{cols} q{bits}, router {rows_r} q{bits_r}, {sums} sums, run {run}");
+            let form = if fx { "fixed-point" } else { "parts" };
+            let name = format!("gemv_route {h}x{cols} q{bits}, router {rows_r} q{bits_r}, {form} sums, run {run}");
             check(&format!("{name}: x"), &xb.read_f32(0, h).unwrap(), &want, TOL);
             let got = lb.read_f32(0, rows_r).unwrap();
             check(&format!("{name}: logits"), &got, &want_l, TOL);
             // the same inputs again (on the counter as it now is): the same bits
             xb.write_f32(0, &x).unwrap();
-            g.gemv_route_form(&gw, ob.ptr, xb.ptr, &gr, (nwb.ptr, 1e-6), (part.ptr, fx), lb.ptr, ctr.ptr, None)
+            g.gemv_route_form(&gw, ob.ptr, xb.ptr, &gr, (nwb.ptr, 1e-6), (part.ptr, sums), lb.ptr, ctr.ptr, None)
                 .unwrap();
             let again = lb.read_f32(0, rows_r).unwrap();
             assert!(got.iter().zip(&again).all(|(a, b)| a.to_bits() == b.to_bits()), "{name}: a replay differs");
@@ -205,7 +206,7 @@ fn gemv_route_matches_cpu() {
             let (ids_t, wts_t) = (g.zeros(4 * (k + 1)).unwrap(), g.zeros(4 * (k + 1)).unwrap());
             xb.write_f32(0, &x).unwrap();
             let topk = lily::cuda::TailTopk { ids: ids_t.ptr, wts: wts_t.ptr, k, renorm: true };
-            g.gemv_route_form(&gw, ob.ptr, xb.ptr, &gr, (nwb.ptr, 1e-6), (part.ptr, fx), lb.ptr, ctr.ptr, Some(topk))
+            g.gemv_route_form(&gw, ob.ptr, xb.ptr, &gr, (nwb.ptr, 1e-6), (part.ptr, sums), lb.ptr, ctr.ptr, Some(topk))
                 .unwrap();
             g.moe_topk_shared(lb.ptr, rows_r - 1, k, true, ids.ptr, wts.ptr, ids2.ptr).unwrap();
             assert_eq!(ids_t.read_i32(k + 1).unwrap(), ids.read_i32(k + 1).unwrap(), "{name}: top-{k} ids");
@@ -218,6 +219,71 @@ fn gemv_route_matches_cpu() {
         if fx {
             let acc = part.read_f32(0, 2 * rows_r).unwrap();
             assert!(acc.iter().all(|v| v.to_bits() == 0), "gemv_route {h}: accumulators left nonzero");
+        }
+    }
+}
+
+/// `LILY_CUDA_MOE_ROUTER=acc`: gemv_q2_route_acc leaves the router's fixed-point sums and
+/// moe_fused_q2s_acc forms the logits and routes in each block. Against the default pair
+/// (gemv_q2_route_fx with the top-k in its last block, then moe_fused_q2s_given) on the same
+/// inputs: the same residual bits after the out-projection and after the MoE, the same ids and
+/// weights (block 0 publishes them), and the sums zero again after each MoE launch (the next
+/// route adds into them); four rounds with fresh inputs on the same buffers and counters. The
+/// default pair itself is held to the CPU by gemv_route_matches_cpu and
+/// fused_decode_moe_matches_cpu.
+#[test]
+fn route_acc_feeds_moe_as_tailk() {
+    let Some(g) = gpu() else { return };
+    let mut r = rng(13);
+    // the last: Qwen3.6-35B-A3B's shapes (H 2048, out-projection from 4096, 256 experts top-8,
+    // 8-bit router, 4-bit experts of 512)
+    for (h, cols, e, k, inter) in [(256usize, 512usize, 64usize, 4usize, 64usize), (2048, 4096, 256, 8, 512)] {
+        let w = quant(&mut r, h, cols, 4, 64);
+        let router = quant(&mut r, e + 1, h, 8, 64);
+        let gate_up: Vec<Linear> = (0..2 * (e + 1)).map(|_| quant(&mut r, inter, h, 4, 64)).collect();
+        let down: Vec<Linear> = (0..e + 1).map(|_| quant(&mut r, h, inter, 4, 64)).collect();
+        let gu = GpuLinear::stack(&g, &gate_up.iter().collect::<Vec<_>>()).unwrap();
+        let dn = GpuLinear::stack(&g, &down.iter().collect::<Vec<_>>()).unwrap();
+        let (gw, gr) = (GpuLinear::upload(&g, &w).unwrap(), GpuLinear::upload(&g, &router).unwrap());
+        assert!(g.gemv_route_ok(&gw, &gr) && g.moe_fused_q2_ok(&gu, &dn, e, k), "H{h} E{e}: a form refuses the shape");
+        let nwb = g.upload_f32(&uniform(&mut r, h, 1.5)).unwrap();
+        let norm = (nwb.ptr, 1e-6);
+        let part = g.zeros(4 * (h / 32) * (e + 2)).unwrap();
+        let (ctr_r, ctr_m) = (g.zeros(8).unwrap(), g.zeros(24).unwrap());
+        let lb = g.zeros(4 * (e + 1)).unwrap();
+        let egu = g.zeros(4 * 2 * (k + 1) * inter).unwrap();
+        let f = || g.zeros(4 * (k + 1)).unwrap();
+        let (ids_t, wts_t, ids_a, wts_a) = (f(), f(), f(), f());
+        for round in 0..4 {
+            let name = format!("route acc H{h} E{e} K{k} round {round}");
+            let (o, x) = (uniform(&mut r, cols, 1.0), uniform(&mut r, h, 2.0));
+            let (ob, xb) = (g.upload_f32(&o).unwrap(), g.upload_f32(&x).unwrap());
+            // the default pair
+            let topk = lily::cuda::TailTopk { ids: ids_t.ptr, wts: wts_t.ptr, k, renorm: true };
+            g.gemv_route_form(&gw, ob.ptr, xb.ptr, &gr, norm, (part.ptr, RouteSums::Fx), lb.ptr, ctr_r.ptr, Some(topk))
+                .unwrap();
+            let x_route = xb.read_f32(0, h).unwrap();
+            let (route, idw) = ((lb.ptr, e, k, true), (ids_t.ptr, wts_t.ptr));
+            g.moe_fused(&gu, &dn, None, xb.ptr, norm, egu.ptr, route, idw, ctr_m.ptr, 0, MoeForm::Q2sGiven).unwrap();
+            let want = xb.read_f32(0, h).unwrap();
+            // the sums left for the MoE
+            xb.write_f32(0, &x).unwrap();
+            ids_a.write_f32(0, &vec![f32::NAN; k + 1]).unwrap();
+            g.gemv_route_form(&gw, ob.ptr, xb.ptr, &gr, norm, (part.ptr, RouteSums::Acc), lb.ptr, ctr_r.ptr, None)
+                .unwrap();
+            let x_acc = xb.read_f32(0, h).unwrap();
+            assert!(x_acc.iter().zip(&x_route).all(|(a, b)| a.to_bits() == b.to_bits()), "{name}: x after the route");
+            let acc = part.read_f32(0, 2 * (e + 1)).unwrap();
+            assert!(acc.iter().any(|v| v.to_bits() != 0), "{name}: no sums left for the MoE");
+            let (route, idw) = ((part.ptr, e, k, true), (ids_a.ptr, wts_a.ptr));
+            g.moe_fused(&gu, &dn, None, xb.ptr, norm, egu.ptr, route, idw, ctr_m.ptr, 0, MoeForm::Q2sAcc).unwrap();
+            let got = xb.read_f32(0, h).unwrap();
+            assert_eq!(ids_a.read_i32(k + 1).unwrap(), ids_t.read_i32(k + 1).unwrap(), "{name}: ids");
+            let (wa, wt) = (wts_a.read_f32(0, k + 1).unwrap(), wts_t.read_f32(0, k + 1).unwrap());
+            assert!(wa.iter().zip(&wt).all(|(a, b)| a.to_bits() == b.to_bits()), "{name}: weights {wa:?} {wt:?}");
+            assert!(got.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits()), "{name}: x after the MoE");
+            let acc = part.read_f32(0, 2 * (e + 1)).unwrap();
+            assert!(acc.iter().all(|v| v.to_bits() == 0), "{name}: sums left nonzero after the MoE");
         }
     }
 }

@@ -118,6 +118,40 @@ static void q2_case(int E, int K, int H, int inter, int G, int rank, bool deep =
         });
         if (memcmp(x.data(), xq.data(), 4 * H) != 0) { printf("%-6s moe_fused_q2s_given E%d K%d H%d: not moe_fused_q2s's bits\n", VARIANT, E, K, H); fails++; }
         else printf("%-6s moe_fused_q2s_given E%d K%d H%d: moe_fused_q2s's bits\n", VARIANT, E, K, H);
+        // moe_fused_q2s_acc: the router's sums in fixed point (round(logit 2^32)) with the H / 32
+        // sums of squares summing to H (so the norm's factor is 1 / sqrt(1 + eps)), against
+        // moe_fused_q2s on the logits those sums give in float: the same picks and bits, and the
+        // sums zero after the launch
+        const int Gr = H / 32;
+        std::vector<unsigned long long> acc(E + 1 + (Gr + 1) / 2, 0);
+        float* sq = (float*)acc.data() + 2 * (E + 1);
+        sq[0] = (float)H;
+        const float rr1 = 1.f / sqrtf((float)H / (float)H + 1e-6f);
+        std::vector<float> lg2(E + 1);
+        for (int j = 0; j <= E; j++) {
+            acc[j] = (unsigned long long)std::llrint((double)logits[j] * 4294967296.0);
+            lg2[j] = (float)((double)(long long)acc[j] * (1.0 / 4294967296.0));
+            lg2[j] *= rr1;
+        }
+        std::vector<float> xo[2];
+        std::vector<int> io[2];
+        std::vector<float> wo[2];
+        for (int pass = 0; pass < 2; pass++) {
+            x = x0; std::fill(gu.begin(), gu.end(), NAN); std::fill(ids.begin(), ids.end(), -1);
+            emu_launch(G, 512, [&] {
+                int b = blockIdx.x;
+#define Q2_ARGS(LG) GU.w.data(), GU.sc.data(), GU.bi.data(), DN.w.data(), DN.sc.data(), DN.bi.data(), 4, 64, 64, 2, x.data(), gu.data(), inter, H, nw.data(), 1e-6f, LG, E, K, renorm, ids.data(), wts.data(), ctr + 1, 1, rank, nullptr, nullptr, nullptr, 0, 0, 0, 0, nullptr, 0, 1, xs[b].data(), red[b].data(), wsel[b].data(), chosen[b].data(), ls[b].data(), nullptr
+                if (pass == 0) mf2_body<4, 2, false, false, true>(Q2_ARGS(lg2.data()));
+                else mf2_body<4, 2, false, false, true, false, true>(Q2_ARGS((float*)acc.data()));
+#undef Q2_ARGS
+            });
+            xo[pass] = x; io[pass] = ids; wo[pass] = wts;
+        }
+        int nz = 0; for (int j = 0; j <= E; j++) nz += acc[j] != 0;
+        bool same = memcmp(xo[0].data(), xo[1].data(), 4 * H) == 0 && io[0] == io[1] && memcmp(wo[0].data(), wo[1].data(), 4 * S) == 0;
+        printf("%-6s moe_fused_q2s_acc E%d K%d H%d: %s, %d sums left nonzero\n", VARIANT, E, K, H, same ? "moe_fused_q2s's picks and bits" : "NOT moe_fused_q2s's picks and bits", nz);
+        fails += !same || nz;
+        x = xq;
     }
     if (alt && memcmp(x.data(), x2.data(), 4 * H) != 0) { printf("%-6s moe_fused_%s E%d K%d H%d: not moe_fused_q2's bits\n", VARIANT, deep ? "q3" : "q2s", E, K, H); fails++; }
     // qr: the picks and weights are checked against the routing of the logits the launch computed
@@ -579,8 +613,11 @@ static void fold_case(const std::vector<int>& launches, int hkv) {
 // gemv_q2_route (gemv_route.cu): x += W o over G = H / 32 blocks of 512 threads (one row group a
 // warp), then the router's logits on rms_norm(x) * nw from the blocks' parts, summed by the last
 // block to arrive; several launches on one counter, fresh inputs each.
-// fx: gemv_q2_route_fx's fixed-point sums (the accumulators zero before and after each launch)
-static void route_case(int H, int C, int R, int rbits, int launches, int K = 0, bool fx = false) {
+// fx: gemv_q2_route_fx's fixed-point sums (the accumulators zero before and after each launch);
+// acc: gemv_q2_route_acc's (no last block), the logits and top-K then formed by
+// moe_fused_q2s_acc's mf2_route_acc in one warp, the sums zeroed after it as its block 0 does
+static void route_case(int H, int C, int R, int rbits, int launches, int K = 0, bool fx = false, bool acc = false) {
+    fx |= acc;
     Q4 W(H, C, 64), WR(R, H, 64, rbits);
     const int G = H / 32;
     std::vector<float> o(C), x(H), nw(H), part((size_t)G * (R + 1), fx ? 0.f : NAN), lg(R, NAN);
@@ -609,12 +646,20 @@ static void route_case(int H, int C, int R, int rbits, int launches, int K = 0, 
             rt_request(WR.w.data(), WR.sc.data(), WR.bi.data(), rbits, 64, H, R, nw.data(), rw[b].data(), rsb[b].data(), nws[b].data());
             gq_body<4, 2, 2, 2, false, false, false, false, true>(W.w.data(), W.sc.data(), W.bi.data(), 64, o.data(), x.data(), H, C, 0, 1, nullptr, 0.f, xs[b].data(),
                                                                    red[b].data(), 0, 1, ConvEpi{0, 0, 0, 0, 1}, -1, 0, 0, 0, 0, ys[b].data());
-            (fx ? rt_tail<true> : rt_tail<false>)(rw[b].data(), rsb[b].data(), nws[b].data(), rbits, 64, 2, R, H, 1e-6f, part.data(), lg.data(), &ctr, ys[b].data(), vs[b].data(), tot[b].data(),
+            (acc ? rt_tail<RT_ACC> : fx ? rt_tail<RT_FX> : rt_tail<RT_PARTS>)(rw[b].data(), rsb[b].data(), nws[b].data(), rbits, 64, 2, R, H, 1e-6f, part.data(), lg.data(), &ctr, ys[b].data(), vs[b].data(), tot[b].data(),
                     (float*)rw[b].data(), &last[b], rt, chosen[b].data(), wsel[b].data());
         });
+        if (acc) { // moe_fused_q2s_acc's warp 0 (mode 5, renormalized), then its block 0's zeroing
+            std::vector<float> ls(512, NAN), ws(65);
+            std::vector<int> ch(65, -1);
+            emu_launch(1, 32, [&] { mf2_route_acc((const unsigned long long*)part.data(), R - 1, H, 1e-6f, 5, K ? K : 1, 1, ls.data(), ch.data(), ws.data()); });
+            std::copy(ls.begin(), ls.begin() + R, lg.begin());
+            for (int j = 0; j < 2 * R; j++) part[j] = 0.f;
+            if (K) { std::copy(ch.begin(), ch.begin() + K + 1, ids.begin()); std::copy(ws.begin(), ws.begin() + K + 1, wts.begin()); }
+        }
         int lasts = 0; for (int v : last) lasts += v == 1;
         char b[128];
-        const char* form = fx ? "gemv_q2_route_fx" : "gemv_q2_route";
+        const char* form = acc ? "gemv_q2_route_acc" : fx ? "gemv_q2_route_fx" : "gemv_q2_route";
         snprintf(b, sizeof b, "%s H%d C%d R%d q%d launch %d: x", form, H, C, R, rbits, l); report(b, nmse(x.data(), wy));
         snprintf(b, sizeof b, "%s H%d C%d R%d q%d launch %d: logits", form, H, C, R, rbits, l); report(b, nmse(lg.data(), wl));
         if (fx) {
@@ -630,7 +675,8 @@ static void route_case(int H, int C, int R, int rbits, int launches, int K = 0, 
             printf("%-6s gemv_q2_route H%d R%d K%d launch %d: top-K ids %s, weights %.1e\n", VARIANT, H, R, K, l, ok ? "ok" : "WRONG", werr);
             fails += !ok || werr > 1e-6;
         }
-        if (lasts != 1 || ctr != (unsigned long long)G * (l + 1)) { printf("%-6s gemv_q2_route launch %d: %d last blocks, counter %llu\n", VARIANT, l, lasts, ctr); fails++; }
+        if (acc) { if (lasts != 0 || ctr != 0) { printf("%-6s gemv_q2_route_acc launch %d: %d last blocks, counter %llu\n", VARIANT, l, lasts, ctr); fails++; } }
+        else if (lasts != 1 || ctr != (unsigned long long)G * (l + 1)) { printf("%-6s gemv_q2_route launch %d: %d last blocks, counter %llu\n", VARIANT, l, lasts, ctr); fails++; }
     }
 }
 int main() {
@@ -678,6 +724,8 @@ int main() {
     route_case(256, 512, 65, 8, 3, 0, true);
     route_case(128, 256, 257, 4, 2, 8, true);
     route_case(64, 128, 9, 8, 2, 0, true); // two blocks: the fewest the fixed-point form takes
+    route_case(256, 512, 65, 8, 3, 4, false, true);
+    route_case(128, 256, 257, 4, 2, 8, false, true);
     pstep_case(0, 7, 45, 2048);
     pstep_case(0, 0, 64, 512);
     pstep_case(1, 3, 37, 1024, 8);

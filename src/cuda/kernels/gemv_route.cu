@@ -38,6 +38,12 @@
  *   and adds sq in a fixed order. Layout in part (as u64 [R] then f32 [G] at float offset 2 R;
  *   zeroed before the first launch, zero again after every launch). A part's magnitude is clamped
  *   to 2^23 (so G <= 256 sums cannot overflow); resolution 2^-32 (~2.3e-10) absolute.
+ *
+ * Sums left for the MoE (gemv_q2_route_acc, LILY_CUDA_MOE_ROUTER=acc): the fixed-point form
+ *   without the last block. Every block adds its parts and writes its sum of squares as above,
+ *   then leaves: no arrival (ctr unused), no tail. moe_fused_q2s_acc (moe_fused2.cu) forms the
+ *   logits from part and routes in each of its blocks, and its block 0 zeroes the accumulators
+ *   once its blocks have met (every block has read them by then).
  */
 
 #define RT_MAXR 512
@@ -104,14 +110,20 @@ __device__ __forceinline__ u64 rt_fx(float v) {
     return (u64)__float2ll_rn(v * 4294967296.f);
 }
 
+/* The forms of the router's sums: parts added by the last block (gemv_q2_route), fixed point
+   added by the last block (_fx), fixed point left for the MoE (_acc). */
+constexpr int RT_PARTS = 0, RT_FX = 1, RT_ACC = 2;
+
 /* After the GEMV: the block's parts, its arrival, and in the last block the logits. ys: the
    block's 32 new y values (gq_body<YS>); sm: RT_MAXR + 1 floats of scratch (the last block's
-   sums; may alias rw, read before the arrival's barrier); tot: 2 floats; last: 1 int. */
-template <bool FX>
+   sums; may alias rw, read before the arrival's barrier); tot: 2 floats; last: 1 int. SUM
+   RT_ACC: no arrival, nothing after the parts. */
+template <int SUM>
 __device__ __forceinline__ void rt_tail(const u32* rw, const u32* rsb, const float* nws, int bits_r, int group_r,
                                         int ty_r, int R, int H, float eps, float* part, float* logits, u64* ctr,
                                         const float* ys, float* vs, float* tot, float* sm, int* last,
                                         RtRoute rt = RtRoute{}, int* chosen = 0, float* wsel = 0) {
+    constexpr bool FX = SUM != RT_PARTS;
     rt_copy_wait();
     __syncthreads(); /* every warp's rows in ys, every thread's copies landed */
     const int t = threadIdx.x, c0 = 32 * blockIdx.x, P = R + 1;
@@ -138,6 +150,7 @@ __device__ __forceinline__ void rt_tail(const u32* rw, const u32* rsb, const flo
         if (FX) part[2 * R + blockIdx.x] = tot[1];
         else pb[R] = tot[1];
     }
+    if (SUM == RT_ACC) return;
     __syncthreads();
     if (t == 0) {
         __threadfence();
@@ -195,7 +208,7 @@ __device__ __forceinline__ void rt_tail(const u32* rw, const u32* rsb, const flo
     gq_body<B, T, 2, 2, false, false, false, false, true>((const u32*)w, (const u16*)sc, (const u16*)bi, group, x, y, \
                                                           rows, cols, 0, 1, nullptr, 0.f, xs, red, 0, 1,             \
                                                           ConvEpi{0, 0, 0, 0, 1}, -1, 0, 0, 0, 0, ys)
-template <bool FX>
+template <int SUM>
 __device__ __forceinline__ void gemv_q2_route_body(GemvRouteParams_fields) {
     extern __shared__ __align__(16) float xs[]; /* gq_body's staging: cols + cols/EPV floats */
     __shared__ float red[33], ys[32], vs[32], tot[2];
@@ -209,15 +222,19 @@ __device__ __forceinline__ void gemv_q2_route_body(GemvRouteParams_fields) {
     else if (bits == 4) RT_GEMV(4, TY_F16);
     else if (ty == TY_BF16) RT_GEMV(8, TY_BF16);
     else RT_GEMV(8, TY_F16);
-    rt_tail<FX>(rw, rsb, nws, bits_r, group_r, ty_r, R, rows, eps, part, logits, ctr, ys, vs, tot, (float*)rw, &last,
-                RtRoute{ids, wts, K, renorm, mode}, (int*)rsb, (float*)rsb + 128);
+    rt_tail<SUM>(rw, rsb, nws, bits_r, group_r, ty_r, R, rows, eps, part, logits, ctr, ys, vs, tot, (float*)rw, &last,
+                 RtRoute{ids, wts, K, renorm, mode}, (int*)rsb, (float*)rsb + 128);
 }
 extern "C" __global__ void __launch_bounds__(512) gemv_q2_route(GemvRouteParams_fields) {
     TL_SCOPE("gemv_q2_route");
-    gemv_q2_route_body<false>(GemvRouteParams_names);
+    gemv_q2_route_body<RT_PARTS>(GemvRouteParams_names);
 }
 extern "C" __global__ void __launch_bounds__(512) gemv_q2_route_fx(GemvRouteParams_fields) {
     TL_SCOPE("gemv_q2_route_fx");
-    gemv_q2_route_body<true>(GemvRouteParams_names);
+    gemv_q2_route_body<RT_FX>(GemvRouteParams_names);
+}
+extern "C" __global__ void __launch_bounds__(512) gemv_q2_route_acc(GemvRouteParams_fields) {
+    TL_SCOPE("gemv_q2_route_acc");
+    gemv_q2_route_body<RT_ACC>(GemvRouteParams_names);
 }
 #undef RT_GEMV

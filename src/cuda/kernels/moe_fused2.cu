@@ -26,6 +26,13 @@
  *     the top-K already ran in gemv_q2_route's last block (gemv_route.cu), which left it in
  *     ids_out/wts_out; warp 0 reads it from there instead (its own entry point: as a runtime
  *     branch in moe_fused_q2s it spilled 32 bytes).
+ *   - moe_fused_q2s_acc (ACC; LILY_CUDA_MOE_ROUTER=acc): gemv_q2_route_acc (gemv_route.cu) left
+ *     the router's sums in fixed point, not the logits: `logits` points at them (u64 [E + 1],
+ *     then the H / 32 route blocks' sums of squares, f32, at float offset 2 (E + 1)), and warp 0
+ *     of every block forms the logits as gemv_q2_route_fx's last block does (the same bits) and
+ *     routes on them (mf2_route_acc); block 0 publishes the routing in ids_out/wts_out and, past
+ *     the blocks' meeting (each has read the sums before arriving), zeroes the accumulators for
+ *     the next layer's route.
  *   Then, as moe_fused_q: the down rows' first loads are issued before the wait, and gq_body's
  *   moe_down body adds into x
  *   (accumulate = acc: 1 load-add-store, 2 an atomic add, LILY_CUDA_ACC_RED).
@@ -207,9 +214,37 @@ __device__ __forceinline__ void grid_arrive_rel(u64* ctr) {
     if (threadIdx.x == 0) asm volatile("red.release.gpu.global.add.u64 [%0], 1;" ::"l"(ctr) : "memory");
 }
 
+/* ACC: the router's logits from gemv_q2_route_acc's sums into ls (rt_tail's arithmetic, so its
+   bits: the R = E + 1 accumulators at 2^-32, times 1 / sqrt(mean of squares + eps), the G = H / 32
+   sums of squares added lane-strided then across the warp), then the top-K on them. Warp 0. */
+__device__ __forceinline__ void mf2_route_acc(const u64* acc, int E, int H, float eps, int mode, int K, int renorm,
+                                              float* ls, int* chosen, float* wsel) {
+    constexpr int N = 12; /* accumulators a lane loads a round: one round up to R = 384 */
+    const int lane = threadIdx.x & 31, R = E + 1, G = H / 32;
+    const float* sq = (const float*)acc + 2 * R;
+    float q = 0.f;
+    for (int b = lane; b < G; b += 32) q += __ldcg(sq + b);
+    float v[N];
+    for (int j0 = 0; j0 < R; j0 += 32 * N) {
+#pragma unroll
+        for (int i = 0; i < N; i++) {
+            int j = j0 + 32 * i + lane;
+            v[i] = j < R ? (float)((double)(long long)__ldcg(acc + j) * (1.0 / 4294967296.0)) : 0.f;
+        }
+#pragma unroll
+        for (int i = 0; i < N; i++)
+            if (j0 + 32 * i + lane < R) ls[j0 + 32 * i + lane] = v[i];
+    }
+    const float rr = 1.f / sqrtf(warp_sum(q) / (float)H + eps);
+    __syncwarp();
+    for (int j = lane; j < R; j += 32) ls[j] *= rr;
+    __syncwarp();
+    route_warp_smem(mode, ls, E, K, renorm, chosen, wsel);
+}
+
 /* DEEP: mf2_pairs<DEEP> (moe_fused_q3). LS: the logits are in shared memory (moe_fused_qr's router
    wrote them there; the top-K by route_warp_smem). */
-template <int BITS, int TY, bool DEEP = false, bool LS = false, bool SHF = false, bool GIVEN = false>
+template <int BITS, int TY, bool DEEP = false, bool LS = false, bool SHF = false, bool GIVEN = false, bool ACC = false>
 __device__ __forceinline__ void mf2_body(MoeFusedParams_fields, float* xs, float* red, float* wsel, int* chosen,
                                          float* ls, u64* ts) {
     constexpr int EPV = 128 / BITS;
@@ -229,6 +264,8 @@ __device__ __forceinline__ void mf2_body(MoeFusedParams_fields, float* xs, float
                 chosen[threadIdx.x] = ids_out[threadIdx.x];
                 wsel[threadIdx.x] = wts_out[threadIdx.x];
             }
+        } else if (ACC) { /* gemv_q2_route_acc's sums (LILY_CUDA_MOE_ROUTER=acc) */
+            mf2_route_acc((const u64*)logits, E, H, eps, rank, K, renorm, ls, chosen, wsel);
         } else if (LS) {
             route_warp_smem(rank, logits, E, K, renorm, chosen, wsel);
         } else {
@@ -255,12 +292,14 @@ __device__ __forceinline__ void mf2_body(MoeFusedParams_fields, float* xs, float
     gq_body<BITS, TY, MD_NR, MD_U, false, true>((const u32*)wd, (const u16*)sd, (const u16*)bd, group_d, gu, x, H,
                                                 inter, 0, acc, nullptr, 0.f, xs, 0, chosen, K + 1, nc, blockIdx.x,
                                                 gridDim.x, ctr, target, ts ? ts + 4 : nullptr);
+    if (ACC && blockIdx.x == 0) /* past the meeting: every block's reads of the sums are done */
+        for (int j = threadIdx.x; j <= E; j += blockDim.x) __stcg((u64*)logits + j, 0ull);
 }
 
 /* The entry points: moe_fused_q2, moe_fused_q3 = moe_fused_q2 with mf2_pairs<DEEP> (LILY_CUDA_MOE=q3)
    and moe_fused_q2s = moe_fused_q2 with the shared expert's pairs first (SHF, LILY_CUDA_MOE=q2s;
    its body makes the PDL wait, after its first loads): the same grid, counter and result. */
-#define MF2_KERNEL(NAME, DEEP, SHF, GIVEN)                                                                              \
+#define MF2_KERNEL(NAME, DEEP, SHF, GIVEN, ACC)                                                                       \
     extern "C" __global__ void __launch_bounds__(512, 1) NAME(MoeFusedParams_fields) {                               \
         extern __shared__ __align__(16) float xs[];                                                                 \
         __shared__ float red[33], wsel[65], ls[512]; /* ls: route_topk's copy of the logits (E <= 512) */           \
@@ -272,19 +311,20 @@ __device__ __forceinline__ void mf2_body(MoeFusedParams_fields, float* xs, float
             pdl_begin();                                                                                            \
             trace_stamp(ts, 1);                                                                                     \
         }                                                                                                           \
-        if (bits == 4 && ty == TY_BF16) MF2(4, TY_BF16, DEEP, SHF, GIVEN);                                              \
-        else if (bits == 4) MF2(4, TY_F16, DEEP, SHF, GIVEN);                                                           \
-        else if (ty == TY_BF16) MF2(8, TY_BF16, DEEP, SHF, GIVEN);                                                      \
-        else MF2(8, TY_F16, DEEP, SHF, GIVEN);                                                                          \
+        if (bits == 4 && ty == TY_BF16) MF2(4, TY_BF16, DEEP, SHF, GIVEN, ACC);                                              \
+        else if (bits == 4) MF2(4, TY_F16, DEEP, SHF, GIVEN, ACC);                                                           \
+        else if (ty == TY_BF16) MF2(8, TY_BF16, DEEP, SHF, GIVEN, ACC);                                                      \
+        else MF2(8, TY_F16, DEEP, SHF, GIVEN, ACC);                                                                          \
         trace_stamp(ts, 6);                                                                                         \
     }
-#define MF2(B, T, D, SH, GV)                                                                                            \
-    mf2_body<B, T, D, false, SH, GV>(wg, sg, bg, wd, sd, bd, bits, group_g, group_d, ty, x, gu, inter, H, normw, eps,   \
+#define MF2(B, T, D, SH, GV, AC)                                                                                        \
+    mf2_body<B, T, D, false, SH, GV, AC>(wg, sg, bg, wd, sd, bd, bits, group_g, group_d, ty, x, gu, inter, H, normw, eps,   \
                                  logits, E, K, renorm, ids_out, wts_out, ctr, bps, rank, wr, sr, br, bits_r, group_r, \
                                  ty_r, R, trace, fixed, acc, xs, red, wsel, chosen, ls, ts)
-MF2_KERNEL(moe_fused_q2, false, false, false)
-MF2_KERNEL(moe_fused_q3, true, false, false)
-MF2_KERNEL(moe_fused_q2s, false, true, false)
-MF2_KERNEL(moe_fused_q2s_given, false, true, true)
+MF2_KERNEL(moe_fused_q2, false, false, false, false)
+MF2_KERNEL(moe_fused_q3, true, false, false, false)
+MF2_KERNEL(moe_fused_q2s, false, true, false, false)
+MF2_KERNEL(moe_fused_q2s_given, false, true, true, false)
+MF2_KERNEL(moe_fused_q2s_acc, false, true, false, true)
 #undef MF2
 #undef MF2_KERNEL

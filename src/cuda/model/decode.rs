@@ -5,7 +5,8 @@
 
 use super::{gdn_step_args, CudaSession, GFfn, GLayer, GMixer, GState};
 use crate::cuda::ops::{
-    self, gdn_out_fused, router_fused, router_tail, GdnForm, GdnOutProj, GemvRole, GpuLinear, TailTopk,
+    self, gdn_out_fused, route_sums, router_fused, router_tail, GdnForm, GdnOutProj, GemvRole, GpuLinear, RouteSums,
+    RouterTail, TailTopk,
 };
 use crate::cuda::profile;
 use crate::cuda::Gpu;
@@ -217,29 +218,41 @@ impl CudaSession {
 
     /// The router whose logits the out-projection's launch computes ([`Gpu::gemv_route`]; the
     /// default, `LILY_CUDA_MOE_ROUTER=launch` not): where the layer's MoE is the one-launch form
-    /// that reads its logits from memory (neither `LILY_CUDA_MOE=qr` nor `=fused`).
-    fn route_tail<'a>(&self, layer: &'a GLayer) -> Option<&'a GpuLinear> {
+    /// that reads its logits from memory (neither `LILY_CUDA_MOE=qr` nor `=fused`), and what
+    /// the launch leaves ([`router_tail`]; `acc` only where the MoE is the q2s form, which reads
+    /// the sums, else the default `tailk`).
+    fn route_tail<'a>(&self, layer: &'a GLayer) -> Option<(&'a GpuLinear, RouterTail)> {
         let (g, c) = (&self.model.gpu, &self.model.cfg);
         let GFfn::Moe { router, experts, .. } = &layer.ffn else { return None };
-        let moe = g.moe_fused_ok(&experts.gate_up, &experts.down, c.num_experts, c.num_experts_per_tok);
-        let on = router_tail().is_some() && self.fused && self.routed && experts.shared_slot && moe;
-        router.fused.as_ref().filter(|_| on && self.moe_form != ops::MoeForm::Qr && !router_fused())
+        let (gu, dn, e, k) = (&experts.gate_up, &experts.down, c.num_experts, c.num_experts_per_tok);
+        let on = self.fused && self.routed && experts.shared_slot && g.moe_fused_ok(gu, dn, e, k);
+        let r = router.fused.as_ref().filter(|_| on && self.moe_form != ops::MoeForm::Qr && !router_fused())?;
+        let q2s = self.moe_form == ops::MoeForm::Q2s && g.moe_fused_q2_ok(gu, dn, e, k);
+        match router_tail()? {
+            RouterTail::Acc if !q2s => Some((r, RouterTail::Topk)),
+            t => Some((r, t)),
+        }
     }
 
-    /// The out-projection into the residual stream, `x += W o`; with `tail` (the layer's router,
-    /// [`Self::route_tail`]) also the router's logits on the new x, where the kernel takes the
-    /// shapes, and (tailk, the default) the MoE's top-k into `ids`/`wts`. Returns
-    /// None when it computed no logits, else whether it ran the top-k.
-    fn out_proj(&self, w: &GpuLinear, tail: Option<&GpuLinear>, post_norm: (u64, f32)) -> Result<Option<bool>> {
+    /// The out-projection into the residual stream, `x += W o`; with `tail` (the layer's router
+    /// and form, [`Self::route_tail`]) also the router on the new x, where the kernel takes the
+    /// shapes: its logits, and (tailk, the default) the MoE's top-k into `ids`/`wts`, or (acc)
+    /// its sums in `rpart` for the MoE. Returns what it left (None: nothing of the router).
+    fn out_proj(
+        &self,
+        w: &GpuLinear,
+        tail: Option<(&GpuLinear, RouterTail)>,
+        post_norm: (u64, f32),
+    ) -> Result<Option<RouterTail>> {
         let (g, s, c) = (&self.model.gpu, self.scratch.as_ref().context("session scratch")?, &self.model.cfg);
-        match tail.filter(|r| post_norm.0 != 0 && g.gemv_route_ok(w, r)) {
-            Some(r) => {
+        match tail.filter(|(r, _)| post_norm.0 != 0 && g.gemv_route_ok(w, r)) {
+            Some((r, form)) => {
                 let (part, ctr) = (s.rpart.ptr, s.sync_route.ptr);
                 let (k, renorm) = (c.num_experts_per_tok, c.norm_topk_prob);
-                let topk =
-                    (router_tail() == Some(true)).then_some(TailTopk { ids: s.ids.ptr, wts: s.wts.ptr, k, renorm });
-                g.gemv_route(w, s.o.ptr, s.x.ptr, r, post_norm, part, s.router.ptr, ctr, topk)?;
-                Ok(Some(topk.is_some()))
+                let topk = (form == RouterTail::Topk).then_some(TailTopk { ids: s.ids.ptr, wts: s.wts.ptr, k, renorm });
+                let sums = if form == RouterTail::Acc { RouteSums::Acc } else { route_sums() };
+                g.gemv_route_form(w, s.o.ptr, s.x.ptr, r, post_norm, (part, sums), s.router.ptr, ctr, topk)?;
+                Ok(Some(form))
             }
             None => g.gemv_as(GemvRole::Out, w, s.o.ptr, s.x.ptr, true, (0, 0.0)).map(|_| None),
         }
@@ -373,10 +386,15 @@ impl CudaSession {
                         }
                         _ => ops::MoeForm::Q,
                     };
-                    // the out-projection's last block ran the top-k (LILY_CUDA_MOE_ROUTER=tailk)
-                    let form = match form {
-                        ops::MoeForm::Q2s if routed == Some(true) => ops::MoeForm::Q2sGiven,
-                        f => f,
+                    // the out-projection's last block ran the top-k (LILY_CUDA_MOE_ROUTER=tailk),
+                    // or its blocks left the router's sums (=acc) in rpart
+                    let (form, route) = match (form, routed) {
+                        (ops::MoeForm::Q2s, Some(RouterTail::Topk)) => (ops::MoeForm::Q2sGiven, route),
+                        (ops::MoeForm::Q2s, Some(RouterTail::Acc)) => {
+                            (ops::MoeForm::Q2sAcc, (s.rpart.ptr, e, k, route.3))
+                        }
+                        (f, Some(RouterTail::Acc)) => bail!("the router's sums were left for a MoE of the {f:?} form"),
+                        (f, _) => (f, route),
                     };
                     g.moe_fused(gu, dn, fr, s.x.ptr, post_norm, s.egu.ptr, route, ids, s.sync.ptr, trace, form)?;
                 } else {

@@ -45,7 +45,11 @@ pub(super) fn route_rank() -> i32 {
 /// layer), or `moe_fused_q` (gemv.cu; `LILY_CUDA_MOE=q`, and where q2 does not take the shape
 /// or the router is fused). `Q2sGiven` (`moe_fused_q2s_given`, not an `LILY_CUDA_MOE` setting)
 /// is q2s with the routing already in `ids`/`wts` (the top-k that [`Gpu::gemv_route`]'s last block
-/// ran, `LILY_CUDA_MOE_ROUTER=tailk`) instead of computing it from the logits.
+/// ran, `LILY_CUDA_MOE_ROUTER=tailk`) instead of computing it from the logits. `Q2sAcc`
+/// (`moe_fused_q2s_acc`, `LILY_CUDA_MOE_ROUTER=acc`) is q2s whose `logits` are the router's sums
+/// as [`Gpu::gemv_route_form`] leaves them in [`super::RouteSums::Acc`] (u64 `[e + 1]`, then the
+/// H / 32 route blocks' f32 sums of squares): each block forms the logits and routes; block 0
+/// zeroes the sums after the blocks' meeting.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum MoeForm {
     Q,
@@ -53,6 +57,7 @@ pub enum MoeForm {
     Q3,
     Q2s,
     Q2sGiven,
+    Q2sAcc,
     Qr,
 }
 
@@ -247,10 +252,13 @@ impl Gpu {
         if !self.moe_fused_ok(gate_up, down, e, k) {
             bail!("moe_fused: experts of this shape or format are not fused");
         }
-        if matches!(form, MoeForm::Q2 | MoeForm::Q3 | MoeForm::Q2s | MoeForm::Q2sGiven)
+        if matches!(form, MoeForm::Q2 | MoeForm::Q3 | MoeForm::Q2s | MoeForm::Q2sGiven | MoeForm::Q2sAcc)
             && (router.is_some() || normw == 0 || !self.moe_fused_q2_ok(gate_up, down, e, k))
         {
             bail!("moe_fused_q2/q3/q2s: this router, input or expert shape is not taken");
+        }
+        if form == MoeForm::Q2sAcc && (!gate_up.cols.is_multiple_of(32) || gate_up.cols < 64 || e + 1 >= 512) {
+            bail!("moe_fused_q2s_acc: route sums of {} experts over {} columns are not taken", e, gate_up.cols);
         }
         if form == MoeForm::Qr && (normw == 0 || !router.is_some_and(|r| self.moe_fused_qr_ok(gate_up, down, r, e, k)))
         {
@@ -325,6 +333,7 @@ impl Gpu {
             let name = match form {
                 MoeForm::Q3 => "moe_fused_q3",
                 MoeForm::Q2sGiven => "moe_fused_q2s_given",
+                MoeForm::Q2sAcc => "moe_fused_q2s_acc",
                 MoeForm::Q2s => "moe_fused_q2s",
                 _ => "moe_fused_q2",
             };

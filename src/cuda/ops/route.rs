@@ -12,25 +12,55 @@ use anyhow::{bail, Result};
 /// words, the block's rows and norm weights (ptxas: 21,504 bytes).
 const ROUTE_STATIC_SMEM: usize = 22 * 1024;
 
-/// Whether the decode step computes the router in the out-projection's tail: `Some(true)` with
-/// the MoE's top-k too (the default since session 48, `LILY_CUDA_MOE_ROUTER=tailk`: +0.9% at 4K
-/// on an H100), `Some(false)` the logits alone (`=tail`, +0.7%), None the router's own launch
-/// (`=launch`, or `=fused`: [`super::router_fused`]).
-pub fn router_tail() -> Option<bool> {
-    static V: std::sync::OnceLock<Option<bool>> = std::sync::OnceLock::new();
+/// What the out-projection's launch leaves the MoE when it computes the router ([`router_tail`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RouterTail {
+    /// The logits (`LILY_CUDA_MOE_ROUTER=tail`, +0.7% at 4K on an H100 over the router's own
+    /// launch).
+    Logits,
+    /// The logits and the MoE's top-k, run by the last block (`=tailk`, the default since
+    /// session 48: +0.9%).
+    Topk,
+    /// The router's sums in fixed point, with no last block: each MoE block forms the logits and
+    /// routes (`=acc`: `gemv_q2_route_acc` and `moe_fused_q2s_acc`).
+    Acc,
+}
+
+/// Whether the decode step computes the router in the out-projection's launch, and what that
+/// launch leaves ([`RouterTail`]); None: the router's own launch (`LILY_CUDA_MOE_ROUTER=launch`,
+/// or `=fused`: [`super::router_fused`]).
+pub fn router_tail() -> Option<RouterTail> {
+    static V: std::sync::OnceLock<Option<RouterTail>> = std::sync::OnceLock::new();
     *V.get_or_init(|| match std::env::var("LILY_CUDA_MOE_ROUTER").as_deref() {
-        Err(_) | Ok("tailk") => Some(true),
-        Ok("tail") => Some(false),
+        Err(_) | Ok("tailk") => Some(RouterTail::Topk),
+        Ok("tail") => Some(RouterTail::Logits),
+        Ok("acc") => Some(RouterTail::Acc),
         _ => None,
     })
 }
 
-/// Whether gemv_q2_route's blocks add their logit parts into fixed-point accumulators
-/// (`gemv_q2_route_fx`, the default since session 50: +2.0% / +2.2% / +1.7% decode at 256 / 4K /
-/// 32K on an H200) instead of writing them for the last block to add (`LILY_CUDA_ROUTE_SUM=parts`).
-pub fn route_sum_fx() -> bool {
-    static V: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *V.get_or_init(|| std::env::var("LILY_CUDA_ROUTE_SUM").map_or(true, |v| v != "parts"))
+/// The form of gemv_q2_route's router sums (kernels/gemv_route.cu).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RouteSums {
+    /// Each block writes its parts; the last block adds them in block order (`gemv_q2_route`).
+    Parts,
+    /// Each block adds its parts into fixed-point accumulators, which the last block reads and
+    /// zeroes (`gemv_q2_route_fx`).
+    Fx,
+    /// The fixed-point accumulators with no last block: left for [`super::MoeForm::Q2sAcc`]
+    /// (`gemv_q2_route_acc`), which zeroes them.
+    Acc,
+}
+
+/// The last block's form of the router sums: [`RouteSums::Fx`] (the default since session 50:
+/// +2.0% / +2.2% / +1.7% decode at 256 / 4K / 32K on an H200) or [`RouteSums::Parts`]
+/// (`LILY_CUDA_ROUTE_SUM=parts`).
+pub fn route_sums() -> RouteSums {
+    static V: std::sync::OnceLock<RouteSums> = std::sync::OnceLock::new();
+    *V.get_or_init(|| match std::env::var("LILY_CUDA_ROUTE_SUM").as_deref() {
+        Ok("parts") => RouteSums::Parts,
+        _ => RouteSums::Fx,
+    })
 }
 
 /// The MoE's top-k for [`Gpu::gemv_route`]'s last block: `k` routed experts of the router's
@@ -70,7 +100,7 @@ impl Gpu {
     /// `[H / 32, router.rows + 1]` floats; `ctr` is a zeroed u64 that only launches of this H use.
     /// With `topk` the last block also runs the MoE's top-k into its `ids`/`wts` `[k + 1]` (for
     /// [`Gpu::moe_fused`] in [`crate::cuda::MoeForm::Q2sGiven`]). The form of the sums is
-    /// [`route_sum_fx`]'s; `part` must be zero before the first fixed-point launch (it is left
+    /// [`route_sums`]'s; `part` must be zero before the first fixed-point launch (it is left
     /// zero again after each).
     #[allow(clippy::too_many_arguments)]
     pub fn gemv_route(
@@ -85,10 +115,12 @@ impl Gpu {
         ctr: u64,
         topk: Option<TailTopk>,
     ) -> Result<()> {
-        self.gemv_route_form(w, x, y, router, norm, (part, route_sum_fx()), logits, ctr, topk)
+        self.gemv_route_form(w, x, y, router, norm, (part, route_sums()), logits, ctr, topk)
     }
 
-    /// [`Gpu::gemv_route`] with the sums' form given: `(part, fx)`.
+    /// [`Gpu::gemv_route`] with the sums' form given: `(part, sums)`. [`RouteSums::Acc`] leaves
+    /// the sums in `part` (u64 `[R]`, then f32 `[H / 32]` at float offset 2R) for
+    /// [`crate::cuda::MoeForm::Q2sAcc`] and writes neither `logits` nor `ctr`, with no top-k.
     #[allow(clippy::too_many_arguments)]
     pub fn gemv_route_form(
         &self,
@@ -97,12 +129,15 @@ impl Gpu {
         y: u64,
         router: &GpuLinear,
         (nw, eps): (u64, f32),
-        (part, fx): (u64, bool),
+        (part, sums): (u64, RouteSums),
         logits: u64,
         ctr: u64,
         topk: Option<TailTopk>,
     ) -> Result<()> {
-        if fx && w.rows / 32 < 2 {
+        if sums == RouteSums::Acc && topk.is_some() {
+            bail!("gemv_route: the sums left for the MoE take no top-k");
+        }
+        if sums != RouteSums::Parts && w.rows / 32 < 2 {
             bail!("gemv_route: fixed-point sums need two blocks or more (H {} < 64)", w.rows);
         }
         if topk.is_some_and(|t| t.k == 0 || t.k + 1 > router.rows || t.k > 32) {
@@ -150,7 +185,11 @@ impl Gpu {
             renorm: topk.is_some_and(|t| t.renorm) as i32,
             mode: super::moe::route_rank(),
         };
-        let name = if fx { "gemv_q2_route_fx" } else { "gemv_q2_route" };
+        let name = match sums {
+            RouteSums::Parts => "gemv_q2_route",
+            RouteSums::Fx => "gemv_q2_route_fx",
+            RouteSums::Acc => "gemv_q2_route_acc",
+        };
         self.launch_params(name, ((w.rows / 32) as u32, 1, 1), 512, w.stream_smem(), &a)
     }
 }
