@@ -97,7 +97,7 @@ static void q2_case(int E, int K, int H, int inter, int G, int rank, bool deep =
         if (router_bits) { emu_cluster = 8; /* QR_CS */ for (int b = 0; b < G; b++) emu_cl_base[b] = ls[b].data(); }
         emu_launch(G, 512, [&] {
             int b = blockIdx.x;
-#define Q2_ARGS(LG) GU.w.data(), GU.sc.data(), GU.bi.data(), DN.w.data(), DN.sc.data(), DN.bi.data(), 4, 64, 64, 2, x.data(), gu.data(), inter, H, nw.data(), 1e-6f, LG, E, K, renorm, ids.data(), wts.data(), ctr + 1, 1, rank, nullptr, nullptr, nullptr, 0, 0, 0, 0, nullptr, 0, 1, xs[b].data(), red[b].data(), wsel[b].data(), chosen[b].data(), ls[b].data(), nullptr
+#define Q2_ARGS(LG) GU.w.data(), GU.sc.data(), GU.bi.data(), DN.w.data(), DN.sc.data(), DN.bi.data(), 4, 64, 64, 2, x.data(), gu.data(), inter, H, nw.data(), 1e-6f, LG, E, K, renorm, ids.data(), wts.data(), ctr + 1, 1, rank, nullptr, nullptr, nullptr, 0, 0, 0, 0, nullptr, 0, 1, H / 32, xs[b].data(), red[b].data(), wsel[b].data(), chosen[b].data(), ls[b].data(), nullptr
             if (router_bits == 8) qr_router<8, 2>(WR.w.data(), WR.sc.data(), WR.bi.data(), 64, E + 1, H, x.data(), nw.data(), 1e-6f, lg_out.data(), xs[b].data(), red[b].data(), ls[b].data());
             if (router_bits == 4) qr_router<4, 2>(WR.w.data(), WR.sc.data(), WR.bi.data(), 64, E + 1, H, x.data(), nw.data(), 1e-6f, lg_out.data(), xs[b].data(), red[b].data(), ls[b].data());
             if (router_bits) mf2_body<4, 2, false, true>(Q2_ARGS(ls[b].data()));
@@ -114,7 +114,7 @@ static void q2_case(int E, int K, int H, int inter, int G, int rank, bool deep =
         emu_launch(G, 512, [&] {
             int b = blockIdx.x;
             mf2_body<4, 2, false, false, true, true>(GU.w.data(), GU.sc.data(), GU.bi.data(), DN.w.data(), DN.sc.data(), DN.bi.data(), 4, 64, 64, 2, x.data(), gu.data(), inter, H, nw.data(), 1e-6f,
-                nullptr, E, K, renorm, ids.data(), wts.data(), ctr + 1, 1, rank, nullptr, nullptr, nullptr, 0, 0, 0, 0, nullptr, 0, 1, xs[b].data(), red[b].data(), wsel[b].data(), chosen[b].data(), ls[b].data(), nullptr);
+                nullptr, E, K, renorm, ids.data(), wts.data(), ctr + 1, 1, rank, nullptr, nullptr, nullptr, 0, 0, 0, 0, nullptr, 0, 1, H / 32, xs[b].data(), red[b].data(), wsel[b].data(), chosen[b].data(), ls[b].data(), nullptr);
         });
         if (memcmp(x.data(), xq.data(), 4 * H) != 0) { printf("%-6s moe_fused_q2s_given E%d K%d H%d: not moe_fused_q2s's bits\n", VARIANT, E, K, H); fails++; }
         else printf("%-6s moe_fused_q2s_given E%d K%d H%d: moe_fused_q2s's bits\n", VARIANT, E, K, H);
@@ -140,7 +140,7 @@ static void q2_case(int E, int K, int H, int inter, int G, int rank, bool deep =
             x = x0; std::fill(gu.begin(), gu.end(), NAN); std::fill(ids.begin(), ids.end(), -1);
             emu_launch(G, 512, [&] {
                 int b = blockIdx.x;
-#define Q2_ARGS(LG) GU.w.data(), GU.sc.data(), GU.bi.data(), DN.w.data(), DN.sc.data(), DN.bi.data(), 4, 64, 64, 2, x.data(), gu.data(), inter, H, nw.data(), 1e-6f, LG, E, K, renorm, ids.data(), wts.data(), ctr + 1, 1, rank, nullptr, nullptr, nullptr, 0, 0, 0, 0, nullptr, 0, 1, xs[b].data(), red[b].data(), wsel[b].data(), chosen[b].data(), ls[b].data(), nullptr
+#define Q2_ARGS(LG) GU.w.data(), GU.sc.data(), GU.bi.data(), DN.w.data(), DN.sc.data(), DN.bi.data(), 4, 64, 64, 2, x.data(), gu.data(), inter, H, nw.data(), 1e-6f, LG, E, K, renorm, ids.data(), wts.data(), ctr + 1, 1, rank, nullptr, nullptr, nullptr, 0, 0, 0, 0, nullptr, 0, 1, H / 32, xs[b].data(), red[b].data(), wsel[b].data(), chosen[b].data(), ls[b].data(), nullptr
                 if (pass == 0) mf2_body<4, 2, false, false, true>(Q2_ARGS(lg2.data()));
                 else mf2_body<4, 2, false, false, true, false, true>(Q2_ARGS((float*)acc.data()));
 #undef Q2_ARGS
@@ -615,11 +615,12 @@ static void fold_case(const std::vector<int>& launches, int hkv) {
 // block to arrive; several launches on one counter, fresh inputs each.
 // fx: gemv_q2_route_fx's fixed-point sums (the accumulators zero before and after each launch);
 // acc: gemv_q2_route_acc's (no last block), the logits and top-K then formed by
-// moe_fused_q2s_acc's mf2_route_acc in one warp, the sums zeroed after it as its block 0 does
-static void route_case(int H, int C, int R, int rbits, int launches, int K = 0, bool fx = false, bool acc = false) {
+// moe_fused_q2s_acc's mf2_route_acc in one warp, the sums zeroed after it as its block 0 does;
+// rb 16: gemv_q2_route16_*'s blocks of 16 rows (fixed-point forms only)
+static void route_case(int H, int C, int R, int rbits, int launches, int K = 0, bool fx = false, bool acc = false, int rb = 32) {
     fx |= acc;
     Q4 W(H, C, 64), WR(R, H, 64, rbits);
-    const int G = H / 32;
+    const int G = H / rb;
     std::vector<float> o(C), x(H), nw(H), part((size_t)G * (R + 1), fx ? 0.f : NAN), lg(R, NAN);
     for (auto& v : nw) v = 1.f + 0.5f * U();
     unsigned long long ctr = 0;
@@ -643,23 +644,24 @@ static void route_case(int H, int C, int R, int rbits, int launches, int K = 0, 
         if (K) rt = RtRoute{ids.data(), wts.data(), K, 1, 5};
         emu_launch(G, 512, [&] {
             int b = blockIdx.x;
-            rt_request(WR.w.data(), WR.sc.data(), WR.bi.data(), rbits, 64, H, R, nw.data(), rw[b].data(), rsb[b].data(), nws[b].data());
-            gq_body<4, 2, 2, 2, false, false, false, false, true>(W.w.data(), W.sc.data(), W.bi.data(), 64, o.data(), x.data(), H, C, 0, 1, nullptr, 0.f, xs[b].data(),
-                                                                   red[b].data(), 0, 1, ConvEpi{0, 0, 0, 0, 1}, -1, 0, 0, 0, 0, ys[b].data());
-            (acc ? rt_tail<RT_ACC> : fx ? rt_tail<RT_FX> : rt_tail<RT_PARTS>)(rw[b].data(), rsb[b].data(), nws[b].data(), rbits, 64, 2, R, H, 1e-6f, part.data(), lg.data(), &ctr, ys[b].data(), vs[b].data(), tot[b].data(),
+            (rb == 16 ? rt_request<16> : rt_request<32>)(WR.w.data(), WR.sc.data(), WR.bi.data(), rbits, 64, H, R, nw.data(), rw[b].data(), rsb[b].data(), nws[b].data());
+            (rb == 16 ? gq_body<4, 2, 1, 2, false, false, false, false, true> : gq_body<4, 2, 2, 2, false, false, false, false, true>)(
+                W.w.data(), W.sc.data(), W.bi.data(), 64, o.data(), x.data(), H, C, 0, 1, nullptr, 0.f, xs[b].data(),
+                red[b].data(), 0, 1, ConvEpi{0, 0, 0, 0, 1}, -1, 0, 0, 0, 0, ys[b].data());
+            (rb == 16 ? (acc ? rt_tail<RT_ACC, 16> : rt_tail<RT_FX, 16>) : acc ? rt_tail<RT_ACC> : fx ? rt_tail<RT_FX> : rt_tail<RT_PARTS>)(rw[b].data(), rsb[b].data(), nws[b].data(), rbits, 64, 2, R, H, 1e-6f, part.data(), lg.data(), &ctr, ys[b].data(), vs[b].data(), tot[b].data(),
                     (float*)rw[b].data(), &last[b], rt, chosen[b].data(), wsel[b].data());
         });
         if (acc) { // moe_fused_q2s_acc's warp 0 (mode 5, renormalized), then its block 0's zeroing
             std::vector<float> ls(512, NAN), ws(65);
             std::vector<int> ch(65, -1);
-            emu_launch(1, 32, [&] { mf2_route_acc((const unsigned long long*)part.data(), R - 1, H, 1e-6f, 5, K ? K : 1, 1, ls.data(), ch.data(), ws.data()); });
+            emu_launch(1, 32, [&] { mf2_route_acc((const unsigned long long*)part.data(), R - 1, H, G, 1e-6f, 5, K ? K : 1, 1, ls.data(), ch.data(), ws.data()); });
             std::copy(ls.begin(), ls.begin() + R, lg.begin());
             for (int j = 0; j < 2 * R; j++) part[j] = 0.f;
             if (K) { std::copy(ch.begin(), ch.begin() + K + 1, ids.begin()); std::copy(ws.begin(), ws.begin() + K + 1, wts.begin()); }
         }
         int lasts = 0; for (int v : last) lasts += v == 1;
         char b[128];
-        const char* form = acc ? "gemv_q2_route_acc" : fx ? "gemv_q2_route_fx" : "gemv_q2_route";
+        const char* form = rb == 16 ? (acc ? "gemv_q2_route16_acc" : "gemv_q2_route16_fx") : acc ? "gemv_q2_route_acc" : fx ? "gemv_q2_route_fx" : "gemv_q2_route";
         snprintf(b, sizeof b, "%s H%d C%d R%d q%d launch %d: x", form, H, C, R, rbits, l); report(b, nmse(x.data(), wy));
         snprintf(b, sizeof b, "%s H%d C%d R%d q%d launch %d: logits", form, H, C, R, rbits, l); report(b, nmse(lg.data(), wl));
         if (fx) {
@@ -726,6 +728,8 @@ int main() {
     route_case(64, 128, 9, 8, 2, 0, true); // two blocks: the fewest the fixed-point form takes
     route_case(256, 512, 65, 8, 3, 4, false, true);
     route_case(128, 256, 257, 4, 2, 8, false, true);
+    route_case(256, 512, 65, 8, 3, 4, true, false, 16); // 16-row blocks: 16 columns of 8 bits a part (16 bytes)
+    route_case(128, 256, 257, 4, 2, 8, false, true, 16); // and of 4 bits (8 bytes)
     pstep_case(0, 7, 45, 2048);
     pstep_case(0, 0, 64, 512);
     pstep_case(1, 3, 37, 1024, 8);

@@ -170,5 +170,6 @@ inline void ll_load(const unsigned long long* p, unsigned tag, float (&v)[N]) {
 }
 /* gemv_route.cu's cp.async requests: plain copies (rt_copy_wait then has nothing to wait for) */
 inline void rt_copy16(void* d, const void* s) { memcpy(d, s, 16); }
+inline void rt_copy8(void* d, const void* s) { memcpy(d, s, 8); }
 inline void rt_copy4(void* d, const void* s) { memcpy(d, s, 4); }
 inline void rt_copy_wait() {}

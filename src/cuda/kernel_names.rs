@@ -174,7 +174,7 @@ fn skinny_occ2() -> bool {
 /// Kernels that call `pdl_wait()` before touching activations (kernels/common.cuh) and so may be
 /// launched as programmatic dependents: their launch and weight reads overlap the previous
 /// kernel's tail. The gemm_skinny entry points are such kernels too (see [`is_pdl`]).
-pub const PDL_KERNELS: [&str; 83] = [
+pub const PDL_KERNELS: [&str; 85] = [
     "gemm_wsp128",
     "gemm_wsp256",
     "gemm_wsp128_q8",
@@ -203,6 +203,8 @@ pub const PDL_KERNELS: [&str; 83] = [
     "gemv_q2_route",
     "gemv_q2_route_fx",
     "gemv_q2_route_acc",
+    "gemv_q2_route16_fx",
+    "gemv_q2_route16_acc",
     "moe_fused_qr",
     "gdn_in_step_cl",
     "gemv_q2_conv",

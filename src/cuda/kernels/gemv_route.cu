@@ -44,14 +44,23 @@
  *   then leaves: no arrival (ctr unused), no tail. moe_fused_q2s_acc (moe_fused2.cu) forms the
  *   logits from part and routes in each of its blocks, and its block 0 zeroes the accumulators
  *   once its blocks have met (every block has read them by then).
+ *
+ * Blocks of 16 rows (gemv_q2_route16_fx, gemv_q2_route16_acc; LILY_CUDA_ROUTE_ROWS=16): one row a
+ *   warp (gq_body with NR = 1), so the grid is G = H / 16 (Qwen3.6: 128 of the 132 SMs, where
+ *   blocks of 32 rows leave half the SMs idle) and a block's parts cover 16 columns (RB below:
+ *   the block's rows, 32 or 16).
  */
 
 #define RT_MAXR 512
 
-/* cp.async into shared memory: 16 bytes (codes, norm weights) or the 4-byte word holding a
-   scale or bias; waited for by rt_copy_wait. */
+/* cp.async into shared memory: 16 bytes (codes, norm weights), 8 (a 16-row block's 4-bit
+   codes) or the 4-byte word holding a scale or bias; waited for by rt_copy_wait. */
 __device__ __forceinline__ void rt_copy16(void* dst, const void* src) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"((u32)__cvta_generic_to_shared(dst)), "l"(src)
+                 : "memory");
+}
+__device__ __forceinline__ void rt_copy8(void* dst, const void* src) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 8;\n" ::"r"((u32)__cvta_generic_to_shared(dst)), "l"(src)
                  : "memory");
 }
 __device__ __forceinline__ void rt_copy4(void* dst, const void* src) {
@@ -60,14 +69,18 @@ __device__ __forceinline__ void rt_copy4(void* dst, const void* src) {
 }
 __device__ __forceinline__ void rt_copy_wait() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
 
-/* The requests before the wait: rw[8 j ..] router row j's codes of columns c0 .. c0 + 31,
+/* The requests before the wait: rw[8 j ..] router row j's codes of columns c0 .. c0 + RB - 1,
    rsb[2 j], rsb[2 j + 1] the words holding its scale and bias, nws the norm weights. */
+template <int RB>
 __device__ __forceinline__ void rt_request(const u32* wr, const u16* sr, const u16* br, int bits, int group, int H,
                                            int R, const float* nw, u32* rw, u32* rsb, float* nws) {
-    const int j = threadIdx.x, c0 = 32 * blockIdx.x;
+    const int j = threadIdx.x, c0 = RB * blockIdx.x;
     if (j < R) {
         const u32* src = wr + (long long)j * (H * bits / 32) + c0 * bits / 32;
-        for (int q = 0; q < bits / 4; q++) rt_copy16(rw + 8 * j + 4 * q, src + 4 * q);
+        if (RB * bits < 128) /* 16 columns of 4 bits: 8 bytes */
+            rt_copy8(rw + 8 * j, src);
+        else
+            for (int q = 0; q < RB * bits / 128; q++) rt_copy16(rw + 8 * j + 4 * q, src + 4 * q);
         long long gi = (long long)j * (H / group) + c0 / group, n = (long long)R * (H / group);
         if ((gi & 1) || gi + 1 < n) { /* the aligned word holding it lies inside the array */
             rt_copy4(rsb + 2 * j, sr + (gi & ~1ll));
@@ -77,16 +90,16 @@ __device__ __forceinline__ void rt_request(const u32* wr, const u16* sr, const u
             rsb[2 * j + 1] = br[gi];
         }
     }
-    if (j < 8) rt_copy16(nws + 4 * j, nw + c0 + 4 * j);
+    if (j < RB / 4) rt_copy16(nws + 4 * j, nw + c0 + 4 * j);
 }
 
-/* sum_i q_i v_i over the 32 codes of one row (BITS bits each, code k of a word at bits BITS k) */
-template <int BITS>
+/* sum_i q_i v_i over the RB codes of one row (BITS bits each, code k of a word at bits BITS k) */
+template <int BITS, int RB>
 __device__ __forceinline__ float rt_dot(const u32* rw, const float* v) {
     constexpr int PER = 32 / BITS;
     float a = 0.f;
 #pragma unroll
-    for (int w = 0; w < BITS; w++) {
+    for (int w = 0; w < RB * BITS / 32; w++) {
         u32 word = rw[w];
 #pragma unroll
         for (int k = 0; k < PER; k++) a += (float)((word >> (BITS * k)) & ((1u << BITS) - 1)) * v[w * PER + k];
@@ -115,10 +128,10 @@ __device__ __forceinline__ u64 rt_fx(float v) {
 constexpr int RT_PARTS = 0, RT_FX = 1, RT_ACC = 2;
 
 /* After the GEMV: the block's parts, its arrival, and in the last block the logits. ys: the
-   block's 32 new y values (gq_body<YS>); sm: RT_MAXR + 1 floats of scratch (the last block's
+   block's RB new y values (gq_body<YS>); sm: RT_MAXR + 1 floats of scratch (the last block's
    sums; may alias rw, read before the arrival's barrier); tot: 2 floats; last: 1 int. SUM
-   RT_ACC: no arrival, nothing after the parts. */
-template <int SUM>
+   RT_ACC: no arrival, nothing after the parts. RB: the block's rows (32 or 16). */
+template <int SUM, int RB = 32>
 __device__ __forceinline__ void rt_tail(const u32* rw, const u32* rsb, const float* nws, int bits_r, int group_r,
                                         int ty_r, int R, int H, float eps, float* part, float* logits, u64* ctr,
                                         const float* ys, float* vs, float* tot, float* sm, int* last,
@@ -126,9 +139,9 @@ __device__ __forceinline__ void rt_tail(const u32* rw, const u32* rsb, const flo
     constexpr bool FX = SUM != RT_PARTS;
     rt_copy_wait();
     __syncthreads(); /* every warp's rows in ys, every thread's copies landed */
-    const int t = threadIdx.x, c0 = 32 * blockIdx.x, P = R + 1;
+    const int t = threadIdx.x, c0 = RB * blockIdx.x, P = R + 1;
     if (t < 32) {
-        float yv = ys[t], v = yv * nws[t];
+        float yv = t < RB ? ys[t] : 0.f, v = t < RB ? yv * nws[t] : 0.f;
         vs[t] = v;
         float sv = warp_sum(v), sq = warp_sum(yv * yv);
         if (t == 0) {
@@ -139,7 +152,7 @@ __device__ __forceinline__ void rt_tail(const u32* rw, const u32* rsb, const flo
     __syncthreads();
     float* pb = part + (long long)blockIdx.x * P;
     if (t < R) {
-        float d = bits_r == 4 ? rt_dot<4>(rw + 8 * t, vs) : rt_dot<8>(rw + 8 * t, vs);
+        float d = bits_r == 4 ? rt_dot<4, RB>(rw + 8 * t, vs) : rt_dot<8, RB>(rw + 8 * t, vs);
         int half = (int)(((long long)t * (H / group_r) + c0 / group_r) & 1);
         float s = half_bits((rsb[2 * t] >> (16 * half)) & 0xFFFFu, ty_r);
         float b = half_bits((rsb[2 * t + 1] >> (16 * half)) & 0xFFFFu, ty_r);
@@ -205,10 +218,10 @@ __device__ __forceinline__ void rt_tail(const u32* rw, const u32* rsb, const flo
 }
 
 #define RT_GEMV(B, T)                                                                                               \
-    gq_body<B, T, 2, 2, false, false, false, false, true>((const u32*)w, (const u16*)sc, (const u16*)bi, group, x, y, \
+    gq_body<B, T, RB / 16, 2, false, false, false, false, true>((const u32*)w, (const u16*)sc, (const u16*)bi, group, x, y, \
                                                           rows, cols, 0, 1, nullptr, 0.f, xs, red, 0, 1,             \
                                                           ConvEpi{0, 0, 0, 0, 1}, -1, 0, 0, 0, 0, ys)
-template <int SUM>
+template <int SUM, int RB = 32>
 __device__ __forceinline__ void gemv_q2_route_body(GemvRouteParams_fields) {
     extern __shared__ __align__(16) float xs[]; /* gq_body's staging: cols + cols/EPV floats */
     __shared__ float red[33], ys[32], vs[32], tot[2];
@@ -217,13 +230,13 @@ __device__ __forceinline__ void gemv_q2_route_body(GemvRouteParams_fields) {
     __shared__ u32 rsb[RT_MAXR * 2];
     __shared__ int last;
     pdl_trigger();
-    rt_request((const u32*)wr, (const u16*)sr, (const u16*)br, bits_r, group_r, rows, R, nw, rw, rsb, nws);
+    rt_request<RB>((const u32*)wr, (const u16*)sr, (const u16*)br, bits_r, group_r, rows, R, nw, rw, rsb, nws);
     if (bits == 4 && ty == TY_BF16) RT_GEMV(4, TY_BF16);
     else if (bits == 4) RT_GEMV(4, TY_F16);
     else if (ty == TY_BF16) RT_GEMV(8, TY_BF16);
     else RT_GEMV(8, TY_F16);
-    rt_tail<SUM>(rw, rsb, nws, bits_r, group_r, ty_r, R, rows, eps, part, logits, ctr, ys, vs, tot, (float*)rw, &last,
-                 RtRoute{ids, wts, K, renorm, mode}, (int*)rsb, (float*)rsb + 128);
+    rt_tail<SUM, RB>(rw, rsb, nws, bits_r, group_r, ty_r, R, rows, eps, part, logits, ctr, ys, vs, tot, (float*)rw,
+                     &last, RtRoute{ids, wts, K, renorm, mode}, (int*)rsb, (float*)rsb + 128);
 }
 extern "C" __global__ void __launch_bounds__(512) gemv_q2_route(GemvRouteParams_fields) {
     TL_SCOPE("gemv_q2_route");
@@ -236,5 +249,13 @@ extern "C" __global__ void __launch_bounds__(512) gemv_q2_route_fx(GemvRoutePara
 extern "C" __global__ void __launch_bounds__(512) gemv_q2_route_acc(GemvRouteParams_fields) {
     TL_SCOPE("gemv_q2_route_acc");
     gemv_q2_route_body<RT_ACC>(GemvRouteParams_names);
+}
+extern "C" __global__ void __launch_bounds__(512) gemv_q2_route16_fx(GemvRouteParams_fields) {
+    TL_SCOPE("gemv_q2_route16_fx");
+    gemv_q2_route_body<RT_FX, 16>(GemvRouteParams_names);
+}
+extern "C" __global__ void __launch_bounds__(512) gemv_q2_route16_acc(GemvRouteParams_fields) {
+    TL_SCOPE("gemv_q2_route16_acc");
+    gemv_q2_route_body<RT_ACC, 16>(GemvRouteParams_names);
 }
 #undef RT_GEMV

@@ -28,9 +28,9 @@
  *     branch in moe_fused_q2s it spilled 32 bytes).
  *   - moe_fused_q2s_acc (ACC; LILY_CUDA_MOE_ROUTER=acc): gemv_q2_route_acc (gemv_route.cu) left
  *     the router's sums in fixed point, not the logits: `logits` points at them (u64 [E + 1],
- *     then the H / 32 route blocks' sums of squares, f32, at float offset 2 (E + 1)), and warp 0
+ *     then the rblocks route blocks' sums of squares, f32, at float offset 2 (E + 1)), and warp 0
  *     of every block forms the logits as gemv_q2_route_fx's last block does (the same bits) and
- *     routes on them (mf2_route_acc); block 0 publishes the routing in ids_out/wts_out and, past
+ *     routes on them (mf2_route_acc; rblocks: the route's grid); block 0 publishes the routing in ids_out/wts_out and, past
  *     the blocks' meeting (each has read the sums before arriving), zeroes the accumulators for
  *     the next layer's route.
  *   Then, as moe_fused_q: the down rows' first loads are issued before the wait, and gq_body's
@@ -215,12 +215,13 @@ __device__ __forceinline__ void grid_arrive_rel(u64* ctr) {
 }
 
 /* ACC: the router's logits from gemv_q2_route_acc's sums into ls (rt_tail's arithmetic, so its
-   bits: the R = E + 1 accumulators at 2^-32, times 1 / sqrt(mean of squares + eps), the G = H / 32
-   sums of squares added lane-strided then across the warp), then the top-K on them. Warp 0. */
-__device__ __forceinline__ void mf2_route_acc(const u64* acc, int E, int H, float eps, int mode, int K, int renorm,
-                                              float* ls, int* chosen, float* wsel) {
+   bits: the R = E + 1 accumulators at 2^-32, times 1 / sqrt(mean of squares + eps), the route's
+   G blocks' sums of squares added lane-strided then across the warp), then the top-K on them.
+   Warp 0. */
+__device__ __forceinline__ void mf2_route_acc(const u64* acc, int E, int H, int G, float eps, int mode, int K,
+                                              int renorm, float* ls, int* chosen, float* wsel) {
     constexpr int N = 12; /* accumulators a lane loads a round: one round up to R = 384 */
-    const int lane = threadIdx.x & 31, R = E + 1, G = H / 32;
+    const int lane = threadIdx.x & 31, R = E + 1;
     const float* sq = (const float*)acc + 2 * R;
     float q = 0.f;
     for (int b = lane; b < G; b += 32) q += __ldcg(sq + b);
@@ -265,7 +266,7 @@ __device__ __forceinline__ void mf2_body(MoeFusedParams_fields, float* xs, float
                 wsel[threadIdx.x] = wts_out[threadIdx.x];
             }
         } else if (ACC) { /* gemv_q2_route_acc's sums (LILY_CUDA_MOE_ROUTER=acc) */
-            mf2_route_acc((const u64*)logits, E, H, eps, rank, K, renorm, ls, chosen, wsel);
+            mf2_route_acc((const u64*)logits, E, H, rblocks, eps, rank, K, renorm, ls, chosen, wsel);
         } else if (LS) {
             route_warp_smem(rank, logits, E, K, renorm, chosen, wsel);
         } else {
@@ -320,7 +321,7 @@ __device__ __forceinline__ void mf2_body(MoeFusedParams_fields, float* xs, float
 #define MF2(B, T, D, SH, GV, AC)                                                                                        \
     mf2_body<B, T, D, false, SH, GV, AC>(wg, sg, bg, wd, sd, bd, bits, group_g, group_d, ty, x, gu, inter, H, normw, eps,   \
                                  logits, E, K, renorm, ids_out, wts_out, ctr, bps, rank, wr, sr, br, bits_r, group_r, \
-                                 ty_r, R, trace, fixed, acc, xs, red, wsel, chosen, ls, ts)
+                                 ty_r, R, trace, fixed, acc, rblocks, xs, red, wsel, chosen, ls, ts)
 MF2_KERNEL(moe_fused_q2, false, false, false, false)
 MF2_KERNEL(moe_fused_q3, true, false, false, false)
 MF2_KERNEL(moe_fused_q2s, false, true, false, false)

@@ -63,6 +63,14 @@ pub fn route_sums() -> RouteSums {
     })
 }
 
+/// The rows of a gemv_q2_route block: 32 (two a warp, grid H / 32) or, with
+/// `LILY_CUDA_ROUTE_ROWS=16`, 16 (one a warp, grid H / 16: at H 2048 128 SMs busy, not 64) in the
+/// fixed-point forms (the parts form keeps 32).
+pub fn route_rows() -> usize {
+    static V: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *V.get_or_init(|| if std::env::var("LILY_CUDA_ROUTE_ROWS").is_ok_and(|v| v == "16") { 16 } else { 32 })
+}
+
 /// The MoE's top-k for [`Gpu::gemv_route`]'s last block: `k` routed experts of the router's
 /// first rows, the last row the shared expert's gate, `renorm` the softmax over the picks alone.
 #[derive(Clone, Copy)]
@@ -75,8 +83,8 @@ pub struct TailTopk {
 
 impl Gpu {
     /// Whether [`Gpu::gemv_route`] takes this out-projection `w` (H rows) and router (`R` rows,
-    /// H columns): both streaming formats, H a multiple of 32 with one block per 32 rows within
-    /// the SMs, R < 512, the router's 32-column slices 16-byte aligned, the shared memory within
+    /// H columns): both streaming formats, H a multiple of 32 with one block per 32 rows (or
+    /// [`route_rows`]) within the SMs, R < 512, the router's 32-column slices 16-byte aligned, the shared memory within
     /// the default 48 KB, and the residual added by load-add-store (not `LILY_CUDA_ACC_RED`).
     pub fn gemv_route_ok(&self, w: &GpuLinear, router: &GpuLinear) -> bool {
         let h = w.rows;
@@ -89,7 +97,7 @@ impl Gpu {
             && router.cols == h
             && router.rows < 512
             && h.is_multiple_of(32)
-            && h / 32 <= self.sms as usize
+            && h / route_rows() <= self.sms as usize
             && (h * router.bits as usize).is_multiple_of(128)
             && w.stream_smem() as usize + ROUTE_STATIC_SMEM <= 48 * 1024
             && !acc_red()
@@ -97,7 +105,7 @@ impl Gpu {
 
     /// `y += W x` (the out-projection into the residual stream `y`, H = `w.rows`) and the
     /// router's `logits = router · (rms_norm(y) · nw)` with the new `y`, in one launch. `part` holds
-    /// `[H / 32, router.rows + 1]` floats; `ctr` is a zeroed u64 that only launches of this H use.
+    /// `[H / 32, router.rows + 1]` floats (the fixed-point forms: `2 router.rows + H / 16`); `ctr` is a zeroed u64 that only launches of this H use.
     /// With `topk` the last block also runs the MoE's top-k into its `ids`/`wts` `[k + 1]` (for
     /// [`Gpu::moe_fused`] in [`crate::cuda::MoeForm::Q2sGiven`]). The form of the sums is
     /// [`route_sums`]'s; `part` must be zero before the first fixed-point launch (it is left
@@ -185,11 +193,14 @@ impl Gpu {
             renorm: topk.is_some_and(|t| t.renorm) as i32,
             mode: super::moe::route_rank(),
         };
-        let name = match sums {
-            RouteSums::Parts => "gemv_q2_route",
-            RouteSums::Fx => "gemv_q2_route_fx",
-            RouteSums::Acc => "gemv_q2_route_acc",
+        let rb = if sums == RouteSums::Parts { 32 } else { route_rows() };
+        let name = match (sums, rb) {
+            (RouteSums::Parts, _) => "gemv_q2_route",
+            (RouteSums::Fx, 32) => "gemv_q2_route_fx",
+            (RouteSums::Acc, 32) => "gemv_q2_route_acc",
+            (RouteSums::Fx, _) => "gemv_q2_route16_fx",
+            (RouteSums::Acc, _) => "gemv_q2_route16_acc",
         };
-        self.launch_params(name, ((w.rows / 32) as u32, 1, 1), 512, w.stream_smem(), &a)
+        self.launch_params(name, ((w.rows / rb) as u32, 1, 1), 512, w.stream_smem(), &a)
     }
 }
