@@ -48,7 +48,7 @@ pub(super) fn route_rank() -> i32 {
 /// ran, `LILY_CUDA_MOE_ROUTER=tailk`) instead of computing it from the logits. `Q2sAcc`
 /// (`moe_fused_q2s_acc`, `LILY_CUDA_MOE_ROUTER=acc`) is q2s whose `logits` are the router's sums
 /// as [`Gpu::gemv_route_form`] leaves them in [`super::RouteSums::Acc`] (u64 `[e + 1]`, then the
-/// H / [`super::route_rows`] route blocks' f32 sums of squares): each block forms the logits and routes; block 0
+/// H / [`Gpu::route_block_rows`] route blocks' f32 sums of squares): each block forms the logits and routes; block 0
 /// zeroes the sums after the blocks' meeting.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum MoeForm {
@@ -309,7 +309,7 @@ impl Gpu {
             trace: Out::new(trace),
             fixed: moe_fixed(),
             acc: super::acc_code(true),
-            rblocks: (gate_up.cols / super::route_rows()) as i32,
+            rblocks: (gate_up.cols / self.route_block_rows(gate_up.cols)) as i32,
         };
         // the staging holds the input and its chunk sums for the narrowest chunks in use
         let epv = 128 / router.map_or(gate_up.bits, |r| r.bits.max(gate_up.bits)) as usize;

@@ -18,11 +18,12 @@ pub enum RouterTail {
     /// The logits (`LILY_CUDA_MOE_ROUTER=tail`, +0.7% at 4K on an H100 over the router's own
     /// launch).
     Logits,
-    /// The logits and the MoE's top-k, run by the last block (`=tailk`, the default since
-    /// session 48: +0.9%).
+    /// The logits and the MoE's top-k, run by the last block (`=tailk`, the default from
+    /// session 48 to 51: +0.9%).
     Topk,
     /// The router's sums in fixed point, with no last block: each MoE block forms the logits and
-    /// routes (`=acc`: `gemv_q2_route_acc` and `moe_fused_q2s_acc`).
+    /// routes (`gemv_q2_route_acc` and `moe_fused_q2s_acc`; the default since session 51, `=acc`:
+    /// +3.4% / +3.4% / +3.9% decode at 256 / 4K / 32K over `tailk` on an H100).
     Acc,
 }
 
@@ -32,9 +33,9 @@ pub enum RouterTail {
 pub fn router_tail() -> Option<RouterTail> {
     static V: std::sync::OnceLock<Option<RouterTail>> = std::sync::OnceLock::new();
     *V.get_or_init(|| match std::env::var("LILY_CUDA_MOE_ROUTER").as_deref() {
-        Err(_) | Ok("tailk") => Some(RouterTail::Topk),
+        Err(_) | Ok("acc") => Some(RouterTail::Acc),
+        Ok("tailk") => Some(RouterTail::Topk),
         Ok("tail") => Some(RouterTail::Logits),
-        Ok("acc") => Some(RouterTail::Acc),
         _ => None,
     })
 }
@@ -63,12 +64,13 @@ pub fn route_sums() -> RouteSums {
     })
 }
 
-/// The rows of a gemv_q2_route block: 32 (two a warp, grid H / 32) or, with
-/// `LILY_CUDA_ROUTE_ROWS=16`, 16 (one a warp, grid H / 16: at H 2048 128 SMs busy, not 64) in the
-/// fixed-point forms (the parts form keeps 32).
+/// The rows of a gemv_q2_route block in the fixed-point forms: 16 (one a warp, grid H / 16: at
+/// H 2048 128 SMs busy, not 64; the default since session 51, +0.2-0.3% at 4K / 32K with the
+/// sums left for the MoE, +1.5-2.0% with the last block's, H100) or, with
+/// `LILY_CUDA_ROUTE_ROWS=32`, 32 (two a warp, grid H / 32; the parts form always).
 pub fn route_rows() -> usize {
     static V: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    *V.get_or_init(|| if std::env::var("LILY_CUDA_ROUTE_ROWS").is_ok_and(|v| v == "16") { 16 } else { 32 })
+    *V.get_or_init(|| if std::env::var("LILY_CUDA_ROUTE_ROWS").is_ok_and(|v| v == "32") { 32 } else { 16 })
 }
 
 /// The MoE's top-k for [`Gpu::gemv_route`]'s last block: `k` routed experts of the router's
@@ -82,9 +84,19 @@ pub struct TailTopk {
 }
 
 impl Gpu {
+    /// The rows of a fixed-point gemv_q2_route block at H `h`: [`route_rows`], or 32 where H / 16
+    /// blocks would not fit on the SMs at once.
+    pub fn route_block_rows(&self, h: usize) -> usize {
+        if route_rows() == 16 && h / 16 <= self.sms as usize {
+            16
+        } else {
+            32
+        }
+    }
+
     /// Whether [`Gpu::gemv_route`] takes this out-projection `w` (H rows) and router (`R` rows,
-    /// H columns): both streaming formats, H a multiple of 32 with one block per 32 rows (or
-    /// [`route_rows`]) within the SMs, R < 512, the router's 32-column slices 16-byte aligned, the shared memory within
+    /// H columns): both streaming formats, H a multiple of 32 with one block per 32 rows within
+    /// the SMs, R < 512, the router's 32-column slices 16-byte aligned, the shared memory within
     /// the default 48 KB, and the residual added by load-add-store (not `LILY_CUDA_ACC_RED`).
     pub fn gemv_route_ok(&self, w: &GpuLinear, router: &GpuLinear) -> bool {
         let h = w.rows;
@@ -97,7 +109,7 @@ impl Gpu {
             && router.cols == h
             && router.rows < 512
             && h.is_multiple_of(32)
-            && h / route_rows() <= self.sms as usize
+            && h / 32 <= self.sms as usize
             && (h * router.bits as usize).is_multiple_of(128)
             && w.stream_smem() as usize + ROUTE_STATIC_SMEM <= 48 * 1024
             && !acc_red()
@@ -193,7 +205,7 @@ impl Gpu {
             renorm: topk.is_some_and(|t| t.renorm) as i32,
             mode: super::moe::route_rank(),
         };
-        let rb = if sums == RouteSums::Parts { 32 } else { route_rows() };
+        let rb = if sums == RouteSums::Parts { 32 } else { self.route_block_rows(w.rows) };
         let name = match (sums, rb) {
             (RouteSums::Parts, _) => "gemv_q2_route",
             (RouteSums::Fx, 32) => "gemv_q2_route_fx",
