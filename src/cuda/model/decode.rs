@@ -220,7 +220,7 @@ impl CudaSession {
     /// default, `LILY_CUDA_MOE_ROUTER=launch` not): where the layer's MoE is the one-launch form
     /// that reads its logits from memory (neither `LILY_CUDA_MOE=qr` nor `=fused`), and what
     /// the launch leaves ([`router_tail`]; `acc` only where the MoE is the q2s form, which reads
-    /// the sums, else the default `tailk`).
+    /// the sums, else `tailk`).
     fn route_tail<'a>(&self, layer: &'a GLayer) -> Option<(&'a GpuLinear, RouterTail)> {
         let (g, c) = (&self.model.gpu, &self.model.cfg);
         let GFfn::Moe { router, experts, .. } = &layer.ffn else { return None };
@@ -236,7 +236,7 @@ impl CudaSession {
 
     /// The out-projection into the residual stream, `x += W o`; with `tail` (the layer's router
     /// and form, [`Self::route_tail`]) also the router on the new x, where the kernel takes the
-    /// shapes: its logits, and (tailk, the default) the MoE's top-k into `ids`/`wts`, or (acc)
+    /// shapes: its logits, and (tailk) the MoE's top-k into `ids`/`wts`, or (acc, the default)
     /// its sums in `rpart` for the MoE. Returns what it left (None: nothing of the router).
     fn out_proj(
         &self,
