@@ -122,6 +122,9 @@ __device__ __forceinline__ u64 rt_fx(float v) {
     v = fminf(fmaxf(v, -8388608.f), 8388608.f);
     return (u64)__float2ll_rn(v * 4294967296.f);
 }
+/* a sum of rt_fx values back to float: its two's-complement value times 2^-32 (rt_tail's last
+   block and moe_fused_q2s_acc's blocks, moe_fused2.cu, so both give the same logit bits) */
+__device__ __forceinline__ float rt_unfx(u64 v) { return (float)((double)(long long)v * (1.0 / 4294967296.0)); }
 
 /* The forms of the router's sums: parts added by the last block (gemv_q2_route), fixed point
    added by the last block (_fx), fixed point left for the MoE (_acc). */
@@ -177,9 +180,9 @@ __device__ __forceinline__ void rt_tail(const u32* rw, const u32* rsb, const flo
     if (FX) {
         if (t < R) {
             u64* acc = (u64*)part + t;
-            long long v = (long long)__ldcg(acc);
+            u64 v = __ldcg(acc);
             __stcg(acc, 0ull);
-            sm[t] = (float)((double)v * (1.0 / 4294967296.0));
+            sm[t] = rt_unfx(v);
         }
         if (t < 32) {
             float q = 0.f;
@@ -218,9 +221,10 @@ __device__ __forceinline__ void rt_tail(const u32* rw, const u32* rsb, const flo
 }
 
 #define RT_GEMV(B, T)                                                                                               \
-    gq_body<B, T, RB / 16, 2, false, false, false, false, true>((const u32*)w, (const u16*)sc, (const u16*)bi, group, x, y, \
-                                                          rows, cols, 0, 1, nullptr, 0.f, xs, red, 0, 1,             \
-                                                          ConvEpi{0, 0, 0, 0, 1}, -1, 0, 0, 0, 0, ys)
+    gq_body<B, T, RB / 16, 2, false, false, false, false, true>((const u32*)w, (const u16*)sc, (const u16*)bi,      \
+                                                                group, x, y, rows, cols, 0, 1, nullptr, 0.f, xs,   \
+                                                                red, 0, 1, ConvEpi{0, 0, 0, 0, 1}, -1, 0, 0, 0, 0, \
+                                                                ys)
 template <int SUM, int RB = 32>
 __device__ __forceinline__ void gemv_q2_route_body(GemvRouteParams_fields) {
     extern __shared__ __align__(16) float xs[]; /* gq_body's staging: cols + cols/EPV floats */

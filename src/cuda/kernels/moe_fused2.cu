@@ -30,9 +30,9 @@
  *     the router's sums in fixed point, not the logits: `logits` points at them (u64 [E + 1],
  *     then the rblocks route blocks' sums of squares, f32, at float offset 2 (E + 1)), and warp 0
  *     of every block forms the logits as gemv_q2_route_fx's last block does (the same bits) and
- *     routes on them (mf2_route_acc; rblocks: the route's grid); block 0 publishes the routing in ids_out/wts_out and, past
- *     the blocks' meeting (each has read the sums before arriving), zeroes the accumulators for
- *     the next layer's route.
+ *     routes on them (mf2_route_acc; rblocks: the route's grid); block 0 publishes the routing
+ *     in ids_out/wts_out and, past the blocks' meeting (each has read the sums before arriving),
+ *     zeroes the accumulators for the next layer's route.
  *   Then, as moe_fused_q: the down rows' first loads are issued before the wait, and gq_body's
  *   moe_down body adds into x
  *   (accumulate = acc: 1 load-add-store, 2 an atomic add, LILY_CUDA_ACC_RED).
@@ -230,7 +230,7 @@ __device__ __forceinline__ void mf2_route_acc(const u64* acc, int E, int H, int 
 #pragma unroll
         for (int i = 0; i < N; i++) {
             int j = j0 + 32 * i + lane;
-            v[i] = j < R ? (float)((double)(long long)__ldcg(acc + j) * (1.0 / 4294967296.0)) : 0.f;
+            v[i] = j < R ? rt_unfx(__ldcg(acc + j)) : 0.f;
         }
 #pragma unroll
         for (int i = 0; i < N; i++)
@@ -300,28 +300,26 @@ __device__ __forceinline__ void mf2_body(MoeFusedParams_fields, float* xs, float
 /* The entry points: moe_fused_q2, moe_fused_q3 = moe_fused_q2 with mf2_pairs<DEEP> (LILY_CUDA_MOE=q3)
    and moe_fused_q2s = moe_fused_q2 with the shared expert's pairs first (SHF, LILY_CUDA_MOE=q2s;
    its body makes the PDL wait, after its first loads): the same grid, counter and result. */
-#define MF2_KERNEL(NAME, DEEP, SHF, GIVEN, ACC)                                                                       \
-    extern "C" __global__ void __launch_bounds__(512, 1) NAME(MoeFusedParams_fields) {                               \
-        extern __shared__ __align__(16) float xs[];                                                                 \
-        __shared__ float red[33], wsel[65], ls[512]; /* ls: route_topk's copy of the logits (E <= 512) */           \
-        __shared__ int chosen[65];                                                                                  \
-        TL_SCOPE(#NAME);                                                                                            \
-        u64* ts = trace ? trace + 16 * blockIdx.x : nullptr; /* stamps as moe_fused_q's (no 8, 9) */                \
-        trace_stamp(ts, 0);                                                                                         \
-        if (!SHF) {                                                                                                 \
-            pdl_begin();                                                                                            \
-            trace_stamp(ts, 1);                                                                                     \
-        }                                                                                                           \
-        if (bits == 4 && ty == TY_BF16) MF2(4, TY_BF16, DEEP, SHF, GIVEN, ACC);                                              \
-        else if (bits == 4) MF2(4, TY_F16, DEEP, SHF, GIVEN, ACC);                                                           \
-        else if (ty == TY_BF16) MF2(8, TY_BF16, DEEP, SHF, GIVEN, ACC);                                                      \
-        else MF2(8, TY_F16, DEEP, SHF, GIVEN, ACC);                                                                          \
-        trace_stamp(ts, 6);                                                                                         \
+#define MF2_KERNEL(NAME, DEEP, SHF, GIVEN, ACC)                                                                        \
+    extern "C" __global__ void __launch_bounds__(512, 1) NAME(MoeFusedParams_fields) {                                 \
+        extern __shared__ __align__(16) float xs[];                                                                    \
+        __shared__ float red[33], wsel[65], ls[512]; /* ls: route_topk's copy of the logits (E <= 512) */              \
+        __shared__ int chosen[65];                                                                                     \
+        TL_SCOPE(#NAME);                                                                                               \
+        u64* ts = trace ? trace + 16 * blockIdx.x : nullptr; /* stamps as moe_fused_q's (no 8, 9) */                   \
+        trace_stamp(ts, 0);                                                                                            \
+        if (!SHF) {                                                                                                    \
+            pdl_begin();                                                                                               \
+            trace_stamp(ts, 1);                                                                                        \
+        }                                                                                                              \
+        if (bits == 4 && ty == TY_BF16) MF2(4, TY_BF16, DEEP, SHF, GIVEN, ACC);                                        \
+        else if (bits == 4) MF2(4, TY_F16, DEEP, SHF, GIVEN, ACC);                                                     \
+        else if (ty == TY_BF16) MF2(8, TY_BF16, DEEP, SHF, GIVEN, ACC);                                                \
+        else MF2(8, TY_F16, DEEP, SHF, GIVEN, ACC);                                                                    \
+        trace_stamp(ts, 6);                                                                                            \
     }
-#define MF2(B, T, D, SH, GV, AC)                                                                                        \
-    mf2_body<B, T, D, false, SH, GV, AC>(wg, sg, bg, wd, sd, bd, bits, group_g, group_d, ty, x, gu, inter, H, normw, eps,   \
-                                 logits, E, K, renorm, ids_out, wts_out, ctr, bps, rank, wr, sr, br, bits_r, group_r, \
-                                 ty_r, R, trace, fixed, acc, rblocks, xs, red, wsel, chosen, ls, ts)
+#define MF2(B, T, D, SH, GV, AC)                                                                                       \
+    mf2_body<B, T, D, false, SH, GV, AC>(MoeFusedParams_names, xs, red, wsel, chosen, ls, ts)
 MF2_KERNEL(moe_fused_q2, false, false, false, false)
 MF2_KERNEL(moe_fused_q3, true, false, false, false)
 MF2_KERNEL(moe_fused_q2s, false, true, false, false)

@@ -48,8 +48,8 @@ pub(super) fn route_rank() -> i32 {
 /// ran, `LILY_CUDA_MOE_ROUTER=tailk`) instead of computing it from the logits. `Q2sAcc`
 /// (`moe_fused_q2s_acc`, `LILY_CUDA_MOE_ROUTER=acc`) is q2s whose `logits` are the router's sums
 /// as [`Gpu::gemv_route_form`] leaves them in [`super::RouteSums::Acc`] (u64 `[e + 1]`, then the
-/// H / [`Gpu::route_block_rows`] route blocks' f32 sums of squares): each block forms the logits and routes; block 0
-/// zeroes the sums after the blocks' meeting.
+/// H / [`Gpu::route_block_rows`] route blocks' f32 sums of squares): each block forms the logits
+/// and routes; block 0 zeroes the sums after the blocks' meeting.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum MoeForm {
     Q,
