@@ -277,15 +277,23 @@ fn route_acc_feeds_moe_as_tailk() {
             assert!(x_acc.iter().zip(&x_route).all(|(a, b)| a.to_bits() == b.to_bits()), "{name}: x after the route");
             let acc = part.read_f32(0, 2 * (e + 1)).unwrap();
             assert!(acc.iter().any(|v| v.to_bits() != 0), "{name}: no sums left for the MoE");
-            let (route, idw) = ((part.ptr, e, k, true), (ids_a.ptr, wts_a.ptr));
-            g.moe_fused(&gu, &dn, None, xb.ptr, norm, egu.ptr, route, idw, ctr_m.ptr, 0, MoeForm::Q2sAcc).unwrap();
-            let got = xb.read_f32(0, h).unwrap();
-            assert_eq!(ids_a.read_i32(k + 1).unwrap(), ids_t.read_i32(k + 1).unwrap(), "{name}: ids");
-            let (wa, wt) = (wts_a.read_f32(0, k + 1).unwrap(), wts_t.read_f32(0, k + 1).unwrap());
-            assert!(wa.iter().zip(&wt).all(|(a, b)| a.to_bits() == b.to_bits()), "{name}: weights {wa:?} {wt:?}");
-            assert!(got.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits()), "{name}: x after the MoE");
-            let acc = part.read_f32(0, 2 * (e + 1)).unwrap();
-            assert!(acc.iter().all(|v| v.to_bits() == 0), "{name}: sums left nonzero after the MoE");
+            let sums = part.read_f32(0, 2 * (e + 1) + h / g.route_block_rows(h)).unwrap();
+            // the top-k by warp 0, then by eight warps, each from the same sums
+            for form in [MoeForm::Q2sAcc, MoeForm::Q2sAccB] {
+                let name = format!("{name} {form:?}");
+                xb.write_f32(0, &x_acc).unwrap();
+                part.write_f32(0, &sums).unwrap();
+                ids_a.write_f32(0, &vec![f32::NAN; k + 1]).unwrap();
+                let (route, idw) = ((part.ptr, e, k, true), (ids_a.ptr, wts_a.ptr));
+                g.moe_fused(&gu, &dn, None, xb.ptr, norm, egu.ptr, route, idw, ctr_m.ptr, 0, form).unwrap();
+                let got = xb.read_f32(0, h).unwrap();
+                assert_eq!(ids_a.read_i32(k + 1).unwrap(), ids_t.read_i32(k + 1).unwrap(), "{name}: ids");
+                let (wa, wt) = (wts_a.read_f32(0, k + 1).unwrap(), wts_t.read_f32(0, k + 1).unwrap());
+                assert!(wa.iter().zip(&wt).all(|(a, b)| a.to_bits() == b.to_bits()), "{name}: weights {wa:?} {wt:?}");
+                assert!(got.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits()), "{name}: x after the MoE");
+                let acc = part.read_f32(0, 2 * (e + 1)).unwrap();
+                assert!(acc.iter().all(|v| v.to_bits() == 0), "{name}: sums left nonzero after the MoE");
+            }
         }
     }
 }

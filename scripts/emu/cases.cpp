@@ -88,7 +88,7 @@ static void q2_case(int E, int K, int H, int inter, int G, int rank, bool deep =
     const std::vector<float> x0 = x;
     int smem = std::max(H + H / 16, S * inter + S * inter / 32) + 64;
     std::vector<float> lg_out(E + 1, NAN); // qr: the logits cluster 0 writes
-    std::vector<std::vector<float>> xs(G, std::vector<float>(smem, NAN)), red(G, std::vector<float>(33)), wsel(G, std::vector<float>(65)), ls(G, std::vector<float>(512));
+    std::vector<std::vector<float>> xs(G, std::vector<float>(smem, NAN)), red(G, std::vector<float>(33)), wsel(G, std::vector<float>(65)), ls(G, std::vector<float>(MF2_LS));
     std::vector<std::vector<int>> chosen(G, std::vector<int>(65));
     std::vector<float> x2; // alt: q2's result on the same input, which q3's / q2s's must equal bit for bit
     for (int pass = 0; pass < 1 + alt; pass++) {
@@ -133,24 +133,31 @@ static void q2_case(int E, int K, int H, int inter, int G, int rank, bool deep =
             lg2[j] = (float)((double)(long long)acc[j] * (1.0 / 4294967296.0));
             lg2[j] *= rr1;
         }
-        std::vector<float> xo[2];
-        std::vector<int> io[2];
-        std::vector<float> wo[2];
-        for (int pass = 0; pass < 2; pass++) {
+        // the same with the 8-warp top-K (moe_fused_q2s_accb, pass 2) on the same sums
+        const std::vector<unsigned long long> acc0 = acc;
+        std::vector<float> xo[3];
+        std::vector<int> io[3];
+        std::vector<float> wo[3];
+        int nz[3] = {0, 0, 0};
+        for (int pass = 0; pass < 3; pass++) {
             x = x0; std::fill(gu.begin(), gu.end(), NAN); std::fill(ids.begin(), ids.end(), -1);
+            acc = acc0;
             emu_launch(G, 512, [&] {
                 int b = blockIdx.x;
 #define Q2_ARGS(LG) GU.w.data(), GU.sc.data(), GU.bi.data(), DN.w.data(), DN.sc.data(), DN.bi.data(), 4, 64, 64, 2, x.data(), gu.data(), inter, H, nw.data(), 1e-6f, LG, E, K, renorm, ids.data(), wts.data(), ctr + 1, 1, rank, nullptr, nullptr, nullptr, 0, 0, 0, 0, nullptr, 0, 1, H / 32, xs[b].data(), red[b].data(), wsel[b].data(), chosen[b].data(), ls[b].data(), nullptr
                 if (pass == 0) mf2_body<4, 2, false, false, true>(Q2_ARGS(lg2.data()));
-                else mf2_body<4, 2, false, false, true, false, true>(Q2_ARGS((float*)acc.data()));
+                else if (pass == 1) mf2_body<4, 2, false, false, true, false, 1>(Q2_ARGS((float*)acc.data()));
+                else mf2_body<4, 2, false, false, true, false, 2>(Q2_ARGS((float*)acc.data()));
 #undef Q2_ARGS
             });
             xo[pass] = x; io[pass] = ids; wo[pass] = wts;
+            for (int j = 0; j <= E; j++) nz[pass] += acc[j] != 0;
         }
-        int nz = 0; for (int j = 0; j <= E; j++) nz += acc[j] != 0;
-        bool same = memcmp(xo[0].data(), xo[1].data(), 4 * H) == 0 && io[0] == io[1] && memcmp(wo[0].data(), wo[1].data(), 4 * S) == 0;
-        printf("%-6s moe_fused_q2s_acc E%d K%d H%d: %s, %d sums left nonzero\n", VARIANT, E, K, H, same ? "moe_fused_q2s's picks and bits" : "NOT moe_fused_q2s's picks and bits", nz);
-        fails += !same || nz;
+        for (int pass = 1; pass < 3; pass++) {
+            bool same = memcmp(xo[0].data(), xo[pass].data(), 4 * H) == 0 && io[0] == io[pass] && memcmp(wo[0].data(), wo[pass].data(), 4 * S) == 0;
+            printf("%-6s moe_fused_q2s_acc%s E%d K%d H%d: %s, %d sums left nonzero\n", VARIANT, pass == 2 ? "b" : "", E, K, H, same ? "moe_fused_q2s's picks and bits" : "NOT moe_fused_q2s's picks and bits", nz[pass]);
+            fails += !same || nz[pass];
+        }
         x = xq;
     }
     if (alt && memcmp(x.data(), x2.data(), 4 * H) != 0) { printf("%-6s moe_fused_%s E%d K%d H%d: not moe_fused_q2's bits\n", VARIANT, deep ? "q3" : "q2s", E, K, H); fails++; }
@@ -700,6 +707,8 @@ int main() {
     // preloaded; up to 18 a warp), and 5 x 64 at H 4096 (two trips a pair, the first preloaded)
     q2_case(256, 8, 512, 64, 2, 4, false, 1, 0, true);
     q2_case(64, 4, 4096, 64, 3, 4, false, 1, 0, true);
+    q2_case(100, 6, 512, 64, 2, 5, false, 0, 0, true); // E not a multiple of 32, the softmax over all
+    q2_case(500, 16, 512, 64, 2, 5, false, 1, 0, true); // two segments a routing warp
     // qr: two clusters of 8 blocks with a 4-bit router of 65 rows (33 row groups over the 128
     // cluster warps); one cluster with an 8-bit router at H 2048 (two trips a row)
     q2_case(64, 4, 256, 64, 16, 3, false, 1, 4);

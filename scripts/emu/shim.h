@@ -29,7 +29,7 @@ inline float4 make_float4(float a, float b, float c, float d) { return {a, b, c,
 inline uint2 make_uint2(unsigned a, unsigned b) { return {a, b}; }
 struct Dim3 { unsigned x = 0, y = 0, z = 0; };
 struct EmuWarp { std::barrier<>* bar; unsigned v[32]; };
-struct EmuBlock { std::barrier<>* bar; EmuWarp warps[32]; };
+struct EmuBlock { std::barrier<>* bar; std::barrier<>* rbar; EmuWarp warps[32]; };
 inline thread_local Dim3 threadIdx, blockIdx;
 inline thread_local EmuBlock* emu_blk;
 inline Dim3 blockDim, gridDim;
@@ -115,7 +115,7 @@ inline void emu_launch(int G, int T, const std::function<void()>& f) {
     std::barrier<> grid(G * T); emu_grid_bar = &grid;
     std::vector<EmuBlock> blocks(G);
     std::vector<std::barrier<>*> own;
-    for (auto& b : blocks) { own.push_back(new std::barrier<>(T)); b.bar = own.back(); for (int w = 0; w < T / 32; w++) { own.push_back(new std::barrier<>(32)); b.warps[w].bar = own.back(); } }
+    for (auto& b : blocks) { own.push_back(new std::barrier<>(T)); b.bar = own.back(); own.push_back(new std::barrier<>(T < 256 ? T : 256)); b.rbar = own.back(); for (int w = 0; w < T / 32; w++) { own.push_back(new std::barrier<>(32)); b.warps[w].bar = own.back(); } }
     std::vector<std::thread> ts;
     for (int b = 0; b < G; b++) for (int t = 0; t < T; t++) ts.emplace_back([&, b, t] { blockIdx.x = b; threadIdx.x = t; emu_blk = &blocks[b]; f(); });
     for (auto& t : ts) t.join();
@@ -153,6 +153,8 @@ inline unsigned __reduce_add_sync(unsigned, unsigned v) {
     int lane = threadIdx.x & 31; EmuWarp& W = emu_warp();
     W.v[lane] = v; W.bar->arrive_and_wait(); unsigned r = 0; for (int i = 0; i < 32; i++) r += W.v[i]; W.bar->arrive_and_wait(); return r;
 }
+/* moe_fused2.cu's routing warps' named barrier (256 threads of the block) */
+inline void mf2_rbar() { emu_blk->rbar->arrive_and_wait(); }
 /* pstep.cu: the consumer warps' named barrier (the emulated block is the consumers) */
 inline void ps_cbar() { __syncthreads(); }
 /* common.cuh's LL words (float | tag << 32): atomic accesses, the reader polls for the tag (the

@@ -174,7 +174,7 @@ fn skinny_occ2() -> bool {
 /// Kernels that call `pdl_wait()` before touching activations (kernels/common.cuh) and so may be
 /// launched as programmatic dependents: their launch and weight reads overlap the previous
 /// kernel's tail. The gemm_skinny entry points are such kernels too (see [`is_pdl`]).
-pub const PDL_KERNELS: [&str; 85] = [
+pub const PDL_KERNELS: [&str; 86] = [
     "gemm_wsp128",
     "gemm_wsp256",
     "gemm_wsp128_q8",
@@ -200,6 +200,7 @@ pub const PDL_KERNELS: [&str; 85] = [
     "moe_fused_q2s",
     "moe_fused_q2s_given",
     "moe_fused_q2s_acc",
+    "moe_fused_q2s_accb",
     "gemv_q2_route",
     "gemv_q2_route_fx",
     "gemv_q2_route_acc",

@@ -15,7 +15,7 @@ mod gdn;
 mod gemm;
 mod moe;
 pub(super) use moe::MOE_QR_SMEM;
-pub use moe::{moe_form, router_fused, MoeForm};
+pub use moe::{moe_form, moe_topk_block, router_fused, MoeForm};
 mod route;
 pub use route::{route_sums, router_tail, RouteSums, RouterTail, TailTopk};
 mod sampling;

@@ -33,6 +33,10 @@
  *     routes on them (mf2_route_acc; rblocks: the route's grid); block 0 publishes the routing
  *     in ids_out/wts_out and, past the blocks' meeting (each has read the sums before arriving),
  *     zeroes the accumulators for the next layer's route.
+ *   - moe_fused_q2s_accb (ACC = 2; LILY_CUDA_MOE_TOPK=block): moe_fused_q2s_acc with the logits
+ *     and the top-K by 8 warps (mf2_route_block: warps 0 and 9..15, the staging on 1..8) in two
+ *     rounds of counting instead of warp 0's one-warp top-K (~1.7 µs beside busy warps, session
+ *     41); the same picks and weight bits.
  *   Then, as moe_fused_q: the down rows' first loads are issued before the wait, and gq_body's
  *   moe_down body adds into x
  *   (accumulate = acc: 1 load-add-store, 2 an atomic add, LILY_CUDA_ACC_RED).
@@ -243,9 +247,95 @@ __device__ __forceinline__ void mf2_route_acc(const u64* acc, int E, int H, int 
     route_warp_smem(mode, ls, E, K, renorm, chosen, wsel);
 }
 
+/* ACC_BLOCK (moe_fused_q2s_accb, LILY_CUDA_MOE_TOPK=block): mf2_route_acc's logits and picks by the
+   block's 8 routing warps (0 and 9..15: warps 1..8 stage the input beside them) instead of warp 0
+   alone, in fewer dependent steps. Routing thread rt < 256 forms logits rt and rt + 256 (< E) as
+   mf2_route_acc does (the same bits: every warp adds the route blocks' sums of squares in its
+   order) and their route_key words (distinct; larger = the higher logit, ties to the lower index,
+   NaN as -inf); each warp ranks the 32 words of its segments (experts 32s .. 32s + 31, s = its
+   index and that + 8) by counting the larger ones and keeps the K best of each as candidates;
+   after a barrier of the 256, thread rt ranks candidate rt among the nseg K and the K best are the
+   picks, in order; after another, warp 0 turns them into weights as route_topk_thresh does (the
+   max = the first pick, the picks' exps added in pick order, or with !renorm route_topk's sum over
+   all E): its picks and weight bits. Scratch in `sc` (shared, MF2_LS floats): the logits [512],
+   the words [512] (u64), the candidates [16 K + 2], the picks [K], the picks' exps [32]. */
+constexpr int MF2_LS = 512 + 2 * 512 + 2 * 258 + 2 * 16 + 32;
+__device__ __forceinline__ void mf2_rbar() { asm volatile("bar.sync 1, 256;" ::: "memory"); }
+__device__ __forceinline__ void mf2_route_block(const u64* acc, int E, int H, int G, float eps, int K, int renorm,
+                                                float* sc, int* chosen, float* wsel) {
+    const int lane = threadIdx.x & 31, rt = threadIdx.x < 32 ? threadIdx.x : threadIdx.x - 256, rw = rt >> 5;
+    float* ls = sc;
+    u64 *key = (u64*)(sc + 512), *cand = key + 512, *pick = cand + 258;
+    float* s_e = (float*)(pick + 16);
+    const float* sq = (const float*)acc + 2 * (E + 1);
+    float q = 0.f;
+    for (int b = lane; b < G; b += 32) q += __ldcg(sq + b);
+    const u64 a0 = rt < E ? __ldcg(acc + rt) : 0ull, a1 = rt + 256 < E ? __ldcg(acc + rt + 256) : 0ull;
+    const u64 ag = rt == 0 ? __ldcg(acc + E) : 0ull;
+    const float rr = 1.f / sqrtf(warp_sum(q) / (float)H + eps);
+    const float l0 = rt_unfx(a0) * rr, l1 = rt_unfx(a1) * rr;
+    const int nseg = (E + 31) >> 5, C = nseg * K;
+    if (rt < E) ls[rt] = l0;
+    if (rt + 256 < E) ls[rt + 256] = l1;
+    /* the words of this thread's two experts, 0 past E within the last segment (below every word) */
+    if (rt < 32 * nseg) key[rt] = rt < E ? route_key(l0, rt) : 0ull;
+    if (rt + 256 < 32 * nseg) key[rt + 256] = rt + 256 < E ? route_key(l1, rt + 256) : 0ull;
+    __syncwarp(); /* a warp's segments are its own lanes' words */
+    for (int s = rw; s < nseg; s += 8) { /* warp-uniform */
+        const u64* seg = key + 32 * s;
+        const u64 mine = seg[lane];
+        int r = 0;
+#pragma unroll
+        for (int m = 0; m < 32; m += 2) {
+            ulonglong2 p = *(const ulonglong2*)(seg + m);
+            r += (p.x > mine) + (p.y > mine);
+        }
+        /* the segment's K slots, each written once: its valid words by rank, zeros past them */
+        if (mine != 0ull && r < K) cand[s * K + r] = mine;
+        if (mine == 0ull && lane < K) cand[s * K + lane] = 0ull;
+    }
+    if (rt == 0) cand[C] = 0ull; /* the pair loads below read one past C when C is odd */
+    mf2_rbar();
+    if (rt < C) {
+        const u64 mine = cand[rt];
+        int r = 0;
+        for (int m = 0; m < C; m += 2) {
+            ulonglong2 p = *(const ulonglong2*)(cand + m);
+            r += (p.x > mine) + (p.y > mine);
+        }
+        if (r < K && mine != 0ull) pick[r] = mine;
+    }
+    mf2_rbar();
+    if (rw != 0) return;
+    const float mx = route_key_value(pick[0]);
+    float tot = 0.f;
+    if (!renorm) { /* route_topk's order */
+        for (int e = lane; e < E; e += 32) tot += expf(ls[e] - mx);
+        tot = warp_sum(tot);
+    }
+    const u64 mine = lane < K ? pick[lane] : 0ull;
+    const float ek = lane < K ? expf(route_key_value(mine) - mx) : 0.f;
+    if (lane < K) s_e[lane] = ek;
+    __syncwarp();
+    float den = tot;
+    if (renorm) {
+        den = 0.f;
+        for (int k = 0; k < K; k++) den += s_e[k];
+    }
+    if (lane < K) {
+        chosen[lane] = (int)(0xffffffffu - (u32)mine);
+        wsel[lane] = ek / den;
+    }
+    if (lane == 0) {
+        chosen[K] = E;
+        wsel[K] = sigmoid_f(rt_unfx(ag) * rr);
+    }
+    __syncwarp();
+}
+
 /* DEEP: mf2_pairs<DEEP> (moe_fused_q3). LS: the logits are in shared memory (moe_fused_qr's router
    wrote them there; the top-K by route_warp_smem). */
-template <int BITS, int TY, bool DEEP = false, bool LS = false, bool SHF = false, bool GIVEN = false, bool ACC = false>
+template <int BITS, int TY, bool DEEP = false, bool LS = false, bool SHF = false, bool GIVEN = false, int ACC = 0>
 __device__ __forceinline__ void mf2_body(MoeFusedParams_fields, float* xs, float* red, float* wsel, int* chosen,
                                          float* ls, u64* ts) {
     constexpr int EPV = 128 / BITS;
@@ -259,7 +349,11 @@ __device__ __forceinline__ void mf2_body(MoeFusedParams_fields, float* xs, float
     }
     u64 base = 0; /* thread 0's: the counter before this launch */
     if (threadIdx.x == 0) base = ld_relaxed_u64(ctr);
-    if (threadIdx.x < 32) {
+    if (ACC == 2) { /* routing warps 0 and 9..15 (then their staging, where H leaves them any), 1..8 stage */
+        if (threadIdx.x < 32 || threadIdx.x >= 288)
+            mf2_route_block((const u64*)logits, E, H, rblocks, eps, K, renorm, ls, chosen, wsel);
+        if (threadIdx.x >= 32) mf2_stage<EPV>(x, H, normw, xs, xsum, red);
+    } else if (threadIdx.x < 32) {
         if (GIVEN) { /* gemv_q2_route's last block routed (LILY_CUDA_MOE_ROUTER=tailk) */
             if (threadIdx.x <= K) {
                 chosen[threadIdx.x] = ids_out[threadIdx.x];
@@ -303,7 +397,8 @@ __device__ __forceinline__ void mf2_body(MoeFusedParams_fields, float* xs, float
 #define MF2_KERNEL(NAME, DEEP, SHF, GIVEN, ACC)                                                                        \
     extern "C" __global__ void __launch_bounds__(512, 1) NAME(MoeFusedParams_fields) {                                 \
         extern __shared__ __align__(16) float xs[];                                                                    \
-        __shared__ float red[33], wsel[65], ls[512]; /* ls: route_topk's copy of the logits (E <= 512) */              \
+        __shared__ float red[33], wsel[65];                                                                            \
+        __shared__ __align__(16) float ls[MF2_LS]; /* the top-K's scratch (E <= 512) */                                \
         __shared__ int chosen[65];                                                                                     \
         TL_SCOPE(#NAME);                                                                                               \
         u64* ts = trace ? trace + 16 * blockIdx.x : nullptr; /* stamps as moe_fused_q's (no 8, 9) */                   \
@@ -320,10 +415,11 @@ __device__ __forceinline__ void mf2_body(MoeFusedParams_fields, float* xs, float
     }
 #define MF2(B, T, D, SH, GV, AC)                                                                                       \
     mf2_body<B, T, D, false, SH, GV, AC>(MoeFusedParams_names, xs, red, wsel, chosen, ls, ts)
-MF2_KERNEL(moe_fused_q2, false, false, false, false)
-MF2_KERNEL(moe_fused_q3, true, false, false, false)
-MF2_KERNEL(moe_fused_q2s, false, true, false, false)
-MF2_KERNEL(moe_fused_q2s_given, false, true, true, false)
-MF2_KERNEL(moe_fused_q2s_acc, false, true, false, true)
+MF2_KERNEL(moe_fused_q2, false, false, false, 0)
+MF2_KERNEL(moe_fused_q3, true, false, false, 0)
+MF2_KERNEL(moe_fused_q2s, false, true, false, 0)
+MF2_KERNEL(moe_fused_q2s_given, false, true, true, 0)
+MF2_KERNEL(moe_fused_q2s_acc, false, true, false, 1)
+MF2_KERNEL(moe_fused_q2s_accb, false, true, false, 2)
 #undef MF2
 #undef MF2_KERNEL

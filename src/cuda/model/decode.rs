@@ -391,7 +391,8 @@ impl CudaSession {
                     let (form, route) = match (form, routed) {
                         (ops::MoeForm::Q2s, Some(RouterTail::Topk)) => (ops::MoeForm::Q2sGiven, route),
                         (ops::MoeForm::Q2s, Some(RouterTail::Acc)) => {
-                            (ops::MoeForm::Q2sAcc, (s.rpart.ptr, e, k, route.3))
+                            let f = if ops::moe_topk_block() { ops::MoeForm::Q2sAccB } else { ops::MoeForm::Q2sAcc };
+                            (f, (s.rpart.ptr, e, k, route.3))
                         }
                         (f, Some(RouterTail::Acc)) => bail!("the router's sums were left for a MoE of the {f:?} form"),
                         (f, _) => (f, route),

@@ -49,7 +49,8 @@ pub(super) fn route_rank() -> i32 {
 /// (`moe_fused_q2s_acc`, `LILY_CUDA_MOE_ROUTER=acc`) is q2s whose `logits` are the router's sums
 /// as [`Gpu::gemv_route_form`] leaves them in [`super::RouteSums::Acc`] (u64 `[e + 1]`, then the
 /// H / [`Gpu::route_block_rows`] route blocks' f32 sums of squares): each block forms the logits
-/// and routes; block 0 zeroes the sums after the blocks' meeting.
+/// and routes; block 0 zeroes the sums after the blocks' meeting. `Q2sAccB`
+/// (`moe_fused_q2s_accb`, [`moe_topk_block`]) is `Q2sAcc` with the top-k by eight warps.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum MoeForm {
     Q,
@@ -58,7 +59,17 @@ pub enum MoeForm {
     Q2s,
     Q2sGiven,
     Q2sAcc,
+    Q2sAccB,
     Qr,
+}
+
+/// Who ranks the top-k where the MoE forms the router's logits from its sums: warp 0 alone
+/// ([`MoeForm::Q2sAcc`], `LILY_CUDA_MOE_TOPK=warp`, by [`route_rank`]'s form) or eight warps
+/// ([`MoeForm::Q2sAccB`], `=block`: mf2_route_block in moe_fused2.cu): the same picks and weight
+/// bits.
+pub fn moe_topk_block() -> bool {
+    static V: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *V.get_or_init(|| std::env::var("LILY_CUDA_MOE_TOPK").as_deref() == Ok("block"))
 }
 
 /// The decode step's [`MoeForm`] (default `Q2s`; `LILY_CUDA_MOE=q`: `Q`, `=q2`: `Q2`, `=q3`:
@@ -252,12 +263,16 @@ impl Gpu {
         if !self.moe_fused_ok(gate_up, down, e, k) {
             bail!("moe_fused: experts of this shape or format are not fused");
         }
-        if matches!(form, MoeForm::Q2 | MoeForm::Q3 | MoeForm::Q2s | MoeForm::Q2sGiven | MoeForm::Q2sAcc)
-            && (router.is_some() || normw == 0 || !self.moe_fused_q2_ok(gate_up, down, e, k))
+        if matches!(
+            form,
+            MoeForm::Q2 | MoeForm::Q3 | MoeForm::Q2s | MoeForm::Q2sGiven | MoeForm::Q2sAcc | MoeForm::Q2sAccB
+        ) && (router.is_some() || normw == 0 || !self.moe_fused_q2_ok(gate_up, down, e, k))
         {
             bail!("moe_fused_q2/q3/q2s: this router, input or expert shape is not taken");
         }
-        if form == MoeForm::Q2sAcc && (!gate_up.cols.is_multiple_of(32) || gate_up.cols < 64 || e + 1 >= 512) {
+        if matches!(form, MoeForm::Q2sAcc | MoeForm::Q2sAccB)
+            && (!gate_up.cols.is_multiple_of(32) || gate_up.cols < 64 || e + 1 >= 512)
+        {
             bail!("moe_fused_q2s_acc: route sums of {} experts over {} columns are not taken", e, gate_up.cols);
         }
         if form == MoeForm::Qr && (normw == 0 || !router.is_some_and(|r| self.moe_fused_qr_ok(gate_up, down, r, e, k)))
@@ -335,6 +350,7 @@ impl Gpu {
                 MoeForm::Q3 => "moe_fused_q3",
                 MoeForm::Q2sGiven => "moe_fused_q2s_given",
                 MoeForm::Q2sAcc => "moe_fused_q2s_acc",
+                MoeForm::Q2sAccB => "moe_fused_q2s_accb",
                 MoeForm::Q2s => "moe_fused_q2s",
                 _ => "moe_fused_q2",
             };
