@@ -203,8 +203,6 @@ pub fn print_moe_trace(buf: &super::DevBuf, sms: usize, layers: usize) -> Result
     let points = [
         (0, "entry"),
         (1, "previous kernel done (pdl wait)"),
-        (10, "warp 0: its routing done"),
-        (11, "warp 1: its staging done"),
         (2, "top-k done"),
         (8, "gate/up: body start"),
         (9, "gate/up: input staged"),

@@ -369,8 +369,6 @@ __device__ __forceinline__ void mf2_body(MoeFusedParams_fields, float* xs, float
     } else {
         mf2_stage<EPV>(x, H, normw, xs, xsum, red);
     }
-    /* stamps 10 and 11: warp 0 done routing, warp 1 done staging (LILY_CUDA_MOE_TRACE) */
-    if (ts && (threadIdx.x == 0 || threadIdx.x == 32)) ts[threadIdx.x ? 11 : 10] = global_ns();
     __syncthreads();
     /* gq_stage's block_sum over the 16 warps' sums (warp w's now in red[w - 1], warp 15's slot
        zero as in a 16-warp block whose last warp staged nothing) */
