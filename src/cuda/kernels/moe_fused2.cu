@@ -228,8 +228,8 @@ __device__ __forceinline__ void mf2_route_acc(const u64* acc, int nc, int rs, in
     constexpr int N = 12; /* accumulators a lane loads a round: one round up to R = 384 */
     const int lane = threadIdx.x & 31, R = E + 1;
     const float* sq = (const float*)acc + 2 * rs * nc * R;
-    float q = 0.f;
-    for (int b = lane; b < G; b += 32) q += __ldcg(sq + b);
+    RtSq sqv; /* loaded with the first round of sums, added after it */
+    rt_sq_load(sqv, sq, G);
     for (int j0 = 0; j0 < R; j0 += 32 * N) {
         u64 v[N];
 #pragma unroll
@@ -245,7 +245,7 @@ __device__ __forceinline__ void mf2_route_acc(const u64* acc, int nc, int rs, in
         for (int i = 0; i < N; i++)
             if (j0 + 32 * i + lane < R) ls[j0 + 32 * i + lane] = rt_unfx(v[i]);
     }
-    const float rr = 1.f / sqrtf(warp_sum(q) / (float)H + eps);
+    const float rr = 1.f / sqrtf(warp_sum(rt_sq_add(sqv, sq, G)) / (float)H + eps);
     __syncwarp();
     for (int j = lane; j < R; j += 32) ls[j] *= rr;
     __syncwarp();
@@ -274,8 +274,8 @@ __device__ __forceinline__ void mf2_route_block(const u64* acc, int nc, int rs, 
     float* s_e = (float*)(pick + 16);
     const int R = E + 1;
     const float* sq = (const float*)acc + 2 * rs * nc * R;
-    float q = 0.f;
-    for (int b = lane; b < G; b += 32) q += __ldcg(sq + b);
+    RtSq sqv; /* loaded with the sums, added after them */
+    rt_sq_load(sqv, sq, G);
     u64 a0 = 0ull, a1 = 0ull, ag = 0ull; /* the copies' sums (gemv_route.cu) */
 #pragma unroll 8
     for (int c = 0; c < nc; c++) {
@@ -284,7 +284,7 @@ __device__ __forceinline__ void mf2_route_block(const u64* acc, int nc, int rs, 
         if (rt + 256 < E) a1 += __ldcg(ac + (long long)rs * (rt + 256));
         if (rt == 0) ag += __ldcg(ac + (long long)rs * E);
     }
-    const float rr = 1.f / sqrtf(warp_sum(q) / (float)H + eps);
+    const float rr = 1.f / sqrtf(warp_sum(rt_sq_add(sqv, sq, G)) / (float)H + eps);
     const float l0 = rt_unfx(a0) * rr, l1 = rt_unfx(a1) * rr;
     const int nseg = (E + 31) >> 5, C = nseg * K;
     if (rt < E) ls[rt] = l0;
