@@ -10,7 +10,7 @@ mod common;
 use common::gpu::*;
 use common::*;
 use lily::cpu::norm::{rms_norm, sigmoid};
-use lily::cuda::{GemvKernel, GpuLinear, MoeForm, RouteSums, SumSpread};
+use lily::cuda::{GemvKernel, GpuLinear, MoeForm, RouteSums};
 use lily::linear::{FloatType, Linear};
 
 const TOL: f64 = 1e-9;
@@ -250,9 +250,7 @@ fn route_acc_feeds_moe_as_tailk() {
         assert!(g.gemv_route_ok(&gw, &gr) && g.moe_fused_q2_ok(&gu, &dn, e, k), "H{h} E{e}: a form refuses the shape");
         let nwb = g.upload_f32(&uniform(&mut r, h, 1.5)).unwrap();
         let norm = (nwb.ptr, 1e-6);
-        let spreads = [SumSpread::ONE, SumSpread { copies: 8, stride: 1 }, SumSpread { copies: 3, stride: 16 }];
-        let big = SumSpread { copies: 8, stride: 16 };
-        let part = g.zeros(4 * big.floats(e + 1, h / 16).max((h / 32) * (e + 2))).unwrap();
+        let part = g.zeros(4 * (h / 32) * (e + 2)).unwrap();
         let (ctr_r, ctr_m) = (g.zeros(8).unwrap(), g.zeros(24).unwrap());
         let lb = g.zeros(4 * (e + 1)).unwrap();
         let egu = g.zeros(4 * 2 * (k + 1) * inter).unwrap();
@@ -270,44 +268,31 @@ fn route_acc_feeds_moe_as_tailk() {
             let (route, idw) = ((lb.ptr, e, k, true), (ids_t.ptr, wts_t.ptr));
             g.moe_fused(&gu, &dn, None, xb.ptr, norm, egu.ptr, route, idw, ctr_m.ptr, 0, MoeForm::Q2sGiven).unwrap();
             let want = xb.read_f32(0, h).unwrap();
-            // the sums left for the MoE, in each layout (one copy; 8 copies; 3 copies, one
-            // accumulator a 128-byte line)
-            for sp in spreads {
-                let name = format!("{name} {sp:?}");
-                let nf = sp.floats(e + 1, h / g.route_block_rows(h));
-                xb.write_f32(0, &x).unwrap();
+            // the sums left for the MoE
+            xb.write_f32(0, &x).unwrap();
+            ids_a.write_f32(0, &vec![f32::NAN; k + 1]).unwrap();
+            g.gemv_route_form(&gw, ob.ptr, xb.ptr, &gr, norm, (part.ptr, RouteSums::Acc), lb.ptr, ctr_r.ptr, None)
+                .unwrap();
+            let x_acc = xb.read_f32(0, h).unwrap();
+            assert!(x_acc.iter().zip(&x_route).all(|(a, b)| a.to_bits() == b.to_bits()), "{name}: x after the route");
+            let acc = part.read_f32(0, 2 * (e + 1)).unwrap();
+            assert!(acc.iter().any(|v| v.to_bits() != 0), "{name}: no sums left for the MoE");
+            let sums = part.read_f32(0, 2 * (e + 1) + h / g.route_block_rows(h)).unwrap();
+            // the top-k by warp 0, then by eight warps, each from the same sums
+            for form in [MoeForm::Q2sAcc, MoeForm::Q2sAccB] {
+                let name = format!("{name} {form:?}");
+                xb.write_f32(0, &x_acc).unwrap();
+                part.write_f32(0, &sums).unwrap();
                 ids_a.write_f32(0, &vec![f32::NAN; k + 1]).unwrap();
-                // zero where another layout's sums of squares lie (a decode keeps one layout)
-                part.write_f32(0, &vec![0.0; nf]).unwrap();
-                let sums = (part.ptr, RouteSums::Acc(sp));
-                g.gemv_route_form(&gw, ob.ptr, xb.ptr, &gr, norm, sums, lb.ptr, ctr_r.ptr, None).unwrap();
-                let x_acc = xb.read_f32(0, h).unwrap();
-                assert!(
-                    x_acc.iter().zip(&x_route).all(|(a, b)| a.to_bits() == b.to_bits()),
-                    "{name}: x after the route"
-                );
-                let sums = part.read_f32(0, nf).unwrap();
-                let acc = &sums[..nf - h / g.route_block_rows(h)];
-                assert!(acc.iter().any(|v| v.to_bits() != 0), "{name}: no sums left for the MoE");
-                // the top-k by warp 0, then by eight warps, each from the same sums
-                for form in [MoeForm::Q2sAcc(sp), MoeForm::Q2sAccB(sp)] {
-                    let name = format!("{name} {form:?}");
-                    xb.write_f32(0, &x_acc).unwrap();
-                    part.write_f32(0, &sums).unwrap();
-                    ids_a.write_f32(0, &vec![f32::NAN; k + 1]).unwrap();
-                    let (route, idw) = ((part.ptr, e, k, true), (ids_a.ptr, wts_a.ptr));
-                    g.moe_fused(&gu, &dn, None, xb.ptr, norm, egu.ptr, route, idw, ctr_m.ptr, 0, form).unwrap();
-                    let got = xb.read_f32(0, h).unwrap();
-                    assert_eq!(ids_a.read_i32(k + 1).unwrap(), ids_t.read_i32(k + 1).unwrap(), "{name}: ids");
-                    let (wa, wt) = (wts_a.read_f32(0, k + 1).unwrap(), wts_t.read_f32(0, k + 1).unwrap());
-                    assert!(
-                        wa.iter().zip(&wt).all(|(a, b)| a.to_bits() == b.to_bits()),
-                        "{name}: weights {wa:?} {wt:?}"
-                    );
-                    assert!(got.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits()), "{name}: x after the MoE");
-                    let left = part.read_f32(0, nf - h / g.route_block_rows(h)).unwrap();
-                    assert!(left.iter().all(|v| v.to_bits() == 0), "{name}: sums left nonzero after the MoE");
-                }
+                let (route, idw) = ((part.ptr, e, k, true), (ids_a.ptr, wts_a.ptr));
+                g.moe_fused(&gu, &dn, None, xb.ptr, norm, egu.ptr, route, idw, ctr_m.ptr, 0, form).unwrap();
+                let got = xb.read_f32(0, h).unwrap();
+                assert_eq!(ids_a.read_i32(k + 1).unwrap(), ids_t.read_i32(k + 1).unwrap(), "{name}: ids");
+                let (wa, wt) = (wts_a.read_f32(0, k + 1).unwrap(), wts_t.read_f32(0, k + 1).unwrap());
+                assert!(wa.iter().zip(&wt).all(|(a, b)| a.to_bits() == b.to_bits()), "{name}: weights {wa:?} {wt:?}");
+                assert!(got.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits()), "{name}: x after the MoE");
+                let acc = part.read_f32(0, 2 * (e + 1)).unwrap();
+                assert!(acc.iter().all(|v| v.to_bits() == 0), "{name}: sums left nonzero after the MoE");
             }
         }
     }

@@ -23,7 +23,7 @@ pub use model::{upload_cached, uploaded, CudaBatch, CudaModel, CudaSession};
 pub use ops::{
     gdn_chunk_floats, gdn_prefill_kernel, gemv_default, sampling_params_bytes, AttnDecode, AttnKernel, AttnPlan,
     AttnPrep, GdnForm, GdnOutProj, GdnPrefill, GdnPrefillKernel, GdnRows, GdnStep, GemmKernel, GemvKernel, GpuLinear,
-    KvDtype, MoeForm, Precision, PrefillAttn, RouteSums, RouterTail, SumSpread, TailTopk, SAMPLE_WS_BYTES,
+    KvDtype, MoeForm, Precision, PrefillAttn, RouteSums, RouterTail, TailTopk, SAMPLE_WS_BYTES,
 };
 pub use paged::PagedBuf;
 

@@ -423,12 +423,7 @@ impl CudaSession {
             sync_gdn: g.zeros(8 + 8 * 8)?,
             sync_attn: g.zeros(8 * c.num_key_value_heads.max(1))?,
             gpart: f(c.linear_num_key_heads * h)?,
-            // the parts form's [H / 32, R + 1], or the fixed-point sums spread as far as they go
-            rpart: f((h.div_ceil(32) * (c.num_experts + 2)).max(
-                super::ops::SumSpread { copies: super::ops::SumSpread::MAX, stride: super::ops::SumSpread::MAX }
-                    .floats(c.num_experts + 1, h.div_ceil(16))
-                    + 2,
-            ))?,
+            rpart: f((h.div_ceil(32) * (c.num_experts + 2)).max(2 * (c.num_experts + 1) + h.div_ceil(16) + 2))?,
             sync_route: g.zeros(8)?,
             moe_trace: if profile::moe_tracing() {
                 Some(g.zeros(8 * profile::MOE_TRACE_SLOTS * g.sms as usize * self.model.layers.len())?)

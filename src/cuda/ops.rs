@@ -17,7 +17,7 @@ mod moe;
 pub(super) use moe::MOE_QR_SMEM;
 pub use moe::{moe_form, moe_topk_block, router_fused, MoeForm};
 mod route;
-pub use route::{route_sums, router_tail, RouteSums, RouterTail, SumSpread, TailTopk};
+pub use route::{route_sums, router_tail, RouteSums, RouterTail, TailTopk};
 mod sampling;
 
 pub use attention::{attn_fold, AttnDecode, AttnKernel, AttnPlan, AttnPrep, AttnRows, KvDtype, PrefillAttn};

@@ -255,7 +255,7 @@ kernel_params! {
         w: In<Void>, sc: In<Void>, bi: In<Void>, bits: i32, group: i32, ty: i32, x: In<f32>, y: Out<f32>,
         rows: i32, cols: i32, wr: In<Void>, sr: In<Void>, br: In<Void>, bits_r: i32, group_r: i32,
         ty_r: i32, R: i32, nw: In<f32>, eps: f32, part: Out<f32>, logits: Out<f32>, ctr: Out<u64>,
-        ids: Out<i32>, wts: Out<f32>, K: i32, renorm: i32, mode: i32, copies: i32, rstride: i32
+        ids: Out<i32>, wts: Out<f32>, K: i32, renorm: i32, mode: i32
     }
     /// `gemv_q2_conv`: gemv_q2 for one slot, rows c < C then through the causal conv + SiLU (state `cstate`, taps `cw`) into `cy`.
     GemvConvParams spread ["gemv_q2_conv"] { w: In<Void>, sc: In<Void>, bi: In<Void>, bits: i32, group: i32, ty: i32, x: In<f32>, y: Out<f32>, rows: i32, cols: i32, normw: In<f32>, eps: f32, cstate: Out<f32>, cw: In<f32>, cy: Out<f32>, C: i32, K: i32 }
@@ -268,7 +268,7 @@ kernel_params! {
     GemvRoutedParams spread ["gemv_q2_routed"] { w: In<Void>, sc: In<Void>, bi: In<Void>, bits: i32, group: i32, ty: i32, x: In<f32>, y: Out<f32>, rows: i32, cols: i32, normw: In<f32>, eps: f32, logits: In<f32>, E: i32, K: i32, renorm: i32, ids_out: Out<i32>, wts_out: Out<f32>, rank: i32 }
     /// `moe_fused_q`: the decode MoE in one launch (routing, gate/up into `gu`, down + residual into `x`; blocks meet on `ctr`).
     /// (`wr` not null: the router's `R` rows are computed first, into `logits`.)
-    MoeFusedParams spread ["moe_fused_q", "moe_fused_q2", "moe_fused_q3", "moe_fused_q2s", "moe_fused_q2s_given", "moe_fused_q2s_acc", "moe_fused_q2s_accb", "moe_fused_qr"] { wg: In<Void>, sg: In<Void>, bg: In<Void>, wd: In<Void>, sd: In<Void>, bd: In<Void>, bits: i32, group_g: i32, group_d: i32, ty: i32, x: Out<f32>, gu: Out<f32>, inter: i32, H: i32, normw: In<f32>, eps: f32, logits: Out<f32>, E: i32, K: i32, renorm: i32, ids_out: Out<i32>, wts_out: Out<f32>, ctr: Out<u64>, bps: i32, rank: i32, wr: In<Void>, sr: In<Void>, br: In<Void>, bits_r: i32, group_r: i32, ty_r: i32, R: i32, trace: Out<u64>, fixed: i32, acc: i32, rblocks: i32, rcopies: i32, rstride: i32 }
+    MoeFusedParams spread ["moe_fused_q", "moe_fused_q2", "moe_fused_q3", "moe_fused_q2s", "moe_fused_q2s_given", "moe_fused_q2s_acc", "moe_fused_q2s_accb", "moe_fused_qr"] { wg: In<Void>, sg: In<Void>, bg: In<Void>, wd: In<Void>, sd: In<Void>, bd: In<Void>, bits: i32, group_g: i32, group_d: i32, ty: i32, x: Out<f32>, gu: Out<f32>, inter: i32, H: i32, normw: In<f32>, eps: f32, logits: Out<f32>, E: i32, K: i32, renorm: i32, ids_out: Out<i32>, wts_out: Out<f32>, ctr: Out<u64>, bps: i32, rank: i32, wr: In<Void>, sr: In<Void>, br: In<Void>, bits_r: i32, group_r: i32, ty_r: i32, R: i32, trace: Out<u64>, fixed: i32, acc: i32, rblocks: i32 }
     /// `moe_topk`: softmax + top-K of `E` logits per row (stride `lstride`) into `ids`/`wout` (and `ids2` gate/up rows); `shared`: slot K is the shared expert.
     MoeTopkParams spread ["moe_topk"] { logits: In<f32>, E: i32, K: i32, renorm: i32, ids: Out<i32>, wout: Out<f32>, ids2: Out<i32>, lstride: i64, shared: i32 }
     /// `moe_combine`: x += Σ_k w_k ye[k] + g·ys, g = sigmoid(sg) (1 without sg).

@@ -45,13 +45,6 @@
  *   logits from part and routes in each of its blocks, and its block 0 zeroes the accumulators
  *   once its blocks have met (every block has read them by then).
  *
- * Spread sums (copies nc, stride rs; LILY_CUDA_ROUTE_COPIES, LILY_CUDA_ROUTE_STRIDE): block b adds
- *   into copy b mod nc, accumulator j of copy c at u64 index rs (c R + j), the sums of squares at
- *   float offset 2 rs nc R; a reader adds the nc copies (integer adds: the same bits as one copy).
- *   Session 52 measured the MoE's loads of one copy (nc = rs = 1: 128 adds an address, 2,048 a
- *   128-byte line) waiting ~3 us for the adds to drain; nc copies shorten the chain an address,
- *   rs = 16 puts each accumulator on its own line.
- *
  * Blocks of 16 rows (gemv_q2_route16_fx, gemv_q2_route16_acc; LILY_CUDA_ROUTE_ROWS=16): one row a
  *   warp (gq_body with NR = 1), so the grid is G = H / 16 (Qwen3.6: 128 of the 132 SMs, where
  *   blocks of 32 rows leave half the SMs idle) and a block's parts cover 16 columns (RB below:
@@ -168,7 +161,7 @@ constexpr int RT_PARTS = 0, RT_FX = 1, RT_ACC = 2;
    RT_ACC: no arrival, nothing after the parts. RB: the block's rows (32 or 16). */
 template <int SUM, int RB = 32>
 __device__ __forceinline__ void rt_tail(const u32* rw, const u32* rsb, const float* nws, int bits_r, int group_r,
-                                        int ty_r, int R, int H, float eps, float* part, int nc, int rs, float* logits, u64* ctr,
+                                        int ty_r, int R, int H, float eps, float* part, float* logits, u64* ctr,
                                         const float* ys, float* vs, float* tot, float* sm, int* last,
                                         RtRoute rt = RtRoute{}, int* chosen = 0, float* wsel = 0) {
     constexpr bool FX = SUM != RT_PARTS;
@@ -191,11 +184,11 @@ __device__ __forceinline__ void rt_tail(const u32* rw, const u32* rsb, const flo
         int half = (int)(((long long)t * (H / group_r) + c0 / group_r) & 1);
         float s = half_bits((rsb[2 * t] >> (16 * half)) & 0xFFFFu, ty_r);
         float b = half_bits((rsb[2 * t + 1] >> (16 * half)) & 0xFFFFu, ty_r);
-        if (FX) atomicAdd((u64*)part + (long long)rs * ((int)(blockIdx.x % nc) * R + t), rt_fx(s * d + b * tot[0]));
+        if (FX) atomicAdd((u64*)part + t, rt_fx(s * d + b * tot[0]));
         else pb[t] = s * d + b * tot[0];
     }
     if (t == 0) {
-        if (FX) part[2 * rs * nc * R + blockIdx.x] = tot[1];
+        if (FX) part[2 * R + blockIdx.x] = tot[1];
         else pb[R] = tot[1];
     }
     if (SUM == RT_ACC) return;
@@ -211,18 +204,15 @@ __device__ __forceinline__ void rt_tail(const u32* rw, const u32* rsb, const flo
     const int G = gridDim.x;
     if (FX) {
         if (t < R) {
-            u64 v = 0;
-            for (int c = 0; c < nc; c++) {
-                u64* acc = (u64*)part + (long long)rs * (c * R + t);
-                v += __ldcg(acc);
-                __stcg(acc, 0ull);
-            }
+            u64* acc = (u64*)part + t;
+            u64 v = __ldcg(acc);
+            __stcg(acc, 0ull);
             sm[t] = rt_unfx(v);
         }
         if (t < 32) {
             RtSq sq;
-            rt_sq_load(sq, part + 2 * rs * nc * R, G);
-            float q = warp_sum(rt_sq_add(sq, part + 2 * rs * nc * R, G));
+            rt_sq_load(sq, part + 2 * R, G);
+            float q = warp_sum(rt_sq_add(sq, part + 2 * R, G));
             if (t == 0) sm[R] = q;
         }
     } else if (t < P) {
@@ -274,8 +264,8 @@ __device__ __forceinline__ void gemv_q2_route_body(GemvRouteParams_fields) {
     else if (bits == 4) RT_GEMV(4, TY_F16);
     else if (ty == TY_BF16) RT_GEMV(8, TY_BF16);
     else RT_GEMV(8, TY_F16);
-    rt_tail<SUM, RB>(rw, rsb, nws, bits_r, group_r, ty_r, R, rows, eps, part, copies, rstride, logits, ctr, ys, vs, tot,
-                     (float*)rw, &last, RtRoute{ids, wts, K, renorm, mode}, (int*)rsb, (float*)rsb + 128);
+    rt_tail<SUM, RB>(rw, rsb, nws, bits_r, group_r, ty_r, R, rows, eps, part, logits, ctr, ys, vs, tot, (float*)rw,
+                     &last, RtRoute{ids, wts, K, renorm, mode}, (int*)rsb, (float*)rsb + 128);
 }
 extern "C" __global__ void __launch_bounds__(512) gemv_q2_route(GemvRouteParams_fields) {
     TL_SCOPE("gemv_q2_route");

@@ -28,8 +28,7 @@
  *     branch in moe_fused_q2s it spilled 32 bytes).
  *   - moe_fused_q2s_acc (ACC; LILY_CUDA_MOE_ROUTER=acc): gemv_q2_route_acc (gemv_route.cu) left
  *     the router's sums in fixed point, not the logits: `logits` points at them (u64 [E + 1],
- *     then the rblocks route blocks' sums of squares, f32, at float offset 2 (E + 1); spread over
- *     rcopies copies, rstride apart, as gemv_route.cu's "spread sums" says), and warp 0
+ *     then the rblocks route blocks' sums of squares, f32, at float offset 2 (E + 1)), and warp 0
  *     of every block forms the logits as gemv_q2_route_fx's last block does (the same bits) and
  *     routes on them (mf2_route_acc; rblocks: the route's grid); block 0 publishes the routing
  *     in ids_out/wts_out and, past the blocks' meeting (each has read the sums before arriving),
@@ -223,27 +222,23 @@ __device__ __forceinline__ void grid_arrive_rel(u64* ctr) {
    bits: the R = E + 1 accumulators at 2^-32, times 1 / sqrt(mean of squares + eps), the route's
    G blocks' sums of squares added lane-strided then across the warp), then the top-K on them.
    Warp 0. */
-__device__ __forceinline__ void mf2_route_acc(const u64* acc, int nc, int rs, int E, int H, int G, float eps,
-                                              int mode, int K, int renorm, float* ls, int* chosen, float* wsel) {
+__device__ __forceinline__ void mf2_route_acc(const u64* acc, int E, int H, int G, float eps, int mode, int K,
+                                              int renorm, float* ls, int* chosen, float* wsel) {
     constexpr int N = 12; /* accumulators a lane loads a round: one round up to R = 384 */
     const int lane = threadIdx.x & 31, R = E + 1;
-    const float* sq = (const float*)acc + 2 * rs * nc * R;
+    const float* sq = (const float*)acc + 2 * R;
     RtSq sqv; /* loaded with the first round of sums, added after it */
     rt_sq_load(sqv, sq, G);
+    float v[N];
     for (int j0 = 0; j0 < R; j0 += 32 * N) {
-        u64 v[N];
 #pragma unroll
-        for (int i = 0; i < N; i++) v[i] = 0ull;
-        for (int c = 0; c < nc; c++) { /* the copies (gemv_route.cu): one round trip each */
-#pragma unroll
-            for (int i = 0; i < N; i++) {
-                int j = j0 + 32 * i + lane;
-                if (j < R) v[i] += __ldcg(acc + (long long)rs * (c * R + j));
-            }
+        for (int i = 0; i < N; i++) {
+            int j = j0 + 32 * i + lane;
+            v[i] = j < R ? rt_unfx(__ldcg(acc + j)) : 0.f;
         }
 #pragma unroll
         for (int i = 0; i < N; i++)
-            if (j0 + 32 * i + lane < R) ls[j0 + 32 * i + lane] = rt_unfx(v[i]);
+            if (j0 + 32 * i + lane < R) ls[j0 + 32 * i + lane] = v[i];
     }
     const float rr = 1.f / sqrtf(warp_sum(rt_sq_add(sqv, sq, G)) / (float)H + eps);
     __syncwarp();
@@ -266,24 +261,17 @@ __device__ __forceinline__ void mf2_route_acc(const u64* acc, int nc, int rs, in
    the words [512] (u64), the candidates [16 K + 2], the picks [K], the picks' exps [32]. */
 constexpr int MF2_LS = 512 + 2 * 512 + 2 * 258 + 2 * 16 + 32;
 __device__ __forceinline__ void mf2_rbar() { asm volatile("bar.sync 1, 256;" ::: "memory"); }
-__device__ __forceinline__ void mf2_route_block(const u64* acc, int nc, int rs, int E, int H, int G, float eps, int K,
-                                                int renorm, float* sc, int* chosen, float* wsel) {
+__device__ __forceinline__ void mf2_route_block(const u64* acc, int E, int H, int G, float eps, int K, int renorm,
+                                                float* sc, int* chosen, float* wsel) {
     const int lane = threadIdx.x & 31, rt = threadIdx.x < 32 ? threadIdx.x : threadIdx.x - 256, rw = rt >> 5;
     float* ls = sc;
     u64 *key = (u64*)(sc + 512), *cand = key + 512, *pick = cand + 258;
     float* s_e = (float*)(pick + 16);
-    const int R = E + 1;
-    const float* sq = (const float*)acc + 2 * rs * nc * R;
+    const float* sq = (const float*)acc + 2 * (E + 1);
     RtSq sqv; /* loaded with the sums, added after them */
     rt_sq_load(sqv, sq, G);
-    u64 a0 = 0ull, a1 = 0ull, ag = 0ull; /* the copies' sums (gemv_route.cu) */
-#pragma unroll 8
-    for (int c = 0; c < nc; c++) {
-        const u64* ac = acc + (long long)rs * c * R;
-        if (rt < E) a0 += __ldcg(ac + (long long)rs * rt);
-        if (rt + 256 < E) a1 += __ldcg(ac + (long long)rs * (rt + 256));
-        if (rt == 0) ag += __ldcg(ac + (long long)rs * E);
-    }
+    const u64 a0 = rt < E ? __ldcg(acc + rt) : 0ull, a1 = rt + 256 < E ? __ldcg(acc + rt + 256) : 0ull;
+    const u64 ag = rt == 0 ? __ldcg(acc + E) : 0ull;
     const float rr = 1.f / sqrtf(warp_sum(rt_sq_add(sqv, sq, G)) / (float)H + eps);
     const float l0 = rt_unfx(a0) * rr, l1 = rt_unfx(a1) * rr;
     const int nseg = (E + 31) >> 5, C = nseg * K;
@@ -363,7 +351,7 @@ __device__ __forceinline__ void mf2_body(MoeFusedParams_fields, float* xs, float
     if (threadIdx.x == 0) base = ld_relaxed_u64(ctr);
     if (ACC == 2) { /* routing warps 0 and 9..15 (then their staging, where H leaves them any), 1..8 stage */
         if (threadIdx.x < 32 || threadIdx.x >= 288)
-            mf2_route_block((const u64*)logits, rcopies, rstride, E, H, rblocks, eps, K, renorm, ls, chosen, wsel);
+            mf2_route_block((const u64*)logits, E, H, rblocks, eps, K, renorm, ls, chosen, wsel);
         if (threadIdx.x >= 32) mf2_stage<EPV>(x, H, normw, xs, xsum, red);
     } else if (threadIdx.x < 32) {
         if (GIVEN) { /* gemv_q2_route's last block routed (LILY_CUDA_MOE_ROUTER=tailk) */
@@ -372,8 +360,7 @@ __device__ __forceinline__ void mf2_body(MoeFusedParams_fields, float* xs, float
                 wsel[threadIdx.x] = wts_out[threadIdx.x];
             }
         } else if (ACC) { /* gemv_q2_route_acc's sums (LILY_CUDA_MOE_ROUTER=acc) */
-            mf2_route_acc((const u64*)logits, rcopies, rstride, E, H, rblocks, eps, rank, K, renorm, ls, chosen,
-                          wsel);
+            mf2_route_acc((const u64*)logits, E, H, rblocks, eps, rank, K, renorm, ls, chosen, wsel);
         } else if (LS) {
             route_warp_smem(rank, logits, E, K, renorm, chosen, wsel);
         } else {
@@ -401,8 +388,7 @@ __device__ __forceinline__ void mf2_body(MoeFusedParams_fields, float* xs, float
                                                 inter, 0, acc, nullptr, 0.f, xs, 0, chosen, K + 1, nc, blockIdx.x,
                                                 gridDim.x, ctr, target, ts ? ts + 4 : nullptr);
     if (ACC && blockIdx.x == 0) /* past the meeting: every block's reads of the sums are done */
-        for (int j = threadIdx.x; j < rcopies * (E + 1); j += blockDim.x)
-            __stcg((u64*)logits + (long long)rstride * j, 0ull);
+        for (int j = threadIdx.x; j <= E; j += blockDim.x) __stcg((u64*)logits + j, 0ull);
 }
 
 /* The entry points: moe_fused_q2, moe_fused_q3 = moe_fused_q2 with mf2_pairs<DEEP> (LILY_CUDA_MOE=q3)

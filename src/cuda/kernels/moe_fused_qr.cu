@@ -165,7 +165,7 @@ extern "C" __global__ void QR_CL_DIMS __launch_bounds__(512, 1) moe_fused_qr(Moe
 #define MF2(T)                                                                                                        \
     mf2_body<4, T, false, true>(wg, sg, bg, wd, sd, bd, bits, group_g, group_d, ty, x, gu, inter, H, normw, eps, ls, \
                                 E, K, renorm, ids_out, wts_out, ctr, bps, rank, wr, sr, br, bits_r, group_r, ty_r, R,  \
-                                trace, fixed, acc, rblocks, rcopies, rstride, xs, red, wsel, chosen, ls, ts)
+                                trace, fixed, acc, rblocks, xs, red, wsel, chosen, ls, ts)
     if (ty == TY_BF16) MF2(TY_BF16);
     else MF2(TY_F16);
 #undef MF2

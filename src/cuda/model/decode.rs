@@ -6,7 +6,7 @@
 use super::{gdn_step_args, CudaSession, GFfn, GLayer, GMixer, GState};
 use crate::cuda::ops::{
     self, gdn_out_fused, route_sums, router_fused, router_tail, GdnForm, GdnOutProj, GemvRole, GpuLinear, RouteSums,
-    RouterTail, SumSpread, TailTopk,
+    RouterTail, TailTopk,
 };
 use crate::cuda::profile;
 use crate::cuda::Gpu;
@@ -250,7 +250,7 @@ impl CudaSession {
                 let (part, ctr) = (s.rpart.ptr, s.sync_route.ptr);
                 let (k, renorm) = (c.num_experts_per_tok, c.norm_topk_prob);
                 let topk = (form == RouterTail::Topk).then_some(TailTopk { ids: s.ids.ptr, wts: s.wts.ptr, k, renorm });
-                let sums = if form == RouterTail::Acc { RouteSums::Acc(SumSpread::from_env()) } else { route_sums() };
+                let sums = if form == RouterTail::Acc { RouteSums::Acc } else { route_sums() };
                 g.gemv_route_form(w, s.o.ptr, s.x.ptr, r, post_norm, (part, sums), s.router.ptr, ctr, topk)?;
                 Ok(Some(form))
             }
@@ -391,12 +391,7 @@ impl CudaSession {
                     let (form, route) = match (form, routed) {
                         (ops::MoeForm::Q2s, Some(RouterTail::Topk)) => (ops::MoeForm::Q2sGiven, route),
                         (ops::MoeForm::Q2s, Some(RouterTail::Acc)) => {
-                            let sp = ops::SumSpread::from_env();
-                            let f = if ops::moe_topk_block() {
-                                ops::MoeForm::Q2sAccB(sp)
-                            } else {
-                                ops::MoeForm::Q2sAcc(sp)
-                            };
+                            let f = if ops::moe_topk_block() { ops::MoeForm::Q2sAccB } else { ops::MoeForm::Q2sAcc };
                             (f, (s.rpart.ptr, e, k, route.3))
                         }
                         (f, Some(RouterTail::Acc)) => bail!("the router's sums were left for a MoE of the {f:?} form"),

@@ -47,8 +47,7 @@ pub(super) fn route_rank() -> i32 {
 /// is q2s with the routing already in `ids`/`wts` (the top-k that [`Gpu::gemv_route`]'s last block
 /// ran, `LILY_CUDA_MOE_ROUTER=tailk`) instead of computing it from the logits. `Q2sAcc`
 /// (`moe_fused_q2s_acc`, `LILY_CUDA_MOE_ROUTER=acc`) is q2s whose `logits` are the router's sums
-/// as [`Gpu::gemv_route_form`] leaves them in [`super::RouteSums::Acc`] (laid out as its
-/// [`super::SumSpread`] says, which the form carries: the accumulators, then the
+/// as [`Gpu::gemv_route_form`] leaves them in [`super::RouteSums::Acc`] (u64 `[e + 1]`, then the
 /// H / [`Gpu::route_block_rows`] route blocks' f32 sums of squares): each block forms the logits
 /// and routes; block 0 zeroes the sums after the blocks' meeting. `Q2sAccB`
 /// (`moe_fused_q2s_accb`, [`moe_topk_block`]) is `Q2sAcc` with the top-k by eight warps.
@@ -59,8 +58,8 @@ pub enum MoeForm {
     Q3,
     Q2s,
     Q2sGiven,
-    Q2sAcc(super::SumSpread),
-    Q2sAccB(super::SumSpread),
+    Q2sAcc,
+    Q2sAccB,
     Qr,
 }
 
@@ -266,27 +265,15 @@ impl Gpu {
         }
         if matches!(
             form,
-            MoeForm::Q2 | MoeForm::Q3 | MoeForm::Q2s | MoeForm::Q2sGiven | MoeForm::Q2sAcc(_) | MoeForm::Q2sAccB(_)
+            MoeForm::Q2 | MoeForm::Q3 | MoeForm::Q2s | MoeForm::Q2sGiven | MoeForm::Q2sAcc | MoeForm::Q2sAccB
         ) && (router.is_some() || normw == 0 || !self.moe_fused_q2_ok(gate_up, down, e, k))
         {
             bail!("moe_fused_q2/q3/q2s: this router, input or expert shape is not taken");
         }
-        let spread = match form {
-            MoeForm::Q2sAcc(s) | MoeForm::Q2sAccB(s) => s,
-            _ => super::SumSpread::ONE,
-        };
-        if matches!(form, MoeForm::Q2sAcc(_) | MoeForm::Q2sAccB(_))
+        if matches!(form, MoeForm::Q2sAcc | MoeForm::Q2sAccB)
             && (!gate_up.cols.is_multiple_of(32) || gate_up.cols < 64 || e + 1 >= 512)
         {
             bail!("moe_fused_q2s_acc: route sums of {} experts over {} columns are not taken", e, gate_up.cols);
-        }
-        let m = super::SumSpread::MAX;
-        if !(1..=m).contains(&spread.copies) || !(1..=m).contains(&spread.stride) {
-            bail!(
-                "moe_fused_q2s_acc: sums spread over {} copies {} words apart (1 to {m} each)",
-                spread.copies,
-                spread.stride
-            );
         }
         if form == MoeForm::Qr && (normw == 0 || !router.is_some_and(|r| self.moe_fused_qr_ok(gate_up, down, r, e, k)))
         {
@@ -338,8 +325,6 @@ impl Gpu {
             fixed: moe_fixed(),
             acc: super::acc_code(true),
             rblocks: (gate_up.cols / self.route_block_rows(gate_up.cols)) as i32,
-            rcopies: spread.copies as i32,
-            rstride: spread.stride as i32,
         };
         // the staging holds the input and its chunk sums for the narrowest chunks in use
         let epv = 128 / router.map_or(gate_up.bits, |r| r.bits.max(gate_up.bits)) as usize;
@@ -364,8 +349,8 @@ impl Gpu {
             let name = match form {
                 MoeForm::Q3 => "moe_fused_q3",
                 MoeForm::Q2sGiven => "moe_fused_q2s_given",
-                MoeForm::Q2sAcc(_) => "moe_fused_q2s_acc",
-                MoeForm::Q2sAccB(_) => "moe_fused_q2s_accb",
+                MoeForm::Q2sAcc => "moe_fused_q2s_acc",
+                MoeForm::Q2sAccB => "moe_fused_q2s_accb",
                 MoeForm::Q2s => "moe_fused_q2s",
                 _ => "moe_fused_q2",
             };

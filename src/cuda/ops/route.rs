@@ -49,46 +49,8 @@ pub enum RouteSums {
     /// zeroes (`gemv_q2_route_fx`).
     Fx,
     /// The fixed-point accumulators with no last block: left for [`super::MoeForm::Q2sAcc`]
-    /// (`gemv_q2_route_acc`), which zeroes them; laid out as the [`SumSpread`] says.
-    Acc(SumSpread),
-}
-
-/// How [`RouteSums::Acc`]'s accumulators are laid out (gemv_route.cu's "spread sums"): route
-/// block b adds into copy b mod `copies`, accumulator j of copy c at u64 index
-/// `stride · (c · R + j)`, the blocks' sums of squares at float offset `2 · stride · copies · R`;
-/// the MoE adds the copies (integer adds: the same bits as one copy). One copy of adjacent words
-/// is session 51's layout.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct SumSpread {
-    pub copies: u32,
-    pub stride: u32,
-}
-
-impl SumSpread {
-    /// One copy, adjacent words.
-    pub const ONE: SumSpread = SumSpread { copies: 1, stride: 1 };
-    /// The most copies and the largest stride taken (the decode step's buffer holds them).
-    pub const MAX: u32 = 16;
-
-    /// The decode step's: `LILY_CUDA_ROUTE_COPIES` copies (1..=16, default 1) `LILY_CUDA_ROUTE_STRIDE`
-    /// words apart (1..=16, default 1).
-    pub fn from_env() -> SumSpread {
-        static V: std::sync::OnceLock<SumSpread> = std::sync::OnceLock::new();
-        *V.get_or_init(|| {
-            let get = |k: &str| {
-                std::env::var(k).ok().and_then(|v| v.parse::<u32>().ok()).filter(|n| (1..=Self::MAX).contains(n))
-            };
-            SumSpread {
-                copies: get("LILY_CUDA_ROUTE_COPIES").unwrap_or(1),
-                stride: get("LILY_CUDA_ROUTE_STRIDE").unwrap_or(1),
-            }
-        })
-    }
-
-    /// Floats of the buffer the sums of `r` router rows and `blocks` route blocks take.
-    pub fn floats(&self, r: usize, blocks: usize) -> usize {
-        2 * (self.stride * self.copies) as usize * r + blocks
-    }
+    /// (`gemv_q2_route_acc`), which zeroes them.
+    Acc,
 }
 
 /// The last block's form of the router sums: [`RouteSums::Fx`] (the default since session 50:
@@ -177,8 +139,7 @@ impl Gpu {
     }
 
     /// [`Gpu::gemv_route`] with the sums' form given: `(part, sums)`. [`RouteSums::Acc`] leaves
-    /// the sums in `part` (as its [`SumSpread`] lays them out: with one copy u64 `[R]`, then f32
-    /// `[route blocks]` at float offset 2R) for
+    /// the sums in `part` (u64 `[R]`, then f32 `[H / 32]` at float offset 2R) for
     /// [`crate::cuda::MoeForm::Q2sAcc`] and writes neither `logits` nor `ctr`, with no top-k.
     #[allow(clippy::too_many_arguments)]
     pub fn gemv_route_form(
@@ -193,7 +154,7 @@ impl Gpu {
         ctr: u64,
         topk: Option<TailTopk>,
     ) -> Result<()> {
-        if matches!(sums, RouteSums::Acc(_)) && topk.is_some() {
+        if sums == RouteSums::Acc && topk.is_some() {
             bail!("gemv_route: the sums left for the MoE take no top-k");
         }
         if sums != RouteSums::Parts && w.rows / 32 < 2 {
@@ -212,10 +173,6 @@ impl Gpu {
                 router.cols,
                 router.bits
             );
-        }
-        let spread = if let RouteSums::Acc(s) = sums { s } else { SumSpread::ONE };
-        if !(1..=SumSpread::MAX).contains(&spread.copies) || !(1..=SumSpread::MAX).contains(&spread.stride) {
-            bail!("gemv_route: sums spread over {} copies {} words apart (1 to 16 each)", spread.copies, spread.stride);
         }
         let (wp, sp, bp, bits, group, ty) = w.weight_fields();
         let (wr, sr, br, bits_r, group_r, ty_r) = router.weight_fields();
@@ -247,16 +204,14 @@ impl Gpu {
             K: topk.map_or(0, |t| t.k) as i32,
             renorm: topk.is_some_and(|t| t.renorm) as i32,
             mode: super::moe::route_rank(),
-            copies: spread.copies as i32,
-            rstride: spread.stride as i32,
         };
         let rb = if sums == RouteSums::Parts { 32 } else { self.route_block_rows(w.rows) };
         let name = match (sums, rb) {
             (RouteSums::Parts, _) => "gemv_q2_route",
             (RouteSums::Fx, 32) => "gemv_q2_route_fx",
-            (RouteSums::Acc(_), 32) => "gemv_q2_route_acc",
+            (RouteSums::Acc, 32) => "gemv_q2_route_acc",
             (RouteSums::Fx, _) => "gemv_q2_route16_fx",
-            (RouteSums::Acc(_), _) => "gemv_q2_route16_acc",
+            (RouteSums::Acc, _) => "gemv_q2_route16_acc",
         };
         self.launch_params(name, ((w.rows / rb) as u32, 1, 1), 512, w.stream_smem(), &a)
     }
