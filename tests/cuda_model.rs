@@ -573,8 +573,8 @@ fn cuda_persistent_step_matches_graph_and_cpu() {
 }
 
 /// A tiny model in Qwen3.6's GDN head shape (D_k = D_v = 128, two value heads per key head), the
-/// shape the cluster forms of the decode step take.
-fn cluster_model() -> Arc<lily::model::Model> {
+/// shape the decode step's clustered state step (gdn_step_c4) takes.
+fn qwen36_gdn_shape_model() -> Arc<lily::model::Model> {
     let mut cfg = lily::synthetic::config("tiny", Some(8), 1024).unwrap();
     cfg.hidden_size = 256;
     (cfg.linear_num_key_heads, cfg.linear_num_value_heads) = (2, 4);
@@ -582,60 +582,23 @@ fn cluster_model() -> Arc<lily::model::Model> {
     Arc::new(lily::synthetic::build_config(cfg).unwrap())
 }
 
-/// The decode step's cluster forms (`gdn_form` Cl, LILY_CUDA_GDN=cl: a GDN layer's projection,
-/// conv and state step in one launch, and ClOut, =clo: its output projection too; `moe_form` Qr,
-/// LILY_CUDA_MOE=qr: the router inside the MoE launch) against the default step and the CPU:
-/// token-by-token decode of a prompt (every step's logits), then greedy steps after a batched
-/// prefill. The forms must be taken where the device has clusters (sm_90). The GPU steps differ
-/// only in summation orders (the state step's partial sums, the q/k norms, the output
-/// projection's split); all track the CPU within the bf16 cache's bound.
+/// The default decode step in Qwen3.6's GDN head shape against the CPU: token-by-token decode of
+/// a prompt, every step's logits within the bf16 cache's bound. (Until session 54 this test also
+/// ran the measured-slower cluster forms gdn_in_step_cl and moe_fused_qr against it.)
 #[test]
-fn cuda_cluster_forms_match_graph_and_cpu() {
+fn cuda_qwen36_gdn_shape_matches_cpu() {
     if !have_gpu() {
         return;
     }
-    let model = cluster_model();
+    let model = qwen36_gdn_shape_model();
     let gm = lily::cuda::upload_cached(&model).unwrap();
-    if !gm.gpu.arch.starts_with("sm_90") {
-        eprintln!("SKIPPED cuda_cluster_forms_match_graph_and_cpu: no thread-block clusters on {}", gm.gpu.arch);
-        return;
-    }
     let prompt: Vec<u32> = (0..40u32).map(|i| (i * 7919 + 13) % 1024).collect();
     let want = CpuSession::new(model.clone()).forward_all(&prompt).unwrap();
-    use lily::cuda::{GdnForm, MoeForm};
-    let session = |gdn: GdnForm| {
-        let mut s = CudaSession::new(gm.clone());
-        s.gdn_form = gdn;
-        s.moe_form = if gdn == GdnForm::Default { MoeForm::Q2s } else { MoeForm::Qr };
-        s
-    };
-    let run = |gdn: GdnForm| {
-        let mut s = session(gdn);
-        s.prefill = None;
-        let out = s.forward_all(&prompt).unwrap();
-        (out, s.cluster_forms_used())
-    };
-    let (graph, used_graph) = run(GdnForm::Default);
-    assert_eq!(used_graph, (false, false), "the default step launched a cluster form");
+    let mut s = CudaSession::new(gm.clone());
+    s.prefill = None;
+    let graph = s.forward_all(&prompt).unwrap();
     let v = model.cfg.vocab_size;
     let worst = rows_worst(&graph, &want, v);
-    eprintln!("cluster-form model, default decode vs cpu fp32: worst |Δ|/range {worst:.2e}");
+    eprintln!("Qwen3.6 GDN head shape, default decode vs cpu fp32: worst |Δ|/range {worst:.2e}");
     assert!(worst <= 1e-2, "default decode moves the logits by {worst:.2e} of their range");
-    let greedy = |gdn: GdnForm| {
-        let mut s = session(gdn);
-        let first = s.forward_greedy(&prompt).unwrap();
-        s.greedy_steps(first, 48).unwrap()
-    };
-    let greedy_graph = greedy(GdnForm::Default);
-    for form in [GdnForm::Cl, GdnForm::ClOut] {
-        let (cl, used) = run(form);
-        assert_eq!(used, (true, true), "{form:?}: the cluster forms were not taken (gdn_in_step_cl, moe_fused_qr)");
-        let worst = rows_worst(&cl, &want, v);
-        eprintln!("cluster-form model, {form:?} + qr decode vs cpu fp32: worst |Δ|/range {worst:.2e}");
-        assert!(worst <= 1e-2, "{form:?} decode moves the logits by {worst:.2e} of their range");
-        let worst = rows_worst(&cl, &graph, v);
-        eprintln!("{form:?} + qr vs the default decode: worst |Δ|/range {worst:.2e}");
-        assert!(worst <= 3e-4, "{form:?} + qr differ from the default step by {worst:.2e}");
-        assert_eq!(greedy(form), greedy_graph, "greedy tokens after a batched prefill: {form:?} + qr vs default");
-    }
 }

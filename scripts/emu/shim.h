@@ -84,9 +84,9 @@ inline unsigned long long global_ns() { return 0; }
 inline uint4 ldg_stream(const uint4* p) { return *p; }
 inline unsigned short ldg_u16_stream(const unsigned short* p) { return *p; } /* the L2 policy is a hint */
 inline void pf_l2(const void*) {} /* an L2 prefetch: no effect on results */
-/* Thread-block clusters (moe_fused_qr, LILY_EMU): emu_cluster blocks a cluster along x; the
+/* Thread-block clusters (gdn_step_c4, LILY_EMU): emu_cluster blocks a cluster along x; the
    cluster barrier as the grid's (stronger: every block waits for all), a store into a cluster
-   block's shared memory through each block's registered ls (the one array written remotely). */
+   block's shared memory through each block's registered array (the one array written remotely). */
 inline int emu_cluster = 1;
 inline float* emu_cl_base[1024];
 inline unsigned emu_cl_rank();
@@ -103,7 +103,7 @@ template <class T> inline T max(T a, T b) { return a > b ? a : b; }
 template <class T> inline T min(T a, T b) { return a < b ? a : b; }
 inline unsigned long long __cvta_generic_to_shared(const void* p) { return (unsigned long long)p; }
 inline void __threadfence() { std::atomic_thread_fence(std::memory_order_seq_cst); }
-/* integers atomically (gdn_in_step_cl's last-arrival counters are raised by concurrent blocks) */
+/* integers atomically (last-arrival counters are raised by concurrent blocks) */
 template <class T> inline T atomicAdd(T* p, T v) {
     if constexpr (std::is_integral_v<T>) return __atomic_fetch_add(p, v, __ATOMIC_SEQ_CST);
     T o = *p; *p += v; return o;

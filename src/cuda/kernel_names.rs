@@ -3,7 +3,7 @@
 //! (gemm_skinny, flash-attention prefill, tensor-core decode attention) with its shared memory.
 
 /// Every kernel source, in compile order (the prelude first). One NVRTC program, one module.
-pub const SOURCES: [(&str, &str); 29] = [
+pub const SOURCES: [(&str, &str); 27] = [
     ("common.cuh", include_str!("kernels/common.cuh")),
     ("norm.cu", include_str!("kernels/norm.cu")),
     ("linear.cu", include_str!("kernels/linear.cu")),
@@ -27,8 +27,6 @@ pub const SOURCES: [(&str, &str); 29] = [
     ("gemv.cu", include_str!("kernels/gemv.cu")),
     ("gemv_route.cu", include_str!("kernels/gemv_route.cu")),
     ("moe_fused2.cu", include_str!("kernels/moe_fused2.cu")),
-    ("moe_fused_qr.cu", include_str!("kernels/moe_fused_qr.cu")),
-    ("gdn_fused_cl.cu", include_str!("kernels/gdn_fused_cl.cu")),
     ("gdn_step_cl.cu", include_str!("kernels/gdn_step_cl.cu")),
     ("sampling.cu", include_str!("kernels/sampling.cu")),
     ("pstep.cu", include_str!("kernels/pstep.cu")),
@@ -37,7 +35,7 @@ pub const SOURCES: [(&str, &str); 29] = [
 
 /// Kernel entry points loaded from the module that are launched plainly; with [`PDL_KERNELS`] and
 /// [`SKINNY_KERNELS`] they are every entry point (see [`all_kernels`]), each listed once.
-pub const KERNELS: [&str; 33] = [
+pub const KERNELS: [&str; 32] = [
     "gemv_q_loadonly",
     "gemm_f32",
     "gemm_bf16",
@@ -69,7 +67,6 @@ pub const KERNELS: [&str; 33] = [
     "moe_align",
     "moe_combine",
     "moe_combine_rows",
-    "gdn_step_out",
     "pstep",
 ];
 
@@ -174,7 +171,7 @@ fn skinny_occ2() -> bool {
 /// Kernels that call `pdl_wait()` before touching activations (kernels/common.cuh) and so may be
 /// launched as programmatic dependents: their launch and weight reads overlap the previous
 /// kernel's tail. The gemm_skinny entry points are such kernels too (see [`is_pdl`]).
-pub const PDL_KERNELS: [&str; 86] = [
+pub const PDL_KERNELS: [&str; 83] = [
     "gemm_wsp128",
     "gemm_wsp256",
     "gemm_wsp128_q8",
@@ -196,7 +193,6 @@ pub const PDL_KERNELS: [&str; 86] = [
     "x_bf16_perm",
     "moe_fused_q",
     "moe_fused_q2",
-    "moe_fused_q3",
     "moe_fused_q2s",
     "moe_fused_q2s_given",
     "moe_fused_q2s_acc",
@@ -206,8 +202,6 @@ pub const PDL_KERNELS: [&str; 86] = [
     "gemv_q2_route_acc",
     "gemv_q2_route16_fx",
     "gemv_q2_route16_acc",
-    "moe_fused_qr",
-    "gdn_in_step_cl",
     "gemv_q2_conv",
     "samp_max",
     "samp_radix",

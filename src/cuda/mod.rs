@@ -22,8 +22,8 @@ pub mod timeline;
 pub use model::{upload_cached, uploaded, CudaBatch, CudaModel, CudaSession};
 pub use ops::{
     gdn_chunk_floats, gdn_prefill_kernel, gemv_default, sampling_params_bytes, AttnDecode, AttnKernel, AttnPlan,
-    AttnPrep, GdnForm, GdnOutProj, GdnPrefill, GdnPrefillKernel, GdnRows, GdnStep, GemmKernel, GemvKernel, GpuLinear,
-    KvDtype, MoeForm, Precision, PrefillAttn, RouteSums, RouterTail, TailTopk, SAMPLE_WS_BYTES,
+    AttnPrep, GdnPrefill, GdnPrefillKernel, GdnRows, GdnStep, GemmKernel, GemvKernel, GpuLinear, KvDtype, MoeForm,
+    Precision, PrefillAttn, RouteSums, RouterTail, TailTopk, SAMPLE_WS_BYTES,
 };
 pub use paged::PagedBuf;
 
@@ -231,9 +231,6 @@ pub struct Gpu {
     pub wg_ws: u64,
     /// The physical pages of the KV caches ([`paged`]).
     pages: std::sync::Mutex<paged::PagePool>,
-    /// How many of moe_fused_qr's clusters the device keeps resident at once (asked once; 0:
-    /// none, or the driver could not say).
-    pub(crate) qr_clusters: std::sync::OnceLock<u32>,
 }
 
 /// Bytes of partial sums a split-K skinny product may write (ksplit · M · N floats).
@@ -346,7 +343,6 @@ impl Gpu {
         let dec_fold = [64, 128, 256].map(|d| (attn_dec_fold_kernel(d), attn_dec_smem(d, false).min(optin)));
         let skinny = SKINNY_KERNELS.map(|k| (k, smem_optin));
         let pstep = [("pstep", optin)];
-        let moe_qr = [("moe_fused_qr", ops::MOE_QR_SMEM.min(optin))];
         let gdn = [("gdn_chunk_scan_tc", GDN_TC_SMEM.min(optin)), ("gdn_chunk_prep_tc", GDN_PREP_TC_SMEM.min(optin))];
         for (k, bytes) in skinny
             .into_iter()
@@ -360,7 +356,6 @@ impl Gpu {
             .chain(dec_prep)
             .chain(dec_fold)
             .chain(pstep)
-            .chain(moe_qr)
             .chain(gdn)
         {
             // SAFETY: a valid function handle and attribute; the value is within the device limit.
@@ -402,7 +397,6 @@ impl Gpu {
             splitk_ws,
             wg_ws,
             pages: std::sync::Mutex::new(paged::PagePool::new()),
-            qr_clusters: std::sync::OnceLock::new(),
         })
     }
 
@@ -493,32 +487,6 @@ impl Gpu {
             timeline::note_launch(name);
         }
         Ok(())
-    }
-
-    /// How many clusters of kernel `name` (compiled with `__cluster_dims__`) can be resident at
-    /// once with blocks of `block` threads and `shared` bytes of dynamic shared memory (the
-    /// driver's occupancy query; an error where the kernel has no clusters or the device none).
-    pub fn max_clusters(&self, name: &str, block: u32, shared: usize) -> Result<u32> {
-        let f = *self.funcs.get(name).ok_or_else(|| anyhow!("unknown kernel {name}"))?;
-        let mut n: std::ffi::c_int = 0;
-        let cfg = sys::CUlaunchConfig {
-            gridDimX: 8 * self.sms,
-            gridDimY: 1,
-            gridDimZ: 1,
-            blockDimX: block,
-            blockDimY: 1,
-            blockDimZ: 1,
-            sharedMemBytes: shared as u32,
-            // no stream: the query may run while the step graph is being captured on ours
-            hStream: std::ptr::null_mut(),
-            attrs: std::ptr::null_mut(),
-            numAttrs: 0,
-        };
-        // SAFETY: a query writing one int; cfg outlives the call and names no attributes.
-        unsafe { sys::cuOccupancyMaxActiveClusters(&mut n, f, &cfg) }
-            .result()
-            .map_err(|e| anyhow!("cluster occupancy of {name}: {e:?}"))?;
-        Ok(n.max(0) as u32)
     }
 
     /// Milliseconds of device time the launches `f` queues take (events around them).

@@ -205,19 +205,14 @@ struct Scratch {
     /// workspace (`SAMPLE_WS_BYTES`).
     sp: DevBuf,
     pick_ws: DevBuf,
-    /// The u64 counters moe_fused_q's, moe_fused_q2's (or q3's) and moe_fused_qr's blocks meet
-    /// on (zeroed once).
+    /// The u64 counters moe_fused_q's and moe_fused_q2's blocks meet on (zeroed once).
     sync: DevBuf,
-    /// The same for gdn_step_out (its own: a counter's launches must all have the same grid).
-    sync_gdn: DevBuf,
     /// attn_decode_tc{D}_fold's arrival counters, one u64 per KV head (zeroed once).
     sync_attn: DevBuf,
     /// gemv_q2_route's per-block router parts `[H / 32, E + 2]` and its arrival counter
     /// (the decode default; `LILY_CUDA_MOE_ROUTER=launch` not).
     rpart: DevBuf,
     sync_route: DevBuf,
-    /// gdn_in_step_cl's output-projection parts `[H_k, H]` (`LILY_CUDA_GDN=clo`).
-    gpart: DevBuf,
     /// `LILY_CUDA_MOE_TRACE=1`: moe_fused_q's stamps, `[layers, SMs, MOE_TRACE_SLOTS]` u64.
     moe_trace: Option<DevBuf>,
 }
@@ -267,12 +262,6 @@ pub struct CudaSession {
     pub routed: bool,
     /// The decode MoE launch where it takes the layer ([`super::ops::moe_form`]: `LILY_CUDA_MOE`).
     pub moe_form: super::ops::MoeForm,
-    /// A GDN layer's launches where the cluster forms take the layer ([`super::ops::gdn_form`]:
-    /// `LILY_CUDA_GDN=cl|clo`).
-    pub gdn_form: super::ops::GdnForm,
-    /// Whether a decode step recorded since the session began launched gdn_in_step_cl and
-    /// moe_fused_qr ([`CudaSession::cluster_forms_used`]).
-    cluster_used: std::cell::Cell<(bool, bool)>,
     /// Decode attention kernel and splits below and from `attn_from` cached positions
     /// ([`Gpu::attn_plan`]).
     attn: [(AttnKernel, usize); 2],
@@ -346,8 +335,6 @@ impl CudaSession {
             routed: std::env::var("LILY_CUDA_ROUTED").map_or(true, |v| v != "0")
                 && super::gemv_default().0 != super::GemvKernel::Old,
             moe_form: super::ops::moe_form(),
-            gdn_form: super::ops::gdn_form(),
-            cluster_used: Default::default(),
             kv,
             persistent: pstep::wanted(),
             attn_early: std::env::var("LILY_CUDA_ATTN_EARLY").map_or(true, |v| v != "0"),
@@ -420,9 +407,7 @@ impl CudaSession {
             sp: f(6)?,
             pick_ws: g.zeros(super::SAMPLE_WS_BYTES)?,
             sync: g.zeros(24)?,
-            sync_gdn: g.zeros(8 + 8 * 8)?,
             sync_attn: g.zeros(8 * c.num_key_value_heads.max(1))?,
-            gpart: f(c.linear_num_key_heads * h)?,
             rpart: f((h.div_ceil(32) * (c.num_experts + 2)).max(2 * (c.num_experts + 1) + h.div_ceil(16) + 2))?,
             sync_route: g.zeros(8)?,
             moe_trace: if profile::moe_tracing() {
@@ -434,9 +419,6 @@ impl CudaSession {
         self.states = self.fresh_states()?;
         self.graphs = Default::default();
         self.ps = None;
-        if self.moe_form == super::ops::MoeForm::Qr {
-            g.moe_qr_clusters(); // the driver's answer cached before any graph capture
-        }
         Ok(())
     }
 

@@ -14,17 +14,13 @@ mod attention;
 mod gdn;
 mod gemm;
 mod moe;
-pub(super) use moe::MOE_QR_SMEM;
 pub use moe::{moe_form, moe_topk_block, router_fused, MoeForm};
 mod route;
 pub use route::{route_sums, router_tail, RouteSums, RouterTail, TailTopk};
 mod sampling;
 
 pub use attention::{attn_fold, AttnDecode, AttnKernel, AttnPlan, AttnPrep, AttnRows, KvDtype, PrefillAttn};
-pub use gdn::{
-    gdn_chunk_floats, gdn_form, gdn_out_fused, gdn_prefill_kernel, GdnForm, GdnOutProj, GdnPrefill, GdnPrefillKernel,
-    GdnRows, GdnStep,
-};
+pub use gdn::{gdn_chunk_floats, gdn_prefill_kernel, GdnPrefill, GdnPrefillKernel, GdnRows, GdnStep};
 pub use gemm::{gdn_norm_perm_on, silu_perm_on, tma_on, wg_tall_avg, GemmKernel, Precision};
 pub use sampling::{sampling_params_bytes, SAMPLE_WS_BYTES};
 

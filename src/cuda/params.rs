@@ -259,16 +259,13 @@ kernel_params! {
     }
     /// `gemv_q2_conv`: gemv_q2 for one slot, rows c < C then through the causal conv + SiLU (state `cstate`, taps `cw`) into `cy`.
     GemvConvParams spread ["gemv_q2_conv"] { w: In<Void>, sc: In<Void>, bi: In<Void>, bits: i32, group: i32, ty: i32, x: In<f32>, y: Out<f32>, rows: i32, cols: i32, normw: In<f32>, eps: f32, cstate: Out<f32>, cw: In<f32>, cy: Out<f32>, C: i32, K: i32 }
-    /// `gdn_in_step_cl`: a GDN layer's input projection + conv and its state step in one launch,
-    /// a cluster of 8 blocks per key head (kernels/gdn_fused_cl.cu).
-    GdnInStepParams spread ["gdn_in_step_cl"] { w: In<Void>, sc: In<Void>, bi: In<Void>, bits: i32, group: i32, ty: i32, x: Out<f32>, cols: i32, normw: In<f32>, eps: f32, cstate: Out<f32>, cw: In<f32>, C: i32, K: i32, dt_bias: In<f32>, neg_a: In<f32>, gnorm: In<f32>, geps: f32, S: Out<f32>, out: Out<f32>, hk: i32, hv: i32, wo: In<Void>, so: In<Void>, bo: In<Void>, bits_o: i32, group_o: i32, Hr: i32, gpart: Out<f32>, octr: Out<u64> }
     /// `moe_down_q` (gemv.cu) and `moe_down` (linear.cu): x[r] += Σ_{k<S} wts[k] · (W[ids[k]·rows + r, :] · silu(gu[2k]) ⊙ gu[2k+1]).
     MoeDownParams spread ["moe_down_q", "moe_down"] { w: In<Void>, sc: In<Void>, bi: In<Void>, bits: i32, group: i32, ty: i32, gu: In<f32>, ids: In<i32>, wts: In<f32>, S: i32, x: Out<f32>, rows: i32, cols: i32 }
     /// `gemv_q2_routed`: the top-K of `E` router logits, then the gate/up GEMV of the chosen experts (slot z = grid.y); block (0, 0) writes `ids_out`/`wts_out`.
     GemvRoutedParams spread ["gemv_q2_routed"] { w: In<Void>, sc: In<Void>, bi: In<Void>, bits: i32, group: i32, ty: i32, x: In<f32>, y: Out<f32>, rows: i32, cols: i32, normw: In<f32>, eps: f32, logits: In<f32>, E: i32, K: i32, renorm: i32, ids_out: Out<i32>, wts_out: Out<f32>, rank: i32 }
     /// `moe_fused_q`: the decode MoE in one launch (routing, gate/up into `gu`, down + residual into `x`; blocks meet on `ctr`).
     /// (`wr` not null: the router's `R` rows are computed first, into `logits`.)
-    MoeFusedParams spread ["moe_fused_q", "moe_fused_q2", "moe_fused_q3", "moe_fused_q2s", "moe_fused_q2s_given", "moe_fused_q2s_acc", "moe_fused_q2s_accb", "moe_fused_qr"] { wg: In<Void>, sg: In<Void>, bg: In<Void>, wd: In<Void>, sd: In<Void>, bd: In<Void>, bits: i32, group_g: i32, group_d: i32, ty: i32, x: Out<f32>, gu: Out<f32>, inter: i32, H: i32, normw: In<f32>, eps: f32, logits: Out<f32>, E: i32, K: i32, renorm: i32, ids_out: Out<i32>, wts_out: Out<f32>, ctr: Out<u64>, bps: i32, rank: i32, wr: In<Void>, sr: In<Void>, br: In<Void>, bits_r: i32, group_r: i32, ty_r: i32, R: i32, trace: Out<u64>, fixed: i32, acc: i32, rblocks: i32 }
+    MoeFusedParams spread ["moe_fused_q", "moe_fused_q2", "moe_fused_q2s", "moe_fused_q2s_given", "moe_fused_q2s_acc", "moe_fused_q2s_accb"] { wg: In<Void>, sg: In<Void>, bg: In<Void>, wd: In<Void>, sd: In<Void>, bd: In<Void>, bits: i32, group_g: i32, group_d: i32, ty: i32, x: Out<f32>, gu: Out<f32>, inter: i32, H: i32, normw: In<f32>, eps: f32, logits: Out<f32>, E: i32, K: i32, renorm: i32, ids_out: Out<i32>, wts_out: Out<f32>, ctr: Out<u64>, bps: i32, rank: i32, wr: In<Void>, sr: In<Void>, br: In<Void>, bits_r: i32, group_r: i32, ty_r: i32, R: i32, trace: Out<u64>, fixed: i32, acc: i32, rblocks: i32 }
     /// `moe_topk`: softmax + top-K of `E` logits per row (stride `lstride`) into `ids`/`wout` (and `ids2` gate/up rows); `shared`: slot K is the shared expert.
     MoeTopkParams spread ["moe_topk"] { logits: In<f32>, E: i32, K: i32, renorm: i32, ids: Out<i32>, wout: Out<f32>, ids2: Out<i32>, lstride: i64, shared: i32 }
     /// `moe_combine`: x += Σ_k w_k ye[k] + g·ys, g = sigmoid(sg) (1 without sg).
@@ -283,9 +280,6 @@ kernel_params! {
     GdnStepParams spread ["gdn_step"] { y: In<f32>, bproj: In<f32>, aproj: In<f32>, z: In<f32>, dt_bias: In<f32>, neg_a: In<f32>, normw: In<f32>, S: Out<f32>, out: Out<f32>, hk: i32, hv: i32, dk: i32, dv: i32, eps: f32, states: In<u64>, ldy: i64, ldp: i64, ldo: i64 }
     /// `gdn_step_par`: `gdn_step` for one sequence with the rows of a head's state split over the block.
     GdnStepParParams spread ["gdn_step_par", "gdn_step_par_e", "gdn_step_c4"] { y: In<f32>, bproj: In<f32>, aproj: In<f32>, z: In<f32>, dt_bias: In<f32>, neg_a: In<f32>, normw: In<f32>, S: Out<f32>, out: Out<f32>, hk: i32, hv: i32, dk: i32, dv: i32, eps: f32 }
-    /// `gdn_step_out`: `gdn_step_par` (into `o`) and the output projection `x += W o` (`rows` of
-    /// `hv·dv`) in one launch; `ctr` is the launch's zeroed u64 meeting counter.
-    GdnStepOutParams spread ["gdn_step_out"] { y: In<f32>, bproj: In<f32>, aproj: In<f32>, z: In<f32>, dt_bias: In<f32>, neg_a: In<f32>, normw: In<f32>, S: Out<f32>, o: Out<f32>, hk: i32, hv: i32, dk: i32, dv: i32, eps: f32, w: In<Void>, sc: In<Void>, bi: In<Void>, bits: i32, group: i32, ty: i32, rows: i32, x: Out<f32>, ctr: Out<u64> }
     /// `gdn_step_par_rows`: `gdn_step_par` for several rows, states from `states`.
     GdnStepParRowsParams spread ["gdn_step_par_rows"] { y: In<f32>, bproj: In<f32>, aproj: In<f32>, z: In<f32>, dt_bias: In<f32>, neg_a: In<f32>, normw: In<f32>, out: Out<f32>, hk: i32, hv: i32, dk: i32, dv: i32, eps: f32, states: In<u64>, ldy: i64, ldp: i64, ldo: i64 }
     /// `conv_prefill`: the causal conv1d + SiLU over `T` tokens (input rows of stride `ldx`).

@@ -140,7 +140,7 @@ __device__ __forceinline__ void trace_stamp(u64* ts, int i) {
     if (ts && threadIdx.x == 0) ts[i] = global_ns();
 }
 /* Requests the 128-byte line holding p into the L2 (no register, no wait): a later load of it
-   finds it there instead of in HBM (moe_fused_q3, moe_fused_qr, gdn_in_step_cl). */
+   finds it there instead of in HBM (norm_pf below). */
 __device__ __forceinline__ void pf_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];" ::"l"(p)); }
 /* LILY_NORM_PF (the default; LILY_CUDA_NORM_PF=0 builds without it): a fused RMSNorm's weights
    (n floats, a weight: last read a step ago, so in HBM) requested into the L2 before the PDL

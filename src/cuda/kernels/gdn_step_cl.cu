@@ -24,6 +24,47 @@
  *   Shared: qs, ks [128], part [16][32], red [64], ssq [4] (GSC_SMEM floats, passed in so that
  *   scripts/emu.sh can run the body with the cluster's 4 blocks concurrent).
  */
+/* Cluster rank, barrier halves and a store into a cluster block's shared memory (sm_90; the
+   host launches the cluster kernels nowhere else; LILY_EMU: scripts/emu/shim.h's emulation). */
+__device__ __forceinline__ u32 cl_rank() {
+#if __CUDA_ARCH__ >= 900
+    u32 r;
+    asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+    return r;
+#elif defined(LILY_EMU)
+    return emu_cl_rank();
+#else
+    return 0;
+#endif
+}
+__device__ __forceinline__ void cl_arrive_relaxed() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void cl_arrive() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void cl_wait() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory");
+#elif defined(LILY_EMU)
+    emu_cl_wait();
+#endif
+}
+/* *local in the shared memory of the cluster's block `rank` (the same offset) = v */
+__device__ __forceinline__ void cl_store(float* local, u32 rank, float v) {
+#if __CUDA_ARCH__ >= 900
+    u32 a;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(a) : "r"(smem_u32(local)), "r"(rank));
+    asm volatile("st.shared::cluster.f32 [%0], %1;" ::"r"(a), "f"(v) : "memory");
+#elif defined(LILY_EMU)
+    emu_cl_store(local, rank, v);
+#endif
+}
+
 #define GSC_CS 4
 constexpr int GSC_SMEM = 128 + 128 + 16 * 32 + 64 + 4;
 #if __CUDA_ARCH__ >= 900

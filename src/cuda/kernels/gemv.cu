@@ -93,27 +93,6 @@ __device__ __forceinline__ void gq_load(GqTrip<NR, U>& t, const u32* w, const u1
     }
 }
 
-/* gq_load's addresses of one trip requested into the L2 instead (pf_l2: no registers, no wait;
-   moe_fused_q3, moe_fused_qr, gdn_in_step_cl): rows R0 + r * rs (r < nvalid), chunks i0 + 32u
-   below n4, with their scales and biases. */
-template <int BITS, int NR, int U>
-__device__ __forceinline__ void gq_prefetch(const u32* w, const u16* sc, const u16* bi, long long R0, int nvalid, int n4,
-                                            int ng, int gsh, int i0, long long rs = 1) {
-    constexpr int EPV = 128 / BITS;
-    int gstep = (32 * EPV) >> gsh;
-#pragma unroll
-    for (int r = 0; r < NR; r++)
-#pragma unroll
-        for (int u = 0; u < U; u++)
-            if (r < nvalid && i0 + 32 * u < n4) {
-                long long R = R0 + r * rs;
-                pf_l2((const uint4*)w + R * n4 + i0 + 32 * u);
-                long long o = R * ng + ((i0 * EPV) >> gsh) + u * gstep;
-                pf_l2(sc + o);
-                pf_l2(bi + o);
-            }
-}
-
 /* moe_down's loads: virtual chunk c = k * n4 + i is chunk i of row R0 + r of expert ids[k]. */
 template <int BITS, int NR, int U>
 __device__ __forceinline__ void gq_load_moe(GqTrip<NR, U>& t, const u32* w, const u16* sc, const u16* bi, int R0,
@@ -250,9 +229,8 @@ __device__ __forceinline__ void gq_compute(const GqTrip<NR, U>& t, int nvalid, i
     }
 }
 
-/* Stages xw = x * normw (or x) and the per-chunk sums; returns rr (1 without a norm). L2X: x is
-   read through L2 (other blocks of the same launch wrote it: gdn_step_out). */
-template <int EPV, bool L2X = false>
+/* Stages xw = x * normw (or x) and the per-chunk sums; returns rr (1 without a norm). */
+template <int EPV>
 __device__ __forceinline__ float gq_stage(const float* xg, int cols, const float* normw, float eps, float* xs,
                                           float* xsum, float* red) {
     int nch = cols / EPV;
@@ -260,7 +238,7 @@ __device__ __forceinline__ float gq_stage(const float* xg, int cols, const float
     if constexpr (GQ_I8 && EPV == 32) {
         ss = i8_stage(nch, xs, threadIdx.x, blockDim.x, [&](int c, int w, float (&v)[8]) {
             const float4* x4 = (const float4*)(xg + 32 * c + 8 * w);
-            float4 a = L2X ? __ldcg(x4) : x4[0], bq = L2X ? __ldcg(x4 + 1) : x4[1];
+            float4 a = x4[0], bq = x4[1];
             float r[8] = {a.x, a.y, a.z, a.w, bq.x, bq.y, bq.z, bq.w}, q = 0.f;
 #pragma unroll
             for (int j = 0; j < 8; j++) q += r[j] * r[j];
@@ -282,7 +260,7 @@ __device__ __forceinline__ float gq_stage(const float* xg, int cols, const float
         float4* o4 = (float4*)xs;
         float4 v[EPV / 4];
 #pragma unroll
-        for (int j = 0; j < EPV / 4; j++) v[j] = L2X ? __ldcg(x4 + j) : x4[j];
+        for (int j = 0; j < EPV / 4; j++) v[j] = x4[j];
         float sum = 0.f;
 #pragma unroll
         for (int j = 0; j < EPV / 4; j++) {
@@ -384,7 +362,7 @@ struct ConvEpi {
     int C, K;
 };
 
-/* The blocks of one launch meeting on a u64 counter (moe_fused_q, gdn_step_out; every block
+/* The blocks of one launch meeting on a u64 counter (moe_fused_q; every block
    resident, G = gridDim.x). grid_arrive: this block arrives (after all its threads' writes) and
    gets the target, the next multiple of G after its arrival (each meeting raises the counter by
    G, so it never needs resetting); grid_wait: the block waits until the counter reaches it. */
@@ -413,8 +391,7 @@ __device__ __forceinline__ void grid_wait(const u64* ctr, u64 target) {
    the staging with two more into the L2 (−3.8%). */
 /* YS (gemv_q2_route, gemv_route.cu): each finished row's new value also into ys[warp NR + r] (the
    host gives every warp at most one row group, so these are the block's rows in order). */
-template <int BITS, int TY, int NR, int U, bool LOADONLY, bool MOE, bool CONV = false, bool L2X = false,
-          bool YS = false>
+template <int BITS, int TY, int NR, int U, bool LOADONLY, bool MOE, bool CONV = false, bool YS = false>
 __device__ __forceinline__ void gq_body(const u32* w, const u16* sc, const u16* bi, int group,
                                         const float* xg, float* y, int rows, int cols, long long E0, int accumulate,
                                         const float* normw, float eps, float* xs, float* red, const int* ids = 0,
@@ -467,7 +444,7 @@ __device__ __forceinline__ void gq_body(const u32* w, const u16* sc, const u16* 
         }
     };
     if (g < ngroups) load_trip(cur, cw_cur, cs_cur, g, 0);
-    if (spin) { /* moe_fused_q, gdn_step_out: every block of the launch has done its first part */
+    if (spin) { /* moe_fused_q: every block of the launch has done its first part */
         grid_wait(spin, spin_target);
     } else {
         if (!MOE) norm_pf(normw, cols);
@@ -475,7 +452,7 @@ __device__ __forceinline__ void gq_body(const u32* w, const u16* sc, const u16* 
     }
     trace_stamp(ts, 0);
     float* xsum = xs + nv * EPV;
-    float rr = MOE ? moe_stage<EPV>(xg, normw, S, cols, xs, xsum) : gq_stage<EPV, L2X>(xg, cols, normw, eps, xs, xsum, red);
+    float rr = MOE ? moe_stage<EPV>(xg, normw, S, cols, xs, xsum) : gq_stage<EPV>(xg, cols, normw, eps, xs, xsum, red);
     trace_stamp(ts, 1);
     float acc[NR];
 #pragma unroll
@@ -541,13 +518,13 @@ __device__ __forceinline__ void gq_body(const u32* w, const u16* sc, const u16* 
         const u32* W = (const u32*)w;                                                                              \
         const u16 *S = (const u16*)sc, *B = (const u16*)bi;                                                        \
         if (bits == 4 && ty == TY_BF16)                                                                            \
-            gq_body<4, TY_BF16, NR, 2, LOADONLY, false, false, false>(W, S, B, group, xg, yz, rows, cols, E0, accumulate, normw, eps, xs, red); \
+            gq_body<4, TY_BF16, NR, 2, LOADONLY, false, false>(W, S, B, group, xg, yz, rows, cols, E0, accumulate, normw, eps, xs, red); \
         else if (bits == 4)                                                                                        \
-            gq_body<4, TY_F16, NR, 2, LOADONLY, false, false, false>(W, S, B, group, xg, yz, rows, cols, E0, accumulate, normw, eps, xs, red); \
+            gq_body<4, TY_F16, NR, 2, LOADONLY, false, false>(W, S, B, group, xg, yz, rows, cols, E0, accumulate, normw, eps, xs, red); \
         else if (ty == TY_BF16)                                                                                    \
-            gq_body<8, TY_BF16, NR, 2, LOADONLY, false, false, false>(W, S, B, group, xg, yz, rows, cols, E0, accumulate, normw, eps, xs, red); \
+            gq_body<8, TY_BF16, NR, 2, LOADONLY, false, false>(W, S, B, group, xg, yz, rows, cols, E0, accumulate, normw, eps, xs, red); \
         else                                                                                                       \
-            gq_body<8, TY_F16, NR, 2, LOADONLY, false, false, false>(W, S, B, group, xg, yz, rows, cols, E0, accumulate, normw, eps, xs, red); \
+            gq_body<8, TY_F16, NR, 2, LOADONLY, false, false>(W, S, B, group, xg, yz, rows, cols, E0, accumulate, normw, eps, xs, red); \
     }
 
 GQ_KERNEL(gemv_q2, 2, false)
@@ -565,13 +542,13 @@ extern "C" __global__ void __launch_bounds__(512) gemv_q2_conv(GemvConvParams_fi
     const u16 *S = (const u16*)sc, *B = (const u16*)bi;
     ConvEpi cv{cstate, cw, cy, C, K};
     if (bits == 4 && ty == TY_BF16)
-        gq_body<4, TY_BF16, 2, 2, false, false, true, false>(W, S, B, group, x, y, rows, cols, 0, 0, normw, eps, xs, red, 0, 1, cv);
+        gq_body<4, TY_BF16, 2, 2, false, false, true>(W, S, B, group, x, y, rows, cols, 0, 0, normw, eps, xs, red, 0, 1, cv);
     else if (bits == 4)
-        gq_body<4, TY_F16, 2, 2, false, false, true, false>(W, S, B, group, x, y, rows, cols, 0, 0, normw, eps, xs, red, 0, 1, cv);
+        gq_body<4, TY_F16, 2, 2, false, false, true>(W, S, B, group, x, y, rows, cols, 0, 0, normw, eps, xs, red, 0, 1, cv);
     else if (ty == TY_BF16)
-        gq_body<8, TY_BF16, 2, 2, false, false, true, false>(W, S, B, group, x, y, rows, cols, 0, 0, normw, eps, xs, red, 0, 1, cv);
+        gq_body<8, TY_BF16, 2, 2, false, false, true>(W, S, B, group, x, y, rows, cols, 0, 0, normw, eps, xs, red, 0, 1, cv);
     else
-        gq_body<8, TY_F16, 2, 2, false, false, true, false>(W, S, B, group, x, y, rows, cols, 0, 0, normw, eps, xs, red, 0, 1, cv);
+        gq_body<8, TY_F16, 2, 2, false, false, true>(W, S, B, group, x, y, rows, cols, 0, 0, normw, eps, xs, red, 0, 1, cv);
 }
 
 /* moe_down_q (decode): x[r] += sum_{k < S} wts[k] * (W[ids[k]*rows + r, :] . h_k),
@@ -723,34 +700,4 @@ extern "C" __global__ void __launch_bounds__(512, 1)
     else MF_DOWN(8, TY_F16);
 #undef MF_DOWN
     trace_stamp(ts, 6);
-}
-
-/* gdn_step_out (decode, batch 1; LILY_CUDA_GDN_OUT=fused): a GDN layer's state step and its output
-   projection + residual in one launch. Grid G <= SMs blocks of D_v * ceil(D_k/32) threads (512
-   for Qwen3.6), all resident, G >= H_v: block h < H_v runs gdn_step_par's body for value head h
-   (o [H_v * D_v], the gated norm applied), then every block arrives at ctr (its own counter: each
-   launch raises it by G), issues its first out-projection weight loads, waits for all G blocks and
-   runs gemv_q2's body on the grid over o (read through L2: other blocks wrote it) with
-   x += W o. Same result as gdn_step_par + gemv_q2 (accumulate); one launch fewer per GDN layer,
-   and the projection's weights are in flight while the state step runs. */
-extern "C" __global__ void __launch_bounds__(512, 1) gdn_step_out(GdnStepOutParams_fields) {
-    extern __shared__ __align__(16) float xs[];
-    __shared__ float red[33];
-    __shared__ u64 s_target;
-    TL_SCOPE("gdn_step_out");
-    if ((int)blockIdx.x < hv)
-        gdn_step_par_body<false>(y, bproj, aproj, z, dt_bias, neg_a, normw, S, o, hk, hv, dk, dv, eps, nullptr, 0, 0, 0,
-                                 blockIdx.x);
-    const u64 target = grid_arrive(ctr, &s_target); /* the wait is in the projection's body */
-    const u32* W = (const u32*)w;
-    const u16 *Sc = (const u16*)sc, *B = (const u16*)bi;
-    const ConvEpi nc{0, 0, 0, 0, 1};
-#define GO(BB, T)                                                                                                    \
-    gq_body<BB, T, 2, 2, false, false, false, true>(W, Sc, B, group, o, x, rows, hv * dv, 0, 1, nullptr, 0.f, xs, red, 0, \
-                                                    1, nc, blockIdx.x, gridDim.x, ctr, target)
-    if (bits == 4 && ty == TY_BF16) GO(4, TY_BF16);
-    else if (bits == 4) GO(4, TY_F16);
-    else if (ty == TY_BF16) GO(8, TY_BF16);
-    else GO(8, TY_F16);
-#undef GO
 }

@@ -246,7 +246,7 @@ __device__ __forceinline__ void rt_tail(const u32* rw, const u32* rsb, const flo
 }
 
 #define RT_GEMV(B, T)                                                                                               \
-    gq_body<B, T, RB / 16, 2, false, false, false, false, true>((const u32*)w, (const u16*)sc, (const u16*)bi,      \
+    gq_body<B, T, RB / 16, 2, false, false, false, true>((const u32*)w, (const u16*)sc, (const u16*)bi,      \
                                                                 group, x, y, rows, cols, 0, 1, nullptr, 0.f, xs,   \
                                                                 red, 0, 1, ConvEpi{0, 0, 0, 0, 1}, -1, 0, 0, 0, 0, \
                                                                 ys)

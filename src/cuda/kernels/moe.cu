@@ -98,8 +98,8 @@ __device__ __forceinline__ float route_key_value(u64 k) {
     return __uint_as_float(u);
 }
 /* The register top-k forms' loads: lane l's logits l + 32j (j < VPL) and the shared expert's
-   gate logit (lane 0) in one round. SMEM: the logits are in shared memory (moe_fused_qr, the
-   persistent step), else global (read through L2). */
+   gate logit (lane 0) in one round. SMEM: the logits are in shared memory (the MoE's and
+   the route launch's routing, the persistent step), else global (read through L2). */
 template <int VPL, bool SMEM = false>
 __device__ __forceinline__ void route_regs_load(const float* logits, int E, int shared, float (&v)[VPL], float& gate) {
     int lane = threadIdx.x & 31;
@@ -403,7 +403,7 @@ __device__ __forceinline__ void route_warp(int mode, const float* logits, int E,
         route_topk(logits, E, K, renorm, shared, ls, chosen, wsel);
 }
 
-/* The top-K of one warp from logits in shared memory (moe_fused_qr, the persistent step; E <=
+/* The top-K of one warp from logits in shared memory (the persistent step and others; E <=
    512, the shared expert as slot K): route_topk_thresh in mode 5, else route_topk_redux, with the
    weights by the lanes in mode 4 (redux2). */
 __device__ __forceinline__ void route_warp_smem(int mode, const float* ls, int E, int K, int renorm, int* chosen,

@@ -107,17 +107,9 @@ __device__ __forceinline__ void mf2_stage(const float* xg, int cols, const float
 
 /* The gate/up pairs: group g = s * inter + i is rows (2 e_s) * inter + i and that + inter, read
    in trips of U = 2 chunks per lane like gq_body's walk (the next trip's loads in flight while
-   one is computed); the finished pair writes h[g] = wk[s] * silu(gate) * up.
-   DEEP (moe_fused_q3, LILY_CUDA_MOE=q3): two changes, the same sums in the same order (a pair's
-   result does not depend on which warp computes it):
-   - the pairs are dealt warp-major, pair g to grid warp (g mod W) with grid warp w = warp * G +
-     block (W = 16 G), so where W does not divide the pairs the warps with one pair more are a
-     few in every block, not all of the first blocks (whose SMs had half as many bytes again to
-     read, while the meeting waits for the last block);
-   - the loop's first load is issued before it, and the warp's third and fourth trips are then
-     requested into the L2 (gq_prefetch): at Qwen3.6's shape (9 slots x 512 pairs over 132 x 16
-     warps, one trip a pair) the warps with three pairs no longer wait a second HBM round trip
-     for the third. (A third register buffer instead spills: the kernel is at 128 registers.) */
+   one is computed); the finished pair writes h[g] = wk[s] * silu(gate) * up. (Session 36's q3,
+   the pairs dealt warp-major and the third and fourth trips requested into the L2, measured
+   −1.5% and was removed.) */
 /* Trip tt of the pair whose gate row is r0 (its up row `inter` rows on) into tr: the guard-free
    load where the trip's chunks all exist. */
 template <int BITS>
@@ -144,16 +136,15 @@ __device__ __forceinline__ bool mf2_shared_first(GqTrip<2, 2>& cur, const u32* w
     return true;
 }
 
-template <int BITS, int TY, bool DEEP = false, bool SHF = false>
+template <int BITS, int TY, bool SHF = false>
 __device__ __forceinline__ void mf2_pairs(const u32* w, const u16* sc, const u16* bi, int group, int inter, int cols,
                                           const int* ids, const float* wk, int S, const float* xs,
                                           const float* xsum, float rr, float* h, GqTrip<2, 2>& cur, bool pre) {
-    static_assert(!(DEEP && SHF), "one pair order at a time");
     constexpr int EPV = 128 / BITS, NR = 2, U = 2;
     int lane = threadIdx.x & 31, nwarps = blockDim.x >> 5;
     int n4 = cols / EPV, ng = cols / group, gsh = __ffs(group) - 1;
     int tpr = (n4 + 32 * U - 1) / (32 * U), ngroups = S * inter, gstride = gridDim.x * nwarps;
-    int g = DEEP ? (threadIdx.x >> 5) * gridDim.x + blockIdx.x : blockIdx.x * nwarps + (threadIdx.x >> 5), t = 0;
+    int g = blockIdx.x * nwarps + (threadIdx.x >> 5), t = 0;
     /* the pair at place gg of the warps' sequences (SHF: rotated by the routed slots' pairs) */
     const int rot = SHF ? (S - 1) * inter : 0;
     auto pair = [&](int gg) { return SHF ? (gg + rot < ngroups ? gg + rot : gg + rot - ngroups) : gg; };
@@ -165,26 +156,14 @@ __device__ __forceinline__ void mf2_pairs(const u32* w, const u16* sc, const u16
     GqTrip<NR, U> nxt;
     auto load = [&](GqTrip<NR, U>& tr, int gg, int tt) { mf2_load<BITS>(tr, w, sc, bi, row(gg), n4, ng, gsh, tt, inter); };
     if (g < ngroups && !pre) load(cur, g, 0);
-    if (DEEP) {
-        int g1 = tpr == 1 ? g + gstride : g, t1 = tpr == 1 ? 0 : 1;
-        if (g < ngroups && g1 < ngroups) load(nxt, g1, t1);
-        /* trips 2 and 3 (m = n tpr + tt: pair g + n gstride, its trip tt) into the L2 */
-        for (int m = 2; m < 4; m++) {
-            int n = m / tpr, tt = m - n * tpr, gg = g + n * gstride;
-            if (gg >= ngroups) break;
-            gq_prefetch<BITS, NR, U>(w, sc, bi, row(gg), NR, n4, ng, gsh, tt * 32 * U + lane, inter);
-        }
-    }
     float acc[NR] = {0.f, 0.f};
-    bool first = DEEP; /* nxt already holds the next trip */
     while (g < ngroups) {
         int g2 = g, t2 = t + 1;
         if (t2 == tpr) {
             g2 = g + gstride;
             t2 = 0;
         }
-        if (g2 < ngroups && !first) load(nxt, g2, t2);
-        first = false;
+        if (g2 < ngroups) load(nxt, g2, t2);
         int i0 = t * 32 * U + lane;
         if ((t + 1) * 32 * U <= n4)
             gq_compute<BITS, TY, NR, U, false, true>(cur, NR, n4, i0, xs, xsum, acc);
@@ -333,9 +312,7 @@ __device__ __forceinline__ void mf2_route_block(const u64* acc, int E, int H, in
     __syncwarp();
 }
 
-/* DEEP: mf2_pairs<DEEP> (moe_fused_q3). LS: the logits are in shared memory (moe_fused_qr's router
-   wrote them there; the top-K by route_warp_smem). */
-template <int BITS, int TY, bool DEEP = false, bool LS = false, bool SHF = false, bool GIVEN = false, int ACC = 0>
+template <int BITS, int TY, bool SHF = false, bool GIVEN = false, int ACC = 0>
 __device__ __forceinline__ void mf2_body(MoeFusedParams_fields, float* xs, float* red, float* wsel, int* chosen,
                                          float* ls, u64* ts) {
     constexpr int EPV = 128 / BITS;
@@ -361,8 +338,6 @@ __device__ __forceinline__ void mf2_body(MoeFusedParams_fields, float* xs, float
             }
         } else if (ACC) { /* gemv_q2_route_acc's sums (LILY_CUDA_MOE_ROUTER=acc) */
             mf2_route_acc((const u64*)logits, E, H, rblocks, eps, rank, K, renorm, ls, chosen, wsel);
-        } else if (LS) {
-            route_warp_smem(rank, logits, E, K, renorm, chosen, wsel);
         } else {
             route_warp(rank, logits, E, K, renorm, 1, ls, chosen, wsel);
         }
@@ -378,7 +353,7 @@ __device__ __forceinline__ void mf2_body(MoeFusedParams_fields, float* xs, float
         trace_stamp(ts, 2);
     else
         moe_publish_route(fixed, E, K, chosen, wsel, ids_out, wts_out, ts);
-    mf2_pairs<BITS, TY, DEEP, SHF>((const u32*)wg, (const u16*)sg, (const u16*)bg, group_g, inter, H, chosen, wsel,
+    mf2_pairs<BITS, TY, SHF>((const u32*)wg, (const u16*)sg, (const u16*)bg, group_g, inter, H, chosen, wsel,
                                    K + 1, xs, xsum, rr, gu, cur, pre);
     trace_stamp(ts, 3);
     grid_arrive_rel(ctr);
@@ -391,10 +366,10 @@ __device__ __forceinline__ void mf2_body(MoeFusedParams_fields, float* xs, float
         for (int j = threadIdx.x; j <= E; j += blockDim.x) __stcg((u64*)logits + j, 0ull);
 }
 
-/* The entry points: moe_fused_q2, moe_fused_q3 = moe_fused_q2 with mf2_pairs<DEEP> (LILY_CUDA_MOE=q3)
-   and moe_fused_q2s = moe_fused_q2 with the shared expert's pairs first (SHF, LILY_CUDA_MOE=q2s;
-   its body makes the PDL wait, after its first loads): the same grid, counter and result. */
-#define MF2_KERNEL(NAME, DEEP, SHF, GIVEN, ACC)                                                                        \
+/* The entry points: moe_fused_q2 and moe_fused_q2s = moe_fused_q2 with the shared expert's pairs
+   first (SHF; its body makes the PDL wait, after its first loads), and q2s's routing forms: the
+   same grid, counter and result. */
+#define MF2_KERNEL(NAME, SHF, GIVEN, ACC)                                                                              \
     extern "C" __global__ void __launch_bounds__(512, 1) NAME(MoeFusedParams_fields) {                                 \
         extern __shared__ __align__(16) float xs[];                                                                    \
         __shared__ float red[33], wsel[65];                                                                            \
@@ -407,19 +382,17 @@ __device__ __forceinline__ void mf2_body(MoeFusedParams_fields, float* xs, float
             pdl_begin();                                                                                               \
             trace_stamp(ts, 1);                                                                                        \
         }                                                                                                              \
-        if (bits == 4 && ty == TY_BF16) MF2(4, TY_BF16, DEEP, SHF, GIVEN, ACC);                                        \
-        else if (bits == 4) MF2(4, TY_F16, DEEP, SHF, GIVEN, ACC);                                                     \
-        else if (ty == TY_BF16) MF2(8, TY_BF16, DEEP, SHF, GIVEN, ACC);                                                \
-        else MF2(8, TY_F16, DEEP, SHF, GIVEN, ACC);                                                                    \
+        if (bits == 4 && ty == TY_BF16) MF2(4, TY_BF16, SHF, GIVEN, ACC);                                              \
+        else if (bits == 4) MF2(4, TY_F16, SHF, GIVEN, ACC);                                                           \
+        else if (ty == TY_BF16) MF2(8, TY_BF16, SHF, GIVEN, ACC);                                                      \
+        else MF2(8, TY_F16, SHF, GIVEN, ACC);                                                                          \
         trace_stamp(ts, 6);                                                                                            \
     }
-#define MF2(B, T, D, SH, GV, AC)                                                                                       \
-    mf2_body<B, T, D, false, SH, GV, AC>(MoeFusedParams_names, xs, red, wsel, chosen, ls, ts)
-MF2_KERNEL(moe_fused_q2, false, false, false, 0)
-MF2_KERNEL(moe_fused_q3, true, false, false, 0)
-MF2_KERNEL(moe_fused_q2s, false, true, false, 0)
-MF2_KERNEL(moe_fused_q2s_given, false, true, true, 0)
-MF2_KERNEL(moe_fused_q2s_acc, false, true, false, 1)
-MF2_KERNEL(moe_fused_q2s_accb, false, true, false, 2)
+#define MF2(B, T, SH, GV, AC) mf2_body<B, T, SH, GV, AC>(MoeFusedParams_names, xs, red, wsel, chosen, ls, ts)
+MF2_KERNEL(moe_fused_q2, false, false, 0)
+MF2_KERNEL(moe_fused_q2s, true, false, 0)
+MF2_KERNEL(moe_fused_q2s_given, true, true, 0)
+MF2_KERNEL(moe_fused_q2s_acc, true, false, 1)
+MF2_KERNEL(moe_fused_q2s_accb, true, false, 2)
 #undef MF2
 #undef MF2_KERNEL

@@ -5,8 +5,7 @@
 
 use super::{gdn_step_args, CudaSession, GFfn, GLayer, GMixer, GState};
 use crate::cuda::ops::{
-    self, gdn_out_fused, route_sums, router_fused, router_tail, GdnForm, GdnOutProj, GemvRole, GpuLinear, RouteSums,
-    RouterTail, TailTopk,
+    self, route_sums, router_fused, router_tail, GemvRole, GpuLinear, RouteSums, RouterTail, TailTopk,
 };
 use crate::cuda::profile;
 use crate::cuda::Gpu;
@@ -170,12 +169,6 @@ impl CudaSession {
         Ok(out.into_iter().map(|t| t as u32).collect())
     }
 
-    /// Whether a decode step recorded since the session began launched (gdn_in_step_cl,
-    /// moe_fused_qr) for some layer (tests: that `gdn_form` and `moe_form` took effect).
-    pub fn cluster_forms_used(&self) -> (bool, bool) {
-        self.cluster_used.get()
-    }
-
     /// Whether the step at position `pos` (attending over pos + 1 positions) uses the
     /// long-context attention kernel.
     pub(super) fn long_attn(&self, pos: usize) -> bool {
@@ -218,7 +211,7 @@ impl CudaSession {
 
     /// The router whose logits the out-projection's launch computes ([`Gpu::gemv_route`]; the
     /// default, `LILY_CUDA_MOE_ROUTER=launch` not): where the layer's MoE is the one-launch form
-    /// that reads its logits from memory (neither `LILY_CUDA_MOE=qr` nor `=fused`), and what
+    /// that reads its logits from memory (not `LILY_CUDA_MOE_ROUTER=fused`), and what
     /// the launch leaves ([`router_tail`]; `acc` only where the MoE is the q2s form, which reads
     /// the sums, else `tailk`).
     fn route_tail<'a>(&self, layer: &'a GLayer) -> Option<(&'a GpuLinear, RouterTail)> {
@@ -226,7 +219,7 @@ impl CudaSession {
         let GFfn::Moe { router, experts, .. } = &layer.ffn else { return None };
         let (gu, dn, e, k) = (&experts.gate_up, &experts.down, c.num_experts, c.num_experts_per_tok);
         let on = self.fused && self.routed && experts.shared_slot && g.moe_fused_ok(gu, dn, e, k);
-        let r = router.fused.as_ref().filter(|_| on && self.moe_form != ops::MoeForm::Qr && !router_fused())?;
+        let r = router.fused.as_ref().filter(|_| on && !router_fused())?;
         let q2s = self.moe_form == ops::MoeForm::Q2s && g.moe_fused_q2_ok(gu, dn, e, k);
         match router_tail()? {
             RouterTail::Acc if !q2s => Some((r, RouterTail::Topk)),
@@ -278,34 +271,16 @@ impl CudaSession {
         };
         // the out-projection's launch computes the router's logits (LILY_CUDA_MOE_ROUTER=launch: not)
         let tail = self.route_tail(layer);
-        let mut routed = None;
-        match (&layer.mixer, st) {
+        // the mixer, then its out-projection (which may leave the router's work)
+        let routed = match (&layer.mixer, st) {
             (GMixer::Gdn { proj, conv, dt_bias, neg_a, norm, out }, GState::Gdn { conv: cs, rec }) => {
                 let (cd, taps) = (c.gdn_conv_dim(), c.linear_conv_kernel_dim);
                 let gs = gdn_step_args(c, s.proj.ptr, s.conv.ptr, [dt_bias, neg_a, norm], rec, s.o.ptr);
-                let cl = proj.fused.as_ref().filter(|f| {
-                    self.gdn_form != GdnForm::Default && in_norm.0 != 0 && g.gdn_in_step_cl_ok(f, &gs, cd, taps)
-                });
-                // LILY_CUDA_GDN=clo: the output projection in the same launch (x is the input)
-                let op_cl =
-                    cl.filter(|f| self.gdn_form == GdnForm::ClOut && xin == s.x.ptr && g.gdn_out_cl_ok(f, &gs, out));
-                let go = op_cl.map(|_| GdnOutProj { w: out, x: s.x.ptr, part: s.gpart.ptr, ctr: s.sync_gdn.ptr + 8 });
-                // weights, the conv taps and the conv state (read and written); the cluster
-                // forms' launch also the recurrent state (and the output projection)
-                let in_bytes = proj.nbytes() + conv.bytes + 2 * cs.bytes;
-                match (cl.is_some(), go.is_some()) {
-                    (true, true) => op(Some("gdn.fused_cl (+out_proj)"), in_bytes + 2 * rec.bytes + out.nbytes()),
-                    (true, false) => op(Some("gdn.fused_cl"), in_bytes + 2 * rec.bytes),
-                    _ => op(Some("gdn.in_proj+conv"), in_bytes),
-                }
-                match (cl, &proj.fused) {
-                    // LILY_CUDA_GDN=cl: the projection, conv and state step in one launch.
-                    (Some(f), _) => {
-                        g.gdn_in_step_cl(f, xin, in_norm, (cs.ptr, conv.ptr), cd, taps, &gs, go.as_ref())?;
-                        self.cluster_used.set((true, self.cluster_used.get().1));
-                    }
+                // weights, the conv taps and the conv state (read and written)
+                op(Some("gdn.in_proj+conv"), proj.nbytes() + conv.bytes + 2 * cs.bytes);
+                match &proj.fused {
                     // The conv runs in the projection's epilogue (one launch fewer per layer).
-                    (None, Some(f)) if Gpu::gemv_conv_ok(f, cd, taps) => {
+                    Some(f) if Gpu::gemv_conv_ok(f, cd, taps) => {
                         g.gemv_conv(f, xin, in_norm, s.proj.ptr, (cs.ptr, conv.ptr, s.conv.ptr), cd, taps)?
                     }
                     _ => {
@@ -313,22 +288,10 @@ impl CudaSession {
                         g.conv_step(s.proj.ptr, cs.ptr, conv.ptr, s.conv.ptr, cd, taps)?;
                     }
                 }
-                if go.is_some() {
-                    // added into x by gdn_in_step_cl
-                } else if cl.is_some() {
-                    op(Some("gdn.out_proj"), out.nbytes());
-                    g.gemv_as(GemvRole::Out, out, s.o.ptr, s.x.ptr, true, (0, 0.0))?;
-                } else if gdn_out_fused() && g.gdn_step_out_ok(&gs, out) {
-                    // the recurrent state, read and written
-                    op(Some("gdn.state"), 2 * rec.bytes);
-                    // The state step and the output projection + residual in one launch.
-                    g.gdn_step_out(&gs, out, s.x.ptr, s.sync_gdn.ptr)?;
-                } else {
-                    op(Some("gdn.state"), 2 * rec.bytes);
-                    g.gdn_step(&gs)?;
-                    op(Some("gdn.out_proj"), out.nbytes());
-                    routed = self.out_proj(out, tail, post_norm)?;
-                }
+                op(Some("gdn.state"), 2 * rec.bytes);
+                g.gdn_step(&gs)?;
+                op(Some("gdn.out_proj"), out.nbytes());
+                self.out_proj(out, tail, post_norm)?
             }
             (GMixer::Attn { proj, o, .. }, GState::Attn { .. }) => {
                 op(Some("attn.qkv_proj"), proj.nbytes());
@@ -338,10 +301,10 @@ impl CudaSession {
                 op(Some("attn.core"), 2 * (self.pos + 1) * row);
                 self.attn_mid(li, long)?;
                 op(Some("attn.o_proj"), o.nbytes());
-                routed = self.out_proj(o, tail, post_norm)?;
+                self.out_proj(o, tail, post_norm)?
             }
             _ => bail!("layer state does not match the layer kind"),
-        }
+        };
         match &layer.ffn {
             GFfn::Moe { router, experts, .. } if experts.shared_slot && self.fused => {
                 // Router (+ shared gate logit), top-k with the shared expert as slot K, one
@@ -354,14 +317,8 @@ impl CudaSession {
                 op(Some("moe.router"), router.nbytes());
                 if self.routed && g.moe_fused_ok(gu, dn, e, k) {
                     // Top-k, gate/up and down + residual in one launch (the router too with
-                    // LILY_CUDA_MOE=qr, by clusters, or LILY_CUDA_MOE_ROUTER=fused).
-                    let form = self.moe_form;
-                    let qr = router
-                        .fused
-                        .as_ref()
-                        .filter(|r| form == ops::MoeForm::Qr && post_norm.0 != 0 && g.moe_fused_qr_ok(gu, dn, r, e, k));
-                    let fr =
-                        qr.or_else(|| router.fused.as_ref().filter(|r| router_fused() && g.moe_router_ok(r, gu, e)));
+                    // LILY_CUDA_MOE_ROUTER=fused).
+                    let fr = router.fused.as_ref().filter(|r| router_fused() && g.moe_router_ok(r, gu, e));
                     if fr.is_none() && routed.is_none() {
                         router.run(g, s.x.ptr, post_norm, s.router.ptr)?;
                     }
@@ -371,14 +328,10 @@ impl CudaSession {
                         .moe_trace
                         .as_ref()
                         .map_or(0, |t| t.ptr + (8 * profile::MOE_TRACE_SLOTS * g.sms as usize * li) as u64);
-                    if qr.is_some() {
-                        self.cluster_used.set((self.cluster_used.get().0, true));
-                    }
-                    let form = match form {
-                        _ if qr.is_some() => ops::MoeForm::Qr,
+                    let form = match self.moe_form {
                         ops::MoeForm::Q => ops::MoeForm::Q,
                         f if fr.is_none() && post_norm.0 != 0 && g.moe_fused_q2_ok(gu, dn, e, k) => {
-                            if matches!(f, ops::MoeForm::Q2 | ops::MoeForm::Q3) {
+                            if f == ops::MoeForm::Q2 {
                                 f
                             } else {
                                 ops::MoeForm::Q2s

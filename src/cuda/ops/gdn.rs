@@ -3,162 +3,15 @@
 //! chunked delta rule or the serial scan; kernels/gdn*.cu), with their argument structs.
 
 use super::super::params::{
-    ConvPrefillParams, ConvStateParams, ConvStepParams, GdnChunkPrepParams, GdnChunkScanParams, GdnInStepParams,
-    GdnOutNormParams, GdnQkPrepParams, GdnScanParams, GdnStepOutParams, GdnStepParParams, GdnStepParRowsParams,
-    GdnStepParams, GemvConvParams, In, Out,
+    ConvPrefillParams, ConvStateParams, ConvStepParams, GdnChunkPrepParams, GdnChunkScanParams, GdnOutNormParams,
+    GdnQkPrepParams, GdnScanParams, GdnStepParParams, GdnStepParRowsParams, GdnStepParams, GemvConvParams, In, Out,
 };
 use super::super::Gpu;
 use super::{blocks, gemv_default, gemv_for, GemvKernel, GemvRole, GpuLinear, Precision, GEMV_XMAX};
 use crate::cuda::{GDN_PREP_TC_SMEM, GDN_TC_SMEM};
 use anyhow::{bail, Result};
 
-/// Whether the decode step runs a GDN layer's state step and output projection as one launch
-/// (`LILY_CUDA_GDN_OUT=fused`; off by default until measured).
-pub fn gdn_out_fused() -> bool {
-    static V: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *V.get_or_init(|| std::env::var("LILY_CUDA_GDN_OUT").is_ok_and(|v| v == "fused"))
-}
-
-/// How the decode step runs a GDN layer's launches: the default (input projection + conv, state
-/// step, output projection), `Cl` (`LILY_CUDA_GDN=cl`: gdn_in_step_cl, the projection, conv and
-/// state step in one launch of clusters) or `ClOut` (`LILY_CUDA_GDN=clo`: the output projection
-/// too, split over the clusters). The cluster forms are off until measured.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum GdnForm {
-    Default,
-    Cl,
-    ClOut,
-}
-
-/// The decode step's [`GdnForm`] from `LILY_CUDA_GDN`.
-pub fn gdn_form() -> GdnForm {
-    static V: std::sync::OnceLock<GdnForm> = std::sync::OnceLock::new();
-    *V.get_or_init(|| match std::env::var("LILY_CUDA_GDN").as_deref() {
-        Ok("cl") => GdnForm::Cl,
-        Ok("clo") => GdnForm::ClOut,
-        _ => GdnForm::Default,
-    })
-}
-
-/// gdn_in_step_cl's output projection (`LILY_CUDA_GDN=clo`): the weights, the residual row `x`
-/// it adds into, the `[H_k, rows]` f32 scratch of the key heads' parts and 8 zeroed u64
-/// counters (one per row range; only this kernel's launches use them).
-pub struct GdnOutProj<'a> {
-    pub w: &'a GpuLinear,
-    pub x: u64,
-    pub part: u64,
-    pub ctr: u64,
-}
-
 impl Gpu {
-    /// Whether [`Gpu::gdn_in_step_cl`] takes this layer: clusters (sm_90 and later), Qwen3.6's
-    /// head shape (D_k = D_v = 128, two value heads per key head), the fused projection's rows
-    /// in gemv_q2_conv's order over `c` conv channels of `k` taps (k a power of two, at most 16),
-    /// a streaming format, a norm on the input.
-    pub fn gdn_in_step_cl_ok(&self, proj: &GpuLinear, p: &GdnStep, c: usize, k: usize) -> bool {
-        self.gdn_in_step_cl_takes(proj, p, c, k)
-    }
-
-    /// Whether gdn_in_step_cl can also run this output projection (`out.rows` a multiple of 8,
-    /// 4- or 8-bit codes of the projection's scale type, groups that divide a key head's 256
-    /// columns and hold whole 128-bit loads).
-    pub fn gdn_out_cl_ok(&self, proj: &GpuLinear, p: &GdnStep, out: &GpuLinear) -> bool {
-        let epv = 128 / out.bits.max(1);
-        out.streams()
-            && out.count == 1
-            && matches!(out.bits, 4 | 8)
-            && out.ty == proj.ty
-            && out.cols == p.hv * p.dv
-            && out.rows.is_multiple_of(8)
-            && out.group > 0
-            && 256 % out.group == 0
-            && out.group % epv == 0
-    }
-
-    fn gdn_in_step_cl_takes(&self, proj: &GpuLinear, p: &GdnStep, c: usize, k: usize) -> bool {
-        self.sm90()
-            && p.dk == 128
-            && p.dv == 128
-            && p.hv == 2 * p.hk
-            && c == 2 * p.hk * p.dk + p.hv * p.dv
-            && proj.rows == c + p.hv * p.dv + 2 * p.hv
-            && proj.streams()
-            && proj.count == 1
-            && proj.cols <= GEMV_XMAX
-            && proj.cols.is_multiple_of(4)
-            && k.is_power_of_two()
-            && k <= 16
-    }
-
-    /// A GDN layer's decode input projection of `x` (RMS-normalized with `norm`), its causal
-    /// conv (`state`, taps `cw`: `c` channels, `k` taps) and its state step `p` (`p.y`, `p.z`,
-    /// `p.b`, `p.a` unused: the projection's outputs stay in the clusters' shared memory) in one
-    /// launch: gdn_in_step_cl (kernels/gdn_fused_cl.cu), one cluster of 8 blocks per key head.
-    /// The same math as [`Gpu::gemv_conv`] then [`Gpu::gdn_step`]; with `out` also the output
-    /// projection `out.x += out.w · p.out` (x must be the projection's input row `x`).
-    #[allow(clippy::too_many_arguments)]
-    pub fn gdn_in_step_cl(
-        &self,
-        proj: &GpuLinear,
-        x: u64,
-        (normw, eps): (u64, f32),
-        (state, cw): (u64, u64),
-        c: usize,
-        k: usize,
-        p: &GdnStep,
-        out: Option<&GdnOutProj>,
-    ) -> Result<()> {
-        if out.is_some_and(|o| !self.gdn_out_cl_ok(proj, p, o.w) || o.x != x) {
-            bail!("gdn_in_step_cl: this output projection is not taken");
-        }
-        if normw == 0 || !self.gdn_in_step_cl_ok(proj, p, c, k) {
-            bail!(
-                "gdn_in_step_cl: heads {}:{} of {}x{}, a {}x{} projection over {c} conv channels of {k} taps, not taken",
-                p.hk,
-                p.hv,
-                p.dk,
-                p.dv,
-                proj.rows,
-                proj.cols
-            );
-        }
-        let (w, sc, bi, bits, group, ty) = proj.weight_fields();
-        let (wo, so, bo, bits_o, group_o, _) =
-            out.map_or((In::new(0), In::new(0), In::new(0), 0, 0, 0), |o| o.w.weight_fields());
-        let a = GdnInStepParams {
-            w,
-            sc,
-            bi,
-            bits,
-            group,
-            ty,
-            x: Out::new(x),
-            cols: proj.cols as i32,
-            normw: In::new(normw),
-            eps,
-            cstate: Out::new(state),
-            cw: In::new(cw),
-            C: c as i32,
-            K: k as i32,
-            dt_bias: In::new(p.dt_bias),
-            neg_a: In::new(p.neg_a),
-            gnorm: In::new(p.norm),
-            geps: p.eps,
-            S: Out::new(p.state),
-            out: Out::new(p.out),
-            hk: p.hk as i32,
-            hv: p.hv as i32,
-            wo,
-            so,
-            bo,
-            bits_o,
-            group_o,
-            Hr: out.map_or(0, |o| o.w.rows) as i32,
-            gpart: Out::new(out.map_or(0, |o| o.part)),
-            octr: Out::new(out.map_or(0, |o| o.ctr)),
-        };
-        self.launch_params("gdn_in_step_cl", (8 * p.hk as u32, 1, 1), 512, proj.stream_smem(), &a)
-    }
     /// Causal conv1d + SiLU over t tokens (input rows of stride ldx), updating the state.
     #[allow(clippy::too_many_arguments)]
     pub fn conv_prefill(
@@ -477,60 +330,6 @@ impl Gpu {
         }
         let a = GdnStepParParams::of(p);
         self.launch_params("gdn_step_c4", (4 * p.hv as u32, 1, 1), 512, 0, &a)
-    }
-
-    /// Whether [`Gpu::gdn_step_out`] takes this step and output projection: the row-split step
-    /// in one block of at most 512 threads, a streaming GEMV format over the step's output width,
-    /// and at least one block per value head on the GPU.
-    pub fn gdn_step_out_ok(&self, p: &GdnStep, out: &GpuLinear) -> bool {
-        let threads = p.dv * p.dk.div_ceil(32);
-        p.dv.is_multiple_of(32)
-            && p.dk <= 256
-            && p.hv.is_multiple_of(p.hk)
-            && threads <= 512
-            && out.streams()
-            && out.count == 1
-            && out.cols == p.hv * p.dv
-            && out.cols <= GEMV_XMAX
-            && out.cols.is_multiple_of(4)
-            && p.hv <= self.sms as usize
-    }
-
-    /// The decode step's GDN state step ([`Gpu::gdn_step`], output `p.out`) and the output
-    /// projection `x += out · p.out` in one launch (gdn_step_out, kernels/gemv.cu); `ctr` is a
-    /// zeroed u64 that only this kernel's launches meet on.
-    pub fn gdn_step_out(&self, p: &GdnStep, out: &GpuLinear, x: u64, ctr: u64) -> Result<()> {
-        if !self.gdn_step_out_ok(p, out) {
-            bail!("gdn_step_out: head dims (D_v {} D_k {}) or output projection not fused", p.dv, p.dk);
-        }
-        let (w, sc, bi, bits, group, ty) = out.weight_fields();
-        let a = GdnStepOutParams {
-            y: In::new(p.y),
-            bproj: In::new(p.b),
-            aproj: In::new(p.a),
-            z: In::new(p.z),
-            dt_bias: In::new(p.dt_bias),
-            neg_a: In::new(p.neg_a),
-            normw: In::new(p.norm),
-            S: Out::new(p.state),
-            o: Out::new(p.out),
-            hk: p.hk as i32,
-            hv: p.hv as i32,
-            dk: p.dk as i32,
-            dv: p.dv as i32,
-            eps: p.eps,
-            w,
-            sc,
-            bi,
-            bits,
-            group,
-            ty,
-            rows: out.rows as i32,
-            x: Out::new(x),
-            ctr: Out::new(ctr),
-        };
-        let threads = (p.dv * p.dk.div_ceil(32)) as u32;
-        self.launch_params("gdn_step_out", (self.sms, 1, 1), threads, out.stream_smem(), &a)
     }
 
     /// [`Gpu::gdn_step`] for `r.rows` sequences at once (see [`GdnRows`]).

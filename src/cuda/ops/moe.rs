@@ -8,7 +8,7 @@ use super::super::params::{
 };
 use super::super::Gpu;
 use super::{blocks, gemv_default, GemvKernel, GpuLinear, GEMV_XMAX};
-use anyhow::{bail, Context, Result};
+use anyhow::{bail, Result};
 
 /// How the decode MoE kernels pick the top-k: 5 one warp with the logits in registers, the picks
 /// among the keys above a bound from each lane's largest, ranked by counting (`route_topk_thresh`
@@ -38,12 +38,10 @@ pub(super) fn route_rank() -> i32 {
 /// the top-k in one warp beside the input staging, gate/up rows in pairs that write
 /// SiLU(gate)·up themselves; +6.3% decode alone on the H200, session 32) with the shared
 /// expert's gate/up pairs first, their first loads issued before the wait for the router (the
-/// same result); `moe_fused_q3` (`LILY_CUDA_MOE=q3`, −1.5%: q2 with the pairs dealt warp-major
-/// over the grid and each warp's third and fourth trips requested into the L2 with its first
-/// two, the same result), `moe_fused_qr` (moe_fused_qr.cu, `LILY_CUDA_MOE=qr`, −8.8%: q2 with
-/// the router computed in the same launch by clusters of 8 blocks, one launch fewer per MoE
-/// layer), or `moe_fused_q` (gemv.cu; `LILY_CUDA_MOE=q`, and where q2 does not take the shape
-/// or the router is fused). `Q2sGiven` (`moe_fused_q2s_given`, not an `LILY_CUDA_MOE` setting)
+/// same result), or `moe_fused_q` (gemv.cu; `LILY_CUDA_MOE=q`, and where q2 does not take the
+/// shape or the router is fused). Removed after measuring slower (perf log): q3 (−1.5%, session
+/// 36: the pairs dealt warp-major, later trips requested into the L2) and qr (−8.8%, session 35:
+/// the router in the same launch by clusters of 8 blocks). `Q2sGiven` (`moe_fused_q2s_given`, not an `LILY_CUDA_MOE` setting)
 /// is q2s with the routing already in `ids`/`wts` (the top-k that [`Gpu::gemv_route`]'s last block
 /// ran, `LILY_CUDA_MOE_ROUTER=tailk`) instead of computing it from the logits. `Q2sAcc`
 /// (`moe_fused_q2s_acc`, `LILY_CUDA_MOE_ROUTER=acc`) is q2s whose `logits` are the router's sums
@@ -55,12 +53,10 @@ pub(super) fn route_rank() -> i32 {
 pub enum MoeForm {
     Q,
     Q2,
-    Q3,
     Q2s,
     Q2sGiven,
     Q2sAcc,
     Q2sAccB,
-    Qr,
 }
 
 /// Who ranks the top-k where the MoE forms the router's logits from its sums: warp 0 alone
@@ -72,26 +68,15 @@ pub fn moe_topk_block() -> bool {
     *V.get_or_init(|| std::env::var("LILY_CUDA_MOE_TOPK").as_deref() == Ok("block"))
 }
 
-/// The decode step's [`MoeForm`] (default `Q2s`; `LILY_CUDA_MOE=q`: `Q`, `=q2`: `Q2`, `=q3`:
-/// `Q3`, `=qr`: `Qr`).
+/// The decode step's [`MoeForm`] (default `Q2s`; `LILY_CUDA_MOE=q`: `Q`, `=q2`: `Q2`).
 pub fn moe_form() -> MoeForm {
     static V: std::sync::OnceLock<MoeForm> = std::sync::OnceLock::new();
     *V.get_or_init(|| match std::env::var("LILY_CUDA_MOE").as_deref() {
         Ok("q") => MoeForm::Q,
         Ok("q2") => MoeForm::Q2,
-        Ok("q3") => MoeForm::Q3,
-        Ok("qr") => MoeForm::Qr,
         _ => MoeForm::Q2s,
     })
 }
-
-/// moe_fused_qr's cluster size (its `__cluster_dims__`, kernels/moe_fused_qr.cu).
-const QR_CS: usize = 8;
-/// The dynamic shared memory moe_fused_qr's resident clusters are counted with (bytes; a launch
-/// that needs more is refused): 8x Qwen3.6's 8.4 KB. With the kernel's static 2.7 KB that is
-/// over the default 48 KB a block, so the kernel is opted in to it at load (without, the
-/// occupancy query failed and the form was never taken).
-pub(crate) const MOE_QR_SMEM: usize = 48 << 10;
 
 /// `LILY_CUDA_MOE_FIXED` (a measurement switch: the model's output is garbage): moe_fused_q
 /// computes experts 0..K (`1`) or every (E/K)-th expert (`2`) whatever the router chose, so a
@@ -200,51 +185,14 @@ impl Gpu {
         router.streams() && router.count == 1 && router.rows == e + 1 && router.cols == gate_up.cols
     }
 
-    /// Whether [`Gpu::moe_fused`] takes these experts and router in [`MoeForm::Qr`]: q2's shapes,
-    /// 4-bit experts, a 4- or 8-bit router of their scale type with at most 512 rows, and a
-    /// device that holds enough clusters of 8 blocks at once ([`Gpu::moe_qr_grid`]).
-    pub fn moe_fused_qr_ok(
-        &self,
-        gate_up: &GpuLinear,
-        down: &GpuLinear,
-        router: &GpuLinear,
-        e: usize,
-        k: usize,
-    ) -> bool {
-        self.moe_fused_q2_ok(gate_up, down, e, k)
-            && self.moe_router_ok(router, gate_up, e)
-            && gate_up.bits == 4
-            && matches!(router.bits, 4 | 8)
-            && router.ty == gate_up.ty
-            && e < 512
-            && self.moe_qr_grid(gate_up, down, k).is_some()
-    }
-
-    /// How many of moe_fused_qr's clusters the device keeps resident at once (asked once; the
-    /// decode session asks before it captures its step graph).
-    pub fn moe_qr_clusters(&self) -> u32 {
-        *self.qr_clusters.get_or_init(|| self.max_clusters("moe_fused_qr", 512, MOE_QR_SMEM).unwrap_or(0))
-    }
-
-    /// moe_fused_qr's grid: q2's, rounded to whole clusters of 8 blocks, within the clusters the
-    /// device can keep resident at once (every block must be, for the blocks' meeting; the
-    /// driver is asked once). None where that is no cluster (no clusters before sm_90).
-    pub fn moe_qr_grid(&self, gate_up: &GpuLinear, down: &GpuLinear, k: usize) -> Option<usize> {
-        let fits = self.moe_qr_clusters();
-        let want = ((k + 1) * gate_up.rows).div_ceil(16).max(down.rows.div_ceil(16)).min(self.sms as usize);
-        let clusters = want.div_ceil(QR_CS).min(fits as usize);
-        (clusters > 0).then_some(clusters * QR_CS)
-    }
-
     /// Decode MoE in one launch (moe_fused_q): routing ([`Gpu::gemv_routed`]'s top-`k` with the
     /// shared expert as slot `k`), the gate/up rows of the chosen experts into `gu`
     /// `[2(k+1), inter]`, then [`Gpu::moe_down`]'s down projections, weighted sum and residual
     /// into `x`; `ids`/`wts` get the routing; `ctr` is a zeroed u64 the launch's blocks meet on.
     /// With `router`, its logits are computed first in the same launch (into `logits`). `trace`
     /// (0: none) gets 16 global-timer stamps per block ([`crate::cuda::profile::MOE_TRACE_SLOTS`]).
-    /// `ctr` holds three zeroed u64: the first for [`MoeForm::Q`]'s launches, the second for
-    /// [`MoeForm::Q2`]'s, [`MoeForm::Q3`]'s and [`MoeForm::Q2s`]'s, the third for [`MoeForm::Qr`]'s (the grids
-    /// differ; a counter's launches must share one).
+    /// `ctr` holds two zeroed u64: the first for [`MoeForm::Q`]'s launches, the second for the
+    /// other forms' (the grids differ; a counter's launches must share one).
     #[allow(clippy::too_many_arguments)]
     pub fn moe_fused(
         &self,
@@ -263,21 +211,15 @@ impl Gpu {
         if !self.moe_fused_ok(gate_up, down, e, k) {
             bail!("moe_fused: experts of this shape or format are not fused");
         }
-        if matches!(
-            form,
-            MoeForm::Q2 | MoeForm::Q3 | MoeForm::Q2s | MoeForm::Q2sGiven | MoeForm::Q2sAcc | MoeForm::Q2sAccB
-        ) && (router.is_some() || normw == 0 || !self.moe_fused_q2_ok(gate_up, down, e, k))
+        if matches!(form, MoeForm::Q2 | MoeForm::Q2s | MoeForm::Q2sGiven | MoeForm::Q2sAcc | MoeForm::Q2sAccB)
+            && (router.is_some() || normw == 0 || !self.moe_fused_q2_ok(gate_up, down, e, k))
         {
-            bail!("moe_fused_q2/q3/q2s: this router, input or expert shape is not taken");
+            bail!("moe_fused_q2/q2s: this router, input or expert shape is not taken");
         }
         if matches!(form, MoeForm::Q2sAcc | MoeForm::Q2sAccB)
             && (!gate_up.cols.is_multiple_of(32) || gate_up.cols < 64 || e + 1 >= 512)
         {
             bail!("moe_fused_q2s_acc: route sums of {} experts over {} columns are not taken", e, gate_up.cols);
-        }
-        if form == MoeForm::Qr && (normw == 0 || !router.is_some_and(|r| self.moe_fused_qr_ok(gate_up, down, r, e, k)))
-        {
-            bail!("moe_fused_qr: this router, input or expert shape is not taken");
         }
         if router.is_some_and(|r| !self.moe_router_ok(r, gate_up, e)) {
             bail!("moe_fused: a router of this shape or format is not fused");
@@ -330,24 +272,12 @@ impl Gpu {
         let epv = 128 / router.map_or(gate_up.bits, |r| r.bits.max(gate_up.bits)) as usize;
         let (h, s) = (gate_up.cols, (k + 1) * down.cols);
         let shared = (4 * (h + h / epv).max(s + s / epv)) as u32;
-        if form == MoeForm::Qr {
-            // Whole clusters; the third u64 (the grid may differ from q2's).
-            let grid = self.moe_qr_grid(gate_up, down, k).context("moe_fused_qr: no cluster fits")?;
-            if shared as usize > MOE_QR_SMEM {
-                bail!(
-                    "moe_fused_qr: {shared} bytes of shared memory, more than the {MOE_QR_SMEM} its grid was sized for"
-                );
-            }
-            let a = MoeFusedParams { ctr: Out::new(ctr + 16), ..a };
-            return self.launch_params("moe_fused_qr", (grid as u32, 1, 1), 512, shared, &a);
-        }
         if form != MoeForm::Q {
-            // Every SM: the (K + 1) * inter gate/up pairs over its 16 warps each (q2, q3 and q2s: the
+            // Every SM: the (K + 1) * inter gate/up pairs over its 16 warps each (the q2 forms: the
             // same grid, so they may share the counter).
             let grid = ((k + 1) * gate_up.rows).div_ceil(16).max(down.rows.div_ceil(16)).min(self.sms as usize);
             let a = MoeFusedParams { ctr: Out::new(ctr + 8), ..a };
             let name = match form {
-                MoeForm::Q3 => "moe_fused_q3",
                 MoeForm::Q2sGiven => "moe_fused_q2s_given",
                 MoeForm::Q2sAcc => "moe_fused_q2s_acc",
                 MoeForm::Q2sAccB => "moe_fused_q2s_accb",
