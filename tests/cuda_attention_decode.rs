@@ -1,7 +1,7 @@
 //! Decode attention kernels against the CPU reference: attn_prep + attn_decode token by token,
 //! the split-K kernels over a long cache (fp32, bf16 and fp8 caches, the tensor-core kernel and
-//! its early form), and the tensor-core kernel with attn_prep's work inside. Skips (and passes,
-//! saying so) when no GPU/driver is present. Bounds as in cuda_kernels.rs.
+//! its early form). Skips (and passes, saying so) when no GPU/driver is present. Bounds as in
+//! cuda_kernels.rs.
 
 mod common;
 use common::gpu::*;
@@ -293,102 +293,5 @@ fn attention_decode_long_context_matches_cpu() {
                 check(&format!("{name} vs the fp32 cache"), &got, &want, 5e-3);
             }
         }
-    }
-}
-
-/// The tensor-core decode kernel with attn_prep's work inside (`attn_decode_prep`, one launch)
-/// against attn_prep then the same kernel (two launches), token by token on two copies of one
-/// bf16 cache: the same outputs and the same cache rows, bit for bit (the fused kernel repeats
-/// attn_prep's arithmetic in its order). From position 0 (empty splits, the newest row in the
-/// first tile) and from deep in a random cache (the newest row mid-tile of the last split).
-#[test]
-fn attention_decode_with_prep_equals_prep_then_decode() {
-    let Some(g) = gpu() else { return };
-    let mut r = rng(11);
-    for (nh, hkv, hd, rot, p0, steps, splits) in [
-        (16usize, 2usize, 256usize, 64usize, 0usize, 70usize, 5usize),
-        (16, 2, 256, 64, 4990, 12, 64),
-        (8, 1, 128, 32, 3000, 5, 40),
-        (16, 2, 64, 64, 700, 80, 7),
-    ] {
-        if !g.attn_tc_applies(nh, hkv, hd, KvDtype::Bf16) {
-            eprintln!("SKIPPED: the tensor-core decode kernel does not apply on {} at dim {hd}", g.arch);
-            continue;
-        }
-        let (kvd, cap) = (hkv * hd, p0 + steps);
-        let gb = |v: &[f32]| g.upload_f32(v).unwrap();
-        let (qnb, knb) = (gb(&uniform(&mut r, hd, 1.5)), gb(&uniform(&mut r, hd, 1.5)));
-        let old: Vec<u8> =
-            uniform(&mut r, cap * kvd * 2, 1.0).iter().flat_map(|&x| f32_to_bf16(x).to_le_bytes()).collect();
-        // Caches A (prep, then decode), B (fused) and C (attn_prep's early form), K then V each,
-        // the same rows below p0.
-        let caches: Vec<_> =
-            (0..6).map(|i| g.upload_bytes(&old[(i % 2) * cap * kvd * 2..][..cap * kvd * 2]).unwrap()).collect();
-        let (qo, out) = (gb(&vec![f32::NAN; nh * hd]), gb(&vec![f32::NAN; nh * hd]));
-        let part = gb(&vec![f32::NAN; nh * splits * (hd + 2)]);
-        for pos in p0..p0 + steps {
-            let proj = gb(&uniform(&mut r, nh * 2 * hd + 2 * kvd, 2.0));
-            let posb = g.upload_bytes(&(pos as i32).to_le_bytes()).unwrap();
-            let prep = |kc: u64, vc: u64| lily::cuda::AttnPrep {
-                qg: proj.ptr,
-                k: proj.at(4 * nh * 2 * hd),
-                v: proj.at(4 * (nh * 2 * hd + kvd)),
-                q_norm: qnb.ptr,
-                k_norm: knb.ptr,
-                q_out: qo.ptr,
-                kc,
-                vc,
-                nh,
-                hkv,
-                hd,
-                gated: true,
-                rot,
-                pos: posb.ptr,
-                theta: 1e7,
-                eps: 1e-6,
-                kv: KvDtype::Bf16,
-                early: false,
-            };
-            let decode = |kc: u64, vc: u64| AttnDecode {
-                q: qo.ptr,
-                kc,
-                vc,
-                qg: proj.ptr,
-                out: out.ptr,
-                nh,
-                hkv,
-                hd,
-                pos: posb.ptr,
-                gated: true,
-                part: part.ptr,
-                splits,
-                kv: KvDtype::Bf16,
-                early: false,
-            };
-            let (ka, va, kb, vb) = (caches[0].ptr, caches[1].ptr, caches[2].ptr, caches[3].ptr);
-            g.attn_prep(&lily::cuda::AttnPrep { early: true, ..prep(caches[4].ptr, caches[5].ptr) }, 1, 0).unwrap();
-            let q_early = qo.read_f32(0, nh * hd).unwrap();
-            g.attn_prep(&prep(ka, va), 1, 0).unwrap();
-            let q_plain = qo.read_f32(0, nh * hd).unwrap();
-            let differ = q_early.iter().zip(&q_plain).filter(|(a, b)| a.to_bits() != b.to_bits()).count();
-            assert_eq!(differ, 0, "H{nh} H_kv{hkv} D{hd} pos {pos}: {differ} queries of attn_prep's early form differ");
-            g.attn_decode(&decode(ka, va), AttnKernel::Tc).unwrap();
-            let want = out.read_f32(0, nh * hd).unwrap();
-            out.write_f32(0, &vec![f32::NAN; nh * hd]).unwrap();
-            g.attn_decode_prep(&prep(kb, vb), &decode(kb, vb)).unwrap();
-            let got = out.read_f32(0, nh * hd).unwrap();
-            let differ = got.iter().zip(&want).filter(|(a, b)| a.to_bits() != b.to_bits()).count();
-            assert_eq!(differ, 0, "H{nh} H_kv{hkv} D{hd} pos {pos}: {differ} outputs differ from prep + decode");
-        }
-        let words = cap * kvd / 2;
-        for (a, b, what) in [(0, 2, "K"), (1, 3, "V"), (0, 4, "K (early attn_prep)"), (1, 5, "V (early attn_prep)")] {
-            let (x, y) = (caches[a].read_i32(words).unwrap(), caches[b].read_i32(words).unwrap());
-            let differ = x.iter().zip(&y).filter(|(a, b)| a != b).count();
-            assert_eq!(differ, 0, "H{nh} H_kv{hkv} D{hd}: {differ} words of the {what} cache differ");
-        }
-        eprintln!(
-            "attention decode with prep, H{nh} H_kv{hkv} D{hd} rot {rot}, positions {p0}..{}: same bits",
-            p0 + steps
-        );
     }
 }

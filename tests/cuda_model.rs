@@ -403,7 +403,7 @@ fn cuda_bf16_kv_cache_tracks_fp32() {
 /// per KV head (head dim 64) decodes token by token over a bf16 cache with that kernel from the
 /// first position, and with the per-head kernel throughout. Both track the CPU's fp32 logits
 /// within the bf16 cache's bound, and each other to accumulation order; the tensor-core
-/// kernel's early and prep-fused forms (`attn_early`, `attn_prep_fused`) give its bits.
+/// kernel's early form (`attn_early`) gives its bits.
 #[test]
 fn cuda_tensor_core_decode_attention_in_the_model() {
     if !have_gpu() {
@@ -415,24 +415,20 @@ fn cuda_tensor_core_decode_attention_in_the_model() {
     assert!(gm.gpu.attn_tc_applies(nh, hkv, hd, KvDtype::Bf16), "the tensor-core kernel must apply to this shape");
     let prompt: Vec<u32> = (0..200u32).map(|i| (i * 7919 + 13) % 1024).collect();
     let want = CpuSession::new(model.clone()).forward_all(&prompt).unwrap();
-    let run = |from: usize, early: bool, fused: bool| {
+    let run = |from: usize, early: bool| {
         let mut s = CudaSession::new(gm.clone());
         s.set_kv_dtype(KvDtype::Bf16).unwrap();
         s.prefill = None;
         s.attn_from = from;
         s.attn_early = early;
-        s.attn_prep_fused = fused;
         s.forward_all(&prompt).unwrap()
     };
-    let (tc, head) = (run(0, false, false), run(usize::MAX, false, false));
+    let (tc, head) = (run(0, false), run(usize::MAX, false));
     // The early form (first tiles requested before the wait for attn_prep, which writes the
-    // newest row) and the form with attn_prep inside read the same values: the same logits,
-    // bit for bit.
-    for (name, early, fused) in [("early", true, false), ("prep-fused", true, true)] {
-        let got = run(0, early, fused);
-        let differ = tc.iter().zip(&got).filter(|(a, b)| a.to_bits() != b.to_bits()).count();
-        assert_eq!(differ, 0, "the {name} tensor-core attention changes {differ} logits");
-    }
+    // newest row) reads the same values: the same logits, bit for bit.
+    let got = run(0, true);
+    let differ = tc.iter().zip(&got).filter(|(a, b)| a.to_bits() != b.to_bits()).count();
+    assert_eq!(differ, 0, "the early tensor-core attention changes {differ} logits");
     let v = model.cfg.vocab_size;
     for (name, got) in [("tensor-core", &tc), ("per-head", &head)] {
         let worst = rows_worst(got, &want, v);

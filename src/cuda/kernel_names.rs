@@ -171,7 +171,7 @@ fn skinny_occ2() -> bool {
 /// Kernels that call `pdl_wait()` before touching activations (kernels/common.cuh) and so may be
 /// launched as programmatic dependents: their launch and weight reads overlap the previous
 /// kernel's tail. The gemm_skinny entry points are such kernels too (see [`is_pdl`]).
-pub const PDL_KERNELS: [&str; 83] = [
+pub const PDL_KERNELS: [&str; 79] = [
     "gemm_wsp128",
     "gemm_wsp256",
     "gemm_wsp128_q8",
@@ -211,7 +211,6 @@ pub const PDL_KERNELS: [&str; 83] = [
     "attn_decode",
     "attn_combine",
     "attn_combine_ds",
-    "attn_combine_plain",
     "attn_decode_gqa1",
     "attn_decode_gqa2",
     "attn_decode_gqa4",
@@ -229,9 +228,6 @@ pub const PDL_KERNELS: [&str; 83] = [
     "attn_decode_tc64_fp8",
     "attn_decode_tc128_fp8",
     "attn_decode_tc256_fp8",
-    "attn_decode_tc64_prep",
-    "attn_decode_tc128_prep",
-    "attn_decode_tc256_prep",
     "attn_decode_tc64_fold",
     "attn_decode_tc128_fold",
     "attn_decode_tc256_fold",
@@ -421,22 +417,6 @@ pub fn attn_dec_fold_kernel(d: usize) -> &'static str {
         128 => "attn_decode_tc128_fold",
         _ => "attn_decode_tc256_fold",
     }
-}
-
-/// The prep-fused form of the bf16 tensor-core decode kernel at head dim `d`.
-pub fn attn_dec_prep_kernel(d: usize) -> &'static str {
-    match d {
-        64 => "attn_decode_tc64_prep",
-        128 => "attn_decode_tc128_prep",
-        _ => "attn_decode_tc256_prep",
-    }
-}
-
-/// Dynamic shared memory of [`attn_dec_prep_kernel`]`(d)`: the bf16 kernel's, then its 8 query
-/// rows and a K row in fp32, the newest K and V rows in bf16 and the RoPE angles' cos and sin
-/// (fp32).
-pub fn attn_dec_prep_smem(d: usize) -> usize {
-    attn_dec_smem(d, false) + 10 * d * 4 + 2 * d * 2
 }
 
 /// Dynamic shared memory of [`attn_dec_kernel`]`(d, fp8)`, then each warp's P buffers

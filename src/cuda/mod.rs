@@ -339,7 +339,6 @@ impl Gpu {
         let wsp = GEMM_WSP_KERNELS.map(|(_, k)| (k, optin - GEMM_WSP_STATIC_SMEM));
         let dec = [(64, false), (128, false), (256, false), (64, true), (128, true), (256, true)]
             .map(|(d, f8)| (attn_dec_kernel(d, f8), attn_dec_smem(d, f8).min(optin)));
-        let dec_prep = [64, 128, 256].map(|d| (attn_dec_prep_kernel(d), attn_dec_prep_smem(d).min(optin)));
         let dec_fold = [64, 128, 256].map(|d| (attn_dec_fold_kernel(d), attn_dec_smem(d, false).min(optin)));
         let skinny = SKINNY_KERNELS.map(|k| (k, smem_optin));
         let pstep = [("pstep", optin)];
@@ -353,7 +352,6 @@ impl Gpu {
             .chain(wt)
             .chain(wsp)
             .chain(dec)
-            .chain(dec_prep)
             .chain(dec_fold)
             .chain(pstep)
             .chain(gdn)

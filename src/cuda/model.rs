@@ -277,9 +277,6 @@ pub struct CudaSession {
     /// attn_prep ([`crate::cuda::AttnDecode::early`]; the default since session 41: +1.0% / +1.7%
     /// / +2.5% decode at 4K / 32K / 128K on an H100; `LILY_CUDA_ATTN_EARLY=0` turns it off).
     pub attn_early: bool,
-    /// ... and does attn_prep's work itself, one launch fewer (`LILY_CUDA_ATTN_EARLY=prep`;
-    /// [`Gpu::attn_decode_prep`](crate::cuda::Gpu::attn_decode_prep)), where that kernel runs.
-    pub attn_prep_fused: bool,
     /// attn_prep computes its RoPE angles and loads its norm weights before its wait
     /// ([`crate::cuda::AttnPrep::early`]; the default since session 45, +1.2% decode at 256 and
     /// 4K on an H100; `LILY_CUDA_PREP_EARLY=0` turns it off).
@@ -338,7 +335,6 @@ impl CudaSession {
             kv,
             persistent: pstep::wanted(),
             attn_early: std::env::var("LILY_CUDA_ATTN_EARLY").map_or(true, |v| v != "0"),
-            attn_prep_fused: std::env::var("LILY_CUDA_ATTN_EARLY").is_ok_and(|v| v == "prep"),
             prep_early: std::env::var("LILY_CUDA_PREP_EARLY").map_or(true, |v| v != "0"),
             ps: None,
         }

@@ -340,13 +340,6 @@ kernel_params! {
         q: In<f32>, kc: In<Void>, vc: In<Void>, part: Out<f32>, hkv: i32, hd: i32, pos_p: In<i32>, scale: f32, kvt: In<u64>,
         early: i32
     }
-    /// `attn_decode_tc{64,128,256}_prep`: attn_prep's work (one sequence, bf16 cache) inside the
-    /// tensor-core decode kernel: each block its query heads, the block holding the newest
-    /// position that position's K and V rows (into the cache too); partials to `part`.
-    AttnDecPrepParams spread ["attn_decode_tc64_prep", "attn_decode_tc128_prep", "attn_decode_tc256_prep"] {
-        qg: In<f32>, kin: In<f32>, vin: In<f32>, qn: In<f32>, kn: In<f32>, kc: Out<Void>, vc: Out<Void>, part: Out<f32>,
-        hkv: i32, gated: i32, rot: i32, pos_p: In<i32>, theta: f64, eps: f32, scale: f32
-    }
     /// `attn_decode_tc{64,128,256}_fold`: the tensor-core decode kernel (one sequence, bf16 cache)
     /// with attn_combine's merge in its tail: the last blocks of each KV head to finish merge its
     /// splits into `out` (gated by `qg` when `gated`), meeting on the KV heads' u64 counters `ctr`.
@@ -355,7 +348,7 @@ kernel_params! {
         qg: In<f32>, out: Out<f32>, gated: i32, ctr: Out<u64>
     }
     /// `attn_combine`: the decode splits' partials merged per head, times the output gate `qg` (rows of stride `ldqg`) when `gated`.
-    AttnCombineParams spread ["attn_combine", "attn_combine_ds", "attn_combine_plain"] { part: In<f32>, qg: In<f32>, out: Out<f32>, nh: i32, hd: i32, S: i32, gated: i32, ldqg: i64 }
+    AttnCombineParams spread ["attn_combine", "attn_combine_ds"] { part: In<f32>, qg: In<f32>, out: Out<f32>, nh: i32, hd: i32, S: i32, gated: i32, ldqg: i64 }
     /// Causal prefill attention of `T` tokens (SIMT, tensor-core and flash kernels, f32 or bf16
     /// caches by kernel), output gate from `qg` rows of stride `ldg` when `gated`; `km` / `vm` the
     /// caches' TMA maps (attn_prefill_wg* only).

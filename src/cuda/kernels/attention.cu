@@ -50,7 +50,7 @@
  *   unwritten o_s selected away), then the groups' sums are added in shared memory: at 66 splits
  *   a thread waits on ~5 rounds of L2 loads instead of 66. Since session 36 every load (M_s and
  *   l_s by split, a group's first 20 o_s, the gate) is issued right after the wait, in one round
- *   (attn_combine_plain keeps the rounds above; the same arithmetic). attn_combine_ds (the
+ *   (+0.85%; the rounds above were removed in session 54). attn_combine_ds (the
  *   default since session 41): grid (H_q, D/32, rows), block 256: each head's dims over D/32
  *   blocks (see its comment below).
  *
@@ -179,13 +179,13 @@ template <typename KV> __device__ __forceinline__ constexpr bool bf16_cache() { 
 template <> __device__ __forceinline__ constexpr bool bf16_cache<u16>() { return true; }
 
 /* One rotated RoPE element: x c - y s (first half) or x c + y s, each product rounded (no FMA
-   contraction), so that attn_prep and attn_decode_tc*_prep give the same bits. */
+   contraction), so that every caller (attn_prep's forms) gives the same bits. */
 __device__ __forceinline__ float rope_rot(float x, float y, float c, float s, bool first) {
     return first ? __fsub_rn(__fmul_rn(x, c), __fmul_rn(y, s)) : __fadd_rn(__fmul_rn(x, c), __fmul_rn(y, s));
 }
 
 /* RoPE's cos and sin for dim j < rot at position pos: angle pos * theta^(-2i / rot), i = j mod
-   rot/2, in double precision, rounded to float (attn_prep and attn_decode_tc*_prep alike). */
+   rot/2, in double precision, rounded to float (attn_prep's forms alike). */
 __device__ __forceinline__ void rope_cs(int j, int rot, int pos, double theta, float& c, float& s) {
     const int half = rot / 2, i = j < half ? j : j - half;
     const double ang = (double)pos * pow(theta, -(2.0 * i) / (double)rot);
@@ -377,14 +377,11 @@ __device__ __forceinline__ void attn_decode_t(const float* q, const KV* kc, cons
 ATTN_DECODE(attn_decode, float)
 ATTN_DECODE(attn_decode_bf16, u16)
 
-/* attn_combine's body. EARLY (attn_combine, the default since session 36): every load of the
-   merge is issued right after the wait, in one round: thread t's split M_t and l_t, the first
-   COMBINE_REGS of its group's o_s values into registers, the gate; then the same arithmetic in
-   the same order as the plain body (attn_combine_plain, LILY_CUDA_COMBINE=plain), which waits on
-   an L2 round for the maxima, then ~S / (4 groups) / 4 rounds for o (not yet compared bit for
-   bit on a GPU; the tests hold both to the CPU). */
+/* attn_combine's body: every load of the merge is issued right after the wait, in one round:
+   thread t's split M_t and l_t, the first COMBINE_REGS of its group's o_s values into registers,
+   the gate; then the merge (session 36: +0.85% over waiting on an L2 round for the maxima, then
+   ~S / (4 groups) / 4 rounds for o, the removed attn_combine_plain). */
 #define COMBINE_REGS 20
-template <bool EARLY>
 __device__ __forceinline__ void attn_combine_body(AttnCombineParams_fields) {
     __shared__ float w[1024], red[33], accs[1024];
     int h = blockIdx.x;
@@ -394,47 +391,39 @@ __device__ __forceinline__ void attn_combine_body(AttnCombineParams_fields) {
     const float* ph = part + (long long)h * S * (hd + 2);
     int ng = blockDim.x / hd, grp = threadIdx.x / hd, d = threadIdx.x - grp * hd; /* hd <= 256 */
     float ov[COMBINE_REGS], mt = -INFINITY, lt = 0.f, gt = 0.f;
-    if (EARLY) {
-        if ((int)threadIdx.x < S) {
-            mt = ph[(long long)threadIdx.x * (hd + 2)];
-            lt = ph[(long long)threadIdx.x * (hd + 2) + 1];
-        }
-#pragma unroll
-        for (int j = 0; j < COMBINE_REGS; j++) {
-            int s = grp + j * ng;
-            ov[j] = grp < ng && s < S ? ph[(long long)s * (hd + 2) + 2 + d] : 0.f;
-        }
-        if (gated && (int)threadIdx.x < hd) gt = qg[(long long)h * 2 * hd + hd + threadIdx.x];
+    if ((int)threadIdx.x < S) {
+        mt = ph[(long long)threadIdx.x * (hd + 2)];
+        lt = ph[(long long)threadIdx.x * (hd + 2) + 1];
     }
+#pragma unroll
+    for (int j = 0; j < COMBINE_REGS; j++) {
+        int s = grp + j * ng;
+        ov[j] = grp < ng && s < S ? ph[(long long)s * (hd + 2) + 2 + d] : 0.f;
+    }
+    if (gated && (int)threadIdx.x < hd) gt = qg[(long long)h * 2 * hd + hd + threadIdx.x];
     /* M = max_s M_s (NaN-free: M_s is finite or -inf), then the weights e^{M_s - M} in shared
        memory, each split's loads issued by its own thread */
-    float mloc = -INFINITY;
-    if (EARLY) mloc = mt; /* S <= 1024 = the block: one split a thread */
-    else
-        for (int s = threadIdx.x; s < S; s += blockDim.x) mloc = fmaxf(mloc, ph[(long long)s * (hd + 2)]);
-    mloc = warp_max(mloc);
+    float mloc = warp_max(mt); /* S <= 1024 = the block: one split a thread */
     if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = mloc;
     __syncthreads();
     float M = -INFINITY;
     for (int i = 0; i < (int)(blockDim.x >> 5); i++) M = fmaxf(M, red[i]);
     float dl = 0.f;
     for (int s = threadIdx.x; s < S; s += blockDim.x) {
-        float ms = EARLY ? mt : ph[(long long)s * (hd + 2)];
+        float ms = mt;
         float e = ms == -INFINITY ? 0.f : expf(ms - M);
         w[s] = e;
-        dl += e * (EARLY ? lt : ph[(long long)s * (hd + 2) + 1]);
+        dl += e * lt;
     }
     float den = block_sum(dl, red); /* its barriers also publish w[] */
     float acc = 0.f;
     if (grp < ng) {
         int s = grp;
-        if (EARLY) {
 #pragma unroll
-            for (int j = 0; j < COMBINE_REGS; j++, s += ng) {
-                if (s < S) {
-                    float v = ov[j], ws = w[s];
-                    acc += ws != 0.f ? v * ws : 0.f;
-                }
+        for (int j = 0; j < COMBINE_REGS; j++, s += ng) {
+            if (s < S) {
+                float v = ov[j], ws = w[s];
+                acc += ws != 0.f ? v * ws : 0.f;
             }
         }
 #pragma unroll 4
@@ -449,7 +438,7 @@ __device__ __forceinline__ void attn_combine_body(AttnCombineParams_fields) {
         float a = 0.f;
         for (int g = 0; g < ng; g++) a += accs[g * hd + d];
         float r = a / den;
-        if (gated) r *= sigmoid_f(EARLY ? gt : qg[(long long)h * 2 * hd + hd + d]);
+        if (gated) r *= sigmoid_f(gt);
         out[(long long)h * hd + d] = r;
     }
 }
@@ -457,7 +446,7 @@ __device__ __forceinline__ void attn_combine_body(AttnCombineParams_fields) {
 extern "C" __global__ void __launch_bounds__(1024) attn_combine(AttnCombineParams_fields) {
     TL_SCOPE("attn_combine");
     pdl_begin();
-    attn_combine_body<true>(part, qg, out, nh, hd, S, gated, ldqg);
+    attn_combine_body(part, qg, out, nh, hd, S, gated, ldqg);
 }
 
 /* attn_combine_ds (the default since session 41; LILY_CUDA_COMBINE=block: attn_combine): the same
@@ -528,12 +517,6 @@ extern "C" __global__ void __launch_bounds__(256) attn_combine_ds(AttnCombinePar
         if (gated) r *= sigmoid_f(gt);
         out[(long long)h * hd + d] = r;
     }
-}
-
-extern "C" __global__ void __launch_bounds__(1024) attn_combine_plain(AttnCombineParams_fields) {
-    TL_SCOPE("attn_combine_plain");
-    pdl_begin();
-    attn_combine_body<false>(part, qg, out, nh, hd, S, gated, ldqg);
 }
 
 /* Sum G per-lane values over the warp, leaving in each lane the total of value lane >> (5 - LG). */

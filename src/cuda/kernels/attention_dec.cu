@@ -29,14 +29,6 @@
  *   is attn_prep's: it is left out of those
  *   copies (zero-filled) and its warp stores it into the stage from the L2 after the wait, before
  *   the stage is read. Nothing is written before the wait. The same values as the plain form.
- * Prep form (attn_decode_tc{D}_prep, AttnDecPrepParams; LILY_CUDA_ATTN_EARLY=prep): the early
- *   form doing attn_prep's work itself after the wait: warp w normalizes and rotates query heads
- *   2w, 2w + 1 of its KV head into shared memory (dec_prep_row: attn_prep's arithmetic in its
- *   order, so the same bits); in the block holding row pos, warp 0 the K row and warp 1 the V
- *   row, as bf16 into the cache and into shared memory, from where the row's warp stores them
- *   into its stage. The RoPE angles (rope_cs: they need only the position) are computed before
- *   the wait into shared memory. Shared memory: attn_dec_prep_smem(D) = the plain form's +
- *   [8][D] + [D] fp32 + [2][D] bf16 + [D] fp32 (cos, sin) after the P buffers.
  * Fold form (attn_decode_tc{D}_fold, AttnDecFoldParams; LILY_CUDA_COMBINE=fold): attn_combine's
  *   merge in this launch's tail (dec_fold), one dependency fewer a layer. One sequence, a bf16
  *   cache and a grid resident at once (H_kv * S <= SMs: the host checks), since the mergers wait
@@ -123,58 +115,6 @@ template <int D> __device__ __forceinline__ constexpr int dt_f8_stage() { return
 
 __device__ __forceinline__ void cp_async4(u32 dst, const void* src, int bytes) {
     asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src), "r"(bytes) : "memory");
-}
-
-/* attn_decode_tc{D}_prep's attn_prep inputs (see attention.cu's attn_prep; one sequence, bf16
-   cache): the projection's q (per head [q | gate] when gated), k and v rows, the norms' weights,
-   RoPE's dims and base, the norm's epsilon. */
-struct DecPrep {
-    const float *qg, *kin, *vin, *qn, *kn;
-    int gated, rot;
-    double theta;
-    float eps;
-};
-/* One head's row as attn_prep computes it, by one warp: RMSNorm (the sum of squares added in
-   block_sum's order over D threads: per 32-lane chunk a warp_sum, then the chunks' sums as warp
-   0 adds them) with weights nw, then RoPE on dims [0, rot) with the angles' cos and sin in rcs
-   (rcs[i], rcs[D/2 + i] for i < rot/2, rope_cs's); out[D] in shared memory (the same bits as
-   attn_prep). */
-template <int D>
-__device__ __forceinline__ void dec_prep_row(const float* src, const float* nw, const DecPrep& pr, const float* rcs,
-                                             float* out) {
-    constexpr int NC = D / 32;
-    const int lane = threadIdx.x & 31;
-    float x[NC], p[NC];
-#pragma unroll
-    for (int c = 0; c < NC; c++) {
-        x[c] = src[32 * c + lane];
-        p[c] = warp_sum(x[c] * x[c]);
-    }
-    float t = 0.f;
-#pragma unroll
-    for (int c = 0; c < NC; c++)
-        if (lane == c) t = p[c];
-    const float ss = warp_sum(t);
-    const float r = 1.f / sqrtf(ss / (float)D + pr.eps);
-#pragma unroll
-    for (int c = 0; c < NC; c++) out[32 * c + lane] = x[c] * (r * nw[32 * c + lane]);
-    __syncwarp();
-    const int half = pr.rot / 2;
-    float o[NC];
-#pragma unroll
-    for (int c = 0; c < NC; c++) {
-        const int j = 32 * c + lane;
-        o[c] = out[j];
-        if (j < pr.rot) {
-            const int i = j < half ? j : j - half;
-            const float cs = rcs[i], sn = rcs[D / 2 + i];
-            o[c] = j < half ? rope_rot(out[j], out[j + half], cs, sn, true) : rope_rot(out[j], out[j - half], cs, sn, false);
-        }
-    }
-    __syncwarp();
-#pragma unroll
-    for (int c = 0; c < NC; c++) out[32 * c + lane] = o[c];
-    __syncwarp();
 }
 
 /* The fold form's outputs (see the header): the gate rows (per head [q | gate], stride 2D), the
@@ -280,17 +220,17 @@ __device__ __forceinline__ void dec_fold(const float* part, const DecFold& f, in
     }
 }
 
-template <int D, bool F8, bool PREP = false>
+template <int D, bool F8>
 __device__ __forceinline__ void attn_dec_tc(const float* q, const void* kc_, const void* vc_, float* part, int hkv,
                                             const int* pos_p, float scale, const unsigned long long* kvt,
-                                            int early_, const DecPrep* pr = nullptr, const DecFold* fo = nullptr) {
+                                            int early_, const DecFold* fo = nullptr) {
     constexpr int G = 8, KT = 16, CH = D / 8, TILE = KT * D, NK = D / 16, F8ST = dt_f8_stage<D>();
     extern __shared__ __align__(16) unsigned char dsm[];
     /* early (one sequence, bf16 cache): the first NST - 1 tiles are requested before pdl_wait:
        positions < pos were written by earlier steps (pos itself by the previous step's sampler),
        so only row pos (attn_prep's, this step) is left out and read after the wait; nothing is
        written before it */
-    const bool early = PREP || (early_ && !F8 && !kvt);
+    const bool early = early_ && !F8 && !kvt;
     pdl_trigger();
     if (!early) pdl_wait();
     int lo, hi, newest = -1; /* early: row pos, read after the wait */
@@ -360,47 +300,14 @@ __device__ __forceinline__ void attn_dec_tc(const float* q, const void* kc_, con
         }
         cp_async_commit();
     };
-    /* PREP: attn_prep's work for this block: its G query heads (warp w heads 2w, 2w + 1) into qsm;
-       the block holding row pos (hi = L) also its K and V rows (bf16, warps 0 and 1) into nrow
-       and the cache. Shared memory after the rings and P buffers. The RoPE angles' cos and sin
-       (rcs) need only the position: computed before the wait, one angle a thread. */
-    float* qsm = (float*)(dsm + 4 * WARP_BYTES + 4 * 2 * G * DT_PS * 2); /* PREP: [G][D] queries */
-    float* kf = qsm + G * D;                                            /* PREP: [D] K row, fp32 */
-    u16* nrow = (u16*)(kf + D);                                         /* PREP: [2][D] K, V bf16 */
-    float* rcs = (float*)(nrow + 2 * D);                                /* PREP: [2][D/2] cos, sin */
 #pragma unroll
     for (int j = 0; j < NST - 1; j++) load(j);
-    if constexpr (PREP) { /* while the first tiles are in flight; the norm weights into the L2 */
-        for (int i = threadIdx.x; i < pr->rot / 2; i += blockDim.x)
-            rope_cs(i, pr->rot, newest, pr->theta, rcs[i], rcs[D / 2 + i]);
-        norm_pf(pr->qn, D);
-        norm_pf(pr->kn, D);
-    }
     if (early) pdl_wait();
-    if constexpr (PREP) {
-        const DecPrep& pp = *pr;
-        const int pos = newest, qstride = D * (pp.gated ? 2 : 1);
-        __syncthreads(); /* rcs */
-        for (int g = 2 * warp; g < 2 * warp + 2; g++)
-            dec_prep_row<D>(pp.qg + (long long)(kvh * G + g) * qstride, pp.qn, pp, rcs, qsm + g * D);
-        if (hi == newest + 1 && warp < 2) {
-            const long long row = ((long long)pos * hkv + kvh) * D;
-            if (warp == 0) dec_prep_row<D>(pp.kin + (long long)kvh * D, pp.kn, pp, rcs, kf);
-#pragma unroll
-            for (int c = 0; c < D / 32; c++) {
-                const int j = 32 * c + lane;
-                const u16 b = (u16)bf16_bits(warp == 0 ? kf[j] : pp.vin[(long long)kvh * D + j]);
-                nrow[warp * D + j] = b;
-                ((u16*)(warp == 0 ? kc_ : vc_))[row + j] = b;
-            }
-        }
-        __syncthreads();
-    }
 
     /* Q^T as B fragments (k = dim, n = head = lane / 4), prescaled, split into hi and lo. */
     u32 qh[NK][2], ql[NK][2];
     {
-        const float* qr = PREP ? qsm + (lane >> 2) * D : q + (long long)(kvh * G + (lane >> 2)) * D;
+        const float* qr = q + (long long)(kvh * G + (lane >> 2)) * D;
         const float qs = scale * 1.4426950408889634f;
 #pragma unroll
         for (int ks = 0; ks < NK; ks++)
@@ -451,10 +358,8 @@ __device__ __forceinline__ void attn_dec_tc(const float* q, const void* kc_, con
                 const int so = row * D + ((lane ^ (row & 7)) << 3);
                 if (lane < CH) {
                     const long long off = (long long)newest * rs + lane * 16;
-                    *(uint4*)(ring + (j % NST) * 2 * TILE + so) =
-                        PREP ? *(const uint4*)(nrow + 8 * lane) : __ldcg((const uint4*)(kb + off));
-                    *(uint4*)(ring + (j % NST) * 2 * TILE + TILE + so) =
-                        PREP ? *(const uint4*)(nrow + D + 8 * lane) : __ldcg((const uint4*)(vb + off));
+                    *(uint4*)(ring + (j % NST) * 2 * TILE + so) = __ldcg((const uint4*)(kb + off));
+                    *(uint4*)(ring + (j % NST) * 2 * TILE + TILE + so) = __ldcg((const uint4*)(vb + off));
                 }
                 __syncwarp();
             }
@@ -616,18 +521,8 @@ ATTN_DEC_TC(256)
     extern "C" __global__ void __launch_bounds__(128, 1) attn_decode_tc##D##_fold(AttnDecFoldParams_fields) {  \
         TL_SCOPE("attn_decode_tc" #D "_fold");                                                                 \
         const DecFold fo{qg, out, gated, ctr};                                                                  \
-        attn_dec_tc<D, false>(q, kc, vc, part, hkv, pos_p, scale, nullptr, early, nullptr, &fo);                \
+        attn_dec_tc<D, false>(q, kc, vc, part, hkv, pos_p, scale, nullptr, early, &fo);                \
     }
 ATTN_DEC_TC_FOLD(64)
 ATTN_DEC_TC_FOLD(128)
 ATTN_DEC_TC_FOLD(256)
-
-#define ATTN_DEC_TC_PREP(D)                                                                                     \
-    extern "C" __global__ void __launch_bounds__(128, 1) attn_decode_tc##D##_prep(AttnDecPrepParams_fields) {  \
-        TL_SCOPE("attn_decode_tc" #D "_prep");                                                                 \
-        const DecPrep pr{qg, kin, vin, qn, kn, gated, rot, theta, eps};                                         \
-        attn_dec_tc<D, false, true>(nullptr, kc, vc, part, hkv, pos_p, scale, nullptr, 1, &pr);                 \
-    }
-ATTN_DEC_TC_PREP(64)
-ATTN_DEC_TC_PREP(128)
-ATTN_DEC_TC_PREP(256)

@@ -23,13 +23,7 @@ impl CudaSession {
             ..attn_prep_args(c, s.proj.ptr, [q_norm, k_norm], s.q.ptr, [kc, vc], pos_p, self.kv)
         };
         let (kernel, splits) = self.attn[long as usize];
-        let fused = self.attn_prep_fused
-            && kernel == AttnKernel::Tc
-            && self.kv == KvDtype::Bf16
-            && g.attn_tc_applies(c.num_attention_heads, c.num_key_value_heads, c.head_dim, self.kv);
-        if !fused {
-            g.attn_prep(&prep, 1, 0)?;
-        }
+        g.attn_prep(&prep, 1, 0)?;
         let a = AttnDecode {
             q: s.q.ptr,
             kc: kc.ptr,
@@ -46,9 +40,6 @@ impl CudaSession {
             kv: self.kv,
             early: self.attn_early,
         };
-        if fused {
-            return g.attn_decode_prep(&prep, &a);
-        }
         // the splits merged inside the decode launch (the default; LILY_CUDA_COMBINE=ds: not)
         if kernel == AttnKernel::Tc
             && self.kv == KvDtype::Bf16

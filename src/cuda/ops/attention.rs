@@ -3,8 +3,8 @@
 //! cache element type every one of them is launched for (kernels/attention*.cu).
 
 use super::super::params::{
-    AttnCombineParams, AttnDecFoldParams, AttnDecPrepParams, AttnDecodeParams, AttnGqaParams, AttnPrefillParams,
-    AttnPrepParams, In, Out, TmaMap,
+    AttnCombineParams, AttnDecFoldParams, AttnDecodeParams, AttnGqaParams, AttnPrefillParams, AttnPrepParams, In, Out,
+    TmaMap,
 };
 use super::super::Gpu;
 use super::{blocks, Precision};
@@ -242,12 +242,10 @@ impl Gpu {
         };
         // attn_combine_ds: each head's dims over hd / 32 blocks of 256 threads (the default since
         // session 41, where hd is a multiple of 32); `LILY_CUDA_COMBINE=block`: attn_combine, a
-        // head per block of 1024 threads; `=plain`: its loads in dependent rounds (the kernel
-        // before session 36). The same arithmetic in other orders of the sums.
+        // head per block of 1024 threads. The same arithmetic in other orders of the sums.
         static FORM: std::sync::OnceLock<String> = std::sync::OnceLock::new();
         let form = FORM.get_or_init(|| std::env::var("LILY_CUDA_COMBINE").unwrap_or_default());
         match form.as_str() {
-            "plain" => self.launch_params("attn_combine_plain", (a.nh as u32, 1, rows), 1024, 0, &c),
             "block" => self.launch_params("attn_combine", (a.nh as u32, 1, rows), 1024, 0, &c),
             _ if a.hd.is_multiple_of(32) => {
                 self.launch_params("attn_combine_ds", (a.nh as u32, (a.hd / 32) as u32, rows), 256, 0, &c)
@@ -294,53 +292,6 @@ impl Gpu {
         self.attn_tc_applies(nh, hkv, hd, KvDtype::Bf16)
             && (1..=1024).contains(&splits)
             && hkv * splits <= self.sms as usize
-    }
-
-    /// attn_prep and the tensor-core decode attention of one token in one launch
-    /// (`attn_decode_tc{D}_prep`: each block normalizes and rotates its own 8 query heads, the
-    /// block holding position `pos` writes that position's K and V rows), then attn_combine:
-    /// one launch fewer than [`Gpu::attn_prep`] + [`Gpu::attn_decode`] with
-    /// [`AttnKernel::Tc`], the same bits. A bf16 cache where the tensor-core kernel applies.
-    pub fn attn_decode_prep(&self, p: &AttnPrep, a: &AttnDecode) -> Result<()> {
-        let (nh, hkv, hd) = (a.nh, a.hkv, a.hd);
-        if a.kv != KvDtype::Bf16 || p.kv != KvDtype::Bf16 || !self.attn_tc_applies(nh, hkv, hd, KvDtype::Bf16) {
-            bail!("attention decode with prep: needs a bf16 cache and 8 query heads per KV head of dim 64, 128 or 256 ({nh}:{hkv}, dim {hd}, {:?})", a.kv);
-        }
-        if (p.nh, p.hkv, p.hd) != (nh, hkv, hd)
-            || p.rot > hd
-            || !p.rot.is_multiple_of(2)
-            || !(1..=1024).contains(&a.splits)
-        {
-            bail!(
-                "attention decode with prep: prep {}:{} dim {} rot {} against decode {nh}:{hkv} dim {hd}, {} splits",
-                p.nh,
-                p.hkv,
-                p.hd,
-                p.rot,
-                a.splits
-            );
-        }
-        let args = AttnDecPrepParams {
-            qg: In::new(p.qg),
-            kin: In::new(p.k),
-            vin: In::new(p.v),
-            qn: In::new(p.q_norm),
-            kn: In::new(p.k_norm),
-            kc: Out::new(a.kc),
-            vc: Out::new(a.vc),
-            part: Out::new(a.part),
-            hkv: hkv as i32,
-            gated: p.gated as i32,
-            rot: p.rot as i32,
-            pos_p: In::new(a.pos),
-            theta: p.theta,
-            eps: p.eps,
-            scale: 1.0 / (hd as f32).sqrt(),
-        };
-        let name = super::super::attn_dec_prep_kernel(hd);
-        let smem = super::super::attn_dec_prep_smem(hd) as u32;
-        self.launch_params(name, (hkv as u32, a.splits as u32, 1), 128, smem, &args)?;
-        self.attn_combine(a, &AttnRows { rows: 1, kvt: 0, ldqg: 0 })
     }
 
     /// The decode attention kernels this device uses for these heads and cache: (kernel,
@@ -560,7 +511,7 @@ pub struct AttnDecode {
 
 /// Whether the decode step merges the attention splits inside the decode launch
 /// ([`Gpu::attn_decode_fold`]) where that applies: the default since session 48 (+0.4% at 4K on
-/// an H100); `LILY_CUDA_COMBINE=ds|block|plain` keeps attn_combine's own launch.
+/// an H100); `LILY_CUDA_COMBINE=ds|block` keeps attn_combine's own launch.
 pub fn attn_fold() -> bool {
     static V: OnceLock<bool> = OnceLock::new();
     *V.get_or_init(|| std::env::var("LILY_CUDA_COMBINE").map_or(true, |v| v == "fold"))
