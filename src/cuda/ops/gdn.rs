@@ -311,7 +311,7 @@ impl Gpu {
         self.launch_params(name, (p.hv as u32, 1, 1), threads as u32, 0, &a)
     }
 
-    /// Whether the device has thread-block clusters (sm_90 and later), which the cluster forms need.
+    /// Whether the device has thread-block clusters (sm_90 and later), which gdn_step_c4 needs.
     fn sm90(&self) -> bool {
         self.arch.trim_start_matches("sm_").trim_end_matches('a').parse::<u32>().is_ok_and(|v| v >= 90)
     }
