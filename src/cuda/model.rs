@@ -205,7 +205,8 @@ struct Scratch {
     /// workspace (`SAMPLE_WS_BYTES`).
     sp: DevBuf,
     pick_ws: DevBuf,
-    /// The u64 counters moe_fused_q's and moe_fused_q2's blocks meet on (zeroed once).
+    /// The two u64 counters moe_fused_q's and the q2 forms' blocks meet on (zeroed once; the third was
+    /// moe_fused_qr's).
     sync: DevBuf,
     /// attn_decode_tc{D}_fold's arrival counters, one u64 per KV head (zeroed once).
     sync_attn: DevBuf,
@@ -402,7 +403,7 @@ impl CudaSession {
             io: f(3)?,
             sp: f(6)?,
             pick_ws: g.zeros(super::SAMPLE_WS_BYTES)?,
-            sync: g.zeros(24)?,
+            sync: g.zeros(16)?,
             sync_attn: g.zeros(8 * c.num_key_value_heads.max(1))?,
             rpart: f((h.div_ceil(32) * (c.num_experts + 2)).max(2 * (c.num_experts + 1) + h.div_ceil(16) + 2))?,
             sync_route: g.zeros(8)?,
